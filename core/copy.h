@@ -1,0 +1,58 @@
+// Strided copy of a box intersection between two row-major buffers.
+//
+// This is the hot loop of every load: the region is walked as runs that are
+// contiguous in both source and destination, trailing axes that are whole in
+// both are folded into one run, and neighbouring runs are merged, so a copy
+// between matching layouts is one memcpy. Thread-safe (no shared state).
+//
+//   StoredLayout src{box, 0, NumElements(box.shape), DType::kF32};
+//   StoredLayout dst{target_box, 0, NumElements(target_box.shape), DType::kBF16};
+//   int64_t n = CopyRegion(src, src_ptr, dst, dst_ptr, *Intersect(box, target_box));
+#ifndef CKPTD_CORE_COPY_H_
+#define CKPTD_CORE_COPY_H_
+
+#include <cstdint>
+
+#include "core/box.h"
+#include "core/dtype.h"
+
+namespace ckpt {
+
+// How some elements of a tensor are laid out in a buffer: the elements
+// flatten(box)[flat_begin, flat_end) in row-major order, each of `dtype`.
+// A plain (non-flattened) shard has flat_begin = 0, flat_end = numel(box).
+// The buffer's first byte is element `flat_begin`.
+struct StoredLayout {
+  Box box;
+  int64_t flat_begin = 0;
+  int64_t flat_end = 0;
+  DType dtype = DType::kF32;
+
+  static StoredLayout Whole(Box box, DType dtype);
+  int64_t num_elements() const { return flat_end - flat_begin; }
+  int64_t num_bytes() const { return num_elements() * static_cast<int64_t>(DTypeSize(dtype)); }
+};
+
+// Copies every element of `region` (global coordinates; must lie inside both
+// boxes) that is held by both `src` and `dst` from `src_data` into `dst_data`,
+// converting src.dtype -> dst.dtype when they differ (CanConvert must hold).
+// Returns the number of elements copied.
+int64_t CopyRegion(const StoredLayout& src, const void* src_data, const StoredLayout& dst,
+                   void* dst_data, const Box& region);
+
+// Number of elements of `region` held by both layouts (what CopyRegion would
+// copy), without touching data.
+int64_t CountRegion(const StoredLayout& src, const StoredLayout& dst, const Box& region);
+
+// The flat-index span [first, last + 1) of `layout`'s stored elements that
+// `region` touches, clipped to [flat_begin, flat_end). Empty (first == last)
+// if none. Used to read only the byte range a copy needs.
+struct FlatSpan {
+  int64_t begin = 0;
+  int64_t end = 0;
+};
+FlatSpan RegionSpan(const StoredLayout& layout, const Box& region);
+
+}  // namespace ckpt
+
+#endif  // CKPTD_CORE_COPY_H_

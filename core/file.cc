@@ -1,0 +1,151 @@
+#include "core/file.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+
+namespace ckpt {
+namespace {
+
+absl::Status ErrnoError(int err, absl::string_view what, absl::string_view path) {
+  std::string msg = absl::StrCat(path, ": ", what, ": ", std::strerror(err));
+  if (err == ENOENT) return absl::NotFoundError(msg);
+  if (err == EACCES || err == EPERM) return absl::PermissionDeniedError(msg);
+  return absl::InternalError(msg);
+}
+
+class PosixFile final : public RandomAccessFile {
+ public:
+  PosixFile(std::string path, int fd, uint64_t size)
+      : path_(std::move(path)), fd_(fd), size_(size) {}
+  ~PosixFile() override { ::close(fd_); }
+
+  const std::string& path() const override { return path_; }
+  uint64_t size() const override { return size_; }
+
+  absl::Status Read(uint64_t offset, uint64_t n, void* dst) const override {
+    if (offset > size_ || n > size_ - offset) {
+      return absl::OutOfRangeError(absl::StrCat(path_, ": truncated: need bytes [", offset, ", ",
+                                                offset + n, ") but the file has ", size_,
+                                                " bytes"));
+    }
+    char* p = static_cast<char*>(dst);
+    while (n > 0) {
+      ssize_t r = ::pread(fd_, p, n, static_cast<off_t>(offset));
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        return ErrnoError(errno, absl::StrCat("pread at ", offset), path_);
+      }
+      if (r == 0) {
+        return absl::OutOfRangeError(
+            absl::StrCat(path_, ": truncated while reading at offset ", offset));
+      }
+      p += r;
+      n -= static_cast<uint64_t>(r);
+      offset += static_cast<uint64_t>(r);
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  std::string path_;
+  int fd_;
+  uint64_t size_;
+};
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenFile(const std::string& path) {
+  int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return ErrnoError(errno, "open", path);
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    int err = errno;
+    ::close(fd);
+    return ErrnoError(err, "stat", path);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return absl::FailedPreconditionError(absl::StrCat(path, ": not a regular file"));
+  }
+  return std::unique_ptr<RandomAccessFile>(
+      new PosixFile(path, fd, static_cast<uint64_t>(st.st_size)));
+}
+
+absl::StatusOr<std::unique_ptr<AtomicFileWriter>> AtomicFileWriter::Create(
+    const std::string& path) {
+  std::random_device rd;
+  std::string tmp = absl::StrCat(path, ".tmp.", ::getpid(), ".", rd() % 1000000);
+  int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd < 0) return ErrnoError(errno, "create", tmp);
+  return std::unique_ptr<AtomicFileWriter>(new AtomicFileWriter(path, tmp, fd));
+}
+
+AtomicFileWriter::~AtomicFileWriter() {
+  if (!committed_) {
+    if (fd_ >= 0) ::close(fd_);
+    ::unlink(tmp_.c_str());
+  }
+}
+
+absl::Status AtomicFileWriter::Append(const void* data, size_t n) {
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    ssize_t w = ::write(fd_, p, n);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoError(errno, "write", tmp_);
+    }
+    p += w;
+    n -= static_cast<size_t>(w);
+    written_ += static_cast<uint64_t>(w);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AtomicFileWriter::Commit(bool sync) {
+  if (sync && ::fsync(fd_) != 0) return ErrnoError(errno, "fsync", tmp_);
+  if (::close(fd_) != 0) {
+    fd_ = -1;
+    return ErrnoError(errno, "close", tmp_);
+  }
+  fd_ = -1;
+  if (::rename(tmp_.c_str(), path_.c_str()) != 0) return ErrnoError(errno, "rename", path_);
+  committed_ = true;
+  return absl::OkStatus();
+}
+
+absl::Status WriteFileAtomic(const std::string& path, absl::string_view contents) {
+  auto w = AtomicFileWriter::Create(path);
+  if (!w.ok()) return w.status();
+  absl::Status s = (*w)->Append(contents);
+  if (!s.ok()) return s;
+  return (*w)->Commit();
+}
+
+absl::StatusOr<std::string> ReadSmallFile(const std::string& path, uint64_t max_bytes) {
+  auto f = OpenFile(path);
+  if (!f.ok()) return f.status();
+  if ((*f)->size() > max_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": file is ", (*f)->size(),
+                                                   " bytes, over the limit of ", max_bytes));
+  }
+  std::string out((*f)->size(), '\0');
+  absl::Status s = (*f)->Read(0, out.size(), out.data());
+  if (!s.ok()) return s;
+  return out;
+}
+
+std::string JoinPath(absl::string_view dir, absl::string_view name) {
+  if (dir.empty()) return std::string(name);
+  if (dir.back() == '/') return absl::StrCat(dir, name);
+  return absl::StrCat(dir, "/", name);
+}
+
+}  // namespace ckpt

@@ -1,0 +1,210 @@
+#include "core/safetensors.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include <nlohmann/json.hpp>
+#include <xxhash.h>
+
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+
+namespace ckpt {
+namespace {
+
+using json = nlohmann::json;
+
+constexpr uint64_t kDataAlignment = 4096;
+
+absl::Status Corrupt(const std::string& path, absl::string_view what) {
+  return absl::DataLossError(absl::StrCat(path, ": invalid safetensors file: ", what));
+}
+
+}  // namespace
+
+const SafetensorsTensor* SafetensorsHeader::Find(const std::string& name) const {
+  for (const auto& t : tensors) {
+    if (t.name == name) return &t;
+  }
+  return nullptr;
+}
+
+uint64_t Checksum(const void* data, size_t n) { return XXH3_64bits(data, n); }
+
+absl::StatusOr<SafetensorsHeader> ReadSafetensorsHeader(const RandomAccessFile& file) {
+  const std::string& path = file.path();
+  if (file.size() < 8) {
+    return Corrupt(path, absl::StrCat("file is ", file.size(),
+                                      " bytes, shorter than the 8-byte header length"));
+  }
+  uint8_t len_bytes[8];
+  CKPT_RETURN_IF_ERROR(file.Read(0, 8, len_bytes));
+  uint64_t n = 0;
+  for (int i = 7; i >= 0; --i) n = (n << 8) | len_bytes[i];
+  if (n > kMaxSafetensorsHeader) {
+    return Corrupt(path, absl::StrCat("header length ", n, " exceeds the limit of ",
+                                      kMaxSafetensorsHeader, " bytes"));
+  }
+  if (n > file.size() - 8) {
+    return Corrupt(path, absl::StrCat("truncated: header length ", n, " but the file has only ",
+                                      file.size() - 8, " bytes after the length field"));
+  }
+  std::string header(n, '\0');
+  CKPT_RETURN_IF_ERROR(file.Read(8, n, header.data()));
+  return ParseSafetensorsHeader(path, header, file.size());
+}
+
+absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(const std::string& path,
+                                                         const std::string& text,
+                                                         uint64_t file_size) {
+  SafetensorsHeader h;
+  h.file_size = file_size;
+  h.data_start = 8 + text.size();
+  if (h.data_start > file_size) return Corrupt(path, "header runs past the end of the file");
+  const uint64_t data_len = file_size - h.data_start;
+  if (text.empty() || text[0] != '{') return Corrupt(path, "header does not start with '{'");
+  json j;
+  try {
+    j = json::parse(text);
+  } catch (const json::parse_error& e) {
+    return Corrupt(path, absl::StrCat("header is not valid JSON: ", e.what()));
+  }
+  if (!j.is_object()) return Corrupt(path, "header is not a JSON object");
+  for (auto it = j.begin(); it != j.end(); ++it) {
+    const std::string& name = it.key();
+    const json& v = it.value();
+    if (name == "__metadata__") {
+      if (!v.is_object()) return Corrupt(path, "__metadata__ is not an object");
+      for (auto m = v.begin(); m != v.end(); ++m) {
+        if (!m.value().is_string()) {
+          return Corrupt(path, absl::StrCat("__metadata__ value for '", m.key(),
+                                            "' is not a string"));
+        }
+        h.metadata[m.key()] = m.value().get<std::string>();
+      }
+      continue;
+    }
+    const std::string where = absl::StrCat("tensor '", name, "'");
+    if (!v.is_object()) return Corrupt(path, absl::StrCat(where, " is not an object"));
+    auto dt = v.find("dtype");
+    auto sh = v.find("shape");
+    auto off = v.find("data_offsets");
+    if (dt == v.end() || !dt->is_string()) {
+      return Corrupt(path, absl::StrCat(where, " has no string 'dtype'"));
+    }
+    if (sh == v.end() || !sh->is_array()) {
+      return Corrupt(path, absl::StrCat(where, " has no array 'shape'"));
+    }
+    if (off == v.end() || !off->is_array() || off->size() != 2) {
+      return Corrupt(path, absl::StrCat(where, " has no 2-element 'data_offsets'"));
+    }
+    SafetensorsTensor t;
+    t.name = name;
+    auto dtype = ParseDType(dt->get<std::string>());
+    if (!dtype.ok()) return Corrupt(path, absl::StrCat(where, ": ", dtype.status().message()));
+    t.dtype = *dtype;
+    for (const json& d : *sh) {
+      if (!d.is_number_unsigned()) {
+        return Corrupt(path, absl::StrCat(where, " has a shape entry that is not a "
+                                                 "non-negative integer"));
+      }
+      uint64_t x = d.get<uint64_t>();
+      if (x > static_cast<uint64_t>(INT64_MAX)) {
+        return Corrupt(path, absl::StrCat(where, " has a shape entry over int64"));
+      }
+      t.shape.push_back(static_cast<int64_t>(x));
+    }
+    for (const json& o : *off) {
+      if (!o.is_number_unsigned()) {
+        return Corrupt(path, absl::StrCat(where, " has data_offsets that are not non-negative "
+                                                 "integers"));
+      }
+    }
+    uint64_t b = (*off)[0].get<uint64_t>(), e = (*off)[1].get<uint64_t>();
+    if (e < b) return Corrupt(path, absl::StrCat(where, " has data_offsets end < begin"));
+    if (e > data_len) {
+      return Corrupt(path, absl::StrCat(where, " has data_offsets [", b, ", ", e,
+                                        ") past the end of the data (", data_len,
+                                        " bytes): file truncated or offsets wrong"));
+    }
+    auto nbytes = CheckedNumBytes(t.shape, DTypeSize(t.dtype));
+    if (!nbytes.ok()) return Corrupt(path, absl::StrCat(where, ": ", nbytes.status().message()));
+    if (static_cast<uint64_t>(*nbytes) != e - b) {
+      return Corrupt(path, absl::StrCat(where, " holds ", e - b, " bytes but ", DTypeName(t.dtype),
+                                        ShapeString(t.shape), " needs ", *nbytes));
+    }
+    t.begin = h.data_start + b;
+    t.end = h.data_start + e;
+    h.tensors.push_back(std::move(t));
+  }
+  std::sort(h.tensors.begin(), h.tensors.end(),
+            [](const SafetensorsTensor& a, const SafetensorsTensor& b) {
+              return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
+            });
+  uint64_t pos = h.data_start;
+  for (size_t i = 0; i < h.tensors.size(); ++i) {
+    const auto& t = h.tensors[i];
+    if (t.begin < pos) {
+      return Corrupt(path, absl::StrCat("tensor '", t.name, "' overlaps tensor '",
+                                        h.tensors[i - 1].name, "'"));
+    }
+    if (t.begin > pos) {
+      return Corrupt(path, absl::StrCat("hole of ", t.begin - pos, " bytes before tensor '",
+                                        t.name, "'"));
+    }
+    pos = t.end;
+  }
+  if (pos != file_size) {
+    return Corrupt(path, absl::StrCat("data area is ", data_len, " bytes but the tensors cover ",
+                                      pos - h.data_start));
+  }
+  return h;
+}
+
+absl::StatusOr<std::vector<WrittenTensor>> WriteSafetensors(
+    const std::string& path, const std::vector<TensorToWrite>& tensors,
+    const std::map<std::string, std::string>& metadata) {
+  json header = json::object();
+  if (!metadata.empty()) header["__metadata__"] = metadata;
+  std::vector<WrittenTensor> out;
+  absl::flat_hash_set<std::string> names;
+  uint64_t offset = 0;
+  for (const auto& t : tensors) {
+    if (t.name == "__metadata__" || !names.insert(t.name).second) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": duplicate or reserved tensor name '", t.name, "'"));
+    }
+    CKPT_ASSIGN_OR_RETURN(int64_t nbytes, CheckedNumBytes(t.shape, DTypeSize(t.dtype)));
+    header[t.name] = {{"dtype", std::string(DTypeName(t.dtype))},
+                      {"shape", t.shape},
+                      {"data_offsets", {offset, offset + static_cast<uint64_t>(nbytes)}}};
+    WrittenTensor w;
+    w.name = t.name;
+    w.begin = offset;
+    w.end = offset + static_cast<uint64_t>(nbytes);
+    out.push_back(w);
+    offset += static_cast<uint64_t>(nbytes);
+  }
+  std::string text = header.dump();
+  uint64_t total = 8 + text.size();
+  uint64_t padded = (total + kDataAlignment - 1) / kDataAlignment * kDataAlignment;
+  text.append(padded - total, ' ');
+  uint8_t len[8];
+  uint64_t n = text.size();
+  for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(n >> (8 * i));
+  CKPT_ASSIGN_OR_RETURN(auto writer, AtomicFileWriter::Create(path));
+  CKPT_RETURN_IF_ERROR(writer->Append(len, 8));
+  CKPT_RETURN_IF_ERROR(writer->Append(text));
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    size_t nbytes = out[i].end - out[i].begin;
+    out[i].begin += padded;
+    out[i].end += padded;
+    out[i].xxh3 = Checksum(tensors[i].data, nbytes);
+    CKPT_RETURN_IF_ERROR(writer->Append(tensors[i].data, nbytes));
+  }
+  CKPT_RETURN_IF_ERROR(writer->Commit());
+  return out;
+}
+
+}  // namespace ckpt

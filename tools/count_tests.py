@@ -1,0 +1,54 @@
+#!/usr/bin/python3
+"""Counts passed/failed test cases in Bazel's JUnit XML files.
+
+Prints one line per failing case, then "N passed, N failed". A test target
+whose XML has no test cases (a shell test) counts as one case. Exits 1 when
+anything failed or nothing ran.
+"""
+import os
+import sys
+import xml.etree.ElementTree as ET
+
+
+def main(root, bazel_rc=0):
+    passed = failed = 0
+    for dirpath, _, files in os.walk(root, followlinks=True):
+        if "test.xml" not in files:
+            continue
+        path = os.path.join(dirpath, "test.xml")
+        try:
+            tree = ET.parse(path)
+        except ET.ParseError as e:
+            print(f"unreadable {path}: {e}")
+            failed += 1
+            continue
+        cases = list(tree.iter("testcase"))
+        target = os.path.relpath(dirpath, root)
+        if not cases:
+            suites = list(tree.iter("testsuite"))
+            bad = any(int(s.get("failures", 0)) + int(s.get("errors", 0)) for s in suites)
+            if bad:
+                failed += 1
+                print(f"FAILED {target}")
+            else:
+                passed += 1
+            continue
+        # gtest writes cases; a crash leaves a generated XML with an error.
+        for c in cases:
+            if c.find("failure") is not None or c.find("error") is not None:
+                failed += 1
+                print(f"FAILED {target}: {c.get('classname', '')}.{c.get('name', '')}")
+            elif c.find("skipped") is not None or c.get("result") == "skipped":
+                passed += 1
+            else:
+                passed += 1
+    if bazel_rc != 0 and failed == 0:
+        print(f"FAILED bazel test exited {bazel_rc} (build error or timeout)")
+        failed = 1
+    print(f"{passed} passed, {failed} failed")
+    return 1 if failed or passed == 0 else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "bazel-testlogs",
+                  int(sys.argv[2]) if len(sys.argv) > 2 else 0))
