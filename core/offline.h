@@ -1,0 +1,75 @@
+// Whole-job operations run in one process, without a daemon: what the
+// offline `ckptctl` subcommands and the benchmarks call.
+#ifndef CKPTD_CORE_OFFLINE_H_
+#define CKPTD_CORE_OFFLINE_H_
+
+#include <cstdint>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/checkpoint.h"
+#include "core/executor.h"
+#include "core/layout.h"
+#include "core/planner.h"
+
+namespace ckpt {
+
+struct OfflineLoadOptions {
+  std::optional<int64_t> unique_id;
+  int threads = 2;
+  bool verify_checksums = true;
+  PlanOptions plan;
+};
+
+struct PhaseTimes {
+  double open_seconds = 0;  // list + metadata + headers
+  double plan_seconds = 0;
+  double load_seconds = 0;  // reads + copies (wall)
+  double write_seconds = 0;
+};
+
+// Buffers of one rank's loaded targets, in RankPlan::targets order; empty
+// for missing keys.
+struct RankBuffers {
+  std::vector<std::vector<uint8_t>> tensors;
+};
+
+struct OfflineLoadResult {
+  Checkpoint checkpoint;
+  LoadPlan plan;
+  LoadStats stats;
+  PhaseTimes times;
+  std::vector<RankBuffers> buffers;  // per rank
+};
+
+// Opens `dir`, plans every rank of `layout`, reads and copies.
+absl::StatusOr<OfflineLoadResult> LoadOffline(const std::string& dir, const Layout& layout,
+                                              const OfflineLoadOptions& options);
+
+// Writes each rank's loaded tensors to `out_dir/rank{r}.safetensors`
+// (flattened targets as 1-D tensors of their range; missing keys omitted).
+absl::Status WriteRankOutputs(const OfflineLoadResult& result, const std::string& out_dir);
+
+// The load report as JSON: bytes_read, bytes_delivered, missing_keys,
+// unexpected_keys, renamed_keys, checksums_verified, per-phase timings,
+// per-rank summaries.
+std::string LoadReportJson(const OfflineLoadResult& result);
+
+struct ShardOptions {
+  std::optional<int64_t> source_unique_id;
+  int64_t unique_id = 0;  // of the written checkpoint
+  int threads = 2;
+};
+
+// Cuts the tensors of the checkpoint at `src_dir` per `layout` and writes a
+// native checkpoint into `out_dir`, as if each rank had saved its part
+// (replicas written once). Keys of the layout missing in the source are an
+// error.
+absl::Status ShardCheckpoint(const std::string& src_dir, const Layout& layout,
+                             const std::string& out_dir, const ShardOptions& options);
+
+}  // namespace ckpt
+
+#endif  // CKPTD_CORE_OFFLINE_H_

@@ -1,0 +1,297 @@
+#include "core/planner.h"
+
+#include <algorithm>
+#include <set>
+
+#include "absl/container/flat_hash_map.h"
+#include "absl/container/flat_hash_set.h"
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/strip.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "core/status_macros.h"
+
+namespace ckpt {
+namespace {
+
+// The box of global elements a layout's stored elements can touch.
+Box CoverOf(const StoredLayout& l) {
+  int64_t numel = NumElements(l.box.shape);
+  if (l.flat_begin == 0 && l.flat_end == numel) return l.box;
+  Box c = CoveringBox(l.box.shape, l.flat_begin, l.flat_end);
+  for (size_t d = 0; d < c.rank(); ++d) c.offset[d] += l.box.offset[d];
+  return c;
+}
+
+struct PendingCopy {
+  uint32_t rank_index;
+  uint32_t target;
+  const ShardMeta* shard;
+  const std::string* tensor;  // checkpoint name
+  uint32_t file;
+  Box region;
+  int64_t elements;
+  FlatSpan span;  // of the shard's flat index space
+};
+
+uint64_t SpanByteOffset(const ShardMeta& s, int64_t flat) {
+  int64_t first = s.flat_range ? s.flat_range->begin : 0;
+  return s.data_offset + static_cast<uint64_t>(flat - first) * DTypeSize(s.dtype);
+}
+
+std::string OwnFilePrefix(int rank, int64_t uid) { return absl::StrCat(rank, "_", uid, "."); }
+
+}  // namespace
+
+StoredLayout TargetTensor::layout() const {
+  StoredLayout l;
+  l.box = box;
+  l.dtype = dtype;
+  l.flat_begin = flat_range ? flat_range->begin : 0;
+  l.flat_end = flat_range ? flat_range->end : NumElements(box.shape);
+  return l;
+}
+
+int64_t TargetTensor::num_elements() const {
+  return flat_range ? flat_range->end - flat_range->begin : NumElements(box.shape);
+}
+
+uint64_t TargetTensor::num_bytes() const {
+  return static_cast<uint64_t>(num_elements()) * DTypeSize(dtype);
+}
+
+uint64_t LoadPlan::bytes_to_deliver() const {
+  uint64_t n = 0;
+  for (const RankPlan& r : ranks) {
+    for (const CopyOp& c : r.copies) {
+      n += static_cast<uint64_t>(c.elements) * DTypeSize(r.targets[c.target].dtype);
+    }
+  }
+  return n;
+}
+
+absl::Status ValidateTarget(int rank, const TargetTensor& t) {
+  const std::string w = absl::StrCat("rank ", rank, " tensor '", t.name, "'");
+  if (t.name.empty()) return absl::InvalidArgumentError(absl::StrCat("rank ", rank, ": empty name"));
+  auto n = CheckedNumBytes(t.global_shape, DTypeSize(t.dtype));
+  if (!n.ok()) return absl::InvalidArgumentError(absl::StrCat(w, ": ", n.status().message()));
+  if (t.box.offset.size() != t.box.shape.size() || !InBounds(t.box, t.global_shape)) {
+    return absl::InvalidArgumentError(absl::StrCat(w, ": box ", BoxString(t.box),
+                                                   " lies outside the global shape ",
+                                                   ShapeString(t.global_shape)));
+  }
+  if (t.flat_range) {
+    int64_t numel = NumElements(t.box.shape);
+    if (t.flat_range->begin < 0 || t.flat_range->end > numel ||
+        t.flat_range->begin >= t.flat_range->end) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          w, ": flat_range [", t.flat_range->begin, ", ", t.flat_range->end,
+          ") is not a non-empty range inside its box of ", numel, " elements"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+std::string MasterWeightAlias(const std::string& key) {
+  std::vector<std::string> parts = absl::StrSplit(key, '.');
+  auto mw = std::find(parts.begin(), parts.end(), "master_weights");
+  if (mw != parts.end()) {
+    parts.erase(mw);
+    return absl::StrCat(absl::StrJoin(parts, "."), "_fp32_master_0");
+  }
+  absl::string_view last = parts.back();
+  if (absl::ConsumeSuffix(&last, "_fp32_master_0") && parts.size() >= 1) {
+    parts.back() = std::string(last);
+    parts.insert(parts.begin() + 1, "master_weights");
+    return absl::StrJoin(parts, ".");
+  }
+  return "";
+}
+
+absl::StatusOr<LoadPlan> PlanLoad(const CheckpointMetadata& metadata,
+                                  const std::vector<RankTargets>& ranks,
+                                  const PlanOptions& options) {
+  LoadPlan plan;
+  absl::flat_hash_map<std::string, uint32_t> file_index;
+  auto file_id = [&](const std::string& f) {
+    auto [it, inserted] = file_index.emplace(f, static_cast<uint32_t>(plan.files.size()));
+    if (inserted) plan.files.push_back(f);
+    return it->second;
+  };
+  std::set<std::string> requested_ckpt_names, missing_all;
+  std::vector<PendingCopy> pending;
+
+  for (uint32_t ri = 0; ri < ranks.size(); ++ri) {
+    const RankTargets& rt = ranks[ri];
+    RankPlan rp;
+    rp.rank = rt.rank;
+    rp.targets = rt.tensors;
+    absl::flat_hash_set<std::string> seen;
+    bool all_local = !rt.tensors.empty();
+    const std::string own = OwnFilePrefix(rt.rank, metadata.unique_id);
+    for (uint32_t ti = 0; ti < rt.tensors.size(); ++ti) {
+      const TargetTensor& t = rt.tensors[ti];
+      CKPT_RETURN_IF_ERROR(ValidateTarget(rt.rank, t));
+      if (!seen.insert(t.name).second) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("rank ", rt.rank, ": tensor '", t.name, "' requested twice"));
+      }
+      std::string name = t.name;
+      auto it = metadata.tensors.find(name);
+      if (it == metadata.tensors.end() && options.master_weight_compat) {
+        std::string alias = MasterWeightAlias(name);
+        if (!alias.empty() && metadata.tensors.count(alias)) {
+          plan.renamed_keys[name] = alias;
+          it = metadata.tensors.find(alias);
+        }
+      }
+      if (it == metadata.tensors.end()) {
+        rp.missing_keys.push_back(t.name);
+        missing_all.insert(t.name);
+        all_local = false;
+        continue;
+      }
+      const TensorMeta& tm = it->second;
+      requested_ckpt_names.insert(it->first);
+      if (tm.global_shape != t.global_shape) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "rank ", rt.rank, " tensor '", t.name, "': requested global shape ",
+            ShapeString(t.global_shape), " but the checkpoint has ", ShapeString(tm.global_shape)));
+      }
+      const StoredLayout dst = t.layout();
+      const Box dst_cover = CoverOf(dst);
+      // Local fast path candidate: the exact shard in the rank's own file.
+      const ShardMeta* exact = nullptr;
+      for (const ShardMeta& s : tm.shards) {
+        if (s.replica_id == 0 && s.box == t.box && s.flat_range == t.flat_range &&
+            absl::StartsWith(s.file, own)) {
+          exact = &s;
+          break;
+        }
+      }
+      if (exact == nullptr) all_local = false;
+      for (const ShardMeta& s : tm.shards) {
+        if (s.replica_id != 0) continue;
+        if (exact != nullptr && &s != exact) continue;
+        if (!CanConvert(s.dtype, t.dtype)) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "rank ", rt.rank, " tensor '", t.name, "': the checkpoint holds ",
+              DTypeName(s.dtype), ", which cannot be converted to the requested ",
+              DTypeName(t.dtype)));
+        }
+        const StoredLayout src = s.layout();
+        std::optional<Box> region =
+            exact != nullptr ? std::optional<Box>(dst_cover) : Intersect(CoverOf(src), dst_cover);
+        if (!region) continue;
+        int64_t n = exact != nullptr ? t.num_elements() : CountRegion(src, dst, *region);
+        if (n == 0) continue;
+        FlatSpan span = RegionSpan(src, *region);
+        pending.push_back({ri, ti, &s, &it->first, file_id(s.file), std::move(*region), n, span});
+      }
+    }
+    rp.local_fast_path = all_local;
+    plan.ranks.push_back(std::move(rp));
+  }
+
+  // Every requested element must be written exactly once. Validated metadata
+  // guarantees this; checking here keeps a bug from ever returning a
+  // half-filled tensor as success.
+  {
+    std::vector<std::vector<int64_t>> filled(ranks.size());
+    for (size_t ri = 0; ri < ranks.size(); ++ri) filled[ri].assign(ranks[ri].tensors.size(), 0);
+    for (const PendingCopy& p : pending) filled[p.rank_index][p.target] += p.elements;
+    for (size_t ri = 0; ri < ranks.size(); ++ri) {
+      for (size_t ti = 0; ti < ranks[ri].tensors.size(); ++ti) {
+        const TargetTensor& t = ranks[ri].tensors[ti];
+        if (filled[ri][ti] == 0 && std::find(plan.ranks[ri].missing_keys.begin(),
+                                             plan.ranks[ri].missing_keys.end(),
+                                             t.name) != plan.ranks[ri].missing_keys.end()) {
+          continue;
+        }
+        if (filled[ri][ti] != t.num_elements()) {
+          return absl::DataLossError(absl::StrCat(
+              "rank ", ranks[ri].rank, " tensor '", t.name, "': the checkpoint's shards cover ",
+              filled[ri][ti], " of the ", t.num_elements(), " requested elements"));
+        }
+      }
+    }
+  }
+
+  // Byte spans per file -> merged reads.
+  struct Span {
+    uint32_t file;
+    uint64_t begin, end;
+  };
+  std::vector<Span> spans;
+  spans.reserve(pending.size());
+  for (const PendingCopy& p : pending) {
+    spans.push_back({p.file, SpanByteOffset(*p.shard, p.span.begin),
+                     SpanByteOffset(*p.shard, p.span.end)});
+  }
+  std::sort(spans.begin(), spans.end(), [&](const Span& a, const Span& b) {
+    if (a.file != b.file) return plan.files[a.file] < plan.files[b.file];
+    return a.begin < b.begin;
+  });
+  for (const Span& s : spans) {
+    if (!plan.reads.empty()) {
+      ReadRange& last = plan.reads.back();
+      if (last.file == s.file && s.begin <= last.offset + last.length + options.coalesce_gap) {
+        last.length = std::max(last.length, s.end - last.offset);
+        continue;
+      }
+    }
+    plan.reads.push_back({s.file, s.begin, s.end - s.begin, {}});
+  }
+  for (const ReadRange& r : plan.reads) plan.bytes_to_read += r.length;
+
+  // Attach each copy to its read.
+  // Index of the read holding byte `offset` of `file`, or -1.
+  auto find_read = [&](uint32_t file, uint64_t offset) -> int64_t {
+    auto it = std::upper_bound(
+        plan.reads.begin(), plan.reads.end(), std::make_pair(file, offset),
+        [&](const std::pair<uint32_t, uint64_t>& key, const ReadRange& r) {
+          if (key.first != r.file) return plan.files[key.first] < plan.files[r.file];
+          return key.second < r.offset;
+        });
+    int64_t i = std::distance(plan.reads.begin(), it) - 1;
+    if (i < 0 || plan.reads[i].file != file || plan.reads[i].offset > offset ||
+        offset >= plan.reads[i].offset + plan.reads[i].length) {
+      return -1;
+    }
+    return i;
+  };
+  absl::flat_hash_set<const ShardMeta*> checked;
+  for (PendingCopy& p : pending) {
+    const ShardMeta& s = *p.shard;
+    CopyOp op;
+    op.target = p.target;
+    op.src = s.layout();
+    op.src.flat_begin = p.span.begin;
+    op.src.flat_end = p.span.end;
+    op.src_offset = SpanByteOffset(s, p.span.begin);
+    int64_t read = find_read(p.file, op.src_offset);
+    if (read < 0) {
+      return absl::InternalError(absl::StrCat("planner: no read holds the copy of tensor '",
+                                              *p.tensor, "' at byte ", op.src_offset));
+    }
+    op.read = static_cast<uint32_t>(read);
+    op.region = std::move(p.region);
+    op.elements = p.elements;
+    plan.ranks[p.rank_index].copies.push_back(std::move(op));
+    if (s.xxh3 && checked.insert(&s).second) {
+      int64_t r = find_read(p.file, s.data_offset);
+      if (r >= 0 && s.data_offset + s.nbytes <= plan.reads[r].offset + plan.reads[r].length) {
+        plan.reads[r].checks.push_back({*p.tensor, s.data_offset, s.nbytes, *s.xxh3});
+      }
+    }
+  }
+
+  plan.missing_keys.assign(missing_all.begin(), missing_all.end());
+  for (const auto& [name, t] : metadata.tensors) {
+    if (!requested_ckpt_names.count(name)) plan.unexpected_keys.push_back(name);
+  }
+  return plan;
+}
+
+}  // namespace ckpt

@@ -1,0 +1,83 @@
+// Writing checkpoints: the native sharded format and merged HuggingFace
+// safetensors.
+//
+// Saving is split in three steps so callers never hold every rank's data at
+// once: PlanSave decides which rank writes which shard (replicated shards
+// once, balanced over the ranks holding them by bytes), each rank's file is
+// written with WriteRankFile, and FinishSave writes `{uid}.metadata` last —
+// the metadata file is the commit point; every file goes through a temp
+// name + rename.
+#ifndef CKPTD_CORE_WRITER_H_
+#define CKPTD_CORE_WRITER_H_
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/checkpoint.h"
+#include "core/metadata.h"
+#include "core/planner.h"
+#include "core/safetensors.h"
+
+namespace ckpt {
+
+struct SavePlan {
+  int64_t unique_id = 0;
+  int world_size = 0;
+  // writes[r]: the targets rank r writes into `{r}_{uid}.safetensors`.
+  std::vector<std::vector<TargetTensor>> writes;
+  // Tensor dtype and global shape (checked identical across ranks).
+  std::map<std::string, std::pair<DType, Shape>> tensors;
+};
+
+// Ranks holding the same (name, box, flat range) are replicas: one of them,
+// the one with the fewest bytes assigned so far (ties: lowest rank), writes
+// it. Errors: a rank outside [0, world_size), a tensor twice on one rank,
+// replicas or ranks disagreeing on dtype or global shape, boxes out of bounds.
+absl::StatusOr<SavePlan> PlanSave(const std::vector<RankTargets>& ranks, int world_size,
+                                  int64_t unique_id);
+
+// Writes rank `rank`'s data file. `data[i]` holds plan.writes[rank][i]
+// (num_bytes() bytes). Returns the shard metadata of what was written.
+absl::StatusOr<std::vector<std::pair<std::string, ShardMeta>>> WriteRankFile(
+    const std::string& dir, const SavePlan& plan, int rank, const std::vector<const void*>& data);
+
+// Writes `{uid}.metadata` from the shards every rank wrote.
+absl::Status FinishSave(const std::string& dir, const SavePlan& plan,
+                        const std::vector<std::pair<std::string, ShardMeta>>& shards,
+                        const std::map<std::string, std::vector<std::string>>& flat_mapping = {});
+
+// File name of a rank's data file: "{rank}_{uid}.safetensors".
+std::string DataFileName(int rank, int64_t unique_id);
+
+struct MergeOptions {
+  std::string prefix;                     // keep keys starting with it; strip "prefix."
+  std::vector<std::string> skip_postfix;  // drop keys ending with any of these
+  int shards = 1;                         // number of output files
+  std::string file_prefix = "model";
+  int threads = 2;
+};
+
+struct MergeReport {
+  std::vector<std::string> files;
+  uint64_t total_size = 0;
+  size_t tensors = 0;
+};
+
+// Loads every kept tensor whole and writes HuggingFace safetensors files
+// `{file_prefix}-{i:05d}-of-{N:05d}.safetensors` plus
+// `{file_prefix}.safetensors.index.json` into `out_dir` (created if needed).
+// Keys are split over files like Paddle's divide_positions (the first m % N
+// files get one more). One output file's tensors are in memory at a time.
+absl::StatusOr<MergeReport> MergeToHuggingFace(const Checkpoint& checkpoint,
+                                               const std::string& out_dir,
+                                               const MergeOptions& options);
+
+// Creates `dir` and its parents if missing.
+absl::Status MakeDirs(const std::string& dir);
+
+}  // namespace ckpt
+
+#endif  // CKPTD_CORE_WRITER_H_
