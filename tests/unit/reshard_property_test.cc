@@ -1,0 +1,247 @@
+// Property test: for random tensors (rank 0-4, random dtypes), random save
+// layouts (random splits per dimension, replicas, flattened ranges) and
+// random load layouts (sub-boxes, flattened ranges, dtype casts), `shard`
+// then `load` gives exactly the bytes an element-by-element oracle computes
+// from the full tensors.
+#include <algorithm>
+#include <cstring>
+#include <numeric>
+#include <random>
+#include <vector>
+
+#include "core/box.h"
+#include "core/checkpoint.h"
+#include "core/dtype.h"
+#include "core/layout.h"
+#include "core/offline.h"
+#include "core/safetensors.h"
+#include "core/writer.h"
+#include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
+
+namespace ckpt {
+namespace {
+
+struct FullTensor {
+  std::string name;
+  DType dtype;
+  Shape shape;
+  std::vector<uint8_t> bytes;
+};
+
+constexpr DType kDTypes[] = {DType::kF64, DType::kF32, DType::kF16, DType::kBF16,
+                             DType::kF8E4M3, DType::kI64, DType::kI32, DType::kI16,
+                             DType::kI8, DType::kU8, DType::kBool};
+
+class Gen {
+ public:
+  explicit Gen(uint64_t seed) : rng_(seed) {}
+  int64_t Int(int64_t lo, int64_t hi) { return std::uniform_int_distribution<int64_t>(lo, hi)(rng_); }
+  bool Coin(double p = 0.5) { return std::bernoulli_distribution(p)(rng_); }
+
+  FullTensor Tensor(const std::string& name) {
+    FullTensor t;
+    t.name = name;
+    t.dtype = kDTypes[Int(0, std::size(kDTypes) - 1)];
+    int rank = static_cast<int>(Int(0, 4));
+    for (int i = 0; i < rank; ++i) t.shape.push_back(Int(1, rank >= 3 ? 4 : 7));
+    size_t n = NumElements(t.shape);
+    t.bytes.resize(n * DTypeSize(t.dtype));
+    // Values that survive every supported cast exactly: small integers.
+    for (size_t i = 0; i < n; ++i) {
+      double v = static_cast<double>(Int(-100, 100));
+      uint8_t* p = t.bytes.data() + i * DTypeSize(t.dtype);
+      switch (t.dtype) {
+        case DType::kF64: std::memcpy(p, &v, 8); break;
+        case DType::kF32: { float f = v; std::memcpy(p, &f, 4); break; }
+        case DType::kF16: { uint16_t h = FloatToF16(v); std::memcpy(p, &h, 2); break; }
+        case DType::kBF16: { uint16_t h = FloatToBF16(v); std::memcpy(p, &h, 2); break; }
+        case DType::kBool: *p = static_cast<uint8_t>(Int(0, 1)); break;
+        case DType::kU8: *p = static_cast<uint8_t>(Int(0, 255)); break;
+        default:
+          for (size_t b = 0; b < DTypeSize(t.dtype); ++b) p[b] = static_cast<uint8_t>(Int(0, 255));
+      }
+    }
+    return t;
+  }
+
+  // Random cut points splitting [0, n) into up to `max_parts` pieces.
+  std::vector<int64_t> Cuts(int64_t n, int max_parts) {
+    int parts = static_cast<int>(Int(1, std::min<int64_t>(n, max_parts)));
+    std::vector<int64_t> cuts{0};
+    std::vector<int64_t> inner;
+    for (int64_t i = 1; i < n; ++i) inner.push_back(i);
+    std::shuffle(inner.begin(), inner.end(), rng_);
+    inner.resize(parts - 1);
+    std::sort(inner.begin(), inner.end());
+    cuts.insert(cuts.end(), inner.begin(), inner.end());
+    cuts.push_back(n);
+    return cuts;
+  }
+
+  // A grid partition of `shape` into boxes.
+  std::vector<Box> Grid(const Shape& shape, int max_boxes) {
+    std::vector<Box> boxes{Box{Shape(), Shape()}};
+    for (size_t d = 0; d < shape.size(); ++d) {
+      int budget = std::max<int>(1, max_boxes / static_cast<int>(boxes.size()));
+      std::vector<int64_t> cuts = Cuts(shape[d], std::min(budget, 3));
+      std::vector<Box> next;
+      for (const Box& b : boxes) {
+        for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+          Box nb = b;
+          nb.offset.push_back(cuts[i]);
+          nb.shape.push_back(cuts[i + 1] - cuts[i]);
+          next.push_back(nb);
+        }
+      }
+      boxes = std::move(next);
+    }
+    return boxes;
+  }
+
+  // A save layout: every element stored once in replica 0 (plus replicas).
+  Layout SaveLayout(const std::vector<FullTensor>& ts, int world) {
+    Layout l;
+    l.world_size = world;
+    for (int r = 0; r < world; ++r) l.ranks.push_back(RankTargets{r, {}});
+    for (const FullTensor& t : ts) {
+      std::vector<TargetTensor> pieces;
+      for (const Box& b : Grid(t.shape, world)) {
+        int64_t n = NumElements(b.shape);
+        if (Coin(0.3) && n > 1) {  // flatten this box and cut its range
+          std::vector<int64_t> cuts = Cuts(n, 3);
+          for (size_t i = 0; i + 1 < cuts.size(); ++i) {
+            pieces.push_back({t.name, t.dtype, t.shape, b, FlatRange{cuts[i], cuts[i + 1]}});
+          }
+        } else {
+          pieces.push_back({t.name, t.dtype, t.shape, b, std::nullopt});
+        }
+      }
+      if (static_cast<int>(pieces.size()) > world) {  // too many: store whole instead
+        pieces = {{t.name, t.dtype, t.shape, Box{Shape(t.shape.size(), 0), t.shape}, std::nullopt}};
+      }
+      std::vector<int> ranks(world);
+      std::iota(ranks.begin(), ranks.end(), 0);
+      std::shuffle(ranks.begin(), ranks.end(), rng_);
+      for (size_t i = 0; i < pieces.size(); ++i) l.ranks[ranks[i]].tensors.push_back(pieces[i]);
+      // Replicas: some remaining ranks hold a copy of a random piece.
+      for (size_t i = pieces.size(); i < ranks.size(); ++i) {
+        if (Coin(0.4)) l.ranks[ranks[i]].tensors.push_back(pieces[Int(0, pieces.size() - 1)]);
+      }
+    }
+    return l;
+  }
+
+  // A load layout: random sub-boxes (some flattened, some cast).
+  Layout LoadLayout(const std::vector<FullTensor>& ts, int world) {
+    Layout l;
+    l.world_size = world;
+    for (int r = 0; r < world; ++r) {
+      RankTargets rt{r, {}};
+      for (const FullTensor& t : ts) {
+        if (Coin(0.15)) continue;  // this rank does not want it
+        TargetTensor tt{t.name, t.dtype, t.shape, Box{}, std::nullopt};
+        for (int64_t ext : t.shape) {
+          int64_t a = Int(0, ext - 1), b = Int(a + 1, ext);
+          tt.box.offset.push_back(a);
+          tt.box.shape.push_back(b - a);
+        }
+        int64_t n = NumElements(tt.box.shape);
+        if (n > 1 && Coin(0.25)) {
+          int64_t a = Int(0, n - 1), b = Int(a + 1, n);
+          tt.flat_range = FlatRange{a, b};
+        }
+        if (Coin(0.2)) {
+          // A supported cast.
+          if (t.dtype == DType::kF32) tt.dtype = Coin() ? DType::kBF16 : DType::kF64;
+          if (t.dtype == DType::kBF16 || t.dtype == DType::kF16) tt.dtype = DType::kF32;
+          if (t.dtype == DType::kI32) tt.dtype = DType::kI64;
+          if (t.dtype == DType::kBool) tt.dtype = DType::kI32;
+        }
+        rt.tensors.push_back(tt);
+      }
+      l.ranks.push_back(std::move(rt));
+    }
+    return l;
+  }
+
+ private:
+  std::mt19937_64 rng_;
+};
+
+// Element-by-element oracle.
+std::vector<uint8_t> Expected(const FullTensor& t, const TargetTensor& target) {
+  const size_t isz = DTypeSize(t.dtype), osz = DTypeSize(target.dtype);
+  int64_t fb = target.flat_range ? target.flat_range->begin : 0;
+  int64_t fe = target.flat_range ? target.flat_range->end : NumElements(target.box.shape);
+  std::vector<uint8_t> out((fe - fb) * osz);
+  for (int64_t f = fb; f < fe; ++f) {
+    Shape idx = Unravel(target.box.shape, f);
+    for (size_t d = 0; d < idx.size(); ++d) idx[d] += target.box.offset[d];
+    int64_t g = Ravel(t.shape, idx);
+    ConvertElements(t.bytes.data() + g * isz, t.dtype, out.data() + (f - fb) * osz, target.dtype, 1);
+  }
+  return out;
+}
+
+class ReshardProperty : public ::testing::TestWithParam<int> {};
+
+TEST_P(ReshardProperty, ShardThenLoadIsExact) {
+  const int block = GetParam();
+  testing::TempDir tmp;
+  int cases = 0;
+  for (int i = 0; i < 250; ++i) {
+    const uint64_t seed = static_cast<uint64_t>(block) * 100000 + i;
+    Gen g(seed);
+    std::vector<FullTensor> ts;
+    int n_tensors = static_cast<int>(g.Int(1, 4));
+    for (int k = 0; k < n_tensors; ++k) ts.push_back(g.Tensor("t" + std::to_string(k)));
+    const std::string src = tmp.Sub("src" + std::to_string(i));
+    const std::string dst = tmp.Sub("dst" + std::to_string(i));
+    ASSERT_TRUE(MakeDirs(src).ok());
+    std::vector<TensorToWrite> tw;
+    for (const auto& t : ts) tw.push_back({t.name, t.dtype, t.shape, t.bytes.data()});
+    ASSERT_TRUE(WriteSafetensors(src + "/model.safetensors", tw, {}).ok());
+
+    int save_world = static_cast<int>(g.Int(1, 6));
+    Layout save = g.SaveLayout(ts, save_world);
+    ShardOptions so;
+    so.unique_id = g.Int(0, 12);
+    absl::Status s = ShardCheckpoint(src, save, dst, so);
+    ASSERT_TRUE(s.ok()) << "seed " << seed << ": " << s << "\n" << LayoutToJson(save);
+
+    int load_world = static_cast<int>(g.Int(1, 6));
+    Layout load = g.LoadLayout(ts, load_world);
+    OfflineLoadOptions lo;
+    lo.threads = 1 + (i % 2);
+    auto res = LoadOffline(dst, load, lo);
+    ASSERT_TRUE(res.ok()) << "seed " << seed << ": " << res.status() << "\n" << LayoutToJson(load);
+    EXPECT_TRUE(res->plan.missing_keys.empty());
+    uint64_t wanted_bytes = 0;
+    for (size_t r = 0; r < load.ranks.size(); ++r) {
+      for (size_t k = 0; k < load.ranks[r].tensors.size(); ++k) {
+        const TargetTensor& target = load.ranks[r].tensors[k];
+        const FullTensor& full = *std::find_if(ts.begin(), ts.end(),
+                                               [&](const FullTensor& f) { return f.name == target.name; });
+        ASSERT_EQ(res->buffers[r].tensors[k], Expected(full, target))
+            << "seed " << seed << " rank " << r << " tensor " << target.name << " box "
+            << BoxString(target.box) << "\nsave layout " << LayoutToJson(save);
+        wanted_bytes += target.num_bytes();
+      }
+    }
+    EXPECT_EQ(res->stats.bytes_delivered, wanted_bytes);
+    // Each byte is read at most once.
+    uint64_t total = 0;
+    for (const auto& [name, t] : res->checkpoint.metadata.tensors) {
+      for (const auto& sh : t.shards) total += sh.nbytes;
+    }
+    EXPECT_LE(res->stats.bytes_read, total);
+    ++cases;
+  }
+  EXPECT_EQ(cases, 250);
+}
+
+INSTANTIATE_TEST_SUITE_P(Blocks, ReshardProperty, ::testing::Range(0, 12));
+
+}  // namespace
+}  // namespace ckpt
