@@ -82,6 +82,12 @@ absl::StatusOr<CheckpointMetadata> ParseMetadataJson(const std::string& path,
                      " is newer than this ckptd supports (", kMetadataFormatVersion, ")"));
   }
   CheckpointMetadata m;
+  if (auto cb = j.find("checksum_block"); cb != j.end()) {
+    if (!cb->is_number_unsigned() || cb->get<uint64_t>() == 0) {
+      return Bad(path, "'checksum_block' must be a positive integer");
+    }
+    m.checksum_block = cb->get<uint64_t>();
+  }
   auto uid = j.find("unique_id");
   if (uid != j.end() && uid->is_number_integer()) m.unique_id = uid->get<int64_t>();
   auto tensors = j.find("tensors");
@@ -139,14 +145,17 @@ absl::StatusOr<CheckpointMetadata> ParseMetadataJson(const std::string& path,
       CKPT_ASSIGN_OR_RETURN(sm.data_offset, ReadU64(path, s, "data_offset", sw));
       CKPT_ASSIGN_OR_RETURN(sm.nbytes, ReadU64(path, s, "nbytes", sw));
       if (auto x = s.find("xxh3"); x != s.end()) {
-        if (!x->is_string()) return Bad(path, absl::StrCat(sw, ": xxh3 is not a hex string"));
-        const std::string hex = x->get<std::string>();
-        char* endp = nullptr;
-        unsigned long long v = std::strtoull(hex.c_str(), &endp, 16);
-        if (hex.empty() || hex.size() > 16 || *endp != '\0') {
-          return Bad(path, absl::StrCat(sw, ": xxh3 '", hex, "' is not 1-16 hex digits"));
+        if (!x->is_array()) return Bad(path, absl::StrCat(sw, ": xxh3 is not an array"));
+        for (const json& h : *x) {
+          const std::string hex = h.is_string() ? h.get<std::string>() : "";
+          char* endp = nullptr;
+          unsigned long long v = std::strtoull(hex.c_str(), &endp, 16);
+          if (hex.empty() || hex.size() > 16 || *endp != '\0') {
+            return Bad(path, absl::StrCat(sw, ": xxh3 entry '", hex,
+                                          "' is not 1-16 hex digits"));
+          }
+          sm.xxh3.push_back(v);
         }
-        sm.xxh3 = v;
       }
       tm.shards.push_back(std::move(sm));
     }
@@ -179,7 +188,11 @@ std::string MetadataToJson(const CheckpointMetadata& m) {
       if (s.dtype != t.dtype) js["dtype"] = std::string(DTypeName(s.dtype));
       if (s.flat_range) js["flat_range"] = {s.flat_range->begin, s.flat_range->end};
       if (s.replica_id != 0) js["replica_id"] = s.replica_id;
-      if (s.xxh3) js["xxh3"] = absl::StrFormat("%016x", *s.xxh3);
+      if (!s.xxh3.empty()) {
+        json hs = json::array();
+        for (uint64_t h : s.xxh3) hs.push_back(absl::StrFormat("%016x", h));
+        js["xxh3"] = std::move(hs);
+      }
       shards.push_back(std::move(js));
     }
     tensors[name] = {{"dtype", std::string(DTypeName(t.dtype))},
@@ -189,6 +202,7 @@ std::string MetadataToJson(const CheckpointMetadata& m) {
   json j = {{"format", kMetadataFormatName},
             {"version", kMetadataFormatVersion},
             {"unique_id", m.unique_id},
+            {"checksum_block", m.checksum_block},
             {"tensors", std::move(tensors)}};
   if (!m.flat_mapping.empty()) j["flat_mapping"] = m.flat_mapping;
   return j.dump(1);
@@ -235,6 +249,11 @@ absl::Status ValidateMetadata(const CheckpointMetadata& m, const std::string& wh
       }
       if (s.data_offset > UINT64_MAX - s.nbytes) {
         return Bad(where, absl::StrCat(sw, ": data_offset + nbytes overflows"));
+      }
+      const uint64_t blocks = (s.nbytes + m.checksum_block - 1) / m.checksum_block;
+      if (!s.xxh3.empty() && s.xxh3.size() != blocks) {
+        return Bad(where, absl::StrCat(sw, ": ", s.xxh3.size(), " checksums but ", blocks,
+                                       " blocks of ", m.checksum_block, " bytes"));
       }
       if (s.replica_id != 0) continue;
       StoredLayout l = s.layout();

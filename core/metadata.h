@@ -40,7 +40,9 @@ struct ShardMeta {
   int replica_id = 0;                   // loaders use replica 0 only
   uint64_t data_offset = 0;             // absolute byte offset in `file`
   uint64_t nbytes = 0;
-  std::optional<uint64_t> xxh3;  // of the shard's bytes, when recorded
+  // XXH3-64 of each checksum_block-byte block of the shard's bytes; empty
+  // when not recorded (e.g. HuggingFace files).
+  std::vector<uint64_t> xxh3;
 
   int64_t num_elements() const;
   // How the shard's bytes lay out its elements.
@@ -55,6 +57,7 @@ struct TensorMeta {
 
 struct CheckpointMetadata {
   int64_t unique_id = 0;
+  uint64_t checksum_block = 64ull << 20;  // bytes per checksum block
   std::map<std::string, TensorMeta> tensors;  // ordered: deterministic plans
   // flat key -> path in the nested state dict ("model.a.0" -> ["model", "a.0"]).
   std::map<std::string, std::vector<std::string>> flat_mapping;

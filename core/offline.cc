@@ -113,7 +113,8 @@ absl::Status ShardCheckpoint(const std::string& src_dir, const Layout& layout,
   OpenOptions oo;
   oo.unique_id = options.source_unique_id;
   CKPT_ASSIGN_OR_RETURN(Checkpoint src, OpenCheckpoint(src_dir, oo));
-  CKPT_ASSIGN_OR_RETURN(SavePlan save, PlanSave(layout.ranks, layout.world_size, options.unique_id));
+  CKPT_ASSIGN_OR_RETURN(SavePlan save, PlanSave(layout.ranks, layout.world_size, options.unique_id,
+                                                      options.checksum_block));
   CKPT_RETURN_IF_ERROR(MakeDirs(out_dir));
   DirectorySource source(src.dir);
   std::vector<std::pair<std::string, ShardMeta>> written;

@@ -61,6 +61,7 @@ struct ShardOptions {
   std::optional<int64_t> source_unique_id;
   int64_t unique_id = 0;  // of the written checkpoint
   int threads = 2;
+  uint64_t checksum_block = 64ull << 20;
 };
 
 // Cuts the tensors of the checkpoint at `src_dir` per `layout` and writes a

@@ -229,29 +229,80 @@ absl::StatusOr<LoadPlan> PlanLoad(const CheckpointMetadata& metadata,
     spans.push_back({p.file, SpanByteOffset(*p.shard, p.span.begin),
                      SpanByteOffset(*p.shard, p.span.end)});
   }
+  auto file_less = [&](uint32_t a, uint32_t b) { return plan.files[a] < plan.files[b]; };
   std::sort(spans.begin(), spans.end(), [&](const Span& a, const Span& b) {
-    if (a.file != b.file) return plan.files[a.file] < plan.files[b.file];
+    if (a.file != b.file) return file_less(a.file, b.file);
     return a.begin < b.begin;
   });
+  std::vector<ReadRange> merged;
   for (const Span& s : spans) {
-    if (!plan.reads.empty()) {
-      ReadRange& last = plan.reads.back();
+    if (!merged.empty()) {
+      ReadRange& last = merged.back();
       if (last.file == s.file && s.begin <= last.offset + last.length + options.coalesce_gap) {
         last.length = std::max(last.length, s.end - last.offset);
         continue;
       }
     }
-    plan.reads.push_back({s.file, s.begin, s.end - s.begin, {}});
+    merged.push_back({s.file, s.begin, s.end - s.begin, {}});
+  }
+
+  // Shards touched, per file, by offset: to cut long reads on checksum-block
+  // boundaries (which are element boundaries) and to attach checks.
+  struct Extent {
+    uint64_t begin, end;
+    const ShardMeta* shard;
+    const std::string* tensor;
+  };
+  std::vector<std::vector<Extent>> extents(plan.files.size());
+  {
+    absl::flat_hash_set<const ShardMeta*> seen_shards;
+    for (const PendingCopy& p : pending) {
+      if (seen_shards.insert(p.shard).second) {
+        extents[p.file].push_back(
+            {p.shard->data_offset, p.shard->data_offset + p.shard->nbytes, p.shard, p.tensor});
+      }
+    }
+    for (auto& e : extents) {
+      std::sort(e.begin(), e.end(), [](const Extent& a, const Extent& b) { return a.begin < b.begin; });
+    }
+  }
+  auto extent_at = [&](uint32_t file, uint64_t offset) -> const Extent* {
+    const auto& es = extents[file];
+    auto it = std::upper_bound(es.begin(), es.end(), offset,
+                               [](uint64_t o, const Extent& e) { return o < e.begin; });
+    if (it == es.begin()) return nullptr;
+    --it;
+    return offset < it->end ? &*it : nullptr;
+  };
+  const uint64_t block = metadata.checksum_block;
+  const uint64_t max_read =
+      options.max_read_bytes == 0 ? 0 : std::max<uint64_t>(options.max_read_bytes, 8);
+  for (const ReadRange& r : merged) {
+    uint64_t pos = r.offset;
+    const uint64_t end = r.offset + r.length;
+    while (max_read > 0 && end - pos > max_read) {
+      uint64_t cut = pos + max_read;
+      if (const Extent* e = extent_at(r.file, cut)) {
+        uint64_t aligned = e->begin + (cut - e->begin) / block * block;
+        if (aligned <= pos) {  // max_read < block: fall back to an element boundary
+          const uint64_t isz = DTypeSize(e->shard->dtype);
+          aligned = e->begin + (cut - e->begin) / isz * isz;
+        }
+        if (aligned > pos) cut = aligned;
+      }
+      plan.reads.push_back({r.file, pos, cut - pos, {}});
+      pos = cut;
+    }
+    plan.reads.push_back({r.file, pos, end - pos, {}});
   }
   for (const ReadRange& r : plan.reads) plan.bytes_to_read += r.length;
 
-  // Attach each copy to its read.
   // Index of the read holding byte `offset` of `file`, or -1.
   auto find_read = [&](uint32_t file, uint64_t offset) -> int64_t {
     auto it = std::upper_bound(
         plan.reads.begin(), plan.reads.end(), std::make_pair(file, offset),
         [&](const std::pair<uint32_t, uint64_t>& key, const ReadRange& r) {
-          if (key.first != r.file) return plan.files[key.first] < plan.files[r.file];
+          if (key.first != r.file) return file_less(key.first, r.file);
           return key.second < r.offset;
         });
     int64_t i = std::distance(plan.reads.begin(), it) - 1;
@@ -261,28 +312,55 @@ absl::StatusOr<LoadPlan> PlanLoad(const CheckpointMetadata& metadata,
     }
     return i;
   };
-  absl::flat_hash_set<const ShardMeta*> checked;
+
+  // Attach each copy to the read(s) holding its bytes; a copy whose span
+  // crosses a cut is split into one copy per read.
   for (PendingCopy& p : pending) {
     const ShardMeta& s = *p.shard;
-    CopyOp op;
-    op.target = p.target;
-    op.src = s.layout();
-    op.src.flat_begin = p.span.begin;
-    op.src.flat_end = p.span.end;
-    op.src_offset = SpanByteOffset(s, p.span.begin);
-    int64_t read = find_read(p.file, op.src_offset);
+    const uint64_t isz = DTypeSize(s.dtype);
+    const int64_t first = s.flat_range ? s.flat_range->begin : 0;
+    const uint64_t a = SpanByteOffset(s, p.span.begin), b = SpanByteOffset(s, p.span.end);
+    int64_t read = find_read(p.file, a);
     if (read < 0) {
       return absl::InternalError(absl::StrCat("planner: no read holds the copy of tensor '",
-                                              *p.tensor, "' at byte ", op.src_offset));
+                                              *p.tensor, "' at byte ", a));
     }
-    op.read = static_cast<uint32_t>(read);
-    op.region = std::move(p.region);
-    op.elements = p.elements;
-    plan.ranks[p.rank_index].copies.push_back(std::move(op));
-    if (s.xxh3 && checked.insert(&s).second) {
-      int64_t r = find_read(p.file, s.data_offset);
-      if (r >= 0 && s.data_offset + s.nbytes <= plan.reads[r].offset + plan.reads[r].length) {
-        plan.reads[r].checks.push_back({*p.tensor, s.data_offset, s.nbytes, *s.xxh3});
+    RankPlan& rp = plan.ranks[p.rank_index];
+    const StoredLayout dst = rp.targets[p.target].layout();
+    int64_t total = 0;
+    for (int64_t r = read; r < static_cast<int64_t>(plan.reads.size()); ++r) {
+      const ReadRange& rr = plan.reads[r];
+      if (rr.file != p.file || rr.offset >= b) break;
+      const uint64_t lo = std::max(a, rr.offset), hi = std::min(b, rr.offset + rr.length);
+      CopyOp op;
+      op.target = p.target;
+      op.read = static_cast<uint32_t>(r);
+      op.src = s.layout();
+      op.src.flat_begin = first + static_cast<int64_t>((lo - s.data_offset) / isz);
+      op.src.flat_end = first + static_cast<int64_t>((hi - s.data_offset) / isz);
+      op.src_offset = lo;
+      op.region = p.region;
+      op.elements = (lo == a && hi == b) ? p.elements : CountRegion(op.src, dst, op.region);
+      total += op.elements;
+      if (op.elements > 0) rp.copies.push_back(std::move(op));
+    }
+    if (total != p.elements) {
+      return absl::InternalError(absl::StrCat("planner: tensor '", *p.tensor, "' split into reads ",
+                                              "covers ", total, " of ", p.elements, " elements"));
+    }
+  }
+
+  // Checksum blocks entirely inside a read are verified after it.
+  for (uint32_t f = 0; f < extents.size(); ++f) {
+    for (const Extent& e : extents[f]) {
+      const ShardMeta& s = *e.shard;
+      for (size_t i = 0; i < s.xxh3.size(); ++i) {
+        const uint64_t bo = s.data_offset + i * block;
+        const uint64_t bn = std::min<uint64_t>(block, s.nbytes - i * block);
+        int64_t r = find_read(f, bo);
+        if (r >= 0 && bo + bn <= plan.reads[r].offset + plan.reads[r].length) {
+          plan.reads[r].checks.push_back({*e.tensor, bo, bn, s.xxh3[i]});
+        }
       }
     }
   }

@@ -90,6 +90,9 @@ struct RankPlan {
 struct PlanOptions {
   // Merge read spans of one file whose gap is at most this many bytes.
   uint64_t coalesce_gap = 0;
+  // Cut reads longer than this (on checksum-block boundaries, so each piece
+  // stays verifiable); bounds the memory of one read. 0: never cut.
+  uint64_t max_read_bytes = 64ull << 20;
   // Resolve `a.master_weights.b` <-> `a.b_fp32_master_0` when one is missing.
   bool master_weight_compat = true;
 };

@@ -32,6 +32,15 @@ const SafetensorsTensor* SafetensorsHeader::Find(const std::string& name) const 
 
 uint64_t Checksum(const void* data, size_t n) { return XXH3_64bits(data, n); }
 
+std::vector<uint64_t> BlockChecksums(const void* data, size_t n, uint64_t block) {
+  std::vector<uint64_t> out;
+  const uint8_t* p = static_cast<const uint8_t*>(data);
+  for (size_t off = 0; off < n; off += block) {
+    out.push_back(Checksum(p + off, std::min<uint64_t>(block, n - off)));
+  }
+  return out;
+}
+
 absl::StatusOr<SafetensorsHeader> ReadSafetensorsHeader(const RandomAccessFile& file) {
   const std::string& path = file.path();
   if (file.size() < 8) {
@@ -164,7 +173,7 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(const std::string& path
 
 absl::StatusOr<std::vector<WrittenTensor>> WriteSafetensors(
     const std::string& path, const std::vector<TensorToWrite>& tensors,
-    const std::map<std::string, std::string>& metadata) {
+    const std::map<std::string, std::string>& metadata, uint64_t checksum_block) {
   json header = json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::vector<WrittenTensor> out;
@@ -200,7 +209,7 @@ absl::StatusOr<std::vector<WrittenTensor>> WriteSafetensors(
     size_t nbytes = out[i].end - out[i].begin;
     out[i].begin += padded;
     out[i].end += padded;
-    out[i].xxh3 = Checksum(tensors[i].data, nbytes);
+    out[i].xxh3 = BlockChecksums(tensors[i].data, nbytes, checksum_block);
     CKPT_RETURN_IF_ERROR(writer->Append(tensors[i].data, nbytes));
   }
   CKPT_RETURN_IF_ERROR(writer->Commit());

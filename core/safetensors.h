@@ -65,8 +65,17 @@ struct WrittenTensor {
   std::string name;
   uint64_t begin = 0;  // absolute file offsets
   uint64_t end = 0;
-  uint64_t xxh3 = 0;  // XXH3-64 of the tensor's bytes
+  // XXH3-64 of each kChecksumBlock-byte block of the tensor's bytes (the
+  // last block may be shorter); empty for an empty tensor.
+  std::vector<uint64_t> xxh3;
 };
+
+// Checksums cover blocks of this many bytes of a shard, so a load that reads
+// a shard in pieces can still verify every whole block it reads.
+inline constexpr uint64_t kChecksumBlock = 64ull << 20;
+
+// XXH3-64 of each `block`-byte block of `data`.
+std::vector<uint64_t> BlockChecksums(const void* data, size_t n, uint64_t block = kChecksumBlock);
 
 // Writes a safetensors file atomically (temp name + rename). The header is
 // padded with spaces so the data area starts on a 4 KiB boundary (page
@@ -74,7 +83,7 @@ struct WrittenTensor {
 // unique and must not be "__metadata__".
 absl::StatusOr<std::vector<WrittenTensor>> WriteSafetensors(
     const std::string& path, const std::vector<TensorToWrite>& tensors,
-    const std::map<std::string, std::string>& metadata);
+    const std::map<std::string, std::string>& metadata, uint64_t checksum_block = 64ull << 20);
 
 // XXH3-64 of a buffer (the checksum recorded in checkpoint metadata).
 uint64_t Checksum(const void* data, size_t n);

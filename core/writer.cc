@@ -52,8 +52,10 @@ absl::Status MakeDirs(const std::string& dir) {
 }
 
 absl::StatusOr<SavePlan> PlanSave(const std::vector<RankTargets>& ranks, int world_size,
-                                  int64_t unique_id) {
+                                  int64_t unique_id, uint64_t checksum_block) {
+  if (checksum_block == 0) return absl::InvalidArgumentError("checksum block must be > 0");
   SavePlan plan;
+  plan.checksum_block = checksum_block;
   plan.unique_id = unique_id;
   plan.world_size = world_size;
   plan.writes.resize(world_size);
@@ -142,7 +144,8 @@ absl::StatusOr<std::vector<std::pair<std::string, ShardMeta>>> WriteRankFile(
   }
   const std::string file = DataFileName(rank, plan.unique_id);
   CKPT_ASSIGN_OR_RETURN(std::vector<WrittenTensor> written,
-                        WriteSafetensors(JoinPath(dir, file), tensors, meta));
+                        WriteSafetensors(JoinPath(dir, file), tensors, meta,
+                                         plan.checksum_block));
   std::vector<std::pair<std::string, ShardMeta>> out;
   for (size_t i = 0; i < writes.size(); ++i) {
     const TargetTensor& t = writes[i];
@@ -164,6 +167,7 @@ absl::Status FinishSave(const std::string& dir, const SavePlan& plan,
                         const std::map<std::string, std::vector<std::string>>& flat_mapping) {
   CheckpointMetadata m;
   m.unique_id = plan.unique_id;
+  m.checksum_block = plan.checksum_block;
   m.flat_mapping = flat_mapping;
   for (const auto& [name, dt_shape] : plan.tensors) {
     TensorMeta& t = m.tensors[name];

@@ -25,6 +25,7 @@ namespace ckpt {
 
 struct SavePlan {
   int64_t unique_id = 0;
+  uint64_t checksum_block = kChecksumBlock;  // bytes per recorded checksum
   int world_size = 0;
   // writes[r]: the targets rank r writes into `{r}_{uid}.safetensors`.
   std::vector<std::vector<TargetTensor>> writes;
@@ -37,7 +38,7 @@ struct SavePlan {
 // it. Errors: a rank outside [0, world_size), a tensor twice on one rank,
 // replicas or ranks disagreeing on dtype or global shape, boxes out of bounds.
 absl::StatusOr<SavePlan> PlanSave(const std::vector<RankTargets>& ranks, int world_size,
-                                  int64_t unique_id);
+                                  int64_t unique_id, uint64_t checksum_block = kChecksumBlock);
 
 // Writes rank `rank`'s data file. `data[i]` holds plan.writes[rank][i]
 // (num_bytes() bytes). Returns the shard metadata of what was written.
