@@ -20,10 +20,25 @@ absl::StatusOr<const RandomAccessFile*> DirectorySource::Get(const std::string& 
   return p;
 }
 
-absl::Status DirectorySource::Read(const std::string& file, uint64_t offset, uint64_t n,
-                                   void* dst) {
+absl::StatusOr<RangeView> DirectorySource::Fetch(
+    const std::string& file, uint64_t offset, uint64_t n, std::vector<uint8_t>& scratch,
+    const std::function<absl::Status(const uint8_t*)>& verify) {
   CKPT_ASSIGN_OR_RETURN(const RandomAccessFile* f, Get(file));
-  return f->Read(offset, n, dst);
+  if (scratch.size() < n) scratch.resize(n);
+  CKPT_RETURN_IF_ERROR(f->Read(offset, n, scratch.data()));
+  if (verify) CKPT_RETURN_IF_ERROR(verify(scratch.data()));
+  return RangeView{scratch.data(), nullptr, true};
+}
+
+absl::StatusOr<int64_t> HostDelivery::Copy(size_t rank_index, const RankPlan& rank,
+                                           const CopyOp& op, const uint8_t* src) {
+  void* dst = dests_[rank_index][op.target];
+  if (dst == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat("rank ", rank.rank, " tensor '",
+                                                   rank.targets[op.target].name,
+                                                   "' has no destination buffer"));
+  }
+  return CopyRegion(op.src, src, rank.targets[op.target].layout(), dst, op.region);
 }
 
 absl::StatusOr<LoadStats> ExecutePlan(const LoadPlan& plan, RangeSource& source,
@@ -32,24 +47,26 @@ absl::StatusOr<LoadStats> ExecutePlan(const LoadPlan& plan, RangeSource& source,
   if (destinations.size() != plan.ranks.size()) {
     return absl::InvalidArgumentError("ExecutePlan: one destination list per rank is required");
   }
+  for (size_t r = 0; r < plan.ranks.size(); ++r) {
+    if (destinations[r].size() != plan.ranks[r].targets.size()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("ExecutePlan: rank ", plan.ranks[r].rank, " has ",
+                       plan.ranks[r].targets.size(), " targets but ", destinations[r].size(),
+                       " destinations"));
+    }
+  }
+  HostDelivery delivery(destinations);
+  return ExecutePlan(plan, source, delivery, options);
+}
+
+absl::StatusOr<LoadStats> ExecutePlan(const LoadPlan& plan, RangeSource& source,
+                                      Delivery& delivery, const ExecuteOptions& options) {
+  const auto start = std::chrono::steady_clock::now();
   // Copies grouped by the read that feeds them.
   std::vector<std::vector<std::pair<uint32_t, uint32_t>>> by_read(plan.reads.size());
   for (uint32_t r = 0; r < plan.ranks.size(); ++r) {
     const RankPlan& rp = plan.ranks[r];
-    if (destinations[r].size() != rp.targets.size()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("ExecutePlan: rank ", rp.rank, " has ", rp.targets.size(),
-                       " targets but ", destinations[r].size(), " destinations"));
-    }
-    for (uint32_t c = 0; c < rp.copies.size(); ++c) {
-      const CopyOp& op = rp.copies[c];
-      if (destinations[r][op.target] == nullptr) {
-        return absl::InvalidArgumentError(absl::StrCat("ExecutePlan: rank ", rp.rank, " tensor '",
-                                                       rp.targets[op.target].name,
-                                                       "' has no destination buffer"));
-      }
-      by_read[op.read].push_back({r, c});
-    }
+    for (uint32_t c = 0; c < rp.copies.size(); ++c) by_read[rp.copies[c].read].push_back({r, c});
   }
 
   std::atomic<size_t> next{0};
@@ -57,50 +74,61 @@ absl::StatusOr<LoadStats> ExecutePlan(const LoadPlan& plan, RangeSource& source,
   absl::Mutex mu;
   absl::Status first_error;
   LoadStats total;
+  total.rank_bytes_delivered.assign(plan.ranks.size(), 0);
   auto worker = [&]() {
     LoadStats local;
-    std::vector<uint8_t> buf;
+    local.rank_bytes_delivered.assign(plan.ranks.size(), 0);
+    std::vector<uint8_t> scratch;
     while (!failed.load(std::memory_order_relaxed)) {
       size_t i = next.fetch_add(1);
       if (i >= plan.reads.size()) break;
       const ReadRange& rr = plan.reads[i];
       const std::string& file = plan.files[rr.file];
-      if (buf.size() < rr.length) buf.resize(rr.length);
-      auto t0 = std::chrono::steady_clock::now();
-      absl::Status s = source.Read(file, rr.offset, rr.length, buf.data());
-      auto t1 = std::chrono::steady_clock::now();
-      if (s.ok() && options.verify_checksums) {
+      int64_t verified = 0;
+      auto verify = [&](const uint8_t* data) -> absl::Status {
+        if (!options.verify_checksums) return absl::OkStatus();
         for (const auto& c : rr.checks) {
-          uint64_t got = Checksum(buf.data() + (c.offset - rr.offset), c.nbytes);
-          if (got != c.xxh3) {
-            s = absl::DataLossError(absl::StrCat(file, ": tensor '", c.tensor, "' bytes [",
-                                                 c.offset, ", ", c.offset + c.nbytes,
-                                                 ") fail their checksum (file corrupt or torn)"));
-            break;
+          if (Checksum(data + (c.offset - rr.offset), c.nbytes) != c.xxh3) {
+            return absl::DataLossError(absl::StrCat(file, ": tensor '", c.tensor, "' bytes [",
+                                                    c.offset, ", ", c.offset + c.nbytes,
+                                                    ") fail their checksum (file corrupt or torn)"));
           }
-          ++local.checksums_verified;
+          ++verified;
         }
-      }
+        return absl::OkStatus();
+      };
+      auto t0 = std::chrono::steady_clock::now();
+      absl::StatusOr<RangeView> view = source.Fetch(file, rr.offset, rr.length, scratch, verify);
+      auto t1 = std::chrono::steady_clock::now();
+      absl::Status s = view.status();
       if (s.ok()) {
-        local.bytes_read += rr.length;
+        local.checksums_verified += verified;
+        (view->from_storage ? local.bytes_read : local.bytes_from_cache) += rr.length;
         for (const auto& [r, c] : by_read[i]) {
+          if (options.skip_rank && options.skip_rank(r)) continue;
           const RankPlan& rp = plan.ranks[r];
           const CopyOp& op = rp.copies[c];
-          const TargetTensor& t = rp.targets[op.target];
-          int64_t n = CopyRegion(op.src, buf.data() + (op.src_offset - rr.offset), t.layout(),
-                                 destinations[r][op.target], op.region);
-          if (n != op.elements) {
-            s = absl::InternalError(absl::StrCat("rank ", rp.rank, " tensor '", t.name,
-                                                 "': copied ", n, " elements, planned ",
-                                                 op.elements));
+          absl::StatusOr<int64_t> n =
+              delivery.Copy(r, rp, op, view->data + (op.src_offset - rr.offset));
+          if (!n.ok()) {
+            s = n.status();
             break;
           }
-          local.bytes_delivered += static_cast<uint64_t>(n) * DTypeSize(t.dtype);
+          if (*n != op.elements) {
+            s = absl::InternalError(absl::StrCat("rank ", rp.rank, " tensor '",
+                                                 rp.targets[op.target].name, "': copied ", *n,
+                                                 " elements, planned ", op.elements));
+            break;
+          }
+          uint64_t bytes = static_cast<uint64_t>(*n) * DTypeSize(rp.targets[op.target].dtype);
+          local.bytes_delivered += bytes;
+          local.rank_bytes_delivered[r] += bytes;
         }
       }
       auto t2 = std::chrono::steady_clock::now();
       local.read_seconds += std::chrono::duration<double>(t1 - t0).count();
       local.copy_seconds += std::chrono::duration<double>(t2 - t1).count();
+      if (options.progress_bytes) options.progress_bytes->fetch_add(rr.length);
       if (!s.ok()) {
         absl::MutexLock lock(&mu);
         if (first_error.ok()) first_error = s;
@@ -109,7 +137,11 @@ absl::StatusOr<LoadStats> ExecutePlan(const LoadPlan& plan, RangeSource& source,
     }
     absl::MutexLock lock(&mu);
     total.bytes_read += local.bytes_read;
+    total.bytes_from_cache += local.bytes_from_cache;
     total.bytes_delivered += local.bytes_delivered;
+    for (size_t r = 0; r < plan.ranks.size(); ++r) {
+      total.rank_bytes_delivered[r] += local.rank_bytes_delivered[r];
+    }
     total.checksums_verified += local.checksums_verified;
     total.read_seconds += local.read_seconds;
     total.copy_seconds += local.copy_seconds;
@@ -120,6 +152,8 @@ absl::StatusOr<LoadStats> ExecutePlan(const LoadPlan& plan, RangeSource& source,
   worker();
   for (auto& t : threads) t.join();
   if (!first_error.ok()) return first_error;
+  total.wall_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   return total;
 }
 

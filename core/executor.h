@@ -1,14 +1,17 @@
-// Executes a LoadPlan: reads each planned byte range once and copies every
-// rank's slices into the buffers the caller owns.
+// Executes a LoadPlan: fetches each planned byte range once and copies every
+// rank's slices into its destination.
 //
 // Reads run on a few threads; each read's copies run right after it on the
-// same thread while its bytes are hot in cache. Shards entirely inside a read
-// are checked against their XXH3 checksum. On any error nothing is reported
-// as loaded: the caller gets the error (naming file, tensor and rank).
+// same thread while its bytes are hot in cache. Checksum blocks entirely
+// inside a read from storage are verified before any byte of it is used. On
+// any error the caller gets the error (naming file, tensor and rank) and
+// must treat every destination as unfilled.
 #ifndef CKPTD_CORE_EXECUTOR_H_
 #define CKPTD_CORE_EXECUTOR_H_
 
+#include <atomic>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -22,19 +25,32 @@
 
 namespace ckpt {
 
+// Bytes of one planned read, valid while `pin` is held.
+struct RangeView {
+  const uint8_t* data = nullptr;
+  std::shared_ptr<const void> pin;  // keeps cached bytes alive; may be null
+  bool from_storage = true;         // false when served from a cache
+};
+
 // Where planned bytes come from. Implementations must be thread-safe.
 class RangeSource {
  public:
   virtual ~RangeSource() = default;
-  // Reads `n` bytes at `offset` of checkpoint file `file` into `dst`.
-  virtual absl::Status Read(const std::string& file, uint64_t offset, uint64_t n, void* dst) = 0;
+  // Returns `n` bytes at `offset` of checkpoint file `file`, either in
+  // `scratch` (resized as needed) or in memory the source owns. Bytes read
+  // from storage are passed to `verify` before they are kept or returned.
+  virtual absl::StatusOr<RangeView> Fetch(
+      const std::string& file, uint64_t offset, uint64_t n, std::vector<uint8_t>& scratch,
+      const std::function<absl::Status(const uint8_t*)>& verify) = 0;
 };
 
 // Reads files of one checkpoint directory with pread; opens each file once.
 class DirectorySource final : public RangeSource {
  public:
   explicit DirectorySource(std::string dir) : dir_(std::move(dir)) {}
-  absl::Status Read(const std::string& file, uint64_t offset, uint64_t n, void* dst) override;
+  absl::StatusOr<RangeView> Fetch(
+      const std::string& file, uint64_t offset, uint64_t n, std::vector<uint8_t>& scratch,
+      const std::function<absl::Status(const uint8_t*)>& verify) override;
 
  private:
   absl::StatusOr<const RandomAccessFile*> Get(const std::string& file);
@@ -43,21 +59,54 @@ class DirectorySource final : public RangeSource {
   absl::flat_hash_map<std::string, std::unique_ptr<RandomAccessFile>> files_ ABSL_GUARDED_BY(mu_);
 };
 
+// Where copies go. Implementations must be thread-safe across distinct
+// (rank, target) elements: copies never overlap in the destination.
+class Delivery {
+ public:
+  virtual ~Delivery() = default;
+  // Copies `op` of plan rank `rank_index` from `src` (the bytes of the
+  // op's source span). Returns the number of elements written.
+  virtual absl::StatusOr<int64_t> Copy(size_t rank_index, const RankPlan& rank, const CopyOp& op,
+                                       const uint8_t* src) = 0;
+};
+
+// Delivery into host memory: dests[i][j] is the buffer of plan.ranks[i]
+// target j (targets[j].num_bytes() bytes).
+class HostDelivery final : public Delivery {
+ public:
+  explicit HostDelivery(std::vector<std::vector<void*>> dests) : dests_(std::move(dests)) {}
+  absl::StatusOr<int64_t> Copy(size_t rank_index, const RankPlan& rank, const CopyOp& op,
+                               const uint8_t* src) override;
+  const std::vector<std::vector<void*>>& dests() const { return dests_; }
+
+ private:
+  std::vector<std::vector<void*>> dests_;
+};
+
 struct ExecuteOptions {
   int threads = 2;
   bool verify_checksums = true;
+  // Ranks (plan indices) whose copies are skipped, e.g. a client that left.
+  std::function<bool(size_t rank_index)> skip_rank;
+  // Bytes of reads completed so far, for progress reports.
+  std::atomic<uint64_t>* progress_bytes = nullptr;
 };
 
 struct LoadStats {
-  uint64_t bytes_read = 0;       // from the source (storage)
-  uint64_t bytes_delivered = 0;  // written into destination buffers
+  uint64_t bytes_read = 0;        // from storage
+  uint64_t bytes_from_cache = 0;  // served by the source from memory
+  uint64_t bytes_delivered = 0;   // written into destinations
+  std::vector<uint64_t> rank_bytes_delivered;  // per plan rank
   int64_t checksums_verified = 0;
   double read_seconds = 0;  // summed over threads
   double copy_seconds = 0;
+  double wall_seconds = 0;
 };
 
-// destinations[i][j] is the buffer of plan.ranks[i].targets[j]
-// (targets[j].num_bytes() bytes); it may be null for a missing key.
+absl::StatusOr<LoadStats> ExecutePlan(const LoadPlan& plan, RangeSource& source,
+                                      Delivery& delivery, const ExecuteOptions& options = {});
+
+// Convenience: host buffers.
 absl::StatusOr<LoadStats> ExecutePlan(const LoadPlan& plan, RangeSource& source,
                                       const std::vector<std::vector<void*>>& destinations,
                                       const ExecuteOptions& options = {});

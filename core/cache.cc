@@ -1,0 +1,253 @@
+#include "core/cache.h"
+
+#include <sys/stat.h>
+
+#include <cstring>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+
+namespace ckpt {
+
+struct HostCache::Pending {
+  HostCache* cache;
+  uint64_t n;
+  std::unique_ptr<uint8_t[]> data;
+  bool published = false;
+  ~Pending() {
+    if (!published) {
+      absl::MutexLock lock(&cache->mu_);
+      cache->used_ -= n;
+    }
+  }
+};
+
+struct HostCache::Entry {
+  std::string path;
+  FileStamp stamp;
+  uint64_t offset = 0;
+  uint64_t n = 0;
+  std::unique_ptr<uint8_t[]> data;
+  std::list<EntryPtr>::iterator lru;
+};
+
+namespace {
+
+FileStamp FromStat(const struct stat& st) {
+  FileStamp s;
+  s.dev = st.st_dev;
+  s.ino = st.st_ino;
+  s.size = static_cast<uint64_t>(st.st_size);
+  s.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+  return s;
+}
+
+}  // namespace
+
+absl::StatusOr<FileStamp> StatFile(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) {
+    std::string msg = absl::StrCat(path, ": stat: ", std::strerror(errno));
+    return errno == ENOENT ? absl::NotFoundError(msg) : absl::InternalError(msg);
+  }
+  return FromStat(st);
+}
+
+absl::StatusOr<FileStamp> StatFd(int fd, const std::string& path) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    return absl::InternalError(absl::StrCat(path, ": fstat: ", std::strerror(errno)));
+  }
+  return FromStat(st);
+}
+
+std::optional<RangeView> HostCache::Lookup(const std::string& path, const FileStamp& stamp,
+                                           uint64_t offset, uint64_t n) {
+  absl::MutexLock lock(&mu_);
+  auto fit = index_.find(path);
+  if (fit != index_.end()) {
+    auto it = fit->second.upper_bound(offset);
+    if (it != fit->second.begin()) {
+      --it;
+      const EntryPtr& e = it->second;
+      if (e->stamp == stamp && e->offset <= offset && offset + n <= e->offset + e->n) {
+        TouchLocked(e);
+        ++stats_.hits;
+        EntryPtr pin = e;
+        return RangeView{e->data.get() + (offset - e->offset), std::move(pin), false};
+      }
+    }
+  }
+  ++stats_.misses;
+  return std::nullopt;
+}
+
+void HostCache::TouchLocked(const EntryPtr& e) { lru_.splice(lru_.begin(), lru_, e->lru); }
+
+bool HostCache::EvictOneLocked() {
+  for (auto it = lru_.rbegin(); it != lru_.rend(); ++it) {
+    EntryPtr e = *it;
+    // index + lru + this copy hold 3 references; more means a load pins it.
+    if (e.use_count() > 3) continue;
+    auto& files = index_[e->path];
+    files.erase(e->offset);
+    if (files.empty()) index_.erase(e->path);
+    lru_.erase(e->lru);
+    used_ -= e->n;
+    --stats_.entries;
+    stats_.bytes -= e->n;
+    ++stats_.evictions;
+    return true;
+  }
+  return false;
+}
+
+std::shared_ptr<HostCache::Pending> HostCache::Reserve(uint64_t n) {
+  absl::MutexLock lock(&mu_);
+  if (n == 0 || n > budget_) return nullptr;
+  while (used_ + n > budget_) {
+    if (!EvictOneLocked()) return nullptr;
+  }
+  used_ += n;
+  auto p = std::make_shared<Pending>();
+  p->cache = this;
+  p->n = n;
+  // Allocation happens outside the lock below.
+  return p;
+}
+
+uint8_t* HostCache::PendingData(const std::shared_ptr<Pending>& p) {
+  if (!p->data) p->data.reset(new uint8_t[p->n]);
+  return p->data.get();
+}
+
+RangeView HostCache::Publish(std::shared_ptr<Pending> p, const std::string& path,
+                             const FileStamp& stamp, uint64_t offset) {
+  auto e = std::make_shared<Entry>();
+  e->path = path;
+  e->stamp = stamp;
+  e->offset = offset;
+  e->n = p->n;
+  e->data = std::move(p->data);
+  p->published = true;
+  absl::MutexLock lock(&mu_);
+  auto& files = index_[path];
+  auto old = files.find(offset);
+  if (old != files.end()) {  // replace a stale or shorter entry at the same offset
+    EntryPtr o = old->second;
+    lru_.erase(o->lru);
+    files.erase(old);
+    used_ -= o->n;
+    --stats_.entries;
+    stats_.bytes -= o->n;
+  }
+  lru_.push_front(e);
+  e->lru = lru_.begin();
+  files.emplace(offset, e);
+  ++stats_.entries;
+  stats_.bytes += e->n;
+  return RangeView{e->data.get(), e, false};
+}
+
+std::pair<uint64_t, uint64_t> HostCache::EvictPrefix(const std::string& prefix) {
+  absl::MutexLock lock(&mu_);
+  uint64_t bytes = 0, entries = 0;
+  for (auto it = index_.begin(); it != index_.end();) {
+    if (!absl::StartsWith(it->first, prefix)) {
+      ++it;
+      continue;
+    }
+    for (auto& [off, e] : it->second) {
+      lru_.erase(e->lru);
+      used_ -= e->n;
+      bytes += e->n;
+      ++entries;
+      --stats_.entries;
+      stats_.bytes -= e->n;
+      ++stats_.evictions;
+    }
+    it = index_.erase(it);
+  }
+  return {bytes, entries};
+}
+
+CacheStats HostCache::stats() const {
+  absl::MutexLock lock(&mu_);
+  CacheStats s = stats_;
+  s.budget_bytes = budget_;
+  return s;
+}
+
+std::map<std::string, std::pair<uint64_t, uint64_t>> HostCache::Files() const {
+  absl::MutexLock lock(&mu_);
+  std::map<std::string, std::pair<uint64_t, uint64_t>> out;
+  for (const auto& [path, entries] : index_) {
+    for (const auto& [off, e] : entries) {
+      out[path].first += e->n;
+      ++out[path].second;
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<const RandomAccessFile*> CachingSource::Get(const std::string& file) {
+  absl::MutexLock lock(&mu_);
+  auto it = files_.find(file);
+  if (it != files_.end()) return it->second.get();
+  const std::string path = JoinPath(dir_, file);
+  CKPT_ASSIGN_OR_RETURN(auto f, OpenFile(path));
+  CKPT_ASSIGN_OR_RETURN(FileStamp now, StatFile(path));
+  auto want = stamps_.find(file);
+  if (want != stamps_.end() && want->second != now) {
+    return absl::AbortedError(absl::StrCat(
+        path, ": file changed since the checkpoint was opened (size/mtime/inode differ)"));
+  }
+  const RandomAccessFile* p = f.get();
+  files_.emplace(file, std::move(f));
+  return p;
+}
+
+absl::Status CachingSource::CheckUnchanged(const std::string& file) {
+  const std::string path = JoinPath(dir_, file);
+  auto now = StatFile(path);
+  if (!now.ok()) {
+    return absl::AbortedError(absl::StrCat(path, ": file vanished during the load"));
+  }
+  auto want = stamps_.find(file);
+  if (want != stamps_.end() && want->second != *now) {
+    return absl::AbortedError(absl::StrCat(path, ": file changed during the load"));
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<RangeView> CachingSource::Fetch(
+    const std::string& file, uint64_t offset, uint64_t n, std::vector<uint8_t>& scratch,
+    const std::function<absl::Status(const uint8_t*)>& verify) {
+  const std::string path = JoinPath(dir_, file);
+  auto stamp_it = stamps_.find(file);
+  if (stamp_it == stamps_.end()) {
+    return absl::InternalError(absl::StrCat(path, ": no file stamp for a planned read"));
+  }
+  // Opening checks the file still has the stamp the plan was made against,
+  // so even cache hits never outlive a rewritten file.
+  CKPT_ASSIGN_OR_RETURN(const RandomAccessFile* f, Get(file));
+  if (auto hit = cache_->Lookup(path, stamp_it->second, offset, n)) return *hit;
+  auto pending = cache_->Reserve(n);
+  uint8_t* dst;
+  if (pending) {
+    dst = cache_->PendingData(pending);
+  } else {
+    if (scratch.size() < n) scratch.resize(n);
+    dst = scratch.data();
+  }
+  CKPT_RETURN_IF_ERROR(f->Read(offset, n, dst));
+  CKPT_RETURN_IF_ERROR(CheckUnchanged(file));
+  if (verify) CKPT_RETURN_IF_ERROR(verify(dst));
+  if (!pending) return RangeView{dst, nullptr, true};
+  RangeView v = cache_->Publish(std::move(pending), path, stamp_it->second, offset);
+  v.from_storage = true;
+  return v;
+}
+
+}  // namespace ckpt

@@ -1,0 +1,122 @@
+// HostCache: checkpoint bytes kept in host memory across loads, within a
+// byte budget, evicted least-recently-used first. Entries that a load is
+// using (pinned through a RangeView) are never evicted.
+//
+// Entries are keyed by file path + FileStamp (device, inode, size, mtime),
+// so a file that is rewritten or replaced never serves stale bytes: its new
+// stamp misses and the old entries age out (or Evict drops them).
+//
+// Thread-safe.
+#ifndef CKPTD_CORE_CACHE_H_
+#define CKPTD_CORE_CACHE_H_
+
+#include <cstdint>
+#include <list>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "core/executor.h"
+
+namespace ckpt {
+
+struct FileStamp {
+  uint64_t dev = 0;
+  uint64_t ino = 0;
+  uint64_t size = 0;
+  int64_t mtime_ns = 0;
+  bool operator==(const FileStamp& o) const {
+    return dev == o.dev && ino == o.ino && size == o.size && mtime_ns == o.mtime_ns;
+  }
+  bool operator!=(const FileStamp& o) const { return !(*this == o); }
+};
+
+absl::StatusOr<FileStamp> StatFile(const std::string& path);
+absl::StatusOr<FileStamp> StatFd(int fd, const std::string& path);
+
+struct CacheStats {
+  uint64_t budget_bytes = 0;
+  uint64_t bytes = 0;
+  uint64_t entries = 0;
+  uint64_t hits = 0;
+  uint64_t misses = 0;
+  uint64_t evictions = 0;
+};
+
+class HostCache {
+ public:
+  explicit HostCache(uint64_t budget_bytes) : budget_(budget_bytes) {}
+  HostCache(const HostCache&) = delete;
+  HostCache& operator=(const HostCache&) = delete;
+
+  // Bytes [offset, offset + n) of `path` at `stamp`, pinned, if an entry
+  // holds all of them.
+  std::optional<RangeView> Lookup(const std::string& path, const FileStamp& stamp, uint64_t offset,
+                                  uint64_t n);
+
+  // Reserves room for an entry of `n` bytes, evicting unpinned entries as
+  // needed. Returns nullptr when `n` cannot fit beside the pinned entries.
+  // Fill the buffer, then Publish it (or drop it to give the room back).
+  struct Pending;
+  std::shared_ptr<Pending> Reserve(uint64_t n);
+  uint8_t* PendingData(const std::shared_ptr<Pending>& p);
+  RangeView Publish(std::shared_ptr<Pending> p, const std::string& path, const FileStamp& stamp,
+                    uint64_t offset);
+
+  // Drops every unpinned entry whose path starts with `prefix` (pinned ones
+  // are dropped from the index and freed when released). Returns bytes freed.
+  std::pair<uint64_t, uint64_t> EvictPrefix(const std::string& prefix);
+
+  CacheStats stats() const;
+  // Bytes and entries per cached file path.
+  std::map<std::string, std::pair<uint64_t, uint64_t>> Files() const;
+
+ private:
+  struct Entry;
+  using EntryPtr = std::shared_ptr<Entry>;
+  bool EvictOneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void TouchLocked(const EntryPtr& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const uint64_t budget_;
+  mutable absl::Mutex mu_;
+  // Bytes of published entries plus reservations.
+  uint64_t used_ ABSL_GUARDED_BY(mu_) = 0;
+  // path -> (offset -> entry) for published entries.
+  std::map<std::string, std::map<uint64_t, EntryPtr>> index_ ABSL_GUARDED_BY(mu_);
+  std::list<EntryPtr> lru_ ABSL_GUARDED_BY(mu_);  // front = most recent
+  CacheStats stats_ ABSL_GUARDED_BY(mu_);
+};
+
+// A RangeSource for one checkpoint directory that serves from a HostCache
+// and reads misses from storage into it. Every file's identity is checked
+// against `stamps` (taken when the checkpoint's metadata was validated)
+// before and after reading, so a file that changes or vanishes fails the
+// load instead of delivering stale bytes.
+class CachingSource final : public RangeSource {
+ public:
+  CachingSource(std::string dir, HostCache* cache, std::map<std::string, FileStamp> stamps)
+      : dir_(std::move(dir)), cache_(cache), stamps_(std::move(stamps)) {}
+
+  absl::StatusOr<RangeView> Fetch(
+      const std::string& file, uint64_t offset, uint64_t n, std::vector<uint8_t>& scratch,
+      const std::function<absl::Status(const uint8_t*)>& verify) override;
+
+ private:
+  absl::StatusOr<const RandomAccessFile*> Get(const std::string& file);
+  absl::Status CheckUnchanged(const std::string& file);
+
+  const std::string dir_;
+  HostCache* const cache_;
+  const std::map<std::string, FileStamp> stamps_;
+  absl::Mutex mu_;
+  absl::flat_hash_map<std::string, std::unique_ptr<RandomAccessFile>> files_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace ckpt
+
+#endif  // CKPTD_CORE_CACHE_H_

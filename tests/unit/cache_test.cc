@@ -1,0 +1,99 @@
+#include "core/cache.h"
+
+#include <fstream>
+#include <numeric>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/testing/temp_dir.h"
+
+namespace ckpt {
+namespace {
+
+using ::testing::HasSubstr;
+
+RangeView Put(HostCache& c, const std::string& path, uint64_t off, uint64_t n, uint8_t fill) {
+  auto p = c.Reserve(n);
+  EXPECT_NE(p, nullptr);
+  std::memset(c.PendingData(p), fill, n);
+  return c.Publish(std::move(p), path, FileStamp{1, 2, 3, 4}, off);
+}
+
+TEST(HostCache, HitsContainedRangesAndEvictsLru) {
+  HostCache c(300);
+  FileStamp st{1, 2, 3, 4};
+  Put(c, "/a", 0, 100, 1);
+  Put(c, "/b", 0, 100, 2);
+  auto hit = c.Lookup("/a", st, 10, 50);
+  ASSERT_TRUE(hit.has_value());
+  EXPECT_EQ(hit->data[0], 1);
+  EXPECT_FALSE(c.Lookup("/a", st, 50, 60).has_value());   // not contained
+  EXPECT_FALSE(c.Lookup("/a", FileStamp{1, 2, 3, 5}, 0, 10).has_value());  // stale stamp
+  hit.reset();
+  Put(c, "/c", 0, 100, 3);
+  Put(c, "/d", 0, 100, 4);  // evicts /b (least recent; /a was touched)
+  EXPECT_TRUE(c.Lookup("/a", st, 0, 100).has_value());
+  EXPECT_FALSE(c.Lookup("/b", st, 0, 100).has_value());
+  CacheStats s = c.stats();
+  EXPECT_EQ(s.bytes, 300u);
+  EXPECT_EQ(s.evictions, 1u);
+}
+
+TEST(HostCache, PinnedEntriesAreNeverEvicted) {
+  HostCache c(200);
+  FileStamp st{1, 2, 3, 4};
+  RangeView a = Put(c, "/a", 0, 100, 1);
+  RangeView b = Put(c, "/b", 0, 100, 2);
+  EXPECT_EQ(c.Reserve(50), nullptr);  // both pinned
+  b = RangeView{};
+  auto p = c.Reserve(50);
+  ASSERT_NE(p, nullptr);  // /b evicted
+  EXPECT_EQ(a.data[99], 1);
+  EXPECT_FALSE(c.Lookup("/b", st, 0, 1).has_value());
+  p.reset();  // unpublished reservation returns its room
+  EXPECT_EQ(c.stats().bytes, 100u);
+  EXPECT_NE(c.Reserve(100), nullptr);
+}
+
+TEST(HostCache, EvictPrefix) {
+  HostCache c(1000);
+  Put(c, "/ck/x/0.st", 0, 10, 1);
+  Put(c, "/ck/x/1.st", 0, 10, 1);
+  Put(c, "/ck/y/0.st", 0, 10, 1);
+  auto [bytes, entries] = c.EvictPrefix("/ck/x/");
+  EXPECT_EQ(bytes, 20u);
+  EXPECT_EQ(entries, 2u);
+  EXPECT_EQ(c.Files().size(), 1u);
+}
+
+TEST(CachingSource, DetectsChangedFiles) {
+  testing::TempDir tmp;
+  {
+    std::ofstream f(tmp.Sub("d.bin"));
+    f << std::string(64, 'a');
+  }
+  auto stamp = StatFile(tmp.Sub("d.bin"));
+  ASSERT_TRUE(stamp.ok());
+  HostCache cache(1 << 20);
+  std::vector<uint8_t> scratch;
+  {
+    CachingSource src(tmp.path(), &cache, {{"d.bin", *stamp}});
+    auto v = src.Fetch("d.bin", 0, 64, scratch, nullptr);
+    ASSERT_TRUE(v.ok()) << v.status();
+    EXPECT_TRUE(v->from_storage);
+    auto again = src.Fetch("d.bin", 8, 8, scratch, nullptr);
+    ASSERT_TRUE(again.ok());
+    EXPECT_FALSE(again->from_storage);
+  }
+  {
+    std::ofstream f(tmp.Sub("d.bin"), std::ios::app);
+    f << "more";
+  }
+  CachingSource src(tmp.path(), &cache, {{"d.bin", *stamp}});
+  auto v = src.Fetch("d.bin", 0, 8, scratch, nullptr);
+  ASSERT_FALSE(v.ok());
+  EXPECT_THAT(std::string(v.status().message()), HasSubstr("d.bin: file changed"));
+}
+
+}  // namespace
+}  // namespace ckpt
