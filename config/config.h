@@ -1,0 +1,46 @@
+// ckptd's configuration: YAML (yaml-cpp) with a default for every key.
+// Unknown keys and bad values are errors that name the key. See
+// config/ckptd.yaml for the documented example and README "Configuration".
+#ifndef CKPTD_CONFIG_CONFIG_H_
+#define CKPTD_CONFIG_CONFIG_H_
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+
+namespace ckptd {
+
+struct DaemonConfig {
+  std::string socket = "/run/ckptd/ckptd.sock";  // gRPC Unix socket
+  uint32_t socket_mode = 0660;
+  std::string tcp_address;  // "host:port"; empty: no TCP listener
+  std::vector<std::string> roots;  // checkpoints outside these are refused
+  uint64_t cache_budget = 4ull << 30;  // bytes of checkpoint data kept in memory
+  int io_threads = 2;
+  uint64_t io_request_size = 64ull << 20;  // largest single read
+  absl::Duration barrier_timeout = absl::Seconds(120);
+  absl::Duration load_timeout = absl::Minutes(30);  // one job's plan + read + copy
+  absl::Duration drain_timeout = absl::Seconds(30);  // SIGTERM: wait for loads
+  std::string log_level = "info";  // trace debug info warn error
+};
+
+// Parses YAML text; `source` names it in errors.
+absl::StatusOr<DaemonConfig> ParseConfig(const std::string& yaml, const std::string& source);
+absl::StatusOr<DaemonConfig> LoadConfigFile(const std::string& path);
+
+// Checks cross-key rules (roots present and absolute, threads > 0, ...).
+absl::Status ValidateConfig(const DaemonConfig& config);
+
+// "64MiB", "4GiB", "1000" (bytes), "1.5GB".
+absl::StatusOr<uint64_t> ParseBytes(const std::string& text);
+// "120s", "500ms", "2m", "1h", "30" (seconds).
+absl::StatusOr<absl::Duration> ParseDuration(const std::string& text);
+
+std::string ConfigToYaml(const DaemonConfig& config);
+
+}  // namespace ckptd
+
+#endif  // CKPTD_CONFIG_CONFIG_H_

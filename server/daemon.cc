@@ -1,0 +1,713 @@
+#include "server/daemon.h"
+
+#include <fcntl.h>
+#include <stdlib.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/executor.h"
+#include "core/file.h"
+#include "core/status_macros.h"
+
+namespace ckptd {
+
+using ckpt::Box;
+using ckpt::DType;
+using ckpt::TargetTensor;
+
+namespace {
+
+double Seconds(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+ckpt::Shape ToShape(const google::protobuf::RepeatedField<int64_t>& r) {
+  return ckpt::Shape(r.begin(), r.end());
+}
+
+// A Delivery that never copies (prefetch only warms the cache).
+class NoDelivery final : public ckpt::Delivery {
+ public:
+  absl::StatusOr<int64_t> Copy(size_t, const ckpt::RankPlan&, const ckpt::CopyOp& op,
+                               const uint8_t*) override {
+    return op.elements;
+  }
+};
+
+}  // namespace
+
+// --- MappedSegment -----------------------------------------------------------
+
+absl::StatusOr<std::unique_ptr<MappedSegment>> MappedSegment::Map(int fd, uint64_t size,
+                                                                  const std::string& what) {
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    ::close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(what, ": fstat: ", std::strerror(errno)));
+  }
+  if (static_cast<uint64_t>(st.st_size) < size) {
+    ::close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(what, " holds ", st.st_size,
+                                                   " bytes but the request declares ", size));
+  }
+  if (size == 0) {
+    ::close(fd);
+    return std::unique_ptr<MappedSegment>(new MappedSegment(nullptr, 0));
+  }
+  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  ::close(fd);
+  if (p == MAP_FAILED) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": mmap: ", std::strerror(errno)));
+  }
+  return std::unique_ptr<MappedSegment>(new MappedSegment(static_cast<uint8_t*>(p), size));
+}
+
+MappedSegment::~MappedSegment() {
+  if (data_ != nullptr) ::munmap(data_, size_);
+}
+
+// --- Jobs ------------------------------------------------------------------
+
+struct Daemon::RankSlot {
+  v1::LoadRequest request;
+  ckpt::RankTargets targets;
+  std::unique_ptr<MappedSegment> segment;              // shm destination
+  std::vector<std::vector<uint8_t>> stream_buffers;    // stream destination
+  std::function<bool()> cancelled;
+  absl::Time registered;
+  std::chrono::steady_clock::time_point start;
+  bool done = false;  // guarded by Daemon::mu_
+  absl::Status status;
+  v1::LoadResult result;
+};
+
+struct Daemon::Job {
+  enum class State { kWaiting, kRunning, kFinished };
+  std::string id;
+  std::string path;
+  std::optional<int64_t> unique_id;
+  int world_size = 0;
+  std::set<int> expected;
+  std::map<int, std::shared_ptr<RankSlot>> slots;
+  State state = State::kWaiting;
+  std::string phase = "waiting for ranks";
+  std::atomic<uint64_t> progress{0};
+  std::atomic<uint64_t> total{0};
+};
+
+Daemon::Daemon(DaemonConfig config)
+    : config_(std::move(config)), started_(absl::Now()), cache_(config_.cache_budget) {}
+
+Daemon::~Daemon() { Stop(); }
+
+absl::Status Daemon::Start() {
+  if (!config_.socket.empty()) {
+    CKPT_ASSIGN_OR_RETURN(fd_receiver_, FdReceiver::Start(FdSocketPath(config_.socket),
+                                                          config_.socket_mode,
+                                                          config_.barrier_timeout +
+                                                              absl::Minutes(1)));
+  }
+  return absl::OkStatus();
+}
+
+void Daemon::Stop() {
+  if (fd_receiver_) fd_receiver_->Stop();
+}
+
+absl::StatusOr<std::string> Daemon::ResolvePath(const std::string& path) const {
+  if (path.empty()) return absl::InvalidArgumentError("checkpoint path is empty");
+  char buf[PATH_MAX];
+  if (::realpath(path.c_str(), buf) == nullptr) {
+    std::string msg = absl::StrCat(path, ": ", std::strerror(errno));
+    return errno == ENOENT ? absl::NotFoundError(msg) : absl::InvalidArgumentError(msg);
+  }
+  std::string real = buf;
+  for (const std::string& root : config_.roots) {
+    char rb[PATH_MAX];
+    std::string r = ::realpath(root.c_str(), rb) != nullptr ? std::string(rb) : root;
+    if (real == r || absl::StartsWith(real, r == "/" ? r : r + "/")) return real;
+  }
+  return absl::PermissionDeniedError(absl::StrCat(
+      path, " (", real, ") is outside the checkpoint roots this daemon serves (",
+      absl::StrJoin(config_.roots, ", "), ")"));
+}
+
+absl::StatusOr<std::shared_ptr<const Daemon::OpenedCheckpoint>> Daemon::OpenCached(
+    const std::string& dir, std::optional<int64_t> unique_id) {
+  const auto key = std::make_pair(dir, unique_id.value_or(-1));
+  {
+    absl::MutexLock lock(&meta_mu_);
+    auto it = meta_cache_.find(key);
+    if (it != meta_cache_.end()) {
+      bool fresh = true;
+      for (const auto& [path, stamp] : it->second->watched) {
+        auto now = ckpt::StatFile(path);
+        if (!now.ok() || *now != stamp) {
+          fresh = false;
+          break;
+        }
+      }
+      for (const auto& [file, stamp] : it->second->stamps) {
+        if (!fresh) break;
+        auto now = ckpt::StatFile(ckpt::JoinPath(dir, file));
+        if (!now.ok() || *now != stamp) fresh = false;
+      }
+      if (fresh) return it->second;
+      meta_cache_.erase(it);
+      spdlog::info("metadata of {} changed on disk; reopening", dir);
+    }
+  }
+  auto opened = std::make_shared<OpenedCheckpoint>();
+  // Stamp the directory first: a change racing with the open invalidates.
+  CKPT_ASSIGN_OR_RETURN(opened->watched[dir], ckpt::StatFile(dir));
+  ckpt::OpenOptions oo;
+  oo.unique_id = unique_id;
+  CKPT_ASSIGN_OR_RETURN(opened->checkpoint, ckpt::OpenCheckpoint(dir, oo));
+  if (!opened->checkpoint.metadata_file.empty()) {
+    const std::string mp = ckpt::JoinPath(dir, opened->checkpoint.metadata_file);
+    CKPT_ASSIGN_OR_RETURN(opened->watched[mp], ckpt::StatFile(mp));
+  }
+  const std::string index = ckpt::JoinPath(dir, "model.safetensors.index.json");
+  if (auto st = ckpt::StatFile(index); st.ok()) opened->watched[index] = *st;
+  for (const std::string& f : opened->checkpoint.data_files) {
+    CKPT_ASSIGN_OR_RETURN(opened->stamps[f], ckpt::StatFile(ckpt::JoinPath(dir, f)));
+  }
+  absl::MutexLock lock(&meta_mu_);
+  meta_cache_[key] = opened;
+  return std::shared_ptr<const OpenedCheckpoint>(opened);
+}
+
+absl::StatusOr<v1::InspectResponse> Daemon::Inspect(const v1::InspectRequest& request) {
+  CKPT_ASSIGN_OR_RETURN(std::string dir, ResolvePath(request.path()));
+  std::optional<int64_t> uid;
+  if (request.has_unique_id()) uid = request.unique_id();
+  CKPT_ASSIGN_OR_RETURN(auto opened, OpenCached(dir, uid));
+  const ckpt::Checkpoint& c = opened->checkpoint;
+  v1::InspectResponse resp;
+  resp.set_path(c.dir);
+  resp.set_format(ckpt::FormatName(c.format));
+  if (c.unique_id) resp.set_unique_id(*c.unique_id);
+  for (int64_t v : c.versions) resp.add_versions(v);
+  uint64_t total = 0;
+  for (const auto& [name, t] : c.metadata.tensors) {
+    v1::TensorInfo* ti = resp.add_tensors();
+    ti->set_name(name);
+    ti->set_dtype(std::string(ckpt::DTypeName(t.dtype)));
+    for (int64_t d : t.global_shape) ti->add_global_shape(d);
+    uint64_t bytes = 0;
+    for (const ckpt::ShardMeta& s : t.shards) {
+      v1::ShardInfo* si = ti->add_shards();
+      si->set_file(s.file);
+      for (int64_t d : s.box.offset) si->add_offset(d);
+      for (int64_t d : s.box.shape) si->add_shape(d);
+      si->set_dtype(std::string(ckpt::DTypeName(s.dtype)));
+      if (s.flat_range) {
+        si->mutable_flat_range()->set_begin(s.flat_range->begin);
+        si->mutable_flat_range()->set_end(s.flat_range->end);
+      }
+      si->set_replica_id(s.replica_id);
+      si->set_data_offset(s.data_offset);
+      si->set_nbytes(s.nbytes);
+      if (s.replica_id == 0) bytes += s.nbytes;
+      (*resp.mutable_files())[s.file] += s.nbytes;
+    }
+    ti->set_bytes(bytes);
+    total += bytes;
+  }
+  resp.set_total_bytes(total);
+  return resp;
+}
+
+absl::StatusOr<std::shared_ptr<Daemon::RankSlot>> Daemon::PrepareSlot(
+    const v1::LoadRequest& req) {
+  const std::string who = absl::StrCat("job '", req.job_id(), "' rank ", req.rank());
+  if (req.job_id().empty()) return absl::InvalidArgumentError("Load: job_id is empty");
+  if (req.world_size() < 1 || req.world_size() > (1 << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat(who, ": world_size ", req.world_size(),
+                                                   " is not in [1, 2^20]"));
+  }
+  if (req.rank() < 0 || req.rank() >= req.world_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, ": rank is outside world_size ", req.world_size()));
+  }
+  for (int r : req.node_ranks()) {
+    if (r < 0 || r >= req.world_size()) {
+      return absl::InvalidArgumentError(absl::StrCat(who, ": node_ranks entry ", r,
+                                                     " is outside world_size ", req.world_size()));
+    }
+  }
+  auto slot = std::make_shared<RankSlot>();
+  slot->request = req;
+  slot->targets.rank = req.rank();
+  for (const v1::Target& t : req.targets()) {
+    TargetTensor tt;
+    tt.name = t.name();
+    auto dt = ckpt::ParseDType(t.dtype());
+    if (!dt.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(who, " tensor '", t.name(), "': ", dt.status().message()));
+    }
+    tt.dtype = *dt;
+    tt.global_shape = ToShape(t.global_shape());
+    tt.box = Box{ToShape(t.offset()), ToShape(t.shape())};
+    if (t.has_flat_range()) tt.flat_range = ckpt::FlatRange{t.flat_range().begin(), t.flat_range().end()};
+    CKPT_RETURN_IF_ERROR(ckpt::Annotate(ckpt::ValidateTarget(req.rank(), tt),
+                                        absl::StrCat("job '", req.job_id(), "'")));
+    slot->targets.tensors.push_back(std::move(tt));
+  }
+  if (req.has_shm()) {
+    const v1::ShmDestination& shm = req.shm();
+    int fd = -1;
+    std::string what;
+    if (!shm.fd_token().empty()) {
+      if (!fd_receiver_) return absl::FailedPreconditionError("this daemon has no fd socket");
+      CKPT_ASSIGN_OR_RETURN(fd, fd_receiver_->Take(shm.fd_token()));
+      what = absl::StrCat(who, ": shm segment (memfd)");
+    } else if (!shm.name().empty()) {
+      if (!ckpt::IsPlainFileName(shm.name())) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(who, ": shm name '", shm.name(), "' must be a plain name in /dev/shm"));
+      }
+      const std::string p = "/dev/shm/" + shm.name();
+      fd = ::open(p.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
+      if (fd < 0) {
+        return absl::InvalidArgumentError(
+            absl::StrCat(who, ": cannot open shm segment ", p, ": ", std::strerror(errno)));
+      }
+      what = absl::StrCat(who, ": shm segment ", p);
+    } else {
+      return absl::InvalidArgumentError(absl::StrCat(who, ": shm destination needs fd_token or name"));
+    }
+    CKPT_ASSIGN_OR_RETURN(slot->segment, MappedSegment::Map(fd, shm.size(), what));
+    // Every target inside the segment, and no two overlapping.
+    std::vector<std::pair<uint64_t, uint64_t>> ranges;
+    for (int i = 0; i < req.targets_size(); ++i) {
+      const uint64_t off = req.targets(i).dest_offset();
+      const uint64_t n = slot->targets.tensors[i].num_bytes();
+      if (off > shm.size() || n > shm.size() - off) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            who, " tensor '", req.targets(i).name(), "' needs segment bytes [", off, ", ", off + n,
+            ") but the segment is ", shm.size(), " bytes (segment too small)"));
+      }
+      if (n > 0) ranges.push_back({off, off + n});
+    }
+    std::sort(ranges.begin(), ranges.end());
+    for (size_t i = 1; i < ranges.size(); ++i) {
+      if (ranges[i].first < ranges[i - 1].second) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            who, ": two targets overlap in the segment at byte ", ranges[i].first));
+      }
+    }
+  } else if (!req.has_stream()) {
+    return absl::InvalidArgumentError(absl::StrCat(who, ": no destination (shm or stream)"));
+  }
+  return slot;
+}
+
+void Daemon::FailJobLocked(Job& job, const absl::Status& status) {
+  for (auto& [r, slot] : job.slots) {
+    if (!slot->done) {
+      slot->status = status;
+      slot->done = true;
+    }
+  }
+  job.state = Job::State::kFinished;
+  auto it = jobs_.find(job.id);
+  if (it != jobs_.end() && it->second.get() == &job) jobs_.erase(it);
+}
+
+absl::Status Daemon::Load(const v1::LoadRequest& request,
+                          const std::function<bool(const v1::LoadEvent&)>& send,
+                          const std::function<bool()>& cancelled) {
+  ++loads_started_;
+  auto fail = [&](absl::Status s) {
+    ++loads_failed_;
+    spdlog::warn("load job={} rank={} path={} failed: {}", request.job_id(), request.rank(),
+                 request.path(), s.ToString());
+    return s;
+  };
+  auto resolved = ResolvePath(request.path());
+  if (!resolved.ok()) return fail(resolved.status());
+  auto prepared = PrepareSlot(request);
+  if (!prepared.ok()) return fail(prepared.status());
+  std::shared_ptr<RankSlot> slot = *prepared;
+  slot->cancelled = cancelled;
+  slot->registered = absl::Now();
+  slot->start = std::chrono::steady_clock::now();
+  std::optional<int64_t> uid;
+  if (request.has_unique_id()) uid = request.unique_id();
+
+  std::shared_ptr<Job> job;
+  bool runner = false;
+  size_t registered = 0, expected = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = jobs_.find(request.job_id());
+    if (it != jobs_.end() && it->second->state == Job::State::kRunning) {
+      return fail(absl::FailedPreconditionError(absl::StrCat(
+          "job '", request.job_id(), "' is already loading; rank ", request.rank(),
+          " came too late (use a new job_id for a new load)")));
+    }
+    if (it == jobs_.end()) {
+      job = std::make_shared<Job>();
+      job->id = request.job_id();
+      job->path = *resolved;
+      job->unique_id = uid;
+      job->world_size = request.world_size();
+      if (request.node_ranks().empty()) {
+        for (int r = 0; r < request.world_size(); ++r) job->expected.insert(r);
+      } else {
+        job->expected.insert(request.node_ranks().begin(), request.node_ranks().end());
+      }
+      jobs_[job->id] = job;
+    } else {
+      job = it->second;
+      std::string mismatch;
+      if (job->path != *resolved) {
+        mismatch = absl::StrCat("checkpoint ", *resolved, " vs ", job->path);
+      } else if (job->unique_id != uid) {
+        mismatch = "unique_id";
+      } else if (job->world_size != request.world_size()) {
+        mismatch = absl::StrCat("world_size ", request.world_size(), " vs ", job->world_size);
+      }
+      if (!mismatch.empty()) {
+        return fail(absl::InvalidArgumentError(
+            absl::StrCat("job '", job->id, "' rank ", request.rank(),
+                         " disagrees with the ranks already registered: ", mismatch)));
+      }
+    }
+    if (!job->expected.count(request.rank())) {
+      return fail(absl::InvalidArgumentError(absl::StrCat(
+          "job '", job->id, "' rank ", request.rank(), " is not among the ranks of this node")));
+    }
+    if (job->slots.count(request.rank())) {
+      return fail(absl::AlreadyExistsError(absl::StrCat(
+          "job '", job->id, "' rank ", request.rank(), " is already registered")));
+    }
+    job->slots[request.rank()] = slot;
+    registered = job->slots.size();
+    expected = job->expected.size();
+    if (registered == expected) {
+      job->state = Job::State::kRunning;
+      job->phase = "planning";
+      runner = true;
+    }
+  }
+  {
+    v1::LoadEvent ev;
+    ev.set_progress(absl::StrCat("registered rank ", request.rank(), " (", registered, " of ",
+                                 expected, " ranks of job '", request.job_id(), "')"));
+    send(ev);
+  }
+
+  absl::Duration barrier = request.barrier_timeout_ms() > 0
+                               ? absl::Milliseconds(request.barrier_timeout_ms())
+                               : config_.barrier_timeout;
+  const absl::Time deadline = slot->registered + barrier;
+  if (runner) {
+    RunJob(job);
+  } else {
+    std::string last_phase;
+    uint64_t last_progress = 0;
+    while (true) {
+      std::string phase;
+      uint64_t progress = 0, total = 0;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.AwaitWithTimeout(absl::Condition(&slot->done), absl::Milliseconds(100));
+        if (slot->done) break;
+        if (job->state == Job::State::kWaiting) {
+          if (cancelled()) {
+            job->slots.erase(request.rank());
+            if (job->slots.empty()) {
+              auto it = jobs_.find(job->id);
+              if (it != jobs_.end() && it->second == job) jobs_.erase(it);
+            }
+            return fail(absl::CancelledError(absl::StrCat(
+                "job '", job->id, "' rank ", request.rank(), ": client went away while waiting")));
+          }
+          if (absl::Now() >= deadline) {
+            std::vector<int> missing;
+            for (int r : job->expected) {
+              if (!job->slots.count(r)) missing.push_back(r);
+            }
+            FailJobLocked(*job, absl::DeadlineExceededError(absl::StrCat(
+                                    "job '", job->id, "': ranks ", absl::StrJoin(missing, ","),
+                                    " never registered within ", absl::FormatDuration(barrier),
+                                    " (", job->slots.size(), " of ", job->expected.size(),
+                                    " ranks came)")));
+            break;
+          }
+        }
+        phase = job->phase;
+        progress = job->progress.load();
+        total = job->total.load();
+      }
+      if (phase != last_phase || progress != last_progress) {
+        v1::LoadEvent ev;
+        ev.set_progress(phase);
+        ev.set_bytes_done(progress);
+        ev.set_bytes_total(total);
+        if (!send(ev) && !cancelled()) {
+          // Keep waiting: the final status still goes out.
+        }
+        last_phase = phase;
+        last_progress = progress;
+      }
+    }
+  }
+
+  absl::Status status;
+  v1::LoadResult result;
+  {
+    absl::MutexLock lock(&mu_);
+    status = slot->status;
+    result = slot->result;
+  }
+  if (!status.ok()) return fail(status);
+  if (cancelled()) return fail(absl::CancelledError("client went away"));
+  result.mutable_timings()->set_total_s(Seconds(slot->start));
+  if (request.has_stream()) {
+    uint64_t chunk = request.stream().chunk_bytes() ? request.stream().chunk_bytes() : (4u << 20);
+    chunk = std::min<uint64_t>(std::max<uint64_t>(chunk, 4096), 64u << 20);
+    for (size_t t = 0; t < slot->stream_buffers.size(); ++t) {
+      const auto& buf = slot->stream_buffers[t];
+      for (uint64_t off = 0; off < buf.size(); off += chunk) {
+        v1::LoadEvent ev;
+        v1::StreamChunk* c = ev.mutable_data();
+        c->set_target(static_cast<uint32_t>(t));
+        c->set_offset(off);
+        c->set_data(buf.data() + off, std::min<uint64_t>(chunk, buf.size() - off));
+        if (!send(ev)) return fail(absl::CancelledError("client went away during streaming"));
+      }
+    }
+  }
+  v1::LoadEvent done;
+  *done.mutable_result() = result;
+  send(done);
+  ++loads_succeeded_;
+  bytes_delivered_total_ += result.bytes_delivered();
+  return absl::OkStatus();
+}
+
+void Daemon::RunJob(const std::shared_ptr<Job>& job) {
+  const auto t_start = std::chrono::steady_clock::now();
+  std::vector<std::shared_ptr<RankSlot>> slots;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [r, s] : job->slots) slots.push_back(s);
+  }
+  auto fail_all = [&](const absl::Status& s) {
+    absl::MutexLock lock(&mu_);
+    FailJobLocked(*job, s);
+  };
+  auto t0 = std::chrono::steady_clock::now();
+  auto opened = OpenCached(job->path, job->unique_id);
+  if (!opened.ok()) return fail_all(opened.status());
+  const double list_s = Seconds(t0);
+  const ckpt::Checkpoint& ckpt = (*opened)->checkpoint;
+
+  t0 = std::chrono::steady_clock::now();
+  std::vector<ckpt::RankTargets> ranks;
+  for (const auto& s : slots) ranks.push_back(s->targets);
+  ckpt::PlanOptions po;
+  po.max_read_bytes = config_.io_request_size;
+  auto plan = ckpt::PlanLoad(ckpt.metadata, ranks, po);
+  if (!plan.ok()) return fail_all(plan.status());
+  const double plan_s = Seconds(t0);
+
+  // Strict ranks with missing keys fail alone.
+  std::vector<bool> skip(slots.size(), false);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const auto& missing = plan->ranks[i].missing_keys;
+    if (slots[i]->request.strict() && !missing.empty()) {
+      skip[i] = true;
+      absl::MutexLock lock(&mu_);
+      slots[i]->status = absl::NotFoundError(
+          absl::StrCat("job '", job->id, "' rank ", slots[i]->request.rank(), ": ", job->path,
+                       " has no tensor(s) ", absl::StrJoin(missing, ", ")));
+      slots[i]->done = true;
+    }
+  }
+  std::vector<std::vector<void*>> dests(slots.size());
+  for (size_t i = 0; i < slots.size(); ++i) {
+    RankSlot& s = *slots[i];
+    const auto& targets = plan->ranks[i].targets;
+    if (s.segment) {
+      for (int t = 0; t < s.request.targets_size(); ++t) {
+        dests[i].push_back(s.segment->data() + s.request.targets(t).dest_offset());
+      }
+    } else {
+      s.stream_buffers.resize(targets.size());
+      for (size_t t = 0; t < targets.size(); ++t) {
+        s.stream_buffers[t].resize(targets[t].num_bytes());
+        dests[i].push_back(s.stream_buffers[t].data());
+      }
+    }
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    job->phase = "reading";
+    job->total = plan->bytes_to_read;
+  }
+  ckpt::CachingSource source(job->path, &cache_, (*opened)->stamps);
+  ckpt::HostDelivery delivery(dests);
+  ckpt::ExecuteOptions eo;
+  eo.threads = config_.io_threads;
+  eo.verify_checksums = !(slots.front()->request.skip_verify());
+  eo.progress_bytes = &job->progress;
+  eo.skip_rank = [&](size_t i) { return skip[i] || slots[i]->cancelled(); };
+  auto stats = ckpt::ExecutePlan(*plan, source, delivery, eo);
+  if (!stats.ok()) return fail_all(stats.status());
+  bytes_read_total_ += stats->bytes_read;
+
+  absl::MutexLock lock(&mu_);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    RankSlot& s = *slots[i];
+    if (s.done) continue;
+    const ckpt::RankPlan& rp = plan->ranks[i];
+    v1::LoadResult& r = s.result;
+    for (const auto& k : rp.missing_keys) r.add_missing_keys(k);
+    for (const auto& k : plan->unexpected_keys) r.add_unexpected_keys(k);
+    for (const auto& [from, to] : plan->renamed_keys) (*r.mutable_renamed_keys())[from] = to;
+    r.set_bytes_read(stats->bytes_read);
+    r.set_bytes_from_cache(stats->bytes_from_cache);
+    r.set_bytes_delivered(stats->rank_bytes_delivered[i]);
+    r.set_job_bytes_delivered(stats->bytes_delivered);
+    r.set_checksums_verified(stats->checksums_verified);
+    r.set_unique_id(ckpt.unique_id.value_or(0));
+    r.set_format(ckpt::FormatName(ckpt.format));
+    r.set_local_fast_path(rp.local_fast_path);
+    v1::PhaseTimings* tm = r.mutable_timings();
+    tm->set_list_s(list_s);
+    tm->set_plan_s(plan_s);
+    tm->set_read_s(stats->read_seconds);
+    tm->set_copy_s(stats->copy_seconds);
+    tm->set_wait_s(std::chrono::duration<double>(t_start - s.start).count());
+    s.done = true;
+  }
+  job->state = Job::State::kFinished;
+  job->phase = "done";
+  auto it = jobs_.find(job->id);
+  if (it != jobs_.end() && it->second == job) jobs_.erase(it);
+  spdlog::info(
+      "load job={} path={} ranks={} read={}B cache={}B delivered={}B reads={} verified={} "
+      "list={:.4f}s plan={:.4f}s read={:.4f}s copy={:.4f}s wall={:.4f}s",
+      job->id, job->path, slots.size(), stats->bytes_read, stats->bytes_from_cache,
+      stats->bytes_delivered, plan->reads.size(), stats->checksums_verified, list_s, plan_s,
+      stats->read_seconds, stats->copy_seconds, Seconds(t_start));
+}
+
+absl::StatusOr<v1::PrefetchResponse> Daemon::Prefetch(const v1::PrefetchRequest& request) {
+  const auto t0 = std::chrono::steady_clock::now();
+  CKPT_ASSIGN_OR_RETURN(std::string dir, ResolvePath(request.path()));
+  std::optional<int64_t> uid;
+  if (request.has_unique_id()) uid = request.unique_id();
+  CKPT_ASSIGN_OR_RETURN(auto opened, OpenCached(dir, uid));
+  const auto& meta = opened->checkpoint.metadata;
+  ckpt::RankTargets rt;
+  std::set<std::string> wanted(request.tensors().begin(), request.tensors().end());
+  for (const std::string& w : wanted) {
+    if (!meta.tensors.count(w)) {
+      return absl::NotFoundError(absl::StrCat(dir, " has no tensor '", w, "'"));
+    }
+  }
+  for (const auto& [name, t] : meta.tensors) {
+    if (!wanted.empty() && !wanted.count(name)) continue;
+    rt.tensors.push_back(TargetTensor{name, t.dtype, t.global_shape,
+                                      Box{ckpt::Shape(t.global_shape.size(), 0), t.global_shape},
+                                      std::nullopt});
+  }
+  ckpt::PlanOptions po;
+  po.max_read_bytes = config_.io_request_size;
+  CKPT_ASSIGN_OR_RETURN(ckpt::LoadPlan plan, ckpt::PlanLoad(meta, {rt}, po));
+  ckpt::CachingSource source(dir, &cache_, opened->stamps);
+  NoDelivery none;
+  ckpt::ExecuteOptions eo;
+  eo.threads = config_.io_threads;
+  CKPT_ASSIGN_OR_RETURN(ckpt::LoadStats stats, ckpt::ExecutePlan(plan, source, none, eo));
+  bytes_read_total_ += stats.bytes_read;
+  v1::PrefetchResponse resp;
+  resp.set_bytes_read(stats.bytes_read);
+  uint64_t cached = 0;
+  for (const auto& [path, be] : cache_.Files()) {
+    if (absl::StartsWith(path, dir + "/")) cached += be.first;
+  }
+  resp.set_bytes_cached(cached);
+  resp.set_seconds(Seconds(t0));
+  spdlog::info("prefetch path={} read={}B cached={}B in {:.3f}s", dir, stats.bytes_read, cached,
+               resp.seconds());
+  return resp;
+}
+
+absl::StatusOr<v1::EvictResponse> Daemon::Evict(const v1::EvictRequest& request) {
+  CKPT_ASSIGN_OR_RETURN(std::string dir, ResolvePath(request.path()));
+  auto [bytes, entries] = cache_.EvictPrefix(dir + "/");
+  {
+    absl::MutexLock lock(&meta_mu_);
+    for (auto it = meta_cache_.begin(); it != meta_cache_.end();) {
+      it = it->first.first == dir ? meta_cache_.erase(it) : std::next(it);
+    }
+  }
+  spdlog::info("evict path={} freed={}B entries={}", dir, bytes, entries);
+  v1::EvictResponse resp;
+  resp.set_bytes_freed(bytes);
+  resp.set_entries_freed(entries);
+  return resp;
+}
+
+v1::StatusResponse Daemon::Status() {
+  v1::StatusResponse resp;
+  resp.set_version("ckptd 0.1 (api ckptd.v1)");
+  resp.set_uptime_s(absl::ToDoubleSeconds(absl::Now() - started_));
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [id, job] : jobs_) {
+      v1::JobStatus* js = resp.add_jobs();
+      js->set_job_id(id);
+      js->set_path(job->path);
+      js->set_world_size(job->world_size);
+      for (const auto& [r, s] : job->slots) js->add_registered_ranks(r);
+      for (int r : job->expected) {
+        if (!job->slots.count(r)) js->add_waiting_for(r);
+      }
+      js->set_state(job->phase);
+    }
+  }
+  ckpt::CacheStats cs = cache_.stats();
+  resp.set_cache_budget_bytes(cs.budget_bytes);
+  resp.set_cache_bytes(cs.bytes);
+  resp.set_cache_entries(cs.entries);
+  resp.set_cache_hits(cs.hits);
+  resp.set_cache_misses(cs.misses);
+  resp.set_cache_evictions(cs.evictions);
+  for (const auto& [path, be] : cache_.Files()) {
+    v1::CachedFile* f = resp.add_cached_files();
+    f->set_path(path);
+    f->set_bytes(be.first);
+    f->set_entries(be.second);
+  }
+  resp.set_loads_started(loads_started_);
+  resp.set_loads_succeeded(loads_succeeded_);
+  resp.set_loads_failed(loads_failed_);
+  resp.set_bytes_read_total(bytes_read_total_);
+  resp.set_bytes_delivered_total(bytes_delivered_total_);
+  for (const auto& r : config_.roots) resp.add_roots(r);
+  {
+    absl::MutexLock lock(&meta_mu_);
+    resp.set_metadata_cache_entries(meta_cache_.size());
+  }
+  return resp;
+}
+
+}  // namespace ckptd

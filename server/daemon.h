@@ -1,0 +1,107 @@
+// The ckptd daemon's engine room: job registry and barrier, checkpoint
+// metadata cache, data cache, destinations. The gRPC service (service.cc)
+// only translates messages and status codes; everything here is testable
+// without a network.
+//
+// Thread-safe: every RPC runs on its own gRPC thread. `mu_` guards the job
+// registry and every Job/RankSlot field not marked atomic; `meta_mu_`
+// guards the metadata cache. The data cache has its own lock.
+#ifndef CKPTD_SERVER_DAEMON_H_
+#define CKPTD_SERVER_DAEMON_H_
+
+#include <atomic>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "config/config.h"
+#include "core/cache.h"
+#include "core/checkpoint.h"
+#include "core/planner.h"
+#include "proto/ckpt.pb.h"
+#include "server/fd_channel.h"
+
+namespace ckptd {
+
+// A client's shared-memory segment mapped into the daemon.
+class MappedSegment {
+ public:
+  // Takes ownership of `fd`; maps `size` bytes read-write.
+  static absl::StatusOr<std::unique_ptr<MappedSegment>> Map(int fd, uint64_t size,
+                                                            const std::string& what);
+  ~MappedSegment();
+  uint8_t* data() const { return data_; }
+  uint64_t size() const { return size_; }
+
+ private:
+  MappedSegment(uint8_t* data, uint64_t size) : data_(data), size_(size) {}
+  uint8_t* data_;
+  uint64_t size_;
+};
+
+class Daemon {
+ public:
+  explicit Daemon(DaemonConfig config);
+  ~Daemon();
+
+  // Starts the fd receiver beside the gRPC socket.
+  absl::Status Start();
+  void Stop();
+
+  absl::StatusOr<v1::InspectResponse> Inspect(const v1::InspectRequest& request);
+  // Runs one rank's Load. `send` writes an event to the client (false when
+  // the stream is gone); `cancelled` tells whether the client went away.
+  absl::Status Load(const v1::LoadRequest& request,
+                    const std::function<bool(const v1::LoadEvent&)>& send,
+                    const std::function<bool()>& cancelled);
+  absl::StatusOr<v1::PrefetchResponse> Prefetch(const v1::PrefetchRequest& request);
+  absl::StatusOr<v1::EvictResponse> Evict(const v1::EvictRequest& request);
+  v1::StatusResponse Status();
+
+  const DaemonConfig& config() const { return config_; }
+
+ private:
+  struct RankSlot;
+  struct Job;
+  struct OpenedCheckpoint {
+    ckpt::Checkpoint checkpoint;
+    std::map<std::string, ckpt::FileStamp> stamps;  // data file -> identity
+    std::map<std::string, ckpt::FileStamp> watched;  // dir + metadata/index files
+  };
+
+  // realpath(path) inside one of the configured roots, else PERMISSION_DENIED.
+  absl::StatusOr<std::string> ResolvePath(const std::string& path) const;
+  // Metadata from the cache when no watched file changed, else reopened.
+  absl::StatusOr<std::shared_ptr<const OpenedCheckpoint>> OpenCached(
+      const std::string& dir, std::optional<int64_t> unique_id);
+  absl::StatusOr<std::shared_ptr<RankSlot>> PrepareSlot(const v1::LoadRequest& request);
+  void RunJob(const std::shared_ptr<Job>& job);
+  void FailJobLocked(Job& job, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  const DaemonConfig config_;
+  const absl::Time started_;
+  ckpt::HostCache cache_;
+  std::unique_ptr<FdReceiver> fd_receiver_;
+
+  absl::Mutex meta_mu_;
+  std::map<std::pair<std::string, int64_t>, std::shared_ptr<const OpenedCheckpoint>> meta_cache_
+      ABSL_GUARDED_BY(meta_mu_);
+
+  absl::Mutex mu_;
+  std::map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
+
+  std::atomic<uint64_t> loads_started_{0}, loads_succeeded_{0}, loads_failed_{0};
+  std::atomic<uint64_t> bytes_read_total_{0}, bytes_delivered_total_{0};
+};
+
+}  // namespace ckptd
+
+#endif  // CKPTD_SERVER_DAEMON_H_

@@ -1,0 +1,198 @@
+#include "server/fd_channel.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <random>
+
+#include "absl/strings/str_cat.h"
+
+namespace ckptd {
+namespace {
+
+constexpr size_t kTokenLen = 32;
+
+absl::Status Errno(absl::string_view what, absl::string_view path) {
+  return absl::UnavailableError(absl::StrCat(path, ": ", what, ": ", std::strerror(errno)));
+}
+
+absl::StatusOr<sockaddr_un> Address(const std::string& path) {
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.size() >= sizeof(addr.sun_path)) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": socket path too long"));
+  }
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  return addr;
+}
+
+std::string RandomToken() {
+  static thread_local std::mt19937_64 rng(std::random_device{}() ^
+                                          static_cast<uint64_t>(::getpid()) << 32);
+  static const char kHex[] = "0123456789abcdef";
+  std::string t(kTokenLen, '0');
+  for (char& c : t) c = kHex[rng() & 15];
+  return t;
+}
+
+}  // namespace
+
+std::string FdSocketPath(const std::string& grpc_socket) { return grpc_socket + ".fd"; }
+
+absl::StatusOr<std::string> SendFd(const std::string& fd_socket, int fd, absl::Duration timeout) {
+  auto addr = Address(fd_socket);
+  if (!addr.ok()) return addr.status();
+  int s = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (s < 0) return Errno("socket", fd_socket);
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{s};
+  timeval tv{};
+  tv.tv_sec = absl::ToInt64Seconds(timeout);
+  tv.tv_usec = absl::ToInt64Microseconds(timeout) % 1000000;
+  ::setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  ::setsockopt(s, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  if (::connect(s, reinterpret_cast<sockaddr*>(&*addr), sizeof(*addr)) != 0) {
+    return Errno("connect to the daemon's fd socket (is ckptd running?)", fd_socket);
+  }
+  std::string token = RandomToken();
+  iovec iov{token.data(), token.size()};
+  alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = ctrl;
+  msg.msg_controllen = sizeof(ctrl);
+  cmsghdr* cm = CMSG_FIRSTHDR(&msg);
+  cm->cmsg_level = SOL_SOCKET;
+  cm->cmsg_type = SCM_RIGHTS;
+  cm->cmsg_len = CMSG_LEN(sizeof(int));
+  std::memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+  if (::sendmsg(s, &msg, MSG_NOSIGNAL) < 0) return Errno("sendmsg", fd_socket);
+  char reply[256];
+  ssize_t n = ::recv(s, reply, sizeof(reply) - 1, 0);
+  if (n <= 0) return Errno("no reply from the daemon", fd_socket);
+  reply[n] = '\0';
+  if (std::strncmp(reply, "OK", 2) != 0) {
+    return absl::UnavailableError(absl::StrCat(fd_socket, ": daemon refused the fd: ", reply));
+  }
+  return token;
+}
+
+absl::StatusOr<std::unique_ptr<FdReceiver>> FdReceiver::Start(const std::string& path,
+                                                              uint32_t mode,
+                                                              absl::Duration token_ttl) {
+  auto addr = Address(path);
+  if (!addr.ok()) return addr.status();
+  ::unlink(path.c_str());
+  int s = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (s < 0) return Errno("socket", path);
+  if (::bind(s, reinterpret_cast<sockaddr*>(&*addr), sizeof(*addr)) != 0 ||
+      ::chmod(path.c_str(), mode) != 0 || ::listen(s, 64) != 0) {
+    absl::Status st = Errno("bind/listen", path);
+    ::close(s);
+    return st;
+  }
+  std::unique_ptr<FdReceiver> r(new FdReceiver(path, s, token_ttl));
+  r->thread_ = std::thread([p = r.get()] { p->Run(); });
+  return r;
+}
+
+FdReceiver::~FdReceiver() {
+  Stop();
+  absl::MutexLock lock(&mu_);
+  for (auto& [t, h] : fds_) ::close(h.fd);
+}
+
+void FdReceiver::Stop() {
+  if (stop_.exchange(true)) return;
+  if (thread_.joinable()) thread_.join();
+  ::close(listen_fd_);
+  ::unlink(path_.c_str());
+}
+
+size_t FdReceiver::pending() const {
+  absl::MutexLock lock(&mu_);
+  return fds_.size();
+}
+
+void FdReceiver::ExpireLocked() {
+  const absl::Time now = absl::Now();
+  for (auto it = fds_.begin(); it != fds_.end();) {
+    if (it->second.expires < now) {
+      ::close(it->second.fd);
+      it = fds_.erase(it);
+    } else {
+      ++it;
+    }
+  }
+}
+
+void FdReceiver::Run() {
+  while (!stop_.load()) {
+    pollfd p{listen_fd_, POLLIN, 0};
+    int r = ::poll(&p, 1, 200);
+    {
+      absl::MutexLock lock(&mu_);
+      ExpireLocked();
+    }
+    if (r <= 0) continue;
+    int c = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
+    if (c < 0) continue;
+    timeval tv{2, 0};
+    ::setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+    char token[kTokenLen + 1] = {};
+    iovec iov{token, kTokenLen};
+    alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int))] = {};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = ctrl;
+    msg.msg_controllen = sizeof(ctrl);
+    ssize_t n = ::recvmsg(c, &msg, MSG_CMSG_CLOEXEC);
+    int fd = -1;
+    for (cmsghdr* cm = CMSG_FIRSTHDR(&msg); n > 0 && cm != nullptr; cm = CMSG_NXTHDR(&msg, cm)) {
+      if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
+        std::memcpy(&fd, CMSG_DATA(cm), sizeof(int));
+      }
+    }
+    const char* reply = "OK";
+    if (n != static_cast<ssize_t>(kTokenLen) || fd < 0) {
+      reply = "ERR expected a 32-byte token and one fd";
+      if (fd >= 0) ::close(fd);
+    } else {
+      absl::MutexLock lock(&mu_);
+      if (fds_.size() >= 4096) {
+        reply = "ERR too many pending fds";
+        ::close(fd);
+      } else {
+        auto [it, inserted] = fds_.emplace(std::string(token, kTokenLen), Held{fd, absl::Now() + ttl_});
+        if (!inserted) {
+          reply = "ERR duplicate token";
+          ::close(fd);
+        }
+      }
+    }
+    ::send(c, reply, std::strlen(reply), MSG_NOSIGNAL);
+    ::close(c);
+  }
+}
+
+absl::StatusOr<int> FdReceiver::Take(const std::string& token) {
+  absl::MutexLock lock(&mu_);
+  auto it = fds_.find(token);
+  if (it == fds_.end()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("shm fd_token '", token, "' is unknown or expired (send the fd first)"));
+  }
+  int fd = it->second.fd;
+  fds_.erase(it);
+  return fd;
+}
+
+}  // namespace ckptd

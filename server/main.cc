@@ -1,0 +1,191 @@
+// ckptd — the per-node checkpoint daemon.
+//
+//   ckptd --socket /run/ckptd/ckptd.sock --root /data/checkpoints
+//   ckptd --config /etc/ckptd/ckptd.yaml
+//   ckptd --check-config /etc/ckptd/ckptd.yaml
+#include <signal.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <iostream>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+#include <grpcpp/health_check_service_interface.h>
+#include <spdlog/spdlog.h>
+
+#include "absl/flags/flag.h"
+#include "absl/flags/parse.h"
+#include "absl/flags/usage.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "absl/strings/str_split.h"
+#include "config/config.h"
+#include "server/daemon.h"
+#include "server/service.h"
+
+ABSL_FLAG(std::string, config, "", "YAML config file (see config/ckptd.yaml)");
+ABSL_FLAG(std::string, check_config, "", "validate a config file and exit");
+ABSL_FLAG(std::string, socket, "", "Unix socket for the gRPC API (overrides the config)");
+ABSL_FLAG(std::vector<std::string>, root, {},
+          "checkpoint root(s) served, comma-separated (overrides the config)");
+ABSL_FLAG(std::string, tcp, "", "also listen on host:port (overrides the config)");
+ABSL_FLAG(std::string, cache_budget, "", "data cache budget, e.g. 8GiB (overrides the config)");
+ABSL_FLAG(int, io_threads, 0, "I/O threads (overrides the config)");
+ABSL_FLAG(std::string, barrier_timeout, "", "e.g. 120s (overrides the config)");
+ABSL_FLAG(std::string, log_level, "", "trace|debug|info|warn|error (overrides the config)");
+ABSL_FLAG(bool, print_config, false, "print the effective config and exit");
+
+namespace {
+
+constexpr char kUsage[] = R"(ckptd — per-node checkpoint loading and resharding daemon
+
+Usage:
+  ckptd --socket PATH --root DIR[,DIR...]      start with defaults
+  ckptd --config FILE [overriding flags]       start from a YAML config
+  ckptd --check-config FILE                    validate a config and exit
+  ckptd ... --print-config                     print the effective config and exit
+
+Training ranks connect with the C++/Python clients or `ckptctl load --daemon PATH`.
+SIGTERM/SIGINT: stop accepting, drain running loads (drain_timeout), exit.)";
+
+int Fail(const std::string& msg) {
+  std::cerr << "ckptd: error: " << msg << "\n";
+  return 1;
+}
+
+// Removes a socket file left by a dead daemon; refuses to steal a live one.
+absl::Status ClaimSocket(const std::string& path) {
+  struct stat st;
+  if (::lstat(path.c_str(), &st) != 0) return absl::OkStatus();
+  if (!S_ISSOCK(st.st_mode)) {
+    return absl::FailedPreconditionError(absl::StrCat(path, " exists and is not a socket"));
+  }
+  int s = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::strncpy(addr.sun_path, path.c_str(), sizeof(addr.sun_path) - 1);
+  int r = ::connect(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  ::close(s);
+  if (r == 0) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(path, " is in use by a running daemon"));
+  }
+  ::unlink(path.c_str());
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  absl::SetProgramUsageMessage(kUsage);
+  // Accept dashed flag names (--check-config) as well as underscores.
+  std::vector<std::string> args;
+  for (int i = 0; i < argc; ++i) {
+    std::string a = argv[i];
+    if (i > 0 && a.rfind("--", 0) == 0) {
+      size_t eq = a.find('=');
+      for (size_t k = 2; k < (eq == std::string::npos ? a.size() : eq); ++k) {
+        if (a[k] == '-') a[k] = '_';
+      }
+    }
+    args.push_back(a);
+  }
+  std::vector<char*> cargs;
+  for (auto& a : args) cargs.push_back(a.data());
+  std::vector<char*> rest = absl::ParseCommandLine(static_cast<int>(cargs.size()), cargs.data());
+  if (rest.size() > 1) return Fail(absl::StrCat("unexpected argument '", rest[1], "'"));
+
+  if (!absl::GetFlag(FLAGS_check_config).empty()) {
+    auto c = ckptd::LoadConfigFile(absl::GetFlag(FLAGS_check_config));
+    absl::Status s = c.ok() ? ckptd::ValidateConfig(*c) : c.status();
+    if (!s.ok()) return Fail(std::string(s.message()));
+    std::cout << absl::GetFlag(FLAGS_check_config) << ": OK\n";
+    return 0;
+  }
+
+  ckptd::DaemonConfig config;
+  if (!absl::GetFlag(FLAGS_config).empty()) {
+    auto c = ckptd::LoadConfigFile(absl::GetFlag(FLAGS_config));
+    if (!c.ok()) return Fail(std::string(c.status().message()));
+    config = *c;
+  }
+  if (!absl::GetFlag(FLAGS_socket).empty()) config.socket = absl::GetFlag(FLAGS_socket);
+  if (!absl::GetFlag(FLAGS_root).empty()) config.roots = absl::GetFlag(FLAGS_root);
+  if (!absl::GetFlag(FLAGS_tcp).empty()) config.tcp_address = absl::GetFlag(FLAGS_tcp);
+  if (!absl::GetFlag(FLAGS_cache_budget).empty()) {
+    auto b = ckptd::ParseBytes(absl::GetFlag(FLAGS_cache_budget));
+    if (!b.ok()) return Fail(absl::StrCat("--cache_budget: ", b.status().message()));
+    config.cache_budget = *b;
+  }
+  if (absl::GetFlag(FLAGS_io_threads) > 0) config.io_threads = absl::GetFlag(FLAGS_io_threads);
+  if (!absl::GetFlag(FLAGS_barrier_timeout).empty()) {
+    auto d = ckptd::ParseDuration(absl::GetFlag(FLAGS_barrier_timeout));
+    if (!d.ok()) return Fail(absl::StrCat("--barrier_timeout: ", d.status().message()));
+    config.barrier_timeout = *d;
+  }
+  if (!absl::GetFlag(FLAGS_log_level).empty()) config.log_level = absl::GetFlag(FLAGS_log_level);
+  if (absl::Status s = ckptd::ValidateConfig(config); !s.ok()) return Fail(std::string(s.message()));
+  if (absl::GetFlag(FLAGS_print_config)) {
+    std::cout << ckptd::ConfigToYaml(config);
+    return 0;
+  }
+  spdlog::set_level(spdlog::level::from_str(config.log_level));
+  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ ckptd: %v");
+
+  // Signals are handled by one thread with sigwait; block them everywhere.
+  sigset_t sigs;
+  sigemptyset(&sigs);
+  sigaddset(&sigs, SIGTERM);
+  sigaddset(&sigs, SIGINT);
+  pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
+  signal(SIGPIPE, SIG_IGN);
+
+  ckptd::Daemon daemon(config);
+  if (!config.socket.empty()) {
+    if (absl::Status s = ClaimSocket(config.socket); !s.ok()) return Fail(std::string(s.message()));
+  }
+  if (absl::Status s = daemon.Start(); !s.ok()) return Fail(std::string(s.message()));
+  ckptd::CkptdService service(&daemon);
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::ServerBuilder builder;
+  if (!config.socket.empty()) {
+    builder.AddListeningPort("unix:" + config.socket, grpc::InsecureServerCredentials());
+  }
+  int tcp_port = 0;
+  if (!config.tcp_address.empty()) {
+    builder.AddListeningPort(config.tcp_address, grpc::InsecureServerCredentials(), &tcp_port);
+  }
+  builder.SetMaxReceiveMessageSize(256 << 20);
+  builder.SetMaxSendMessageSize(256 << 20);
+  builder.RegisterService(&service);
+  std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
+  if (!server) {
+    return Fail(absl::StrCat("cannot listen on ", config.socket,
+                             config.tcp_address.empty() ? "" : " / " + config.tcp_address));
+  }
+  if (!config.socket.empty()) ::chmod(config.socket.c_str(), config.socket_mode);
+  server->GetHealthCheckService()->SetServingStatus(true);
+  spdlog::info("serving on {}{} roots={} cache_budget={}B io_threads={}", config.socket,
+               config.tcp_address.empty() ? "" : " and tcp " + config.tcp_address,
+               absl::StrJoin(config.roots, ","), config.cache_budget, config.io_threads);
+
+  std::thread signals([&] {
+    int sig = 0;
+    sigwait(&sigs, &sig);
+    spdlog::info("signal {}: draining running loads (up to {})", sig,
+                 absl::FormatDuration(config.drain_timeout));
+    server->GetHealthCheckService()->SetServingStatus(false);
+    server->Shutdown(std::chrono::system_clock::now() +
+                     std::chrono::milliseconds(absl::ToInt64Milliseconds(config.drain_timeout)));
+  });
+  server->Wait();
+  signals.join();
+  daemon.Stop();
+  if (!config.socket.empty()) ::unlink(config.socket.c_str());
+  spdlog::info("stopped");
+  return 0;
+}
