@@ -13,12 +13,18 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "core/checkpoint.h"
 #include "core/layout.h"
 #include "core/offline.h"
 #include "core/status_macros.h"
 #include "core/writer.h"
+#include "client/ckptd_client.h"
+#include "core/safetensors.h"
+
+#include <thread>
+#include <unistd.h>
 
 ABSL_FLAG(bool, json, false, "print the result as one JSON object");
 ABSL_FLAG(int64_t, unique_id, -1,
@@ -36,6 +42,16 @@ ABSL_FLAG(bool, strict, false, "load: fail when a requested key is missing from 
 ABSL_FLAG(bool, verify, true, "verify shard checksums recorded in the metadata");
 ABSL_FLAG(uint64_t, coalesce_gap, 0,
           "load: merge reads of one file whose gap is at most this many bytes");
+ABSL_FLAG(std::vector<std::string>, daemon, {},
+          "load through the daemon(s) at these sockets instead of in-process; several sockets "
+          "spread the layout's ranks over them in contiguous blocks. Also the daemon for "
+          "status/prefetch/evict (default /run/ckptd/ckptd.sock)");
+ABSL_FLAG(std::string, job_id, "", "load --daemon: job id (default: ckptctl-<pid>)");
+ABSL_FLAG(std::vector<std::string>, ranks, {},
+          "load --daemon: run only these ranks of the layout in this process (default all)");
+ABSL_FLAG(std::string, transport, "shm", "load --daemon: shm (shared memory) or stream (gRPC)");
+ABSL_FLAG(int, barrier_timeout_ms, 0, "load --daemon: barrier deadline (0: daemon default)");
+ABSL_FLAG(std::vector<std::string>, tensors, {}, "prefetch: only these tensors");
 
 namespace ckpt {
 namespace {
@@ -56,8 +72,22 @@ Usage:
       Merge a sharded checkpoint into HuggingFace safetensors files plus
       model.safetensors.index.json.
 
+Online (through a running ckptd; --daemon SOCKET, default /run/ckptd/ckptd.sock):
+  ckptctl load CKPT --layout L.json --out DIR --daemon S1[,S2...] [--ranks R,...]
+               [--job_id ID] [--transport shm|stream] [--json] [--strict]
+      The same load, as one client per rank (threads of this process), each
+      registering with its node's daemon; ranks are spread over the sockets in
+      contiguous blocks. Writes DIR/rank{r}.safetensors and the job's report.
+  ckptctl status [--daemon S] [--json]
+      Jobs, cache contents and bytes, memory budget, totals, uptime.
+  ckptctl prefetch CKPT [--daemon S] [--tensors a,b] [--unique_id N]
+      Read a checkpoint into the daemon's data cache ahead of a job.
+  ckptctl evict CKPT [--daemon S]
+      Drop a checkpoint's cached data and metadata from the daemon.
+
 Flags may also be written with dashes (--unique-id, --skip-postfix, ...).
-Exit status: 0 on success; 1 with a one-line error on stderr otherwise.)";
+Exit status: 0 on success; 1 with a one-line error on stderr on failure;
+2 on a usage error.)";
 
 std::optional<int64_t> OptionalUid(int64_t v) {
   return v >= 0 ? std::optional<int64_t>(v) : std::nullopt;
@@ -140,10 +170,13 @@ absl::Status Shard(const std::string& src) {
   return absl::OkStatus();
 }
 
+absl::Status LoadViaDaemon(const std::string& dir, const Layout& layout);
+
 absl::Status Load(const std::string& dir) {
   CKPT_RETURN_IF_ERROR(Require(absl::GetFlag(FLAGS_layout), "layout", "load"));
   CKPT_RETURN_IF_ERROR(Require(absl::GetFlag(FLAGS_out), "out", "load"));
   CKPT_ASSIGN_OR_RETURN(Layout layout, ReadLayoutFile(absl::GetFlag(FLAGS_layout)));
+  if (!absl::GetFlag(FLAGS_daemon).empty()) return LoadViaDaemon(dir, layout);
   OfflineLoadOptions lo;
   lo.unique_id = OptionalUid(absl::GetFlag(FLAGS_unique_id));
   lo.threads = absl::GetFlag(FLAGS_threads);
@@ -201,6 +234,270 @@ absl::Status Merge(const std::string& dir) {
   return absl::OkStatus();
 }
 
+
+std::string DaemonSocket() {
+  auto d = absl::GetFlag(FLAGS_daemon);
+  return d.empty() ? std::string("/run/ckptd/ckptd.sock") : d.front();
+}
+
+absl::StatusOr<std::unique_ptr<ckptd::Client>> ConnectDaemon(const std::string& socket) {
+  ckptd::Client::Options o;
+  o.socket = socket;
+  return ckptd::Client::Connect(o);
+}
+
+absl::Status Status() {
+  CKPT_ASSIGN_OR_RETURN(auto client, ConnectDaemon(DaemonSocket()));
+  CKPT_ASSIGN_OR_RETURN(ckptd::v1::StatusResponse s, client->Status());
+  if (absl::GetFlag(FLAGS_json)) {
+    nlohmann::json jobs = nlohmann::json::array();
+    for (const auto& j : s.jobs()) {
+      jobs.push_back({{"job_id", j.job_id()},
+                      {"path", j.path()},
+                      {"world_size", j.world_size()},
+                      {"registered_ranks", std::vector<int>(j.registered_ranks().begin(), j.registered_ranks().end())},
+                      {"waiting_for", std::vector<int>(j.waiting_for().begin(), j.waiting_for().end())},
+                      {"state", j.state()}});
+    }
+    nlohmann::json files = nlohmann::json::array();
+    for (const auto& f : s.cached_files()) {
+      files.push_back({{"path", f.path()}, {"bytes", f.bytes()}, {"entries", f.entries()}});
+    }
+    std::cout << nlohmann::json{{"version", s.version()},
+                                {"uptime_s", s.uptime_s()},
+                                {"jobs", jobs},
+                                {"cache", {{"budget_bytes", s.cache_budget_bytes()},
+                                           {"bytes", s.cache_bytes()},
+                                           {"entries", s.cache_entries()},
+                                           {"hits", s.cache_hits()},
+                                           {"misses", s.cache_misses()},
+                                           {"evictions", s.cache_evictions()},
+                                           {"files", files}}},
+                                {"loads", {{"started", s.loads_started()},
+                                           {"succeeded", s.loads_succeeded()},
+                                           {"failed", s.loads_failed()}}},
+                                {"bytes_read_total", s.bytes_read_total()},
+                                {"bytes_delivered_total", s.bytes_delivered_total()},
+                                {"metadata_cache_entries", s.metadata_cache_entries()},
+                                {"roots", std::vector<std::string>(s.roots().begin(), s.roots().end())}}
+                     .dump(1)
+              << "\n";
+    return absl::OkStatus();
+  }
+  std::printf("%s, up %.0f s, roots: %s\n", s.version().c_str(), s.uptime_s(),
+              absl::StrJoin(s.roots(), ", ").c_str());
+  std::printf("cache: %llu of %llu bytes in %llu entries; hits %llu, misses %llu, evictions %llu\n",
+              (unsigned long long)s.cache_bytes(), (unsigned long long)s.cache_budget_bytes(),
+              (unsigned long long)s.cache_entries(), (unsigned long long)s.cache_hits(),
+              (unsigned long long)s.cache_misses(), (unsigned long long)s.cache_evictions());
+  std::printf("loads: %llu started, %llu succeeded, %llu failed; %llu bytes read, %llu delivered\n",
+              (unsigned long long)s.loads_started(), (unsigned long long)s.loads_succeeded(),
+              (unsigned long long)s.loads_failed(), (unsigned long long)s.bytes_read_total(),
+              (unsigned long long)s.bytes_delivered_total());
+  std::printf("jobs: %d\n", s.jobs_size());
+  for (const auto& j : s.jobs()) {
+    std::printf("  %s  %s  %d/%zu ranks registered, waiting for [%s]  (%s)\n", j.job_id().c_str(),
+                j.path().c_str(), j.registered_ranks_size(),
+                static_cast<size_t>(j.registered_ranks_size() + j.waiting_for_size()),
+                absl::StrJoin(j.waiting_for(), ",").c_str(), j.state().c_str());
+  }
+  for (const auto& f : s.cached_files()) {
+    std::printf("  cached %-60s %14llu bytes in %llu entries\n", f.path().c_str(),
+                (unsigned long long)f.bytes(), (unsigned long long)f.entries());
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Prefetch(const std::string& path) {
+  CKPT_ASSIGN_OR_RETURN(auto client, ConnectDaemon(DaemonSocket()));
+  CKPT_ASSIGN_OR_RETURN(auto r, client->Prefetch(path, OptionalUid(absl::GetFlag(FLAGS_unique_id)),
+                                                 absl::GetFlag(FLAGS_tensors)));
+  if (absl::GetFlag(FLAGS_json)) {
+    std::cout << nlohmann::json{{"bytes_read", r.bytes_read()}, {"bytes_cached", r.bytes_cached()},
+                                {"seconds", r.seconds()}}.dump() << "\n";
+  } else {
+    std::cout << "prefetched " << path << ": read " << r.bytes_read() << " bytes, "
+              << r.bytes_cached() << " bytes now cached (" << r.seconds() << " s)\n";
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Evict(const std::string& path) {
+  CKPT_ASSIGN_OR_RETURN(auto client, ConnectDaemon(DaemonSocket()));
+  CKPT_ASSIGN_OR_RETURN(auto r, client->Evict(path));
+  if (absl::GetFlag(FLAGS_json)) {
+    std::cout << nlohmann::json{{"bytes_freed", r.bytes_freed()}, {"entries_freed", r.entries_freed()}}.dump() << "\n";
+  } else {
+    std::cout << "evicted " << path << ": freed " << r.bytes_freed() << " bytes in "
+              << r.entries_freed() << " entries\n";
+  }
+  return absl::OkStatus();
+}
+
+// Load through the daemon(s): one client (thread) per rank.
+absl::Status LoadViaDaemon(const std::string& dir, const Layout& layout) {
+  const std::vector<std::string> sockets = absl::GetFlag(FLAGS_daemon);
+  const std::string out = absl::GetFlag(FLAGS_out);
+  std::string job = absl::GetFlag(FLAGS_job_id);
+  if (job.empty()) job = absl::StrCat("ckptctl-", ::getpid());
+  const std::string transport = absl::GetFlag(FLAGS_transport);
+  if (transport != "shm" && transport != "stream") {
+    return absl::InvalidArgumentError("--transport must be shm or stream");
+  }
+  std::vector<int> ranks;
+  if (absl::GetFlag(FLAGS_ranks).empty()) {
+    for (int r = 0; r < layout.world_size; ++r) ranks.push_back(r);
+  } else {
+    for (const std::string& r : absl::GetFlag(FLAGS_ranks)) {
+      int v;
+      if (!absl::SimpleAtoi(r, &v) || v < 0 || v >= layout.world_size) {
+        return absl::InvalidArgumentError(absl::StrCat("--ranks: '", r, "' is not a rank of the layout"));
+      }
+      ranks.push_back(v);
+    }
+  }
+  // Ranks in contiguous blocks over the daemons: block b holds ranks
+  // [b*per, (b+1)*per).
+  const int n_daemons = static_cast<int>(sockets.size());
+  const int per = (layout.world_size + n_daemons - 1) / n_daemons;
+  auto daemon_of = [&](int rank) { return std::min(rank / per, n_daemons - 1); };
+  CKPT_RETURN_IF_ERROR(MakeDirs(out));
+  struct RankRun {
+    int rank;
+    std::vector<std::vector<uint8_t>> buffers;
+    absl::StatusOr<ckptd::LoadReport> report = absl::UnknownError("not run");
+  };
+  std::vector<RankRun> runs(ranks.size());
+  std::vector<std::thread> threads;
+  const bool show_progress = ::isatty(2) && !absl::GetFlag(FLAGS_json);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (size_t i = 0; i < ranks.size(); ++i) {
+    runs[i].rank = ranks[i];
+    threads.emplace_back([&, i] {
+      RankRun& run = runs[i];
+      const RankTargets& rt = layout.ranks[run.rank];
+      ckptd::LoadSpec spec;
+      spec.job_id = job;
+      spec.rank = run.rank;
+      spec.world_size = layout.world_size;
+      spec.path = dir;
+      spec.unique_id = OptionalUid(absl::GetFlag(FLAGS_unique_id));
+      spec.strict = absl::GetFlag(FLAGS_strict);
+      spec.skip_verify = !absl::GetFlag(FLAGS_verify);
+      spec.transport = transport == "shm" ? ckptd::Transport::kShm : ckptd::Transport::kStream;
+      if (absl::GetFlag(FLAGS_barrier_timeout_ms) > 0) {
+        spec.barrier_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_barrier_timeout_ms));
+      }
+      const int d = daemon_of(run.rank);
+      for (int r = 0; r < layout.world_size; ++r) {
+        if (daemon_of(r) == d) spec.node_ranks.push_back(r);
+      }
+      run.buffers.resize(rt.tensors.size());
+      for (size_t t = 0; t < rt.tensors.size(); ++t) {
+        const TargetTensor& tt = rt.tensors[t];
+        run.buffers[t].resize(tt.num_bytes());
+        spec.tensors.push_back({tt.name, tt.dtype, tt.global_shape, tt.box, tt.flat_range,
+                                run.buffers[t].data(), 0});
+      }
+      ckptd::Client::Options o;
+      o.socket = sockets[d];
+      auto client = ckptd::Client::Connect(o);
+      if (!client.ok()) {
+        run.report = client.status();
+        return;
+      }
+      run.report = (*client)->Load(spec, [&](const ckptd::v1::LoadEvent& ev) {
+        if (show_progress && run.rank == ranks.front() && ev.has_progress()) {
+          std::fprintf(stderr, "\r[rank %d] %s %llu/%llu bytes      ", run.rank,
+                       ev.progress().c_str(), (unsigned long long)ev.bytes_done(),
+                       (unsigned long long)ev.bytes_total());
+        }
+      });
+    });
+  }
+  for (auto& t : threads) t.join();
+  if (show_progress) std::fprintf(stderr, "\n");
+  const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  for (const RankRun& run : runs) {
+    if (!run.report.ok()) {
+      return absl::Status(run.report.status().code(),
+                          absl::StrCat("rank ", run.rank, ": ", run.report.status().message()));
+    }
+  }
+  // Outputs: rank{r}.safetensors, written only after every rank succeeded.
+  std::set<std::string> missing;
+  std::set<std::string> unexpected;
+  uint64_t delivered = 0, verified = 0;
+  std::map<int, uint64_t> read_per_daemon, cache_per_daemon;
+  double list_s = 0, plan_s = 0, read_s = 0, copy_s = 0, wait_s = 0;
+  nlohmann::json per_rank = nlohmann::json::array();
+  for (const RankRun& run : runs) {
+    const RankTargets& rt = layout.ranks[run.rank];
+    const auto& res = run.report->result;
+    std::set<std::string> rank_missing(res.missing_keys().begin(), res.missing_keys().end());
+    missing.insert(rank_missing.begin(), rank_missing.end());
+    unexpected.insert(res.unexpected_keys().begin(), res.unexpected_keys().end());
+    std::vector<TensorToWrite> tw;
+    for (size_t t = 0; t < rt.tensors.size(); ++t) {
+      const TargetTensor& tt = rt.tensors[t];
+      if (rank_missing.count(tt.name)) continue;
+      tw.push_back({tt.name, tt.dtype, tt.flat_range ? Shape{tt.num_elements()} : tt.box.shape,
+                    run.buffers[t].data()});
+    }
+    CKPT_RETURN_IF_ERROR(
+        WriteSafetensors(JoinPath(out, absl::StrCat("rank", run.rank, ".safetensors")), tw, {})
+            .status());
+    delivered += res.bytes_delivered();
+    verified = std::max<uint64_t>(verified, res.checksums_verified());
+    const int d = daemon_of(run.rank);
+    read_per_daemon[d] = std::max<uint64_t>(read_per_daemon[d], res.bytes_read());
+    cache_per_daemon[d] = std::max<uint64_t>(cache_per_daemon[d], res.bytes_from_cache());
+    list_s = std::max(list_s, res.timings().list_s());
+    plan_s = std::max(plan_s, res.timings().plan_s());
+    read_s = std::max(read_s, res.timings().read_s());
+    copy_s = std::max(copy_s, res.timings().copy_s());
+    wait_s = std::max(wait_s, res.timings().wait_s());
+    per_rank.push_back({{"rank", run.rank},
+                        {"daemon", sockets[d]},
+                        {"bytes_delivered", res.bytes_delivered()},
+                        {"missing_keys", std::vector<std::string>(rank_missing.begin(), rank_missing.end())},
+                        {"total_s", res.timings().total_s()},
+                        {"client_s", run.report->client_seconds}});
+  }
+  uint64_t bytes_read = 0, bytes_cache = 0;
+  for (const auto& [d, b] : read_per_daemon) bytes_read += b;
+  for (const auto& [d, b] : cache_per_daemon) bytes_cache += b;
+  if (absl::GetFlag(FLAGS_json)) {
+    std::cout << nlohmann::json{{"checkpoint", dir},
+                                {"job_id", job},
+                                {"via", "daemon"},
+                                {"transport", transport},
+                                {"bytes_read", bytes_read},
+                                {"bytes_from_cache", bytes_cache},
+                                {"bytes_delivered", delivered},
+                                {"checksums_verified", verified},
+                                {"missing_keys", missing},
+                                {"unexpected_keys", unexpected},
+                                {"timings", {{"list_s", list_s}, {"plan_s", plan_s},
+                                             {"read_s", read_s}, {"copy_s", copy_s},
+                                             {"wait_s", wait_s}, {"wall_s", wall}}},
+                                {"ranks", per_rank}}
+                     .dump()
+              << "\n";
+    return absl::OkStatus();
+  }
+  std::cout << "loaded " << runs.size() << " ranks of job " << job << " from " << dir
+            << " through " << sockets.size() << " daemon(s)\n"
+            << "bytes read:      " << bytes_read << " from storage, " << bytes_cache
+            << " from the daemon cache\n"
+            << "bytes delivered: " << delivered << "\n"
+            << "missing keys:    " << absl::StrJoin(missing, ", ") << "\n"
+            << "unexpected keys: " << absl::StrJoin(unexpected, ", ") << "\n"
+            << "timings (s):     list " << list_s << ", plan " << plan_s << ", read " << read_s
+            << ", copy " << copy_s << ", wall " << wall << "\n";
+  return absl::OkStatus();
+}
+
 // absl flags use underscores; accept dashes too, and let a repeated
 // --skip-postfix accumulate instead of overriding.
 std::vector<std::string> NormalizeArgs(int argc, char** argv) {
@@ -242,23 +539,35 @@ int main(int argc, char** argv) {
     return 2;
   }
   const std::string cmd = args[1];
-  if (args.size() != 3) {
-    std::cerr << "ckptctl: error: " << cmd << " takes exactly one checkpoint path (see --help)\n";
-    return 2;
-  }
-  const std::string path = args[2];
   absl::Status s;
-  if (cmd == "inspect") {
-    s = ckpt::Inspect(path);
-  } else if (cmd == "shard") {
-    s = ckpt::Shard(path);
-  } else if (cmd == "load") {
-    s = ckpt::Load(path);
-  } else if (cmd == "merge") {
-    s = ckpt::Merge(path);
+  if (cmd == "status") {
+    if (args.size() != 2) {
+      std::cerr << "ckptctl: error: status takes no arguments (see --help)\n";
+      return 2;
+    }
+    s = ckpt::Status();
   } else {
-    std::cerr << "ckptctl: error: unknown command '" << cmd << "' (see --help)\n";
-    return 2;
+    if (args.size() != 3) {
+      std::cerr << "ckptctl: error: " << cmd << " takes exactly one checkpoint path (see --help)\n";
+      return 2;
+    }
+    const std::string path = args[2];
+    if (cmd == "inspect") {
+      s = ckpt::Inspect(path);
+    } else if (cmd == "shard") {
+      s = ckpt::Shard(path);
+    } else if (cmd == "load") {
+      s = ckpt::Load(path);
+    } else if (cmd == "merge") {
+      s = ckpt::Merge(path);
+    } else if (cmd == "prefetch") {
+      s = ckpt::Prefetch(path);
+    } else if (cmd == "evict") {
+      s = ckpt::Evict(path);
+    } else {
+      std::cerr << "ckptctl: error: unknown command '" << cmd << "' (see --help)\n";
+      return 2;
+    }
   }
   if (!s.ok()) {
     std::cerr << "ckptctl: error: " << s.message() << " [" << absl::StatusCodeToString(s.code())

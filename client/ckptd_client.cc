@@ -1,0 +1,247 @@
+#include "client/ckptd_client.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+#include "proto/ckpt.grpc.pb.h"
+#include "server/fd_channel.h"
+
+namespace ckptd {
+namespace {
+
+absl::Status FromGrpc(const grpc::Status& s, absl::string_view what) {
+  if (s.ok()) return absl::OkStatus();
+  std::string msg = s.error_message();
+  if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+    msg = absl::StrCat(what, ": daemon unavailable (is ckptd running?): ", msg);
+  }
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), msg);
+}
+
+std::chrono::system_clock::time_point Deadline(absl::Duration d) {
+  return std::chrono::system_clock::now() +
+         std::chrono::milliseconds(absl::ToInt64Milliseconds(d));
+}
+
+constexpr uint64_t kAlign = 64;
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<ShmArena>> ShmArena::Create(uint64_t size, const std::string& name) {
+  int fd = ::memfd_create(name.c_str(), MFD_CLOEXEC);
+  if (fd < 0) return absl::InternalError(absl::StrCat("memfd_create: ", std::strerror(errno)));
+  const uint64_t mapped = std::max<uint64_t>(size, 1);
+  if (::ftruncate(fd, static_cast<off_t>(mapped)) != 0) {
+    int err = errno;
+    ::close(fd);
+    return absl::ResourceExhaustedError(
+        absl::StrCat("shared memory of ", size, " bytes: ", std::strerror(err)));
+  }
+  void* p = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    int err = errno;
+    ::close(fd);
+    return absl::ResourceExhaustedError(absl::StrCat("mmap of ", size, " bytes: ", std::strerror(err)));
+  }
+  return std::unique_ptr<ShmArena>(new ShmArena(fd, static_cast<uint8_t*>(p), mapped));
+}
+
+ShmArena::~ShmArena() {
+  ::munmap(data_, size_);
+  ::close(fd_);
+}
+
+uint64_t TensorSpec::num_bytes() const {
+  int64_t n = flat_range ? flat_range->end - flat_range->begin : ckpt::NumElements(box.shape);
+  return static_cast<uint64_t>(n) * ckpt::DTypeSize(dtype);
+}
+
+struct Client::Rep {
+  Options options;
+  std::shared_ptr<grpc::Channel> channel;
+  std::unique_ptr<v1::Ckptd::Stub> stub;
+};
+
+Client::Client(std::unique_ptr<Rep> rep) : rep_(std::move(rep)) {}
+Client::~Client() = default;
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const Options& options) {
+  auto rep = std::make_unique<Rep>();
+  rep->options = options;
+  const std::string target = options.tcp ? options.socket : "unix:" + options.socket;
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(256 << 20);
+  args.SetMaxSendMessageSize(256 << 20);
+  rep->channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  if (!rep->channel->WaitForConnected(Deadline(options.connect_timeout))) {
+    return absl::UnavailableError(absl::StrCat("cannot connect to ckptd at ", options.socket,
+                                               " within ",
+                                               absl::FormatDuration(options.connect_timeout),
+                                               " (is the daemon running?)"));
+  }
+  rep->stub = v1::Ckptd::NewStub(rep->channel);
+  return std::unique_ptr<Client>(new Client(std::move(rep)));
+}
+
+absl::StatusOr<v1::InspectResponse> Client::Inspect(const std::string& path,
+                                                    std::optional<int64_t> unique_id) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline(rep_->options.admin_timeout));
+  v1::InspectRequest req;
+  req.set_path(path);
+  if (unique_id) req.set_unique_id(*unique_id);
+  v1::InspectResponse resp;
+  CKPT_RETURN_IF_ERROR(FromGrpc(rep_->stub->Inspect(&ctx, req, &resp), "Inspect"));
+  return resp;
+}
+
+absl::StatusOr<v1::PrefetchResponse> Client::Prefetch(const std::string& path,
+                                                      std::optional<int64_t> unique_id,
+                                                      const std::vector<std::string>& tensors) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline(rep_->options.admin_timeout));
+  v1::PrefetchRequest req;
+  req.set_path(path);
+  if (unique_id) req.set_unique_id(*unique_id);
+  for (const auto& t : tensors) req.add_tensors(t);
+  v1::PrefetchResponse resp;
+  CKPT_RETURN_IF_ERROR(FromGrpc(rep_->stub->Prefetch(&ctx, req, &resp), "Prefetch"));
+  return resp;
+}
+
+absl::StatusOr<v1::EvictResponse> Client::Evict(const std::string& path) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline(rep_->options.admin_timeout));
+  v1::EvictRequest req;
+  req.set_path(path);
+  v1::EvictResponse resp;
+  CKPT_RETURN_IF_ERROR(FromGrpc(rep_->stub->Evict(&ctx, req, &resp), "Evict"));
+  return resp;
+}
+
+absl::StatusOr<v1::StatusResponse> Client::Status() {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline(rep_->options.admin_timeout));
+  v1::StatusRequest req;
+  v1::StatusResponse resp;
+  CKPT_RETURN_IF_ERROR(FromGrpc(rep_->stub->Status(&ctx, req, &resp), "Status"));
+  return resp;
+}
+
+absl::StatusOr<LoadReport> Client::Load(const LoadSpec& spec,
+                                        const std::function<void(const v1::LoadEvent&)>& progress) {
+  const auto t0 = std::chrono::steady_clock::now();
+  v1::LoadRequest req;
+  req.set_job_id(spec.job_id);
+  req.set_rank(spec.rank);
+  req.set_world_size(spec.world_size);
+  req.set_path(spec.path);
+  if (spec.unique_id) req.set_unique_id(*spec.unique_id);
+  for (int r : spec.node_ranks) req.add_node_ranks(r);
+  if (spec.barrier_timeout > absl::ZeroDuration()) {
+    req.set_barrier_timeout_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(spec.barrier_timeout)));
+  }
+  req.set_strict(spec.strict);
+  req.set_skip_verify(spec.skip_verify);
+
+  // Segment layout: tensors with their own buffers get a slot in a private
+  // arena; tensors without buffers must already live in spec.arena.
+  std::unique_ptr<ShmArena> own;
+  ShmArena* arena = spec.arena;
+  std::vector<uint64_t> offsets(spec.tensors.size());
+  const bool shm = spec.transport == Transport::kShm;
+  if (shm && arena == nullptr) {
+    uint64_t pos = 0;
+    for (size_t i = 0; i < spec.tensors.size(); ++i) {
+      if (spec.tensors[i].buffer == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tensor '", spec.tensors[i].name, "' has no buffer and the spec has no arena"));
+      }
+      offsets[i] = pos;
+      pos = (pos + spec.tensors[i].num_bytes() + kAlign - 1) / kAlign * kAlign;
+    }
+    CKPT_ASSIGN_OR_RETURN(own, ShmArena::Create(pos, absl::StrCat("ckptd-", spec.job_id, "-", spec.rank)));
+    arena = own.get();
+  } else if (shm) {
+    for (size_t i = 0; i < spec.tensors.size(); ++i) offsets[i] = spec.tensors[i].arena_offset;
+  }
+  for (size_t i = 0; i < spec.tensors.size(); ++i) {
+    const TensorSpec& t = spec.tensors[i];
+    v1::Target* pt = req.add_targets();
+    pt->set_name(t.name);
+    pt->set_dtype(std::string(ckpt::DTypeName(t.dtype)));
+    for (int64_t d : t.global_shape) pt->add_global_shape(d);
+    ckpt::Box box = t.box;
+    if (box.shape.empty() && box.offset.empty() && !t.global_shape.empty()) {
+      box = ckpt::Box{ckpt::Shape(t.global_shape.size(), 0), t.global_shape};
+    }
+    for (int64_t d : box.offset) pt->add_offset(d);
+    for (int64_t d : box.shape) pt->add_shape(d);
+    if (t.flat_range) {
+      pt->mutable_flat_range()->set_begin(t.flat_range->begin);
+      pt->mutable_flat_range()->set_end(t.flat_range->end);
+    }
+    pt->set_dest_offset(offsets[i]);
+  }
+  if (shm) {
+    CKPT_ASSIGN_OR_RETURN(std::string token,
+                          SendFd(FdSocketPath(rep_->options.socket), arena->fd(),
+                                 rep_->options.connect_timeout));
+    req.mutable_shm()->set_fd_token(token);
+    req.mutable_shm()->set_size(arena->size());
+  } else {
+    req.mutable_stream();
+  }
+
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline(rep_->options.call_timeout));
+  auto reader = rep_->stub->Load(&ctx, req);
+  v1::LoadEvent ev;
+  LoadReport report;
+  bool have_result = false;
+  while (reader->Read(&ev)) {
+    if (ev.has_data()) {
+      const v1::StreamChunk& c = ev.data();
+      if (c.target() >= spec.tensors.size() ||
+          c.offset() + c.data().size() > spec.tensors[c.target()].num_bytes() ||
+          spec.tensors[c.target()].buffer == nullptr) {
+        ctx.TryCancel();
+        return absl::DataLossError("Load: the daemon streamed a chunk outside the tensors");
+      }
+      std::memcpy(static_cast<uint8_t*>(spec.tensors[c.target()].buffer) + c.offset(),
+                  c.data().data(), c.data().size());
+      continue;
+    }
+    if (ev.has_result()) {
+      report.result = ev.result();
+      have_result = true;
+    }
+    if (progress) progress(ev);
+  }
+  CKPT_RETURN_IF_ERROR(FromGrpc(reader->Finish(), "Load"));
+  if (!have_result) return absl::DataLossError("Load: the daemon ended the stream without a result");
+  if (own) {
+    for (size_t i = 0; i < spec.tensors.size(); ++i) {
+      std::memcpy(spec.tensors[i].buffer, own->data() + offsets[i], spec.tensors[i].num_bytes());
+    }
+  }
+  report.client_seconds =
+      std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return report;
+}
+
+absl::StatusOr<LoadReport> LoadStateDict(const std::string& socket, const LoadSpec& spec) {
+  Client::Options o;
+  o.socket = socket;
+  CKPT_ASSIGN_OR_RETURN(auto client, Client::Connect(o));
+  return client->Load(spec);
+}
+
+}  // namespace ckptd

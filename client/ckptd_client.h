@@ -1,0 +1,123 @@
+// C++ client of the ckptd daemon: what a training program calls at start-up.
+//
+//   ckptd::Client::Options o{.socket = "/run/ckptd/ckptd.sock"};
+//   auto client = ckptd::Client::Connect(o);
+//   ckptd::LoadSpec spec{.job_id = "run42", .rank = rank, .world_size = world,
+//                        .path = "/data/ckpt/step1000"};
+//   spec.tensors.push_back({"w", DType::kBF16, {4096, 4096}, box, {}, my_buffer});
+//   auto report = (*client)->Load(spec);   // my_buffer now holds rank's slice
+//
+// Delivery is through a shared-memory segment (a memfd handed to the daemon
+// over its fd socket): the daemon writes the slices straight into it. Give
+// the tensors an `arena` offset and `Load` fills them in place (zero copy);
+// give plain `buffer`s and they are copied out of the segment once.
+// Every call has a deadline; errors are absl::Status with the daemon's code
+// and message. A Client is thread-compatible (one per rank/thread).
+#ifndef CKPTD_CLIENT_CKPTD_CLIENT_H_
+#define CKPTD_CLIENT_CKPTD_CLIENT_H_
+
+#include <functional>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "absl/time/time.h"
+#include "core/box.h"
+#include "core/dtype.h"
+#include "core/metadata.h"
+#include "proto/ckpt.pb.h"
+
+namespace ckptd {
+
+// A memfd-backed shared-memory arena a rank's tensors can live in.
+class ShmArena {
+ public:
+  static absl::StatusOr<std::unique_ptr<ShmArena>> Create(uint64_t size,
+                                                          const std::string& name = "ckptd");
+  ~ShmArena();
+  uint8_t* data() const { return data_; }
+  uint64_t size() const { return size_; }
+  int fd() const { return fd_; }
+
+ private:
+  ShmArena(int fd, uint8_t* data, uint64_t size) : fd_(fd), data_(data), size_(size) {}
+  int fd_;
+  uint8_t* data_;
+  uint64_t size_;
+};
+
+struct TensorSpec {
+  std::string name;
+  ckpt::DType dtype = ckpt::DType::kF32;
+  ckpt::Shape global_shape;
+  ckpt::Box box;  // the part this rank owns (defaults to the whole tensor if empty)
+  std::optional<ckpt::FlatRange> flat_range;
+  // Where the bytes go: a plain buffer (copied out of the segment after the
+  // load) or, when `buffer` is null, `arena_offset` inside LoadSpec::arena.
+  void* buffer = nullptr;
+  uint64_t arena_offset = 0;
+
+  uint64_t num_bytes() const;
+};
+
+enum class Transport { kShm, kStream };
+
+struct LoadSpec {
+  std::string job_id;
+  int rank = 0;
+  int world_size = 1;
+  std::string path;
+  std::optional<int64_t> unique_id;
+  std::vector<TensorSpec> tensors;
+  std::vector<int> node_ranks;  // ranks of this job on this daemon; empty: all
+  Transport transport = Transport::kShm;
+  ShmArena* arena = nullptr;  // optional: tensors with null buffers live here
+  absl::Duration barrier_timeout = absl::ZeroDuration();  // zero: daemon default
+  bool strict = false;
+  bool skip_verify = false;
+};
+
+struct LoadReport {
+  v1::LoadResult result;
+  double client_seconds = 0;
+};
+
+class Client {
+ public:
+  struct Options {
+    std::string socket = "/run/ckptd/ckptd.sock";  // or "host:port" with tcp = true
+    bool tcp = false;
+    absl::Duration connect_timeout = absl::Seconds(10);
+    absl::Duration call_timeout = absl::Minutes(30);  // Load: barrier + transfer
+    absl::Duration admin_timeout = absl::Minutes(10);  // Inspect/Status/Evict/Prefetch
+  };
+
+  static absl::StatusOr<std::unique_ptr<Client>> Connect(const Options& options);
+  ~Client();
+
+  absl::StatusOr<v1::InspectResponse> Inspect(const std::string& path,
+                                              std::optional<int64_t> unique_id = std::nullopt);
+  // Registers this rank, waits for the job's other ranks, and fills every
+  // tensor. `progress` sees each event the daemon streams.
+  absl::StatusOr<LoadReport> Load(const LoadSpec& spec,
+                                  const std::function<void(const v1::LoadEvent&)>& progress = {});
+  absl::StatusOr<v1::PrefetchResponse> Prefetch(const std::string& path,
+                                                std::optional<int64_t> unique_id = std::nullopt,
+                                                const std::vector<std::string>& tensors = {});
+  absl::StatusOr<v1::EvictResponse> Evict(const std::string& path);
+  absl::StatusOr<v1::StatusResponse> Status();
+
+ private:
+  struct Rep;
+  explicit Client(std::unique_ptr<Rep> rep);
+  std::unique_ptr<Rep> rep_;
+};
+
+// One call: connect to `socket`, load `spec`, return the report.
+absl::StatusOr<LoadReport> LoadStateDict(const std::string& socket, const LoadSpec& spec);
+
+}  // namespace ckptd
+
+#endif  // CKPTD_CLIENT_CKPTD_CLIENT_H_
