@@ -1,0 +1,365 @@
+// Integration tests: the real ckptd binary, real client processes (ckptctl)
+// and the C++ client library over the daemon's Unix socket.
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include "client/ckptd_client.h"
+#include "core/layout.h"
+#include "core/offline.h"
+#include "core/safetensors.h"
+#include "core/writer.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/integration/daemon_process.h"
+#include "tests/testing/temp_dir.h"
+
+namespace ckpt {
+namespace {
+
+using ::testing::HasSubstr;
+namespace fs = std::filesystem;
+using testing::DaemonProcess;
+using testing::Runfile;
+using testing::Spawn;
+using testing::WaitExit;
+
+std::string Slurp(const std::string& path) {
+  std::ifstream f(path, std::ios::binary);
+  std::stringstream ss;
+  ss << f.rdbuf();
+  return ss.str();
+}
+
+TargetTensor T(const std::string& name, DType dt, Shape global, Shape off, Shape shape) {
+  return TargetTensor{name, dt, std::move(global), Box{std::move(off), std::move(shape)},
+                      std::nullopt};
+}
+
+// Splits dim `d` of `global` over `world` ranks (balanced_split).
+Box Split(const Shape& global, size_t d, int world, int r) {
+  Box b{Shape(global.size(), 0), global};
+  int64_t chunk = (global[d] + world - 1) / world;
+  b.offset[d] = std::min<int64_t>(r * chunk, global[d]);
+  b.shape[d] = std::max<int64_t>(0, std::min<int64_t>(chunk, global[d] - b.offset[d]));
+  return b;
+}
+
+struct Model {
+  std::string name;
+  DType dtype;
+  Shape shape;
+};
+
+const std::vector<Model>& Tensors() {
+  static const auto* m = new std::vector<Model>{
+      {"embed", DType::kBF16, {512, 256}},
+      {"layers.0.w", DType::kF32, {256, 512}},
+      {"layers.1.w", DType::kF32, {256, 512}},
+      {"layers.0.bias", DType::kF32, {512}},
+      {"opt.layers.0.w.moment1_0", DType::kF32, {256, 512}},
+  };
+  return *m;
+}
+
+Layout MakeLayout(int world, size_t dim, bool flatten_optimizer) {
+  Layout l;
+  l.world_size = world;
+  for (int r = 0; r < world; ++r) {
+    RankTargets rt{r, {}};
+    for (const Model& m : Tensors()) {
+      if (m.shape.size() == 1) {  // replicated
+        rt.tensors.push_back(T(m.name, m.dtype, m.shape, {0}, m.shape));
+        continue;
+      }
+      if (flatten_optimizer && m.name.rfind("opt.", 0) == 0) {  // ZeRO-style flat shards
+        TargetTensor t = T(m.name, m.dtype, m.shape, {0, 0}, m.shape);
+        int64_t n = NumElements(m.shape), chunk = (n + world - 1) / world;
+        t.flat_range = FlatRange{std::min(n, r * chunk), std::min(n, (r + 1) * chunk)};
+        if (t.flat_range->begin < t.flat_range->end) rt.tensors.push_back(t);
+        continue;
+      }
+      Box b = Split(m.shape, std::min(dim, m.shape.size() - 1), world, r);
+      rt.tensors.push_back(T(m.name, m.dtype, m.shape, b.offset, b.shape));
+    }
+    l.ranks.push_back(rt);
+  }
+  return l;
+}
+
+class DaemonTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    root_ = tmp_.Sub("root");
+    ASSERT_TRUE(MakeDirs(root_ + "/src").ok());
+    WriteSource(1);
+    ckpt_ = root_ + "/ckpt";
+    ASSERT_TRUE(ShardCheckpoint(root_ + "/src", MakeLayout(4, 0, true), ckpt_, {}).ok());
+    load_layout_ = MakeLayout(8, 1, false);
+    layout_file_ = tmp_.Sub("load8.json");
+    std::ofstream(layout_file_) << LayoutToJson(load_layout_);
+  }
+
+  void WriteSource(uint64_t seed) {
+    std::mt19937_64 rng(seed);
+    std::vector<std::vector<uint8_t>> data;
+    std::vector<TensorToWrite> tw;
+    for (const Model& m : Tensors()) {
+      data.emplace_back(NumElements(m.shape) * DTypeSize(m.dtype));
+      for (auto& b : data.back()) b = static_cast<uint8_t>(rng() & 0x3f);  // no NaNs
+      tw.push_back({m.name, m.dtype, m.shape, data.back().data()});
+    }
+    ASSERT_TRUE(WriteSafetensors(root_ + "/src/model.safetensors", tw, {}).ok());
+  }
+
+  // Offline reference outputs for the 8-rank layout.
+  std::string Expected(const std::string& name) {
+    auto res = LoadOffline(ckpt_, load_layout_, {});
+    EXPECT_TRUE(res.ok()) << res.status();
+    std::string out = tmp_.Sub(name);
+    EXPECT_TRUE(WriteRankOutputs(*res, out).ok());
+    return out;
+  }
+
+  // Runs one ckptctl process per rank; returns their exit codes.
+  std::vector<int> RunRanks(const DaemonProcess& d, const std::string& job, const std::string& out,
+                            std::vector<int> ranks = {0, 1, 2, 3, 4, 5, 6, 7},
+                            std::vector<std::string> extra = {}) {
+    std::vector<pid_t> pids;
+    for (int r : ranks) {
+      std::vector<std::string> argv = {Runfile("client/ckptctl"), "load", ckpt_, "--layout",
+                                       layout_file_, "--out", out, "--daemon", d.socket(),
+                                       "--ranks", std::to_string(r), "--job-id", job, "--json"};
+      argv.insert(argv.end(), extra.begin(), extra.end());
+      pids.push_back(Spawn(argv, tmp_.Sub("ckptctl-" + job + ".log")));
+    }
+    std::vector<int> codes;
+    for (pid_t p : pids) codes.push_back(WaitExit(p));
+    return codes;
+  }
+
+  std::unique_ptr<ckptd::Client> Connect(const DaemonProcess& d) {
+    ckptd::Client::Options o;
+    o.socket = d.socket();
+    auto c = ckptd::Client::Connect(o);
+    EXPECT_TRUE(c.ok()) << c.status();
+    return std::move(*c);
+  }
+
+  testing::TempDir tmp_;
+  std::string root_, ckpt_, layout_file_;
+  Layout load_layout_;
+};
+
+TEST_F(DaemonTest, EightRanksByteExactReadOnceThenCacheHit) {
+  DaemonProcess d(root_);
+  ASSERT_TRUE(d.Ready()) << Slurp(d.log());
+  std::string expected = Expected("expected");
+  EXPECT_THAT(RunRanks(d, "job1", tmp_.Sub("out1")), ::testing::Each(0))
+      << Slurp(tmp_.Sub("ckptctl-job1.log")) << Slurp(d.log());
+  for (int r = 0; r < 8; ++r) {
+    const std::string f = "/rank" + std::to_string(r) + ".safetensors";
+    ASSERT_EQ(Slurp(tmp_.Sub("out1") + f), Slurp(expected + f)) << "rank " << r;
+  }
+  auto client = Connect(d);
+  auto st = client->Status();
+  ASSERT_TRUE(st.ok());
+  // Each needed byte read from storage once for the 8 ranks.
+  auto ck = OpenCheckpoint(ckpt_);
+  ASSERT_TRUE(ck.ok());
+  auto plan = PlanLoad(ck->metadata, load_layout_.ranks);
+  ASSERT_TRUE(plan.ok());
+  uint64_t unique = 0;
+  for (const auto& [n, t] : ck->metadata.tensors) {
+    for (const auto& s : t.shards) unique += s.nbytes;
+  }
+  EXPECT_EQ(plan->bytes_to_read, unique);  // the 8-rank layout needs every byte
+  EXPECT_EQ(st->bytes_read_total(), unique);
+  EXPECT_EQ(st->loads_succeeded(), 8u);
+
+  // A second job on the same checkpoint: everything from the cache.
+  EXPECT_THAT(RunRanks(d, "job2", tmp_.Sub("out2")), ::testing::Each(0));
+  for (int r = 0; r < 8; ++r) {
+    const std::string f = "/rank" + std::to_string(r) + ".safetensors";
+    ASSERT_EQ(Slurp(tmp_.Sub("out2") + f), Slurp(expected + f)) << "rank " << r;
+  }
+  st = client->Status();
+  EXPECT_EQ(st->bytes_read_total(), unique);  // nothing more from storage
+  EXPECT_GT(st->cache_hits(), 0u);
+  EXPECT_EQ(st->cache_bytes(), unique);
+  EXPECT_EQ(d.Stop(), 0) << Slurp(d.log());
+  EXPECT_THAT(Slurp(d.log()), HasSubstr("load job=job2"));
+}
+
+TEST_F(DaemonTest, EvictionAndInvalidationOnFileChange) {
+  DaemonProcess d(root_);
+  auto client = Connect(d);
+  auto pre = client->Prefetch(ckpt_);
+  ASSERT_TRUE(pre.ok()) << pre.status();
+  EXPECT_GT(pre->bytes_read(), 0u);
+  EXPECT_EQ(pre->bytes_cached(), pre->bytes_read());
+  auto ev = client->Evict(ckpt_);
+  ASSERT_TRUE(ev.ok());
+  EXPECT_EQ(ev->bytes_freed(), pre->bytes_read());
+  EXPECT_EQ(client->Status()->cache_bytes(), 0u);
+
+  EXPECT_THAT(RunRanks(d, "a", tmp_.Sub("a")), ::testing::Each(0));
+  const uint64_t read_a = client->Status()->bytes_read_total();
+  // Rewrite the checkpoint in place with new values: same names, same uid.
+  WriteSource(2);
+  ASSERT_TRUE(ShardCheckpoint(root_ + "/src", MakeLayout(4, 0, true), ckpt_, {}).ok());
+  std::string expected = Expected("expected2");
+  EXPECT_THAT(RunRanks(d, "b", tmp_.Sub("b")), ::testing::Each(0)) << Slurp(d.log());
+  for (int r = 0; r < 8; ++r) {
+    const std::string f = "/rank" + std::to_string(r) + ".safetensors";
+    ASSERT_EQ(Slurp(tmp_.Sub("b") + f), Slurp(expected + f)) << "stale bytes for rank " << r;
+  }
+  EXPECT_GT(client->Status()->bytes_read_total(), read_a);  // re-read from storage
+}
+
+TEST_F(DaemonTest, MissingRankGetsBarrierError) {
+  DaemonProcess d(root_, {"--barrier-timeout", "700ms"});
+  auto codes = RunRanks(d, "partial", tmp_.Sub("p"), {0, 1, 2, 3, 4, 5, 6});
+  EXPECT_THAT(codes, ::testing::Each(1));
+  std::string log = Slurp(tmp_.Sub("ckptctl-partial.log"));
+  EXPECT_THAT(log, HasSubstr("ranks 7 never registered"));
+  EXPECT_THAT(log, HasSubstr("DEADLINE_EXCEEDED"));
+  EXPECT_FALSE(fs::exists(tmp_.Sub("p/rank0.safetensors")));
+}
+
+TEST_F(DaemonTest, KilledClientLeavesDaemonServing) {
+  DaemonProcess d(root_);
+  // Rank 0 of a 8-rank job registers and waits; kill it.
+  pid_t p = Spawn({Runfile("client/ckptctl"), "load", ckpt_, "--layout", layout_file_, "--out",
+                   tmp_.Sub("k"), "--daemon", d.socket(), "--ranks", "0", "--job-id", "killed"},
+                  tmp_.Sub("killed.log"));
+  auto client = Connect(d);
+  for (int i = 0; i < 400; ++i) {
+    auto st = client->Status();
+    if (st.ok() && st->jobs_size() == 1) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(client->Status()->jobs_size(), 1);
+  ::kill(p, SIGKILL);
+  WaitExit(p);
+  // The daemon drops the dead rank and keeps serving a full job.
+  for (int i = 0; i < 400 && client->Status()->jobs_size() != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(client->Status()->jobs_size(), 0);
+  EXPECT_THAT(RunRanks(d, "after", tmp_.Sub("after")), ::testing::Each(0));
+  EXPECT_TRUE(d.Alive());
+}
+
+class BadRequests : public DaemonTest {
+ protected:
+  absl::Status LoadOne(ckptd::LoadSpec spec, const DaemonProcess& d) {
+    auto client = Connect(d);
+    auto r = client->Load(spec);
+    return r.status();
+  }
+  ckptd::LoadSpec Spec(std::vector<float>& buf) {
+    ckptd::LoadSpec spec;
+    spec.job_id = "bad-" + std::to_string(counter_++);
+    spec.path = ckpt_;
+    ckptd::TensorSpec t;
+    t.name = "layers.0.w";
+    t.dtype = DType::kF32;
+    t.global_shape = {256, 512};
+    t.box = Box{{0, 0}, {2, 512}};
+    buf.resize(2 * 512);
+    t.buffer = buf.data();
+    spec.tensors.push_back(t);
+    return spec;
+  }
+  int counter_ = 0;
+};
+
+TEST_F(BadRequests, EachGetsTheRightCodeAndMessage) {
+  DaemonProcess d(root_);
+  std::vector<float> buf;
+  // A good request works (and loads the right rows).
+  ASSERT_TRUE(LoadOne(Spec(buf), d).ok());
+
+  auto s = Spec(buf);
+  s.tensors[0].name = "nope";
+  s.strict = true;
+  absl::Status st = LoadOne(s, d);
+  EXPECT_EQ(st.code(), absl::StatusCode::kNotFound) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("nope"));
+
+  s = Spec(buf);
+  s.tensors[0].box = Box{{255, 0}, {2, 512}};
+  st = LoadOne(s, d);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("tensor 'layers.0.w': box (2,512)@(255,0) lies outside"));
+
+  s = Spec(buf);
+  s.tensors[0].dtype = DType::kI8;
+  st = LoadOne(s, d);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("cannot be converted to the requested I8"));
+
+  s = Spec(buf);
+  s.tensors[0].global_shape = {256, 511};
+  s.tensors[0].box = Box{{0, 0}, {2, 511}};
+  st = LoadOne(s, d);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("requested global shape [256,511]"));
+
+  s = Spec(buf);
+  s.path = "/etc";
+  st = LoadOne(s, d);
+  EXPECT_EQ(st.code(), absl::StatusCode::kPermissionDenied) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("outside the checkpoint roots"));
+
+  // A segment too small for the declared tensors.
+  auto arena = ckptd::ShmArena::Create(1024);
+  ASSERT_TRUE(arena.ok());
+  s = Spec(buf);
+  s.tensors[0].buffer = nullptr;
+  s.arena = arena->get();
+  st = LoadOne(s, d);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("segment too small"));
+
+  s = Spec(buf);
+  s.rank = 3;
+  s.world_size = 2;
+  st = LoadOne(s, d);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_THAT(std::string(st.message()), HasSubstr("rank 3"));
+  EXPECT_TRUE(d.Alive());
+}
+
+TEST(DaemonClient, NotRunningIsAClearError) {
+  ckptd::Client::Options o;
+  o.socket = "/tmp/ckptd-no-such-daemon.sock";
+  o.connect_timeout = absl::Milliseconds(200);
+  auto c = ckptd::Client::Connect(o);
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(c.status().message()), HasSubstr("is the daemon running?"));
+}
+
+TEST(DaemonConfig, CheckConfigAndBadStartup) {
+  testing::TempDir tmp;
+  std::ofstream(tmp.Sub("good.yaml")) << "roots: [/tmp]\ncache_budget: 1GiB\nbarrier_timeout: 5s\n";
+  std::ofstream(tmp.Sub("bad.yaml")) << "roots: [/tmp]\ncache_bugdet: 1GiB\n";
+  EXPECT_EQ(WaitExit(Spawn({Runfile("server/ckptd"), "--check-config", tmp.Sub("good.yaml")},
+                           tmp.Sub("g.log"))),
+            0);
+  EXPECT_EQ(WaitExit(Spawn({Runfile("server/ckptd"), "--check-config", tmp.Sub("bad.yaml")},
+                           tmp.Sub("b.log"))),
+            1);
+  EXPECT_THAT(Slurp(tmp.Sub("b.log")), HasSubstr("unknown key 'cache_bugdet'"));
+  EXPECT_EQ(WaitExit(Spawn({Runfile("server/ckptd"), "--socket", "/tmp/x.sock"}, tmp.Sub("n.log"))),
+            1);
+  EXPECT_THAT(Slurp(tmp.Sub("n.log")), HasSubstr("'roots' is empty"));
+}
+
+}  // namespace
+}  // namespace ckpt
