@@ -237,6 +237,63 @@ absl::StatusOr<LoadReport> Client::Load(const LoadSpec& spec,
   return report;
 }
 
+absl::StatusOr<v1::SaveResponse> Client::Save(const SaveSpec& spec) {
+  v1::SaveRequest req;
+  req.set_job_id(spec.job_id);
+  req.set_rank(spec.rank);
+  req.set_world_size(spec.world_size);
+  req.set_path(spec.path);
+  req.set_unique_id(spec.unique_id);
+  for (int r : spec.node_ranks) req.add_node_ranks(r);
+  if (spec.barrier_timeout > absl::ZeroDuration()) {
+    req.set_barrier_timeout_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(spec.barrier_timeout)));
+  }
+  std::unique_ptr<ShmArena> own;
+  ShmArena* arena = spec.arena;
+  std::vector<uint64_t> offsets(spec.tensors.size());
+  if (arena == nullptr) {
+    uint64_t pos = 0;
+    for (size_t i = 0; i < spec.tensors.size(); ++i) {
+      if (spec.tensors[i].buffer == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "tensor '", spec.tensors[i].name, "' has no buffer and the spec has no arena"));
+      }
+      offsets[i] = pos;
+      pos = (pos + spec.tensors[i].num_bytes() + kAlign - 1) / kAlign * kAlign;
+    }
+    CKPT_ASSIGN_OR_RETURN(own, ShmArena::Create(pos, absl::StrCat("ckptd-save-", spec.rank)));
+    for (size_t i = 0; i < spec.tensors.size(); ++i) {
+      std::memcpy(own->data() + offsets[i], spec.tensors[i].buffer, spec.tensors[i].num_bytes());
+    }
+    arena = own.get();
+  } else {
+    for (size_t i = 0; i < spec.tensors.size(); ++i) offsets[i] = spec.tensors[i].arena_offset;
+  }
+  for (size_t i = 0; i < spec.tensors.size(); ++i) {
+    const TensorSpec& t = spec.tensors[i];
+    v1::Target* pt = req.add_targets();
+    pt->set_name(t.name);
+    pt->set_dtype(std::string(ckpt::DTypeName(t.dtype)));
+    for (int64_t d : t.global_shape) pt->add_global_shape(d);
+    for (int64_t d : t.box.offset) pt->add_offset(d);
+    for (int64_t d : t.box.shape) pt->add_shape(d);
+    if (t.flat_range) {
+      pt->mutable_flat_range()->set_begin(t.flat_range->begin);
+      pt->mutable_flat_range()->set_end(t.flat_range->end);
+    }
+    pt->set_dest_offset(offsets[i]);
+  }
+  CKPT_ASSIGN_OR_RETURN(std::string token, SendFd(FdSocketPath(rep_->options.socket), arena->fd(),
+                                                  rep_->options.connect_timeout));
+  req.mutable_shm()->set_fd_token(token);
+  req.mutable_shm()->set_size(arena->size());
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline(rep_->options.call_timeout));
+  v1::SaveResponse resp;
+  CKPT_RETURN_IF_ERROR(FromGrpc(rep_->stub->Save(&ctx, req, &resp), "Save"));
+  return resp;
+}
+
 absl::StatusOr<LoadReport> LoadStateDict(const std::string& socket, const LoadSpec& spec) {
   Client::Options o;
   o.socket = socket;

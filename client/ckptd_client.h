@@ -79,6 +79,20 @@ struct LoadSpec {
   bool skip_verify = false;
 };
 
+struct SaveSpec {
+  std::string job_id;
+  int rank = 0;
+  int world_size = 1;
+  std::string path;  // output directory inside one of the daemon's roots
+  int64_t unique_id = 0;
+  // The rank's shards: `buffer` holds each one's bytes (or arena_offset in
+  // `arena` when buffer is null).
+  std::vector<TensorSpec> tensors;
+  std::vector<int> node_ranks;
+  ShmArena* arena = nullptr;
+  absl::Duration barrier_timeout = absl::ZeroDuration();
+};
+
 struct LoadReport {
   v1::LoadResult result;
   double client_seconds = 0;
@@ -103,6 +117,9 @@ class Client {
   // tensor. `progress` sees each event the daemon streams.
   absl::StatusOr<LoadReport> Load(const LoadSpec& spec,
                                   const std::function<void(const v1::LoadEvent&)>& progress = {});
+  // Hands this rank's shards to the daemon, which writes the checkpoint once
+  // every rank of the job has done so.
+  absl::StatusOr<v1::SaveResponse> Save(const SaveSpec& spec);
   absl::StatusOr<v1::PrefetchResponse> Prefetch(const std::string& path,
                                                 std::optional<int64_t> unique_id = std::nullopt,
                                                 const std::vector<std::string>& tensors = {});

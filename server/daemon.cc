@@ -18,6 +18,7 @@
 #include "core/executor.h"
 #include "core/file.h"
 #include "core/status_macros.h"
+#include "core/writer.h"
 
 namespace ckptd {
 
@@ -80,6 +81,8 @@ MappedSegment::~MappedSegment() {
 
 struct Daemon::RankSlot {
   v1::LoadRequest request;
+  v1::SaveRequest save_request;  // Save jobs
+  v1::SaveResponse save_result;
   ckpt::RankTargets targets;
   std::unique_ptr<MappedSegment> segment;              // shm destination
   std::vector<std::vector<uint8_t>> stream_buffers;    // stream destination
@@ -93,6 +96,7 @@ struct Daemon::RankSlot {
 
 struct Daemon::Job {
   enum class State { kWaiting, kRunning, kFinished };
+  JobKind kind = JobKind::kLoad;
   std::string id;
   std::string path;
   std::optional<int64_t> unique_id;
@@ -326,6 +330,122 @@ void Daemon::FailJobLocked(Job& job, const absl::Status& status) {
   if (it != jobs_.end() && it->second.get() == &job) jobs_.erase(it);
 }
 
+absl::StatusOr<std::pair<std::shared_ptr<Daemon::Job>, bool>> Daemon::Register(
+    const JobKey& key, const std::shared_ptr<RankSlot>& slot, size_t* registered,
+    size_t* expected) {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(key.id);
+  if (it != jobs_.end() && it->second->state == Job::State::kRunning) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job '", key.id, "' is already running; rank ", key.rank,
+                     " came too late (use a new job_id)"));
+  }
+  std::shared_ptr<Job> job;
+  if (it == jobs_.end()) {
+    job = std::make_shared<Job>();
+    job->id = key.id;
+    job->kind = key.kind;
+    job->path = key.path;
+    job->unique_id = key.unique_id;
+    job->world_size = key.world_size;
+    if (key.node_ranks.empty()) {
+      for (int r = 0; r < key.world_size; ++r) job->expected.insert(r);
+    } else {
+      job->expected.insert(key.node_ranks.begin(), key.node_ranks.end());
+    }
+    jobs_[job->id] = job;
+  } else {
+    job = it->second;
+    std::string mismatch;
+    if (job->kind != key.kind) {
+      mismatch = "one side loads, the other saves";
+    } else if (job->path != key.path) {
+      mismatch = absl::StrCat("checkpoint ", key.path, " vs ", job->path);
+    } else if (job->unique_id != key.unique_id) {
+      mismatch = "unique_id";
+    } else if (job->world_size != key.world_size) {
+      mismatch = absl::StrCat("world_size ", key.world_size, " vs ", job->world_size);
+    }
+    if (!mismatch.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("job '", job->id, "' rank ", key.rank,
+                       " disagrees with the ranks already registered: ", mismatch));
+    }
+  }
+  if (!job->expected.count(key.rank)) {
+    return absl::InvalidArgumentError(absl::StrCat("job '", job->id, "' rank ", key.rank,
+                                                   " is not among the ranks of this node"));
+  }
+  if (job->slots.count(key.rank)) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("job '", job->id, "' rank ", key.rank, " is already registered"));
+  }
+  job->slots[key.rank] = slot;
+  *registered = job->slots.size();
+  *expected = job->expected.size();
+  bool runner = false;
+  if (*registered == *expected) {
+    job->state = Job::State::kRunning;
+    job->phase = key.kind == JobKind::kLoad ? "planning" : "writing";
+    runner = true;
+  }
+  return std::make_pair(job, runner);
+}
+
+absl::Status Daemon::AwaitSlot(const std::shared_ptr<Job>& job,
+                               const std::shared_ptr<RankSlot>& slot, int rank,
+                               absl::Duration barrier,
+                               const std::function<bool(const v1::LoadEvent&)>& send,
+                               const std::function<bool()>& cancelled) {
+  const absl::Time deadline = slot->registered + barrier;
+  std::string last_phase;
+  uint64_t last_progress = 0;
+  while (true) {
+    std::string phase;
+    uint64_t progress = 0, total = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.AwaitWithTimeout(absl::Condition(&slot->done), absl::Milliseconds(100));
+      if (slot->done) return slot->status;
+      if (job->state == Job::State::kWaiting) {
+        if (cancelled()) {
+          job->slots.erase(rank);
+          if (job->slots.empty()) {
+            auto it = jobs_.find(job->id);
+            if (it != jobs_.end() && it->second == job) jobs_.erase(it);
+          }
+          return absl::CancelledError(absl::StrCat("job '", job->id, "' rank ", rank,
+                                                   ": client went away while waiting"));
+        }
+        if (absl::Now() >= deadline) {
+          std::vector<int> missing;
+          for (int r : job->expected) {
+            if (!job->slots.count(r)) missing.push_back(r);
+          }
+          FailJobLocked(*job, absl::DeadlineExceededError(absl::StrCat(
+                                  "job '", job->id, "': ranks ", absl::StrJoin(missing, ","),
+                                  " never registered within ", absl::FormatDuration(barrier), " (",
+                                  job->slots.size(), " of ", job->expected.size(),
+                                  " ranks came)")));
+          return slot->status;
+        }
+      }
+      phase = job->phase;
+      progress = job->progress.load();
+      total = job->total.load();
+    }
+    if (send && (phase != last_phase || progress != last_progress)) {
+      v1::LoadEvent ev;
+      ev.set_progress(phase);
+      ev.set_bytes_done(progress);
+      ev.set_bytes_total(total);
+      send(ev);  // a closed stream is noticed through cancelled()
+      last_phase = phase;
+      last_progress = progress;
+    }
+  }
+}
+
 absl::Status Daemon::Load(const v1::LoadRequest& request,
                           const std::function<bool(const v1::LoadEvent&)>& send,
                           const std::function<bool()>& cancelled) {
@@ -344,137 +464,31 @@ absl::Status Daemon::Load(const v1::LoadRequest& request,
   slot->cancelled = cancelled;
   slot->registered = absl::Now();
   slot->start = std::chrono::steady_clock::now();
-  std::optional<int64_t> uid;
-  if (request.has_unique_id()) uid = request.unique_id();
 
-  std::shared_ptr<Job> job;
-  bool runner = false;
+  JobKey key{JobKind::kLoad, request.job_id(), *resolved, std::nullopt, request.world_size(),
+             request.rank(), std::vector<int>(request.node_ranks().begin(), request.node_ranks().end())};
+  if (request.has_unique_id()) key.unique_id = request.unique_id();
   size_t registered = 0, expected = 0;
-  {
-    absl::MutexLock lock(&mu_);
-    auto it = jobs_.find(request.job_id());
-    if (it != jobs_.end() && it->second->state == Job::State::kRunning) {
-      return fail(absl::FailedPreconditionError(absl::StrCat(
-          "job '", request.job_id(), "' is already loading; rank ", request.rank(),
-          " came too late (use a new job_id for a new load)")));
-    }
-    if (it == jobs_.end()) {
-      job = std::make_shared<Job>();
-      job->id = request.job_id();
-      job->path = *resolved;
-      job->unique_id = uid;
-      job->world_size = request.world_size();
-      if (request.node_ranks().empty()) {
-        for (int r = 0; r < request.world_size(); ++r) job->expected.insert(r);
-      } else {
-        job->expected.insert(request.node_ranks().begin(), request.node_ranks().end());
-      }
-      jobs_[job->id] = job;
-    } else {
-      job = it->second;
-      std::string mismatch;
-      if (job->path != *resolved) {
-        mismatch = absl::StrCat("checkpoint ", *resolved, " vs ", job->path);
-      } else if (job->unique_id != uid) {
-        mismatch = "unique_id";
-      } else if (job->world_size != request.world_size()) {
-        mismatch = absl::StrCat("world_size ", request.world_size(), " vs ", job->world_size);
-      }
-      if (!mismatch.empty()) {
-        return fail(absl::InvalidArgumentError(
-            absl::StrCat("job '", job->id, "' rank ", request.rank(),
-                         " disagrees with the ranks already registered: ", mismatch)));
-      }
-    }
-    if (!job->expected.count(request.rank())) {
-      return fail(absl::InvalidArgumentError(absl::StrCat(
-          "job '", job->id, "' rank ", request.rank(), " is not among the ranks of this node")));
-    }
-    if (job->slots.count(request.rank())) {
-      return fail(absl::AlreadyExistsError(absl::StrCat(
-          "job '", job->id, "' rank ", request.rank(), " is already registered")));
-    }
-    job->slots[request.rank()] = slot;
-    registered = job->slots.size();
-    expected = job->expected.size();
-    if (registered == expected) {
-      job->state = Job::State::kRunning;
-      job->phase = "planning";
-      runner = true;
-    }
-  }
+  auto reg = Register(key, slot, &registered, &expected);
+  if (!reg.ok()) return fail(reg.status());
+  auto [job, runner] = *reg;
   {
     v1::LoadEvent ev;
     ev.set_progress(absl::StrCat("registered rank ", request.rank(), " (", registered, " of ",
                                  expected, " ranks of job '", request.job_id(), "')"));
     send(ev);
   }
-
-  absl::Duration barrier = request.barrier_timeout_ms() > 0
-                               ? absl::Milliseconds(request.barrier_timeout_ms())
-                               : config_.barrier_timeout;
-  const absl::Time deadline = slot->registered + barrier;
-  if (runner) {
-    RunJob(job);
-  } else {
-    std::string last_phase;
-    uint64_t last_progress = 0;
-    while (true) {
-      std::string phase;
-      uint64_t progress = 0, total = 0;
-      {
-        absl::MutexLock lock(&mu_);
-        mu_.AwaitWithTimeout(absl::Condition(&slot->done), absl::Milliseconds(100));
-        if (slot->done) break;
-        if (job->state == Job::State::kWaiting) {
-          if (cancelled()) {
-            job->slots.erase(request.rank());
-            if (job->slots.empty()) {
-              auto it = jobs_.find(job->id);
-              if (it != jobs_.end() && it->second == job) jobs_.erase(it);
-            }
-            return fail(absl::CancelledError(absl::StrCat(
-                "job '", job->id, "' rank ", request.rank(), ": client went away while waiting")));
-          }
-          if (absl::Now() >= deadline) {
-            std::vector<int> missing;
-            for (int r : job->expected) {
-              if (!job->slots.count(r)) missing.push_back(r);
-            }
-            FailJobLocked(*job, absl::DeadlineExceededError(absl::StrCat(
-                                    "job '", job->id, "': ranks ", absl::StrJoin(missing, ","),
-                                    " never registered within ", absl::FormatDuration(barrier),
-                                    " (", job->slots.size(), " of ", job->expected.size(),
-                                    " ranks came)")));
-            break;
-          }
-        }
-        phase = job->phase;
-        progress = job->progress.load();
-        total = job->total.load();
-      }
-      if (phase != last_phase || progress != last_progress) {
-        v1::LoadEvent ev;
-        ev.set_progress(phase);
-        ev.set_bytes_done(progress);
-        ev.set_bytes_total(total);
-        if (!send(ev) && !cancelled()) {
-          // Keep waiting: the final status still goes out.
-        }
-        last_phase = phase;
-        last_progress = progress;
-      }
-    }
-  }
-
-  absl::Status status;
+  const absl::Duration barrier = request.barrier_timeout_ms() > 0
+                                     ? absl::Milliseconds(request.barrier_timeout_ms())
+                                     : config_.barrier_timeout;
+  if (runner) RunJob(job);
+  absl::Status status = AwaitSlot(job, slot, request.rank(), barrier, send, cancelled);
+  if (!status.ok()) return fail(status);
   v1::LoadResult result;
   {
     absl::MutexLock lock(&mu_);
-    status = slot->status;
     result = slot->result;
   }
-  if (!status.ok()) return fail(status);
   if (cancelled()) return fail(absl::CancelledError("client went away"));
   result.mutable_timings()->set_total_s(Seconds(slot->start));
   if (request.has_stream()) {
@@ -498,6 +512,141 @@ absl::Status Daemon::Load(const v1::LoadRequest& request,
   ++loads_succeeded_;
   bytes_delivered_total_ += result.bytes_delivered();
   return absl::OkStatus();
+}
+
+absl::StatusOr<v1::SaveResponse> Daemon::Save(const v1::SaveRequest& request,
+                                              const std::function<bool()>& cancelled) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto fail = [&](absl::Status s) {
+    spdlog::warn("save job={} rank={} path={} failed: {}", request.job_id(), request.rank(),
+                 request.path(), s.ToString());
+    return s;
+  };
+  // The output directory may not exist yet: resolve its parent.
+  std::string out = request.path();
+  while (out.size() > 1 && out.back() == '/') out.pop_back();
+  const size_t slash = out.rfind('/');
+  if (out.empty() || slash == std::string::npos) {
+    return fail(absl::InvalidArgumentError(
+        absl::StrCat("Save: path '", request.path(), "' must be absolute")));
+  }
+  const std::string leaf = out.substr(slash + 1);
+  auto parent = ResolvePath(slash == 0 ? "/" : out.substr(0, slash));
+  if (!parent.ok()) return fail(parent.status());
+  if (!ckpt::IsPlainFileName(leaf)) {
+    return fail(absl::InvalidArgumentError(absl::StrCat("Save: bad directory name '", leaf, "'")));
+  }
+  const std::string dir = ckpt::JoinPath(*parent, leaf);
+  // Reuse the Load validation of targets and segment.
+  v1::LoadRequest as_load;
+  as_load.set_job_id(request.job_id());
+  as_load.set_rank(request.rank());
+  as_load.set_world_size(request.world_size());
+  *as_load.mutable_targets() = request.targets();
+  *as_load.mutable_shm() = request.shm();
+  *as_load.mutable_node_ranks() = request.node_ranks();
+  auto prepared = PrepareSlot(as_load);
+  if (!prepared.ok()) return fail(prepared.status());
+  std::shared_ptr<RankSlot> slot = *prepared;
+  slot->save_request = request;
+  slot->cancelled = cancelled;
+  slot->registered = absl::Now();
+  slot->start = t0;
+  JobKey key{JobKind::kSave, request.job_id(), dir, request.unique_id(), request.world_size(),
+             request.rank(), std::vector<int>(request.node_ranks().begin(), request.node_ranks().end())};
+  size_t registered = 0, expected = 0;
+  auto reg = Register(key, slot, &registered, &expected);
+  if (!reg.ok()) return fail(reg.status());
+  auto [job, runner] = *reg;
+  const absl::Duration barrier = request.barrier_timeout_ms() > 0
+                                     ? absl::Milliseconds(request.barrier_timeout_ms())
+                                     : config_.barrier_timeout;
+  if (runner) RunSaveJob(job);
+  absl::Status status = AwaitSlot(job, slot, request.rank(), barrier, nullptr, cancelled);
+  if (!status.ok()) return fail(status);
+  absl::MutexLock lock(&mu_);
+  v1::SaveResponse resp = slot->save_result;
+  resp.set_seconds(Seconds(t0));
+  return resp;
+}
+
+void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::shared_ptr<RankSlot>> slots;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [r, s] : job->slots) slots.push_back(s);
+  }
+  auto fail_all = [&](const absl::Status& s) {
+    absl::MutexLock lock(&mu_);
+    FailJobLocked(*job, s);
+  };
+  std::vector<ckpt::RankTargets> ranks;
+  for (const auto& s : slots) ranks.push_back(s->targets);
+  auto plan = ckpt::PlanSave(ranks, job->world_size, job->unique_id.value_or(0));
+  if (!plan.ok()) return fail_all(plan.status());
+  if (absl::Status s = ckpt::MakeDirs(job->path); !s.ok()) return fail_all(s);
+  // Where each rank's copy of a shard lives: (rank, name) -> bytes.
+  std::map<std::pair<int, std::string>, const uint8_t*> where;
+  for (const auto& s : slots) {
+    for (int t = 0; t < s->save_request.targets_size(); ++t) {
+      where[{s->targets.rank, s->targets.tensors[t].name}] =
+          s->segment->data() + s->save_request.targets(t).dest_offset();
+    }
+  }
+  std::vector<std::pair<std::string, ckpt::ShardMeta>> written;
+  std::map<int, std::set<std::string>> files_of_rank;
+  uint64_t bytes = 0;
+  for (int r = 0; r < job->world_size; ++r) {
+    if (!job->expected.count(r)) continue;
+    std::vector<const void*> data;
+    for (const TargetTensor& t : plan->writes[r]) data.push_back(where.at({r, t.name}));
+    auto shards = ckpt::WriteRankFile(job->path, *plan, r, data);
+    if (!shards.ok()) return fail_all(shards.status());
+    for (auto& sh : *shards) {
+      bytes += sh.second.nbytes;
+      written.push_back(std::move(sh));
+    }
+  }
+  // Every rank learns which files hold the shards it handed over.
+  for (const auto& [name, meta] : written) {
+    for (const auto& s : slots) {
+      for (const TargetTensor& t : s->targets.tensors) {
+        if (t.name == name && t.box == meta.box && t.flat_range == meta.flat_range) {
+          files_of_rank[s->targets.rank].insert(meta.file);
+        }
+      }
+    }
+  }
+  std::map<std::string, std::vector<std::string>> flat_mapping;
+  for (const auto& s : slots) {
+    for (const auto& [k, v] : s->save_request.flat_mapping()) {
+      flat_mapping[k] = std::vector<std::string>(v.parts().begin(), v.parts().end());
+    }
+  }
+  if (absl::Status s = ckpt::FinishSave(job->path, *plan, written, flat_mapping); !s.ok()) {
+    return fail_all(s);
+  }
+  // New files under a cached directory: drop its cached metadata.
+  {
+    absl::MutexLock lock(&meta_mu_);
+    for (auto it = meta_cache_.begin(); it != meta_cache_.end();) {
+      it = it->first.first == job->path ? meta_cache_.erase(it) : std::next(it);
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  for (const auto& s : slots) {
+    v1::SaveResponse& r = s->save_result;
+    for (const auto& f : files_of_rank[s->targets.rank]) r.add_files(f);
+    r.set_bytes_written(bytes);
+    r.set_metadata_file(absl::StrCat(job->unique_id.value_or(0), ".metadata"));
+    s->done = true;
+  }
+  job->state = Job::State::kFinished;
+  auto it = jobs_.find(job->id);
+  if (it != jobs_.end() && it->second == job) jobs_.erase(it);
+  spdlog::info("save job={} path={} ranks={} written={}B in {:.3f}s", job->id, job->path,
+               slots.size(), bytes, Seconds(t0));
 }
 
 void Daemon::RunJob(const std::shared_ptr<Job>& job) {

@@ -62,6 +62,10 @@ class Daemon {
   absl::Status Load(const v1::LoadRequest& request,
                     const std::function<bool(const v1::LoadEvent&)>& send,
                     const std::function<bool()>& cancelled);
+  // Runs one rank's Save: waits for the job's ranks, then writes the native
+  // format once for all of them.
+  absl::StatusOr<v1::SaveResponse> Save(const v1::SaveRequest& request,
+                                        const std::function<bool()>& cancelled);
   absl::StatusOr<v1::PrefetchResponse> Prefetch(const v1::PrefetchRequest& request);
   absl::StatusOr<v1::EvictResponse> Evict(const v1::EvictRequest& request);
   v1::StatusResponse Status();
@@ -71,6 +75,16 @@ class Daemon {
  private:
   struct RankSlot;
   struct Job;
+  enum class JobKind { kLoad, kSave };
+  struct JobKey {
+    JobKind kind;
+    std::string id;
+    std::string path;
+    std::optional<int64_t> unique_id;
+    int world_size;
+    int rank;
+    std::vector<int> node_ranks;
+  };
   struct OpenedCheckpoint {
     ckpt::Checkpoint checkpoint;
     std::map<std::string, ckpt::FileStamp> stamps;  // data file -> identity
@@ -83,7 +97,20 @@ class Daemon {
   absl::StatusOr<std::shared_ptr<const OpenedCheckpoint>> OpenCached(
       const std::string& dir, std::optional<int64_t> unique_id);
   absl::StatusOr<std::shared_ptr<RankSlot>> PrepareSlot(const v1::LoadRequest& request);
+  // Adds `slot` to its job (created on first use); returns the job and
+  // whether this caller completed the barrier and must run the job.
+  absl::StatusOr<std::pair<std::shared_ptr<Job>, bool>> Register(
+      const JobKey& key, const std::shared_ptr<RankSlot>& slot, size_t* registered,
+      size_t* expected);
+  // Waits until the job has filled `slot` (progress events through `send`),
+  // the client leaves, or the barrier deadline passes (failing the job for
+  // every waiting rank, naming the ranks that never came).
+  absl::Status AwaitSlot(const std::shared_ptr<Job>& job, const std::shared_ptr<RankSlot>& slot,
+                         int rank, absl::Duration barrier,
+                         const std::function<bool(const v1::LoadEvent&)>& send,
+                         const std::function<bool()>& cancelled);
   void RunJob(const std::shared_ptr<Job>& job);
+  void RunSaveJob(const std::shared_ptr<Job>& job);
   void FailJobLocked(Job& job, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const DaemonConfig config_;

@@ -22,6 +22,14 @@ grpc::Status CkptdService::Load(grpc::ServerContext* ctx, const v1::LoadRequest*
       [ctx] { return ctx->IsCancelled(); }));
 }
 
+grpc::Status CkptdService::Save(grpc::ServerContext* ctx, const v1::SaveRequest* req,
+                                v1::SaveResponse* resp) {
+  auto r = daemon_->Save(*req, [ctx] { return ctx->IsCancelled(); });
+  if (!r.ok()) return ToGrpc(r.status());
+  *resp = std::move(*r);
+  return grpc::Status::OK;
+}
+
 grpc::Status CkptdService::Prefetch(grpc::ServerContext*, const v1::PrefetchRequest* req,
                                     v1::PrefetchResponse* resp) {
   auto r = daemon_->Prefetch(*req);

@@ -18,6 +18,8 @@ class CkptdService final : public v1::Ckptd::Service {
                        v1::InspectResponse* resp) override;
   grpc::Status Load(grpc::ServerContext* ctx, const v1::LoadRequest* req,
                     grpc::ServerWriter<v1::LoadEvent>* writer) override;
+  grpc::Status Save(grpc::ServerContext* ctx, const v1::SaveRequest* req,
+                    v1::SaveResponse* resp) override;
   grpc::Status Prefetch(grpc::ServerContext* ctx, const v1::PrefetchRequest* req,
                         v1::PrefetchResponse* resp) override;
   grpc::Status Evict(grpc::ServerContext* ctx, const v1::EvictRequest* req,

@@ -363,3 +363,69 @@ TEST(DaemonConfig, CheckConfigAndBadStartup) {
 
 }  // namespace
 }  // namespace ckpt
+
+namespace ckpt {
+namespace {
+
+// Four ranks save through the daemon (replicated bias written once), then
+// load back with another layout.
+TEST_F(DaemonTest, SaveThroughDaemonThenLoad) {
+  DaemonProcess d(root_);
+  Layout save = MakeLayout(4, 0, true);
+  // Source values: the offline load of the whole tensors.
+  Layout whole;
+  whole.world_size = 1;
+  whole.ranks = {{0, {}}};
+  for (const Model& m : Tensors()) {
+    whole.ranks[0].tensors.push_back(T(m.name, m.dtype, m.shape, Shape(m.shape.size(), 0), m.shape));
+  }
+  auto full = LoadOffline(root_ + "/src", whole, {});
+  ASSERT_TRUE(full.ok()) << full.status();
+  // Each rank's shard bytes, cut offline.
+  auto cut = LoadOffline(root_ + "/src", save, {});
+  ASSERT_TRUE(cut.ok());
+  std::vector<std::thread> threads;
+  std::vector<absl::StatusOr<ckptd::v1::SaveResponse>> results(4, absl::UnknownError(""));
+  for (int r = 0; r < 4; ++r) {
+    threads.emplace_back([&, r] {
+      ckptd::SaveSpec spec;
+      spec.job_id = "save1";
+      spec.rank = r;
+      spec.world_size = 4;
+      spec.path = root_ + "/saved";
+      spec.unique_id = 7;
+      for (size_t t = 0; t < save.ranks[r].tensors.size(); ++t) {
+        const TargetTensor& tt = save.ranks[r].tensors[t];
+        spec.tensors.push_back({tt.name, tt.dtype, tt.global_shape, tt.box, tt.flat_range,
+                                cut->buffers[r].tensors[t].data(), 0});
+      }
+      ckptd::Client::Options o;
+      o.socket = d.socket();
+      auto c = ckptd::Client::Connect(o);
+      results[r] = c.ok() ? (*c)->Save(spec) : c.status();
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 4; ++r) ASSERT_TRUE(results[r].ok()) << results[r].status();
+  EXPECT_EQ(results[0]->metadata_file(), "7.metadata");
+  // The replicated bias is stored once.
+  auto ck = OpenCheckpoint(root_ + "/saved");
+  ASSERT_TRUE(ck.ok()) << ck.status();
+  EXPECT_EQ(ck->metadata.tensors.at("layers.0.bias").shards.size(), 1u);
+  EXPECT_EQ(*ck->unique_id, 7);
+  auto back = LoadOffline(root_ + "/saved", whole, {});
+  ASSERT_TRUE(back.ok()) << back.status();
+  for (size_t t = 0; t < Tensors().size(); ++t) {
+    EXPECT_EQ(back->buffers[0].tensors[t], full->buffers[0].tensors[t]) << Tensors()[t].name;
+  }
+  // Saving outside the roots is refused.
+  ckptd::SaveSpec bad;
+  bad.job_id = "save2";
+  bad.path = "/etc/ckptd-nope";
+  auto c = Connect(d);
+  auto r = c->Save(bad);
+  EXPECT_EQ(r.status().code(), absl::StatusCode::kPermissionDenied) << r.status();
+}
+
+}  // namespace
+}  // namespace ckpt
