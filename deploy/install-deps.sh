@@ -9,7 +9,7 @@ PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libyaml-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libspdlog-dev libfmt-dev libxxhash-dev liburing-dev
-  python3 python3-numpy
+  python3 python3-numpy python3-grpcio python3-protobuf python3-torch
 )
 
 missing=()

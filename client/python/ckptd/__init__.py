@@ -1,0 +1,20 @@
+"""ckptd: load and save distributed training checkpoints through the ckptd daemon.
+
+    import ckptd
+    report = ckptd.load_state_dict(model.state_dict(), "/data/ckpt/step1000")
+
+See README "Python client".
+"""
+from ._shm import SharedArena
+from ._tensors import ShardedTensor, dtype_name
+from .client import (CheckpointInfo, Client, LoadReport, SaveReport, ShardInfo, TensorInfo,
+                     default_socket, evict, find_ckptctl, inspect, load_state_dict, merge,
+                     prefetch, save_state_dict, status)
+from .errors import CkptdError
+
+__all__ = [
+    "CheckpointInfo", "CkptdError", "Client", "LoadReport", "SaveReport", "ShardInfo",
+    "ShardedTensor", "SharedArena", "TensorInfo", "default_socket", "dtype_name", "evict",
+    "find_ckptctl", "inspect", "load_state_dict", "merge", "prefetch", "save_state_dict",
+    "status",
+]

@@ -1,0 +1,642 @@
+"""The ckptd client: connection, load/save of state dicts, admin calls."""
+import dataclasses
+import itertools
+import json
+import os
+import re
+import shutil
+import socket as _socket
+import subprocess
+import threading
+import time
+
+import numpy as np
+
+from . import _proto
+from ._shm import Segment, align, find_arena, fd_socket_path, send_fd
+from ._tensors import flatten
+from .errors import CkptdError, from_rpc_error
+
+DEFAULT_SOCKET = "/run/ckptd/ckptd.sock"
+
+
+def default_socket():
+    """$CKPTD_SOCKET, else /run/ckptd/ckptd.sock."""
+    return os.environ.get("CKPTD_SOCKET") or DEFAULT_SOCKET
+
+
+# --- distributed environment --------------------------------------------------
+
+def _env_int(name):
+    v = os.environ.get(name)
+    if v is None or v == "":
+        return None
+    try:
+        return int(v)
+    except ValueError:
+        raise CkptdError("INVALID_ARGUMENT", f"${name}={v!r} is not an integer") from None
+
+
+def resolve_ranks(rank=None, world_size=None, node_ranks=None):
+    """(rank, world_size, node_ranks) from the arguments, else the environment.
+
+    rank: RANK, else LOCAL_RANK, else 0. world_size: WORLD_SIZE, else 1.
+    node_ranks (the ranks served by this node's daemon): when LOCAL_RANK and
+    LOCAL_WORLD_SIZE are set and smaller than the world (several nodes), the
+    contiguous block [rank - LOCAL_RANK, + LOCAL_WORLD_SIZE) as torchrun
+    assigns them; else all ranks (empty list).
+    """
+    if rank is None:
+        rank = _env_int("RANK")
+        if rank is None:
+            rank = _env_int("LOCAL_RANK")
+        if rank is None:
+            rank = 0
+    if world_size is None:
+        world_size = _env_int("WORLD_SIZE") or 1
+    rank, world_size = int(rank), int(world_size)
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise CkptdError("INVALID_ARGUMENT", f"rank {rank} is outside world_size {world_size}")
+    if node_ranks is None:
+        local_rank, local_world = _env_int("LOCAL_RANK"), _env_int("LOCAL_WORLD_SIZE")
+        node_ranks = []
+        if local_rank is not None and local_world is not None and 0 < local_world < world_size:
+            first = rank - local_rank
+            node_ranks = list(range(max(first, 0), min(first + local_world, world_size)))
+    return rank, world_size, [int(r) for r in node_ranks]
+
+
+_counters = {}
+_counters_lock = threading.Lock()
+
+
+def base_job_id(world_size):
+    """A job id every rank of the job derives alike from its environment.
+
+    $CKPTD_JOB_ID; else torchrun's TORCHELASTIC_RUN_ID (unless "none") plus
+    TORCHELASTIC_RESTART_COUNT; else SLURM_JOB_ID.SLURM_STEP_ID; else
+    MASTER_ADDR:MASTER_PORT (plus the restart count). A single process
+    (world_size 1) falls back to host and pid. None if nothing fits.
+    """
+    env = os.environ
+    restart = env.get("TORCHELASTIC_RESTART_COUNT")
+    suffix = f"-r{restart}" if restart else ""
+    if env.get("CKPTD_JOB_ID"):
+        return env["CKPTD_JOB_ID"]
+    run = env.get("TORCHELASTIC_RUN_ID")
+    if run and run != "none":
+        return f"torchelastic-{run}{suffix}"
+    if env.get("SLURM_JOB_ID"):
+        return f"slurm-{env['SLURM_JOB_ID']}.{env.get('SLURM_STEP_ID', '0')}{suffix}"
+    if env.get("MASTER_ADDR") and env.get("MASTER_PORT"):
+        return f"{env['MASTER_ADDR']}:{env['MASTER_PORT']}{suffix}"
+    if world_size == 1:
+        return f"{_socket.gethostname()}-pid{os.getpid()}"
+    return None
+
+
+def resolve_job_id(job_id, kind, world_size):
+    """`job_id` as given, else the base job id plus a per-process call count.
+
+    Every rank makes the same sequence of load_state_dict / save_state_dict
+    calls, so "<base>/load/<n>" names the n-th load alike on every rank and
+    successive loads never join each other's job.
+    """
+    if job_id is not None:
+        return str(job_id)
+    base = base_job_id(world_size)
+    if base is None:
+        raise CkptdError(
+            "INVALID_ARGUMENT",
+            "cannot derive a job id that all ranks agree on: pass job_id=, or set CKPTD_JOB_ID "
+            "(or run under torchrun / SLURM / with MASTER_ADDR and MASTER_PORT)")
+    with _counters_lock:
+        n = _counters.get((base, kind), 0)
+        _counters[(base, kind)] = n + 1
+    return f"{base}/{kind}/{n}"
+
+
+# --- results ------------------------------------------------------------------
+
+@dataclasses.dataclass
+class LoadReport:
+    """What a load_state_dict call did, for this rank."""
+    job_id: str = ""
+    missing_keys: list = dataclasses.field(default_factory=list)
+    unexpected_keys: list = dataclasses.field(default_factory=list)
+    renamed_keys: dict = dataclasses.field(default_factory=dict)
+    skipped_keys: list = dataclasses.field(default_factory=list)  # non-tensor leaves
+    bytes_read: int = 0            # from storage, whole job on this daemon
+    bytes_from_cache: int = 0
+    bytes_delivered: int = 0       # into this rank's tensors
+    job_bytes_delivered: int = 0
+    checksums_verified: int = 0
+    unique_id: int = 0
+    format: str = ""
+    local_fast_path: bool = False
+    zero_copy: bool = False        # filled in place in a SharedArena
+    timings: dict = dataclasses.field(default_factory=dict)
+
+    def as_dict(self):
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class SaveReport:
+    job_id: str = ""
+    unique_id: int = 0
+    files: list = dataclasses.field(default_factory=list)  # data files holding this rank's shards
+    metadata_file: str = ""
+    bytes_written: int = 0  # by the whole job
+    skipped_keys: list = dataclasses.field(default_factory=list)
+    zero_copy: bool = False
+    timings: dict = dataclasses.field(default_factory=dict)
+
+    def as_dict(self):
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass
+class ShardInfo:
+    file: str
+    offset: tuple
+    shape: tuple
+    dtype: str
+    flat_range: tuple  # or None
+    replica_id: int
+    data_offset: int
+    nbytes: int
+
+
+@dataclasses.dataclass
+class TensorInfo:
+    name: str
+    dtype: str
+    global_shape: tuple
+    bytes: int
+    shards: list
+
+
+@dataclasses.dataclass
+class CheckpointInfo:
+    path: str
+    format: str
+    unique_id: int
+    versions: list
+    tensors: dict  # name -> TensorInfo
+    files: dict    # file -> bytes
+    total_bytes: int
+
+
+def _message_dict(msg):
+    from google.protobuf import json_format
+    return json_format.MessageToDict(msg, preserving_proto_field_name=True,
+                                     including_default_value_fields=True)
+
+
+# --- the client -----------------------------------------------------------------
+
+class Client:
+    """A connection to one ckptd daemon.
+
+    socket: the daemon's Unix socket (default $CKPTD_SOCKET, else
+    /run/ckptd/ckptd.sock), or "host:port" with tcp=True (then only the
+    stream transport can carry data). Fails fast with CkptdError(UNAVAILABLE)
+    when no daemon listens there. connect_timeout bounds connecting to the
+    Unix socket and handing over the shm fd.
+    """
+
+    def __init__(self, socket=None, *, tcp=False, connect_timeout=10.0):
+        import grpc
+        self._grpc = grpc
+        self.pb2, pb2_grpc = _proto.load_stubs()
+        self.socket = socket or default_socket()
+        self.tcp = tcp
+        self.connect_timeout = connect_timeout
+        if not tcp:
+            self.socket = os.path.abspath(self.socket)
+            _probe_unix(self.socket, connect_timeout)
+        target = self.socket if tcp else "unix:" + self.socket
+        # No channel_ready_future: it makes close() take 200 ms. Calls are made
+        # without wait_for_ready, so a daemon that is gone fails them at once
+        # with UNAVAILABLE.
+        self._channel = grpc.insecure_channel(target, options=[
+            ("grpc.max_receive_message_length", 256 << 20),
+            ("grpc.max_send_message_length", 256 << 20),
+        ])
+        self.stub = pb2_grpc.CkptdStub(self._channel)
+
+    def close(self):
+        self._channel.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def _call(self, what, fn, request, timeout):
+        try:
+            return fn(request, timeout=timeout)
+        except self._grpc.RpcError as e:
+            raise from_rpc_error(e, what, self.socket, timeout) from None
+
+    # -- admin --
+
+    def inspect(self, path, unique_id=None, timeout=60.0):
+        req = self.pb2.InspectRequest(path=_abs(path))
+        if unique_id is not None:
+            req.unique_id = int(unique_id)
+        r = self._call("Inspect", self.stub.Inspect, req, timeout)
+        tensors = {}
+        for t in r.tensors:
+            shards = [ShardInfo(s.file, tuple(s.offset), tuple(s.shape), s.dtype,
+                                (s.flat_range.begin, s.flat_range.end)
+                                if s.HasField("flat_range") else None,
+                                s.replica_id, s.data_offset, s.nbytes) for s in t.shards]
+            tensors[t.name] = TensorInfo(t.name, t.dtype, tuple(t.global_shape), t.bytes, shards)
+        return CheckpointInfo(r.path, r.format, r.unique_id, list(r.versions), tensors,
+                              dict(r.files), r.total_bytes)
+
+    def status(self, timeout=60.0):
+        return _message_dict(self._call("Status", self.stub.Status, self.pb2.StatusRequest(),
+                                        timeout))
+
+    def prefetch(self, path, unique_id=None, tensors=(), timeout=600.0):
+        req = self.pb2.PrefetchRequest(path=_abs(path), tensors=list(tensors))
+        if unique_id is not None:
+            req.unique_id = int(unique_id)
+        return _message_dict(self._call("Prefetch", self.stub.Prefetch, req, timeout))
+
+    def evict(self, path, timeout=60.0):
+        return _message_dict(self._call("Evict", self.stub.Evict,
+                                        self.pb2.EvictRequest(path=_abs(path)), timeout))
+
+    # -- load / save --
+
+    def _targets(self, entries, offsets):
+        out = []
+        for e, off in zip(entries, offsets):
+            t = self.pb2.Target(name=e.key, dtype=e.dtype, global_shape=list(e.global_shape),
+                                offset=list(e.offset), shape=list(e.shape), dest_offset=off)
+            if e.flat_range is not None:
+                t.flat_range.begin, t.flat_range.end = e.flat_range
+            out.append(t)
+        return out
+
+    def load_state_dict(self, state_dict, path, *, rank=None, world_size=None, job_id=None,
+                        unique_id=None, timeout=600.0, strict=False, node_ranks=None,
+                        barrier_timeout=None, verify=True, transport="shm", progress=None):
+        """See ckptd.load_state_dict."""
+        t0 = time.perf_counter()
+        entries, skipped = flatten(state_dict)
+        rank, world_size, node_ranks = resolve_ranks(rank, world_size, node_ranks)
+        job_id = resolve_job_id(job_id, "load", world_size)
+        for e in entries:
+            if e.array is not None and not e.array.flags.writeable:
+                raise CkptdError("INVALID_ARGUMENT", f"'{e.key}': the numpy array is read-only")
+        req = self.pb2.LoadRequest(job_id=job_id, rank=rank, world_size=world_size,
+                                   path=_abs(path), node_ranks=node_ranks, strict=bool(strict),
+                                   skip_verify=not verify)
+        if unique_id is not None:
+            req.unique_id = int(unique_id)
+        if barrier_timeout is not None:
+            req.barrier_timeout_ms = max(1, int(barrier_timeout * 1000))
+        report = LoadReport(job_id=job_id, skipped_keys=skipped)
+        seg = staging = None
+        timings = {}
+        try:
+            if transport == "shm":
+                arena, offsets = _arena_placement(entries)
+                if arena is not None:
+                    fd, size = arena.fd, arena.size
+                    report.zero_copy = True
+                else:
+                    offsets, size = _layout(entries)
+                    seg = Segment(size, f"ckptd-load-{rank}")
+                    fd, size = seg.fd, seg.size
+                req.targets.extend(self._targets(entries, offsets))
+                t1 = time.perf_counter()
+                token = (send_fd(fd_socket_path(self.socket), fd, self.connect_timeout)
+                         if not self.tcp else None)
+                if token is None:
+                    raise CkptdError("INVALID_ARGUMENT", "transport='shm' needs a Unix socket; "
+                                     "use transport='stream' over TCP")
+                timings["client_send_fd_s"] = time.perf_counter() - t1
+                req.shm.fd_token = token
+                req.shm.size = size
+            elif transport == "stream":
+                offsets, size = _layout(entries)
+                staging = np.empty(max(size, 1), dtype=np.uint8)
+                req.targets.extend(self._targets(entries, offsets))
+                req.stream.SetInParent()
+            else:
+                raise CkptdError("INVALID_ARGUMENT",
+                                 f"transport must be 'shm' or 'stream', not {transport!r}")
+            timings["client_prepare_s"] = time.perf_counter() - t0
+
+            t1 = time.perf_counter()
+            result = None
+            call = self.stub.Load(req, timeout=timeout)
+            try:
+                for ev in call:
+                    kind = ev.WhichOneof("event")
+                    if kind == "data":
+                        c = ev.data
+                        if c.target >= len(entries) or \
+                                c.offset + len(c.data) > entries[c.target].nbytes:
+                            call.cancel()
+                            raise CkptdError("DATA_LOSS",
+                                             "Load: the daemon streamed a chunk outside the tensors")
+                        start = offsets[c.target] + c.offset
+                        staging[start:start + len(c.data)] = np.frombuffer(c.data, np.uint8)
+                        continue
+                    if kind == "result":
+                        result = ev.result
+                    if progress is not None:
+                        progress(ev)
+            except self._grpc.RpcError as e:
+                raise from_rpc_error(e, "Load", self.socket, timeout) from None
+            except BaseException:
+                call.cancel()
+                raise
+            if result is None:
+                raise CkptdError("DATA_LOSS", "Load: the daemon ended the stream without a result")
+            timings["client_rpc_s"] = time.perf_counter() - t1
+
+            missing = set(result.missing_keys)
+            t1 = time.perf_counter()
+            if not report.zero_copy:
+                buf = seg.u8 if seg is not None else staging
+                for e, off in zip(entries, offsets):
+                    if e.key not in missing:
+                        e.fill_from(buf[off:off + e.nbytes])
+                del buf
+            timings["client_copy_out_s"] = time.perf_counter() - t1
+        finally:
+            if seg is not None:
+                seg.close()
+        report.missing_keys = list(result.missing_keys)
+        report.unexpected_keys = list(result.unexpected_keys)
+        report.renamed_keys = dict(result.renamed_keys)
+        for f in ("bytes_read", "bytes_from_cache", "bytes_delivered", "job_bytes_delivered",
+                  "checksums_verified", "unique_id", "format", "local_fast_path"):
+            setattr(report, f, getattr(result, f))
+        tm = result.timings
+        report.timings = {"list_s": tm.list_s, "plan_s": tm.plan_s, "read_s": tm.read_s,
+                          "copy_s": tm.copy_s, "wait_s": tm.wait_s, "daemon_total_s": tm.total_s,
+                          **timings, "total_s": time.perf_counter() - t0}
+        return report
+
+    def save_state_dict(self, state_dict, path, *, rank=None, world_size=None, unique_id=None,
+                        job_id=None, timeout=600.0, node_ranks=None, barrier_timeout=None):
+        """See ckptd.save_state_dict."""
+        t0 = time.perf_counter()
+        if self.tcp:
+            raise CkptdError("INVALID_ARGUMENT", "save_state_dict needs the daemon's Unix socket")
+        entries, skipped = flatten(state_dict)
+        rank, world_size, node_ranks = resolve_ranks(rank, world_size, node_ranks)
+        job_id = resolve_job_id(job_id, "save", world_size)
+        path = _abs(path)
+        if unique_id is None:
+            unique_id = next_unique_id(path)
+        req = self.pb2.SaveRequest(job_id=job_id, rank=rank, world_size=world_size, path=path,
+                                   unique_id=int(unique_id), node_ranks=node_ranks)
+        if barrier_timeout is not None:
+            req.barrier_timeout_ms = max(1, int(barrier_timeout * 1000))
+        for e in entries:
+            if len(e.path) > 1:
+                req.flat_mapping[e.key].parts.extend(e.path)
+        report = SaveReport(job_id=job_id, unique_id=int(unique_id), skipped_keys=skipped)
+        timings = {}
+        seg = None
+        try:
+            arena, offsets = _arena_placement(entries)
+            if arena is not None:
+                fd, size = arena.fd, arena.size
+                report.zero_copy = True
+            else:
+                offsets, size = _layout(entries)
+                seg = Segment(size, f"ckptd-save-{rank}")
+                fd, size = seg.fd, seg.size
+                for e, off in zip(entries, offsets):
+                    e.copy_to(seg.u8[off:off + e.nbytes])
+            req.targets.extend(self._targets(entries, offsets))
+            timings["client_prepare_s"] = time.perf_counter() - t0
+            t1 = time.perf_counter()
+            req.shm.fd_token = send_fd(fd_socket_path(self.socket), fd, self.connect_timeout)
+            req.shm.size = size
+            timings["client_send_fd_s"] = time.perf_counter() - t1
+            t1 = time.perf_counter()
+            r = self._call("Save", self.stub.Save, req, timeout)
+            timings["client_rpc_s"] = time.perf_counter() - t1
+        finally:
+            if seg is not None:
+                seg.close()
+        report.files = list(r.files)
+        report.metadata_file = r.metadata_file
+        report.bytes_written = r.bytes_written
+        report.timings = {"daemon_s": r.seconds, **timings, "total_s": time.perf_counter() - t0}
+        return report
+
+
+def _abs(path):
+    return os.path.abspath(os.fspath(path))
+
+
+def _probe_unix(path, timeout=10.0):
+    """Fails fast (no gRPC retries) when nothing listens on the Unix socket."""
+    hint = ("is the daemon running? start it with `ckptd --socket PATH --root DIR`, or pass "
+            "socket= / set CKPTD_SOCKET")
+    if len(path.encode()) >= 108:
+        raise CkptdError("INVALID_ARGUMENT",
+                         f"{path}: socket path too long (Unix socket paths must be < 108 bytes)")
+    if not os.path.exists(path):
+        raise CkptdError("UNAVAILABLE", f"no ckptd socket at {path} ({hint})")
+    s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
+    try:
+        s.settimeout(timeout)
+        s.connect(path)
+    except OSError as e:
+        raise CkptdError("UNAVAILABLE",
+                         f"cannot connect to ckptd at {path}: {e.strerror or e} ({hint})") from None
+    finally:
+        s.close()
+
+
+def _layout(entries):
+    """Offsets of the entries in a fresh segment (64-byte aligned), and its size."""
+    offsets, pos = [], 0
+    for e in entries:
+        offsets.append(pos)
+        pos = align(pos + e.nbytes)
+    return offsets, pos
+
+
+def _arena_placement(entries):
+    """(arena, offsets) when every entry is contiguous in one SharedArena."""
+    if not entries:
+        return None, None
+    arena, offsets = None, []
+    for e in entries:
+        addr, contiguous = e.address()
+        if addr is None or not contiguous:
+            return None, None
+        a, off = find_arena(addr, e.nbytes)
+        if a is None or (arena is not None and a is not arena):
+            return None, None
+        arena = a
+        offsets.append(off)
+    return arena, offsets
+
+
+_METADATA_RE = re.compile(r"^(\d{1,18})\.metadata$")
+
+
+def next_unique_id(path):
+    """One more than the newest version in checkpoint directory `path` (0 if none)."""
+    try:
+        names = os.listdir(path)
+    except OSError:
+        return 0
+    ids = [int(m.group(1)) for m in map(_METADATA_RE.match, names) if m]
+    return max(ids) + 1 if ids else 0
+
+
+# --- module-level API -----------------------------------------------------------
+
+def load_state_dict(state_dict, path, *, rank=None, world_size=None, job_id=None, unique_id=None,
+                    socket=None, timeout=600.0, strict=False, node_ranks=None,
+                    barrier_timeout=None, verify=True, transport="shm", progress=None):
+    """Fills the tensors of `state_dict` in place from checkpoint `path`, through ckptd.
+
+    state_dict: a dict (nested dicts are flattened with "."; int keys become
+      strings) of numpy arrays, torch CPU tensors (whole tensors) or
+      ShardedTensor (a rank's part of a tensor). Other leaves are skipped
+      (report.skipped_keys).
+    path: checkpoint directory (native ckptd or HuggingFace), inside one of
+      the daemon's roots; relative paths are made absolute here.
+    rank, world_size: default from RANK / WORLD_SIZE (LOCAL_RANK) in the
+      environment. Every rank of the job calls load_state_dict; the daemon
+      plans the job once and reads each byte range once.
+    job_id: names the job on the daemon; the same on every rank. Default:
+      derived from the environment (see base_job_id) plus a per-process count.
+    unique_id: checkpoint version; default the newest.
+    socket: the daemon's Unix socket; default $CKPTD_SOCKET or
+      /run/ckptd/ckptd.sock.
+    timeout: seconds for the whole call (waiting for the other ranks included).
+    strict: missing keys fail the load (CkptdError NOT_FOUND).
+    Keys missing from the checkpoint are reported and left untouched.
+
+    The daemon writes into a memfd segment shared with this process, and the
+    values are copied from there into the tensors; tensors allocated in a
+    SharedArena are filled in place with no copy at all.
+
+    Returns a LoadReport. Raises CkptdError.
+    """
+    with Client(socket) as c:
+        return c.load_state_dict(state_dict, path, rank=rank, world_size=world_size,
+                                 job_id=job_id, unique_id=unique_id, timeout=timeout,
+                                 strict=strict, node_ranks=node_ranks,
+                                 barrier_timeout=barrier_timeout, verify=verify,
+                                 transport=transport, progress=progress)
+
+
+def save_state_dict(state_dict, path, *, rank=None, world_size=None, unique_id=None, job_id=None,
+                    socket=None, timeout=600.0, node_ranks=None, barrier_timeout=None):
+    """Saves `state_dict` (as for load_state_dict) as version `unique_id` of `path`.
+
+    Every rank of the job calls it with its own part; when all have, the
+    daemon writes the native format once: one data file per rank, tensors held
+    by several ranks (same box) written once, then {unique_id}.metadata.
+    unique_id: default one more than the newest version in `path` (0 if none),
+    computed by each rank from the directory listing.
+    Returns a SaveReport. Raises CkptdError.
+    """
+    with Client(socket) as c:
+        return c.save_state_dict(state_dict, path, rank=rank, world_size=world_size,
+                                 unique_id=unique_id, job_id=job_id, timeout=timeout,
+                                 node_ranks=node_ranks, barrier_timeout=barrier_timeout)
+
+
+def inspect(path, *, unique_id=None, socket=None, timeout=60.0):
+    """Tensors, shards, files and versions of a checkpoint (CheckpointInfo), via the daemon."""
+    with Client(socket) as c:
+        return c.inspect(path, unique_id=unique_id, timeout=timeout)
+
+
+def status(*, socket=None, timeout=60.0):
+    """The daemon's Status as a dict (jobs, cache, totals)."""
+    with Client(socket) as c:
+        return c.status(timeout=timeout)
+
+
+def prefetch(path, *, unique_id=None, tensors=(), socket=None, timeout=600.0):
+    with Client(socket) as c:
+        return c.prefetch(path, unique_id=unique_id, tensors=tensors, timeout=timeout)
+
+
+def evict(path, *, socket=None, timeout=60.0):
+    with Client(socket) as c:
+        return c.evict(path, timeout=timeout)
+
+
+# --- merge (ckptctl) --------------------------------------------------------------
+
+def find_ckptctl(ckptctl=None):
+    """The ckptctl binary: argument, $CKPTCTL, PATH, else bazel-bin/client/ckptctl
+    of the source tree holding this package (or of the current directory)."""
+    cands = [ckptctl, os.environ.get("CKPTCTL"), shutil.which("ckptctl")]
+    d = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    for _ in range(6):
+        cands.append(os.path.join(d, "bazel-bin", "client", "ckptctl"))
+        cands.append(os.path.join(d, "client", "ckptctl"))  # Bazel runfiles
+        d = os.path.dirname(d)
+    cands.append(os.path.join(os.getcwd(), "bazel-bin", "client", "ckptctl"))
+    for c in cands:
+        if c and os.path.isfile(c) and os.access(c, os.X_OK):
+            return c
+    raise CkptdError("FAILED_PRECONDITION",
+                     "ckptctl not found: build it with `bazel build //client:ckptctl`, put it on "
+                     "PATH, set $CKPTCTL or pass ckptctl=")
+
+
+def merge(path, out, *, prefix=None, skip_postfix=(), shards=None, unique_id=None, threads=None,
+          ckptctl=None, timeout=None):
+    """Merges checkpoint `path` into HuggingFace safetensors files in `out`.
+
+    Runs `ckptctl merge` (offline, in its own process; no daemon involved), so
+    the result is exactly ckptctl's: model-{i:05d}-of-{N:05d}.safetensors plus
+    model.safetensors.index.json. prefix keeps keys starting with it (and
+    strips "prefix."), skip_postfix drops keys ending with any of the given
+    suffixes, shards splits the keys over that many files. Returns ckptctl's
+    JSON report as a dict ({"files", "total_size", "tensors"}).
+    """
+    argv = [find_ckptctl(ckptctl), "merge", _abs(path), "--out", _abs(out), "--json"]
+    if prefix:
+        argv += ["--prefix", prefix]
+    if isinstance(skip_postfix, str):
+        skip_postfix = [skip_postfix]
+    if skip_postfix:
+        argv += ["--skip_postfix", ",".join(skip_postfix)]
+    if shards is not None:
+        argv += ["--shards", str(int(shards))]
+    if unique_id is not None:
+        argv += ["--unique_id", str(int(unique_id))]
+    if threads is not None:
+        argv += ["--threads", str(int(threads))]
+    try:
+        p = subprocess.run(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                           timeout=timeout)
+    except subprocess.TimeoutExpired:
+        raise CkptdError("DEADLINE_EXCEEDED", f"ckptctl merge took longer than {timeout} s") \
+            from None
+    if p.returncode != 0:
+        err = p.stderr.strip().splitlines()
+        line = err[-1] if err else f"ckptctl exited with {p.returncode}"
+        m = re.search(r"\[([A-Z_]+)\]\s*$", line)
+        code = m.group(1) if m else ("INVALID_ARGUMENT" if p.returncode == 2 else "UNKNOWN")
+        msg = re.sub(r"^ckptctl: error: ", "", line)
+        msg = re.sub(r"\s*\[[A-Z_]+\]\s*$", "", msg)
+        raise CkptdError(code, msg)
+    return json.loads(p.stdout)

@@ -1,0 +1,415 @@
+"""The Python client with numpy only (no torch): a real ckptd daemon, the
+bundled example checkpoint, values checked with an independent safetensors
+reader."""
+import json
+import os
+import shutil
+import socket as pysocket
+import subprocess
+import threading
+import time
+import unittest
+
+import numpy as np
+
+import ckptd
+from ckptd import client as ckclient
+import testlib
+
+EXAMPLES = testlib.runfile("examples")
+
+
+def split(global_shape, dim, world, r):
+    """(offset, shape) of rank r when dim `dim` is split over `world` ranks."""
+    off, shp = [0] * len(global_shape), list(global_shape)
+    chunk = -(-global_shape[dim] // world)
+    off[dim] = min(r * chunk, global_shape[dim])
+    shp[dim] = max(0, min(chunk, global_shape[dim] - off[dim]))
+    return tuple(off), tuple(shp)
+
+
+def run_ranks(world, fn):
+    """Runs fn(rank) on `world` threads (ranks of one job); returns the results."""
+    results, errors = [None] * world, []
+
+    def go(r):
+        try:
+            results[r] = fn(r)
+        except BaseException as e:  # noqa: BLE001 - reported below
+            errors.append((r, e))
+
+    threads = [threading.Thread(target=go, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0][1]
+    return results
+
+
+class NumpyClientTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.root = testlib.tmp_root()
+        cls.hf = os.path.join(cls.root, "tiny-model")
+        shutil.copytree(os.path.join(EXAMPLES, "tiny-model"), cls.hf)
+        cls.ref = testlib.read_safetensors(os.path.join(cls.hf, "model.safetensors"))
+        cls.tp2 = os.path.join(cls.root, "tp2")
+        subprocess.run([testlib.CKPTCTL, "shard", cls.hf, "--layout",
+                        os.path.join(EXAMPLES, "layout-tp2.json"), "--out", cls.tp2,
+                        "--unique_id", "5"], check=True, stdout=subprocess.DEVNULL)
+        cls.daemon = testlib.Daemon(cls.root)
+        cls.sock = cls.daemon.socket
+
+    @classmethod
+    def tearDownClass(cls):
+        rc = cls.daemon.stop()
+        assert rc == 0, f"ckptd exited {rc}"
+
+    def full(self, name):
+        """The reference value: float32 for BF16 tensors."""
+        dt, a = self.ref[name]
+        return testlib.bf16_to_f32(a) if dt == "BF16" else a
+
+    # --- loads ---
+
+    def test_load_whole_hf_checkpoint(self):
+        sd = {}
+        for name, (dt, a) in self.ref.items():
+            if dt == "BF16":  # numpy has no bf16: its bits in uint16, declared BF16
+                sd[name] = ckptd.ShardedTensor(np.zeros(a.shape, np.uint16), a.shape,
+                                               dtype="BF16")
+            else:
+                sd[name] = np.zeros(a.shape, a.dtype)
+        r = ckptd.load_state_dict(sd, self.hf, socket=self.sock)
+        self.assertEqual(r.missing_keys, [])
+        self.assertEqual(r.unexpected_keys, [])
+        self.assertEqual(r.format, "huggingface-safetensors")
+        self.assertFalse(r.zero_copy)
+        total = sum(a.nbytes for _, a in self.ref.values())
+        self.assertEqual(r.bytes_delivered, total)
+        for name, (dt, a) in self.ref.items():
+            got = sd[name].local if dt == "BF16" else sd[name]
+            np.testing.assert_array_equal(got, a, err_msg=name)
+        for k in ("list_s", "plan_s", "read_s", "copy_s", "wait_s", "client_rpc_s", "total_s"):
+            self.assertIn(k, r.timings)
+
+    def test_bf16_cast_to_float32_and_f32_to_float64(self):
+        sd = {"lm_head.weight": np.zeros((256, 64), np.float32),
+              "model.norm.weight": np.zeros(64, np.float64),
+              "step": np.zeros((), np.int64)}
+        r = ckptd.load_state_dict(sd, self.hf, socket=self.sock)
+        self.assertEqual(r.missing_keys, [])
+        np.testing.assert_array_equal(sd["lm_head.weight"], self.full("lm_head.weight"))
+        np.testing.assert_array_equal(sd["model.norm.weight"],
+                                      self.full("model.norm.weight").astype(np.float64))
+        self.assertEqual(int(sd["step"]), int(self.ref["step"][1]))
+
+    def test_resharded_load_4_ranks(self):
+        """tp2 checkpoint (uid 5) -> 4 ranks: dim 1 splits, a flat range, replicas."""
+        names = ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight",
+                 "model.layers.1.self_attn.o_proj.weight"]
+
+        def rank(r):
+            sd = {"model": {"norm": {"weight": np.zeros(64, np.float32)}}}
+            for n in names:
+                g = self.ref[n][1].shape
+                off, shp = split(g, 1, 4, r)
+                sd[n] = ckptd.ShardedTensor(np.zeros(shp, np.float32), g, off)
+            g = self.ref["model.layers.1.mlp.down_proj.weight"][1].shape
+            n = g[0] * g[1]
+            fr = (r * n // 4, (r + 1) * n // 4)
+            sd["model.layers.1.mlp.down_proj.weight"] = ckptd.ShardedTensor(
+                np.zeros(fr[1] - fr[0], np.float32), g, flat_range=fr)
+            rep = ckptd.load_state_dict(sd, self.tp2, rank=r, world_size=4, job_id="reshard4",
+                                        socket=self.sock)
+            return sd, rep
+
+        out = run_ranks(4, rank)
+        for r, (sd, rep) in enumerate(out):
+            self.assertEqual(rep.missing_keys, [])
+            self.assertEqual(rep.unique_id, 5)
+            self.assertEqual(rep.format, "ckptd")
+            self.assertGreater(rep.checksums_verified, 0)
+            np.testing.assert_array_equal(sd["model"]["norm"]["weight"],
+                                          self.full("model.norm.weight"))
+            for n in names:
+                off, shp = split(self.ref[n][1].shape, 1, 4, r)
+                want = self.full(n)[:, off[1]:off[1] + shp[1]]
+                np.testing.assert_array_equal(sd[n].local, want, err_msg=f"{n} rank {r}")
+            flat = self.full("model.layers.1.mlp.down_proj.weight").reshape(-1)
+            fr = sd["model.layers.1.mlp.down_proj.weight"].flat_range
+            np.testing.assert_array_equal(sd["model.layers.1.mlp.down_proj.weight"].local,
+                                          flat[fr[0]:fr[1]])
+        # Each needed byte range was read once for the whole job.
+        self.assertEqual(len({rep.bytes_read for _, rep in out}), 1)
+
+    def test_nested_missing_and_skipped_keys(self):
+        sentinel = np.full(8, 7.0, np.float32)
+        sd = {"model": {"norm": {"weight": np.zeros(64, np.float32)},
+                        "extra": {"weight": sentinel}},
+              "epoch": 3, "param_groups": [{"lr": 0.1}]}
+        r = ckptd.load_state_dict(sd, self.hf, socket=self.sock)
+        self.assertEqual(r.missing_keys, ["model.extra.weight"])
+        self.assertEqual(sorted(r.skipped_keys), ["epoch", "param_groups"])
+        self.assertIn("lm_head.weight", r.unexpected_keys)
+        np.testing.assert_array_equal(sentinel, np.full(8, 7.0, np.float32))  # untouched
+        np.testing.assert_array_equal(sd["model"]["norm"]["weight"],
+                                      self.full("model.norm.weight"))
+
+    def test_strict_missing_key_fails(self):
+        sd = {"model.norm.weight": np.zeros(64, np.float32), "nope": np.zeros(2, np.float32)}
+        with self.assertRaises(ckptd.CkptdError) as cm:
+            ckptd.load_state_dict(sd, self.hf, socket=self.sock, strict=True)
+        self.assertEqual(cm.exception.code, "NOT_FOUND")
+        self.assertIn("nope", cm.exception.message)
+
+    def test_zero_copy_arena(self):
+        arena = ckptd.SharedArena(1 << 20)
+        w = arena.empty((128, 64), np.float32)
+        b = arena.empty(64, np.float32)
+        sd = {"model.layers.0.mlp.up_proj.weight": w, "model.layers.0.input_layernorm.weight": b}
+        r = ckptd.load_state_dict(sd, self.tp2, socket=self.sock)
+        self.assertTrue(r.zero_copy)
+        np.testing.assert_array_equal(w, self.full("model.layers.0.mlp.up_proj.weight"))
+        np.testing.assert_array_equal(b, self.full("model.layers.0.input_layernorm.weight"))
+        # A tensor outside the arena: the usual copy path.
+        sd["model.norm.weight"] = np.zeros(64, np.float32)
+        w[:] = 0
+        r = ckptd.load_state_dict(sd, self.tp2, socket=self.sock)
+        self.assertFalse(r.zero_copy)
+        np.testing.assert_array_equal(w, self.full("model.layers.0.mlp.up_proj.weight"))
+        np.testing.assert_array_equal(sd["model.norm.weight"], self.full("model.norm.weight"))
+
+    def test_stream_transport(self):
+        sd = {"model.layers.0.mlp.down_proj.weight": np.zeros((64, 128), np.float32),
+              "lm_head.weight": np.zeros((256, 64), np.float32)}
+        events = []
+        r = ckptd.load_state_dict(sd, self.hf, socket=self.sock, transport="stream",
+                                  progress=events.append)
+        self.assertEqual(r.missing_keys, [])
+        self.assertTrue(events)
+        for n, a in sd.items():
+            np.testing.assert_array_equal(a, self.full(n))
+
+    def test_non_contiguous_destination(self):
+        big = np.zeros((64, 256), np.float32)
+        view = big[:, ::2]  # (64, 128), strided
+        ckptd.load_state_dict({"model.layers.0.mlp.down_proj.weight": view}, self.hf,
+                              socket=self.sock)
+        np.testing.assert_array_equal(view, self.full("model.layers.0.mlp.down_proj.weight"))
+        self.assertTrue(np.all(big[:, 1::2] == 0))
+
+    # --- save ---
+
+    def test_save_then_load_numpy(self):
+        out = os.path.join(self.root, "saved-np")
+        g = (8, 6)
+        full = np.arange(48, dtype=np.float32).reshape(g) / 7
+        bias = np.arange(6, dtype=np.int64)
+
+        def save(r):
+            off, shp = split(g, 0, 2, r)
+            sd = {"layer": {"w": ckptd.ShardedTensor(full[off[0]:off[0] + shp[0]].copy(), g, off),
+                            "b": bias.copy()}, "note": "not a tensor"}
+            return ckptd.save_state_dict(sd, out, rank=r, world_size=2, job_id="np-save-0",
+                                         socket=self.sock)
+
+        reps = run_ranks(2, save)
+        self.assertEqual([rep.unique_id for rep in reps], [0, 0])
+        self.assertEqual(reps[0].metadata_file, "0.metadata")
+        self.assertEqual(reps[0].skipped_keys, ["note"])
+        self.assertEqual(reps[0].bytes_written, full.nbytes + bias.nbytes)  # b written once
+        self.assertTrue(os.path.exists(os.path.join(out, "0.metadata")))
+        with open(os.path.join(out, "0.metadata")) as f:
+            meta = json.load(f)
+        self.assertEqual(meta["flat_mapping"]["layer.w"], ["layer", "w"])
+        # A second save without unique_id becomes version 1.
+        reps = run_ranks(2, lambda r: ckptd.save_state_dict(
+            {"layer.w": ckptd.ShardedTensor((full * 2)[r * 4:(r + 1) * 4].copy(), g, (r * 4, 0))},
+            out, rank=r, world_size=2, job_id="np-save-1", socket=self.sock))
+        self.assertEqual(reps[0].unique_id, 1)
+        info = ckptd.inspect(out, socket=self.sock)
+        self.assertEqual(info.versions, [0, 1])
+        self.assertEqual(info.unique_id, 1)
+
+        w, b = np.zeros(g, np.float32), np.zeros(6, np.int64)
+        r = ckptd.load_state_dict({"layer": {"w": w, "b": b}}, out, unique_id=0, socket=self.sock)
+        self.assertEqual(r.missing_keys, [])
+        np.testing.assert_array_equal(w, full)
+        np.testing.assert_array_equal(b, bias)
+        r = ckptd.load_state_dict({"layer": {"w": w, "b": b}}, out, socket=self.sock)
+        self.assertEqual(r.missing_keys, ["layer.b"])
+        np.testing.assert_array_equal(w, full * 2)
+
+    # --- inspect / merge / admin ---
+
+    def test_inspect(self):
+        info = ckptd.inspect(self.tp2, socket=self.sock)
+        self.assertEqual(info.format, "ckptd")
+        self.assertEqual(info.unique_id, 5)
+        self.assertEqual(info.versions, [5])
+        self.assertEqual(set(info.tensors), set(self.ref))
+        t = info.tensors["model.embed_tokens.weight"]
+        self.assertEqual((t.dtype, t.global_shape, t.bytes), ("BF16", (256, 64), 256 * 64 * 2))
+        self.assertEqual(info.total_bytes, sum(a.nbytes for _, a in self.ref.values()))
+        self.assertEqual(sum(info.files.values()), info.total_bytes)
+
+    def test_merge(self):
+        out = os.path.join(self.root, "merged")
+        rep = ckptd.merge(self.tp2, out, shards=2)
+        self.assertEqual(rep["tensors"], len(self.ref))
+        self.assertTrue(os.path.exists(os.path.join(out, "model.safetensors.index.json")))
+        merged = testlib.read_hf_dir(out)
+        self.assertEqual(set(merged), set(self.ref))
+        for n, (dt, a) in self.ref.items():
+            self.assertEqual(merged[n][0], dt)
+            np.testing.assert_array_equal(merged[n][1], a, err_msg=n)
+        with self.assertRaises(ckptd.CkptdError) as cm:
+            ckptd.merge(os.path.join(self.root, "no-such-ckpt"), out + "2")
+        self.assertEqual(cm.exception.code, "NOT_FOUND")
+        self.assertIn("no-such-ckpt", cm.exception.message)
+
+    def test_status_prefetch_evict(self):
+        p = ckptd.prefetch(self.hf, socket=self.sock)
+        self.assertIn("bytes_cached", p)
+        st = ckptd.status(socket=self.sock)
+        self.assertIn("ckptd", st["version"])
+        self.assertGreater(int(st["cache_bytes"]), 0)
+        ev = ckptd.evict(self.hf, socket=self.sock)
+        self.assertIn("bytes_freed", ev)
+
+    # --- errors ---
+
+    def test_daemon_not_running(self):
+        d = os.path.dirname(self.sock)
+        missing = os.path.join(d, "nobody.sock")
+        t0 = time.monotonic()
+        with self.assertRaises(ckptd.CkptdError) as cm:
+            ckptd.load_state_dict({"x": np.zeros(2)}, self.hf, socket=missing)
+        self.assertLess(time.monotonic() - t0, 2.0)
+        self.assertEqual(cm.exception.code, "UNAVAILABLE")
+        self.assertIn("is the daemon running", str(cm.exception))
+        self.assertIn(missing, str(cm.exception))
+        # A socket file nobody listens on (a daemon that died).
+        stale = os.path.join(d, "stale.sock")
+        s = pysocket.socket(pysocket.AF_UNIX, pysocket.SOCK_STREAM)
+        s.bind(stale)
+        s.close()
+        t0 = time.monotonic()
+        with self.assertRaises(ckptd.CkptdError) as cm:
+            ckptd.inspect(self.hf, socket=stale)
+        self.assertLess(time.monotonic() - t0, 2.0)
+        self.assertEqual(cm.exception.code, "UNAVAILABLE")
+        self.assertIn("is the daemon running", str(cm.exception))
+        # The default socket comes from $CKPTD_SOCKET.
+        os.environ["CKPTD_SOCKET"] = missing
+        try:
+            with self.assertRaises(ckptd.CkptdError):
+                ckptd.status()
+        finally:
+            del os.environ["CKPTD_SOCKET"]
+
+    def test_daemon_errors_carry_code_and_message(self):
+        with self.assertRaises(ckptd.CkptdError) as cm:
+            ckptd.inspect("/", socket=self.sock)
+        self.assertEqual(cm.exception.code, "PERMISSION_DENIED")
+        self.assertIn("outside the checkpoint roots", cm.exception.message)
+        self.assertEqual(cm.exception.grpc_code.name, "PERMISSION_DENIED")
+        with self.assertRaises(ckptd.CkptdError) as cm:
+            ckptd.load_state_dict({"x": np.zeros(2)}, os.path.join(self.root, "nothing-here"),
+                                  socket=self.sock)
+        self.assertEqual(cm.exception.code, "NOT_FOUND")
+        self.assertIn("nothing-here", str(cm.exception))
+        with self.assertRaises(ckptd.CkptdError) as cm:
+            ckptd.inspect(self.tp2, unique_id=4, socket=self.sock)
+        self.assertEqual(cm.exception.code, "NOT_FOUND")
+
+    def test_barrier_timeout(self):
+        t0 = time.monotonic()
+        with self.assertRaises(ckptd.CkptdError) as cm:
+            ckptd.load_state_dict({"model.norm.weight": np.zeros(64, np.float32)}, self.hf,
+                                  rank=0, world_size=2, job_id="lonely", barrier_timeout=0.3,
+                                  socket=self.sock)
+        self.assertEqual(cm.exception.code, "DEADLINE_EXCEEDED")
+        self.assertIn("never registered", cm.exception.message)
+        self.assertLess(time.monotonic() - t0, 10)
+
+    def test_bad_arguments_fail_before_the_daemon(self):
+        with self.assertRaises(ckptd.CkptdError) as cm:
+            ckptd.ShardedTensor  # noqa: B018
+            ckptd.load_state_dict({"w": ckptd.ShardedTensor(np.zeros((2, 3)), (4, 6), (0, 0),
+                                                            local_shape=(2, 2))},
+                                  self.hf, socket=self.sock)
+        self.assertEqual(cm.exception.code, "INVALID_ARGUMENT")
+        ro = np.zeros(3)
+        ro.flags.writeable = False
+        with self.assertRaises(ckptd.CkptdError) as cm:
+            ckptd.load_state_dict({"w": ro}, self.hf, socket=self.sock)
+        self.assertIn("read-only", cm.exception.message)
+        with self.assertRaises(ckptd.CkptdError) as cm:
+            ckptd.load_state_dict({"w": np.zeros(2, np.complex64)}, self.hf, socket=self.sock)
+        self.assertEqual(cm.exception.code, "INVALID_ARGUMENT")
+        with self.assertRaises(ckptd.CkptdError):
+            ckptd.load_state_dict({"w": np.zeros(2)}, self.hf, rank=3, world_size=2,
+                                  socket=self.sock)
+
+
+class EnvironmentTest(unittest.TestCase):
+    """Defaults taken from the launcher's environment."""
+
+    def setUp(self):
+        self.saved = dict(os.environ)
+        for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                  "MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_RESTART_COUNT",
+                  "SLURM_JOB_ID", "SLURM_STEP_ID", "CKPTD_JOB_ID"):
+            os.environ.pop(k, None)
+
+    def tearDown(self):
+        os.environ.clear()
+        os.environ.update(self.saved)
+
+    def test_ranks(self):
+        self.assertEqual(ckclient.resolve_ranks(), (0, 1, []))
+        os.environ.update(RANK="5", WORLD_SIZE="8", LOCAL_RANK="1", LOCAL_WORLD_SIZE="4")
+        self.assertEqual(ckclient.resolve_ranks(), (5, 8, [4, 5, 6, 7]))
+        self.assertEqual(ckclient.resolve_ranks(rank=2, world_size=4, node_ranks=[]), (2, 4, []))
+        os.environ.update(LOCAL_WORLD_SIZE="8")
+        self.assertEqual(ckclient.resolve_ranks(), (5, 8, []))
+        os.environ["RANK"] = "x"
+        with self.assertRaises(ckptd.CkptdError):
+            ckclient.resolve_ranks()
+
+    def test_job_ids(self):
+        with self.assertRaises(ckptd.CkptdError):
+            ckclient.resolve_job_id(None, "load", 4)
+        self.assertIn(f"pid{os.getpid()}", ckclient.resolve_job_id(None, "load", 1))
+        os.environ.update(MASTER_ADDR="10.0.0.1", MASTER_PORT="29500")
+        a = ckclient.resolve_job_id(None, "load", 4)
+        b = ckclient.resolve_job_id(None, "load", 4)
+        self.assertTrue(a.startswith("10.0.0.1:29500/load/"))
+        self.assertNotEqual(a, b)
+        os.environ.update(TORCHELASTIC_RUN_ID="abc", TORCHELASTIC_RESTART_COUNT="2")
+        self.assertTrue(ckclient.resolve_job_id(None, "save", 4).startswith("torchelastic-abc-r2/save/"))
+        os.environ["CKPTD_JOB_ID"] = "mine"
+        self.assertTrue(ckclient.resolve_job_id(None, "load", 4).startswith("mine/load/"))
+        self.assertEqual(ckclient.resolve_job_id("explicit", "load", 4), "explicit")
+
+    def test_next_unique_id(self):
+        d = testlib.tmp_root()
+        self.assertEqual(ckclient.next_unique_id(os.path.join(d, "absent")), 0)
+        for f in ("3.metadata", "11.metadata", "x.metadata", "12.metadata.tmp"):
+            open(os.path.join(d, f), "w").close()
+        self.assertEqual(ckclient.next_unique_id(d), 12)
+
+    def test_dtype_names(self):
+        self.assertEqual(ckptd.dtype_name("bfloat16"), "BF16")
+        self.assertEqual(ckptd.dtype_name(np.float16), "F16")
+        self.assertEqual(ckptd.dtype_name("F8_E4M3"), "F8_E4M3")
+        with self.assertRaises(ckptd.CkptdError):
+            ckptd.dtype_name("complex")
+
+
+if __name__ == "__main__":
+    testlib.main("numpy_client_test")

@@ -1,0 +1,176 @@
+"""Helpers of the Python client tests: the real ckptd daemon as a child
+process, an independent numpy reader of safetensors files, and a unittest
+runner that writes JUnit XML for Bazel ($XML_OUTPUT_FILE)."""
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+import xml.etree.ElementTree as ET
+
+import numpy as np
+
+
+def runfile(rel):
+    """A path of the test's runfiles (the test runs in the workspace runfiles dir)."""
+    return os.path.abspath(rel)
+
+
+CKPTD = os.environ.get("CKPTD_BIN", "server/ckptd")
+CKPTCTL = os.environ.get("CKPTCTL", "client/ckptctl")
+
+
+def tmp_root():
+    """A fresh directory for checkpoints (under $TEST_TMPDIR when Bazel runs the test)."""
+    return tempfile.mkdtemp(prefix="root-", dir=os.environ.get("TEST_TMPDIR"))
+
+
+_LOGS = []
+
+
+class Daemon:
+    """The real ckptd binary on a socket in a fresh /tmp directory (Unix socket
+    paths must stay under 108 bytes), serving `root`."""
+
+    def __init__(self, root, *extra):
+        self.dir = tempfile.mkdtemp(prefix="ckptd-py-", dir="/tmp")
+        self.socket = os.path.join(self.dir, "ckptd.sock")
+        logs = os.environ.get("TEST_UNDECLARED_OUTPUTS_DIR") or tempfile.mkdtemp(prefix="ckptd-log-")
+        self.log = os.path.join(logs, f"ckptd-{os.getpid()}-{len(_LOGS)}.log")
+        _LOGS.append(self.log)
+        self.root = root
+        with open(self.log, "wb") as log:
+            self.proc = subprocess.Popen(
+                [os.path.abspath(CKPTD), "--socket", self.socket, "--root", root, *extra],
+                stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 20
+        while not (os.path.exists(self.socket) and os.path.exists(self.socket + ".fd")):
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"ckptd did not start: {self.read_log()}")
+            time.sleep(0.01)
+
+    def read_log(self):
+        try:
+            with open(self.log, errors="replace") as f:
+                return f.read()
+        except OSError:
+            return ""
+
+    def stop(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        rc = self.proc.returncode
+        shutil.rmtree(self.dir, ignore_errors=True)
+        return rc
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+
+
+# --- an independent safetensors reader (numpy only) -----------------------------
+
+_NP = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
+       "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U64": np.uint64,
+       "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_}
+
+
+def read_safetensors(path):
+    """{name: (dtype name, array)}; BF16 comes back as uint16 bit patterns."""
+    with open(path, "rb") as f:
+        raw = f.read()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8:8 + n])
+    data = raw[8 + n:]
+    out = {}
+    for name, t in header.items():
+        if name == "__metadata__":
+            continue
+        b, e = t["data_offsets"]
+        arr = np.frombuffer(data[b:e], dtype=_NP[t["dtype"]]).reshape(t["shape"])
+        out[name] = (t["dtype"], arr.copy())
+    return out
+
+
+def bf16_to_f32(bits):
+    return (bits.astype(np.uint32) << 16).view(np.float32)
+
+
+def read_hf_dir(d):
+    out = {}
+    for f in sorted(os.listdir(d)):
+        if f.endswith(".safetensors"):
+            out.update(read_safetensors(os.path.join(d, f)))
+    return out
+
+
+# --- unittest -> JUnit XML ------------------------------------------------------
+
+class _Result(unittest.TextTestResult):
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.cases = []
+        self._t0 = 0.0
+
+    def startTest(self, test):
+        self._t0 = time.monotonic()
+        super().startTest(test)
+
+    def _add(self, test, kind, text=""):
+        self.cases.append((test, kind, text, time.monotonic() - self._t0))
+
+    def addSuccess(self, test):
+        super().addSuccess(test)
+        self._add(test, "ok")
+
+    def addFailure(self, test, err):
+        super().addFailure(test, err)
+        self._add(test, "failure", self._exc_info_to_string(err, test))
+
+    def addError(self, test, err):
+        super().addError(test, err)
+        self._add(test, "error", self._exc_info_to_string(err, test))
+
+    def addSkip(self, test, reason):
+        super().addSkip(test, reason)
+        self._add(test, "skipped", reason)
+
+
+def main(suite_name):
+    suite = unittest.defaultTestLoader.loadTestsFromModule(sys.modules["__main__"])
+    runner = unittest.TextTestRunner(stream=sys.stderr, verbosity=2, resultclass=_Result)
+    result = runner.run(suite)
+    xml_path = os.environ.get("XML_OUTPUT_FILE")
+    if xml_path:
+        ts = ET.Element("testsuite", name=suite_name, tests=str(len(result.cases)),
+                        failures=str(len(result.failures)), errors=str(len(result.errors)),
+                        skipped=str(len(result.skipped)))
+        for test, kind, text, secs in result.cases:
+            cls, _, name = test.id().rpartition(".")
+            tc = ET.SubElement(ts, "testcase", classname=cls, name=name, time=f"{secs:.3f}")
+            if kind != "ok":
+                el = ET.SubElement(tc, kind, message=text.strip().splitlines()[-1] if text else "")
+                el.text = text
+        root = ET.Element("testsuites")
+        root.append(ts)
+        ET.ElementTree(root).write(xml_path, encoding="utf-8", xml_declaration=True)
+    ok = result.wasSuccessful() and result.testsRun > 0
+    if not ok:
+        for log in _LOGS:
+            try:
+                with open(log, errors="replace") as f:
+                    print(f"--- {log} (last 4000 chars) ---\n{f.read()[-4000:]}", file=sys.stderr)
+            except OSError:
+                pass
+    sys.exit(0 if ok else 1)
