@@ -13,7 +13,10 @@
 // cast the destination (F32) bytes are counted and the limit is memcpy of that
 // many bytes.
 //
-// Usage: copy_bench [--json=FILE] [--reps=N]
+// Usage: copy_bench [--json=FILE] [--reps=N] [--quick] [--rows=FILE]
+//   --quick: 5 runs per case instead of 15; --rows: append the cases to the
+//   suite's table (bench/run), with the target (>= 0.85 of memcpy for runs of
+//   4 KiB and more) marked.
 #include <sys/mman.h>
 
 #include <algorithm>
@@ -25,6 +28,7 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_util.h"
 #include "core/box.h"
 #include "core/copy.h"
 #include "core/dtype.h"
@@ -249,7 +253,7 @@ bool WriteJson(const std::string& path, const std::vector<Result>& results) {
 }
 
 int Main(int argc, char** argv) {
-  std::string json_path;
+  std::string json_path, rows_path;
   int reps = 15;
   for (int i = 1; i < argc; ++i) {
     std::string a = argv[i];
@@ -259,8 +263,12 @@ int Main(int argc, char** argv) {
       json_path = argv[++i];
     } else if (a.rfind("--reps=", 0) == 0) {
       reps = std::max(1, std::atoi(a.c_str() + 7));
+    } else if (a == "--quick") {
+      reps = 5;
+    } else if (a.rfind("--rows=", 0) == 0) {
+      rows_path = a.substr(7);
     } else {
-      std::fprintf(stderr, "usage: copy_bench [--json=FILE] [--reps=N]\n");
+      std::fprintf(stderr, "usage: copy_bench [--json=FILE] [--reps=N] [--quick] [--rows=FILE]\n");
       return 2;
     }
   }
@@ -289,6 +297,23 @@ int Main(int argc, char** argv) {
   }
   std::printf("\n");
   for (const Result& r : results) std::printf("  %-24s %s\n", r.name.c_str(), r.what.c_str());
+
+  std::vector<bench::Row> rows;
+  for (const Result& r : results) {
+    bench::Row row;
+    row.name = "1 copy-" + r.name;
+    row.figure = r.figure_gbps;
+    row.unit = "GB/s";
+    row.limit = r.limit_gbps;
+    row.limit_what = "memcpy 1thr";
+    row.ratio = r.ratio;
+    if (r.run_bytes >= 4096) {
+      row.target = ">=0.85";
+      row.met = r.ratio >= 0.85 ? "yes" : "NO";
+    }
+    rows.push_back(row);
+  }
+  bench::AppendRows(rows_path, rows);
 
   ::munmap(src, kSrcBytes);
   ::munmap(dst, kDstBytes);
