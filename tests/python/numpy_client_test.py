@@ -411,5 +411,56 @@ class EnvironmentTest(unittest.TestCase):
             ckptd.dtype_name("complex")
 
 
+class StubSearchTest(unittest.TestCase):
+    """Where `import ckptd` finds the generated stubs (README "Python client")."""
+
+    def run_probe(self, pythonpath, env_extra=None):
+        env = {k: v for k, v in os.environ.items() if k != "CKPTD_PROTO_DIR"}
+        env.update(PYTHONPATH=pythonpath, **(env_extra or {}))
+        code = ("import ckptd, sys\n"
+                "from ckptd import _proto\n"
+                "try:\n"
+                "    pb2, _ = _proto.load_stubs(); print('OK', pb2.__file__)\n"
+                "except ckptd.CkptdError as e:\n"
+                "    print('ERR', e.code, e.message)\n")
+        p = subprocess.run(["/usr/bin/python3", "-c", code], env=env, cwd="/",
+                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        return p.stdout.strip()
+
+    def test_search_order(self):
+        import ckptd as pkg
+        src_pkg = os.path.dirname(os.path.abspath(pkg.__file__))
+        stubs = [os.path.join(os.path.dirname(src_pkg), f)
+                 for f in ("ckpt_pb2.py", "ckpt_pb2_grpc.py")]
+        t = testlib.tmp_root()
+        # A source tree: <tree>/client/python/ckptd and <tree>/bazel-bin/client/python.
+        tree = os.path.join(t, "tree")
+        shutil.copytree(src_pkg, os.path.join(tree, "client", "python", "ckptd"))
+        out = self.run_probe(os.path.join(tree, "client", "python"))
+        self.assertTrue(out.startswith("ERR FAILED_PRECONDITION"), out)
+        self.assertIn("bazel build //client/python:ckpt_py_grpc", out)
+        gen = os.path.join(tree, "bazel-bin", "client", "python")
+        os.makedirs(gen)
+        for f in stubs:
+            shutil.copy(f, gen)
+        out = self.run_probe(os.path.join(tree, "client", "python"))
+        self.assertEqual(out, "OK " + os.path.join(gen, "ckpt_pb2.py"))
+        # $CKPTD_PROTO_DIR comes first.
+        other = os.path.join(t, "stubs")
+        os.makedirs(other)
+        for f in stubs:
+            shutil.copy(f, other)
+        out = self.run_probe(os.path.join(tree, "client", "python"), {"CKPTD_PROTO_DIR": other})
+        self.assertEqual(out, "OK " + os.path.join(other, "ckpt_pb2.py"))
+        # Installed side by side with the package.
+        side = os.path.join(t, "site")
+        shutil.copytree(src_pkg, os.path.join(side, "ckptd"))
+        for f in stubs:
+            shutil.copy(f, side)
+        self.assertEqual(self.run_probe(side), "OK " + os.path.join(side, "ckptd", "..",
+                                                                     "ckpt_pb2.py").replace(
+            "/ckptd/..", ""))
+
+
 if __name__ == "__main__":
     testlib.main("numpy_client_test")
