@@ -430,8 +430,9 @@ class StubSearchTest(unittest.TestCase):
     def test_search_order(self):
         import ckptd as pkg
         src_pkg = os.path.dirname(os.path.abspath(pkg.__file__))
-        stubs = [os.path.join(os.path.dirname(src_pkg), f)
-                 for f in ("ckpt_pb2.py", "ckpt_pb2_grpc.py")]
+        from ckptd import _proto
+        gen_dir = os.path.dirname(_proto.load_stubs()[0].__file__)
+        stubs = [os.path.join(gen_dir, f) for f in ("ckpt_pb2.py", "ckpt_pb2_grpc.py")]
         t = testlib.tmp_root()
         # A source tree: <tree>/client/python/ckptd and <tree>/bazel-bin/client/python.
         tree = os.path.join(t, "tree")

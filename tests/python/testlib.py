@@ -1,6 +1,7 @@
 """Helpers of the Python client tests: the real ckptd daemon as a child
 process, an independent numpy reader of safetensors files, and a unittest
 runner that writes JUnit XML for Bazel ($XML_OUTPUT_FILE)."""
+import atexit
 import json
 import os
 import shutil
@@ -24,9 +25,31 @@ CKPTD = os.environ.get("CKPTD_BIN", "server/ckptd")
 CKPTCTL = os.environ.get("CKPTCTL", "client/ckptctl")
 
 
+_CLEANUP = []
+
+
+@atexit.register
+def _cleanup():
+    for d in _CLEANUP:
+        shutil.rmtree(d, ignore_errors=True)
+
+
 def tmp_root():
-    """A fresh directory for checkpoints (under $TEST_TMPDIR when Bazel runs the test)."""
-    return tempfile.mkdtemp(prefix="root-", dir=os.environ.get("TEST_TMPDIR"))
+    """A fresh directory for checkpoints (under $TEST_TMPDIR when Bazel runs the
+    test; else in /tmp, removed at exit)."""
+    if os.environ.get("TEST_TMPDIR"):
+        return tempfile.mkdtemp(prefix="root-", dir=os.environ["TEST_TMPDIR"])
+    d = tempfile.mkdtemp(prefix="ckptd-pytest-")
+    _CLEANUP.append(d)
+    return d
+
+
+def _log_dir():
+    d = os.environ.get("TEST_UNDECLARED_OUTPUTS_DIR")
+    if not d:
+        d = tempfile.mkdtemp(prefix="ckptd-log-")
+        _CLEANUP.append(d)
+    return d
 
 
 _LOGS = []
@@ -39,8 +62,7 @@ class Daemon:
     def __init__(self, root, *extra):
         self.dir = tempfile.mkdtemp(prefix="ckptd-py-", dir="/tmp")
         self.socket = os.path.join(self.dir, "ckptd.sock")
-        logs = os.environ.get("TEST_UNDECLARED_OUTPUTS_DIR") or tempfile.mkdtemp(prefix="ckptd-log-")
-        self.log = os.path.join(logs, f"ckptd-{os.getpid()}-{len(_LOGS)}.log")
+        self.log = os.path.join(_log_dir(), f"ckptd-{os.getpid()}-{len(_LOGS)}.log")
         _LOGS.append(self.log)
         self.root = root
         with open(self.log, "wb") as log:
