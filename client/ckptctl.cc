@@ -279,6 +279,17 @@ absl::Status Status() {
                                 {"bytes_read_total", s.bytes_read_total()},
                                 {"bytes_delivered_total", s.bytes_delivered_total()},
                                 {"metadata_cache_entries", s.metadata_cache_entries()},
+                                {"peer_address", s.peer_address()},
+                                {"peers", [&] {
+                                   nlohmann::json ps = nlohmann::json::array();
+                                   for (const auto& p : s.peers()) {
+                                     ps.push_back({{"address", p.address()},
+                                                   {"reachable", p.reachable()},
+                                                   {"error", p.error()},
+                                                   {"rtt_ms", p.rtt_ms()}});
+                                   }
+                                   return ps;
+                                 }()},
                                 {"roots", std::vector<std::string>(s.roots().begin(), s.roots().end())}}
                      .dump(1)
               << "\n";
@@ -294,6 +305,14 @@ absl::Status Status() {
               (unsigned long long)s.loads_started(), (unsigned long long)s.loads_succeeded(),
               (unsigned long long)s.loads_failed(), (unsigned long long)s.bytes_read_total(),
               (unsigned long long)s.bytes_delivered_total());
+  if (!s.peer_address().empty()) {
+    std::printf("peer service: %s\n", s.peer_address().c_str());
+  }
+  for (const auto& p : s.peers()) {
+    std::printf("  peer %-24s %s (%.1f ms)%s%s\n", p.address().c_str(),
+                p.reachable() ? "reachable" : "UNREACHABLE", p.rtt_ms(),
+                p.error().empty() ? "" : ": ", p.error().c_str());
+  }
   std::printf("jobs: %d\n", s.jobs_size());
   for (const auto& j : s.jobs()) {
     std::printf("  %s  %s  %d/%zu ranks registered, waiting for [%s]  (%s)\n", j.job_id().c_str(),
@@ -428,7 +447,7 @@ absl::Status LoadViaDaemon(const std::string& dir, const Layout& layout) {
   std::set<std::string> missing;
   std::set<std::string> unexpected;
   uint64_t delivered = 0, verified = 0;
-  std::map<int, uint64_t> read_per_daemon, cache_per_daemon;
+  std::map<int, uint64_t> read_per_daemon, cache_per_daemon, peers_per_daemon;
   double list_s = 0, plan_s = 0, read_s = 0, copy_s = 0, wait_s = 0;
   nlohmann::json per_rank = nlohmann::json::array();
   for (const RankRun& run : runs) {
@@ -452,6 +471,7 @@ absl::Status LoadViaDaemon(const std::string& dir, const Layout& layout) {
     const int d = daemon_of(run.rank);
     read_per_daemon[d] = std::max<uint64_t>(read_per_daemon[d], res.bytes_read());
     cache_per_daemon[d] = std::max<uint64_t>(cache_per_daemon[d], res.bytes_from_cache());
+    peers_per_daemon[d] = std::max<uint64_t>(peers_per_daemon[d], res.bytes_from_peers());
     list_s = std::max(list_s, res.timings().list_s());
     plan_s = std::max(plan_s, res.timings().plan_s());
     read_s = std::max(read_s, res.timings().read_s());
@@ -462,9 +482,19 @@ absl::Status LoadViaDaemon(const std::string& dir, const Layout& layout) {
                         {"bytes_delivered", res.bytes_delivered()},
                         {"missing_keys", std::vector<std::string>(rank_missing.begin(), rank_missing.end())},
                         {"total_s", res.timings().total_s()},
+                        {"bytes_from_peers", res.bytes_from_peers()},
+                        {"bytes_to_peers", res.bytes_to_peers()},
                         {"client_s", run.report->client_seconds}});
   }
-  uint64_t bytes_read = 0, bytes_cache = 0;
+  uint64_t bytes_read = 0, bytes_cache = 0, bytes_peers = 0;
+  nlohmann::json per_daemon = nlohmann::json::array();
+  for (const auto& [d, b] : read_per_daemon) {
+    bytes_peers += peers_per_daemon[d];
+    per_daemon.push_back({{"daemon", sockets[d]},
+                          {"bytes_read", b},
+                          {"bytes_from_cache", cache_per_daemon[d]},
+                          {"bytes_from_peers", peers_per_daemon[d]}});
+  }
   for (const auto& [d, b] : read_per_daemon) bytes_read += b;
   for (const auto& [d, b] : cache_per_daemon) bytes_cache += b;
   if (absl::GetFlag(FLAGS_json)) {
@@ -474,6 +504,8 @@ absl::Status LoadViaDaemon(const std::string& dir, const Layout& layout) {
                                 {"transport", transport},
                                 {"bytes_read", bytes_read},
                                 {"bytes_from_cache", bytes_cache},
+                                {"bytes_from_peers", bytes_peers},
+                                {"daemons", per_daemon},
                                 {"bytes_delivered", delivered},
                                 {"checksums_verified", verified},
                                 {"missing_keys", missing},

@@ -19,7 +19,8 @@ const std::set<std::string>& KnownKeys() {
   static const auto* keys = new std::set<std::string>{
       "socket",        "socket_mode",     "tcp_address",   "roots",
       "cache_budget",  "io_threads",      "io_request_size", "barrier_timeout",
-      "load_timeout",  "drain_timeout",   "log_level"};
+      "load_timeout",  "drain_timeout",   "log_level",       "peer_listen",
+      "peers",         "peer_dns",        "peer_timeout"};
   return *keys;
 }
 
@@ -82,6 +83,17 @@ absl::StatusOr<DaemonConfig> ParseConfig(const std::string& yaml, const std::str
             absl::StrCat(source, ": unknown key '", key, "' (known: ",
                          absl::StrJoin(KnownKeys(), ", "), ")"));
       }
+      if (key == "peers") {
+        c.peers.clear();
+        if (v.IsSequence()) {
+          for (const auto& r : v) c.peers.push_back(r.as<std::string>());
+        } else if (v.IsScalar()) {
+          c.peers.push_back(v.as<std::string>());
+        } else {
+          return Bad(source, key, "must be a list of host:port");
+        }
+        continue;
+      }
       if (key == "roots") {
         if (v.IsScalar()) {
           c.roots = {v.as<std::string>()};
@@ -114,11 +126,18 @@ absl::StatusOr<DaemonConfig> ParseConfig(const std::string& yaml, const std::str
           return Bad(source, key, "must be an integer in [1, 256]");
         }
         c.io_threads = n;
-      } else if (key == "barrier_timeout" || key == "load_timeout" || key == "drain_timeout") {
+      } else if (key == "barrier_timeout" || key == "load_timeout" || key == "drain_timeout" ||
+                 key == "peer_timeout") {
         auto d = ParseDuration(s);
         if (!d.ok()) return Bad(source, key, d.status().message());
-        (key == "barrier_timeout" ? c.barrier_timeout
-                                  : key == "load_timeout" ? c.load_timeout : c.drain_timeout) = *d;
+        (key == "barrier_timeout"  ? c.barrier_timeout
+         : key == "load_timeout"   ? c.load_timeout
+         : key == "peer_timeout"   ? c.peer_timeout
+                                   : c.drain_timeout) = *d;
+      } else if (key == "peer_listen") {
+        c.peer_listen = s;
+      } else if (key == "peer_dns") {
+        c.peer_dns = s;
       } else if (key == "log_level") {
         static const std::set<std::string> kLevels = {"trace", "debug", "info", "warn", "error"};
         if (!kLevels.count(s)) return Bad(source, key, "must be one of trace debug info warn error");
@@ -166,6 +185,15 @@ absl::Status ValidateConfig(const DaemonConfig& c) {
   if (c.io_request_size < 4096) {
     return absl::InvalidArgumentError("config: 'io_request_size' must be at least 4KiB");
   }
+  for (const std::string& p : c.peers) {
+    if (p.rfind(':') == std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat("config: peer '", p, "' must be host:port"));
+    }
+  }
+  if ((!c.peers.empty() || !c.peer_dns.empty()) && c.peer_listen.empty()) {
+    return absl::InvalidArgumentError(
+        "config: 'peers'/'peer_dns' need 'peer_listen' (this daemon's own peer address)");
+  }
   if (c.barrier_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("config: 'barrier_timeout' must be positive");
   }
@@ -186,6 +214,10 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   out << YAML::Key << "load_timeout" << YAML::Value << absl::FormatDuration(c.load_timeout);
   out << YAML::Key << "drain_timeout" << YAML::Value << absl::FormatDuration(c.drain_timeout);
   out << YAML::Key << "log_level" << YAML::Value << c.log_level;
+  out << YAML::Key << "peer_listen" << YAML::Value << c.peer_listen;
+  out << YAML::Key << "peers" << YAML::Value << c.peers;
+  out << YAML::Key << "peer_dns" << YAML::Value << c.peer_dns;
+  out << YAML::Key << "peer_timeout" << YAML::Value << absl::FormatDuration(c.peer_timeout);
   out << YAML::EndMap;
   return std::string(out.c_str()) + "\n";
 }

@@ -25,6 +25,17 @@ struct DaemonConfig {
   absl::Duration load_timeout = absl::Minutes(30);  // one job's plan + read + copy
   absl::Duration drain_timeout = absl::Seconds(30);  // SIGTERM: wait for loads
   std::string log_level = "info";  // trace debug info warn error
+  // Multi-node: this daemon's peer service address ("host:port"; empty: off),
+  // the other daemons (static list; may include this one), or one DNS name
+  // "name:port" resolving to all of them (a Kubernetes headless service).
+  std::string peer_listen;
+  std::vector<std::string> peers;
+  std::string peer_dns;
+  absl::Duration peer_timeout = absl::Seconds(60);  // joins, transfers, completion
+  // Testing only (flag --testing_delay_part_ms, not in YAML): pause between
+  // receiving a multi-node plan part and executing it, so tests can kill a
+  // peer mid-load deterministically.
+  absl::Duration testing_delay_part = absl::ZeroDuration();
 };
 
 // Parses YAML text; `source` names it in errors.

@@ -1,4 +1,5 @@
 #include "server/daemon.h"
+#include "server/daemon_internal.h"
 
 #include <fcntl.h>
 #include <stdlib.h>
@@ -10,6 +11,7 @@
 #include <chrono>
 #include <cstring>
 
+#include <grpcpp/grpcpp.h>
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/match.h"
@@ -27,10 +29,6 @@ using ckpt::DType;
 using ckpt::TargetTensor;
 
 namespace {
-
-double Seconds(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
 
 ckpt::Shape ToShape(const google::protobuf::RepeatedField<int64_t>& r) {
   return ckpt::Shape(r.begin(), r.end());
@@ -79,36 +77,6 @@ MappedSegment::~MappedSegment() {
 
 // --- Jobs ------------------------------------------------------------------
 
-struct Daemon::RankSlot {
-  v1::LoadRequest request;
-  v1::SaveRequest save_request;  // Save jobs
-  v1::SaveResponse save_result;
-  ckpt::RankTargets targets;
-  std::unique_ptr<MappedSegment> segment;              // shm destination
-  std::vector<std::vector<uint8_t>> stream_buffers;    // stream destination
-  std::function<bool()> cancelled;
-  absl::Time registered;
-  std::chrono::steady_clock::time_point start;
-  bool done = false;  // guarded by Daemon::mu_
-  absl::Status status;
-  v1::LoadResult result;
-};
-
-struct Daemon::Job {
-  enum class State { kWaiting, kRunning, kFinished };
-  JobKind kind = JobKind::kLoad;
-  std::string id;
-  std::string path;
-  std::optional<int64_t> unique_id;
-  int world_size = 0;
-  std::set<int> expected;
-  std::map<int, std::shared_ptr<RankSlot>> slots;
-  State state = State::kWaiting;
-  std::string phase = "waiting for ranks";
-  std::atomic<uint64_t> progress{0};
-  std::atomic<uint64_t> total{0};
-};
-
 Daemon::Daemon(DaemonConfig config)
     : config_(std::move(config)), started_(absl::Now()), cache_(config_.cache_budget) {}
 
@@ -130,8 +98,11 @@ void Daemon::Stop() {
 
 absl::StatusOr<std::string> Daemon::ResolvePath(const std::string& path) const {
   if (path.empty()) return absl::InvalidArgumentError("checkpoint path is empty");
+  // A relative path names a checkpoint under the first root, so a multi-node
+  // job can name node-local directories that live at different places.
+  const std::string full = path[0] == '/' ? path : ckpt::JoinPath(config_.roots.front(), path);
   char buf[PATH_MAX];
-  if (::realpath(path.c_str(), buf) == nullptr) {
+  if (::realpath(full.c_str(), buf) == nullptr) {
     std::string msg = absl::StrCat(path, ": ", std::strerror(errno));
     return errno == ENOENT ? absl::NotFoundError(msg) : absl::InvalidArgumentError(msg);
   }
@@ -147,8 +118,9 @@ absl::StatusOr<std::string> Daemon::ResolvePath(const std::string& path) const {
 }
 
 absl::StatusOr<std::shared_ptr<const Daemon::OpenedCheckpoint>> Daemon::OpenCached(
-    const std::string& dir, std::optional<int64_t> unique_id) {
-  const auto key = std::make_pair(dir, unique_id.value_or(-1));
+    const std::string& dir, std::optional<int64_t> unique_id, bool all_files_local) {
+  const auto key = std::make_pair(dir + (all_files_local ? "" : "\n(partial)"),
+                                  unique_id.value_or(-1));
   {
     absl::MutexLock lock(&meta_mu_);
     auto it = meta_cache_.find(key);
@@ -176,6 +148,7 @@ absl::StatusOr<std::shared_ptr<const Daemon::OpenedCheckpoint>> Daemon::OpenCach
   CKPT_ASSIGN_OR_RETURN(opened->watched[dir], ckpt::StatFile(dir));
   ckpt::OpenOptions oo;
   oo.unique_id = unique_id;
+  oo.check_data_files = all_files_local;
   CKPT_ASSIGN_OR_RETURN(opened->checkpoint, ckpt::OpenCheckpoint(dir, oo));
   if (!opened->checkpoint.metadata_file.empty()) {
     const std::string mp = ckpt::JoinPath(dir, opened->checkpoint.metadata_file);
@@ -184,7 +157,10 @@ absl::StatusOr<std::shared_ptr<const Daemon::OpenedCheckpoint>> Daemon::OpenCach
   const std::string index = ckpt::JoinPath(dir, "model.safetensors.index.json");
   if (auto st = ckpt::StatFile(index); st.ok()) opened->watched[index] = *st;
   for (const std::string& f : opened->checkpoint.data_files) {
-    CKPT_ASSIGN_OR_RETURN(opened->stamps[f], ckpt::StatFile(ckpt::JoinPath(dir, f)));
+    auto st = ckpt::StatFile(ckpt::JoinPath(dir, f));
+    if (!st.ok() && !all_files_local && absl::IsNotFound(st.status())) continue;
+    CKPT_RETURN_IF_ERROR(st.status());
+    opened->stamps[f] = *st;
   }
   absl::MutexLock lock(&meta_mu_);
   meta_cache_[key] = opened;
@@ -650,6 +626,7 @@ void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
 }
 
 void Daemon::RunJob(const std::shared_ptr<Job>& job) {
+  if (static_cast<int>(job->expected.size()) < job->world_size) return RunDistributedJob(job);
   const auto t_start = std::chrono::steady_clock::now();
   std::vector<std::shared_ptr<RankSlot>> slots;
   {
@@ -805,7 +782,7 @@ absl::StatusOr<v1::EvictResponse> Daemon::Evict(const v1::EvictRequest& request)
   {
     absl::MutexLock lock(&meta_mu_);
     for (auto it = meta_cache_.begin(); it != meta_cache_.end();) {
-      it = it->first.first == dir ? meta_cache_.erase(it) : std::next(it);
+      it = absl::StartsWith(it->first.first, dir) ? meta_cache_.erase(it) : std::next(it);
     }
   }
   spdlog::info("evict path={} freed={}B entries={}", dir, bytes, entries);
@@ -852,6 +829,20 @@ v1::StatusResponse Daemon::Status() {
   resp.set_bytes_read_total(bytes_read_total_);
   resp.set_bytes_delivered_total(bytes_delivered_total_);
   for (const auto& r : config_.roots) resp.add_roots(r);
+  resp.set_peer_address(config_.peer_listen);
+  for (const std::string& p : PeerAddresses()) {
+    v1::PeerHealth* ph = resp.add_peers();
+    ph->set_address(p);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
+    peer::v1::PingRequest req;
+    peer::v1::PingResponse pr;
+    const auto t0 = std::chrono::steady_clock::now();
+    grpc::Status s = PeerStub(p)->Ping(&ctx, req, &pr);
+    ph->set_reachable(s.ok());
+    if (!s.ok()) ph->set_error(s.error_message());
+    ph->set_rtt_ms(Seconds(t0) * 1000);
+  }
   {
     absl::MutexLock lock(&meta_mu_);
     resp.set_metadata_cache_entries(meta_cache_.size());

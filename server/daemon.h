@@ -27,6 +27,7 @@
 #include "core/checkpoint.h"
 #include "core/planner.h"
 #include "proto/ckpt.pb.h"
+#include "proto/peer.grpc.pb.h"
 #include "server/fd_channel.h"
 
 namespace ckptd {
@@ -70,6 +71,13 @@ class Daemon {
   absl::StatusOr<v1::EvictResponse> Evict(const v1::EvictRequest& request);
   v1::StatusResponse Status();
 
+  // Peer RPC bodies (multi-node jobs; see daemon_multinode.cc).
+  absl::StatusOr<peer::v1::PlanPart> PeerJoin(const peer::v1::JoinRequest& request);
+  absl::Status PeerFetchRead(const peer::v1::FetchReadRequest& request,
+                             const std::function<bool(const peer::v1::Chunk&)>& send);
+  absl::StatusOr<peer::v1::CompleteResponse> PeerComplete(const peer::v1::CompleteRequest& request);
+  peer::v1::PingResponse PeerPing();
+
   const DaemonConfig& config() const { return config_; }
 
  private:
@@ -91,11 +99,28 @@ class Daemon {
     std::map<std::string, ckpt::FileStamp> watched;  // dir + metadata/index files
   };
 
+  struct DistJob;
+  // Runs a job whose ranks span several daemons (node_ranks a strict subset
+  // of the world): join the coordinator (or be it), execute this node's part
+  // of the plan with remote reads fetched from peers, agree on the outcome.
+  void RunDistributedJob(const std::shared_ptr<Job>& job);
+  absl::StatusOr<peer::v1::PlanPart> CoordinatePlan(const std::shared_ptr<DistJob>& dj,
+                                                    const peer::v1::JoinRequest& own);
+  absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> JoinCoordinator(
+      const peer::v1::JoinRequest& own, absl::Time deadline);
+  absl::StatusOr<peer::v1::CompleteResponse> AwaitOutcome(const std::shared_ptr<DistJob>& dj,
+                                                          const peer::v1::CompleteRequest& own);
+  // Other daemons' peer addresses (static list and DNS), without this one.
+  std::vector<std::string> PeerAddresses() const;
+  peer::v1::Peer::Stub* PeerStub(const std::string& address);
+
   // realpath(path) inside one of the configured roots, else PERMISSION_DENIED.
   absl::StatusOr<std::string> ResolvePath(const std::string& path) const;
   // Metadata from the cache when no watched file changed, else reopened.
+  // With `all_files_local` false (multi-node coordinator), data files need
+  // not all be readable here.
   absl::StatusOr<std::shared_ptr<const OpenedCheckpoint>> OpenCached(
-      const std::string& dir, std::optional<int64_t> unique_id);
+      const std::string& dir, std::optional<int64_t> unique_id, bool all_files_local = true);
   absl::StatusOr<std::shared_ptr<RankSlot>> PrepareSlot(const v1::LoadRequest& request);
   // Adds `slot` to its job (created on first use); returns the job and
   // whether this caller completed the barrier and must run the job.
@@ -124,6 +149,12 @@ class Daemon {
 
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
+
+  // Multi-node jobs this daemon takes part in (coordinating or not).
+  absl::Mutex peer_mu_;
+  std::map<std::string, std::shared_ptr<DistJob>> dist_jobs_ ABSL_GUARDED_BY(peer_mu_);
+  absl::Mutex stubs_mu_;
+  std::map<std::string, std::unique_ptr<peer::v1::Peer::Stub>> stubs_ ABSL_GUARDED_BY(stubs_mu_);
 
   std::atomic<uint64_t> loads_started_{0}, loads_succeeded_{0}, loads_failed_{0};
   std::atomic<uint64_t> bytes_read_total_{0}, bytes_delivered_total_{0};

@@ -25,6 +25,7 @@
 #include "absl/strings/str_split.h"
 #include "config/config.h"
 #include "server/daemon.h"
+#include "server/peer_service.h"
 #include "server/service.h"
 
 ABSL_FLAG(std::string, config, "", "YAML config file (see config/ckptd.yaml)");
@@ -38,6 +39,13 @@ ABSL_FLAG(int, io_threads, 0, "I/O threads (overrides the config)");
 ABSL_FLAG(std::string, barrier_timeout, "", "e.g. 120s (overrides the config)");
 ABSL_FLAG(std::string, log_level, "", "trace|debug|info|warn|error (overrides the config)");
 ABSL_FLAG(bool, print_config, false, "print the effective config and exit");
+ABSL_FLAG(std::string, peer_listen, "", "multi-node: this daemon's peer address host:port");
+ABSL_FLAG(std::vector<std::string>, peers, {}, "multi-node: the other daemons, host:port,...");
+ABSL_FLAG(std::string, peer_dns, "", "multi-node: DNS name:port resolving to all daemons");
+ABSL_FLAG(std::string, peer_timeout, "", "multi-node: e.g. 60s (overrides the config)");
+ABSL_FLAG(std::string, io_request_size, "", "largest single read, e.g. 64MiB (overrides the config)");
+ABSL_FLAG(int, testing_delay_part_ms, 0,
+          "testing only: pause before executing a multi-node plan part (fault injection)");
 
 namespace {
 
@@ -128,6 +136,20 @@ int main(int argc, char** argv) {
     config.barrier_timeout = *d;
   }
   if (!absl::GetFlag(FLAGS_log_level).empty()) config.log_level = absl::GetFlag(FLAGS_log_level);
+  if (!absl::GetFlag(FLAGS_peer_listen).empty()) config.peer_listen = absl::GetFlag(FLAGS_peer_listen);
+  if (!absl::GetFlag(FLAGS_peers).empty()) config.peers = absl::GetFlag(FLAGS_peers);
+  if (!absl::GetFlag(FLAGS_peer_dns).empty()) config.peer_dns = absl::GetFlag(FLAGS_peer_dns);
+  if (!absl::GetFlag(FLAGS_io_request_size).empty()) {
+    auto b = ckptd::ParseBytes(absl::GetFlag(FLAGS_io_request_size));
+    if (!b.ok()) return Fail(absl::StrCat("--io_request_size: ", b.status().message()));
+    config.io_request_size = *b;
+  }
+  config.testing_delay_part = absl::Milliseconds(absl::GetFlag(FLAGS_testing_delay_part_ms));
+  if (!absl::GetFlag(FLAGS_peer_timeout).empty()) {
+    auto d = ckptd::ParseDuration(absl::GetFlag(FLAGS_peer_timeout));
+    if (!d.ok()) return Fail(absl::StrCat("--peer_timeout: ", d.status().message()));
+    config.peer_timeout = *d;
+  }
   if (absl::Status s = ckptd::ValidateConfig(config); !s.ok()) return Fail(std::string(s.message()));
   if (absl::GetFlag(FLAGS_print_config)) {
     std::cout << ckptd::ConfigToYaml(config);
@@ -168,6 +190,24 @@ int main(int argc, char** argv) {
                              config.tcp_address.empty() ? "" : " / " + config.tcp_address));
   }
   if (!config.socket.empty()) ::chmod(config.socket.c_str(), config.socket_mode);
+  // The peer service: TCP, separate from the client API.
+  ckptd::PeerService peer_service(&daemon);
+  std::unique_ptr<grpc::Server> peer_server;
+  if (!config.peer_listen.empty()) {
+    grpc::ServerBuilder pb;
+    pb.AddListeningPort(config.peer_listen, grpc::InsecureServerCredentials());
+    pb.SetMaxReceiveMessageSize(256 << 20);
+    pb.SetMaxSendMessageSize(256 << 20);
+    pb.RegisterService(&peer_service);
+    peer_server = pb.BuildAndStart();
+    if (!peer_server) {
+      server->Shutdown();
+      return Fail(absl::StrCat("cannot listen for peers on ", config.peer_listen));
+    }
+    spdlog::info("peer service on {} (peers: {}{})", config.peer_listen,
+                 absl::StrJoin(config.peers, ","),
+                 config.peer_dns.empty() ? "" : " dns " + config.peer_dns);
+  }
   server->GetHealthCheckService()->SetServingStatus(true);
   spdlog::info("serving on {}{} roots={} cache_budget={}B io_threads={}", config.socket,
                config.tcp_address.empty() ? "" : " and tcp " + config.tcp_address,
@@ -179,8 +219,10 @@ int main(int argc, char** argv) {
     spdlog::info("signal {}: draining running loads (up to {})", sig,
                  absl::FormatDuration(config.drain_timeout));
     server->GetHealthCheckService()->SetServingStatus(false);
-    server->Shutdown(std::chrono::system_clock::now() +
-                     std::chrono::milliseconds(absl::ToInt64Milliseconds(config.drain_timeout)));
+    const auto drain = std::chrono::system_clock::now() +
+                       std::chrono::milliseconds(absl::ToInt64Milliseconds(config.drain_timeout));
+    server->Shutdown(drain);
+    if (peer_server) peer_server->Shutdown(drain);
   });
   server->Wait();
   signals.join();

@@ -4,6 +4,7 @@
 #ifndef CKPTD_TESTS_INTEGRATION_DAEMON_PROCESS_H_
 #define CKPTD_TESTS_INTEGRATION_DAEMON_PROCESS_H_
 
+#include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/stat.h>
@@ -84,6 +85,13 @@ class DaemonProcess {
     exit_code_ = WaitExit(pid_, std::chrono::seconds(30));
     pid_ = -1;
     return exit_code_;
+  }
+  // SIGKILL: the daemon dies without draining.
+  void Kill() {
+    if (pid_ <= 0) return;
+    ::kill(pid_, SIGKILL);
+    exit_code_ = WaitExit(pid_, std::chrono::seconds(30));
+    pid_ = -1;
   }
   bool Alive() const { return pid_ > 0 && ::kill(pid_, 0) == 0 && waitpid(pid_, nullptr, WNOHANG) == 0; }
   const std::string& socket() const { return socket_; }

@@ -16,6 +16,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/daemon_process.h"
+#include "tests/integration/fixtures.h"
 #include "tests/testing/temp_dir.h"
 
 namespace ckpt {
@@ -27,69 +28,6 @@ using testing::DaemonProcess;
 using testing::Runfile;
 using testing::Spawn;
 using testing::WaitExit;
-
-std::string Slurp(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
-TargetTensor T(const std::string& name, DType dt, Shape global, Shape off, Shape shape) {
-  return TargetTensor{name, dt, std::move(global), Box{std::move(off), std::move(shape)},
-                      std::nullopt};
-}
-
-// Splits dim `d` of `global` over `world` ranks (balanced_split).
-Box Split(const Shape& global, size_t d, int world, int r) {
-  Box b{Shape(global.size(), 0), global};
-  int64_t chunk = (global[d] + world - 1) / world;
-  b.offset[d] = std::min<int64_t>(r * chunk, global[d]);
-  b.shape[d] = std::max<int64_t>(0, std::min<int64_t>(chunk, global[d] - b.offset[d]));
-  return b;
-}
-
-struct Model {
-  std::string name;
-  DType dtype;
-  Shape shape;
-};
-
-const std::vector<Model>& Tensors() {
-  static const auto* m = new std::vector<Model>{
-      {"embed", DType::kBF16, {512, 256}},
-      {"layers.0.w", DType::kF32, {256, 512}},
-      {"layers.1.w", DType::kF32, {256, 512}},
-      {"layers.0.bias", DType::kF32, {512}},
-      {"opt.layers.0.w.moment1_0", DType::kF32, {256, 512}},
-  };
-  return *m;
-}
-
-Layout MakeLayout(int world, size_t dim, bool flatten_optimizer) {
-  Layout l;
-  l.world_size = world;
-  for (int r = 0; r < world; ++r) {
-    RankTargets rt{r, {}};
-    for (const Model& m : Tensors()) {
-      if (m.shape.size() == 1) {  // replicated
-        rt.tensors.push_back(T(m.name, m.dtype, m.shape, {0}, m.shape));
-        continue;
-      }
-      if (flatten_optimizer && m.name.rfind("opt.", 0) == 0) {  // ZeRO-style flat shards
-        TargetTensor t = T(m.name, m.dtype, m.shape, {0, 0}, m.shape);
-        int64_t n = NumElements(m.shape), chunk = (n + world - 1) / world;
-        t.flat_range = FlatRange{std::min(n, r * chunk), std::min(n, (r + 1) * chunk)};
-        if (t.flat_range->begin < t.flat_range->end) rt.tensors.push_back(t);
-        continue;
-      }
-      Box b = Split(m.shape, std::min(dim, m.shape.size() - 1), world, r);
-      rt.tensors.push_back(T(m.name, m.dtype, m.shape, b.offset, b.shape));
-    }
-    l.ranks.push_back(rt);
-  }
-  return l;
-}
 
 class DaemonTest : public ::testing::Test {
  protected:

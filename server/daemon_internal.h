@@ -1,0 +1,56 @@
+// Private to the daemon's implementation files (daemon.cc,
+// daemon_multinode.cc): the job registry's records.
+#ifndef CKPTD_SERVER_DAEMON_INTERNAL_H_
+#define CKPTD_SERVER_DAEMON_INTERNAL_H_
+
+#include <atomic>
+#include <chrono>
+#include <functional>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "server/daemon.h"
+
+namespace ckptd {
+
+inline double Seconds(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+struct Daemon::RankSlot {
+  v1::LoadRequest request;
+  v1::SaveRequest save_request;  // Save jobs
+  v1::SaveResponse save_result;
+  ckpt::RankTargets targets;
+  std::unique_ptr<MappedSegment> segment;              // shm destination
+  std::vector<std::vector<uint8_t>> stream_buffers;    // stream destination
+  std::function<bool()> cancelled;
+  absl::Time registered;
+  std::chrono::steady_clock::time_point start;
+  bool done = false;  // guarded by Daemon::mu_
+  absl::Status status;
+  v1::LoadResult result;
+};
+
+struct Daemon::Job {
+  enum class State { kWaiting, kRunning, kFinished };
+  JobKind kind = JobKind::kLoad;
+  std::string id;
+  std::string path;
+  std::optional<int64_t> unique_id;
+  int world_size = 0;
+  std::set<int> expected;
+  std::map<int, std::shared_ptr<RankSlot>> slots;
+  State state = State::kWaiting;
+  std::string phase = "waiting for ranks";
+  std::atomic<uint64_t> progress{0};
+  std::atomic<uint64_t> total{0};
+};
+
+}  // namespace ckptd
+
+#endif  // CKPTD_SERVER_DAEMON_INTERNAL_H_

@@ -1,0 +1,872 @@
+// Multi-node jobs: the coordinator, the node-aware load balancer's use, and
+// daemon-to-daemon transfer over the peer service.
+//
+// Flow for a job whose ranks span several daemons:
+//  1. Each daemon waits for its own ranks (the local barrier in Load).
+//  2. The daemon serving `coordinator_rank` gathers every node's ranks and
+//     readable data files through Join, plans once, assigns every read to
+//     one node (core/balancer.h) and answers each Join with that node's part.
+//  3. Every node executes its part: reads assigned to it come from storage
+//     (through its data cache) and are served to the nodes that need them
+//     (FetchRead, chunked gRPC stream: flow-controlled, one read in memory
+//     per transfer); reads other nodes do are fetched from them.
+//  4. Every node reports to the coordinator (Complete); the coordinator
+//     answers all of them with one outcome, so all nodes succeed or fail
+//     together. Every wait is bounded by peer_timeout and names who it
+//     waited for.
+#include <dirent.h>
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <chrono>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/balancer.h"
+#include "core/executor.h"
+#include "core/status_macros.h"
+#include "server/daemon.h"
+#include "server/daemon_internal.h"
+#include "server/plan_codec.h"
+
+namespace ckptd {
+
+using ckpt::TargetTensor;
+
+struct Daemon::DistJob {
+  std::string id;
+  bool coordinator = false;
+  absl::Time deadline;
+  std::string path;       // as the ranks named it (compared across nodes)
+  std::string local_dir;  // where it resolves on this node
+  std::optional<int64_t> unique_id;
+  int world_size = 0;
+  // Coordinator: gathering and planning.
+  std::map<std::string, peer::v1::JoinRequest> joins;  // node -> its join
+  std::set<int> ranks_joined;
+  bool planned = false;
+  absl::Status plan_status;
+  std::map<std::string, peer::v1::PlanPart> parts;
+  // Serving: reads this node does that other nodes need (global index).
+  struct Served {
+    bool ready = false;
+    ckpt::RangeView view;  // pinned bytes of the read once ready
+    uint64_t length = 0;
+    int remaining = 0;     // fetches still expected
+  };
+  std::map<uint32_t, Served> served;
+  bool part_known = false;
+  absl::Status exec_status;
+  // Coordinator: completion.
+  std::vector<std::string> nodes;
+  std::map<std::string, peer::v1::CompleteRequest> completes;
+  bool finished = false;
+  peer::v1::CompleteResponse outcome;
+};
+
+namespace {
+
+absl::Status FromGrpc(const grpc::Status& s, absl::string_view who) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                      absl::StrCat(who, ": ", s.error_message()));
+}
+
+std::chrono::system_clock::time_point ToChrono(absl::Time t) {
+  return std::chrono::system_clock::from_time_t(0) +
+         std::chrono::microseconds(absl::ToUnixMicros(t));
+}
+
+// Data-file-like names in `dir` (what this node can read).
+std::vector<peer::v1::FileInfo> ListReadable(const std::string& dir) {
+  std::vector<peer::v1::FileInfo> out;
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return out;
+  while (struct dirent* e = ::readdir(d)) {
+    std::string n = e->d_name;
+    if (n == "." || n == ".." || absl::EndsWith(n, ".metadata")) continue;
+    auto st = ckpt::StatFile(ckpt::JoinPath(dir, n));
+    if (!st.ok()) continue;
+    peer::v1::FileInfo fi;
+    fi.set_name(n);
+    fi.set_size(st->size);
+    out.push_back(std::move(fi));
+  }
+  ::closedir(d);
+  return out;
+}
+
+}  // namespace
+
+std::vector<std::string> Daemon::PeerAddresses() const {
+  std::set<std::string> out;
+  for (const std::string& p : config_.peers) {
+    if (p != config_.peer_listen) out.insert(p);
+  }
+  if (!config_.peer_dns.empty()) {
+    const size_t colon = config_.peer_dns.rfind(':');
+    const std::string host = config_.peer_dns.substr(0, colon);
+    const std::string port = colon == std::string::npos ? "" : config_.peer_dns.substr(colon + 1);
+    addrinfo hints{};
+    hints.ai_socktype = SOCK_STREAM;
+    addrinfo* res = nullptr;
+    if (::getaddrinfo(host.c_str(), port.c_str(), &hints, &res) == 0) {
+      for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
+        char ip[INET6_ADDRSTRLEN] = {};
+        const void* addr = a->ai_family == AF_INET
+                               ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr)
+                               : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr);
+        ::inet_ntop(a->ai_family, addr, ip, sizeof(ip));
+        std::string p = a->ai_family == AF_INET6 ? absl::StrCat("[", ip, "]:", port)
+                                                  : absl::StrCat(ip, ":", port);
+        if (p != config_.peer_listen) out.insert(p);
+      }
+      ::freeaddrinfo(res);
+    } else {
+      spdlog::warn("peer_dns {} does not resolve", config_.peer_dns);
+    }
+  }
+  return std::vector<std::string>(out.begin(), out.end());
+}
+
+peer::v1::Peer::Stub* Daemon::PeerStub(const std::string& address) {
+  absl::MutexLock lock(&stubs_mu_);
+  auto& s = stubs_[address];
+  if (!s) {
+    grpc::ChannelArguments args;
+    args.SetMaxReceiveMessageSize(256 << 20);
+    args.SetMaxSendMessageSize(256 << 20);
+    s = peer::v1::Peer::NewStub(
+        grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
+  }
+  return s.get();
+}
+
+peer::v1::PingResponse Daemon::PeerPing() {
+  peer::v1::PingResponse r;
+  r.set_node(config_.peer_listen);
+  absl::MutexLock lock(&peer_mu_);
+  for (const auto& [id, dj] : dist_jobs_) r.add_jobs(id);
+  return r;
+}
+
+absl::StatusOr<peer::v1::PlanPart> Daemon::PeerJoin(const peer::v1::JoinRequest& req) {
+  absl::MutexLock lock(&peer_mu_);
+  auto it = dist_jobs_.find(req.job_id());
+  if (it == dist_jobs_.end()) {
+    return absl::UnavailableError(absl::StrCat("job '", req.job_id(), "' is not known on ",
+                                               config_.peer_listen, " yet"));
+  }
+  std::shared_ptr<DistJob> dj = it->second;
+  if (!dj->coordinator) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(config_.peer_listen, " is not the coordinator of job '", req.job_id(), "'"));
+  }
+  std::string mismatch;
+  if (req.path() != dj->path) mismatch = absl::StrCat("checkpoint ", req.path(), " vs ", dj->path);
+  if (req.has_unique_id() != dj->unique_id.has_value() ||
+      (req.has_unique_id() && req.unique_id() != *dj->unique_id)) {
+    mismatch = "unique_id";
+  }
+  if (req.world_size() != dj->world_size) {
+    mismatch = absl::StrCat("world_size ", req.world_size(), " vs ", dj->world_size);
+  }
+  for (const auto& r : req.ranks()) {
+    if (r.rank() < 0 || r.rank() >= dj->world_size || dj->ranks_joined.count(r.rank())) {
+      mismatch = absl::StrCat("rank ", r.rank(), " is outside the world or already joined");
+    }
+  }
+  if (!mismatch.empty()) {
+    absl::Status s = absl::InvalidArgumentError(absl::StrCat(
+        "job '", req.job_id(), "': node ", req.node(),
+        " disagrees with the coordinator ", config_.peer_listen, ": ", mismatch));
+    if (!dj->planned) {
+      dj->plan_status = s;
+      dj->planned = true;
+    }
+    return s;
+  }
+  if (dj->joins.count(req.node())) {
+    return absl::AlreadyExistsError(absl::StrCat("node ", req.node(), " already joined job '",
+                                                 req.job_id(), "'"));
+  }
+  dj->joins[req.node()] = req;
+  for (const auto& r : req.ranks()) dj->ranks_joined.insert(r.rank());
+  auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) { return dj->planned; };
+  peer_mu_.AwaitWithDeadline(absl::Condition(&ready), dj->deadline);
+  if (!dj->planned) {
+    return absl::DeadlineExceededError(
+        absl::StrCat("job '", req.job_id(), "': the coordinator did not plan before the deadline"));
+  }
+  if (!dj->plan_status.ok()) return dj->plan_status;
+  return dj->parts.at(req.node());
+}
+
+absl::StatusOr<peer::v1::PlanPart> Daemon::CoordinatePlan(const std::shared_ptr<DistJob>& dj,
+                                                          const peer::v1::JoinRequest& own) {
+  const auto t0 = std::chrono::steady_clock::now();
+  {
+    absl::MutexLock lock(&peer_mu_);
+    dj->joins[own.node()] = own;
+    for (const auto& r : own.ranks()) dj->ranks_joined.insert(r.rank());
+    auto covered = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) {
+      return dj->planned || static_cast<int>(dj->ranks_joined.size()) == dj->world_size;
+    };
+    peer_mu_.AwaitWithDeadline(absl::Condition(&covered), dj->deadline);
+    if (dj->planned) return dj->plan_status;  // a joiner disagreed
+    if (static_cast<int>(dj->ranks_joined.size()) != dj->world_size) {
+      std::vector<int> missing;
+      for (int r = 0; r < dj->world_size; ++r) {
+        if (!dj->ranks_joined.count(r)) missing.push_back(r);
+      }
+      std::vector<std::string> nodes;
+      for (const auto& [n, j] : dj->joins) nodes.push_back(n);
+      dj->plan_status = absl::DeadlineExceededError(absl::StrCat(
+          "job '", dj->id, "': ranks ", absl::StrJoin(missing, ","),
+          " never joined from other nodes within ", absl::FormatDuration(config_.peer_timeout),
+          " (nodes joined: ", absl::StrJoin(nodes, ", "), ")"));
+      dj->planned = true;
+      return dj->plan_status;
+    }
+  }
+  // Every rank is in: plan once for the whole job.
+  std::vector<std::string> nodes;
+  std::vector<peer::v1::JoinRequest> joins;
+  {
+    absl::MutexLock lock(&peer_mu_);
+    for (const auto& [n, j] : dj->joins) {
+      nodes.push_back(n);
+      joins.push_back(j);
+    }
+  }
+  auto plan_all = [&]() -> absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> {
+    CKPT_ASSIGN_OR_RETURN(auto opened,
+                          OpenCached(dj->local_dir, dj->unique_id, /*all_files_local=*/false));
+    std::vector<std::pair<int, int>> rank_node;  // rank -> node index
+    std::map<int, const peer::v1::RankTargetsMsg*> by_rank;
+    for (size_t n = 0; n < joins.size(); ++n) {
+      for (const auto& r : joins[n].ranks()) {
+        by_rank[r.rank()] = &r;
+        rank_node.push_back({r.rank(), static_cast<int>(n)});
+      }
+    }
+    std::sort(rank_node.begin(), rank_node.end());
+    std::vector<ckpt::RankTargets> ranks;
+    std::vector<int> node_of_rank;
+    for (const auto& [rank, node] : rank_node) {
+      ckpt::RankTargets rt;
+      rt.rank = rank;
+      for (const auto& t : by_rank[rank]->targets()) {
+        CKPT_ASSIGN_OR_RETURN(TargetTensor tt, FromMsg(t));
+        rt.tensors.push_back(std::move(tt));
+      }
+      ranks.push_back(std::move(rt));
+      node_of_rank.push_back(node);
+    }
+    ckpt::PlanOptions po;
+    po.max_read_bytes = config_.io_request_size;
+    CKPT_ASSIGN_OR_RETURN(ckpt::LoadPlan plan, ckpt::PlanLoad(opened->checkpoint.metadata, ranks, po));
+    std::vector<std::set<std::string>> readable(joins.size());
+    for (size_t n = 0; n < joins.size(); ++n) {
+      for (const auto& f : joins[n].readable()) readable[n].insert(f.name());
+    }
+    CKPT_ASSIGN_OR_RETURN(ckpt::ReadAssignment assign, ckpt::AssignReads(plan, node_of_rank, readable));
+    const double plan_s = Seconds(t0);
+    std::map<std::string, peer::v1::PlanPart> parts;
+    for (size_t n = 0; n < nodes.size(); ++n) {
+      peer::v1::PlanPart& part = parts[nodes[n]];
+      part.set_job_id(dj->id);
+      for (const auto& f : plan.files) part.add_files(f);
+      for (size_t i = 0; i < plan.reads.size(); ++i) {
+        peer::v1::ReadMsg* rm = part.add_reads();
+        ToMsg(plan.reads[i], rm);
+        if (assign.reader[i] >= 0) rm->set_reader(nodes[assign.reader[i]]);
+        for (int m : assign.needed_by[i]) rm->add_needed_by(nodes[m]);
+      }
+      for (size_t r = 0; r < plan.ranks.size(); ++r) {
+        if (node_of_rank[r] == static_cast<int>(n)) ToMsg(plan.ranks[r], part.add_ranks());
+      }
+      for (const auto& k : plan.unexpected_keys) part.add_unexpected_keys(k);
+      for (const auto& [a, b] : plan.renamed_keys) (*part.mutable_renamed_keys())[a] = b;
+      for (const auto& nn : nodes) part.add_nodes(nn);
+      part.set_job_bytes_to_read(plan.bytes_to_read);
+      part.set_format(ckpt::FormatName(opened->checkpoint.format));
+      part.set_unique_id(opened->checkpoint.unique_id.value_or(0));
+      part.set_plan_s(plan_s);
+    }
+    std::string balance;
+    for (size_t n = 0; n < nodes.size(); ++n) {
+      balance += absl::StrCat(n ? " " : "", nodes[n], "=", assign.bytes_per_node[n], "B");
+    }
+    spdlog::info("coordinator job={} nodes={} ranks={} reads={} plan={:.4f}s storage reads: {}",
+                 dj->id, nodes.size(), ranks.size(), plan.reads.size(), plan_s, balance);
+    return parts;
+  };
+  auto parts = plan_all();
+  absl::MutexLock lock(&peer_mu_);
+  dj->nodes = nodes;
+  if (!parts.ok()) {
+    dj->plan_status = parts.status();
+  } else {
+    dj->parts = std::move(*parts);
+  }
+  dj->planned = true;
+  if (!dj->plan_status.ok()) return dj->plan_status;
+  return dj->parts.at(own.node());
+}
+
+absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> Daemon::JoinCoordinator(
+    const peer::v1::JoinRequest& own, absl::Time deadline) {
+  std::map<std::string, std::string> last_error;
+  while (absl::Now() < deadline) {
+    for (const std::string& peer : PeerAddresses()) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(ToChrono(deadline));
+      peer::v1::PlanPart part;
+      grpc::Status s = PeerStub(peer)->Join(&ctx, own, &part);
+      if (s.ok()) return std::make_pair(std::move(part), peer);
+      const auto code = s.error_code();
+      if (code == grpc::StatusCode::FAILED_PRECONDITION) {
+        last_error[peer] = "not the coordinator";
+        continue;
+      }
+      if (code == grpc::StatusCode::UNAVAILABLE) {
+        last_error[peer] = s.error_message();
+        continue;
+      }
+      return FromGrpc(s, absl::StrCat("coordinator ", peer));  // the coordinator said no
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  std::vector<std::string> tried;
+  for (const auto& [p, e] : last_error) tried.push_back(absl::StrCat(p, " (", e, ")"));
+  return absl::DeadlineExceededError(absl::StrCat(
+      "job '", own.job_id(), "': no peer accepted this node's ranks as the coordinator within ",
+      absl::FormatDuration(config_.peer_timeout), "; peers: ",
+      tried.empty() ? std::string("none configured") : absl::StrJoin(tried, "; ")));
+}
+
+absl::StatusOr<peer::v1::CompleteResponse> Daemon::PeerComplete(
+    const peer::v1::CompleteRequest& req) {
+  std::shared_ptr<DistJob> dj;
+  {
+    absl::MutexLock lock(&peer_mu_);
+    auto it = dist_jobs_.find(req.job_id());
+    if (it == dist_jobs_.end() || !it->second->coordinator) {
+      return absl::NotFoundError(absl::StrCat("job '", req.job_id(), "' is not coordinated by ",
+                                              config_.peer_listen));
+    }
+    dj = it->second;
+    dj->completes[req.node()] = req;
+    auto finished = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) { return dj->finished; };
+    peer_mu_.AwaitWithDeadline(absl::Condition(&finished), absl::Now() + config_.peer_timeout);
+    if (!dj->finished) {
+      return absl::DeadlineExceededError(
+          absl::StrCat("job '", req.job_id(), "': the coordinator did not conclude in time"));
+    }
+    return dj->outcome;
+  }
+}
+
+absl::StatusOr<peer::v1::CompleteResponse> Daemon::AwaitOutcome(
+    const std::shared_ptr<DistJob>& dj, const peer::v1::CompleteRequest& own) {
+  const absl::Time deadline = absl::Now() + config_.peer_timeout;
+  {
+    absl::MutexLock lock(&peer_mu_);
+    dj->completes[own.node()] = own;
+  }
+  while (true) {
+    std::vector<std::string> missing;
+    {
+      absl::MutexLock lock(&peer_mu_);
+      auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) {
+        if (dj->completes.size() == dj->nodes.size()) return true;
+        for (const auto& [n, c] : dj->completes) {
+          if (!c.ok()) return true;
+        }
+        return false;
+      };
+      peer_mu_.AwaitWithTimeout(absl::Condition(&done), absl::Milliseconds(300));
+      peer::v1::CompleteResponse out;
+      out.set_ok(true);
+      uint64_t read = 0;
+      for (const auto& [n, c] : dj->completes) {
+        read += c.bytes_read();
+        if (!c.ok() && out.ok()) {
+          out.set_ok(false);
+          out.set_error(absl::StrCat("node ", n, ": ", c.error()));
+          out.set_error_code(c.error_code());
+        }
+      }
+      out.set_job_bytes_read(read);
+      for (const auto& n : dj->nodes) {
+        if (!dj->completes.count(n)) missing.push_back(n);
+      }
+      if (!out.ok() || missing.empty() || absl::Now() >= deadline) {
+        if (out.ok() && !missing.empty()) {
+          out.set_ok(false);
+          out.set_error(absl::StrCat("node(s) ", absl::StrJoin(missing, ", "),
+                                     " never reported completion within ",
+                                     absl::FormatDuration(config_.peer_timeout)));
+          out.set_error_code(static_cast<int>(absl::StatusCode::kDeadlineExceeded));
+        }
+        dj->outcome = out;
+        dj->finished = true;
+        return out;
+      }
+    }
+    // Nodes that are gone will never report: find out now, not at the deadline.
+    for (const std::string& n : missing) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+      peer::v1::PingRequest pr;
+      peer::v1::PingResponse resp;
+      grpc::Status s = PeerStub(n)->Ping(&ctx, pr, &resp);
+      if (!s.ok()) {
+        absl::MutexLock lock(&peer_mu_);
+        peer::v1::CompleteRequest down;
+        down.set_node(n);
+        down.set_ok(false);
+        down.set_error(absl::StrCat("peer is down or unreachable: ", s.error_message()));
+        down.set_error_code(static_cast<int>(absl::StatusCode::kUnavailable));
+        dj->completes.emplace(n, down);
+      }
+    }
+  }
+}
+
+absl::Status Daemon::PeerFetchRead(const peer::v1::FetchReadRequest& req,
+                                   const std::function<bool(const peer::v1::Chunk&)>& send) {
+  std::shared_ptr<DistJob> dj;
+  ckpt::RangeView view;
+  uint64_t length = 0;
+  const absl::Time deadline = absl::Now() + config_.peer_timeout;
+  {
+    absl::MutexLock lock(&peer_mu_);
+    auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) {
+      auto it = dist_jobs_.find(req.job_id());
+      if (it == dist_jobs_.end() || !it->second->part_known) return false;
+      if (!it->second->exec_status.ok()) return true;
+      auto s = it->second->served.find(req.read());
+      return s == it->second->served.end() || s->second.ready;
+    };
+    peer_mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
+    if (!ready()) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          config_.peer_listen, ": read ", req.read(), " of job '", req.job_id(),
+          "' was not available within ", absl::FormatDuration(config_.peer_timeout)));
+    }
+    dj = dist_jobs_.at(req.job_id());
+    if (!dj->exec_status.ok()) {
+      return absl::AbortedError(absl::StrCat(config_.peer_listen, " failed its part of job '",
+                                             req.job_id(), "': ", dj->exec_status.message()));
+    }
+    auto s = dj->served.find(req.read());
+    if (s == dj->served.end()) {
+      return absl::InvalidArgumentError(absl::StrCat(config_.peer_listen, " does not serve read ",
+                                                     req.read(), " of job '", req.job_id(), "'"));
+    }
+    view = s->second.view;
+    length = s->second.length;
+  }
+  constexpr uint64_t kChunk = 1 << 20;
+  for (uint64_t off = 0; off < length; off += kChunk) {
+    peer::v1::Chunk c;
+    c.set_offset(off);
+    c.set_data(view.data + off, std::min(kChunk, length - off));
+    if (!send(c)) return absl::CancelledError("the fetching node went away");
+  }
+  absl::MutexLock lock(&peer_mu_);
+  auto& served = dj->served.at(req.read());
+  if (--served.remaining <= 0) served.view = ckpt::RangeView{};  // unpin
+  return absl::OkStatus();
+}
+
+// Reads of one node's part: storage for reads assigned here (published for
+// the nodes that need them), peers for the rest.
+class DistSource final : public ckpt::RangeSource {
+ public:
+  DistSource(Daemon* d, std::string me, std::string job_id, ckpt::RangeSource* storage,
+             std::map<std::pair<std::string, uint64_t>, uint32_t> global_index,
+             std::vector<std::string> reader, std::function<void(uint32_t, const ckpt::RangeView&)> publish,
+             std::function<peer::v1::Peer::Stub*(const std::string&)> stub, absl::Duration timeout)
+      : me_(std::move(me)), job_id_(std::move(job_id)), storage_(storage),
+        global_index_(std::move(global_index)), reader_(std::move(reader)),
+        publish_(std::move(publish)), stub_(std::move(stub)), timeout_(timeout) {
+    (void)d;
+  }
+
+  absl::StatusOr<ckpt::RangeView> Fetch(
+      const std::string& file, uint64_t offset, uint64_t n, std::vector<uint8_t>& scratch,
+      const std::function<absl::Status(const uint8_t*)>& verify) override {
+    auto it = global_index_.find({file, offset});
+    if (it == global_index_.end()) {
+      return absl::InternalError(absl::StrCat("no planned read of ", file, " at ", offset));
+    }
+    const uint32_t g = it->second;
+    const std::string& reader = reader_[g];
+    if (reader == me_) {
+      CKPT_ASSIGN_OR_RETURN(ckpt::RangeView v, storage_->Fetch(file, offset, n, scratch, verify));
+      if (v.pin == nullptr) {
+        // Not cached (budget): keep a private copy for the peers.
+        auto copy = std::make_shared<std::vector<uint8_t>>(v.data, v.data + n);
+        v = ckpt::RangeView{copy->data(), copy, true};
+      }
+      publish_(g, v);
+      return v;
+    }
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
+    peer::v1::FetchReadRequest req;
+    req.set_job_id(job_id_);
+    req.set_read(g);
+    req.set_node(me_);
+    auto stream = stub_(reader)->FetchRead(&ctx, req);
+    if (scratch.size() < n) scratch.resize(n);
+    uint64_t got = 0;
+    peer::v1::Chunk c;
+    while (stream->Read(&c)) {
+      if (c.offset() != got || c.data().size() > n - got) {
+        ctx.TryCancel();
+        return absl::DataLossError(absl::StrCat("peer ", reader, " sent a chunk out of order for ",
+                                                file, " [", offset, ", ", offset + n, ")"));
+      }
+      std::memcpy(scratch.data() + got, c.data().data(), c.data().size());
+      got += c.data().size();
+    }
+    grpc::Status s = stream->Finish();
+    if (!s.ok() || got != n) {
+      return absl::UnavailableError(absl::StrCat(
+          "peer ", reader, " failed to send ", file, " bytes [", offset, ", ", offset + n,
+          ") (got ", got, "): ", s.ok() ? "stream ended early" : s.error_message()));
+    }
+    received_ += n;
+    return ckpt::RangeView{scratch.data(), nullptr, false};
+  }
+
+  uint64_t received() const { return received_.load(); }
+
+ private:
+  const std::string me_, job_id_;
+  ckpt::RangeSource* storage_;
+  const std::map<std::pair<std::string, uint64_t>, uint32_t> global_index_;
+  const std::vector<std::string> reader_;
+  std::function<void(uint32_t, const ckpt::RangeView&)> publish_;
+  std::function<peer::v1::Peer::Stub*(const std::string&)> stub_;
+  const absl::Duration timeout_;
+  std::atomic<uint64_t> received_{0};
+};
+
+void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
+  const auto t_start = std::chrono::steady_clock::now();
+  std::vector<std::shared_ptr<RankSlot>> slots;  // ascending rank
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [r, s] : job->slots) slots.push_back(s);
+  }
+  auto fail_all = [&](const absl::Status& s) {
+    absl::MutexLock lock(&mu_);
+    FailJobLocked(*job, s);
+  };
+  const std::string me = config_.peer_listen;
+  if (me.empty()) {
+    return fail_all(absl::FailedPreconditionError(absl::StrCat(
+        "job '", job->id, "' spans several daemons (this one serves ", job->expected.size(),
+        " of ", job->world_size, " ranks) but this daemon has no peer_listen configured")));
+  }
+  const int coord_rank = slots.front()->request.coordinator_rank();
+  for (const auto& s : slots) {
+    if (s->request.path() != slots.front()->request.path()) {
+      return fail_all(absl::InvalidArgumentError(absl::StrCat(
+          "job '", job->id, "': ranks name the checkpoint differently ('",
+          slots.front()->request.path(), "' vs '", s->request.path(), "')")));
+    }
+    if (s->request.coordinator_rank() != coord_rank) {
+      return fail_all(absl::InvalidArgumentError(absl::StrCat(
+          "job '", job->id, "': ranks disagree on coordinator_rank (", coord_rank, " vs ",
+          s->request.coordinator_rank(), ")")));
+    }
+  }
+  peer::v1::JoinRequest own;
+  own.set_job_id(job->id);
+  own.set_node(me);
+  own.set_path(slots.front()->request.path());
+  if (job->unique_id) own.set_unique_id(*job->unique_id);
+  own.set_world_size(job->world_size);
+  own.set_coordinator_rank(coord_rank);
+  for (const auto& s : slots) {
+    peer::v1::RankTargetsMsg* rm = own.add_ranks();
+    rm->set_rank(s->targets.rank);
+    for (const auto& t : s->targets.tensors) ToMsg(t, rm->add_targets());
+  }
+  for (auto& f : ListReadable(job->path)) *own.add_readable() = std::move(f);
+
+  auto dj = std::make_shared<DistJob>();
+  dj->id = job->id;
+  dj->coordinator = job->expected.count(coord_rank) > 0;
+  dj->deadline = absl::Now() + config_.peer_timeout;
+  dj->path = slots.front()->request.path();
+  dj->local_dir = job->path;
+  dj->unique_id = job->unique_id;
+  dj->world_size = job->world_size;
+  {
+    absl::MutexLock lock(&peer_mu_);
+    dist_jobs_[job->id] = dj;
+  }
+  auto cleanup = [&] {
+    absl::MutexLock lock(&peer_mu_);
+    auto it = dist_jobs_.find(job->id);
+    if (it != dist_jobs_.end() && it->second == dj) dist_jobs_.erase(it);
+  };
+  {
+    absl::MutexLock lock(&mu_);
+    job->phase = dj->coordinator ? "gathering the job's ranks from peers" : "joining the coordinator";
+  }
+  // 1. The plan part of this node.
+  peer::v1::PlanPart part;
+  std::string coordinator = me;
+  if (dj->coordinator) {
+    auto p = CoordinatePlan(dj, own);
+    if (!p.ok()) {
+      fail_all(p.status());
+      // Keep the entry briefly so late joiners get the error, then drop it.
+      std::thread([this, dj] {
+        std::this_thread::sleep_for(std::chrono::seconds(2));
+        absl::MutexLock lock(&peer_mu_);
+        auto it = dist_jobs_.find(dj->id);
+        if (it != dist_jobs_.end() && it->second == dj) dist_jobs_.erase(it);
+      }).detach();
+      return;
+    }
+    part = std::move(*p);
+  } else {
+    auto p = JoinCoordinator(own, dj->deadline);
+    if (!p.ok()) {
+      cleanup();
+      return fail_all(p.status());
+    }
+    part = std::move(p->first);
+    coordinator = p->second;
+  }
+
+  // 2. This node's reads: global index -> local plan.
+  std::vector<std::string> reader(part.reads_size());
+  ckpt::LoadPlan lp;
+  lp.files.assign(part.files().begin(), part.files().end());
+  std::map<uint32_t, uint32_t> local_of;  // global -> local read index
+  std::map<std::pair<std::string, uint64_t>, uint32_t> global_index;
+  std::set<std::string> local_files;
+  {
+    absl::MutexLock lock(&peer_mu_);
+    for (int g = 0; g < part.reads_size(); ++g) {
+      const peer::v1::ReadMsg& rm = part.reads(g);
+      reader[g] = rm.reader();
+      const bool needed_here =
+          std::find(rm.needed_by().begin(), rm.needed_by().end(), me) != rm.needed_by().end();
+      if (rm.reader() != me && !needed_here) continue;
+      local_of[g] = static_cast<uint32_t>(lp.reads.size());
+      lp.reads.push_back(FromMsg(rm));
+      global_index[{lp.files.at(rm.file()), rm.offset()}] = g;
+      if (rm.reader() == me) {
+        local_files.insert(lp.files.at(rm.file()));
+        int others = 0;
+        for (const auto& n : rm.needed_by()) others += n != me;
+        if (others > 0) {
+          DistJob::Served& sv = dj->served[g];
+          sv.length = rm.length();
+          sv.remaining = others;
+        }
+      }
+    }
+    dj->part_known = true;
+  }
+  for (const auto& rpm : part.ranks()) {
+    auto rp = FromMsg(rpm);
+    if (!rp.ok()) {
+      cleanup();
+      return fail_all(rp.status());
+    }
+    for (auto& c : rp->copies) c.read = local_of.at(c.read);
+    lp.ranks.push_back(std::move(*rp));
+  }
+  absl::Status exec = absl::OkStatus();
+  if (lp.ranks.size() != slots.size()) {
+    exec = absl::InternalError(absl::StrCat("plan part has ", lp.ranks.size(), " ranks, node has ",
+                                            slots.size()));
+  }
+  for (size_t i = 0; exec.ok() && i < slots.size(); ++i) {
+    if (lp.ranks[i].rank != slots[i]->targets.rank ||
+        lp.ranks[i].targets.size() != slots[i]->targets.tensors.size()) {
+      exec = absl::InternalError(absl::StrCat("plan part does not match rank ", slots[i]->targets.rank));
+    }
+  }
+  // 3. Execute.
+  if (config_.testing_delay_part > absl::ZeroDuration()) {
+    absl::SleepFor(config_.testing_delay_part);  // fault injection for tests only
+  }
+  std::map<std::string, ckpt::FileStamp> stamps;
+  for (const std::string& f : local_files) {
+    auto st = ckpt::StatFile(ckpt::JoinPath(job->path, f));
+    if (!st.ok()) {
+      exec = absl::NotFoundError(absl::StrCat(me, ": data file ", f, " assigned to this node: ",
+                                              st.status().message()));
+      break;
+    }
+    stamps[f] = *st;
+  }
+  ckpt::LoadStats stats;
+  uint64_t received = 0, sent = 0;
+  if (exec.ok()) {
+    std::vector<std::vector<void*>> dests(slots.size());
+    for (size_t i = 0; i < slots.size(); ++i) {
+      RankSlot& s = *slots[i];
+      if (s.segment) {
+        for (int t = 0; t < s.request.targets_size(); ++t) {
+          dests[i].push_back(s.segment->data() + s.request.targets(t).dest_offset());
+        }
+      } else {
+        s.stream_buffers.resize(lp.ranks[i].targets.size());
+        for (size_t t = 0; t < lp.ranks[i].targets.size(); ++t) {
+          s.stream_buffers[t].resize(lp.ranks[i].targets[t].num_bytes());
+          dests[i].push_back(s.stream_buffers[t].data());
+        }
+      }
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      job->phase = "reading (multi-node)";
+      uint64_t total = 0;
+      for (const auto& r : lp.reads) total += r.length;
+      job->total = total;
+    }
+    ckpt::CachingSource storage(job->path, &cache_, stamps);
+    DistSource source(
+        this, me, job->id, &storage, global_index, reader,
+        [&](uint32_t g, const ckpt::RangeView& v) {
+          absl::MutexLock lock(&peer_mu_);
+          auto it = dj->served.find(g);
+          if (it == dj->served.end()) return;
+          it->second.view = v;
+          it->second.ready = true;
+          sent += it->second.length * it->second.remaining;
+        },
+        [this](const std::string& a) { return PeerStub(a); }, config_.peer_timeout);
+    ckpt::HostDelivery delivery(dests);
+    ckpt::ExecuteOptions eo;
+    eo.threads = config_.io_threads;
+    eo.verify_checksums = !slots.front()->request.skip_verify();
+    eo.progress_bytes = &job->progress;
+    eo.skip_rank = [&](size_t i) { return slots[i]->cancelled(); };
+    auto st = ckpt::ExecutePlan(lp, source, delivery, eo);
+    received = source.received();
+    if (st.ok()) {
+      stats = *st;
+    } else {
+      exec = st.status();
+    }
+  }
+  if (!exec.ok()) {
+    absl::MutexLock lock(&peer_mu_);
+    dj->exec_status = exec;
+  }
+  bytes_read_total_ += stats.bytes_read;
+  // 4. Agree on the outcome with every node.
+  {
+    absl::MutexLock lock(&mu_);
+    job->phase = "waiting for the other nodes";
+  }
+  peer::v1::CompleteRequest done;
+  done.set_job_id(job->id);
+  done.set_node(me);
+  done.set_ok(exec.ok());
+  done.set_error(std::string(exec.message()));
+  done.set_error_code(static_cast<int>(exec.code()));
+  done.set_bytes_read(stats.bytes_read);
+  done.set_bytes_received(received);
+  done.set_bytes_sent(sent);
+  absl::StatusOr<peer::v1::CompleteResponse> outcome;
+  if (dj->coordinator) {
+    outcome = AwaitOutcome(dj, done);
+  } else {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(ToChrono(absl::Now() + config_.peer_timeout + absl::Seconds(5)));
+    peer::v1::CompleteResponse resp;
+    grpc::Status s = PeerStub(coordinator)->Complete(&ctx, done, &resp);
+    if (s.ok()) {
+      outcome = resp;
+    } else {
+      outcome = absl::UnavailableError(absl::StrCat("coordinator ", coordinator,
+                                                    " did not confirm the job: ", s.error_message()));
+    }
+  }
+  // Served reads may still be fetched until every node has completed, which
+  // the outcome implies; drop them with the job.
+  std::thread([this, dj] {
+    std::this_thread::sleep_for(std::chrono::seconds(1));
+    absl::MutexLock lock(&peer_mu_);
+    auto it = dist_jobs_.find(dj->id);
+    if (it != dist_jobs_.end() && it->second == dj) dist_jobs_.erase(it);
+  }).detach();
+  absl::Status final_status = outcome.ok() ? absl::OkStatus() : outcome.status();
+  if (outcome.ok() && !outcome->ok()) {
+    final_status = absl::Status(static_cast<absl::StatusCode>(outcome->error_code()),
+                                absl::StrCat("job '", job->id, "' failed on another node: ",
+                                             outcome->error()));
+    if (final_status.ok()) final_status = absl::AbortedError(outcome->error());
+  }
+  if (!exec.ok()) final_status = exec;
+  if (!final_status.ok()) {
+    spdlog::warn("multi-node job={} failed on {}: {}", job->id, me, final_status.ToString());
+    return fail_all(final_status);
+  }
+  absl::MutexLock lock(&mu_);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    RankSlot& s = *slots[i];
+    if (s.done) continue;
+    const ckpt::RankPlan& rp = lp.ranks[i];
+    v1::LoadResult& r = s.result;
+    for (const auto& k : rp.missing_keys) r.add_missing_keys(k);
+    for (const auto& k : part.unexpected_keys()) r.add_unexpected_keys(k);
+    for (const auto& [a, b] : part.renamed_keys()) (*r.mutable_renamed_keys())[a] = b;
+    r.set_bytes_read(stats.bytes_read);
+    // Peer bytes are not from storage; the executor counts them with cache hits.
+    r.set_bytes_from_cache(stats.bytes_from_cache - std::min(stats.bytes_from_cache, received));
+    r.set_bytes_delivered(stats.rank_bytes_delivered[i]);
+    r.set_job_bytes_delivered(stats.bytes_delivered);
+    r.set_checksums_verified(stats.checksums_verified);
+    r.set_unique_id(part.unique_id());
+    r.set_format(part.format());
+    r.set_local_fast_path(rp.local_fast_path);
+    r.set_bytes_from_peers(received);
+    r.set_bytes_to_peers(sent);
+    for (const auto& n : part.nodes()) r.add_nodes(n);
+    r.set_job_bytes_read(outcome->job_bytes_read());
+    v1::PhaseTimings* tm = r.mutable_timings();
+    tm->set_plan_s(part.plan_s());
+    tm->set_read_s(stats.read_seconds);
+    tm->set_copy_s(stats.copy_seconds);
+    tm->set_wait_s(std::chrono::duration<double>(t_start - s.start).count());
+    s.done = true;
+  }
+  job->state = Job::State::kFinished;
+  job->phase = "done";
+  auto it = jobs_.find(job->id);
+  if (it != jobs_.end() && it->second == job) jobs_.erase(it);
+  spdlog::info(
+      "load job={} node={} ranks={} read={}B cache={}B from_peers={}B to_peers={}B "
+      "delivered={}B job_read={}B wall={:.4f}s",
+      job->id, me, slots.size(), stats.bytes_read,
+      stats.bytes_from_cache - std::min(stats.bytes_from_cache, received), received, sent,
+      stats.bytes_delivered, outcome->job_bytes_read(), Seconds(t_start));
+}
+
+}  // namespace ckptd
