@@ -32,6 +32,53 @@ std::chrono::system_clock::time_point Deadline(absl::Duration d) {
 
 constexpr uint64_t kAlign = 64;
 
+// The segment the tensors travel in: `given` (tensors at their
+// arena_offset), or a new arena `own` with a slot per tensor buffer.
+absl::StatusOr<ShmArena*> ArenaFor(const std::vector<TensorSpec>& tensors, ShmArena* given,
+                                   const std::string& name, std::unique_ptr<ShmArena>* own,
+                                   std::vector<uint64_t>* offsets) {
+  offsets->resize(tensors.size());
+  if (given != nullptr) {
+    for (size_t i = 0; i < tensors.size(); ++i) (*offsets)[i] = tensors[i].arena_offset;
+    return given;
+  }
+  uint64_t pos = 0;
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    if (tensors[i].buffer == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("tensor '", tensors[i].name, "' has no buffer and the spec has no arena"));
+    }
+    (*offsets)[i] = pos;
+    pos = (pos + tensors[i].num_bytes() + kAlign - 1) / kAlign * kAlign;
+  }
+  auto arena = ShmArena::Create(pos, name);
+  if (!arena.ok()) return arena.status();
+  *own = std::move(*arena);
+  return own->get();
+}
+
+void AddTargets(const std::vector<TensorSpec>& tensors, const std::vector<uint64_t>& offsets,
+                google::protobuf::RepeatedPtrField<v1::Target>* out) {
+  for (size_t i = 0; i < tensors.size(); ++i) {
+    const TensorSpec& t = tensors[i];
+    v1::Target* pt = out->Add();
+    pt->set_name(t.name);
+    pt->set_dtype(std::string(ckpt::DTypeName(t.dtype)));
+    for (int64_t d : t.global_shape) pt->add_global_shape(d);
+    ckpt::Box box = t.box;
+    if (box.shape.empty() && box.offset.empty() && !t.global_shape.empty()) {
+      box = ckpt::Box{ckpt::Shape(t.global_shape.size(), 0), t.global_shape};
+    }
+    for (int64_t d : box.offset) pt->add_offset(d);
+    for (int64_t d : box.shape) pt->add_shape(d);
+    if (t.flat_range) {
+      pt->mutable_flat_range()->set_begin(t.flat_range->begin);
+      pt->mutable_flat_range()->set_end(t.flat_range->end);
+    }
+    if (i < offsets.size()) pt->set_dest_offset(offsets[i]);
+  }
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShmArena>> ShmArena::Create(uint64_t size, const std::string& name) {
@@ -157,39 +204,12 @@ absl::StatusOr<LoadReport> Client::Load(const LoadSpec& spec,
   ShmArena* arena = spec.arena;
   std::vector<uint64_t> offsets(spec.tensors.size());
   const bool shm = spec.transport == Transport::kShm;
-  if (shm && arena == nullptr) {
-    uint64_t pos = 0;
-    for (size_t i = 0; i < spec.tensors.size(); ++i) {
-      if (spec.tensors[i].buffer == nullptr) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "tensor '", spec.tensors[i].name, "' has no buffer and the spec has no arena"));
-      }
-      offsets[i] = pos;
-      pos = (pos + spec.tensors[i].num_bytes() + kAlign - 1) / kAlign * kAlign;
-    }
-    CKPT_ASSIGN_OR_RETURN(own, ShmArena::Create(pos, absl::StrCat("ckptd-", spec.job_id, "-", spec.rank)));
-    arena = own.get();
-  } else if (shm) {
-    for (size_t i = 0; i < spec.tensors.size(); ++i) offsets[i] = spec.tensors[i].arena_offset;
+  if (shm) {
+    CKPT_ASSIGN_OR_RETURN(arena, ArenaFor(spec.tensors, spec.arena,
+                                          absl::StrCat("ckptd-", spec.job_id, "-", spec.rank),
+                                          &own, &offsets));
   }
-  for (size_t i = 0; i < spec.tensors.size(); ++i) {
-    const TensorSpec& t = spec.tensors[i];
-    v1::Target* pt = req.add_targets();
-    pt->set_name(t.name);
-    pt->set_dtype(std::string(ckpt::DTypeName(t.dtype)));
-    for (int64_t d : t.global_shape) pt->add_global_shape(d);
-    ckpt::Box box = t.box;
-    if (box.shape.empty() && box.offset.empty() && !t.global_shape.empty()) {
-      box = ckpt::Box{ckpt::Shape(t.global_shape.size(), 0), t.global_shape};
-    }
-    for (int64_t d : box.offset) pt->add_offset(d);
-    for (int64_t d : box.shape) pt->add_shape(d);
-    if (t.flat_range) {
-      pt->mutable_flat_range()->set_begin(t.flat_range->begin);
-      pt->mutable_flat_range()->set_end(t.flat_range->end);
-    }
-    pt->set_dest_offset(offsets[i]);
-  }
+  AddTargets(spec.tensors, offsets, req.mutable_targets());
   if (shm) {
     CKPT_ASSIGN_OR_RETURN(std::string token,
                           SendFd(FdSocketPath(rep_->options.socket), arena->fd(),
@@ -251,38 +271,14 @@ absl::StatusOr<v1::SaveResponse> Client::Save(const SaveSpec& spec) {
   std::unique_ptr<ShmArena> own;
   ShmArena* arena = spec.arena;
   std::vector<uint64_t> offsets(spec.tensors.size());
-  if (arena == nullptr) {
-    uint64_t pos = 0;
-    for (size_t i = 0; i < spec.tensors.size(); ++i) {
-      if (spec.tensors[i].buffer == nullptr) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "tensor '", spec.tensors[i].name, "' has no buffer and the spec has no arena"));
-      }
-      offsets[i] = pos;
-      pos = (pos + spec.tensors[i].num_bytes() + kAlign - 1) / kAlign * kAlign;
-    }
-    CKPT_ASSIGN_OR_RETURN(own, ShmArena::Create(pos, absl::StrCat("ckptd-save-", spec.rank)));
+  CKPT_ASSIGN_OR_RETURN(arena, ArenaFor(spec.tensors, spec.arena,
+                                        absl::StrCat("ckptd-save-", spec.rank), &own, &offsets));
+  if (own) {
     for (size_t i = 0; i < spec.tensors.size(); ++i) {
       std::memcpy(own->data() + offsets[i], spec.tensors[i].buffer, spec.tensors[i].num_bytes());
     }
-    arena = own.get();
-  } else {
-    for (size_t i = 0; i < spec.tensors.size(); ++i) offsets[i] = spec.tensors[i].arena_offset;
   }
-  for (size_t i = 0; i < spec.tensors.size(); ++i) {
-    const TensorSpec& t = spec.tensors[i];
-    v1::Target* pt = req.add_targets();
-    pt->set_name(t.name);
-    pt->set_dtype(std::string(ckpt::DTypeName(t.dtype)));
-    for (int64_t d : t.global_shape) pt->add_global_shape(d);
-    for (int64_t d : t.box.offset) pt->add_offset(d);
-    for (int64_t d : t.box.shape) pt->add_shape(d);
-    if (t.flat_range) {
-      pt->mutable_flat_range()->set_begin(t.flat_range->begin);
-      pt->mutable_flat_range()->set_end(t.flat_range->end);
-    }
-    pt->set_dest_offset(offsets[i]);
-  }
+  AddTargets(spec.tensors, offsets, req.mutable_targets());
   CKPT_ASSIGN_OR_RETURN(std::string token, SendFd(FdSocketPath(rep_->options.socket), arena->fd(),
                                                   rep_->options.connect_timeout));
   req.mutable_shm()->set_fd_token(token);

@@ -306,6 +306,56 @@ void Daemon::FailJobLocked(Job& job, const absl::Status& status) {
   if (it != jobs_.end() && it->second.get() == &job) jobs_.erase(it);
 }
 
+void Daemon::FailJob(Job& job, const absl::Status& status) {
+  absl::MutexLock lock(&mu_);
+  FailJobLocked(job, status);
+}
+
+std::vector<std::shared_ptr<Daemon::RankSlot>> Daemon::SlotsOf(const Job& job) {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::shared_ptr<RankSlot>> slots;
+  for (const auto& [r, s] : job.slots) slots.push_back(s);
+  return slots;
+}
+
+std::vector<void*> PrepareDestinations(Daemon::RankSlot& s, const ckpt::RankPlan& plan) {
+  std::vector<void*> dests;
+  if (s.segment) {
+    for (int t = 0; t < s.request.targets_size(); ++t) {
+      dests.push_back(s.segment->data() + s.request.targets(t).dest_offset());
+    }
+    return dests;
+  }
+  s.stream_buffers.resize(plan.targets.size());
+  for (size_t t = 0; t < plan.targets.size(); ++t) {
+    s.stream_buffers[t].resize(plan.targets[t].num_bytes());
+    dests.push_back(s.stream_buffers[t].data());
+  }
+  return dests;
+}
+
+void FillLoadResult(Daemon::RankSlot& s, const ckpt::RankPlan& rp, size_t index,
+                    const JobFigures& f, std::chrono::steady_clock::time_point job_start) {
+  v1::LoadResult& r = s.result;
+  for (const auto& k : rp.missing_keys) r.add_missing_keys(k);
+  for (const auto& k : f.unexpected_keys) r.add_unexpected_keys(k);
+  for (const auto& [from, to] : f.renamed_keys) (*r.mutable_renamed_keys())[from] = to;
+  r.set_bytes_read(f.stats->bytes_read);
+  r.set_bytes_from_cache(f.bytes_from_cache);
+  r.set_bytes_delivered(f.stats->rank_bytes_delivered[index]);
+  r.set_job_bytes_delivered(f.stats->bytes_delivered);
+  r.set_checksums_verified(f.stats->checksums_verified);
+  r.set_unique_id(f.unique_id);
+  r.set_format(f.format);
+  r.set_local_fast_path(rp.local_fast_path);
+  v1::PhaseTimings* tm = r.mutable_timings();
+  tm->set_list_s(f.list_s);
+  tm->set_plan_s(f.plan_s);
+  tm->set_read_s(f.stats->read_seconds);
+  tm->set_copy_s(f.stats->copy_seconds);
+  tm->set_wait_s(std::chrono::duration<double>(job_start - s.start).count());
+}
+
 absl::StatusOr<std::pair<std::shared_ptr<Daemon::Job>, bool>> Daemon::Register(
     const JobKey& key, const std::shared_ptr<RankSlot>& slot, size_t* registered,
     size_t* expected) {
@@ -548,15 +598,8 @@ absl::StatusOr<v1::SaveResponse> Daemon::Save(const v1::SaveRequest& request,
 
 void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
   const auto t0 = std::chrono::steady_clock::now();
-  std::vector<std::shared_ptr<RankSlot>> slots;
-  {
-    absl::MutexLock lock(&mu_);
-    for (auto& [r, s] : job->slots) slots.push_back(s);
-  }
-  auto fail_all = [&](const absl::Status& s) {
-    absl::MutexLock lock(&mu_);
-    FailJobLocked(*job, s);
-  };
+  const std::vector<std::shared_ptr<RankSlot>> slots = SlotsOf(*job);
+  auto fail_all = [&](const absl::Status& s) { FailJob(*job, s); };
   std::vector<ckpt::RankTargets> ranks;
   for (const auto& s : slots) ranks.push_back(s->targets);
   auto plan = ckpt::PlanSave(ranks, job->world_size, job->unique_id.value_or(0));
@@ -628,15 +671,8 @@ void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
 void Daemon::RunJob(const std::shared_ptr<Job>& job) {
   if (static_cast<int>(job->expected.size()) < job->world_size) return RunDistributedJob(job);
   const auto t_start = std::chrono::steady_clock::now();
-  std::vector<std::shared_ptr<RankSlot>> slots;
-  {
-    absl::MutexLock lock(&mu_);
-    for (auto& [r, s] : job->slots) slots.push_back(s);
-  }
-  auto fail_all = [&](const absl::Status& s) {
-    absl::MutexLock lock(&mu_);
-    FailJobLocked(*job, s);
-  };
+  const std::vector<std::shared_ptr<RankSlot>> slots = SlotsOf(*job);
+  auto fail_all = [&](const absl::Status& s) { FailJob(*job, s); };
   auto t0 = std::chrono::steady_clock::now();
   auto opened = OpenCached(job->path, job->unique_id);
   if (!opened.ok()) return fail_all(opened.status());
@@ -665,21 +701,9 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
       slots[i]->done = true;
     }
   }
-  std::vector<std::vector<void*>> dests(slots.size());
+  std::vector<std::vector<void*>> dests;
   for (size_t i = 0; i < slots.size(); ++i) {
-    RankSlot& s = *slots[i];
-    const auto& targets = plan->ranks[i].targets;
-    if (s.segment) {
-      for (int t = 0; t < s.request.targets_size(); ++t) {
-        dests[i].push_back(s.segment->data() + s.request.targets(t).dest_offset());
-      }
-    } else {
-      s.stream_buffers.resize(targets.size());
-      for (size_t t = 0; t < targets.size(); ++t) {
-        s.stream_buffers[t].resize(targets[t].num_bytes());
-        dests[i].push_back(s.stream_buffers[t].data());
-      }
-    }
+    dests.push_back(PrepareDestinations(*slots[i], plan->ranks[i]));
   }
   {
     absl::MutexLock lock(&mu_);
@@ -697,30 +721,20 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
   if (!stats.ok()) return fail_all(stats.status());
   bytes_read_total_ += stats->bytes_read;
 
+  JobFigures fig;
+  fig.stats = &*stats;
+  fig.unexpected_keys = plan->unexpected_keys;
+  fig.renamed_keys = plan->renamed_keys;
+  fig.bytes_from_cache = stats->bytes_from_cache;
+  fig.unique_id = ckpt.unique_id.value_or(0);
+  fig.format = ckpt::FormatName(ckpt.format);
+  fig.list_s = list_s;
+  fig.plan_s = plan_s;
   absl::MutexLock lock(&mu_);
   for (size_t i = 0; i < slots.size(); ++i) {
-    RankSlot& s = *slots[i];
-    if (s.done) continue;
-    const ckpt::RankPlan& rp = plan->ranks[i];
-    v1::LoadResult& r = s.result;
-    for (const auto& k : rp.missing_keys) r.add_missing_keys(k);
-    for (const auto& k : plan->unexpected_keys) r.add_unexpected_keys(k);
-    for (const auto& [from, to] : plan->renamed_keys) (*r.mutable_renamed_keys())[from] = to;
-    r.set_bytes_read(stats->bytes_read);
-    r.set_bytes_from_cache(stats->bytes_from_cache);
-    r.set_bytes_delivered(stats->rank_bytes_delivered[i]);
-    r.set_job_bytes_delivered(stats->bytes_delivered);
-    r.set_checksums_verified(stats->checksums_verified);
-    r.set_unique_id(ckpt.unique_id.value_or(0));
-    r.set_format(ckpt::FormatName(ckpt.format));
-    r.set_local_fast_path(rp.local_fast_path);
-    v1::PhaseTimings* tm = r.mutable_timings();
-    tm->set_list_s(list_s);
-    tm->set_plan_s(plan_s);
-    tm->set_read_s(stats->read_seconds);
-    tm->set_copy_s(stats->copy_seconds);
-    tm->set_wait_s(std::chrono::duration<double>(t_start - s.start).count());
-    s.done = true;
+    if (slots[i]->done) continue;
+    FillLoadResult(*slots[i], plan->ranks[i], i, fig, t_start);
+    slots[i]->done = true;
   }
   job->state = Job::State::kFinished;
   job->phase = "done";

@@ -80,9 +80,10 @@ class Daemon {
 
   const DaemonConfig& config() const { return config_; }
 
- private:
-  struct RankSlot;
+  struct RankSlot;  // public for the helpers in daemon_internal.h
   struct Job;
+
+ private:
   enum class JobKind { kLoad, kSave };
   struct JobKey {
     JobKind kind;
@@ -137,6 +138,9 @@ class Daemon {
   void RunJob(const std::shared_ptr<Job>& job);
   void RunSaveJob(const std::shared_ptr<Job>& job);
   void FailJobLocked(Job& job, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  void FailJob(Job& job, const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
+  // The job's registered slots, ascending rank.
+  std::vector<std::shared_ptr<RankSlot>> SlotsOf(const Job& job) ABSL_LOCKS_EXCLUDED(mu_);
 
   const DaemonConfig config_;
   const absl::Time started_;

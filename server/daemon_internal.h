@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "core/executor.h"
 #include "server/daemon.h"
 
 namespace ckptd {
@@ -50,6 +51,26 @@ struct Daemon::Job {
   std::atomic<uint64_t> progress{0};
   std::atomic<uint64_t> total{0};
 };
+
+// Figures of a whole job (on this node) that every rank's result carries.
+struct JobFigures {
+  const ckpt::LoadStats* stats = nullptr;
+  std::vector<std::string> unexpected_keys;
+  std::map<std::string, std::string> renamed_keys;
+  uint64_t bytes_from_cache = 0;
+  int64_t unique_id = 0;
+  std::string format;
+  double list_s = 0;
+  double plan_s = 0;
+};
+
+// Pointers to a rank's target buffers: into its shared-memory segment, or
+// stream buffers allocated now.
+std::vector<void*> PrepareDestinations(Daemon::RankSlot& slot, const ckpt::RankPlan& plan);
+
+// Fills `slot.result` for plan rank `index` (not `done`: the caller marks it).
+void FillLoadResult(Daemon::RankSlot& slot, const ckpt::RankPlan& plan, size_t index,
+                    const JobFigures& figures, std::chrono::steady_clock::time_point job_start);
 
 }  // namespace ckptd
 

@@ -568,15 +568,8 @@ class DistSource final : public ckpt::RangeSource {
 
 void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
   const auto t_start = std::chrono::steady_clock::now();
-  std::vector<std::shared_ptr<RankSlot>> slots;  // ascending rank
-  {
-    absl::MutexLock lock(&mu_);
-    for (auto& [r, s] : job->slots) slots.push_back(s);
-  }
-  auto fail_all = [&](const absl::Status& s) {
-    absl::MutexLock lock(&mu_);
-    FailJobLocked(*job, s);
-  };
+  const std::vector<std::shared_ptr<RankSlot>> slots = SlotsOf(*job);  // ascending rank
+  auto fail_all = [&](const absl::Status& s) { FailJob(*job, s); };
   const std::string me = config_.peer_listen;
   if (me.empty()) {
     return fail_all(absl::FailedPreconditionError(absl::StrCat(
@@ -726,20 +719,9 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
   ckpt::LoadStats stats;
   uint64_t received = 0, sent = 0;
   if (exec.ok()) {
-    std::vector<std::vector<void*>> dests(slots.size());
+    std::vector<std::vector<void*>> dests;
     for (size_t i = 0; i < slots.size(); ++i) {
-      RankSlot& s = *slots[i];
-      if (s.segment) {
-        for (int t = 0; t < s.request.targets_size(); ++t) {
-          dests[i].push_back(s.segment->data() + s.request.targets(t).dest_offset());
-        }
-      } else {
-        s.stream_buffers.resize(lp.ranks[i].targets.size());
-        for (size_t t = 0; t < lp.ranks[i].targets.size(); ++t) {
-          s.stream_buffers[t].resize(lp.ranks[i].targets[t].num_bytes());
-          dests[i].push_back(s.stream_buffers[t].data());
-        }
-      }
+      dests.push_back(PrepareDestinations(*slots[i], lp.ranks[i]));
     }
     {
       absl::MutexLock lock(&mu_);
@@ -828,33 +810,24 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
     spdlog::warn("multi-node job={} failed on {}: {}", job->id, me, final_status.ToString());
     return fail_all(final_status);
   }
+  JobFigures fig;
+  fig.stats = &stats;
+  fig.unexpected_keys.assign(part.unexpected_keys().begin(), part.unexpected_keys().end());
+  fig.renamed_keys.insert(part.renamed_keys().begin(), part.renamed_keys().end());
+  // Peer bytes are not from storage; the executor counts them with cache hits.
+  fig.bytes_from_cache = stats.bytes_from_cache - std::min(stats.bytes_from_cache, received);
+  fig.unique_id = part.unique_id();
+  fig.format = part.format();
+  fig.plan_s = part.plan_s();
   absl::MutexLock lock(&mu_);
   for (size_t i = 0; i < slots.size(); ++i) {
     RankSlot& s = *slots[i];
     if (s.done) continue;
-    const ckpt::RankPlan& rp = lp.ranks[i];
-    v1::LoadResult& r = s.result;
-    for (const auto& k : rp.missing_keys) r.add_missing_keys(k);
-    for (const auto& k : part.unexpected_keys()) r.add_unexpected_keys(k);
-    for (const auto& [a, b] : part.renamed_keys()) (*r.mutable_renamed_keys())[a] = b;
-    r.set_bytes_read(stats.bytes_read);
-    // Peer bytes are not from storage; the executor counts them with cache hits.
-    r.set_bytes_from_cache(stats.bytes_from_cache - std::min(stats.bytes_from_cache, received));
-    r.set_bytes_delivered(stats.rank_bytes_delivered[i]);
-    r.set_job_bytes_delivered(stats.bytes_delivered);
-    r.set_checksums_verified(stats.checksums_verified);
-    r.set_unique_id(part.unique_id());
-    r.set_format(part.format());
-    r.set_local_fast_path(rp.local_fast_path);
-    r.set_bytes_from_peers(received);
-    r.set_bytes_to_peers(sent);
-    for (const auto& n : part.nodes()) r.add_nodes(n);
-    r.set_job_bytes_read(outcome->job_bytes_read());
-    v1::PhaseTimings* tm = r.mutable_timings();
-    tm->set_plan_s(part.plan_s());
-    tm->set_read_s(stats.read_seconds);
-    tm->set_copy_s(stats.copy_seconds);
-    tm->set_wait_s(std::chrono::duration<double>(t_start - s.start).count());
+    FillLoadResult(s, lp.ranks[i], i, fig, t_start);
+    s.result.set_bytes_from_peers(received);
+    s.result.set_bytes_to_peers(sent);
+    for (const auto& n : part.nodes()) s.result.add_nodes(n);
+    s.result.set_job_bytes_read(outcome->job_bytes_read());
     s.done = true;
   }
   job->state = Job::State::kFinished;

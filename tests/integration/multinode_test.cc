@@ -55,6 +55,25 @@ class MultiNode : public ::testing::Test {
     ASSERT_TRUE(WriteSafetensors(tmp_.Sub("src/model.safetensors"), tw, {}).ok());
   }
 
+  // Saves the model over `world` ranks into full/, then gives node n a
+  // "local disk" node<n>/ckpt with the metadata and only the data files of
+  // ranks 2n and 2n+1. Returns the nodes' roots.
+  std::vector<std::string> NodeLocalCheckpoint(int nodes, int world, bool flatten) {
+    EXPECT_TRUE(ShardCheckpoint(tmp_.Sub("src"), MakeLayout(world, 0, flatten), tmp_.Sub("full"), {}).ok());
+    std::vector<std::string> roots;
+    for (int n = 0; n < nodes; ++n) {
+      std::string dir = tmp_.Sub("node" + std::to_string(n) + "/ckpt");
+      EXPECT_TRUE(MakeDirs(dir).ok());
+      fs::copy_file(tmp_.Sub("full/0.metadata"), dir + "/0.metadata");
+      for (int r = 2 * n; r < 2 * n + 2; ++r) {
+        const std::string f = std::to_string(r) + "_0.safetensors";
+        fs::copy_file(tmp_.Sub("full/" + f), dir + "/" + f);
+      }
+      roots.push_back(tmp_.Sub("node" + std::to_string(n)));
+    }
+    return roots;
+  }
+
   // Starts `n` daemons; `roots[i]` is node i's root.
   void StartNodes(const std::vector<std::string>& roots, std::vector<std::string> extra = {}) {
     ports_.clear();
@@ -128,18 +147,7 @@ class MultiNode : public ::testing::Test {
 // (a) Node-local disks: each node holds only its own ranks' data files.
 TEST_F(MultiNode, NodeLocalFilesReshardedByteExactReadOnce) {
   const int kNodes = 4, kWorld = 8;
-  ASSERT_TRUE(ShardCheckpoint(tmp_.Sub("src"), MakeLayout(kWorld, 0, true), tmp_.Sub("full"), {}).ok());
-  std::vector<std::string> roots;
-  for (int n = 0; n < kNodes; ++n) {
-    std::string dir = tmp_.Sub("node" + std::to_string(n) + "/ckpt");
-    ASSERT_TRUE(MakeDirs(dir).ok());
-    fs::copy_file(tmp_.Sub("full/0.metadata"), dir + "/0.metadata");
-    for (int r = 2 * n; r < 2 * n + 2; ++r) {
-      const std::string f = std::to_string(r) + "_0.safetensors";
-      fs::copy_file(tmp_.Sub("full/" + f), dir + "/" + f);
-    }
-    roots.push_back(tmp_.Sub("node" + std::to_string(n)));
-  }
+  const std::vector<std::string> roots = NodeLocalCheckpoint(kNodes, kWorld, true);
   StartNodes(roots);
   Layout load = MakeLayout(kWorld, 1, false);
   std::string lf = WriteLayout(load, "load8.json");
@@ -193,18 +201,7 @@ TEST_F(MultiNode, SharedDirectoryReadingSplitEvenly) {
 // deadline; a retry with the peer back succeeds.
 TEST_F(MultiNode, PeerKilledMidLoadThenRetrySucceeds) {
   const int kNodes = 3, kWorld = 6;
-  ASSERT_TRUE(ShardCheckpoint(tmp_.Sub("src"), MakeLayout(kWorld, 0, false), tmp_.Sub("full"), {}).ok());
-  std::vector<std::string> roots;
-  for (int n = 0; n < kNodes; ++n) {
-    std::string dir = tmp_.Sub("node" + std::to_string(n) + "/ckpt");
-    ASSERT_TRUE(MakeDirs(dir).ok());
-    fs::copy_file(tmp_.Sub("full/0.metadata"), dir + "/0.metadata");
-    for (int r = 2 * n; r < 2 * n + 2; ++r) {
-      const std::string f = std::to_string(r) + "_0.safetensors";
-      fs::copy_file(tmp_.Sub("full/" + f), dir + "/" + f);
-    }
-    roots.push_back(tmp_.Sub("node" + std::to_string(n)));
-  }
+  const std::vector<std::string> roots = NodeLocalCheckpoint(kNodes, kWorld, false);
   // Every node pauses 1.5 s between receiving its plan part and executing
   // it: node 2 is killed inside that window, after the plan went out.
   StartNodes(roots, {"--testing-delay-part-ms", "1500"});
