@@ -15,6 +15,7 @@
 #include <cstring>
 #include <filesystem>
 #include <fstream>
+#include <iterator>
 #include <sstream>
 #include <thread>
 
@@ -354,6 +355,21 @@ ProcMem ReadProcMem(pid_t pid) {
     *field = kb * 1024;
   }
   return m;
+}
+
+uint64_t MinorFaults(pid_t pid) {
+  std::ifstream in(pid == 0 ? std::string("/proc/self/stat") : absl::StrCat("/proc/", pid, "/stat"));
+  std::string all((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  // Fields after the ")" that ends the command name: state(3) ppid pgrp
+  // session tty_nr tpgid flags minflt(10).
+  size_t p = all.rfind(')');
+  if (p == std::string::npos) return 0;
+  std::istringstream ss(all.substr(p + 1));
+  std::string field;
+  for (int i = 3; i <= 10 && ss >> field; ++i) {
+    if (i == 10) return std::strtoull(field.c_str(), nullptr, 10);
+  }
+  return 0;
 }
 
 bool ResetPeakRss() {

@@ -119,6 +119,8 @@ struct ProcMem {
   uint64_t vm_hwm = 0, vm_rss = 0, rss_anon = 0, rss_file = 0, rss_shmem = 0;  // bytes
 };
 ProcMem ReadProcMem(pid_t pid);  // pid 0: this process
+// Minor and major page faults of a process so far (/proc/<pid>/stat); pid 0: self.
+uint64_t MinorFaults(pid_t pid);
 // Resets this process's VmHWM to its current RSS (/proc/self/clear_refs 5).
 bool ResetPeakRss();
 

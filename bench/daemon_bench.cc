@@ -32,9 +32,11 @@
 // first load is reported too). Reference: the same plan + execute in-process.
 //
 // Usage: daemon_bench --dir WORKDIR --ckptd PATH [--rows FILE] [--quick] [--keep]
+//                     [--cases 3,5]   (case 6 comes with case 3)
 #include <fcntl.h>
 #include <signal.h>
 #include <spawn.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -321,8 +323,8 @@ ckptd::v1::StatusResponse DaemonStatus(const std::string& socket) {
 
 // One job: every rank of `layout` as a client thread with its own connection
 // and a faulted-in memfd arena; all start Load together.
-JobFigures RunDaemonJob(const std::string& socket, const std::string& job, const std::string& ckpt,
-                        const Layout& layout, bool verify) {
+JobFigures RunDaemonJob(const std::string& socket, pid_t daemon, const std::string& job,
+                        const std::string& ckpt, const Layout& layout, bool verify) {
   const int n = static_cast<int>(layout.ranks.size());
   std::mutex mu;
   std::condition_variable cv;
@@ -369,14 +371,17 @@ JobFigures RunDaemonJob(const std::string& socket, const std::string& job, const
       t_end[r] = MonotonicNow();
     });
   }
+  uint64_t faults0 = 0;
   {
     std::unique_lock<std::mutex> lock(mu);
     cv.wait(lock, [&] { return ready == n; });
+    faults0 = MinorFaults(daemon);
     t0 = MonotonicNow();
     go = true;
     cv.notify_all();
   }
   for (auto& t : threads) t.join();
+  const uint64_t faults = MinorFaults(daemon) - faults0;
   JobFigures f;
   double end = t0;
   for (int r = 0; r < n; ++r) {
@@ -388,13 +393,13 @@ JobFigures RunDaemonJob(const std::string& socket, const std::string& job, const
   f.wall_s = end - t0;
   const ckptd::v1::LoadResult& res = reports[0]->result;
   f.bytes_read = res.bytes_read();
-  char buf[320];
+  char buf[400];
   std::snprintf(buf, sizeof buf,
                 "daemon: list %.3f s, plan %.3f s, thread-seconds read %.3f + copy %.3f, rank 0 "
-                "barrier wait %.3f s, rank 0 total %.3f s; from cache %s",
+                "barrier wait %.3f s, rank 0 total %.3f s; from cache %s; daemon page faults %llu",
                 res.timings().list_s(), res.timings().plan_s(), res.timings().read_s(),
                 res.timings().copy_s(), res.timings().wait_s(), res.timings().total_s(),
-                Bytes(res.bytes_from_cache()).c_str());
+                Bytes(res.bytes_from_cache()).c_str(), static_cast<unsigned long long>(faults));
   f.detail = buf;
   if (verify) {
     uint64_t bad = 0;
@@ -424,21 +429,56 @@ Row MakeRow(std::string name, double figure, std::string unit, double limit,
   return r;
 }
 
-int Main(int argc, char** argv) {
-  Args args(argc, argv);
-  if (args.Has("worker")) return Worker(args);
-  const std::string work = args.Get("dir", "/tmp/ckptd-bench");
-  const std::string ckptd_bin = args.Get("ckptd");
-  const bool quick = args.Has("quick");
-  const std::string rows_path = args.Get("rows");
-  const bool keep = args.Has("keep");
-  char self_buf[4096];
-  ssize_t sl = ::readlink("/proc/self/exe", self_buf, sizeof self_buf - 1);
-  if (sl <= 0) Die("readlink /proc/self/exe");
-  const std::string self(self_buf, static_cast<size_t>(sl));
-  if (ckptd_bin.empty()) Die("--ckptd PATH is required");
-  std::vector<Row> rows;
+// What copying into a client's memfd segment costs the daemon: the client
+// has faulted the segment in through its own mapping; the daemon maps it anew
+// (MappedSegment::Map: plain mmap) and copies in, taking a page fault per
+// 4 KiB page of its fresh mapping. Measured on 2 threads: into a fresh plain
+// mapping, into a fresh MAP_POPULATE mapping (mmap time included), and into a
+// mapping whose page tables already exist.
+void ShmProbe(uint64_t bytes) {
+  bytes = bytes / 8192 * 8192;
+  const uint64_t half = bytes / 2;
+  int fd = ::memfd_create("ckptd-bench-probe", MFD_CLOEXEC);
+  if (fd < 0 || ::ftruncate(fd, static_cast<off_t>(bytes)) != 0) Die("memfd");
+  void* a = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (a == MAP_FAILED) Die("mmap");
+  TouchPages(static_cast<uint8_t*>(a), bytes);  // the client's pre-fault
+  Buffer src(bytes);
+  src.Touch();
+  auto copy2 = [&](uint8_t* dst) {
+    std::thread t([&] { std::memcpy(dst + half, src.data() + half, bytes - half); });
+    std::memcpy(dst, src.data(), half);
+    t.join();
+  };
+  auto run = [&](int flags, bool twice) {
+    auto t0 = Clock::now();
+    void* b = ::mmap(nullptr, bytes, PROT_READ | PROT_WRITE, MAP_SHARED | flags, fd, 0);
+    if (b == MAP_FAILED) Die("mmap");
+    if (twice) copy2(static_cast<uint8_t*>(b));
+    auto t1 = Clock::now();
+    copy2(static_cast<uint8_t*>(b));
+    const double s = twice ? SecondsSince(t1) : SecondsSince(t0);
+    ::munmap(b, bytes);
+    return GB(bytes) / s;
+  };
+  const uint64_t f0 = MinorFaults(0);
+  const double fresh = run(0, false);
+  const uint64_t faults = MinorFaults(0) - f0;
+  const double populate = run(MAP_POPULATE, false);
+  const double mapped = run(0, true);
+  std::printf("  delivery probe, %s into a client-faulted memfd on 2 threads: fresh mapping %.2f "
+              "GB/s (%llu page faults), fresh MAP_POPULATE mapping %.2f GB/s (mmap included), "
+              "page tables already present %.2f GB/s\n",
+              Bytes(bytes).c_str(), fresh, static_cast<unsigned long long>(faults), populate,
+              mapped);
+  ::munmap(a, bytes);
+  ::close(fd);
+}
 
+// Cases 3 and 6. Starts the daemon (after the in-process ranks ran, so this
+// process has no gRPC state when it spawns them) and returns it running.
+DaemonProc RunCase3(const std::string& self, const std::string& work, const std::string& ckptd_bin,
+                    bool quick, bool keep, std::vector<Row>& rows) {
   // ---------------------------------------------------------------- case 3
   TensorSet set;
   set.count = 8;
@@ -481,6 +521,8 @@ int Main(int argc, char** argv) {
               "reads into faulted-in memory %.2f GB/s (2 threads)\n",
               memcpy2, memcpy1, pread2);
 
+  ShmProbe(std::min<uint64_t>(deliver, 1ull << 30));
+
   // (c) in-process, before any gRPC channel exists in this process.
   const int reps = quick ? 1 : 2;
   std::vector<double> inproc_gbps;
@@ -506,9 +548,9 @@ int Main(int argc, char** argv) {
   for (int i = 0; i < dreps; ++i) {
     if (i > 0) Check(Connect(d.socket)->Evict(ckpt), "Evict");
     uint64_t before = DaemonStatus(d.socket).bytes_read_total();
-    JobFigures cold = RunDaemonJob(d.socket, absl::StrCat("bench-cold-", i), ckpt, load, i == 0);
+    JobFigures cold = RunDaemonJob(d.socket, d.pid, absl::StrCat("bench-cold-", i), ckpt, load, i == 0);
     uint64_t mid = DaemonStatus(d.socket).bytes_read_total();
-    JobFigures warm = RunDaemonJob(d.socket, absl::StrCat("bench-warm-", i), ckpt, load, i == 0);
+    JobFigures warm = RunDaemonJob(d.socket, d.pid, absl::StrCat("bench-warm-", i), ckpt, load, i == 0);
     uint64_t after = DaemonStatus(d.socket).bytes_read_total();
     cold_read = std::max(cold_read, mid - before);
     warm_read = std::max(warm_read, after - mid);
@@ -567,6 +609,34 @@ int Main(int argc, char** argv) {
     Check(Connect(d.socket)->Evict(ckpt), "Evict");
     RemoveTree(ckpt);
   }
+
+  return d;
+}
+
+int Main(int argc, char** argv) {
+  Args args(argc, argv);
+  if (args.Has("worker")) return Worker(args);
+  const std::string work = args.Get("dir", "/tmp/ckptd-bench");
+  const std::string ckptd_bin = args.Get("ckptd");
+  const bool quick = args.Has("quick");
+  const std::string rows_path = args.Get("rows");
+  const bool keep = args.Has("keep");
+  char self_buf[4096];
+  ssize_t sl = ::readlink("/proc/self/exe", self_buf, sizeof self_buf - 1);
+  if (sl <= 0) Die("readlink /proc/self/exe");
+  const std::string self(self_buf, static_cast<size_t>(sl));
+  if (ckptd_bin.empty()) Die("--ckptd PATH is required");
+  std::vector<Row> rows;
+  const std::string cases = "," + args.Get("cases", "3,5") + ",";
+  DaemonProc d = cases.find(",3,") != std::string::npos
+                     ? RunCase3(self, work, ckptd_bin, quick, keep, rows)
+                     : StartDaemon(ckptd_bin, work);
+  if (cases.find(",5,") == std::string::npos) {
+    StopDaemon(d, work);
+    AppendRows(rows_path, rows);
+    return 0;
+  }
+
 
   // ---------------------------------------------------------------- case 5
   const int kSmall = 10000;
