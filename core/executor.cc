@@ -82,6 +82,15 @@ absl::StatusOr<LoadStats> ExecutePlan(const LoadPlan& plan, RangeSource& source,
     while (!failed.load(std::memory_order_relaxed)) {
       size_t i = next.fetch_add(1);
       if (i >= plan.reads.size()) break;
+      if (options.deadline && std::chrono::steady_clock::now() > *options.deadline) {
+        absl::MutexLock lock(&mu);
+        if (first_error.ok()) {
+          first_error = absl::DeadlineExceededError(absl::StrCat(
+              "load did not finish in time: ", i, " of ", plan.reads.size(), " reads done"));
+        }
+        failed = true;
+        break;
+      }
       const ReadRange& rr = plan.reads[i];
       const std::string& file = plan.files[rr.file];
       int64_t verified = 0;
@@ -124,6 +133,8 @@ absl::StatusOr<LoadStats> ExecutePlan(const LoadPlan& plan, RangeSource& source,
           local.bytes_delivered += bytes;
           local.rank_bytes_delivered[r] += bytes;
         }
+        absl::Status flushed = delivery.Flush();
+        if (s.ok()) s = flushed;
       }
       auto t2 = std::chrono::steady_clock::now();
       local.read_seconds += std::chrono::duration<double>(t1 - t0).count();

@@ -10,7 +10,9 @@
 #define CKPTD_CORE_EXECUTOR_H_
 
 #include <atomic>
+#include <chrono>
 #include <cstdint>
+#include <optional>
 #include <functional>
 #include <memory>
 #include <string>
@@ -68,6 +70,10 @@ class Delivery {
   // op's source span). Returns the number of elements written.
   virtual absl::StatusOr<int64_t> Copy(size_t rank_index, const RankPlan& rank, const CopyOp& op,
                                        const uint8_t* src) = 0;
+  // Called on the same thread after the copies fed by one read (also after
+  // a failed one) and before that read's bytes are released: a delivery
+  // that copies asynchronously (server/cuda) waits for its copies here.
+  virtual absl::Status Flush() { return absl::OkStatus(); }
 };
 
 // Delivery into host memory: dests[i][j] is the buffer of plan.ranks[i]
@@ -90,6 +96,8 @@ struct ExecuteOptions {
   std::function<bool(size_t rank_index)> skip_rank;
   // Bytes of reads completed so far, for progress reports.
   std::atomic<uint64_t>* progress_bytes = nullptr;
+  // No read starts after this; the load then fails with DEADLINE_EXCEEDED.
+  std::optional<std::chrono::steady_clock::time_point> deadline;
 };
 
 struct LoadStats {

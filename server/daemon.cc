@@ -1,5 +1,6 @@
 #include "server/daemon.h"
 #include "server/daemon_internal.h"
+#include "server/metrics.h"
 
 #include <fcntl.h>
 #include <stdlib.h>
@@ -672,7 +673,10 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
   if (static_cast<int>(job->expected.size()) < job->world_size) return RunDistributedJob(job);
   const auto t_start = std::chrono::steady_clock::now();
   const std::vector<std::shared_ptr<RankSlot>> slots = SlotsOf(*job);
-  auto fail_all = [&](const absl::Status& s) { FailJob(*job, s); };
+  auto fail_all = [&](const absl::Status& s) {
+    RecordLoadJob(LoadJobRecord{job->id, job->path, "", slots.size(), s});
+    FailJob(*job, s);
+  };
   auto t0 = std::chrono::steady_clock::now();
   auto opened = OpenCached(job->path, job->unique_id);
   if (!opened.ok()) return fail_all(opened.status());
@@ -717,6 +721,8 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
   eo.verify_checksums = !(slots.front()->request.skip_verify());
   eo.progress_bytes = &job->progress;
   eo.skip_rank = [&](size_t i) { return skip[i] || slots[i]->cancelled(); };
+  eo.deadline = std::chrono::steady_clock::now() +
+                std::chrono::milliseconds(absl::ToInt64Milliseconds(config_.load_timeout));
   auto stats = ckpt::ExecutePlan(*plan, source, delivery, eo);
   if (!stats.ok()) return fail_all(stats.status());
   bytes_read_total_ += stats->bytes_read;
@@ -740,12 +746,18 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
   job->phase = "done";
   auto it = jobs_.find(job->id);
   if (it != jobs_.end() && it->second == job) jobs_.erase(it);
-  spdlog::info(
-      "load job={} path={} ranks={} read={}B cache={}B delivered={}B reads={} verified={} "
-      "list={:.4f}s plan={:.4f}s read={:.4f}s copy={:.4f}s wall={:.4f}s",
-      job->id, job->path, slots.size(), stats->bytes_read, stats->bytes_from_cache,
-      stats->bytes_delivered, plan->reads.size(), stats->checksums_verified, list_s, plan_s,
-      stats->read_seconds, stats->copy_seconds, Seconds(t_start));
+  LoadJobRecord rec{job->id, job->path, "", slots.size()};  // metrics + the job's log line
+  rec.bytes_read = stats->bytes_read;
+  rec.bytes_from_cache = stats->bytes_from_cache;
+  rec.bytes_delivered = stats->bytes_delivered;
+  rec.reads = plan->reads.size();
+  rec.checksums_verified = stats->checksums_verified;
+  rec.list_s = list_s;
+  rec.plan_s = plan_s;
+  rec.read_s = stats->read_seconds;
+  rec.copy_s = stats->copy_seconds;
+  rec.wall_s = Seconds(t_start);
+  RecordLoadJob(rec);
 }
 
 absl::StatusOr<v1::PrefetchResponse> Daemon::Prefetch(const v1::PrefetchRequest& request) {

@@ -35,6 +35,7 @@
 #include "core/status_macros.h"
 #include "server/daemon.h"
 #include "server/daemon_internal.h"
+#include "server/metrics.h"
 #include "server/plan_codec.h"
 
 namespace ckptd {
@@ -569,7 +570,10 @@ class DistSource final : public ckpt::RangeSource {
 void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
   const auto t_start = std::chrono::steady_clock::now();
   const std::vector<std::shared_ptr<RankSlot>> slots = SlotsOf(*job);  // ascending rank
-  auto fail_all = [&](const absl::Status& s) { FailJob(*job, s); };
+  auto fail_all = [&](const absl::Status& s) {
+    RecordLoadJob(LoadJobRecord{job->id, job->path, config_.peer_listen, slots.size(), s});
+    FailJob(*job, s);
+  };
   const std::string me = config_.peer_listen;
   if (me.empty()) {
     return fail_all(absl::FailedPreconditionError(absl::StrCat(
@@ -748,6 +752,8 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
     eo.verify_checksums = !slots.front()->request.skip_verify();
     eo.progress_bytes = &job->progress;
     eo.skip_rank = [&](size_t i) { return slots[i]->cancelled(); };
+    eo.deadline = std::chrono::steady_clock::now() +
+                  std::chrono::milliseconds(absl::ToInt64Milliseconds(config_.load_timeout));
     auto st = ckpt::ExecutePlan(lp, source, delivery, eo);
     received = source.received();
     if (st.ok()) {
@@ -834,12 +840,20 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
   job->phase = "done";
   auto it = jobs_.find(job->id);
   if (it != jobs_.end() && it->second == job) jobs_.erase(it);
-  spdlog::info(
-      "load job={} node={} ranks={} read={}B cache={}B from_peers={}B to_peers={}B "
-      "delivered={}B job_read={}B wall={:.4f}s",
-      job->id, me, slots.size(), stats.bytes_read,
-      stats.bytes_from_cache - std::min(stats.bytes_from_cache, received), received, sent,
-      stats.bytes_delivered, outcome->job_bytes_read(), Seconds(t_start));
+  LoadJobRecord rec{job->id, job->path, me, slots.size()};  // metrics + the job's log line
+  rec.bytes_read = stats.bytes_read;
+  rec.bytes_from_cache = fig.bytes_from_cache;
+  rec.bytes_from_peers = received;
+  rec.bytes_to_peers = sent;
+  rec.bytes_delivered = stats.bytes_delivered;
+  rec.job_bytes_read = outcome->job_bytes_read();
+  rec.reads = lp.reads.size();
+  rec.checksums_verified = stats.checksums_verified;
+  rec.plan_s = part.plan_s();
+  rec.read_s = stats.read_seconds;
+  rec.copy_s = stats.copy_seconds;
+  rec.wall_s = Seconds(t_start);
+  RecordLoadJob(rec);
 }
 
 }  // namespace ckptd

@@ -1,4 +1,7 @@
 #include "core/cache.h"
+#include "core/checkpoint.h"
+#include "core/planner.h"
+#include "core/safetensors.h"
 
 #include <fstream>
 #include <numeric>
@@ -93,6 +96,34 @@ TEST(CachingSource, DetectsChangedFiles) {
   auto v = src.Fetch("d.bin", 0, 8, scratch, nullptr);
   ASSERT_FALSE(v.ok());
   EXPECT_THAT(std::string(v.status().message()), HasSubstr("d.bin: file changed"));
+}
+
+}  // namespace
+}  // namespace ckpt
+
+namespace ckpt {
+namespace {
+
+TEST(Executor, DeadlineStopsTheLoad) {
+  testing::TempDir tmp;
+  std::vector<float> w(1024, 1.f);
+  ASSERT_TRUE(WriteSafetensors(tmp.Sub("model.safetensors"), {{"w", DType::kF32, {1024}, w.data()}}, {}).ok());
+  auto ck = OpenCheckpoint(tmp.path());
+  ASSERT_TRUE(ck.ok());
+  RankTargets rt{0, {TargetTensor{"w", DType::kF32, {1024}, Box{{0}, {1024}}, std::nullopt}}};
+  PlanOptions po;
+  po.max_read_bytes = 512;  // several reads
+  auto plan = PlanLoad(ck->metadata, {rt}, po);
+  ASSERT_TRUE(plan.ok());
+  std::vector<float> out(1024);
+  DirectorySource src(tmp.path());
+  ExecuteOptions eo;
+  eo.deadline = std::chrono::steady_clock::now() - std::chrono::seconds(1);
+  auto st = ExecutePlan(*plan, src, {{out.data()}}, eo);
+  EXPECT_EQ(st.status().code(), absl::StatusCode::kDeadlineExceeded) << st.status();
+  eo.deadline.reset();
+  EXPECT_TRUE(ExecutePlan(*plan, src, {{out.data()}}, eo).ok());
+  EXPECT_EQ(out[1023], 1.f);
 }
 
 }  // namespace
