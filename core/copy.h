@@ -12,6 +12,7 @@
 #define CKPTD_CORE_COPY_H_
 
 #include <cstdint>
+#include <vector>
 
 #include "core/box.h"
 #include "core/dtype.h"
@@ -22,16 +23,28 @@ namespace ckpt {
 // flatten(box)[flat_begin, flat_end) in row-major order, each of `dtype`.
 // A plain (non-flattened) shard has flat_begin = 0, flat_end = numel(box).
 // The buffer's first byte is element `flat_begin`.
+//
+// `perm` (optional) gives the storage order of the box's axes: empty means
+// row-major over axes 0, 1, ..., rank-1 (every stored shard); otherwise the
+// elements are row-major over axes perm[0] (outermost), perm[1], ...,
+// perm[rank-1] (innermost), and flat indices count in that order. A shard of
+// A (m x n) seen as a box of B = A^T (n x m) has perm = {1, 0}. Only AOA
+// virtual shards (core/aoa.h) carry a perm; copies with one take a separate,
+// slower path, the identity path is untouched.
 struct StoredLayout {
   Box box;
   int64_t flat_begin = 0;
   int64_t flat_end = 0;
   DType dtype = DType::kF32;
+  std::vector<int> perm;  // empty: row-major in box axis order
 
   static StoredLayout Whole(Box box, DType dtype);
   int64_t num_elements() const { return flat_end - flat_begin; }
   int64_t num_bytes() const { return num_elements() * static_cast<int64_t>(DTypeSize(dtype)); }
 };
+
+// Whether `perm` is empty or the identity [0, 1, ..., n-1].
+bool IsIdentityPerm(const std::vector<int>& perm);
 
 // Copies every element of `region` (global coordinates; must lie inside both
 // boxes) that is held by both `src` and `dst` from `src_data` into `dst_data`,
@@ -46,7 +59,8 @@ int64_t CountRegion(const StoredLayout& src, const StoredLayout& dst, const Box&
 
 // The flat-index span [first, last + 1) of `layout`'s stored elements that
 // `region` touches, clipped to [flat_begin, flat_end). Empty (first == last)
-// if none. Used to read only the byte range a copy needs.
+// if none. Used to read only the byte range a copy needs. With a perm the
+// span counts in storage order.
 struct FlatSpan {
   int64_t begin = 0;
   int64_t end = 0;

@@ -53,6 +53,7 @@ StoredLayout ShardMeta::layout() const {
     l.flat_begin = 0;
     l.flat_end = NumElements(box.shape);
   }
+  if (!IsIdentityPerm(perm)) l.perm = perm;
   return l;
 }
 

@@ -44,6 +44,18 @@ struct ShardMeta {
   // when not recorded (e.g. HuggingFace files).
   std::vector<uint64_t> xxh3;
 
+  // In-memory only (never read from or written to metadata files): set on
+  // the virtual shards that AOA resolution (core/aoa.h) builds, which place
+  // a real shard's bytes at a remapped box of another tensor.
+  // - perm: the shard's bytes are stored in this axis order of `box` (see
+  //   StoredLayout::perm); empty for ordinary row-major shards.
+  // - window: only this part of `box` belongs to the tensor (the rest of the
+  //   stored elements belong elsewhere, e.g. the other outputs of a split);
+  //   `box` may then extend outside the global shape. Loads copy only
+  //   elements inside the window. nullopt: the whole box.
+  std::vector<int> perm;
+  std::optional<Box> window;
+
   int64_t num_elements() const;
   // How the shard's bytes lay out its elements.
   StoredLayout layout() const;

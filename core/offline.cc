@@ -6,6 +6,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/aoa.h"
 #include "core/safetensors.h"
 #include "core/status_macros.h"
 #include "core/writer.h"
@@ -28,7 +29,8 @@ absl::StatusOr<OfflineLoadResult> LoadOffline(const std::string& dir, const Layo
   CKPT_ASSIGN_OR_RETURN(res.checkpoint, OpenCheckpoint(dir, oo));
   res.times.open_seconds = Since(t0);
   t0 = std::chrono::steady_clock::now();
-  CKPT_ASSIGN_OR_RETURN(res.plan, PlanLoad(res.checkpoint.metadata, layout.ranks, options.plan));
+  CKPT_ASSIGN_OR_RETURN(res.plan, PlanLoadWithAoa(res.checkpoint.metadata, options.aoa,
+                                                  layout.ranks, options.plan, options.aoa_where));
   res.times.plan_seconds = Since(t0);
   t0 = std::chrono::steady_clock::now();
   res.buffers.resize(res.plan.ranks.size());

@@ -21,6 +21,10 @@ struct OfflineLoadOptions {
   int threads = 2;
   bool verify_checksums = true;
   PlanOptions plan;
+  // AOA statements applied while loading (the text of a config, see
+  // core/aoa.h); empty: none. `aoa_where` names it in error messages.
+  std::string aoa;
+  std::string aoa_where = "aoa";
 };
 
 struct PhaseTimes {

@@ -17,6 +17,7 @@ namespace {
 
 // The box of global elements a layout's stored elements can touch.
 Box CoverOf(const StoredLayout& l) {
+  if (!l.perm.empty()) return l.box;  // AOA transposed shard: the whole box (conservative)
   int64_t numel = NumElements(l.box.shape);
   if (l.flat_begin == 0 && l.flat_end == numel) return l.box;
   Box c = CoveringBox(l.box.shape, l.flat_begin, l.flat_end);
@@ -165,7 +166,7 @@ absl::StatusOr<LoadPlan> PlanLoad(const CheckpointMetadata& metadata,
       const ShardMeta* exact = nullptr;
       for (const ShardMeta& s : tm.shards) {
         if (s.replica_id == 0 && s.box == t.box && s.flat_range == t.flat_range &&
-            absl::StartsWith(s.file, own)) {
+            !s.window && absl::StartsWith(s.file, own)) {
           exact = &s;
           break;
         }
@@ -183,6 +184,7 @@ absl::StatusOr<LoadPlan> PlanLoad(const CheckpointMetadata& metadata,
         const StoredLayout src = s.layout();
         std::optional<Box> region =
             exact != nullptr ? std::optional<Box>(dst_cover) : Intersect(CoverOf(src), dst_cover);
+        if (region && s.window) region = Intersect(*region, *s.window);  // AOA virtual shard
         if (!region) continue;
         int64_t n = exact != nullptr ? t.num_elements() : CountRegion(src, dst, *region);
         if (n == 0) continue;
@@ -255,9 +257,10 @@ absl::StatusOr<LoadPlan> PlanLoad(const CheckpointMetadata& metadata,
   };
   std::vector<std::vector<Extent>> extents(plan.files.size());
   {
-    absl::flat_hash_set<const ShardMeta*> seen_shards;
+    // By bytes, not by ShardMeta: AOA virtual shards can share a real shard.
+    absl::flat_hash_set<std::pair<uint32_t, uint64_t>> seen_shards;
     for (const PendingCopy& p : pending) {
-      if (seen_shards.insert(p.shard).second) {
+      if (seen_shards.insert({p.file, p.shard->data_offset}).second) {
         extents[p.file].push_back(
             {p.shard->data_offset, p.shard->data_offset + p.shard->nbytes, p.shard, p.tensor});
       }
