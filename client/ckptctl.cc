@@ -16,6 +16,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "core/checkpoint.h"
+#include "core/foreign.h"
 #include "core/layout.h"
 #include "core/offline.h"
 #include "core/status_macros.h"
@@ -30,7 +31,7 @@ ABSL_FLAG(bool, json, false, "print the result as one JSON object");
 ABSL_FLAG(int64_t, unique_id, -1,
           "checkpoint version: for inspect/load/merge the version to read (default: newest); "
           "for shard the version written (default 0)");
-ABSL_FLAG(int64_t, src_unique_id, -1, "shard: version of SRC to read (default: newest)");
+ABSL_FLAG(int64_t, src_unique_id, -1, "shard, convert: version of SRC to read (default: newest)");
 ABSL_FLAG(std::string, layout, "", "layout JSON file (shard, load)");
 ABSL_FLAG(std::string, out, "", "output directory (shard, load, merge)");
 ABSL_FLAG(std::string, prefix, "", "merge: keep keys starting with PREFIX, stripping 'PREFIX.'");
@@ -71,6 +72,9 @@ Usage:
   ckptctl merge CKPT --out DIR [--prefix P] [--skip_postfix S,...] [--shards N]
       Merge a sharded checkpoint into HuggingFace safetensors files plus
       model.safetensors.index.json.
+  ckptctl convert SRC --out DST [--unique_id N] [--src_unique_id M]
+      Write SRC (PaddlePaddle flex_checkpoint, PyTorch DCP, HuggingFace or
+      native) as a native ckptd checkpoint, shard for shard (version N, default 0).
 
 Online (through a running ckptd; --daemon SOCKET, default /run/ckptd/ckptd.sock):
   ckptctl load CKPT --layout L.json --out DIR --daemon S1[,S2...] [--ranks R,...]
@@ -234,6 +238,29 @@ absl::Status Merge(const std::string& dir) {
   return absl::OkStatus();
 }
 
+absl::Status Convert(const std::string& src) {
+  CKPT_RETURN_IF_ERROR(Require(absl::GetFlag(FLAGS_out), "out", "convert"));
+  ConvertOptions co;
+  co.source_unique_id = OptionalUid(absl::GetFlag(FLAGS_src_unique_id));
+  co.unique_id = std::max<int64_t>(0, absl::GetFlag(FLAGS_unique_id));
+  co.threads = absl::GetFlag(FLAGS_threads);
+  CKPT_ASSIGN_OR_RETURN(ConvertReport r, ConvertCheckpoint(src, absl::GetFlag(FLAGS_out), co));
+  if (absl::GetFlag(FLAGS_json)) {
+    std::cout << nlohmann::json{{"source_format", FormatName(r.source_format)},
+                                {"files", r.files_written}, {"tensors", r.tensors},
+                                {"bytes", r.bytes}, {"unique_id", co.unique_id},
+                                {"skipped_items", r.skipped_items}}.dump()
+              << "\n";
+  } else {
+    std::cout << "converted " << r.tensors << " tensors (" << r.bytes << " bytes) from "
+              << FormatName(r.source_format) << " into " << r.files_written << " files and "
+              << co.unique_id << ".metadata in " << absl::GetFlag(FLAGS_out) << "\n";
+    if (!r.skipped_items.empty()) {
+      std::cout << "skipped (not tensors): " << absl::StrJoin(r.skipped_items, ", ") << "\n";
+    }
+  }
+  return absl::OkStatus();
+}
 
 std::string DaemonSocket() {
   auto d = absl::GetFlag(FLAGS_daemon);
@@ -592,6 +619,8 @@ int main(int argc, char** argv) {
       s = ckpt::Load(path);
     } else if (cmd == "merge") {
       s = ckpt::Merge(path);
+    } else if (cmd == "convert") {
+      s = ckpt::Convert(path);
     } else if (cmd == "prefetch") {
       s = ckpt::Prefetch(path);
     } else if (cmd == "evict") {

@@ -15,6 +15,7 @@
 #include "absl/strings/strip.h"
 #include "absl/strings/str_join.h"
 #include "core/file.h"
+#include "core/foreign.h"
 #include "core/safetensors.h"
 #include "core/status_macros.h"
 
@@ -124,13 +125,25 @@ absl::Status OpenNative(Checkpoint& ckpt, const std::vector<std::string>& names,
   ckpt.metadata_file = absl::StrCat(uid, ".metadata");
   const std::string path = JoinPath(ckpt.dir, ckpt.metadata_file);
   CKPT_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path, kMaxMetadataBytes));
-  if (!text.empty() && static_cast<unsigned char>(text[0]) == 0x80) {
-    return absl::UnimplementedError(
-        absl::StrCat(path, ": pickled (PaddlePaddle) metadata is not supported yet"));
-  }
+  if (LooksPickled(text)) return OpenPickledCheckpoint(&ckpt, ckpt.metadata_file, text);
   CKPT_ASSIGN_OR_RETURN(ckpt.metadata, ParseMetadataJson(path, text));
   ckpt.metadata.unique_id = uid;
   return absl::OkStatus();
+}
+
+// PyTorch DCP: one unversioned, pickled `.metadata` (detected by content).
+absl::Status OpenDotMetadata(Checkpoint& ckpt, const OpenOptions& options) {
+  if (options.unique_id) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "checkpoint ", ckpt.dir, ": a PyTorch DCP checkpoint has no versions; drop --unique-id"));
+  }
+  ckpt.metadata_file = ".metadata";
+  const std::string path = JoinPath(ckpt.dir, ckpt.metadata_file);
+  CKPT_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path, kMaxMetadataBytes));
+  if (!LooksPickled(text)) {
+    return absl::DataLossError(absl::StrCat(path, ": not a pickle (PyTorch DCP metadata)"));
+  }
+  return OpenPickledCheckpoint(&ckpt, ckpt.metadata_file, text);
 }
 
 absl::Status OpenHuggingFace(Checkpoint& ckpt, const std::vector<std::string>& names) {
@@ -200,6 +213,8 @@ const char* FormatName(CheckpointFormat f) {
   switch (f) {
     case CheckpointFormat::kNative: return "ckptd";
     case CheckpointFormat::kHuggingFace: return "huggingface-safetensors";
+    case CheckpointFormat::kPaddle: return "paddle-flex-checkpoint";
+    case CheckpointFormat::kTorchDcp: return "pytorch-dcp";
   }
   return "unknown";
 }
@@ -224,6 +239,8 @@ absl::StatusOr<Checkpoint> OpenCheckpoint(const std::string& dir, const OpenOpti
   if (!ckpt.versions.empty()) {
     ckpt.format = CheckpointFormat::kNative;
     CKPT_RETURN_IF_ERROR(OpenNative(ckpt, names, options));
+  } else if (std::find(names.begin(), names.end(), ".metadata") != names.end()) {
+    CKPT_RETURN_IF_ERROR(OpenDotMetadata(ckpt, options));
   } else {
     bool any_st = false, any_distcp = false;
     for (const std::string& n : names) {

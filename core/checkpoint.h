@@ -19,7 +19,9 @@
 
 namespace ckpt {
 
-enum class CheckpointFormat { kNative, kHuggingFace };
+// kPaddle: PaddlePaddle flex_checkpoint (pickled {uid}.metadata + .distcp);
+// kTorchDcp: PyTorch DCP (.metadata + __{rank}_{n}.distcp). See core/foreign.h.
+enum class CheckpointFormat { kNative, kHuggingFace, kPaddle, kTorchDcp };
 const char* FormatName(CheckpointFormat f);
 
 struct Checkpoint {
@@ -30,6 +32,9 @@ struct Checkpoint {
   CheckpointMetadata metadata;
   std::vector<std::string> data_files;  // files the metadata references, sorted
   std::vector<int64_t> versions;        // every unique_id present (native)
+  // Items of a foreign checkpoint that are not tensors (PyTorch DCP bytes
+  // items), left out of `metadata`.
+  std::vector<std::string> skipped_items;
 };
 
 struct OpenOptions {

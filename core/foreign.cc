@@ -1,0 +1,273 @@
+#include "core/foreign.h"
+
+#include <limits.h>
+#include <stdlib.h>
+
+#include <algorithm>
+#include <map>
+#include <tuple>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "core/layout.h"
+#include "core/offline.h"
+#include "core/paddle_format.h"
+#include "core/status_macros.h"
+#include "core/torch_dcp.h"
+
+namespace ckpt {
+namespace {
+
+using pickle::AllowedGlobal;
+using pickle::GlobalRole;
+
+void AddTorchDtypes(std::vector<AllowedGlobal>* g) {
+  const std::pair<const char*, DType> kDtypes[] = {
+      {"float64", DType::kF64},      {"double", DType::kF64},
+      {"float32", DType::kF32},      {"float", DType::kF32},
+      {"float16", DType::kF16},      {"half", DType::kF16},
+      {"bfloat16", DType::kBF16},    {"float8_e4m3fn", DType::kF8E4M3},
+      {"float8_e5m2", DType::kF8E5M2}, {"int64", DType::kI64},
+      {"long", DType::kI64},         {"int32", DType::kI32},
+      {"int", DType::kI32},          {"int16", DType::kI16},
+      {"short", DType::kI16},        {"int8", DType::kI8},
+      {"uint8", DType::kU8},         {"uint16", DType::kU16},
+      {"uint32", DType::kU32},       {"uint64", DType::kU64},
+      {"bool", DType::kBool},
+  };
+  for (const auto& [name, d] : kDtypes) {
+    g->push_back({"torch", name, GlobalRole::kConstant, kTagTorchDtype + static_cast<int>(d)});
+  }
+  for (const char* name : {"complex32", "complex64", "complex128", "cfloat", "cdouble", "chalf",
+                           "qint8", "quint8", "qint32", "quint4x2", "float8_e4m3fnuz",
+                           "float8_e5m2fnuz"}) {
+    g->push_back({"torch", name, GlobalRole::kConstant, kTagTorchDtypeUnsupported});
+  }
+}
+
+pickle::Options MakeMetadataOptions() {
+  pickle::Options o;
+  auto& g = o.globals;
+  for (const char* mod :
+       {"paddle.distributed.flex_checkpoint.dcp.metadata", "paddle.distributed.checkpoint.metadata"}) {
+    g.push_back({mod, "Metadata", GlobalRole::kClass, kTagPdMetadata});
+    g.push_back({mod, "LocalTensorMetadata", GlobalRole::kClass, kTagPdLocalTensorMetadata});
+    g.push_back({mod, "LocalTensorIndex", GlobalRole::kClass, kTagPdLocalTensorIndex});
+  }
+  for (const char* mod :
+       {"torch.distributed._shard.checkpoint.metadata", "torch.distributed.checkpoint.metadata"}) {
+    g.push_back({mod, "Metadata", GlobalRole::kClass, kTagTMetadata});
+    g.push_back({mod, "TensorStorageMetadata", GlobalRole::kClass, kTagTTensorStorageMetadata});
+    g.push_back({mod, "BytesStorageMetadata", GlobalRole::kClass, kTagTBytesStorageMetadata});
+    g.push_back({mod, "ChunkStorageMetadata", GlobalRole::kClass, kTagTChunkStorageMetadata});
+    g.push_back({mod, "MetadataIndex", GlobalRole::kClass, kTagTMetadataIndex});
+    g.push_back({mod, "TensorProperties", GlobalRole::kClass, kTagTTensorProperties});
+    g.push_back({mod, "StorageMeta", GlobalRole::kClass, kTagTStorageMeta});
+    g.push_back({mod, "_MEM_FORMAT_ENCODING", GlobalRole::kEnumClass, kTagTInert});
+  }
+  g.push_back({"torch.distributed._shard.sharded_tensor.metadata", "TensorProperties",
+               GlobalRole::kClass, kTagTTensorProperties});
+  g.push_back({"torch.distributed._shard.sharded_tensor.metadata", "MEM_FORMAT_ENCODING",
+               GlobalRole::kEnumClass, kTagTInert});
+  for (const char* mod :
+       {"torch.distributed._shard.checkpoint.filesystem", "torch.distributed.checkpoint.filesystem"}) {
+    g.push_back({mod, "_StorageInfo", GlobalRole::kClass, kTagTStorageInfo});
+  }
+  g.push_back({"torch", "Size", GlobalRole::kTupleOfArg, kTagNone});
+  g.push_back({"torch.serialization", "_get_layout", GlobalRole::kFunction, kTagTInert});
+  g.push_back({"torch", "strided", GlobalRole::kConstant, kTagTInert});
+  g.push_back({"torch", "sparse_coo", GlobalRole::kConstant, kTagTInert});
+  g.push_back({"builtins", "getattr", GlobalRole::kEnumGetattr, kTagNone});
+  g.push_back({"collections", "OrderedDict", GlobalRole::kOrderedDict, kTagNone});
+  for (const char* cls : {"PosixPath", "PurePosixPath", "WindowsPath", "PureWindowsPath", "Path"}) {
+    g.push_back({"pathlib", cls, GlobalRole::kClass, kTagTInert});
+  }
+  AddTorchDtypes(&g);
+  return o;
+}
+
+pickle::Options MakeNumpyOptions() {
+  pickle::Options o;
+  auto& g = o.globals;
+  for (const char* mod : {"numpy.core.multiarray", "numpy._core.multiarray"}) {
+    g.push_back({mod, "_reconstruct", GlobalRole::kFunction, kTagNpReconstruct});
+    g.push_back({mod, "scalar", GlobalRole::kFunction, kTagNpScalar});
+  }
+  for (const char* mod : {"numpy.core.numeric", "numpy._core.numeric"}) {
+    g.push_back({mod, "_frombuffer", GlobalRole::kFunction, kTagNpFrombuffer});
+  }
+  g.push_back({"numpy", "ndarray", GlobalRole::kClass, kTagNpNdarray});
+  g.push_back({"numpy", "dtype", GlobalRole::kClass, kTagNpDtype});
+  g.push_back({"_codecs", "encode", GlobalRole::kLatin1Encode, kTagNone});
+  g.push_back({"collections", "OrderedDict", GlobalRole::kOrderedDict, kTagNone});
+  return o;
+}
+
+pickle::Options MakeTorchTensorOptions() {
+  pickle::Options o;
+  o.allow_persistent_id = true;
+  auto& g = o.globals;
+  g.push_back({"torch._utils", "_rebuild_tensor_v2", GlobalRole::kFunction, kTagTorchRebuildV2});
+  g.push_back({"torch._utils", "_rebuild_tensor_v3", GlobalRole::kFunction, kTagTorchRebuildV3});
+  const std::pair<const char*, DType> kStorages[] = {
+      {"DoubleStorage", DType::kF64}, {"FloatStorage", DType::kF32},
+      {"HalfStorage", DType::kF16},   {"BFloat16Storage", DType::kBF16},
+      {"LongStorage", DType::kI64},   {"IntStorage", DType::kI32},
+      {"ShortStorage", DType::kI16},  {"CharStorage", DType::kI8},
+      {"ByteStorage", DType::kU8},    {"BoolStorage", DType::kBool},
+  };
+  for (const auto& [name, d] : kStorages) {
+    g.push_back({"torch", name, GlobalRole::kConstant, kTagTorchStorage + static_cast<int>(d)});
+  }
+  g.push_back({"torch", "UntypedStorage", GlobalRole::kConstant, kTagTorchUntypedStorage});
+  g.push_back({"collections", "OrderedDict", GlobalRole::kOrderedDict, kTagNone});
+  AddTorchDtypes(&g);
+  return o;
+}
+
+}  // namespace
+
+const pickle::Options& MetadataPickleOptions() {
+  static const pickle::Options* o = new pickle::Options(MakeMetadataOptions());
+  return *o;
+}
+const pickle::Options& NumpyPickleOptions() {
+  static const pickle::Options* o = new pickle::Options(MakeNumpyOptions());
+  return *o;
+}
+const pickle::Options& TorchTensorPickleOptions() {
+  static const pickle::Options* o = new pickle::Options(MakeTorchTensorOptions());
+  return *o;
+}
+
+bool LooksPickled(absl::string_view head) {
+  return !head.empty() && static_cast<uint8_t>(head[0]) == 0x80;
+}
+
+bool StoredDTypeCompatible(DType metadata, DType file) {
+  if (metadata == file) return true;
+  if (DTypeSize(metadata) != DTypeSize(file)) return false;
+  if (metadata == DType::kBF16 || metadata == DType::kF16) {
+    return file == DType::kU16 || file == DType::kI16;
+  }
+  if (metadata == DType::kF8E4M3 || metadata == DType::kF8E5M2) {
+    return file == DType::kU8 || file == DType::kI8;
+  }
+  return false;
+}
+
+absl::Status OpenPickledCheckpoint(Checkpoint* ckpt, const std::string& metadata_file,
+                                   const std::string& bytes) {
+  const std::string path = JoinPath(ckpt->dir, metadata_file);
+  CKPT_ASSIGN_OR_RETURN(pickle::Document doc,
+                        pickle::ParseBuffer(path, bytes, MetadataPickleOptions()));
+  CKPT_ASSIGN_OR_RETURN(const pickle::Object* root, doc.Obj(doc.root, "metadata root"));
+  CheckpointMetadata m;
+  switch (doc.Tag(*root)) {
+    case kTagPdMetadata: {
+      ckpt->format = CheckpointFormat::kPaddle;
+      CKPT_ASSIGN_OR_RETURN(m, PaddleMetadataToModel(doc));
+      CKPT_RETURN_IF_ERROR(LocatePaddleData(ckpt->dir, &m));
+      break;
+    }
+    case kTagTMetadata: {
+      ckpt->format = CheckpointFormat::kTorchDcp;
+      CKPT_ASSIGN_OR_RETURN(m, TorchDcpToModel(doc, ckpt->dir, &ckpt->skipped_items));
+      break;
+    }
+    default:
+      return doc.Error(absl::StrCat("pickled metadata whose root is ", doc.ClassName(*root),
+                                    ", neither Paddle's nor PyTorch DCP's Metadata"));
+  }
+  m.unique_id = ckpt->unique_id.value_or(0);
+  CKPT_RETURN_IF_ERROR(ValidateMetadata(m, path));
+  ckpt->metadata = std::move(m);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<ConvertReport> ConvertCheckpoint(const std::string& src_dir,
+                                                const std::string& out_dir,
+                                                const ConvertOptions& options) {
+  char a[PATH_MAX], b[PATH_MAX];
+  if (realpath(src_dir.c_str(), a) != nullptr && realpath(out_dir.c_str(), b) != nullptr &&
+      std::string(a) == std::string(b)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("convert: the output directory ", out_dir, " is the source directory"));
+  }
+  OpenOptions oo;
+  oo.unique_id = options.source_unique_id;
+  CKPT_ASSIGN_OR_RETURN(Checkpoint src, OpenCheckpoint(src_dir, oo));
+  ConvertReport report;
+  report.source_format = src.format;
+  report.skipped_items = src.skipped_items;
+  std::map<std::string, int> file_rank;
+  for (const std::string& f : src.data_files) {
+    file_rank.emplace(f, static_cast<int>(file_rank.size()));
+  }
+  // Replica-0 shards grouped by (tensor, file, box); contiguous flattened
+  // pieces of one box in one file are joined (whole again if they cover it).
+  struct Piece {
+    int64_t begin, end;
+  };
+  std::map<std::tuple<std::string, std::string, Shape, Shape>, std::vector<Piece>> groups;
+  for (const auto& [name, t] : src.metadata.tensors) {
+    for (const ShardMeta& s : t.shards) {
+      if (s.replica_id != 0) continue;
+      const int64_t n = NumElements(s.box.shape);
+      Piece p = s.flat_range ? Piece{s.flat_range->begin, s.flat_range->end} : Piece{0, n};
+      groups[{name, s.file, s.box.offset, s.box.shape}].push_back(p);
+    }
+  }
+  std::vector<RankTargets> ranks(file_rank.size());
+  for (size_t r = 0; r < ranks.size(); ++r) ranks[r].rank = static_cast<int>(r);
+  std::vector<std::map<std::string, int>> held(ranks.size());
+  for (auto& [key, pieces] : groups) {
+    const auto& [name, file, offset, shape] = key;
+    const TensorMeta& t = src.metadata.tensors.at(name);
+    std::sort(pieces.begin(), pieces.end(),
+              [](const Piece& x, const Piece& y) { return x.begin < y.begin; });
+    std::vector<Piece> merged;
+    for (const Piece& p : pieces) {
+      if (!merged.empty() && merged.back().end == p.begin) {
+        merged.back().end = p.end;
+      } else {
+        merged.push_back(p);
+      }
+    }
+    const int64_t n = NumElements(shape);
+    for (const Piece& p : merged) {
+      TargetTensor tt;
+      tt.name = name;
+      tt.dtype = t.dtype;
+      tt.global_shape = t.global_shape;
+      tt.box = Box{offset, shape};
+      if (!(p.begin == 0 && p.end == n)) tt.flat_range = FlatRange{p.begin, p.end};
+      // The rank of the source file, or the first extra rank that does not
+      // hold this tensor yet (a rank holds at most one shard of a tensor).
+      size_t r = static_cast<size_t>(file_rank.at(file));
+      while (r < ranks.size() && held[r].count(name)) {
+        r = r < file_rank.size() ? file_rank.size() : r + 1;
+      }
+      if (r >= ranks.size()) {
+        ranks.push_back(RankTargets{static_cast<int>(r), {}});
+        held.emplace_back();
+      }
+      held[r][name] = 1;
+      report.bytes += tt.num_bytes();
+      ranks[r].tensors.push_back(std::move(tt));
+    }
+  }
+  Layout layout;
+  layout.world_size = static_cast<int>(ranks.size());
+  layout.ranks = std::move(ranks);
+  ShardOptions so;
+  so.source_unique_id = src.unique_id;
+  so.unique_id = options.unique_id;
+  so.threads = options.threads;
+  CKPT_RETURN_IF_ERROR(ShardCheckpoint(src_dir, layout, out_dir, so));
+  report.files_written = layout.world_size;
+  report.tensors = src.metadata.tensors.size();
+  return report;
+}
+
+}  // namespace ckpt
