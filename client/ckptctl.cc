@@ -1,5 +1,6 @@
 // ckptctl — the admin CLI of ckptd. Offline subcommands run in-process and
 // need no daemon.
+#include <algorithm>
 #include <cstdio>
 #include <iostream>
 #include <string>
@@ -273,6 +274,138 @@ absl::StatusOr<std::unique_ptr<ckptd::Client>> ConnectDaemon(const std::string& 
   return ckptd::Client::Connect(o);
 }
 
+// `ckptctl status` for a person: a few summary lines and short tables.
+std::string HumanBytes(uint64_t b) {
+  static const char* kUnits[] = {"B", "KiB", "MiB", "GiB", "TiB", "PiB"};
+  double v = static_cast<double>(b);
+  int u = 0;
+  while (v >= 1024 && u < 5) {
+    v /= 1024;
+    ++u;
+  }
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), u == 0 ? "%.0f %s" : "%.1f %s", v, kUnits[u]);
+  return buf;
+}
+
+std::string HumanDuration(double seconds) {
+  const int64_t s = static_cast<int64_t>(seconds);
+  char buf[32];
+  if (s < 60) {
+    std::snprintf(buf, sizeof(buf), "%llds", (long long)s);
+  } else if (s < 3600) {
+    std::snprintf(buf, sizeof(buf), "%lldm%02llds", (long long)(s / 60), (long long)(s % 60));
+  } else if (s < 86400) {
+    std::snprintf(buf, sizeof(buf), "%lldh%02lldm", (long long)(s / 3600), (long long)(s % 3600 / 60));
+  } else {
+    std::snprintf(buf, sizeof(buf), "%lldd%02lldh", (long long)(s / 86400), (long long)(s % 86400 / 3600));
+  }
+  return buf;
+}
+
+// 0,1,2,3,7,9,10 -> "0-3,7,9-10".
+std::string RankRanges(std::vector<int> ranks) {
+  std::sort(ranks.begin(), ranks.end());
+  std::string out;
+  for (size_t i = 0; i < ranks.size();) {
+    size_t k = i;
+    while (k + 1 < ranks.size() && ranks[k + 1] == ranks[k] + 1) ++k;
+    absl::StrAppend(&out, out.empty() ? "" : ",", ranks[i]);
+    if (k > i) absl::StrAppend(&out, "-", ranks[k]);
+    i = k + 1;
+  }
+  return out.empty() ? "-" : out;
+}
+
+// Columns padded to their widest cell (the last one is not padded).
+void PrintTable(const std::vector<std::vector<std::string>>& rows) {
+  std::vector<size_t> width;
+  for (const auto& r : rows) {
+    for (size_t c = 0; c < r.size(); ++c) {
+      if (width.size() <= c) width.push_back(0);
+      width[c] = std::max(width[c], r[c].size());
+    }
+  }
+  for (const auto& r : rows) {
+    std::string line = " ";
+    for (size_t c = 0; c < r.size(); ++c) {
+      line += " " + r[c];
+      if (c + 1 < r.size()) line += std::string(width[c] - r[c].size() + 2, ' ');
+    }
+    std::printf("%s\n", line.c_str());
+  }
+}
+
+void PrintStatus(const ckptd::v1::StatusResponse& s) {
+  std::printf("%s, up %s, roots: %s\n", s.version().c_str(), HumanDuration(s.uptime_s()).c_str(),
+              absl::StrJoin(s.roots(), ", ").c_str());
+  const double lookups = static_cast<double>(s.cache_hits() + s.cache_misses());
+  std::vector<std::vector<std::string>> summary = {
+      {"memory", absl::StrCat("resident ", HumanBytes(s.resident_bytes())),
+       absl::StrCat("cache ", HumanBytes(s.cache_bytes()), " of ", HumanBytes(s.cache_budget_bytes()),
+                    " (", s.cache_budget_bytes() ? 100 * s.cache_bytes() / s.cache_budget_bytes() : 0,
+                    "%)"),
+       absl::StrCat(s.cache_entries(), " cached ranges, metadata of ", s.metadata_cache_entries(),
+                    " checkpoints")},
+      {"cache", absl::StrCat("hits ", s.cache_hits(), ", misses ", s.cache_misses()),
+       absl::StrCat("evictions ", s.cache_evictions()),
+       lookups > 0 ? absl::StrCat("hit rate ", static_cast<int>(100 * s.cache_hits() / lookups), "%")
+                   : std::string("no lookups yet")},
+      {"loads", absl::StrCat(s.loads_started(), " started, ", s.loads_succeeded(), " ok, ",
+                             s.loads_failed(), " failed"),
+       absl::StrCat("read ", HumanBytes(s.bytes_read_total()), " from storage"),
+       absl::StrCat("delivered ", HumanBytes(s.bytes_delivered_total()))},
+  };
+  std::printf("\n");
+  PrintTable(summary);
+
+  std::printf("\njobs: %d%s\n", s.jobs_size(), s.jobs_size() ? "" : " (none waiting or running)");
+  if (s.jobs_size() > 0) {
+    std::vector<std::vector<std::string>> rows = {
+        {"JOB", "STATE", "RANKS HERE", "WAITING FOR", "CHECKPOINT"}};
+    for (const auto& j : s.jobs()) {
+      const int here = j.registered_ranks_size() + j.waiting_for_size();
+      rows.push_back({j.job_id(), j.state(),
+                      absl::StrCat(j.registered_ranks_size(), "/", here, " (world ", j.world_size(), ")"),
+                      RankRanges({j.waiting_for().begin(), j.waiting_for().end()}), j.path()});
+    }
+    PrintTable(rows);
+  }
+
+  if (s.peer_address().empty() && s.peers_size() == 0) {
+    std::printf("\npeers: none (single node)\n");
+  } else {
+    int up = 0;
+    for (const auto& p : s.peers()) up += p.reachable();
+    std::printf("\npeers: %d of %d reachable, this daemon is %s\n", up, s.peers_size(),
+                s.peer_address().empty() ? "(no peer_listen)" : s.peer_address().c_str());
+    std::vector<std::vector<std::string>> rows = {{"PEER", "STATE", "RTT", "ERROR"}};
+    for (const auto& p : s.peers()) {
+      char rtt[32];
+      std::snprintf(rtt, sizeof(rtt), "%.1f ms", p.rtt_ms());
+      rows.push_back({p.address(), p.reachable() ? "up" : "DOWN", p.reachable() ? rtt : "-",
+                      p.error().empty() ? "-" : p.error()});
+    }
+    if (s.peers_size() > 0) PrintTable(rows);
+  }
+
+  if (s.cached_files_size() > 0) {
+    std::vector<const ckptd::v1::CachedFile*> files;
+    for (const auto& f : s.cached_files()) files.push_back(&f);
+    std::sort(files.begin(), files.end(),
+              [](const auto* a, const auto* b) { return a->bytes() > b->bytes(); });
+    const size_t shown = std::min<size_t>(files.size(), 10);
+    std::printf("\ncached files: %d%s\n", s.cached_files_size(),
+                shown < files.size() ? absl::StrCat(" (largest ", shown, " shown)").c_str() : "");
+    std::vector<std::vector<std::string>> rows = {{"BYTES", "RANGES", "FILE"}};
+    for (size_t i = 0; i < shown; ++i) {
+      rows.push_back({HumanBytes(files[i]->bytes()), absl::StrCat(files[i]->entries()),
+                      files[i]->path()});
+    }
+    PrintTable(rows);
+  }
+}
+
 absl::Status Status() {
   CKPT_ASSIGN_OR_RETURN(auto client, ConnectDaemon(DaemonSocket()));
   CKPT_ASSIGN_OR_RETURN(ckptd::v1::StatusResponse s, client->Status());
@@ -306,6 +439,7 @@ absl::Status Status() {
                                 {"bytes_read_total", s.bytes_read_total()},
                                 {"bytes_delivered_total", s.bytes_delivered_total()},
                                 {"metadata_cache_entries", s.metadata_cache_entries()},
+                                {"resident_bytes", s.resident_bytes()},
                                 {"peer_address", s.peer_address()},
                                 {"peers", [&] {
                                    nlohmann::json ps = nlohmann::json::array();
@@ -322,35 +456,7 @@ absl::Status Status() {
               << "\n";
     return absl::OkStatus();
   }
-  std::printf("%s, up %.0f s, roots: %s\n", s.version().c_str(), s.uptime_s(),
-              absl::StrJoin(s.roots(), ", ").c_str());
-  std::printf("cache: %llu of %llu bytes in %llu entries; hits %llu, misses %llu, evictions %llu\n",
-              (unsigned long long)s.cache_bytes(), (unsigned long long)s.cache_budget_bytes(),
-              (unsigned long long)s.cache_entries(), (unsigned long long)s.cache_hits(),
-              (unsigned long long)s.cache_misses(), (unsigned long long)s.cache_evictions());
-  std::printf("loads: %llu started, %llu succeeded, %llu failed; %llu bytes read, %llu delivered\n",
-              (unsigned long long)s.loads_started(), (unsigned long long)s.loads_succeeded(),
-              (unsigned long long)s.loads_failed(), (unsigned long long)s.bytes_read_total(),
-              (unsigned long long)s.bytes_delivered_total());
-  if (!s.peer_address().empty()) {
-    std::printf("peer service: %s\n", s.peer_address().c_str());
-  }
-  for (const auto& p : s.peers()) {
-    std::printf("  peer %-24s %s (%.1f ms)%s%s\n", p.address().c_str(),
-                p.reachable() ? "reachable" : "UNREACHABLE", p.rtt_ms(),
-                p.error().empty() ? "" : ": ", p.error().c_str());
-  }
-  std::printf("jobs: %d\n", s.jobs_size());
-  for (const auto& j : s.jobs()) {
-    std::printf("  %s  %s  %d/%zu ranks registered, waiting for [%s]  (%s)\n", j.job_id().c_str(),
-                j.path().c_str(), j.registered_ranks_size(),
-                static_cast<size_t>(j.registered_ranks_size() + j.waiting_for_size()),
-                absl::StrJoin(j.waiting_for(), ",").c_str(), j.state().c_str());
-  }
-  for (const auto& f : s.cached_files()) {
-    std::printf("  cached %-60s %14llu bytes in %llu entries\n", f.path().c_str(),
-                (unsigned long long)f.bytes(), (unsigned long long)f.entries());
-  }
+  PrintStatus(s);
   return absl::OkStatus();
 }
 

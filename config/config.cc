@@ -20,7 +20,8 @@ const std::set<std::string>& KnownKeys() {
       "socket",        "socket_mode",     "tcp_address",   "roots",
       "cache_budget",  "io_threads",      "io_request_size", "barrier_timeout",
       "load_timeout",  "drain_timeout",   "log_level",       "peer_listen",
-      "peers",         "peer_dns",        "peer_timeout"};
+      "peers",         "peer_dns",        "peer_timeout",    "log_format",
+      "metrics_address"};
   return *keys;
 }
 
@@ -138,6 +139,11 @@ absl::StatusOr<DaemonConfig> ParseConfig(const std::string& yaml, const std::str
         c.peer_listen = s;
       } else if (key == "peer_dns") {
         c.peer_dns = s;
+      } else if (key == "metrics_address") {
+        c.metrics_address = s;
+      } else if (key == "log_format") {
+        if (s != "text" && s != "json") return Bad(source, key, "must be text or json");
+        c.log_format = s;
       } else if (key == "log_level") {
         static const std::set<std::string> kLevels = {"trace", "debug", "info", "warn", "error"};
         if (!kLevels.count(s)) return Bad(source, key, "must be one of trace debug info warn error");
@@ -194,6 +200,19 @@ absl::Status ValidateConfig(const DaemonConfig& c) {
     return absl::InvalidArgumentError(
         "config: 'peers'/'peer_dns' need 'peer_listen' (this daemon's own peer address)");
   }
+  if (!c.metrics_address.empty()) {
+    const size_t colon = c.metrics_address.rfind(':');
+    int port = -1;
+    if (colon == std::string::npos ||
+        !absl::SimpleAtoi(absl::string_view(c.metrics_address).substr(colon + 1), &port) ||
+        port < 0 || port > 65535) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config: 'metrics_address' '", c.metrics_address, "' must be host:port (e.g. 0.0.0.0:9464)"));
+    }
+  }
+  if (c.log_format != "text" && c.log_format != "json") {
+    return absl::InvalidArgumentError("config: 'log_format' must be text or json");
+  }
   if (c.barrier_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("config: 'barrier_timeout' must be positive");
   }
@@ -214,6 +233,8 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   out << YAML::Key << "load_timeout" << YAML::Value << absl::FormatDuration(c.load_timeout);
   out << YAML::Key << "drain_timeout" << YAML::Value << absl::FormatDuration(c.drain_timeout);
   out << YAML::Key << "log_level" << YAML::Value << c.log_level;
+  out << YAML::Key << "log_format" << YAML::Value << c.log_format;
+  out << YAML::Key << "metrics_address" << YAML::Value << c.metrics_address;
   out << YAML::Key << "peer_listen" << YAML::Value << c.peer_listen;
   out << YAML::Key << "peers" << YAML::Value << c.peers;
   out << YAML::Key << "peer_dns" << YAML::Value << c.peer_dns;

@@ -25,6 +25,9 @@ struct DaemonConfig {
   absl::Duration load_timeout = absl::Minutes(30);  // one job's plan + read + copy
   absl::Duration drain_timeout = absl::Seconds(30);  // SIGTERM: wait for loads
   std::string log_level = "info";  // trace debug info warn error
+  std::string log_format = "text";  // text, or json (one JSON object per line)
+  // Prometheus metrics over HTTP ("host:port", GET /metrics); empty: off.
+  std::string metrics_address;
   // Multi-node: this daemon's peer service address ("host:port"; empty: off),
   // the other daemons (static list; may include this one), or one DNS name
   // "name:port" resolving to all of them (a Kubernetes headless service).

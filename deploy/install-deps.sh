@@ -2,15 +2,57 @@
 # Installs every Debian package ckptd needs to build, test and run. Idempotent:
 # packages already present are not reinstalled, and apt-get update runs only
 # when something is missing.
+#
+#   install-deps.sh             build + test + run (the default; tests/run.sh, examples/run.sh)
+#   install-deps.sh --build     only what `bazel build //server:ckptd //client:ckptctl` needs
+#   install-deps.sh --runtime   only the shared libraries the built binaries load
+#                               (deploy/Containerfile's runtime stage)
+#   install-deps.sh --print [--build|--runtime]   list the packages, install nothing
 set -euo pipefail
 
-PACKAGES=(
+# Everything Bazel's system_libs wiring (third_party/bazel/system_libs.bzl)
+# asks pkg-config for must be here: the repository rule needs all of them.
+BUILD_PACKAGES=(
   bazel-bootstrap build-essential pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libyaml-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libspdlog-dev libfmt-dev libxxhash-dev liburing-dev
-  python3 python3-numpy python3-grpcio python3-protobuf python3-torch
+  prometheus-cpp-dev libsystemd-dev
+  python3
 )
+# Tests: Python client tests, manifest checks (python3-yaml), the systemd unit
+# check (systemd-analyze), the metrics checks (promtool and the Prometheus
+# server, from the prometheus package).
+TEST_PACKAGES=(
+  python3-numpy python3-grpcio python3-protobuf python3-torch
+  python3-yaml systemd prometheus
+)
+# What ckptd and ckptctl load at run time (tests/ops checks this list against
+# `ldd` of the built binaries).
+RUNTIME_PACKAGES=(
+  libgrpc++1.51 libprotobuf32 libabsl20220623 libyaml-cpp0.7 libspdlog1.10 libfmt9
+  libxxhash0 liburing2 libprometheus-cpp-pull1.0 libprometheus-cpp-core1.0 libsystemd0
+)
+
+mode=all
+print=0
+for arg in "$@"; do
+  case "$arg" in
+    --build) mode=build ;;
+    --runtime) mode=runtime ;;
+    --print) print=1 ;;
+    *) echo "install-deps: unknown argument $arg" >&2; exit 2 ;;
+  esac
+done
+case "$mode" in
+  all) PACKAGES=("${BUILD_PACKAGES[@]}" "${TEST_PACKAGES[@]}") ;;
+  build) PACKAGES=("${BUILD_PACKAGES[@]}") ;;
+  runtime) PACKAGES=("${RUNTIME_PACKAGES[@]}") ;;
+esac
+if [ "$print" -eq 1 ]; then
+  printf '%s\n' "${PACKAGES[@]}"
+  exit 0
+fi
 
 missing=()
 for p in "${PACKAGES[@]}"; do
@@ -29,3 +71,13 @@ echo "install-deps: installing ${missing[*]}" >&2
 export DEBIAN_FRONTEND=noninteractive
 $SUDO apt-get update -qq
 $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+
+# The prometheus package is only here for its promtool and for tests that run
+# their own server on loopback: on a machine run by systemd, its package
+# enables and starts a Prometheus service on :9090; stop that one.
+for p in "${missing[@]}"; do
+  if [ "$p" = prometheus ] && [ -d /run/systemd/system ]; then
+    $SUDO systemctl disable --now prometheus.service >/dev/null 2>&1 || true
+    echo "install-deps: installed prometheus for its tools; its service is disabled" >&2
+  fi
+done

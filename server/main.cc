@@ -16,6 +16,7 @@
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
 #include <spdlog/spdlog.h>
+#include <systemd/sd-daemon.h>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -25,6 +26,7 @@
 #include "absl/strings/str_split.h"
 #include "config/config.h"
 #include "server/daemon.h"
+#include "server/metrics.h"
 #include "server/peer_service.h"
 #include "server/service.h"
 
@@ -38,6 +40,9 @@ ABSL_FLAG(std::string, cache_budget, "", "data cache budget, e.g. 8GiB (override
 ABSL_FLAG(int, io_threads, 0, "I/O threads (overrides the config)");
 ABSL_FLAG(std::string, barrier_timeout, "", "e.g. 120s (overrides the config)");
 ABSL_FLAG(std::string, log_level, "", "trace|debug|info|warn|error (overrides the config)");
+ABSL_FLAG(std::string, log_format, "", "text|json (overrides the config)");
+ABSL_FLAG(std::string, metrics_address, "",
+          "serve Prometheus metrics on host:port /metrics (overrides the config)");
 ABSL_FLAG(bool, print_config, false, "print the effective config and exit");
 ABSL_FLAG(std::string, peer_listen, "", "multi-node: this daemon's peer address host:port");
 ABSL_FLAG(std::vector<std::string>, peers, {}, "multi-node: the other daemons, host:port,...");
@@ -136,6 +141,10 @@ int main(int argc, char** argv) {
     config.barrier_timeout = *d;
   }
   if (!absl::GetFlag(FLAGS_log_level).empty()) config.log_level = absl::GetFlag(FLAGS_log_level);
+  if (!absl::GetFlag(FLAGS_log_format).empty()) config.log_format = absl::GetFlag(FLAGS_log_format);
+  if (!absl::GetFlag(FLAGS_metrics_address).empty()) {
+    config.metrics_address = absl::GetFlag(FLAGS_metrics_address);
+  }
   if (!absl::GetFlag(FLAGS_peer_listen).empty()) config.peer_listen = absl::GetFlag(FLAGS_peer_listen);
   if (!absl::GetFlag(FLAGS_peers).empty()) config.peers = absl::GetFlag(FLAGS_peers);
   if (!absl::GetFlag(FLAGS_peer_dns).empty()) config.peer_dns = absl::GetFlag(FLAGS_peer_dns);
@@ -155,8 +164,7 @@ int main(int argc, char** argv) {
     std::cout << ckptd::ConfigToYaml(config);
     return 0;
   }
-  spdlog::set_level(spdlog::level::from_str(config.log_level));
-  spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ ckptd: %v");
+  ckptd::SetUpLogging(config.log_level, config.log_format);
 
   // Signals are handled by one thread with sigwait; block them everywhere.
   sigset_t sigs;
@@ -208,17 +216,35 @@ int main(int argc, char** argv) {
                  absl::StrJoin(config.peers, ","),
                  config.peer_dns.empty() ? "" : " dns " + config.peer_dns);
   }
+  std::unique_ptr<ckptd::MetricsServer> metrics;
+  if (!config.metrics_address.empty()) {
+    auto m = ckptd::MetricsServer::Start(config.metrics_address, [&daemon] { return daemon.Status(); });
+    if (!m.ok()) {
+      server->Shutdown();
+      if (peer_server) peer_server->Shutdown();
+      return Fail(std::string(m.status().message()));
+    }
+    metrics = std::move(*m);
+    const std::string host = config.metrics_address.substr(0, config.metrics_address.rfind(':'));
+    spdlog::info("metrics on http://{}:{}/metrics", host, metrics->port());
+  }
   server->GetHealthCheckService()->SetServingStatus(true);
   spdlog::info("serving on {}{} roots={} cache_budget={}B io_threads={}", config.socket,
                config.tcp_address.empty() ? "" : " and tcp " + config.tcp_address,
                absl::StrJoin(config.roots, ","), config.cache_budget, config.io_threads);
+  // systemd Type=notify (a no-op without NOTIFY_SOCKET): ready once every listener is up.
+  sd_notifyf(0, "READY=1\nSTATUS=serving on %s\nMAINPID=%lu", config.socket.c_str(),
+             static_cast<unsigned long>(::getpid()));
 
   std::thread signals([&] {
     int sig = 0;
     sigwait(&sigs, &sig);
     spdlog::info("signal {}: draining running loads (up to {})", sig,
                  absl::FormatDuration(config.drain_timeout));
+    sd_notify(0, "STOPPING=1\nSTATUS=draining running loads");
     server->GetHealthCheckService()->SetServingStatus(false);
+    // Kubernetes probes the peer port's health service (deploy/k8s): not ready while draining.
+    if (peer_server) peer_server->GetHealthCheckService()->SetServingStatus(false);
     const auto drain = std::chrono::system_clock::now() +
                        std::chrono::milliseconds(absl::ToInt64Milliseconds(config.drain_timeout));
     server->Shutdown(drain);
@@ -226,6 +252,7 @@ int main(int argc, char** argv) {
   });
   server->Wait();
   signals.join();
+  metrics.reset();
   daemon.Stop();
   if (!config.socket.empty()) ::unlink(config.socket.c_str());
   spdlog::info("stopped");

@@ -1,5 +1,7 @@
 #include "server/service.h"
 
+#include "server/metrics.h"
+
 namespace ckptd {
 
 grpc::Status ToGrpc(const absl::Status& s) {
@@ -49,6 +51,7 @@ grpc::Status CkptdService::Evict(grpc::ServerContext*, const v1::EvictRequest* r
 grpc::Status CkptdService::Status(grpc::ServerContext*, const v1::StatusRequest*,
                                   v1::StatusResponse* resp) {
   *resp = daemon_->Status();
+  resp->set_resident_bytes(ResidentBytes());
   return grpc::Status::OK;
 }
 

@@ -36,6 +36,8 @@ _PACKAGES = {
     "xxhash": ["libxxhash"],
     "uring": ["liburing"],
     "nlohmann_json": ["nlohmann_json"],
+    "prometheus_cpp": ["prometheus-cpp-pull", "prometheus-cpp-core"],
+    "systemd": ["libsystemd"],
 }
 
 def _pkg_config(ctx, args):

@@ -1,0 +1,383 @@
+#include "server/metrics.h"
+
+#include <dirent.h>
+#include <time.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdio>
+#include <exception>
+#include <fstream>
+#include <sstream>
+
+#include <nlohmann/json.hpp>
+#include <prometheus/collectable.h>
+#include <prometheus/counter.h>
+#include <prometheus/exposer.h>
+#include <prometheus/histogram.h>
+#include <prometheus/metric_family.h>
+#include <prometheus/registry.h>
+#include <spdlog/pattern_formatter.h>
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
+
+namespace ckptd {
+namespace {
+
+using prometheus::ClientMetric;
+using prometheus::MetricFamily;
+using prometheus::MetricType;
+
+// --- Instruments fed by RecordLoadJob -----------------------------------------
+
+struct Instruments {
+  std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
+  prometheus::Counter* jobs_ok;
+  prometheus::Counter* jobs_failed;
+  prometheus::Counter* peer_received;
+  prometheus::Counter* peer_sent;
+  prometheus::Histogram* phase[5];  // list plan read copy total
+
+  Instruments() {
+    auto& jobs = prometheus::BuildCounter()
+                     .Name("ckptd_load_jobs_total")
+                     .Help("Load jobs this daemon ran (all ranks of a job on this node together), "
+                           "by result")
+                     .Register(*registry);
+    jobs_ok = &jobs.Add({{"result", "ok"}});
+    jobs_failed = &jobs.Add({{"result", "error"}});
+    peer_received = &prometheus::BuildCounter()
+                         .Name("ckptd_peer_received_bytes_total")
+                         .Help("Checkpoint bytes received from other daemons (multi-node jobs)")
+                         .Register(*registry)
+                         .Add({});
+    peer_sent = &prometheus::BuildCounter()
+                     .Name("ckptd_peer_sent_bytes_total")
+                     .Help("Checkpoint bytes sent to other daemons (multi-node jobs)")
+                     .Register(*registry)
+                     .Add({});
+    auto& h = prometheus::BuildHistogram()
+                  .Name("ckptd_load_phase_duration_seconds")
+                  .Help("Duration of each phase of a successful load job: list (open the "
+                        "checkpoint), plan, read (storage, cache and peers), copy (into the "
+                        "ranks' memory), total (barrier complete to done)")
+                  .Register(*registry);
+    const prometheus::Histogram::BucketBoundaries b = {0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5,
+                                                       1,     2.5,   5,    10,   30,  60,   120,
+                                                       300,   600,   1800};
+    const char* names[5] = {"list", "plan", "read", "copy", "total"};
+    for (int i = 0; i < 5; ++i) phase[i] = &h.Add({{"phase", names[i]}}, b);
+  }
+};
+
+Instruments& Inst() {
+  static Instruments* i = new Instruments();
+  return *i;
+}
+
+std::atomic<bool> g_json_logs{false};
+
+// --- Logging -------------------------------------------------------------------
+
+std::string Utc(std::chrono::system_clock::time_point t) {
+  const auto ms =
+      std::chrono::duration_cast<std::chrono::milliseconds>(t.time_since_epoch()).count();
+  const time_t secs = static_cast<time_t>(ms / 1000);
+  struct tm tm;
+  gmtime_r(&secs, &tm);
+  char buf[96];
+  std::snprintf(buf, sizeof(buf), "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900,
+                tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec,
+                static_cast<int>(ms % 1000));
+  return buf;
+}
+
+std::string Dump(const nlohmann::ordered_json& j) {
+  // Paths may hold bytes that are not UTF-8: replace them rather than throw.
+  return j.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
+}
+
+// One JSON object per line: {"ts", "level", "msg"}; a message that is itself
+// a JSON object starting with "event" (RecordLoadJob) is merged in.
+class JsonFormatter final : public spdlog::formatter {
+ public:
+  void format(const spdlog::details::log_msg& msg, spdlog::memory_buf_t& dest) override {
+    const std::string payload(msg.payload.data(), msg.payload.size());
+    nlohmann::ordered_json head;
+    head["ts"] = Utc(msg.time);
+    const auto level = spdlog::level::to_string_view(msg.level);
+    head["level"] = std::string(level.data(), level.size());
+    std::string line = Dump(head);
+    line.pop_back();  // '}'
+    if (payload.rfind("{\"event\":", 0) == 0 && payload.back() == '}') {
+      line += "," + payload.substr(1);
+    } else {
+      nlohmann::ordered_json m;
+      m["msg"] = payload;
+      line += "," + Dump(m).substr(1);
+    }
+    line += "\n";
+    dest.append(line.data(), line.data() + line.size());
+  }
+  std::unique_ptr<spdlog::formatter> clone() const override {
+    return std::make_unique<JsonFormatter>();
+  }
+};
+
+// --- Scrape-time collection from Daemon::Status() ------------------------------
+
+MetricFamily Fam(const std::string& name, const std::string& help, MetricType type) {
+  MetricFamily f;
+  f.name = name;
+  f.help = help;
+  f.type = type;
+  return f;
+}
+
+void Sample(MetricFamily& f, double v, std::vector<ClientMetric::Label> labels = {}) {
+  ClientMetric m;
+  m.label = std::move(labels);
+  if (f.type == MetricType::Counter) {
+    m.counter.value = v;
+  } else {
+    m.gauge.value = v;
+  }
+  f.metric.push_back(std::move(m));
+}
+
+MetricFamily One(const std::string& name, const std::string& help, MetricType type, double v) {
+  MetricFamily f = Fam(name, help, type);
+  Sample(f, v);
+  return f;
+}
+
+// Process figures in the standard process_* names.
+void ProcessFamilies(std::vector<MetricFamily>& out) {
+  out.push_back(One("process_resident_memory_bytes", "Resident memory size in bytes",
+                    MetricType::Gauge, static_cast<double>(ResidentBytes())));
+  int fds = 0;
+  if (DIR* d = ::opendir("/proc/self/fd")) {
+    while (struct dirent* e = ::readdir(d)) fds += e->d_name[0] != '.';
+    ::closedir(d);
+    --fds;  // the directory stream's own descriptor
+  }
+  out.push_back(One("process_open_fds", "Number of open file descriptors", MetricType::Gauge, fds));
+  std::ifstream stat("/proc/self/stat");
+  std::string text((std::istreambuf_iterator<char>(stat)), std::istreambuf_iterator<char>());
+  const size_t paren = text.rfind(')');
+  if (paren == std::string::npos) return;
+  std::istringstream fields(text.substr(paren + 2));
+  std::vector<std::string> f;
+  for (std::string s; fields >> s;) f.push_back(s);
+  // After the command: state(0) ... utime(11) stime(12) ... starttime(19).
+  if (f.size() < 20) return;
+  const double tick = static_cast<double>(::sysconf(_SC_CLK_TCK));
+  out.push_back(One("process_cpu_seconds_total", "Total user and system CPU time in seconds",
+                    MetricType::Counter, (std::stod(f[11]) + std::stod(f[12])) / tick));
+  std::ifstream up("/proc/uptime");
+  double uptime = 0;
+  if (up >> uptime) {
+    const double boot = absl::ToDoubleSeconds(absl::Now() - absl::UnixEpoch()) - uptime;
+    out.push_back(One("process_start_time_seconds",
+                      "Start time of the process since the Unix epoch in seconds",
+                      MetricType::Gauge, boot + std::stod(f[19]) / tick));
+  }
+}
+
+class StatusCollector final : public prometheus::Collectable {
+ public:
+  explicit StatusCollector(std::function<v1::StatusResponse()> status)
+      : status_(std::move(status)) {}
+
+  std::vector<MetricFamily> Collect() const override {
+    const v1::StatusResponse s = status_();
+    std::vector<MetricFamily> out;
+    const auto C = MetricType::Counter;
+    const auto G = MetricType::Gauge;
+    {
+      MetricFamily f = Fam("ckptd_build_info", "Version of the running ckptd (always 1)", G);
+      Sample(f, 1, {{"version", s.version()}});
+      out.push_back(std::move(f));
+    }
+    out.push_back(One("ckptd_uptime_seconds", "Seconds since the daemon started", G, s.uptime_s()));
+    out.push_back(One("ckptd_loads_started_total",
+                      "Load requests received (one per rank of a job)", C, s.loads_started()));
+    out.push_back(One("ckptd_loads_succeeded_total",
+                      "Load requests that delivered every tensor to their rank", C,
+                      s.loads_succeeded()));
+    out.push_back(One("ckptd_loads_failed_total",
+                      "Load requests that ended with an error (bad request, barrier timeout, "
+                      "failed job, client gone)",
+                      C, s.loads_failed()));
+    out.push_back(One("ckptd_storage_read_bytes_total",
+                      "Checkpoint bytes read from storage (cache misses, loads and prefetches)",
+                      C, s.bytes_read_total()));
+    out.push_back(One("ckptd_delivered_bytes_total",
+                      "Bytes delivered into the ranks' shared memory or streams", C,
+                      s.bytes_delivered_total()));
+    out.push_back(One("ckptd_cache_bytes", "Checkpoint bytes held in the data cache", G,
+                      s.cache_bytes()));
+    out.push_back(One("ckptd_cache_budget_bytes", "Data cache budget (cache_budget)", G,
+                      s.cache_budget_bytes()));
+    out.push_back(One("ckptd_cache_entries", "Byte ranges held in the data cache", G,
+                      s.cache_entries()));
+    out.push_back(One("ckptd_cache_hits_total", "Data cache lookups served from memory", C,
+                      s.cache_hits()));
+    out.push_back(One("ckptd_cache_misses_total", "Data cache lookups that read storage", C,
+                      s.cache_misses()));
+    out.push_back(One("ckptd_cache_evictions_total",
+                      "Byte ranges evicted from the data cache (budget or invalidation)", C,
+                      s.cache_evictions()));
+    out.push_back(One("ckptd_metadata_cache_entries", "Checkpoints whose metadata is cached", G,
+                      s.metadata_cache_entries()));
+    {
+      int waiting = 0, running = 0;
+      for (const auto& j : s.jobs()) (j.state() == "waiting for ranks" ? waiting : running)++;
+      MetricFamily f = Fam("ckptd_active_jobs",
+                           "Jobs in the registry: waiting for their ranks, or running", G);
+      Sample(f, waiting, {{"state", "waiting"}});
+      Sample(f, running, {{"state", "running"}});
+      out.push_back(std::move(f));
+    }
+    {
+      MetricFamily up = Fam("ckptd_peer_up", "1 if the peer daemon answered a ping", G);
+      MetricFamily rtt = Fam("ckptd_peer_rtt_seconds", "Round trip of the last ping to the peer", G);
+      for (const auto& p : s.peers()) {
+        Sample(up, p.reachable() ? 1 : 0, {{"peer", p.address()}});
+        if (p.reachable()) Sample(rtt, p.rtt_ms() / 1000.0, {{"peer", p.address()}});
+      }
+      out.push_back(One("ckptd_peers", "Other daemons known (static list and DNS)", G,
+                        s.peers_size()));
+      if (!up.metric.empty()) out.push_back(std::move(up));
+      if (!rtt.metric.empty()) out.push_back(std::move(rtt));
+    }
+    ProcessFamilies(out);
+    return out;
+  }
+
+ private:
+  std::function<v1::StatusResponse()> status_;
+};
+
+}  // namespace
+
+uint64_t ResidentBytes() {
+  std::ifstream f("/proc/self/statm");
+  uint64_t pages = 0, resident = 0;
+  if (!(f >> pages >> resident)) return 0;
+  return resident * static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+}
+
+void SetUpLogging(const std::string& level, const std::string& format) {
+  spdlog::set_level(spdlog::level::from_str(level));
+  if (format == "json") {
+    g_json_logs = true;
+    spdlog::set_formatter(std::make_unique<JsonFormatter>());
+  } else {
+    g_json_logs = false;
+    spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ ckptd: %v");
+  }
+}
+
+void RecordLoadJob(const LoadJobRecord& r) {
+  Instruments& in = Inst();
+  const bool ok = r.status.ok();
+  (ok ? in.jobs_ok : in.jobs_failed)->Increment();
+  if (r.bytes_from_peers) in.peer_received->Increment(static_cast<double>(r.bytes_from_peers));
+  if (r.bytes_to_peers) in.peer_sent->Increment(static_cast<double>(r.bytes_to_peers));
+  const double phases[5] = {r.list_s, r.plan_s, r.read_s, r.copy_s, r.wall_s};
+  if (ok) {
+    for (int i = 0; i < 5; ++i) {
+      if (phases[i] >= 0) in.phase[i]->Observe(phases[i]);
+    }
+  }
+
+  if (g_json_logs) {
+    nlohmann::ordered_json j;
+    j["event"] = "load";
+    j["job"] = r.job;
+    j["path"] = r.path;
+    if (!r.node.empty()) j["node"] = r.node;
+    j["ranks"] = r.ranks;
+    j["result"] = ok ? "ok" : "error";
+    if (!ok) {
+      j["code"] = absl::StatusCodeToString(r.status.code());
+      j["error"] = std::string(r.status.message());
+    } else {
+      j["bytes_read"] = r.bytes_read;
+      j["bytes_from_cache"] = r.bytes_from_cache;
+      if (!r.node.empty()) {
+        j["bytes_from_peers"] = r.bytes_from_peers;
+        j["bytes_to_peers"] = r.bytes_to_peers;
+        j["job_bytes_read"] = r.job_bytes_read;
+      }
+      j["bytes_delivered"] = r.bytes_delivered;
+      if (r.node.empty()) {
+        j["reads"] = r.reads;
+        j["checksums_verified"] = r.checksums_verified;
+      }
+    }
+    const char* names[5] = {"list_s", "plan_s", "read_s", "copy_s", "wall_s"};
+    for (int i = 0; i < 5; ++i) {
+      if (phases[i] >= 0) j[names[i]] = std::round(phases[i] * 1e6) / 1e6;
+    }
+    const std::string line = Dump(j);
+    if (ok) {
+      spdlog::info("{}", line);
+    } else {
+      spdlog::warn("{}", line);
+    }
+    return;
+  }
+  if (!ok) {
+    spdlog::warn("load job={} path={}{} ranks={} failed: {}", r.job, r.path,
+                 r.node.empty() ? "" : " node=" + r.node, r.ranks, r.status.ToString());
+  } else if (r.node.empty()) {
+    spdlog::info(
+        "load job={} path={} ranks={} read={}B cache={}B delivered={}B reads={} verified={} "
+        "list={:.4f}s plan={:.4f}s read={:.4f}s copy={:.4f}s wall={:.4f}s",
+        r.job, r.path, r.ranks, r.bytes_read, r.bytes_from_cache, r.bytes_delivered, r.reads,
+        r.checksums_verified, r.list_s, r.plan_s, r.read_s, r.copy_s, r.wall_s);
+  } else {
+    spdlog::info(
+        "load job={} node={} ranks={} read={}B cache={}B from_peers={}B to_peers={}B "
+        "delivered={}B job_read={}B wall={:.4f}s",
+        r.job, r.node, r.ranks, r.bytes_read, r.bytes_from_cache, r.bytes_from_peers,
+        r.bytes_to_peers, r.bytes_delivered, r.job_bytes_read, r.wall_s);
+  }
+}
+
+// --- The endpoint ----------------------------------------------------------------
+
+struct MetricsServer::Impl {
+  std::shared_ptr<StatusCollector> collector;
+  std::unique_ptr<prometheus::Exposer> exposer;
+};
+
+MetricsServer::MetricsServer(std::unique_ptr<Impl> impl, int port)
+    : impl_(std::move(impl)), port_(port) {}
+
+MetricsServer::~MetricsServer() = default;
+
+absl::StatusOr<std::unique_ptr<MetricsServer>> MetricsServer::Start(
+    const std::string& address, std::function<v1::StatusResponse()> status) {
+  auto impl = std::make_unique<Impl>();
+  impl->collector = std::make_shared<StatusCollector>(std::move(status));
+  try {
+    impl->exposer = std::make_unique<prometheus::Exposer>(address, /*num_threads=*/2);
+  } catch (const std::exception& e) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot serve metrics on ", address, ": ", e.what()));
+  }
+  impl->exposer->RegisterCollectable(Inst().registry);
+  impl->exposer->RegisterCollectable(impl->collector);
+  const std::vector<int> ports = impl->exposer->GetListeningPorts();
+  const int port = ports.empty() ? 0 : ports.front();
+  return std::unique_ptr<MetricsServer>(new MetricsServer(std::move(impl), port));
+}
+
+}  // namespace ckptd

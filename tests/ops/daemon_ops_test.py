@@ -1,0 +1,440 @@
+"""Operating the real ckptd: the Prometheus endpoint (plain HTTP scrapes,
+`promtool check metrics`, and Debian's real Prometheus server scraping it on
+loopback), JSON-lines logs, systemd readiness (sd_notify), the gRPC health
+service on the peer port (what Kubernetes probes), and `ckptctl status`.
+Loads run through bazel-bin/client/ckptctl against the bundled example."""
+import json
+import os
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import tempfile
+import time
+import unittest
+import urllib.parse
+import urllib.request
+
+import testlib
+
+CKPTCTL = os.path.abspath(testlib.CKPTCTL)
+CKPTD = os.path.abspath(testlib.CKPTD)
+EXAMPLE = os.path.abspath("examples/tiny-model")
+LAYOUT_TP2 = os.path.abspath("examples/layout-tp2.json")
+LAYOUT_TP4 = os.path.abspath("examples/layout-tp4-dim0.json")
+RULES = os.path.abspath("deploy/prometheus/ckptd-rules.yml")
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(what, fn, timeout=30.0, every=0.1):
+    deadline = time.monotonic() + timeout
+    while True:
+        v = fn()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(every)
+
+
+def http_get(url, timeout=10):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return r.status, r.headers.get("Content-Type", ""), r.read().decode()
+
+
+def parse_metrics(text):
+    """{(name, ((label, value), ...)): value} of a text exposition."""
+    out = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        m = re.fullmatch(r"([a-zA-Z_:][a-zA-Z0-9_:]*)(\{(.*)\})? (\S+)", line)
+        assert m, f"unparsable sample line: {line!r}"
+        labels = tuple(sorted(re.findall(r'(\w+)="((?:[^"\\]|\\.)*)"', m.group(3) or "")))
+        out[(m.group(1), labels)] = float(m.group(4))
+    return out
+
+
+def ckptctl(*args, check=True):
+    r = subprocess.run([CKPTCTL, *args], capture_output=True, text=True, timeout=120)
+    if check and r.returncode != 0:
+        raise AssertionError(f"ckptctl {' '.join(args)}: exit {r.returncode}: {r.stderr}")
+    return r
+
+
+class MetricsDaemon(testlib.Daemon):
+    """ckptd with metrics on a free loopback port (port 0: ckptd logs the one
+    it got)."""
+
+    def __init__(self, root, *extra):
+        super().__init__(root, "--metrics-address", "127.0.0.1:0", *extra)
+        log = wait_for("the metrics line", lambda: re.search(
+            r"metrics on http://127\.0\.0\.1:(\d+)/metrics", self.read_log()), timeout=10)
+        self.metrics_port = int(log.group(1))
+        self.url = f"http://127.0.0.1:{self.metrics_port}/metrics"
+
+    def scrape(self):
+        status, ctype, body = http_get(self.url)
+        assert status == 200, status
+        assert ctype.startswith("text/plain"), ctype
+        return body
+
+
+def promtool_check(text):
+    r = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True,
+                       text=True, timeout=60)
+    return r.returncode, (r.stdout + r.stderr).strip()
+
+
+class OpsTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.root = testlib.tmp_root()
+        cls.ckpt = os.path.join(cls.root, "tp2")
+        ckptctl("shard", EXAMPLE, "--layout", LAYOUT_TP2, "--out", cls.ckpt, "--unique-id", "1")
+        # A copy with one data byte flipped: its loads fail their checksum.
+        cls.bad = os.path.join(cls.root, "bad")
+        shutil.copytree(cls.ckpt, cls.bad)
+        with open(os.path.join(cls.bad, "0_1.safetensors"), "r+b") as f:
+            f.seek(4096 + 100)
+            b = f.read(1)
+            f.seek(4096 + 100)
+            f.write(bytes([b[0] ^ 0xFF]))
+        cls.out = tempfile.mkdtemp(prefix="out-", dir=cls.root)
+
+    def load(self, daemon, ckpt=None, job=None, check=True):
+        args = ["load", ckpt or self.ckpt, "--layout", LAYOUT_TP4, "--out",
+                tempfile.mkdtemp(dir=self.out), "--daemon", daemon.socket, "--json"]
+        if job:
+            args += ["--job-id", job]
+        r = ckptctl(*args, check=check)
+        return json.loads(r.stdout) if r.returncode == 0 else r
+
+    # --- metrics -----------------------------------------------------------------
+
+    def test_scrape_after_loads_shows_counters_moved_and_passes_promtool(self):
+        with MetricsDaemon(self.root) as d:
+            before = d.scrape()
+            rc, msg = promtool_check(before)
+            self.assertEqual((rc, msg), (0, ""), "promtool on the first scrape")
+            m0 = parse_metrics(before)
+            self.assertEqual(m0[("ckptd_loads_started_total", ())], 0)
+            self.assertEqual(m0[("ckptd_cache_bytes", ())], 0)
+            self.assertEqual(m0[("ckptd_active_jobs", (("state", "waiting"),))], 0)
+
+            r1 = self.load(d)
+            m1 = parse_metrics(d.scrape())
+            self.assertEqual(m1[("ckptd_loads_started_total", ())], 4)  # one per rank
+            self.assertEqual(m1[("ckptd_loads_succeeded_total", ())], 4)
+            self.assertEqual(m1[("ckptd_loads_failed_total", ())], 0)
+            self.assertEqual(m1[("ckptd_load_jobs_total", (("result", "ok"),))], 1)
+            self.assertEqual(m1[("ckptd_storage_read_bytes_total", ())], r1["bytes_read"])
+            self.assertGreater(r1["bytes_read"], 0)
+            self.assertEqual(m1[("ckptd_delivered_bytes_total", ())], r1["bytes_delivered"])
+            self.assertGreater(m1[("ckptd_cache_bytes", ())], 0)
+            self.assertGreater(m1[("ckptd_cache_entries", ())], 0)
+            self.assertGreater(m1[("ckptd_cache_misses_total", ())], 0)
+            for phase in ("list", "plan", "read", "copy", "total"):
+                self.assertEqual(m1[("ckptd_load_phase_duration_seconds_count",
+                                     (("phase", phase),))], 1, phase)
+                self.assertEqual(m1[("ckptd_load_phase_duration_seconds_bucket",
+                                     (("le", "+Inf"), ("phase", phase)))], 1, phase)
+            self.assertGreater(m1[("process_resident_memory_bytes", ())], 1 << 20)
+
+            # The same job again comes from the cache: hits move, storage does not.
+            self.load(d)
+            m2 = parse_metrics(d.scrape())
+            self.assertEqual(m2[("ckptd_loads_succeeded_total", ())], 8)
+            self.assertEqual(m2[("ckptd_storage_read_bytes_total", ())],
+                             m1[("ckptd_storage_read_bytes_total", ())])
+            self.assertGreater(m2[("ckptd_cache_hits_total", ())], m1[("ckptd_cache_hits_total", ())])
+            self.assertEqual(m2[("ckptd_delivered_bytes_total", ())], 2 * r1["bytes_delivered"])
+
+            # A corrupt checkpoint: the job fails for its 4 ranks.
+            r = self.load(d, ckpt=self.bad, check=False)
+            self.assertNotEqual(r.returncode, 0)
+            self.assertIn("DATA_LOSS", r.stderr)
+            after = d.scrape()
+            m3 = parse_metrics(after)
+            self.assertEqual(m3[("ckptd_loads_failed_total", ())], 4)
+            self.assertEqual(m3[("ckptd_load_jobs_total", (("result", "error"),))], 1)
+            self.assertEqual(m3[("ckptd_load_phase_duration_seconds_count",
+                                 (("phase", "total"),))], 2)  # failures are not timed
+
+            # Evicting drops the cached bytes.
+            ckptctl("evict", self.ckpt, "--daemon", d.socket)
+            ckptctl("evict", self.bad, "--daemon", d.socket)
+            m4 = parse_metrics(d.scrape())
+            self.assertEqual(m4[("ckptd_cache_bytes", ())], 0)
+            self.assertGreater(m4[("ckptd_cache_evictions_total", ())], 0)
+
+            rc, msg = promtool_check(after)
+            self.assertEqual((rc, msg), (0, ""), "promtool on the scrape after loads")
+            # The check is not vacuous: a counter without _total is flagged.
+            rc, msg = promtool_check(after.replace("ckptd_loads_started_total",
+                                                   "ckptd_loads_started"))
+            self.assertIn("counter metrics should have \"_total\" suffix", msg)
+            # Only /metrics is served.
+            with self.assertRaises(urllib.error.HTTPError):
+                http_get(f"http://127.0.0.1:{d.metrics_port}/other")
+
+    def test_metrics_are_off_by_default_and_address_errors_are_reported(self):
+        with testlib.Daemon(self.root) as d:
+            self.assertNotIn("metrics on", d.read_log())
+            open_fds = os.listdir(f"/proc/{d.proc.pid}/fd")
+            self.assertTrue(open_fds)
+        # A port in use stops the start with a message naming the address.
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            port = s.getsockname()[1]
+            tmp = tempfile.mkdtemp(prefix="ckptd-m-", dir="/tmp")
+            try:
+                r = subprocess.run([CKPTD, "--socket", os.path.join(tmp, "s.sock"), "--root",
+                                    self.root, "--metrics-address", f"127.0.0.1:{port}"],
+                                   capture_output=True, text=True, timeout=30)
+            finally:
+                shutil.rmtree(tmp, ignore_errors=True)
+            self.assertEqual(r.returncode, 1)
+            self.assertIn(f"cannot serve metrics on 127.0.0.1:{port}", r.stderr)
+        r = subprocess.run([CKPTD, "--root", self.root, "--metrics-address", "nope",
+                            "--print-config"], capture_output=True, text=True, timeout=30)
+        self.assertEqual(r.returncode, 1)
+        self.assertIn("metrics_address", r.stderr)
+
+    def test_peer_health_metrics_and_grpc_health_on_peer_port(self):
+        p1, p2 = free_port(), free_port()
+        peers = f"127.0.0.1:{p1},127.0.0.1:{p2}"
+        with MetricsDaemon(self.root, "--peer-listen", f"127.0.0.1:{p1}", "--peers", peers) as a:
+            m = parse_metrics(a.scrape())
+            self.assertEqual(m[("ckptd_peers", ())], 1)
+            self.assertEqual(m[("ckptd_peer_up", (("peer", f"127.0.0.1:{p2}"),))], 0)
+            self.assertEqual(grpc_health(f"127.0.0.1:{p1}"), "SERVING")
+            with testlib.Daemon(self.root, "--peer-listen", f"127.0.0.1:{p2}", "--peers", peers):
+                wait_for("the peer to be up", lambda: parse_metrics(a.scrape()).get(
+                    ("ckptd_peer_up", (("peer", f"127.0.0.1:{p2}"),))) == 1)
+                m = parse_metrics(a.scrape())
+                self.assertGreater(m[("ckptd_peer_rtt_seconds", (("peer", f"127.0.0.1:{p2}"),))], 0)
+            out = ckptctl("status", "--daemon", a.socket).stdout
+            self.assertRegex(out, r"peers: 0 of 1 reachable, this daemon is 127\.0\.0\.1:\d+")
+            self.assertRegex(out, rf"127\.0\.0\.1:{p2}\s+DOWN")
+            rc, msg = promtool_check(a.scrape())
+            self.assertEqual((rc, msg), (0, ""))
+
+    def test_prometheus_server_scrapes_ckptd(self):
+        """Debian's prometheus, on loopback, scrapes ckptd every second and
+        evaluates the example alert rules (deploy/prometheus)."""
+        if not shutil.which("prometheus"):
+            self.fail("prometheus is not installed (deploy/install-deps.sh installs it)")
+        r = subprocess.run(["promtool", "check", "rules", RULES], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stdout + r.stderr)
+        with MetricsDaemon(self.root) as d:
+            work = tempfile.mkdtemp(prefix="prom-", dir=os.environ.get("TEST_TMPDIR"))
+            port = free_port()
+            with open(os.path.join(work, "prometheus.yml"), "w") as f:
+                f.write("global:\n  scrape_interval: 1s\n  evaluation_interval: 1s\n"
+                        f"rule_files:\n  - {RULES}\n"
+                        "scrape_configs:\n  - job_name: ckptd\n    static_configs:\n"
+                        f"      - targets: ['127.0.0.1:{d.metrics_port}']\n")
+            with open(os.path.join(work, "prometheus.log"), "w") as log:
+                prom = subprocess.Popen(
+                    ["prometheus", f"--config.file={work}/prometheus.yml",
+                     f"--storage.tsdb.path={work}/data", f"--web.listen-address=127.0.0.1:{port}",
+                     "--storage.tsdb.retention.time=1h"],
+                    stdout=log, stderr=subprocess.STDOUT)
+            try:
+                api = f"http://127.0.0.1:{port}/api/v1"
+
+                def query(q):
+                    try:
+                        _, _, body = http_get(f"{api}/query?" + urllib.parse.urlencode({"query": q}))
+                    except OSError:
+                        return None
+                    res = json.loads(body)["data"]["result"]
+                    return float(res[0]["value"][1]) if res else None
+
+                wait_for("prometheus to scrape ckptd", lambda: query('up{job="ckptd"}') == 1,
+                         timeout=60, every=0.5)
+                self.load(d)
+                wait_for("the load in prometheus",
+                         lambda: query("ckptd_loads_succeeded_total") == 4, timeout=60, every=0.5)
+                self.assertGreater(query("ckptd_storage_read_bytes_total"), 0)
+                self.assertEqual(query('ckptd_load_phase_duration_seconds_count{phase="read"}'), 1)
+                _, _, body = http_get(f"{api}/rules")
+                groups = json.loads(body)["data"]["groups"]
+                rules = [r for g in groups for r in g["rules"]]
+                self.assertTrue(rules)
+                wait_for("every rule evaluated", lambda: all(
+                    r.get("health") == "ok" for g in json.loads(http_get(f"{api}/rules")[2])
+                    ["data"]["groups"] for r in g["rules"]), timeout=30, every=0.5)
+                _, _, body = http_get(f"{api}/targets")
+                (target,) = json.loads(body)["data"]["activeTargets"]
+                self.assertEqual(target["health"], "up", target.get("lastError"))
+            finally:
+                prom.send_signal(signal.SIGTERM)
+                try:
+                    prom.wait(30)
+                except subprocess.TimeoutExpired:
+                    prom.kill()
+                    prom.wait()
+                shutil.rmtree(work, ignore_errors=True)
+
+    # --- logs ---------------------------------------------------------------------
+
+    def test_json_logs_one_line_per_job(self):
+        with testlib.Daemon(self.root, "--log-format", "json") as d:
+            ok = self.load(d, job="json-ok")
+            self.load(d, ckpt=self.bad, job="json-bad", check=False)
+            wait_for("the failed job's line", lambda: "json-bad" in d.read_log(), timeout=10)
+            lines = d.read_log().splitlines()
+        records = [json.loads(line) for line in lines]  # every line is one JSON object
+        for r in records:
+            self.assertRegex(r["ts"], r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
+            self.assertIn(r["level"], ("trace", "debug", "info", "warning", "error", "critical"))
+            self.assertTrue("msg" in r or r.get("event") == "load", r)
+        jobs = [r for r in records if r.get("event") == "load"]
+        self.assertEqual([j["job"] for j in jobs], ["json-ok", "json-bad"])
+        good, bad = jobs
+        self.assertEqual(good["level"], "info")
+        self.assertEqual(good["result"], "ok")
+        self.assertEqual(good["path"], os.path.realpath(self.ckpt))
+        self.assertEqual(good["ranks"], 4)
+        self.assertEqual(good["bytes_read"], ok["bytes_read"])
+        self.assertEqual(good["bytes_delivered"], ok["bytes_delivered"])
+        for k in ("list_s", "plan_s", "read_s", "copy_s", "wall_s"):
+            self.assertGreaterEqual(good[k], 0)
+        self.assertEqual(bad["level"], "warning")
+        self.assertEqual(bad["result"], "error")
+        self.assertEqual(bad["code"], "DATA_LOSS")
+        self.assertIn("checksum", bad["error"])
+        # No line per tensor at the default level: the example has 8 tensors
+        # and each job wrote one line; the rest are start-up, per-rank
+        # failures, and shutdown.
+        self.assertLessEqual(len(records), 12, lines)
+
+    def test_text_logs_and_level_from_config(self):
+        cfg = os.path.join(self.root, "warn.yaml")
+        with open(cfg, "w") as f:
+            f.write(f"roots: [{self.root}]\nlog_level: warn\nlog_format: json\n")
+        r = subprocess.run([CKPTD, "--check-config", cfg], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        with testlib.Daemon(self.root, "--config", cfg) as d:
+            self.load(d, job="quiet")
+            self.load(d, ckpt=self.bad, job="loud", check=False)
+            wait_for("the failed job's line", lambda: "loud" in d.read_log(), timeout=10)
+            log = d.read_log()
+        records = [json.loads(x) for x in log.splitlines()]
+        self.assertTrue(records)
+        self.assertTrue(all(r["level"] in ("warning", "error") for r in records), log)
+        self.assertNotIn("quiet", log)
+        # Default: text lines, the job's line as before.
+        with testlib.Daemon(self.root) as d:
+            self.load(d, job="texty")
+            log = d.read_log()
+        self.assertRegex(log, r"info ckptd: load job=texty path=\S+ ranks=4 read=\d+B .* wall=")
+        with self.assertRaises(json.JSONDecodeError):
+            json.loads(log.splitlines()[0])
+        bad = os.path.join(self.root, "bad.yaml")
+        with open(bad, "w") as f:
+            f.write(f"roots: [{self.root}]\nlog_format: xml\n")
+        r = subprocess.run([CKPTD, "--check-config", bad], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 1)
+        self.assertIn("key 'log_format': must be text or json", r.stderr)
+
+    # --- systemd readiness ------------------------------------------------------------
+
+    def test_sd_notify_ready_and_stopping(self):
+        tmp = tempfile.mkdtemp(prefix="ckptd-n-", dir="/tmp")
+        notify = os.path.join(tmp, "notify")
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        sock.bind(notify)
+        sock.settimeout(20)
+        env = dict(os.environ, NOTIFY_SOCKET=notify)
+        api = os.path.join(tmp, "ckptd.sock")
+        proc = subprocess.Popen([CKPTD, "--socket", api, "--root", self.root], env=env,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            msg = sock.recv(4096).decode()
+            self.assertIn("READY=1", msg.split("\n"))
+            self.assertIn(f"MAINPID={proc.pid}", msg.split("\n"))
+            # Ready means serving: a client gets through at once.
+            self.assertEqual(ckptctl("status", "--daemon", api).returncode, 0)
+            proc.send_signal(signal.SIGTERM)
+            msg = sock.recv(4096).decode()
+            self.assertIn("STOPPING=1", msg.split("\n"))
+            self.assertEqual(proc.wait(30), 0)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+            sock.close()
+            shutil.rmtree(tmp, ignore_errors=True)
+
+    def test_peer_port_health_not_serving_while_draining(self):
+        cfg = os.path.join(self.root, "drain.yaml")
+        with open(cfg, "w") as f:
+            f.write(f"roots: [{self.root}]\ndrain_timeout: 6s\nbarrier_timeout: 60s\n")
+        port = free_port()
+        with testlib.Daemon(self.root, "--config", cfg, "--peer-listen",
+                            f"127.0.0.1:{port}") as d:
+            self.assertEqual(grpc_health(f"127.0.0.1:{port}"), "SERVING")
+            # Rank 0 of a 4-rank job waits at the barrier: a load in flight.
+            waiter = subprocess.Popen(
+                [CKPTCTL, "load", self.ckpt, "--layout", LAYOUT_TP4, "--out",
+                 tempfile.mkdtemp(dir=self.out), "--daemon", d.socket, "--ranks", "0",
+                 "--job-id", "draining"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            try:
+                wait_for("the waiting job", lambda: "draining" in ckptctl(
+                    "status", "--daemon", d.socket).stdout, timeout=20)
+                out = ckptctl("status", "--daemon", d.socket).stdout
+                self.assertRegex(out, r"draining\s+waiting for ranks\s+1/4 \(world 4\)\s+1-3\s")
+                d.proc.send_signal(signal.SIGTERM)
+                wait_for("the peer port to stop serving",
+                         lambda: grpc_health(f"127.0.0.1:{port}") != "SERVING", timeout=5)
+            finally:
+                waiter.kill()
+                waiter.wait()
+
+    # --- ckptctl status -----------------------------------------------------------------
+
+    def test_status_is_a_short_table(self):
+        with testlib.Daemon(self.root) as d:
+            self.load(d)
+            out = ckptctl("status", "--daemon", d.socket).stdout
+            js = json.loads(ckptctl("status", "--daemon", d.socket, "--json").stdout)
+        lines = out.splitlines()
+        self.assertLessEqual(len(lines), 20, out)
+        self.assertRegex(lines[0], r"^ckptd \S+ .*, up \d+s, roots: ")
+        self.assertRegex(out, r"\n  memory +resident \d+\.\d MiB +cache \d+\.\d KiB of 4\.0 GiB \(0%\)")
+        self.assertRegex(out, r"\n  cache +hits 0, misses \d+ +evictions 0 +hit rate 0%")
+        self.assertRegex(out, r"\n  loads +4 started, 4 ok, 0 failed +read \d+\.\d KiB from storage")
+        self.assertIn("\njobs: 0 (none waiting or running)\n", out)
+        self.assertIn("\npeers: none (single node)\n", out)
+        self.assertRegex(out, r"cached files: 2\n  BYTES +RANGES +FILE\n")
+        self.assertGreater(js["resident_bytes"], 1 << 20)
+
+
+def grpc_health(target):
+    """grpc.health.v1.Health/Check for the server as a whole ("" service), by
+    hand: the request is empty, the answer is field 1 (status) as a varint."""
+    import grpc
+    try:
+        with grpc.insecure_channel(target) as ch:
+            check = ch.unary_unary("/grpc.health.v1.Health/Check",
+                                   request_serializer=lambda b: b,
+                                   response_deserializer=lambda b: b)
+            raw = check(b"", timeout=2)
+    except grpc.RpcError as e:
+        return f"error {e.code().name}"
+    status = raw[1] if len(raw) >= 2 and raw[0] == 0x08 else 0
+    return {0: "UNKNOWN", 1: "SERVING", 2: "NOT_SERVING", 3: "SERVICE_UNKNOWN"}.get(status)
+
+
+if __name__ == "__main__":
+    testlib.main("daemon_ops_test")
