@@ -16,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
+#include "core/aoa.h"
 #include "core/checkpoint.h"
 #include "core/foreign.h"
 #include "core/layout.h"
@@ -41,6 +42,9 @@ ABSL_FLAG(std::vector<std::string>, skip_postfix, {},
 ABSL_FLAG(int, shards, 1, "merge: number of output safetensors files");
 ABSL_FLAG(int, threads, 2, "I/O and copy threads");
 ABSL_FLAG(bool, strict, false, "load: fail when a requested key is missing from the checkpoint");
+ABSL_FLAG(std::string, aoa, "",
+          "load: file of AOA statements (rename, split, concat, transpose, cast, fused "
+          "layouts) applied while loading; see README");
 ABSL_FLAG(bool, verify, true, "verify shard checksums recorded in the metadata");
 ABSL_FLAG(uint64_t, coalesce_gap, 0,
           "load: merge reads of one file whose gap is at most this many bytes");
@@ -68,8 +72,10 @@ Usage:
       Cut the tensors of SRC per the layout and write a native checkpoint, as if
       each rank had saved its part (replicas written once).
   ckptctl load CKPT --layout L.json --out DIR [--unique_id N] [--json] [--strict]
+               [--aoa FILE]
       Load every rank of the layout (resharding) and write DIR/rank{r}.safetensors,
-      then report bytes read, missing and unexpected keys.
+      then report bytes read, missing and unexpected keys. --aoa applies the AOA
+      statements of FILE (renames, splits, transposes, fused qkv, ...) on the way.
   ckptctl merge CKPT --out DIR [--prefix P] [--skip_postfix S,...] [--shards N]
       Merge a sharded checkpoint into HuggingFace safetensors files plus
       model.safetensors.index.json.
@@ -187,6 +193,10 @@ absl::Status Load(const std::string& dir) {
   lo.threads = absl::GetFlag(FLAGS_threads);
   lo.verify_checksums = absl::GetFlag(FLAGS_verify);
   lo.plan.coalesce_gap = absl::GetFlag(FLAGS_coalesce_gap);
+  if (!absl::GetFlag(FLAGS_aoa).empty()) {
+    CKPT_ASSIGN_OR_RETURN(lo.aoa, ReadAoaFile(absl::GetFlag(FLAGS_aoa)));
+    lo.aoa_where = absl::GetFlag(FLAGS_aoa);
+  }
   CKPT_ASSIGN_OR_RETURN(OfflineLoadResult res, LoadOffline(dir, layout, lo));
   if (absl::GetFlag(FLAGS_strict) && !res.plan.missing_keys.empty()) {
     return absl::NotFoundError(absl::StrCat(dir, ": missing keys: ",
@@ -496,6 +506,10 @@ absl::Status LoadViaDaemon(const std::string& dir, const Layout& layout) {
   if (transport != "shm" && transport != "stream") {
     return absl::InvalidArgumentError("--transport must be shm or stream");
   }
+  std::string aoa;  // AOA statements: every rank sends them
+  if (!absl::GetFlag(FLAGS_aoa).empty()) {
+    CKPT_ASSIGN_OR_RETURN(aoa, ReadAoaFile(absl::GetFlag(FLAGS_aoa)));
+  }
   std::vector<int> ranks;
   if (absl::GetFlag(FLAGS_ranks).empty()) {
     for (int r = 0; r < layout.world_size; ++r) ranks.push_back(r);
@@ -536,6 +550,7 @@ absl::Status LoadViaDaemon(const std::string& dir, const Layout& layout) {
       spec.unique_id = OptionalUid(absl::GetFlag(FLAGS_unique_id));
       spec.strict = absl::GetFlag(FLAGS_strict);
       spec.skip_verify = !absl::GetFlag(FLAGS_verify);
+      spec.aoa = aoa;
       spec.transport = transport == "shm" ? ckptd::Transport::kShm : ckptd::Transport::kStream;
       if (absl::GetFlag(FLAGS_barrier_timeout_ms) > 0) {
         spec.barrier_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_barrier_timeout_ms));

@@ -197,6 +197,7 @@ absl::StatusOr<LoadReport> Client::Load(const LoadSpec& spec,
   }
   req.set_strict(spec.strict);
   req.set_skip_verify(spec.skip_verify);
+  req.set_aoa_config(spec.aoa);
 
   // Segment layout: tensors with their own buffers get a slot in a private
   // arena; tensors without buffers must already live in spec.arena.

@@ -77,6 +77,9 @@ struct LoadSpec {
   absl::Duration barrier_timeout = absl::ZeroDuration();  // zero: daemon default
   bool strict = false;
   bool skip_verify = false;
+  // AOA statements applied while loading (LoadRequest.aoa_config); every
+  // rank of the job passes the same text. Empty: none.
+  std::string aoa;
 };
 
 struct SaveSpec {

@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "core/file.h"
 #include "core/status_macros.h"
 
 namespace ckpt {
@@ -989,7 +990,8 @@ class Resolver {
     const AoaStatement& st = *c.st;
     // Followers take the statement's layout, not its cast: the rank's dtype
     // decides how their elements convert anyway.
-    const std::optional<DType> cast = c.follows.empty() ? st.dtype : std::nullopt;
+    const bool cast = c.follows.empty() && st.dtype.has_value();
+    const DType cast_to = cast ? *st.dtype : DType::kF32;
     if (c.sources.empty() || c.targets.empty()) {
       // keep / drop: no values
     } else if (c.plain_rename) {
@@ -1005,11 +1007,11 @@ class Resolver {
       }
       if (cast) {
         for (size_t k = 0; k < ins.size(); ++k) {
-          if (!CanConvert(ins[k].dtype, *cast)) {
+          if (!CanConvert(ins[k].dtype, cast_to)) {
             return Err(c, absl::StrCat("'", c.sources[k].name, "' is ", DTypeName(ins[k].dtype),
-                                       ", which cannot be cast to ", DTypeName(*cast)));
+                                       ", which cannot be cast to ", DTypeName(cast_to)));
           }
-          ins[k].dtype = *cast;
+          ins[k].dtype = cast_to;
         }
       }
       const size_t rank = ins[0].shape.size();
@@ -1300,6 +1302,15 @@ void FinishAoaPlan(const AoaResolution& resolution, const CheckpointMetadata& ch
   for (const auto& [name, t] : checkpoint.tensors) {
     if (!used.count(name) && !resolution.dropped.count(name)) plan->unexpected_keys.push_back(name);
   }
+}
+
+absl::StatusOr<std::string> ReadAoaFile(const std::string& path) {
+  auto text = ReadSmallFile(path, 16ull << 20);
+  if (!text.ok()) {
+    return absl::Status(text.status().code(),
+                        absl::StrCat("AOA config ", path, ": ", text.status().message()));
+  }
+  return text;
 }
 
 absl::StatusOr<LoadPlan> PlanLoadWithAoa(const CheckpointMetadata& checkpoint,

@@ -118,6 +118,9 @@ absl::StatusOr<AoaResolution> ResolveAoa(const AoaProgram& program,
 void FinishAoaPlan(const AoaResolution& resolution, const CheckpointMetadata& checkpoint,
                    LoadPlan* plan);
 
+// Reads an AOA config file (at most 16 MiB); errors name the path.
+absl::StatusOr<std::string> ReadAoaFile(const std::string& path);
+
 // The whole AOA load planning in one call: PlanLoad when `aoa_text` is
 // empty (or only comments), else parse + resolve + PlanLoad on the virtual
 // metadata + FinishAoaPlan. `where` names the config in messages.

@@ -18,6 +18,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/aoa.h"
 #include "core/executor.h"
 #include "core/file.h"
 #include "core/status_macros.h"
@@ -670,6 +671,29 @@ void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
 }
 
 void Daemon::RunJob(const std::shared_ptr<Job>& job) {
+  // AOA statements (LoadRequest.aoa_config): the same text from every rank;
+  // multi-node plans do not carry AOA virtual shards to peers yet.
+  std::string aoa;
+  {
+    const std::vector<std::shared_ptr<RankSlot>> aoa_slots = SlotsOf(*job);
+    absl::Status bad;
+    for (const auto& s : aoa_slots) {
+      if (s->request.aoa_config() != aoa_slots.front()->request.aoa_config()) {
+        bad = absl::InvalidArgumentError(absl::StrCat(
+            "job '", job->id, "': ranks ", aoa_slots.front()->request.rank(), " and ",
+            s->request.rank(), " send different aoa_config"));
+      }
+    }
+    aoa = aoa_slots.front()->request.aoa_config();
+    if (bad.ok() && !aoa.empty() && static_cast<int>(job->expected.size()) < job->world_size) {
+      bad = absl::UnimplementedError(absl::StrCat(
+          "job '", job->id, "': aoa_config is not supported for multi-node jobs yet"));
+    }
+    if (!bad.ok()) {
+      RecordLoadJob(LoadJobRecord{job->id, job->path, "", aoa_slots.size(), bad});
+      return FailJob(*job, bad);
+    }
+  }
   if (static_cast<int>(job->expected.size()) < job->world_size) return RunDistributedJob(job);
   const auto t_start = std::chrono::steady_clock::now();
   const std::vector<std::shared_ptr<RankSlot>> slots = SlotsOf(*job);
@@ -688,7 +712,7 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
   for (const auto& s : slots) ranks.push_back(s->targets);
   ckpt::PlanOptions po;
   po.max_read_bytes = config_.io_request_size;
-  auto plan = ckpt::PlanLoad(ckpt.metadata, ranks, po);
+  auto plan = ckpt::PlanLoadWithAoa(ckpt.metadata, aoa, ranks, po, "aoa_config");
   if (!plan.ok()) return fail_all(plan.status());
   const double plan_s = Seconds(t0);
 
