@@ -166,7 +166,7 @@ absl::StatusOr<LoadPlan> PlanLoad(const CheckpointMetadata& metadata,
       const ShardMeta* exact = nullptr;
       for (const ShardMeta& s : tm.shards) {
         if (s.replica_id == 0 && s.box == t.box && s.flat_range == t.flat_range &&
-            !s.window && absl::StartsWith(s.file, own)) {
+            !s.window && s.perm.empty() && absl::StartsWith(s.file, own)) {
           exact = &s;
           break;
         }

@@ -3,6 +3,8 @@
 #include "core/aoa.h"
 
 #include <algorithm>
+#include <chrono>
+#include <cstdio>
 #include <cstring>
 #include <numeric>
 #include <random>
@@ -800,6 +802,92 @@ TEST_F(AoaLoad, WindowedShardNeverTakesTheLocalFastPath) {
   auto res2 = Load(Dir("native"), MakeLayout({{Whole("r", {1, 6})}}), "s -> r");
   ASSERT_TRUE(res2.ok()) << res2.status();
   EXPECT_TRUE(res2->plan.ranks[0].local_fast_path);
+}
+
+// Same for a transposed shard: its flat range counts in storage order, so a
+// target with the same box and the same numbers is not the same elements.
+TEST_F(AoaLoad, TransposedFlatShardNeverTakesTheLocalFastPath) {
+  Dense a = Iota({2, 3});
+  WriteHf(Dir("hf"), {{"a", a}});
+  Layout save = MakeLayout({{Target("a", {2, 3}, Box{{0, 0}, {2, 3}}, DType::kF32, FlatRange{0, 3})},
+                            {Target("a", {2, 3}, Box{{0, 0}, {2, 3}}, DType::kF32, FlatRange{3, 6})}});
+  ASSERT_TRUE(ShardCheckpoint(Dir("hf"), save, Dir("native"), ShardOptions{}).ok());
+  Layout l = MakeLayout({{Target("b", {3, 2}, Box{{0, 0}, {3, 2}}, DType::kF32, FlatRange{0, 3})},
+                         {Target("b", {3, 2}, Box{{0, 0}, {3, 2}}, DType::kF32, FlatRange{3, 6})}});
+  auto res = Load(Dir("native"), l, "a^T -> b");
+  ASSERT_TRUE(res.ok()) << res.status();
+  ExpectExact(*res, l, {{"b", T2(a)}});
+  EXPECT_FALSE(res->plan.ranks[0].local_fast_path);
+}
+
+// Scale: an 80-layer model with optimizer states, saved at TP=8 (every
+// tensor 8 shards), mapped by macro statements into a fused, transposed
+// layout at TP=8: resolution and planning stay well within a second or two.
+TEST(AoaResolve, LargeModelPlansQuickly) {
+  const int kLayers = 80, kTp = 8;
+  const int64_t hid = 1024, ffn = 2048;
+  CheckpointMetadata md;
+  uint64_t off = 0;
+  auto add = [&](const std::string& name, Shape shape) {
+    TensorMeta tm;
+    tm.dtype = DType::kBF16;
+    tm.global_shape = shape;
+    for (int r = 0; r < kTp; ++r) {
+      ShardMeta sh;
+      sh.file = std::to_string(r) + "_0.safetensors";
+      sh.box = Slab(shape, 0, r, kTp);
+      sh.dtype = DType::kBF16;
+      sh.nbytes = NumElements(sh.box.shape) * 2;
+      sh.data_offset = off;
+      off += sh.nbytes;
+      tm.shards.push_back(sh);
+    }
+    md.tensors[name] = tm;
+  };
+  for (int l = 0; l < kLayers; ++l) {
+    const std::string p = "model.layers." + std::to_string(l) + ".";
+    for (const std::string sfx : {"", ".moment1_0", ".moment2_0"}) {
+      add(p + "q_proj.weight" + sfx, {hid, hid});
+      add(p + "k_proj.weight" + sfx, {hid / 4, hid});
+      add(p + "v_proj.weight" + sfx, {hid / 4, hid});
+      add(p + "o_proj.weight" + sfx, {hid, hid});
+      add(p + "gate_proj.weight" + sfx, {ffn, hid});
+      add(p + "up_proj.weight" + sfx, {ffn, hid});
+      add(p + "down_proj.weight" + sfx, {hid, ffn});
+    }
+  }
+  const std::string aoa =
+      "model.layers.$LAYER_ID.q_proj.weight^T, model.layers.$LAYER_ID.k_proj.weight^T, "
+      "model.layers.$LAYER_ID.v_proj.weight^T -> l.$LAYER_ID.qkv, fused_qkv, num_heads=16, "
+      "num_key_value_groups=4\n"
+      "model.layers.$LAYER_ID.gate_proj.weight^T, model.layers.$LAYER_ID.up_proj.weight^T -> "
+      "l.$LAYER_ID.gate_up, fused_ffn\n"
+      "model.layers.$LAYER_ID.o_proj.weight^T -> l.$LAYER_ID.o\n"
+      "model.layers.$LAYER_ID.down_proj.weight^T -> l.$LAYER_ID.down\n";
+  std::vector<RankTargets> ranks(kTp);
+  for (int r = 0; r < kTp; ++r) {
+    ranks[r].rank = r;
+    for (int l = 0; l < kLayers; ++l) {
+      const std::string p = "l." + std::to_string(l) + ".";
+      for (const std::string sfx : {"", ".moment1_0", ".moment2_0"}) {
+        ranks[r].tensors.push_back(Target(p + "qkv" + sfx, {hid, 3 * hid / 2}, Slab({hid, 3 * hid / 2}, 1, r, kTp)));
+        ranks[r].tensors.push_back(Target(p + "gate_up" + sfx, {hid, 2 * ffn}, Slab({hid, 2 * ffn}, 1, r, kTp)));
+        ranks[r].tensors.push_back(Target(p + "o" + sfx, {hid, hid}, Slab({hid, hid}, 0, r, kTp)));
+        ranks[r].tensors.push_back(Target(p + "down" + sfx, {ffn, hid}, Slab({ffn, hid}, 0, r, kTp)));
+      }
+    }
+  }
+  const auto t0 = std::chrono::steady_clock::now();
+  auto plan = PlanLoadWithAoa(md, aoa, ranks);
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  EXPECT_TRUE(plan->missing_keys.empty());
+  EXPECT_TRUE(plan->unexpected_keys.empty());
+  uint64_t total = 0;
+  for (const auto& [n, t] : md.tensors) total += NumElements(t.global_shape) * 2;
+  EXPECT_EQ(plan->bytes_to_read, total);  // everything once
+  std::printf("80 layers x 21 tensors x %d shards -> %d ranks: resolve + plan %.3f s\n", kTp, kTp, s);
+  EXPECT_LT(s, 30.0);
 }
 
 // No statements (or only comments): exactly PlanLoad.
