@@ -9,6 +9,7 @@
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/str_cat.h"
+#include "client/cuda/device_export.h"
 #include "core/status_macros.h"
 #include "proto/ckpt.grpc.pb.h"
 #include "server/fd_channel.h"
@@ -211,7 +212,17 @@ absl::StatusOr<LoadReport> Client::Load(const LoadSpec& spec,
                                           &own, &offsets));
   }
   AddTargets(spec.tensors, offsets, req.mutable_targets());
-  if (shm) {
+  if (spec.transport == Transport::kCudaIpc) {
+    std::vector<const void*> ptrs;
+    std::vector<uint64_t> sizes;
+    std::vector<std::string> names;
+    for (const TensorSpec& t : spec.tensors) {
+      ptrs.push_back(t.device_buffer);
+      sizes.push_back(t.num_bytes());
+      names.push_back(t.name);
+    }
+    CKPT_RETURN_IF_ERROR(AddCudaIpcDestination(ptrs, sizes, names, &req));
+  } else if (shm) {
     CKPT_ASSIGN_OR_RETURN(std::string token,
                           SendFd(FdSocketPath(rep_->options.socket), arena->fd(),
                                  rep_->options.connect_timeout));

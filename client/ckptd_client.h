@@ -58,11 +58,17 @@ struct TensorSpec {
   // load) or, when `buffer` is null, `arena_offset` inside LoadSpec::arena.
   void* buffer = nullptr;
   uint64_t arena_offset = 0;
+  // Transport::kCudaIpc: the tensor's device memory in this process
+  // (cudaMalloc'd, or carved from a DeviceArena in client/cuda/
+  // device_export.h so a rank exports one handle per device).
+  void* device_buffer = nullptr;
 
   uint64_t num_bytes() const;
 };
 
-enum class Transport { kShm, kStream };
+// kCudaIpc: the daemon copies straight into device memory (a ckptd and
+// client built with --config=cuda, on a node with GPUs).
+enum class Transport { kShm, kStream, kCudaIpc };
 
 struct LoadSpec {
   std::string job_id;

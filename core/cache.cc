@@ -10,10 +10,28 @@
 
 namespace ckpt {
 
+// Bytes of one entry; freed through the allocator they came from.
+struct HostCache::Buffer {
+  HostAllocator* allocator = nullptr;
+  uint8_t* p = nullptr;
+  uint64_t n = 0;
+  Buffer() = default;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer() {
+    if (p == nullptr) return;
+    if (allocator != nullptr) {
+      allocator->Free(p, n);
+    } else {
+      delete[] p;
+    }
+  }
+};
+
 struct HostCache::Pending {
   HostCache* cache;
   uint64_t n;
-  std::unique_ptr<uint8_t[]> data;
+  std::unique_ptr<Buffer> data;
   bool published = false;
   ~Pending() {
     if (!published) {
@@ -28,7 +46,7 @@ struct HostCache::Entry {
   FileStamp stamp;
   uint64_t offset = 0;
   uint64_t n = 0;
-  std::unique_ptr<uint8_t[]> data;
+  std::unique_ptr<Buffer> data;
   std::list<EntryPtr>::iterator lru;
 };
 
@@ -75,7 +93,7 @@ std::optional<RangeView> HostCache::Lookup(const std::string& path, const FileSt
         TouchLocked(e);
         ++stats_.hits;
         EntryPtr pin = e;
-        return RangeView{e->data.get() + (offset - e->offset), std::move(pin), false};
+        return RangeView{e->data->p + (offset - e->offset), std::move(pin), false};
       }
     }
   }
@@ -118,8 +136,17 @@ std::shared_ptr<HostCache::Pending> HostCache::Reserve(uint64_t n) {
 }
 
 uint8_t* HostCache::PendingData(const std::shared_ptr<Pending>& p) {
-  if (!p->data) p->data.reset(new uint8_t[p->n]);
-  return p->data.get();
+  if (!p->data) {
+    auto b = std::make_unique<Buffer>();
+    b->n = p->n;
+    if (allocator_ != nullptr) {
+      b->p = allocator_->Allocate(p->n);
+      if (b->p != nullptr) b->allocator = allocator_;
+    }
+    if (b->p == nullptr) b->p = new uint8_t[p->n];
+    p->data = std::move(b);
+  }
+  return p->data->p;
 }
 
 RangeView HostCache::Publish(std::shared_ptr<Pending> p, const std::string& path,
@@ -147,7 +174,7 @@ RangeView HostCache::Publish(std::shared_ptr<Pending> p, const std::string& path
   files.emplace(offset, e);
   ++stats_.entries;
   stats_.bytes += e->n;
-  return RangeView{e->data.get(), e, false};
+  return RangeView{e->data->p, e, false};
 }
 
 std::pair<uint64_t, uint64_t> HostCache::EvictPrefix(const std::string& prefix) {

@@ -48,9 +48,22 @@ struct CacheStats {
   uint64_t evictions = 0;
 };
 
+// Where HostCache entries get their memory. The default is new[]; the
+// daemon plugs in page-locked memory when CUDA is present (server/cuda), so
+// cached bytes can be DMA'd to devices directly. Thread-safe.
+class HostAllocator {
+ public:
+  virtual ~HostAllocator() = default;
+  // Returns `n` bytes, or nullptr when out of memory.
+  virtual uint8_t* Allocate(uint64_t n) = 0;
+  virtual void Free(uint8_t* p, uint64_t n) = 0;
+};
+
 class HostCache {
  public:
-  explicit HostCache(uint64_t budget_bytes) : budget_(budget_bytes) {}
+  // `allocator` (optional, not owned) must outlive the cache.
+  explicit HostCache(uint64_t budget_bytes, HostAllocator* allocator = nullptr)
+      : budget_(budget_bytes), allocator_(allocator) {}
   HostCache(const HostCache&) = delete;
   HostCache& operator=(const HostCache&) = delete;
 
@@ -82,7 +95,10 @@ class HostCache {
   bool EvictOneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void TouchLocked(const EntryPtr& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  struct Buffer;  // entry bytes from allocator_ (or new[])
+
   const uint64_t budget_;
+  HostAllocator* const allocator_;
   mutable absl::Mutex mu_;
   // Bytes of published entries plus reservations.
   uint64_t used_ ABSL_GUARDED_BY(mu_) = 0;

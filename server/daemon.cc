@@ -79,12 +79,26 @@ MappedSegment::~MappedSegment() {
 
 // --- Jobs ------------------------------------------------------------------
 
+namespace {
+gpu::GpuOptions GpuOptionsOf(const DaemonConfig& c) {
+  gpu::GpuOptions o;
+  const char* pin = std::getenv("CKPTD_PIN_CACHE");  // "0": keep the data cache pageable
+  o.pin_cache = pin == nullptr || std::string(pin) != "0";
+  o.pinned_limit = c.cache_budget + 2 * o.pinned_chunk;  // room for fragmentation
+  return o;
+}
+}  // namespace
+
 Daemon::Daemon(DaemonConfig config)
-    : config_(std::move(config)), started_(absl::Now()), cache_(config_.cache_budget) {}
+    : config_(std::move(config)),
+      started_(absl::Now()),
+      gpu_(gpu::CreateGpuRuntime(GpuOptionsOf(config_))),
+      cache_(config_.cache_budget, gpu_->host_allocator()) {}
 
 Daemon::~Daemon() { Stop(); }
 
 absl::Status Daemon::Start() {
+  spdlog::info("gpu: {}", gpu_->Describe());
   if (!config_.socket.empty()) {
     CKPT_ASSIGN_OR_RETURN(fd_receiver_, FdReceiver::Start(FdSocketPath(config_.socket),
                                                           config_.socket_mode,
@@ -290,8 +304,11 @@ absl::StatusOr<std::shared_ptr<Daemon::RankSlot>> Daemon::PrepareSlot(
             who, ": two targets overlap in the segment at byte ", ranges[i].first));
       }
     }
+  } else if (req.has_cuda_ipc()) {
+    CKPT_RETURN_IF_ERROR(PrepareDeviceSlot(req, who, *slot));
   } else if (!req.has_stream()) {
-    return absl::InvalidArgumentError(absl::StrCat(who, ": no destination (shm or stream)"));
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, ": no destination (shm, stream or cuda_ipc)"));
   }
   return slot;
 }
@@ -328,6 +345,7 @@ std::vector<void*> PrepareDestinations(Daemon::RankSlot& s, const ckpt::RankPlan
     }
     return dests;
   }
+  if (s.device) return dests;  // device buffers: Daemon::JobDelivery
   s.stream_buffers.resize(plan.targets.size());
   for (size_t t = 0; t < plan.targets.size(); ++t) {
     s.stream_buffers[t].resize(plan.targets[t].num_bytes());
@@ -739,7 +757,8 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
     job->total = plan->bytes_to_read;
   }
   ckpt::CachingSource source(job->path, &cache_, (*opened)->stamps);
-  ckpt::HostDelivery delivery(dests);
+  auto delivery = JobDelivery(slots, std::move(dests));
+  if (!delivery.ok()) return fail_all(delivery.status());
   ckpt::ExecuteOptions eo;
   eo.threads = config_.io_threads;
   eo.verify_checksums = !(slots.front()->request.skip_verify());
@@ -747,7 +766,7 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
   eo.skip_rank = [&](size_t i) { return skip[i] || slots[i]->cancelled(); };
   eo.deadline = std::chrono::steady_clock::now() +
                 std::chrono::milliseconds(absl::ToInt64Milliseconds(config_.load_timeout));
-  auto stats = ckpt::ExecutePlan(*plan, source, delivery, eo);
+  auto stats = ckpt::ExecutePlan(*plan, source, **delivery, eo);
   if (!stats.ok()) return fail_all(stats.status());
   bytes_read_total_ += stats->bytes_read;
 
@@ -879,6 +898,8 @@ v1::StatusResponse Daemon::Status() {
   resp.set_bytes_read_total(bytes_read_total_);
   resp.set_bytes_delivered_total(bytes_delivered_total_);
   for (const auto& r : config_.roots) resp.add_roots(r);
+  resp.set_gpu(gpu_->Describe());
+  resp.set_cache_pinned_bytes(gpu_->pinned_bytes());
   resp.set_peer_address(config_.peer_listen);
   for (const std::string& p : PeerAddresses()) {
     v1::PeerHealth* ph = resp.add_peers();

@@ -28,6 +28,7 @@
 #include "core/planner.h"
 #include "proto/ckpt.pb.h"
 #include "proto/peer.grpc.pb.h"
+#include "server/cuda/gpu.h"
 #include "server/fd_channel.h"
 
 namespace ckptd {
@@ -123,6 +124,12 @@ class Daemon {
   absl::StatusOr<std::shared_ptr<const OpenedCheckpoint>> OpenCached(
       const std::string& dir, std::optional<int64_t> unique_id, bool all_files_local = true);
   absl::StatusOr<std::shared_ptr<RankSlot>> PrepareSlot(const v1::LoadRequest& request);
+  // cuda_ipc destinations (daemon_gpu.cc): validates the rank's device
+  // targets and opens its buffers; the delivery of a job's ranks.
+  absl::Status PrepareDeviceSlot(const v1::LoadRequest& request, const std::string& who,
+                                 RankSlot& slot);
+  absl::StatusOr<std::unique_ptr<ckpt::Delivery>> JobDelivery(
+      const std::vector<std::shared_ptr<RankSlot>>& slots, std::vector<std::vector<void*>> dests);
   // Adds `slot` to its job (created on first use); returns the job and
   // whether this caller completed the barrier and must run the job.
   absl::StatusOr<std::pair<std::shared_ptr<Job>, bool>> Register(
@@ -144,6 +151,8 @@ class Daemon {
 
   const DaemonConfig config_;
   const absl::Time started_;
+  // Before cache_: the cache's memory may come from its pinned allocator.
+  std::unique_ptr<gpu::GpuRuntime> gpu_;
   ckpt::HostCache cache_;
   std::unique_ptr<FdReceiver> fd_receiver_;
 

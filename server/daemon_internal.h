@@ -29,6 +29,7 @@ struct Daemon::RankSlot {
   ckpt::RankTargets targets;
   std::unique_ptr<MappedSegment> segment;              // shm destination
   std::vector<std::vector<uint8_t>> stream_buffers;    // stream destination
+  std::shared_ptr<const gpu::DeviceBuffers> device;    // cuda_ipc destination
   std::function<bool()> cancelled;
   absl::Time registered;
   std::chrono::steady_clock::time_point start;

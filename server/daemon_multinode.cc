@@ -36,6 +36,7 @@
 #include "server/daemon.h"
 #include "server/daemon_internal.h"
 #include "server/metrics.h"
+#include "server/peer_nccl.h"
 #include "server/plan_codec.h"
 
 namespace ckptd {
@@ -309,6 +310,18 @@ absl::StatusOr<peer::v1::PlanPart> Daemon::CoordinatePlan(const std::shared_ptr<
     }
     spdlog::info("coordinator job={} nodes={} ranks={} reads={} plan={:.4f}s storage reads: {}",
                  dj->id, nodes.size(), ranks.size(), plan.reads.size(), plan_s, balance);
+    // NCCL between the nodes when every one of them can (peer_nccl.h).
+    bool nccl = nodes.size() > 1;
+    for (const auto& j : joins) nccl = nccl && j.nccl();
+    if (nccl) {
+      auto id = gpu_->NewNcclId();
+      if (id.ok()) {
+        for (auto& [n, p] : parts) p.set_nccl_id(*id);
+      } else {
+        spdlog::warn("coordinator job={}: no NCCL id ({}); peers use gRPC", dj->id,
+                     id.status().ToString());
+      }
+    }
     return parts;
   };
   auto parts = plan_all();
@@ -524,6 +537,12 @@ class DistSource final : public ckpt::RangeSource {
       publish_(g, v);
       return v;
     }
+    if (links_ != nullptr && links_->Receives(g)) {
+      if (auto v = links_->Take(g, absl::Now() + timeout_)) {
+        received_ += n;
+        return *v;
+      }  // links failed: gRPC below
+    }
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
@@ -555,8 +574,10 @@ class DistSource final : public ckpt::RangeSource {
   }
 
   uint64_t received() const { return received_.load(); }
+  void set_links(NcclTransfers* links) { links_ = links; }
 
  private:
+  NcclTransfers* links_ = nullptr;
   const std::string me_, job_id_;
   ckpt::RangeSource* storage_;
   const std::map<std::pair<std::string, uint64_t>, uint32_t> global_index_;
@@ -600,6 +621,7 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
   if (job->unique_id) own.set_unique_id(*job->unique_id);
   own.set_world_size(job->world_size);
   own.set_coordinator_rank(coord_rank);
+  own.set_nccl(NcclWanted(*gpu_));
   for (const auto& s : slots) {
     peer::v1::RankTargetsMsg* rm = own.add_ranks();
     rm->set_rank(s->targets.rank);
@@ -746,7 +768,23 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
           sent += it->second.length * it->second.remaining;
         },
         [this](const std::string& a) { return PeerStub(a); }, config_.peer_timeout);
-    ckpt::HostDelivery delivery(dests);
+    std::unique_ptr<NcclTransfers> nccl = StartNcclTransfers(
+        gpu_.get(), part, me, config_.peer_timeout,
+        [this, dj](uint32_t g, absl::Time deadline) -> absl::StatusOr<ckpt::RangeView> {
+          absl::MutexLock lock(&peer_mu_);
+          auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) {
+            auto it = dj->served.find(g);
+            return it == dj->served.end() || it->second.ready;
+          };
+          peer_mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
+          auto it = dj->served.find(g);
+          if (it == dj->served.end() || !it->second.ready || it->second.view.data == nullptr) {
+            return absl::UnavailableError(absl::StrCat("read ", g, " is not available to send"));
+          }
+          return it->second.view;
+        });
+    source.set_links(nccl.get());
+    auto delivery = JobDelivery(slots, std::move(dests));
     ckpt::ExecuteOptions eo;
     eo.threads = config_.io_threads;
     eo.verify_checksums = !slots.front()->request.skip_verify();
@@ -754,8 +792,17 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
     eo.skip_rank = [&](size_t i) { return slots[i]->cancelled(); };
     eo.deadline = std::chrono::steady_clock::now() +
                   std::chrono::milliseconds(absl::ToInt64Milliseconds(config_.load_timeout));
-    auto st = ckpt::ExecutePlan(lp, source, delivery, eo);
+    auto st = delivery.ok() ? ckpt::ExecutePlan(lp, source, **delivery, eo)
+                            : absl::StatusOr<ckpt::LoadStats>(delivery.status());
     received = source.received();
+    if (nccl != nullptr) {
+      // Our own part is done; peers may still be receiving our reads.
+      if (st.ok()) {
+        nccl->Finish(absl::Now() + config_.peer_timeout).IgnoreError();  // logged; gRPC serves
+      } else {
+        nccl->Abort();
+      }
+    }
     if (st.ok()) {
       stats = *st;
     } else {

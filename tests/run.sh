@@ -22,7 +22,23 @@ fi
 bazel "${BAZEL_ARGS[@]}" test //... 2>&1 | tail -n 60
 test_rc=${PIPESTATUS[0]}
 
-/usr/bin/python3 tools/count_tests.py bazel-testlogs "$test_rc"
+# The GPU path (issue 8) must compile and link with CUDA wherever the toolkit
+# is installed, GPU or not: one more test case. (The GPU tests themselves run
+# with tests/gpu/run.sh on a machine with a GPU.)
+EXTRA=()
+if [ -x /usr/local/cuda/bin/nvcc ]; then
+  bazel "${BAZEL_ARGS[@]}" build --config=cuda //server:ckptd //tests/gpu/... 2>&1 | tail -n 20
+  if [ "${PIPESTATUS[0]}" -eq 0 ]; then
+    EXTRA+=(--extra "cuda build (--config=cuda //server:ckptd //tests/gpu/...)=pass")
+  else
+    EXTRA+=(--extra "cuda build (--config=cuda //server:ckptd //tests/gpu/...)=fail")
+  fi
+else
+  echo "cuda build skipped: /usr/local/cuda/bin/nvcc not found"
+  EXTRA+=(--extra "cuda build (no CUDA toolkit)=skip")
+fi
+
+/usr/bin/python3 tools/count_tests.py bazel-testlogs "$test_rc" "${EXTRA[@]}"
 count_rc=$?
 if [ "$test_rc" -ne 0 ] || [ "$count_rc" -ne 0 ]; then exit 1; fi
 exit 0

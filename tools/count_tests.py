@@ -4,14 +4,28 @@
 Prints one line per failing case, then "N passed, N failed". A test target
 whose XML has no test cases (a shell test) counts as one case. Exits 1 when
 anything failed or nothing ran.
+
+  count_tests.py [TESTLOGS [BAZEL_RC]] [--extra NAME=pass|fail|skip ...]
+
+--extra adds a case checked outside `bazel test` (tests/run.sh: the
+--config=cuda build); a skipped one counts as passed, like skipped cases.
 """
 import os
 import sys
 import xml.etree.ElementTree as ET
 
 
-def main(root, bazel_rc=0):
+def main(root, bazel_rc=0, extra=()):
     passed = failed = 0
+    for item in extra:
+        name, _, result = item.rpartition("=")
+        if result == "fail":
+            failed += 1
+            print(f"FAILED {name}")
+        else:
+            passed += 1
+            if result == "skip":
+                print(f"SKIPPED {name}")
     for dirpath, _, files in os.walk(root, followlinks=True):
         if "test.xml" not in files:
             continue
@@ -50,5 +64,13 @@ def main(root, bazel_rc=0):
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1] if len(sys.argv) > 1 else "bazel-testlogs",
-                  int(sys.argv[2]) if len(sys.argv) > 2 else 0))
+    args, extra = [], []
+    argv = sys.argv[1:]
+    while argv:
+        a = argv.pop(0)
+        if a == "--extra" and argv:
+            extra.append(argv.pop(0))
+        else:
+            args.append(a)
+    sys.exit(main(args[0] if args else "bazel-testlogs",
+                  int(args[1]) if len(args) > 1 else 0, extra))

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from . import _proto
+from . import _cuda, _proto
 from ._shm import Segment, align, find_arena, fd_socket_path, send_fd
 from ._tensors import flatten
 from .errors import CkptdError, from_rpc_error
@@ -286,12 +286,25 @@ class Client:
 
     def load_state_dict(self, state_dict, path, *, rank=None, world_size=None, job_id=None,
                         unique_id=None, timeout=600.0, strict=False, node_ranks=None,
-                        barrier_timeout=None, verify=True, transport="shm", progress=None):
+                        barrier_timeout=None, verify=True, transport="auto", progress=None):
         """See ckptd.load_state_dict."""
         t0 = time.perf_counter()
         entries, skipped = flatten(state_dict)
         rank, world_size, node_ranks = resolve_ranks(rank, world_size, node_ranks)
         job_id = resolve_job_id(job_id, "load", world_size)
+        if transport == "auto":
+            transport = "shm"
+            if entries and all(_cuda.is_cuda_entry(e) for e in entries):
+                try:
+                    return self.load_state_dict(
+                        state_dict, path, rank=rank, world_size=world_size, job_id=job_id,
+                        unique_id=unique_id, timeout=timeout, strict=strict,
+                        node_ranks=node_ranks, barrier_timeout=barrier_timeout, verify=verify,
+                        transport="cuda_ipc", progress=progress)
+                except CkptdError as err:
+                    if not _cuda.fallback_ok(err):
+                        raise
+                    # Refused before the job registered: the same job id goes over shm.
         for e in entries:
             if e.array is not None and not e.array.flags.writeable:
                 raise CkptdError("INVALID_ARGUMENT", f"'{e.key}': the numpy array is read-only")
@@ -325,14 +338,30 @@ class Client:
                 timings["client_send_fd_s"] = time.perf_counter() - t1
                 req.shm.fd_token = token
                 req.shm.size = size
+            elif transport == "cuda_ipc":
+                if self.tcp:
+                    raise CkptdError("INVALID_ARGUMENT", "transport='cuda_ipc' needs the daemon of "
+                                     "this node (its Unix socket)")
+                for e in entries:
+                    if not _cuda.is_cuda_entry(e):
+                        raise CkptdError("INVALID_ARGUMENT", f"'{e.key}': transport='cuda_ipc' "
+                                         "needs contiguous torch CUDA tensors")
+                buffers, placements = _cuda.export(entries)
+                offsets = [off for _, off in placements]
+                req.targets.extend(self._targets(entries, offsets))
+                for t, (b, _) in zip(req.targets, placements):
+                    t.dest_buffer = b
+                for b in buffers:
+                    req.cuda_ipc.buffers.add(**b)
+                report.zero_copy = True  # the daemon writes the tensors themselves
             elif transport == "stream":
                 offsets, size = _layout(entries)
                 staging = np.empty(max(size, 1), dtype=np.uint8)
                 req.targets.extend(self._targets(entries, offsets))
                 req.stream.SetInParent()
             else:
-                raise CkptdError("INVALID_ARGUMENT",
-                                 f"transport must be 'shm' or 'stream', not {transport!r}")
+                raise CkptdError("INVALID_ARGUMENT", "transport must be 'auto', 'shm', 'stream' or "
+                                 f"'cuda_ipc', not {transport!r}")
             timings["client_prepare_s"] = time.perf_counter() - t0
 
             t1 = time.perf_counter()
@@ -507,7 +536,7 @@ def next_unique_id(path):
 
 def load_state_dict(state_dict, path, *, rank=None, world_size=None, job_id=None, unique_id=None,
                     socket=None, timeout=600.0, strict=False, node_ranks=None,
-                    barrier_timeout=None, verify=True, transport="shm", progress=None):
+                    barrier_timeout=None, verify=True, transport="auto", progress=None):
     """Fills the tensors of `state_dict` in place from checkpoint `path`, through ckptd.
 
     state_dict: a dict (nested dicts are flattened with "."; int keys become
@@ -531,6 +560,11 @@ def load_state_dict(state_dict, path, *, rank=None, world_size=None, job_id=None
     The daemon writes into a memfd segment shared with this process, and the
     values are copied from there into the tensors; tensors allocated in a
     SharedArena are filled in place with no copy at all.
+    transport: "auto" (default): "cuda_ipc" when every tensor is a contiguous
+      torch CUDA tensor, else "shm"; "cuda_ipc": the daemon (built with CUDA)
+      copies straight into the tensors' device memory (exported with CUDA IPC);
+      "auto" falls back to "shm" when that path is unavailable. "stream": the
+      bytes come back in the gRPC stream (also over TCP).
 
     Returns a LoadReport. Raises CkptdError.
     """

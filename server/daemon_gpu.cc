@@ -1,0 +1,51 @@
+// The daemon's device destinations (cuda_ipc): validation, opening the
+// client's exported buffers, and the delivery of a job's ranks. The CUDA
+// work itself is behind gpu::GpuRuntime (server/cuda/gpu.h).
+#include "absl/strings/str_cat.h"
+#include "core/status_macros.h"
+#include "server/daemon.h"
+#include "server/daemon_internal.h"
+
+namespace ckptd {
+
+absl::Status Daemon::PrepareDeviceSlot(const v1::LoadRequest& req, const std::string& who,
+                                       RankSlot& slot) {
+  std::vector<gpu::IpcBuffer> buffers;
+  for (const v1::CudaBuffer& b : req.cuda_ipc().buffers()) {
+    buffers.push_back(gpu::IpcBuffer{b.ipc_handle(), b.device(), b.device_uuid(), b.size()});
+  }
+  std::vector<std::pair<uint32_t, uint64_t>> targets;
+  std::vector<uint64_t> sizes;
+  std::vector<std::string> names;
+  for (int i = 0; i < req.targets_size(); ++i) {
+    targets.push_back({req.targets(i).dest_buffer(), req.targets(i).dest_offset()});
+    sizes.push_back(slot.targets.tensors[i].num_bytes());
+    names.push_back(req.targets(i).name());
+  }
+  CKPT_RETURN_IF_ERROR(gpu::ValidateDeviceTargets(buffers, targets, sizes, names, who));
+  CKPT_ASSIGN_OR_RETURN(slot.device, gpu_->OpenIpc(buffers, who));
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::unique_ptr<ckpt::Delivery>> Daemon::JobDelivery(
+    const std::vector<std::shared_ptr<RankSlot>>& slots, std::vector<std::vector<void*>> dests) {
+  bool any_device = false;
+  for (const auto& s : slots) any_device |= s->device != nullptr;
+  if (!any_device) return std::unique_ptr<ckpt::Delivery>(new ckpt::HostDelivery(std::move(dests)));
+  std::vector<gpu::RankDestination> ranks(slots.size());
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const RankSlot& s = *slots[i];
+    gpu::RankDestination& d = ranks[i];
+    if (s.device == nullptr) {
+      d.host = std::move(dests[i]);
+      continue;
+    }
+    d.device = s.device;
+    for (const v1::Target& t : s.request.targets()) {
+      d.device_targets.push_back({t.dest_buffer(), t.dest_offset()});
+    }
+  }
+  return gpu_->MakeDelivery(std::move(ranks));
+}
+
+}  // namespace ckptd
