@@ -227,6 +227,31 @@ class OpsTest(unittest.TestCase):
             rc, msg = promtool_check(a.scrape())
             self.assertEqual((rc, msg), (0, ""))
 
+    def test_multi_node_load_counts_peer_bytes(self):
+        p1, p2 = free_port(), free_port()
+        peers = f"127.0.0.1:{p1},127.0.0.1:{p2}"
+        with MetricsDaemon(self.root, "--peer-listen", f"127.0.0.1:{p1}", "--peers", peers) as a, \
+                MetricsDaemon(self.root, "--peer-listen", f"127.0.0.1:{p2}", "--peers", peers) as b:
+            r = ckptctl("load", self.ckpt, "--layout", LAYOUT_TP4, "--out",
+                        tempfile.mkdtemp(dir=self.out), "--daemon", f"{a.socket},{b.socket}",
+                        "--json")
+            report = json.loads(r.stdout)
+            ma, mb = parse_metrics(a.scrape()), parse_metrics(b.scrape())
+            for m in (ma, mb):
+                self.assertEqual(m[("ckptd_load_jobs_total", (("result", "ok"),))], 1)
+                self.assertEqual(m[("ckptd_loads_succeeded_total", ())], 2)  # 2 ranks each
+                self.assertEqual(m[("ckptd_peer_up", (("peer", f"127.0.0.1:{p2 if m is ma else p1}"),))], 1)
+            received = (ma[("ckptd_peer_received_bytes_total", ())] +
+                        mb[("ckptd_peer_received_bytes_total", ())])
+            sent = ma[("ckptd_peer_sent_bytes_total", ())] + mb[("ckptd_peer_sent_bytes_total", ())]
+            self.assertGreater(received, 0)
+            self.assertEqual(received, sent)
+            # Every byte was read from storage once, by one node or the other.
+            self.assertEqual(ma[("ckptd_storage_read_bytes_total", ())] +
+                             mb[("ckptd_storage_read_bytes_total", ())], report["bytes_read"])
+            self.assertIn("load job=", a.read_log())
+            self.assertRegex(a.read_log() + b.read_log(), r"from_peers=[1-9]\d*B")
+
     def test_prometheus_server_scrapes_ckptd(self):
         """Debian's prometheus, on loopback, scrapes ckptd every second and
         evaluates the example alert rules (deploy/prometheus)."""
@@ -383,7 +408,9 @@ class OpsTest(unittest.TestCase):
         port = free_port()
         with testlib.Daemon(self.root, "--config", cfg, "--peer-listen",
                             f"127.0.0.1:{port}") as d:
-            self.assertEqual(grpc_health(f"127.0.0.1:{port}"), "SERVING")
+            # The peer listener comes up just after the socket the helper waits for.
+            wait_for("the peer port to serve",
+                     lambda: grpc_health(f"127.0.0.1:{port}") == "SERVING", timeout=10)
             # Rank 0 of a 4-rank job waits at the barrier: a load in flight.
             waiter = subprocess.Popen(
                 [CKPTCTL, "load", self.ckpt, "--layout", LAYOUT_TP4, "--out",
