@@ -337,8 +337,16 @@ class CudaDelivery final : public ckpt::Delivery {
     const uint64_t row_bytes = static_cast<uint64_t>(k.width) * dsz;
     auto room = [&](uint64_t need) -> absl::Status {
       if (lane.staging_used + need <= kStagingBytes) return absl::OkStatus();
-      lane.staging_used = 0;  // wait until earlier copies have read it
-      return CudaError(cudaStreamSynchronize(st), absl::StrCat("copy to device for ", what));
+      // Wait until earlier copies (on any of the lane's devices) have read it.
+      lane.staging_used = 0;
+      absl::Status s;
+      for (int dev : lane.dirty) {
+        if (s.ok()) {
+          s = CudaError(cudaStreamSynchronize(lane.streams.at(dev)),
+                        absl::StrCat("copy to device for ", what));
+        }
+      }
+      return s;
     };
     if (row_bytes > kStagingBytes) {  // very long rows: piece by piece
       const int64_t per = kStagingBytes / dsz;
