@@ -45,7 +45,12 @@ NcclTransfers::NcclTransfers(gpu::GpuRuntime* gpu, gpu::PeerLinkSpec spec,
 }
 
 NcclTransfers::~NcclTransfers() {
-  Abort();
+  bool done;
+  {
+    absl::MutexLock lock(&mu_);
+    done = done_;
+  }
+  if (!done) Abort();  // a finished communicator is finalized instead
   if (thread_.joinable()) thread_.join();
 }
 

@@ -40,8 +40,10 @@ absl::Status CudaError(cudaError_t e, const std::string& what) {
 // sources, small gathered rows): page-locked, reused across jobs.
 constexpr uint64_t kStagingBytes = 32ull << 20;
 // Rows narrower than this whose destination is contiguous are gathered on
-// the host into staging and sent with one linear copy.
-constexpr int64_t kGatherBelow = 64 << 10;
+// the host into staging and sent with one linear copy: the copy engines move
+// 2-D copies row by row, which is slow for tiny rows but at full speed for
+// rows of a KiB and more (so those go directly, with no host pass).
+constexpr int64_t kGatherBelow = 1 << 10;
 
 using GetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
 

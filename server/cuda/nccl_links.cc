@@ -43,13 +43,10 @@ class NcclLinks final : public PeerLinks {
   }
 
   ~NcclLinks() override {
-    if (comm_ != nullptr) {
+    if (comm_ != nullptr && !aborted_) {
       cudaSetDevice(spec_.device);
-      if (aborted_) {
-        // already aborted
-      } else if (ok_) {
-        ncclCommFinalize(comm_);
-        Wait("finalize").IgnoreError();
+      ncclResult_t r = ok_ && !Cancelled() ? ncclCommFinalize(comm_) : ncclInternalError;
+      if ((r == ncclSuccess || r == ncclInProgress) && Wait("finalize").ok()) {
         ncclCommDestroy(comm_);
       } else {
         ncclCommAbort(comm_);
