@@ -105,28 +105,30 @@ double TouchPages(uint8_t* p, uint64_t n, uint8_t value) {
 
 // --- limits ------------------------------------------------------------------
 
-double MemcpyLimitGBps(uint64_t bytes, int threads, int reps) {
+MemcpyProbe::MemcpyProbe(uint64_t bytes) : src_(bytes / 8192 * 8192), dst_(bytes / 8192 * 8192) {
+  src_.Touch(0x11);
+  dst_.Touch(0x22);
+}
+
+double MemcpyProbe::GBps(int threads, int reps) {
   threads = std::max(1, threads);
-  const uint64_t part = (bytes / threads + 4095) / 4096 * 4096;
-  std::vector<Buffer> src, dst;
-  for (int t = 0; t < threads; ++t) {
-    src.emplace_back(part);
-    dst.emplace_back(part);
-    src.back().Touch(0x11);
-    dst.back().Touch(0x22);
-  }
+  const uint64_t part = src_.size() / threads / 4096 * 4096;
   std::vector<double> gbps;
   for (int r = 0; r < reps; ++r) {
     auto t0 = Clock::now();
     std::vector<std::thread> ts;
     for (int t = 1; t < threads; ++t) {
-      ts.emplace_back([&, t] { std::memcpy(dst[t].data(), src[t].data(), part); });
+      ts.emplace_back([&, t] { std::memcpy(dst_.data() + t * part, src_.data() + t * part, part); });
     }
-    std::memcpy(dst[0].data(), src[0].data(), part);
+    std::memcpy(dst_.data(), src_.data(), part);
     for (auto& t : ts) t.join();
     gbps.push_back(GB(part * threads) / SecondsSince(t0));
   }
   return Median(gbps);
+}
+
+double MemcpyLimitGBps(uint64_t bytes, int threads, int reps) {
+  return MemcpyProbe(bytes).GBps(threads, reps);
 }
 
 double PreadPlanGBps(const std::string& dir, const LoadPlan& plan, uint8_t* dst, int threads) {

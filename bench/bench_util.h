@@ -55,6 +55,15 @@ double TouchPages(uint8_t* p, uint64_t n, uint8_t value = 0x5a);
 
 // memcpy GB/s between two already faulted-in buffers of `bytes` each, on
 // `threads` threads (each copying its own 1/threads part), median of `reps`.
+// The probe keeps its buffers so it can be measured again between cases.
+class MemcpyProbe {
+ public:
+  explicit MemcpyProbe(uint64_t bytes);
+  double GBps(int threads, int reps);
+
+ private:
+  Buffer src_, dst_;
+};
 double MemcpyLimitGBps(uint64_t bytes, int threads, int reps);
 
 // GB/s of pread of the plan's reads (files in `dir`) into `dst` (faulted in
