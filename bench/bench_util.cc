@@ -131,7 +131,8 @@ double MemcpyLimitGBps(uint64_t bytes, int threads, int reps) {
   return MemcpyProbe(bytes).GBps(threads, reps);
 }
 
-double PreadPlanGBps(const std::string& dir, const LoadPlan& plan, uint8_t* dst, int threads) {
+double PreadPlanGBps(const std::string& dir, const LoadPlan& plan, uint8_t* dst, int threads,
+                     uint64_t dst_size) {
   std::vector<int> fds;
   for (const std::string& f : plan.files) {
     int fd = ::open(JoinPath(dir, f).c_str(), O_RDONLY | O_CLOEXEC);
@@ -143,9 +144,12 @@ double PreadPlanGBps(const std::string& dir, const LoadPlan& plan, uint8_t* dst,
   }
   std::vector<uint64_t> at(plan.reads.size());
   uint64_t pos = 0;
+  uint64_t wrap = 0;
   for (size_t i = 0; i < plan.reads.size(); ++i) {
-    at[i] = pos;
+    if (dst_size != 0 && wrap + plan.reads[i].length > dst_size) wrap = 0;
+    at[i] = dst_size != 0 ? wrap : pos;
     pos += plan.reads[i].length;
+    wrap = (wrap + plan.reads[i].length + 4095) / 4096 * 4096;
   }
   std::atomic<size_t> next{0};
   auto worker = [&] {
@@ -176,9 +180,11 @@ double PreadPlanGBps(const std::string& dir, const LoadPlan& plan, uint8_t* dst,
   return GB(pos) / s;
 }
 
-double WarmPageCache(const std::string& dir, uint64_t* bytes) {
+namespace {
+
+double Residency(const std::string& dir, bool read_first, uint64_t* bytes) {
   uint64_t total = 0, pages = 0, resident = 0;
-  std::vector<uint8_t> buf(16u << 20);
+  std::vector<uint8_t> buf(read_first ? (16u << 20) : 0);
   for (const auto& e : std::filesystem::directory_iterator(dir)) {
     if (!e.is_regular_file()) continue;
     int fd = ::open(e.path().c_str(), O_RDONLY | O_CLOEXEC);
@@ -186,7 +192,7 @@ double WarmPageCache(const std::string& dir, uint64_t* bytes) {
     struct stat st;
     ::fstat(fd, &st);
     const uint64_t size = static_cast<uint64_t>(st.st_size);
-    for (uint64_t off = 0; off < size;) {
+    for (uint64_t off = 0; read_first && off < size;) {
       ssize_t n = ::pread(fd, buf.data(), buf.size(), static_cast<off_t>(off));
       if (n <= 0) break;
       off += static_cast<uint64_t>(n);
@@ -209,6 +215,11 @@ double WarmPageCache(const std::string& dir, uint64_t* bytes) {
   if (bytes) *bytes = total;
   return pages ? static_cast<double>(resident) / static_cast<double>(pages) : 1.0;
 }
+
+}  // namespace
+
+double WarmPageCache(const std::string& dir, uint64_t* bytes) { return Residency(dir, true, bytes); }
+double ResidentFraction(const std::string& dir) { return Residency(dir, false, nullptr); }
 
 // --- checkpoints ---------------------------------------------------------------
 

@@ -67,13 +67,19 @@ class MemcpyProbe {
 double MemcpyLimitGBps(uint64_t bytes, int threads, int reps);
 
 // GB/s of pread of the plan's reads (files in `dir`) into `dst` (faulted in
-// already, at least plan.bytes_to_read bytes), the reads handed to `threads`
-// threads from one queue as in the executor. One run.
-double PreadPlanGBps(const std::string& dir, const LoadPlan& plan, uint8_t* dst, int threads);
+// already), the reads handed to `threads` threads from one queue as in the
+// executor. One run. `dst_size` 0: dst holds plan.bytes_to_read bytes;
+// otherwise reads wrap around inside dst_size bytes (> the longest read).
+double PreadPlanGBps(const std::string& dir, const LoadPlan& plan, uint8_t* dst, int threads,
+                     uint64_t dst_size = 0);
 
 // Reads every file of `dir` once (into the page cache) and returns the
 // fraction of their pages resident afterwards (mincore).
 double WarmPageCache(const std::string& dir, uint64_t* bytes);
+// The fraction of the pages of `dir`'s files resident in the page cache now.
+// (This VM runs DAMON "pageout" of page-cache regions idle for 60 s: the
+// benchmarks check residency after their loads too.)
+double ResidentFraction(const std::string& dir);
 
 // --- test checkpoints --------------------------------------------------------
 
