@@ -79,7 +79,11 @@ absl::StatusOr<LoadStats> ExecutePlan(const LoadPlan& plan, RangeSource& source,
     LoadStats local;
     local.rank_bytes_delivered.assign(plan.ranks.size(), 0);
     std::vector<uint8_t> scratch;
+    std::vector<uint8_t> skip_memo(plan.ranks.size(), 0);  // 0 unknown, 1 run, 2 skip
+    std::vector<uint32_t> memo_touched;
     while (!failed.load(std::memory_order_relaxed)) {
+      for (uint32_t r : memo_touched) skip_memo[r] = 0;
+      memo_touched.clear();
       size_t i = next.fetch_add(1);
       if (i >= plan.reads.size()) break;
       if (options.deadline && std::chrono::steady_clock::now() > *options.deadline) {
@@ -114,7 +118,15 @@ absl::StatusOr<LoadStats> ExecutePlan(const LoadPlan& plan, RangeSource& source,
         local.checksums_verified += verified;
         (view->from_storage ? local.bytes_read : local.bytes_from_cache) += rr.length;
         for (const auto& [r, c] : by_read[i]) {
-          if (options.skip_rank && options.skip_rank(r)) continue;
+          // skip_rank may be costly (a gRPC cancellation check): ask once per
+          // rank per read.
+          if (options.skip_rank) {
+            if (skip_memo[r] == 0) {
+              skip_memo[r] = options.skip_rank(r) ? 2 : 1;
+              memo_touched.push_back(r);
+            }
+            if (skip_memo[r] == 2) continue;
+          }
           const RankPlan& rp = plan.ranks[r];
           const CopyOp& op = rp.copies[c];
           absl::StatusOr<int64_t> n =

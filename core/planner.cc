@@ -231,7 +231,16 @@ absl::StatusOr<LoadPlan> PlanLoad(const CheckpointMetadata& metadata,
     spans.push_back({p.file, SpanByteOffset(*p.shard, p.span.begin),
                      SpanByteOffset(*p.shard, p.span.end)});
   }
-  auto file_less = [&](uint32_t a, uint32_t b) { return plan.files[a] < plan.files[b]; };
+  // Files in name order, compared by a precomputed rank instead of strings.
+  std::vector<uint32_t> file_rank(plan.files.size());
+  {
+    std::vector<uint32_t> order(plan.files.size());
+    for (uint32_t i = 0; i < order.size(); ++i) order[i] = i;
+    std::sort(order.begin(), order.end(),
+              [&](uint32_t a, uint32_t b) { return plan.files[a] < plan.files[b]; });
+    for (uint32_t i = 0; i < order.size(); ++i) file_rank[order[i]] = i;
+  }
+  auto file_less = [&](uint32_t a, uint32_t b) { return file_rank[a] < file_rank[b]; };
   std::sort(spans.begin(), spans.end(), [&](const Span& a, const Span& b) {
     if (a.file != b.file) return file_less(a.file, b.file);
     return a.begin < b.begin;

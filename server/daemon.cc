@@ -65,7 +65,9 @@ absl::StatusOr<std::unique_ptr<MappedSegment>> MappedSegment::Map(int fd, uint64
     ::close(fd);
     return std::unique_ptr<MappedSegment>(new MappedSegment(nullptr, 0));
   }
-  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  // MAP_POPULATE: the client has touched its pages; building our page tables
+  // up front is several times faster than one fault per 4 KiB during copies.
+  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
   ::close(fd);
   if (p == MAP_FAILED) {
     return absl::InvalidArgumentError(absl::StrCat(what, ": mmap: ", std::strerror(errno)));
