@@ -1,5 +1,9 @@
 #include "core/copy.h"
 
+#if defined(__x86_64__) || defined(__SSE2__)
+#include <emmintrin.h>
+#endif
+
 #include <algorithm>
 #include <cstring>
 #include <vector>
@@ -353,6 +357,35 @@ int64_t CopyRegionPermuted(const StoredLayout& src, const void* src_data, const 
 
 }  // namespace
 
+void StreamingCopy(void* dst, const void* src, size_t n) {
+  uint8_t* d = static_cast<uint8_t*>(dst);
+  const uint8_t* s = static_cast<const uint8_t*>(src);
+#if defined(__x86_64__) || defined(__SSE2__)
+  const size_t head = std::min(n, (16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15);
+  std::memcpy(d, s, head);
+  d += head;
+  s += head;
+  n -= head;
+  for (; n >= 64; n -= 64, d += 64, s += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32));
+    const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + 48), e);
+  }
+#endif
+  std::memcpy(d, s, n);
+}
+
+void StreamingFence() {
+#if defined(__x86_64__) || defined(__SSE2__)
+  _mm_sfence();
+#endif
+}
+
 bool IsIdentityPerm(const std::vector<int>& perm) {
   for (size_t i = 0; i < perm.size(); ++i) {
     if (perm[i] != static_cast<int>(i)) return false;
@@ -378,10 +411,23 @@ int64_t CopyRegion(const StoredLayout& src, const void* src_data, const StoredLa
   uint8_t* d = static_cast<uint8_t*>(dst_data);
   int64_t copied = 0;
   if (src.dtype == dst.dtype) {
+    // A destination far larger than the caches is written with streaming
+    // stores (what glibc's memcpy does for one huge buffer, but a strided
+    // copy's runs stay below its threshold): no read-for-ownership, no
+    // eviction of the source. Short runs keep memcpy.
+    const bool stream = static_cast<uint64_t>(NumElements(region.shape)) * dsz >= kStreamingBytes;
     ForEachRun(src, dst, region, [&](int64_t sf, int64_t df, int64_t len) {
-      std::memcpy(d + (df - dst.flat_begin) * dsz, s + (sf - src.flat_begin) * ssz, len * ssz);
+      uint8_t* dp = d + (df - dst.flat_begin) * dsz;
+      const uint8_t* sp = s + (sf - src.flat_begin) * ssz;
+      const size_t n = static_cast<size_t>(len) * ssz;
+      if (stream && n >= kStreamingMinRun) {
+        StreamingCopy(dp, sp, n);
+      } else {
+        std::memcpy(dp, sp, n);
+      }
       copied += len;
     });
+    if (stream) StreamingFence();
   } else {
     ForEachRun(src, dst, region, [&](int64_t sf, int64_t df, int64_t len) {
       ConvertElements(s + (sf - src.flat_begin) * ssz, src.dtype, d + (df - dst.flat_begin) * dsz,

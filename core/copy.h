@@ -43,6 +43,16 @@ struct StoredLayout {
   int64_t num_bytes() const { return num_elements() * static_cast<int64_t>(DTypeSize(dtype)); }
 };
 
+// Same-dtype copies whose destination region is at least this large use
+// streaming (non-temporal) stores for runs of at least kStreamingMinRun bytes.
+inline constexpr uint64_t kStreamingBytes = 32ull << 20;
+inline constexpr size_t kStreamingMinRun = 512;
+
+// memcpy with non-temporal stores (x86-64; plain memcpy elsewhere). Call
+// StreamingFence() before other threads may read the destination.
+void StreamingCopy(void* dst, const void* src, size_t n);
+void StreamingFence();
+
 // Whether `perm` is empty or the identity [0, 1, ..., n-1].
 bool IsIdentityPerm(const std::vector<int>& perm);
 

@@ -1,3 +1,4 @@
+#include <algorithm>
 #include <cstring>
 #include <numeric>
 #include <vector>
@@ -154,6 +155,50 @@ TEST(DType, HalfConversions) {
   ConvertElements(i32, DType::kI32, i64, DType::kI64, 3);
   EXPECT_EQ(i64[0], -5);
   EXPECT_EQ(i64[2], 7);
+}
+
+}  // namespace
+}  // namespace ckpt
+
+namespace ckpt {
+namespace {
+
+// Large regions take the streaming-store path: exact bytes for every
+// alignment of runs and of the destination, including ragged tails.
+TEST(Copy, StreamingStoresForLargeRegionsAreExact) {
+  for (const int64_t cols : {int64_t{4099}, int64_t{8192}}) {
+    const int64_t rows = (kStreamingBytes / 4) / (cols / 2) + 3;  // dst region >= threshold
+    std::vector<float> src(rows * cols);
+    for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<float>(i % 1000003);
+    Box whole{{0, 0}, {rows, cols}};
+    for (const int64_t off : {int64_t{1}, int64_t{3}}) {
+      Box target{{0, off}, {rows, cols / 2}};
+      std::vector<float> out(rows * (cols / 2) + 1, -1.f);
+      // Shift the destination by one float so its alignment is odd too.
+      int64_t n = CopyRegion(StoredLayout::Whole(whole, DType::kF32), src.data(),
+                             StoredLayout::Whole(target, DType::kF32), out.data() + 1, target);
+      ASSERT_EQ(n, rows * (cols / 2));
+      EXPECT_EQ(out[0], -1.f);
+      for (int64_t r = 0; r < rows; r += 97) {
+        for (int64_t c = 0; c < cols / 2; ++c) {
+          ASSERT_EQ(out[1 + r * (cols / 2) + c], src[r * cols + off + c]) << r << "," << c;
+        }
+      }
+      const int64_t last = rows - 1;
+      for (int64_t c = 0; c < cols / 2; ++c) {
+        ASSERT_EQ(out[1 + last * (cols / 2) + c], src[last * cols + off + c]);
+      }
+    }
+  }
+  std::vector<uint8_t> a(1000), b(1000, 0);
+  for (size_t i = 0; i < a.size(); ++i) a[i] = static_cast<uint8_t>(i * 7);
+  for (size_t len : {size_t{0}, size_t{1}, size_t{63}, size_t{64}, size_t{65}, size_t{999}}) {
+    std::fill(b.begin(), b.end(), 0);
+    StreamingCopy(b.data() + 1, a.data(), len);
+    StreamingFence();
+    EXPECT_TRUE(std::equal(a.begin(), a.begin() + len, b.begin() + 1)) << len;
+    if (len + 1 < b.size()) EXPECT_EQ(b[len + 1], 0);
+  }
 }
 
 }  // namespace
