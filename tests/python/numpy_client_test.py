@@ -95,6 +95,19 @@ class NumpyClientTest(unittest.TestCase):
         for k in ("list_s", "plan_s", "read_s", "copy_s", "wait_s", "client_rpc_s", "total_s"):
             self.assertIn(k, r.timings)
 
+    def test_aoa_fuse_and_transpose(self):
+        p = "model.layers.0.self_attn."
+        q, k, v = (self.full(p + n + "_proj.weight") for n in ("q", "k", "v"))
+        up = self.full("model.layers.0.mlp.up_proj.weight")
+        sd = {"qkv": ckptd.ShardedTensor(np.zeros((96, 64), np.float32), (192, 64), (96, 0)),
+              "up_t": np.zeros(up.T.shape, np.float32)}
+        aoa = [f"{p}q_proj.weight, {p}k_proj.weight, {p}v_proj.weight -> qkv, axis=0",
+               "model.layers.0.mlp.up_proj.weight^T -> up_t"]
+        r = ckptd.load_state_dict(sd, self.hf, socket=self.sock, aoa=aoa)
+        self.assertEqual(r.missing_keys, [])
+        np.testing.assert_array_equal(sd["qkv"].local, np.concatenate([q, k, v])[96:])
+        np.testing.assert_array_equal(sd["up_t"], up.T)
+
     def test_bf16_cast_to_float32_and_f32_to_float64(self):
         sd = {"lm_head.weight": np.zeros((256, 64), np.float32),
               "model.norm.weight": np.zeros(64, np.float64),

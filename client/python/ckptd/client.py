@@ -286,7 +286,8 @@ class Client:
 
     def load_state_dict(self, state_dict, path, *, rank=None, world_size=None, job_id=None,
                         unique_id=None, timeout=600.0, strict=False, node_ranks=None,
-                        barrier_timeout=None, verify=True, transport="auto", progress=None):
+                        barrier_timeout=None, verify=True, transport="auto", progress=None,
+                        aoa=None):
         """See ckptd.load_state_dict."""
         t0 = time.perf_counter()
         entries, skipped = flatten(state_dict)
@@ -300,7 +301,7 @@ class Client:
                         state_dict, path, rank=rank, world_size=world_size, job_id=job_id,
                         unique_id=unique_id, timeout=timeout, strict=strict,
                         node_ranks=node_ranks, barrier_timeout=barrier_timeout, verify=verify,
-                        transport="cuda_ipc", progress=progress)
+                        transport="cuda_ipc", progress=progress, aoa=aoa)
                 except CkptdError as err:
                     if not _cuda.fallback_ok(err):
                         raise
@@ -313,6 +314,8 @@ class Client:
                                    skip_verify=not verify)
         if unique_id is not None:
             req.unique_id = int(unique_id)
+        if aoa:
+            req.aoa_config = aoa if isinstance(aoa, str) else "\n".join(aoa)
         if barrier_timeout is not None:
             req.barrier_timeout_ms = max(1, int(barrier_timeout * 1000))
         report = LoadReport(job_id=job_id, skipped_keys=skipped)
@@ -536,7 +539,8 @@ def next_unique_id(path):
 
 def load_state_dict(state_dict, path, *, rank=None, world_size=None, job_id=None, unique_id=None,
                     socket=None, timeout=600.0, strict=False, node_ranks=None,
-                    barrier_timeout=None, verify=True, transport="auto", progress=None):
+                    barrier_timeout=None, verify=True, transport="auto", progress=None,
+                    aoa=None):
     """Fills the tensors of `state_dict` in place from checkpoint `path`, through ckptd.
 
     state_dict: a dict (nested dicts are flattened with "."; int keys become
@@ -556,6 +560,9 @@ def load_state_dict(state_dict, path, *, rank=None, world_size=None, job_id=None
     timeout: seconds for the whole call (waiting for the other ranks included).
     strict: missing keys fail the load (CkptdError NOT_FOUND).
     Keys missing from the checkpoint are reported and left untouched.
+    aoa: tensor transformations applied while resharding (README "Tensor
+      transformations on load"): the statements as one string or a list of
+      lines; every rank passes the same.
 
     The daemon writes into a memfd segment shared with this process, and the
     values are copied from there into the tensors; tensors allocated in a
@@ -573,7 +580,7 @@ def load_state_dict(state_dict, path, *, rank=None, world_size=None, job_id=None
                                  job_id=job_id, unique_id=unique_id, timeout=timeout,
                                  strict=strict, node_ranks=node_ranks,
                                  barrier_timeout=barrier_timeout, verify=verify,
-                                 transport=transport, progress=progress)
+                                 transport=transport, progress=progress, aoa=aoa)
 
 
 def save_state_dict(state_dict, path, *, rank=None, world_size=None, unique_id=None, job_id=None,
