@@ -112,6 +112,10 @@ class Daemon {
       const peer::v1::JoinRequest& own, absl::Time deadline);
   absl::StatusOr<peer::v1::CompleteResponse> AwaitOutcome(const std::shared_ptr<DistJob>& dj,
                                                           const peer::v1::CompleteRequest& own);
+  // Finished multi-node jobs linger briefly, then are dropped here (no
+  // detached timers that could outlive the daemon).
+  void RetireDistJob(const std::shared_ptr<DistJob>& dj, absl::Duration linger);
+  void PurgeDistJobsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_);
   // Other daemons' peer addresses (static list and DNS), without this one.
   std::vector<std::string> PeerAddresses() const;
   peer::v1::Peer::Stub* PeerStub(const std::string& address);

@@ -45,6 +45,9 @@ using ckpt::TargetTensor;
 
 struct Daemon::DistJob {
   std::string id;
+  // A finished job stays a little (late joiners get its error, slow fetchers
+  // their bytes) and is dropped by PurgeDistJobsLocked after this time.
+  absl::Time expires = absl::InfiniteFuture();
   bool coordinator = false;
   absl::Time deadline;
   std::string path;       // as the ranks named it (compared across nodes)
@@ -152,10 +155,24 @@ peer::v1::Peer::Stub* Daemon::PeerStub(const std::string& address) {
   return s.get();
 }
 
+void Daemon::PurgeDistJobsLocked() {
+  const absl::Time now = absl::Now();
+  for (auto it = dist_jobs_.begin(); it != dist_jobs_.end();) {
+    it = it->second->expires < now ? dist_jobs_.erase(it) : std::next(it);
+  }
+}
+
+void Daemon::RetireDistJob(const std::shared_ptr<DistJob>& dj, absl::Duration linger) {
+  absl::MutexLock lock(&peer_mu_);
+  dj->expires = absl::Now() + linger;
+  PurgeDistJobsLocked();
+}
+
 peer::v1::PingResponse Daemon::PeerPing() {
   peer::v1::PingResponse r;
   r.set_node(config_.peer_listen);
   absl::MutexLock lock(&peer_mu_);
+  PurgeDistJobsLocked();
   for (const auto& [id, dj] : dist_jobs_) r.add_jobs(id);
   return r;
 }
@@ -639,6 +656,7 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
   dj->world_size = job->world_size;
   {
     absl::MutexLock lock(&peer_mu_);
+    PurgeDistJobsLocked();
     dist_jobs_[job->id] = dj;
   }
   auto cleanup = [&] {
@@ -657,13 +675,7 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
     auto p = CoordinatePlan(dj, own);
     if (!p.ok()) {
       fail_all(p.status());
-      // Keep the entry briefly so late joiners get the error, then drop it.
-      std::thread([this, dj] {
-        std::this_thread::sleep_for(std::chrono::seconds(2));
-        absl::MutexLock lock(&peer_mu_);
-        auto it = dist_jobs_.find(dj->id);
-        if (it != dist_jobs_.end() && it->second == dj) dist_jobs_.erase(it);
-      }).detach();
+      RetireDistJob(dj, absl::Seconds(2));  // late joiners still get the error
       return;
     }
     part = std::move(*p);
@@ -843,14 +855,8 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
                                                     " did not confirm the job: ", s.error_message()));
     }
   }
-  // Served reads may still be fetched until every node has completed, which
-  // the outcome implies; drop them with the job.
-  std::thread([this, dj] {
-    std::this_thread::sleep_for(std::chrono::seconds(1));
-    absl::MutexLock lock(&peer_mu_);
-    auto it = dist_jobs_.find(dj->id);
-    if (it != dist_jobs_.end() && it->second == dj) dist_jobs_.erase(it);
-  }).detach();
+  // Every node has completed (the outcome says so): its fetches are done.
+  RetireDistJob(dj, absl::Seconds(1));
   absl::Status final_status = outcome.ok() ? absl::OkStatus() : outcome.status();
   if (outcome.ok() && !outcome->ok()) {
     final_status = absl::Status(static_cast<absl::StatusCode>(outcome->error_code()),
