@@ -15,11 +15,14 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/container/inlined_vector.h"
 #include "absl/types/span.h"
 
 namespace ckpt {
 
-using Shape = std::vector<int64_t>;
+// Inline storage for up to 4 axes: plans hold millions of boxes, and a heap
+// allocation per shape dominated their memory.
+using Shape = absl::InlinedVector<int64_t, 4>;
 
 struct Box {
   Shape offset;

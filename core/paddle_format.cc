@@ -67,7 +67,7 @@ absl::StatusOr<std::optional<FlatRange>> ReadFlat(const Document& doc, const Obj
   if (!fr || fr->kind == Kind::kNone) {
     return doc.Error(absl::StrCat(what, ": is_flattened but no flattened_range"));
   }
-  CKPT_ASSIGN_OR_RETURN(std::vector<int64_t> r,
+  CKPT_ASSIGN_OR_RETURN(Shape r,
                         doc.IntList(*fr, absl::StrCat(what, ".flattened_range")));
   if (r.size() != 2) {
     return doc.Error(absl::StrCat(what, ".flattened_range has ", r.size(), " entries, not 2"));

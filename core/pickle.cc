@@ -892,10 +892,9 @@ absl::StatusOr<const Object*> Document::Obj(const Value& v, absl::string_view wh
   return Error(absl::StrCat(what, ": expected an object, found ", Describe(v)));
 }
 
-absl::StatusOr<std::vector<int64_t>> Document::IntList(const Value& v,
-                                                       absl::string_view what) const {
+absl::StatusOr<Shape> Document::IntList(const Value& v, absl::string_view what) const {
   CKPT_ASSIGN_OR_RETURN(const std::vector<Value>* items, Items(v, what));
-  std::vector<int64_t> out;
+  Shape out;
   out.reserve(items->size());
   for (const Value& x : *items) {
     if (x.kind != Kind::kInt) {

@@ -32,6 +32,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "core/box.h"
 #include "core/file.h"
 
 namespace ckpt {
@@ -152,7 +153,7 @@ class Document {
                                                       absl::string_view what) const;
   absl::StatusOr<const Object*> Obj(const Value& v, absl::string_view what) const;
   // A tuple/list of ints.
-  absl::StatusOr<std::vector<int64_t>> IntList(const Value& v, absl::string_view what) const;
+  absl::StatusOr<Shape> IntList(const Value& v, absl::string_view what) const;
 
   // The allow-list tag of the object's class/function, or -1.
   int Tag(const Object& o) const;

@@ -124,7 +124,7 @@ TEST(Pickle, RecordsWithState) {
   EXPECT_EQ(d->Tag(**o), 1);
   EXPECT_EQ(d->ClassName(**o), "m.C");
   EXPECT_EQ(d->Field(**o, "x")->i, 3);
-  EXPECT_EQ(*d->IntList(*d->Field(**o, "y"), "y"), (std::vector<int64_t>{1, 2}));
+  EXPECT_EQ(*d->IntList(*d->Field(**o, "y"), "y"), (Shape{1, 2}));
   EXPECT_FALSE(d->Field(**o, "z"));
 }
 

@@ -22,6 +22,7 @@ _PACKAGES = {
         "absl_flat_hash_map",
         "absl_flat_hash_set",
         "absl_span",
+        "absl_inlined_vector",
         "absl_optional",
         "absl_cleanup",
         "absl_random_random",
