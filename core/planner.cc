@@ -25,17 +25,6 @@ Box CoverOf(const StoredLayout& l) {
   return c;
 }
 
-struct PendingCopy {
-  uint32_t rank_index;
-  uint32_t target;
-  const ShardMeta* shard;
-  const std::string* tensor;  // checkpoint name
-  uint32_t file;
-  Box region;
-  int64_t elements;
-  FlatSpan span;  // of the shard's flat index space
-};
-
 uint64_t SpanByteOffset(const ShardMeta& s, int64_t flat) {
   int64_t first = s.flat_range ? s.flat_range->begin : 0;
   return s.data_offset + static_cast<uint64_t>(flat - first) * DTypeSize(s.dtype);
@@ -121,13 +110,26 @@ absl::StatusOr<LoadPlan> PlanLoad(const CheckpointMetadata& metadata,
     return it->second;
   };
   std::set<std::string> requested_ckpt_names, missing_all;
-  std::vector<PendingCopy> pending;
+  // Copies are built once, straight into the rank plans (plans can hold
+  // millions): until reads exist, CopyOp::read holds the file index.
+  std::vector<std::vector<int64_t>> filled(ranks.size());
+  // Shards touched, per file, by offset: to cut long reads on checksum-block
+  // boundaries (which are element boundaries) and to attach checks. By
+  // bytes, not by ShardMeta: AOA virtual shards can share a real shard.
+  struct Extent {
+    uint64_t begin, end;
+    const ShardMeta* shard;
+    const std::string* tensor;
+  };
+  std::vector<std::vector<Extent>> extents;
+  absl::flat_hash_set<std::pair<uint32_t, uint64_t>> seen_shards;
 
   for (uint32_t ri = 0; ri < ranks.size(); ++ri) {
     const RankTargets& rt = ranks[ri];
     RankPlan rp;
     rp.rank = rt.rank;
     rp.targets = rt.tensors;
+    filled[ri].assign(rt.tensors.size(), 0);
     absl::flat_hash_set<std::string> seen;
     bool all_local = !rt.tensors.empty();
     const std::string own = OwnFilePrefix(rt.rank, metadata.unique_id);
@@ -188,8 +190,23 @@ absl::StatusOr<LoadPlan> PlanLoad(const CheckpointMetadata& metadata,
         if (!region) continue;
         int64_t n = exact != nullptr ? t.num_elements() : CountRegion(src, dst, *region);
         if (n == 0) continue;
-        FlatSpan span = RegionSpan(src, *region);
-        pending.push_back({ri, ti, &s, &it->first, file_id(s.file), std::move(*region), n, span});
+        const FlatSpan span = RegionSpan(src, *region);
+        const uint32_t file = file_id(s.file);
+        if (extents.size() <= file) extents.resize(file + 1);
+        if (seen_shards.insert({file, s.data_offset}).second) {
+          extents[file].push_back({s.data_offset, s.data_offset + s.nbytes, &s, &it->first});
+        }
+        CopyOp op;
+        op.target = ti;
+        op.read = file;  // until reads exist
+        op.src = src;
+        op.src.flat_begin = span.begin;
+        op.src.flat_end = span.end;
+        op.src_offset = SpanByteOffset(s, span.begin);
+        op.region = std::move(*region);
+        op.elements = n;
+        filled[ri][ti] += n;
+        rp.copies.push_back(std::move(op));
       }
     }
     rp.local_fast_path = all_local;
@@ -200,9 +217,6 @@ absl::StatusOr<LoadPlan> PlanLoad(const CheckpointMetadata& metadata,
   // guarantees this; checking here keeps a bug from ever returning a
   // half-filled tensor as success.
   {
-    std::vector<std::vector<int64_t>> filled(ranks.size());
-    for (size_t ri = 0; ri < ranks.size(); ++ri) filled[ri].assign(ranks[ri].tensors.size(), 0);
-    for (const PendingCopy& p : pending) filled[p.rank_index][p.target] += p.elements;
     for (size_t ri = 0; ri < ranks.size(); ++ri) {
       for (size_t ti = 0; ti < ranks[ri].tensors.size(); ++ti) {
         const TargetTensor& t = ranks[ri].tensors[ti];
@@ -226,10 +240,11 @@ absl::StatusOr<LoadPlan> PlanLoad(const CheckpointMetadata& metadata,
     uint64_t begin, end;
   };
   std::vector<Span> spans;
-  spans.reserve(pending.size());
-  for (const PendingCopy& p : pending) {
-    spans.push_back({p.file, SpanByteOffset(*p.shard, p.span.begin),
-                     SpanByteOffset(*p.shard, p.span.end)});
+  for (const RankPlan& rp : plan.ranks) {
+    for (const CopyOp& op : rp.copies) {
+      spans.push_back({op.read, op.src_offset,
+                       op.src_offset + static_cast<uint64_t>(op.src.num_bytes())});
+    }
   }
   // Files in name order, compared by a precomputed rank instead of strings.
   std::vector<uint32_t> file_rank(plan.files.size());
@@ -256,28 +271,12 @@ absl::StatusOr<LoadPlan> PlanLoad(const CheckpointMetadata& metadata,
     }
     merged.push_back({s.file, s.begin, s.end - s.begin, {}});
   }
-
-  // Shards touched, per file, by offset: to cut long reads on checksum-block
-  // boundaries (which are element boundaries) and to attach checks.
-  struct Extent {
-    uint64_t begin, end;
-    const ShardMeta* shard;
-    const std::string* tensor;
-  };
-  std::vector<std::vector<Extent>> extents(plan.files.size());
-  {
-    // By bytes, not by ShardMeta: AOA virtual shards can share a real shard.
-    absl::flat_hash_set<std::pair<uint32_t, uint64_t>> seen_shards;
-    for (const PendingCopy& p : pending) {
-      if (seen_shards.insert({p.file, p.shard->data_offset}).second) {
-        extents[p.file].push_back(
-            {p.shard->data_offset, p.shard->data_offset + p.shard->nbytes, p.shard, p.tensor});
-      }
-    }
-    for (auto& e : extents) {
-      std::sort(e.begin(), e.end(), [](const Extent& a, const Extent& b) { return a.begin < b.begin; });
-    }
+  std::vector<Span>().swap(spans);
+  extents.resize(plan.files.size());
+  for (auto& e : extents) {
+    std::sort(e.begin(), e.end(), [](const Extent& a, const Extent& b) { return a.begin < b.begin; });
   }
+
   auto extent_at = [&](uint32_t file, uint64_t offset) -> const Extent* {
     const auto& es = extents[file];
     auto it = std::upper_bound(es.begin(), es.end(), offset,
@@ -325,40 +324,55 @@ absl::StatusOr<LoadPlan> PlanLoad(const CheckpointMetadata& metadata,
     return i;
   };
 
-  // Attach each copy to the read(s) holding its bytes; a copy whose span
-  // crosses a cut is split into one copy per read.
-  for (PendingCopy& p : pending) {
-    const ShardMeta& s = *p.shard;
-    const uint64_t isz = DTypeSize(s.dtype);
-    const int64_t first = s.flat_range ? s.flat_range->begin : 0;
-    const uint64_t a = SpanByteOffset(s, p.span.begin), b = SpanByteOffset(s, p.span.end);
-    int64_t read = find_read(p.file, a);
-    if (read < 0) {
-      return absl::InternalError(absl::StrCat("planner: no read holds the copy of tensor '",
-                                              *p.tensor, "' at byte ", a));
-    }
-    RankPlan& rp = plan.ranks[p.rank_index];
-    const StoredLayout dst = rp.targets[p.target].layout();
-    int64_t total = 0;
-    for (int64_t r = read; r < static_cast<int64_t>(plan.reads.size()); ++r) {
-      const ReadRange& rr = plan.reads[r];
-      if (rr.file != p.file || rr.offset >= b) break;
-      const uint64_t lo = std::max(a, rr.offset), hi = std::min(b, rr.offset + rr.length);
-      CopyOp op;
-      op.target = p.target;
-      op.read = static_cast<uint32_t>(r);
-      op.src = s.layout();
-      op.src.flat_begin = first + static_cast<int64_t>((lo - s.data_offset) / isz);
-      op.src.flat_end = first + static_cast<int64_t>((hi - s.data_offset) / isz);
-      op.src_offset = lo;
-      op.region = p.region;
-      op.elements = (lo == a && hi == b) ? p.elements : CountRegion(op.src, dst, op.region);
-      total += op.elements;
-      if (op.elements > 0) rp.copies.push_back(std::move(op));
-    }
-    if (total != p.elements) {
-      return absl::InternalError(absl::StrCat("planner: tensor '", *p.tensor, "' split into reads ",
-                                              "covers ", total, " of ", p.elements, " elements"));
+  // Attach each copy to the read holding its bytes; a copy whose span
+  // crosses a cut is split into one copy per read (appended).
+  for (RankPlan& rp : plan.ranks) {
+    const size_t n_built = rp.copies.size();
+    for (size_t ci = 0; ci < n_built; ++ci) {
+      const uint32_t file = rp.copies[ci].read;
+      const uint64_t isz = DTypeSize(rp.copies[ci].src.dtype);
+      const uint64_t a = rp.copies[ci].src_offset;
+      const uint64_t b = a + static_cast<uint64_t>(rp.copies[ci].src.num_bytes());
+      const int64_t read = find_read(file, a);
+      if (read < 0) {
+        return absl::InternalError(absl::StrCat("planner: no read holds the copy of rank ",
+                                                rp.rank, " tensor '",
+                                                rp.targets[rp.copies[ci].target].name,
+                                                "' at byte ", a));
+      }
+      const ReadRange& first_read = plan.reads[read];
+      if (b <= first_read.offset + first_read.length) {
+        rp.copies[ci].read = static_cast<uint32_t>(read);
+        continue;
+      }
+      const CopyOp whole = rp.copies[ci];
+      const StoredLayout dst = rp.targets[whole.target].layout();
+      int64_t total = 0;
+      bool first_piece = true;
+      for (int64_t r = read; r < static_cast<int64_t>(plan.reads.size()); ++r) {
+        const ReadRange& rr = plan.reads[r];
+        if (rr.file != file || rr.offset >= b) break;
+        const uint64_t lo = std::max(a, rr.offset), hi = std::min(b, rr.offset + rr.length);
+        CopyOp op = whole;
+        op.read = static_cast<uint32_t>(r);
+        op.src.flat_begin = whole.src.flat_begin + static_cast<int64_t>((lo - a) / isz);
+        op.src.flat_end = whole.src.flat_begin + static_cast<int64_t>((hi - a) / isz);
+        op.src_offset = lo;
+        op.elements = CountRegion(op.src, dst, op.region);
+        total += op.elements;
+        if (op.elements == 0) continue;
+        if (first_piece) {
+          rp.copies[ci] = std::move(op);
+          first_piece = false;
+        } else {
+          rp.copies.push_back(std::move(op));
+        }
+      }
+      if (total != whole.elements || first_piece) {
+        return absl::InternalError(absl::StrCat(
+            "planner: rank ", rp.rank, " tensor '", rp.targets[whole.target].name,
+            "' split into reads covers ", total, " of ", whole.elements, " elements"));
+      }
     }
   }
 
