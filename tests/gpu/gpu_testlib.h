@@ -15,6 +15,7 @@
 #include "core/layout.h"
 #include "core/offline.h"
 #include "core/planner.h"
+#include "tests/testing/split.h"
 #include "core/safetensors.h"
 #include "core/writer.h"
 
@@ -58,11 +59,7 @@ inline TargetTensor Target(const ModelTensor& m, DType dt, Box box) {
 }
 
 inline Box Split(const Shape& global, size_t d, int world, int r) {
-  Box b{Shape(global.size(), 0), global};
-  int64_t chunk = (global[d] + world - 1) / world;
-  b.offset[d] = std::min<int64_t>(r * chunk, global[d]);
-  b.shape[d] = std::max<int64_t>(0, std::min<int64_t>(chunk, global[d] - b.offset[d]));
-  return b;
+  return ::ckpt::testing::BalancedSplit(global, d, world, r);
 }
 
 // Saved: 4 ranks, every matrix split along dim 0, the bias replicated.

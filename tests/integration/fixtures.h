@@ -11,6 +11,7 @@
 
 #include "core/layout.h"
 #include "core/planner.h"
+#include "tests/testing/split.h"
 
 namespace ckpt {
 
@@ -28,11 +29,7 @@ inline TargetTensor T(const std::string& name, DType dt, Shape global, Shape off
 
 // Splits dim `d` of `global` over `world` ranks (balanced_split).
 inline Box Split(const Shape& global, size_t d, int world, int r) {
-  Box b{Shape(global.size(), 0), global};
-  int64_t chunk = (global[d] + world - 1) / world;
-  b.offset[d] = std::min<int64_t>(r * chunk, global[d]);
-  b.shape[d] = std::max<int64_t>(0, std::min<int64_t>(chunk, global[d] - b.offset[d]));
-  return b;
+  return ::ckpt::testing::BalancedSplit(global, d, world, r);
 }
 
 struct Model {
