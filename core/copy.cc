@@ -11,6 +11,27 @@
 namespace ckpt {
 namespace {
 
+// One step of an odometer over `n` axes of `region` (position n-1 is the
+// fastest; position p is axis axis_of(p)): bumps idx[p] and moves both flat
+// positions by the axes' strides. False once every index wrapped to 0.
+template <typename AxisOf>
+inline bool OdometerStep(size_t n, AxisOf axis_of, const Box& region, int64_t* idx,
+                         const int64_t* ss, const int64_t* ds, int64_t& src_flat,
+                         int64_t& dst_flat) {
+  for (size_t p = n; p-- > 0;) {
+    const size_t a = static_cast<size_t>(axis_of(p));
+    if (++idx[p] < region.shape[a]) {
+      src_flat += ss[a];
+      dst_flat += ds[a];
+      return true;
+    }
+    src_flat -= (region.shape[a] - 1) * ss[a];
+    dst_flat -= (region.shape[a] - 1) * ds[a];
+    idx[p] = 0;
+  }
+  return false;
+}
+
 // Walks `region` as runs contiguous in both layouts and calls
 // emit(src_flat, dst_flat, len) with flat indices relative to each layout's
 // box, already clipped to both flat ranges and merged with neighbours.
@@ -70,24 +91,9 @@ void ForEachRun(const StoredLayout& src, const StoredLayout& dst, const Box& reg
       int64_t hi = std::min<int64_t>({run, src.flat_end - src_flat, dst.flat_end - dst_flat});
       if (hi > lo) push(src_flat + lo, dst_flat + lo, hi - lo);
     }
-    // Advance the odometer over the outer axes.
-    size_t a = k;
-    while (a > 0) {
-      --a;
-      if (++idx[a] < region.shape[a]) {
-        src_flat += src_stride[a];
-        dst_flat += dst_stride[a];
-        break;
-      }
-      src_flat -= (region.shape[a] - 1) * src_stride[a];
-      dst_flat -= (region.shape[a] - 1) * dst_stride[a];
-      idx[a] = 0;
-      if (a == 0) {
-        if (pend_len > 0) emit(pend_src, pend_dst, pend_len);
-        return;
-      }
-    }
-    if (k == 0) {
+    // Advance the odometer over the outer axes 0..k-1.
+    if (!OdometerStep(k, [](size_t p) { return p; }, region, idx.data(), src_stride.data(),
+                      dst_stride.data(), src_flat, dst_flat)) {
       if (pend_len > 0) emit(pend_src, pend_dst, pend_len);
       return;
     }
@@ -170,19 +176,10 @@ void ForEachStridedRun(const StoredLayout& src, const StoredLayout& dst, const B
                              FirstAtLeast(dst_flat, dstep, dst.flat_end)});
       if (hi > lo) emit(src_flat + lo * sstep, dst_flat + lo * dstep, hi - lo, sstep);
     }
-    size_t p = rank - 1;  // odometer over order[0 .. rank-2]
-    while (true) {
-      if (p == 0) return;
-      --p;
-      const int a = order[p];
-      if (++idx[p] < region.shape[a]) {
-        src_flat += ss[a];
-        dst_flat += ds[a];
-        break;
-      }
-      src_flat -= (region.shape[a] - 1) * ss[a];
-      dst_flat -= (region.shape[a] - 1) * ds[a];
-      idx[p] = 0;
+    // Odometer over order[0 .. rank-2].
+    if (!OdometerStep(rank - 1, [&](size_t p) { return order[p]; }, region, idx.data(),
+                      ss.data(), ds.data(), src_flat, dst_flat)) {
+      return;
     }
   }
 }
@@ -301,19 +298,9 @@ int64_t CopyTiled(const StoredLayout& src, const uint8_t* s, const StoredLayout&
         default: TransposeTiles<uint64_t>(sp, ss[di], dp, ds[si], ni, nj); break;
       }
     }
-    size_t p = outer.size();
-    while (true) {
-      if (p == 0) return NumElements(region.shape);
-      --p;
-      const int a = outer[p];
-      if (++idx[p] < region.shape[a]) {
-        src_flat += ss[a];
-        dst_flat += ds[a];
-        break;
-      }
-      src_flat -= (region.shape[a] - 1) * ss[a];
-      dst_flat -= (region.shape[a] - 1) * ds[a];
-      idx[p] = 0;
+    if (!OdometerStep(outer.size(), [&](size_t p) { return outer[p]; }, region, idx.data(),
+                      ss.data(), ds.data(), src_flat, dst_flat)) {
+      return NumElements(region.shape);
     }
   }
 }
