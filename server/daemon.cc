@@ -442,9 +442,11 @@ absl::StatusOr<std::pair<std::shared_ptr<Daemon::Job>, bool>> Daemon::Register(
 
 absl::Status Daemon::AwaitSlot(const std::shared_ptr<Job>& job,
                                const std::shared_ptr<RankSlot>& slot, int rank,
-                               absl::Duration barrier,
+                               uint32_t barrier_timeout_ms,
                                const std::function<bool(const v1::LoadEvent&)>& send,
                                const std::function<bool()>& cancelled) {
+  const absl::Duration barrier = barrier_timeout_ms > 0 ? absl::Milliseconds(barrier_timeout_ms)
+                                                        : config_.barrier_timeout;
   const absl::Time deadline = slot->registered + barrier;
   std::string last_phase;
   uint64_t last_progress = 0;
@@ -526,11 +528,8 @@ absl::Status Daemon::Load(const v1::LoadRequest& request,
                                  expected, " ranks of job '", request.job_id(), "')"));
     send(ev);
   }
-  const absl::Duration barrier = request.barrier_timeout_ms() > 0
-                                     ? absl::Milliseconds(request.barrier_timeout_ms())
-                                     : config_.barrier_timeout;
   if (runner) RunJob(job);
-  absl::Status status = AwaitSlot(job, slot, request.rank(), barrier, send, cancelled);
+  absl::Status status = AwaitSlot(job, slot, request.rank(), request.barrier_timeout_ms(), send, cancelled);
   if (!status.ok()) return fail(status);
   v1::LoadResult result;
   {
@@ -606,11 +605,8 @@ absl::StatusOr<v1::SaveResponse> Daemon::Save(const v1::SaveRequest& request,
   auto reg = Register(key, slot, &registered, &expected);
   if (!reg.ok()) return fail(reg.status());
   auto [job, runner] = *reg;
-  const absl::Duration barrier = request.barrier_timeout_ms() > 0
-                                     ? absl::Milliseconds(request.barrier_timeout_ms())
-                                     : config_.barrier_timeout;
   if (runner) RunSaveJob(job);
-  absl::Status status = AwaitSlot(job, slot, request.rank(), barrier, nullptr, cancelled);
+  absl::Status status = AwaitSlot(job, slot, request.rank(), request.barrier_timeout_ms(), nullptr, cancelled);
   if (!status.ok()) return fail(status);
   absl::MutexLock lock(&mu_);
   v1::SaveResponse resp = slot->save_result;

@@ -141,9 +141,10 @@ class Daemon {
       size_t* expected);
   // Waits until the job has filled `slot` (progress events through `send`),
   // the client leaves, or the barrier deadline passes (failing the job for
-  // every waiting rank, naming the ranks that never came).
+  // every waiting rank, naming the ranks that never came). The deadline is
+  // the request's barrier_timeout_ms, or the configured one when 0.
   absl::Status AwaitSlot(const std::shared_ptr<Job>& job, const std::shared_ptr<RankSlot>& slot,
-                         int rank, absl::Duration barrier,
+                         int rank, uint32_t barrier_timeout_ms,
                          const std::function<bool(const v1::LoadEvent&)>& send,
                          const std::function<bool()>& cancelled);
   void RunJob(const std::shared_ptr<Job>& job);
