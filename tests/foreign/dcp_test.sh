@@ -70,12 +70,6 @@ assert r['tensors'] == 6 and r['files'] == 9, r
 py "$CHECK" "$D/expected" "$D/layout.json" "$T/out_native"
 
 # Through the daemon: the same planner and executor serve a DCP checkpoint.
-S="$(mktemp -d /tmp/ckptd-dcp.XXXXXX)"
-"$CKPTD" --socket "$S/ckptd.sock" --root "$T" --cache-budget 64MiB >"$T/ckptd.log" 2>&1 &
-DAEMON=$!
-trap 'kill -TERM $DAEMON 2>/dev/null; wait $DAEMON 2>/dev/null || true; rm -rf "$S"' EXIT
-for _ in $(seq 200); do [ -S "$S/ckptd.sock" ] && break; sleep 0.05; done
-"$CKPTCTL" load "$D/ckpt1" --layout "$D/layout.json" --out "$T/out_daemon" \
-    --daemon "$S/ckptd.sock" >/dev/null || { cat "$T/ckptd.log"; fail "load through ckptd"; }
-py "$CHECK" "$D/expected" "$D/layout.json" "$T/out_daemon"
+source "$(dirname "$0")/through_daemon.sh"
+check_through_daemon "$D/ckpt1" "$D/layout.json" "$D/expected"
 echo "PyTorch DCP test passed"

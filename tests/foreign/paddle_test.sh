@@ -73,12 +73,6 @@ py "$CHECK" "$P/pdold/expected" "$P/pdold/layout.json" "$T/out_native_old"
 py "$CHECK" "$P/pd5/expected" "$P/pd5/layout.json" "$T/out_native5"
 
 # Through the daemon.
-S="$(mktemp -d /tmp/ckptd-pd.XXXXXX)"
-"$CKPTD" --socket "$S/ckptd.sock" --root "$T" --cache-budget 64MiB >"$T/ckptd.log" 2>&1 &
-DAEMON=$!
-trap 'kill -TERM $DAEMON 2>/dev/null; wait $DAEMON 2>/dev/null || true; rm -rf "$S"' EXIT
-for _ in $(seq 200); do [ -S "$S/ckptd.sock" ] && break; sleep 0.05; done
-"$CKPTCTL" load "$P/pd5" --layout "$P/pd5/layout.json" --out "$T/out_daemon" \
-    --daemon "$S/ckptd.sock" >/dev/null || { cat "$T/ckptd.log"; fail "load through ckptd"; }
-py "$CHECK" "$P/pd5/expected" "$P/pd5/layout.json" "$T/out_daemon"
+source "$(dirname "$0")/through_daemon.sh"
+check_through_daemon "$P/pd5" "$P/pd5/layout.json" "$P/pd5/expected"
 echo "Paddle flex_checkpoint test passed"
