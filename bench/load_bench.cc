@@ -18,17 +18,10 @@
 // their fault-in; the fault-in of fresh memory alone; and the checksum cost.
 //
 // Usage: load_bench --dir WORKDIR [--rows FILE] [--quick] [--reps N] [--keep]
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <unistd.h>
-#include <xxhash.h>
 
-#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <string>
-#include <thread>
 #include <vector>
 
 #include "bench/bench_util.h"
@@ -81,117 +74,9 @@ EngineRun RunEngine(const std::string& dir, const Layout& layout,
   return r;
 }
 
-// A what-if, not ckptd's code path: the same plan executed the way the
-// analysis in the README proposes for core/executor.cc: each planned read is
-// pread in `chunk`-byte pieces into a small per-thread buffer that stays in
-// the CPU cache; each piece is hashed with streaming XXH3 (the checksum block
-// is verified when its last piece is in) and copied to the destinations while
-// it is hot (the plan's CopyOps narrowed to the piece's flat range). Memory
-// traffic per byte: one write of the destination plus the page-cache read,
-// instead of the scratch write + verify read + copy read of a 64 MiB scratch.
-// (On a checksum mismatch a real engine fails the load; destinations are then
-// unfilled by contract, as today.)
-//
-// With `use_mmap`, the files are mapped instead (MAP_POPULATE; the mapping,
-// its page-table set-up and munmap are timed) and each piece is copied to the
-// destinations straight from the page cache, then hashed while it is still in
-// the CPU cache: one pass over the bytes instead of pread's copy plus ours.
-double WhatIfChunked(const std::string& dir, const LoadPlan& plan,
-                     const std::vector<std::vector<void*>>& dests, uint64_t chunk, int threads,
-                     bool use_mmap, uint64_t* bad_checksums) {
-  auto t_start = Clock::now();
-  std::vector<int> fds;
-  std::vector<const uint8_t*> maps;
-  std::vector<uint64_t> sizes;
-  for (const std::string& f : plan.files) {
-    fds.push_back(::open(JoinPath(dir, f).c_str(), O_RDONLY));
-    struct stat st;
-    ::fstat(fds.back(), &st);
-    sizes.push_back(static_cast<uint64_t>(st.st_size));
-    maps.push_back(nullptr);
-    if (use_mmap) {
-      void* m = ::mmap(nullptr, sizes.back(), PROT_READ, MAP_SHARED | MAP_POPULATE, fds.back(), 0);
-      if (m == MAP_FAILED) std::exit(1);
-      maps.back() = static_cast<const uint8_t*>(m);
-    }
-  }
-  std::vector<std::vector<std::pair<uint32_t, uint32_t>>> by_read(plan.reads.size());
-  for (uint32_t r = 0; r < plan.ranks.size(); ++r) {
-    for (uint32_t c = 0; c < plan.ranks[r].copies.size(); ++c) {
-      by_read[plan.ranks[r].copies[c].read].push_back({r, c});
-    }
-  }
-  std::atomic<size_t> next{0};
-  std::atomic<uint64_t> bad{0};
-  auto worker = [&] {
-    Buffer buf(chunk);
-    buf.Touch();
-    std::vector<XXH3_state_t*> states;
-    while (true) {
-      const size_t i = next.fetch_add(1);
-      if (i >= plan.reads.size()) break;
-      const ReadRange& rr = plan.reads[i];
-      while (states.size() < rr.checks.size()) states.push_back(XXH3_createState());
-      for (size_t k = 0; k < rr.checks.size(); ++k) XXH3_64bits_reset(states[k]);
-      const uint64_t end = rr.offset + rr.length;
-      for (uint64_t off = rr.offset; off < end; off += chunk) {
-        const uint64_t n = std::min(chunk, end - off);
-        const uint8_t* piece = buf.data();
-        if (use_mmap) {
-          piece = maps[rr.file] + off;
-        } else {
-          uint64_t done = 0;
-          while (done < n) {
-            ssize_t got = ::pread(fds[rr.file], buf.data() + done, n - done, off + done);
-            if (got <= 0) std::exit(1);
-            done += static_cast<uint64_t>(got);
-          }
-        }
-        auto hash = [&] {
-          for (size_t k = 0; k < rr.checks.size(); ++k) {
-            const auto& c = rr.checks[k];
-            const uint64_t lo = std::max(off, c.offset), hi = std::min(off + n, c.offset + c.nbytes);
-            if (hi > lo) XXH3_64bits_update(states[k], piece + (lo - off), hi - lo);
-          }
-        };
-        if (!use_mmap) hash();
-        for (const auto& [r, ci] : by_read[i]) {
-          const RankPlan& rp = plan.ranks[r];
-          const CopyOp& op = rp.copies[ci];
-          const uint64_t isz = DTypeSize(op.src.dtype);
-          const uint64_t a = op.src_offset,
-                         b = a + static_cast<uint64_t>(op.src.num_elements()) * isz;
-          const uint64_t lo = std::max(a, off), hi = std::min(b, off + n);
-          if (hi <= lo) continue;
-          StoredLayout src = op.src;
-          src.flat_begin = op.src.flat_begin + static_cast<int64_t>((lo - a) / isz);
-          src.flat_end = src.flat_begin + static_cast<int64_t>((hi - lo) / isz);
-          CopyRegion(src, piece + (lo - off), rp.targets[op.target].layout(),
-                     dests[r][op.target], op.region);
-        }
-        if (use_mmap) hash();
-      }
-      for (size_t k = 0; k < rr.checks.size(); ++k) {
-        if (XXH3_64bits_digest(states[k]) != rr.checks[k].xxh3) ++bad;
-      }
-    }
-    for (auto* st : states) XXH3_freeState(st);
-  };
-  std::vector<std::thread> ts;
-  for (int t = 1; t < threads; ++t) ts.emplace_back(worker);
-  worker();
-  for (auto& t : ts) t.join();
-  for (size_t f = 0; f < fds.size(); ++f) {
-    if (maps[f] != nullptr) ::munmap(const_cast<uint8_t*>(maps[f]), sizes[f]);
-    ::close(fds[f]);
-  }
-  const double secs = SecondsSince(t_start);
-  *bad_checksums = bad;
-  return GB(plan.bytes_to_deliver()) / secs;
-}
-
-// XXH3 throughput over a buffer much larger than the caches (as the executor
-// verifies a 64 MiB read) and over one that stays in L2.
+// XXH3 throughput over a buffer much larger than the caches (as a cache
+// verifies a 64 MiB read) and over one that stays in L2 (as the executor's
+// piece-wise reads hash).
 void ChecksumProbe() {
   Buffer big(64u << 20);
   big.Touch(0x3c);
@@ -314,38 +199,6 @@ int Main(int argc, char** argv) {
               lim1, one_gbps, one_gbps / lim1, one.stats.read_seconds, one.stats.copy_seconds);
 
   ChecksumProbe();
-  {
-    std::vector<double> w1, w2, w3;
-    uint64_t bad = 0, bad_m = 0;
-    const uint64_t chunk = static_cast<uint64_t>(args.Int("chunk-kib", 256)) << 10;
-    uint64_t wrong = 0;
-    auto check = [&] {
-      for (size_t r = 0; r < load.ranks.size(); ++r) {
-        for (size_t t = 0; t < load.ranks[r].tensors.size(); ++t) {
-          const TargetTensor& tt = load.ranks[r].tensors[t];
-          wrong += VerifyTarget(tt, SeedOf(tt.name), dests[r][t]);
-        }
-      }
-    };
-    for (int i = 0; i < reps; ++i) {
-      w2.push_back(PreadPlanGBps(dir, *plan, arena.data(), threads));
-      w1.push_back(WhatIfChunked(dir, *plan, dests, chunk, threads, false, &bad));
-      if (i == 0) check();
-      std::memset(arena.data(), 0, arena.size());
-      w3.push_back(WhatIfChunked(dir, *plan, dests, chunk, threads, true, &bad_m));
-      if (i == 0) check();
-    }
-    bad += bad_m;
-    std::printf("  what-if (not ckptd code; see README): %s chunked pread + streaming XXH3 + "
-                "copy while hot, 2 threads: %.2f GB/s vs pread limit %.2f GB/s = ratio %.2f "
-                "(%llu checksum mismatches, %llu wrong elements)\n",
-                Bytes(chunk).c_str(), Median(w1), Median(w2), Median(w1) / Median(w2),
-                static_cast<unsigned long long>(bad), static_cast<unsigned long long>(wrong));
-    std::printf("  what-if (not ckptd code; see README): mmap (MAP_POPULATE, timed) + copy %s "
-                "pieces from the page cache + XXH3 of each piece while hot, 2 threads: %.2f GB/s = "
-                "ratio %.2f to the pread limit\n",
-                Bytes(chunk).c_str(), Median(w3), Median(w3) / Median(w2));
-  }
 
   // What `ckptctl load` runs: LoadOffline, fresh buffers (faulted in during
   // the load). The arena is released first: on this VM guest memory that the

@@ -32,6 +32,20 @@ inline bool OdometerStep(size_t n, AxisOf axis_of, const Box& region, int64_t* i
   return false;
 }
 
+// Folds trailing axes that are whole in region, src and dst into one run of
+// `*run` elements; returns k: the outer axes 0..k-1 step from run to run.
+// (region has rank >= 1.)
+size_t FoldTrailingAxes(const StoredLayout& src, const StoredLayout& dst, const Box& region,
+                        int64_t* run) {
+  size_t k = region.rank() - 1;
+  *run = region.shape[k];
+  while (k > 0 && region.shape[k] == src.box.shape[k] && region.shape[k] == dst.box.shape[k]) {
+    --k;
+    *run *= region.shape[k];
+  }
+  return k;
+}
+
 // Walks `region` as runs contiguous in both layouts and calls
 // emit(src_flat, dst_flat, len) with flat indices relative to each layout's
 // box, already clipped to both flat ranges and merged with neighbours.
@@ -47,13 +61,8 @@ void ForEachRun(const StoredLayout& src, const StoredLayout& dst, const Box& reg
   for (size_t i = 0; i < rank; ++i) {
     if (region.shape[i] == 0) return;
   }
-  // Fold trailing axes that are whole in region, src and dst into one run.
-  size_t k = rank - 1;
-  int64_t run = region.shape[k];
-  while (k > 0 && region.shape[k] == src.box.shape[k] && region.shape[k] == dst.box.shape[k]) {
-    --k;
-    run *= region.shape[k];
-  }
+  int64_t run = 0;
+  const size_t k = FoldTrailingAxes(src, dst, region, &run);
   // Outer axes are 0..k-1; axis k and beyond form the run.
   std::vector<int64_t> src_stride(rank), dst_stride(rank);
   int64_t ss = 1, ds = 1;
@@ -423,6 +432,24 @@ int64_t CopyRegion(const StoredLayout& src, const void* src_data, const StoredLa
     });
   }
   return copied;
+}
+
+bool AppendCopyRuns(const StoredLayout& src, const StoredLayout& dst, const Box& region,
+                    size_t max_runs, std::vector<CopyRun>* out) {
+  if (!src.perm.empty() || !dst.perm.empty()) return false;
+  if (region.rank() > 0) {
+    int64_t run = 0;
+    const size_t k = FoldTrailingAxes(src, dst, region, &run);
+    uint64_t outer = 1;  // runs before merging: an upper bound
+    for (size_t i = 0; i < k; ++i) {
+      outer *= static_cast<uint64_t>(std::max<int64_t>(region.shape[i], 0));
+      if (outer > max_runs) return false;
+    }
+  }
+  ForEachRun(src, dst, region, [&](int64_t sf, int64_t df, int64_t len) {
+    out->push_back(CopyRun{sf - src.flat_begin, df - dst.flat_begin, len});
+  });
+  return true;
 }
 
 int64_t CountRegion(const StoredLayout& src, const StoredLayout& dst, const Box& region) {

@@ -63,6 +63,22 @@ bool IsIdentityPerm(const std::vector<int>& perm);
 int64_t CopyRegion(const StoredLayout& src, const void* src_data, const StoredLayout& dst,
                    void* dst_data, const Box& region);
 
+// One run of an identity-layout copy: `len` elements contiguous in both
+// buffers, `src` elements after the source buffer's first element (element
+// flat_begin) and `dst` after the destination's.
+struct CopyRun {
+  int64_t src = 0;
+  int64_t dst = 0;
+  int64_t len = 0;
+};
+
+// Appends the runs CopyRegion would copy, in increasing source (and
+// destination) order, to `out`. Returns false and appends nothing when a
+// layout carries a permutation or the copy may have more than `max_runs`
+// runs (an upper bound is checked before walking).
+bool AppendCopyRuns(const StoredLayout& src, const StoredLayout& dst, const Box& region,
+                    size_t max_runs, std::vector<CopyRun>* out);
+
 // Number of elements of `region` held by both layouts (what CopyRegion would
 // copy), without touching data.
 int64_t CountRegion(const StoredLayout& src, const StoredLayout& dst, const Box& region);

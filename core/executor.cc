@@ -1,14 +1,219 @@
 #include "core/executor.h"
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "core/safetensors.h"
 #include "core/status_macros.h"
+#include "core/xxh3.h"
 
 namespace ckpt {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+absl::Status ChecksumError(const std::string& file, const ReadRange::Check& c) {
+  return absl::DataLossError(absl::StrCat(file, ": tensor '", c.tensor, "' bytes [", c.offset,
+                                          ", ", c.offset + c.nbytes,
+                                          ") fail their checksum (file corrupt or torn)"));
+}
+
+absl::Status CopyCountError(const RankPlan& rp, const CopyOp& op, int64_t n) {
+  return absl::InternalError(absl::StrCat("rank ", rp.rank, " tensor '",
+                                          rp.targets[op.target].name, "': copied ", n,
+                                          " elements, planned ", op.elements));
+}
+
+// The piece-wise way to run one read (see executor.h), with its buffers
+// kept across reads by one worker thread.
+class PieceReader {
+ public:
+  explicit PieceReader(uint64_t piece)
+      : piece_(std::max<uint64_t>(piece, 64)), scratch_(piece_), state_(XXH3_createState()) {}
+  ~PieceReader() { XXH3_freeState(state_); }
+  PieceReader(const PieceReader&) = delete;
+  PieceReader& operator=(const PieceReader&) = delete;
+
+  // Runs read `i` fed by `copies` (skipping ranks whose memo entry is 2),
+  // or sets *applies = false and does nothing when it cannot (a layout with
+  // a permutation, a destination that is not host memory, a cast of a run
+  // not aligned to its elements, or too many short runs). Adds to `stats`.
+  absl::Status Run(const LoadPlan& plan, size_t i, const RandomAccessFile& file,
+                   const std::vector<std::pair<uint32_t, uint32_t>>& copies,
+                   const std::vector<uint8_t>& skip, Delivery& delivery, bool verify, bool stream,
+                   LoadStats& stats, bool* applies);
+
+ private:
+  // One run of one copy: source bytes [off, end) of the file go to dst.
+  struct Segment {
+    uint64_t off = 0;
+    uint64_t end = 0;
+    uint8_t* dst = nullptr;
+    DType sdt = DType::kU8, ddt = DType::kU8;
+  };
+
+  bool Build(const LoadPlan& plan, const ReadRange& rr,
+             const std::vector<std::pair<uint32_t, uint32_t>>& copies,
+             const std::vector<uint8_t>& skip, Delivery& delivery, absl::Status* error);
+  absl::Status Hash(const std::string& file, const ReadRange& rr, uint64_t pos, uint64_t n);
+
+  const uint64_t piece_;
+  std::vector<uint8_t> scratch_;
+  XXH3_state_t* state_;
+  std::vector<Segment> segs_;  // sorted by offset
+  std::vector<CopyRun> runs_;
+  std::vector<uint32_t> active_;  // segments the current piece may feed
+  std::vector<uint32_t> checks_;  // indices into rr.checks, by offset
+  size_t check_pos_ = 0;          // next check not yet complete
+  bool hashing_ = false;          // state_ holds a partial check
+  std::vector<uint64_t> delivered_;  // per plan rank, this read
+};
+
+bool PieceReader::Build(const LoadPlan& plan, const ReadRange& rr,
+                        const std::vector<std::pair<uint32_t, uint32_t>>& copies,
+                        const std::vector<uint8_t>& skip, Delivery& delivery,
+                        absl::Status* error) {
+  segs_.clear();
+  // Beyond one run per 256 bytes on average, walking runs per piece costs
+  // more than it saves: such reads go the staged way.
+  size_t budget = std::max<uint64_t>(64, rr.length / 256);
+  delivered_.assign(plan.ranks.size(), 0);
+  for (const auto& [r, c] : copies) {
+    if (skip[r] == 2) continue;  // the worker's memo: 2 = skip
+    const RankPlan& rp = plan.ranks[r];
+    const CopyOp& op = rp.copies[c];
+    const TargetTensor& t = rp.targets[op.target];
+    uint8_t* base = delivery.HostDestination(r, op.target);
+    if (base == nullptr) return false;
+    runs_.clear();
+    if (!AppendCopyRuns(op.src, t.layout(), op.region, budget, &runs_)) return false;
+    budget -= runs_.size();
+    const uint64_t ssz = DTypeSize(op.src.dtype), dsz = DTypeSize(t.dtype);
+    const bool cast = op.src.dtype != t.dtype;
+    int64_t elements = 0;
+    for (const CopyRun& run : runs_) {
+      Segment sg;
+      sg.off = op.src_offset + static_cast<uint64_t>(run.src) * ssz;
+      sg.end = sg.off + static_cast<uint64_t>(run.len) * ssz;
+      sg.dst = base + static_cast<uint64_t>(run.dst) * dsz;
+      sg.sdt = op.src.dtype;
+      sg.ddt = t.dtype;
+      // A cast converts whole elements: pieces end on 64-byte file offsets,
+      // which split no element of a run that starts element-aligned.
+      if (cast && sg.off % ssz != 0) return false;
+      segs_.push_back(sg);
+      elements += run.len;
+    }
+    if (elements != op.elements) {
+      *error = CopyCountError(rp, op, elements);
+      return true;
+    }
+    delivered_[r] += static_cast<uint64_t>(elements) * dsz;
+  }
+  std::sort(segs_.begin(), segs_.end(),
+            [](const Segment& a, const Segment& b) { return a.off < b.off; });
+  return true;
+}
+
+absl::Status PieceReader::Hash(const std::string& file, const ReadRange& rr, uint64_t pos,
+                               uint64_t n) {
+  const uint64_t end = pos + n;
+  while (check_pos_ < checks_.size()) {
+    const ReadRange::Check& c = rr.checks[checks_[check_pos_]];
+    if (c.offset >= end) break;
+    const uint64_t lo = std::max(pos, c.offset), hi = std::min(end, c.offset + c.nbytes);
+    if (!hashing_) {
+      XXH3_64bits_reset(state_);
+      hashing_ = true;
+    }
+    if (hi > lo) XXH3_64bits_update(state_, scratch_.data() + (lo - pos), hi - lo);
+    if (hi < c.offset + c.nbytes) break;  // continues in the next piece
+    hashing_ = false;
+    ++check_pos_;
+    if (XXH3_64bits_digest(state_) != c.xxh3) return ChecksumError(file, c);
+  }
+  return absl::OkStatus();
+}
+
+absl::Status PieceReader::Run(const LoadPlan& plan, size_t i, const RandomAccessFile& file,
+                              const std::vector<std::pair<uint32_t, uint32_t>>& copies,
+                              const std::vector<uint8_t>& skip, Delivery& delivery, bool verify,
+                              bool stream, LoadStats& stats, bool* applies) {
+  const ReadRange& rr = plan.reads[i];
+  absl::Status error;
+  *applies = Build(plan, rr, copies, skip, delivery, &error);
+  if (!*applies || !error.ok()) return error;
+  checks_.clear();
+  if (verify) {
+    for (uint32_t k = 0; k < rr.checks.size(); ++k) checks_.push_back(k);
+    std::sort(checks_.begin(), checks_.end(), [&](uint32_t a, uint32_t b) {
+      return rr.checks[a].offset < rr.checks[b].offset;
+    });
+  }
+  check_pos_ = 0;
+  hashing_ = false;
+  const std::string& name = plan.files[rr.file];
+  const uint64_t end = rr.offset + rr.length;
+  size_t next = 0;  // first segment not yet active
+  active_.clear();
+  double read_s = 0, copy_s = 0;
+  for (uint64_t start = rr.offset; start < end;) {
+    // A piece ends on a 64-byte file offset (or the read's end).
+    uint64_t stop = std::min(end, (start + piece_) & ~uint64_t{63});
+    if (stop <= start) stop = std::min(end, start + piece_);
+    const auto t0 = Clock::now();
+    CKPT_RETURN_IF_ERROR(file.Read(start, stop - start, scratch_.data()));
+    if (verify) CKPT_RETURN_IF_ERROR(Hash(name, rr, start, stop - start));
+    const auto t1 = Clock::now();
+    while (next < segs_.size() && segs_[next].off < stop) active_.push_back(next++);
+    size_t keep = 0;
+    for (uint32_t k : active_) {
+      const Segment& sg = segs_[k];
+      const uint64_t lo = std::max(sg.off, start), hi = std::min(sg.end, stop);
+      if (hi > lo) {
+        const uint8_t* src = scratch_.data() + (lo - start);
+        if (sg.sdt == sg.ddt) {
+          if (stream && hi - lo >= kStreamingMinRun) {
+            StreamingCopy(sg.dst + (lo - sg.off), src, hi - lo);
+          } else {
+            std::memcpy(sg.dst + (lo - sg.off), src, hi - lo);
+          }
+        } else {
+          const uint64_t ssz = DTypeSize(sg.sdt), dsz = DTypeSize(sg.ddt);
+          ConvertElements(src, sg.sdt, sg.dst + (lo - sg.off) / ssz * dsz, sg.ddt,
+                          (hi - lo) / ssz);
+        }
+      }
+      if (sg.end > stop) active_[keep++] = k;
+    }
+    active_.resize(keep);
+    const auto t2 = Clock::now();
+    read_s += std::chrono::duration<double>(t1 - t0).count();
+    copy_s += std::chrono::duration<double>(t2 - t1).count();
+    start = stop;
+  }
+  if (stream) StreamingFence();
+  if (check_pos_ != checks_.size()) {
+    return absl::InternalError(absl::StrCat(name, ": checksum range of tensor '",
+                                            rr.checks[checks_[check_pos_]].tensor,
+                                            "' is not inside its read"));
+  }
+  stats.bytes_read += rr.length;
+  stats.checksums_verified += static_cast<int64_t>(checks_.size());
+  for (size_t r = 0; r < delivered_.size(); ++r) {
+    stats.bytes_delivered += delivered_[r];
+    stats.rank_bytes_delivered[r] += delivered_[r];
+  }
+  stats.read_seconds += read_s;
+  stats.copy_seconds += copy_s;
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 absl::StatusOr<const RandomAccessFile*> DirectorySource::Get(const std::string& file) {
   absl::MutexLock lock(&mu_);
@@ -69,6 +274,9 @@ absl::StatusOr<LoadStats> ExecutePlan(const LoadPlan& plan, RangeSource& source,
     for (uint32_t c = 0; c < rp.copies.size(); ++c) by_read[rp.copies[c].read].push_back({r, c});
   }
 
+  // Destinations far larger than the caches are written with streaming
+  // stores (as CopyRegion does for one large region).
+  const bool stream = plan.bytes_to_deliver() >= kStreamingBytes;
   std::atomic<size_t> next{0};
   std::atomic<bool> failed{false};
   absl::Mutex mu;
@@ -79,6 +287,7 @@ absl::StatusOr<LoadStats> ExecutePlan(const LoadPlan& plan, RangeSource& source,
     LoadStats local;
     local.rank_bytes_delivered.assign(plan.ranks.size(), 0);
     std::vector<uint8_t> scratch;
+    PieceReader reader(options.piece_bytes);
     std::vector<uint8_t> skip_memo(plan.ranks.size(), 0);  // 0 unknown, 1 run, 2 skip
     std::vector<uint32_t> memo_touched;
     while (!failed.load(std::memory_order_relaxed)) {
@@ -97,14 +306,43 @@ absl::StatusOr<LoadStats> ExecutePlan(const LoadPlan& plan, RangeSource& source,
       }
       const ReadRange& rr = plan.reads[i];
       const std::string& file = plan.files[rr.file];
+      // skip_rank may be costly (a gRPC cancellation check): ask once per
+      // rank per read.
+      for (const auto& rc : by_read[i]) {
+        const uint32_t r = rc.first;
+        if (skip_memo[r] == 0) {
+          skip_memo[r] = options.skip_rank && options.skip_rank(r) ? 2 : 1;
+          memo_touched.push_back(r);
+        }
+      }
+      {
+        absl::StatusOr<const RandomAccessFile*> direct = source.DirectFile(file);
+        bool applies = false;
+        absl::Status s = direct.status();
+        if (s.ok() && *direct != nullptr) {
+          s = reader.Run(plan, i, **direct, by_read[i], skip_memo, delivery,
+                         options.verify_checksums, stream, local, &applies);
+          if (applies) {
+            absl::Status flushed = delivery.Flush();
+            if (s.ok()) s = flushed;
+          }
+        }
+        if (!s.ok() || applies) {
+          if (options.progress_bytes) options.progress_bytes->fetch_add(rr.length);
+          if (!s.ok()) {
+            absl::MutexLock lock(&mu);
+            if (first_error.ok()) first_error = s;
+            failed = true;
+          }
+          continue;
+        }
+      }
       int64_t verified = 0;
       auto verify = [&](const uint8_t* data) -> absl::Status {
         if (!options.verify_checksums) return absl::OkStatus();
         for (const auto& c : rr.checks) {
           if (Checksum(data + (c.offset - rr.offset), c.nbytes) != c.xxh3) {
-            return absl::DataLossError(absl::StrCat(file, ": tensor '", c.tensor, "' bytes [",
-                                                    c.offset, ", ", c.offset + c.nbytes,
-                                                    ") fail their checksum (file corrupt or torn)"));
+            return ChecksumError(file, c);
           }
           ++verified;
         }
@@ -118,15 +356,7 @@ absl::StatusOr<LoadStats> ExecutePlan(const LoadPlan& plan, RangeSource& source,
         local.checksums_verified += verified;
         (view->from_storage ? local.bytes_read : local.bytes_from_cache) += rr.length;
         for (const auto& [r, c] : by_read[i]) {
-          // skip_rank may be costly (a gRPC cancellation check): ask once per
-          // rank per read.
-          if (options.skip_rank) {
-            if (skip_memo[r] == 0) {
-              skip_memo[r] = options.skip_rank(r) ? 2 : 1;
-              memo_touched.push_back(r);
-            }
-            if (skip_memo[r] == 2) continue;
-          }
+          if (skip_memo[r] == 2) continue;
           const RankPlan& rp = plan.ranks[r];
           const CopyOp& op = rp.copies[c];
           absl::StatusOr<int64_t> n =
@@ -136,9 +366,7 @@ absl::StatusOr<LoadStats> ExecutePlan(const LoadPlan& plan, RangeSource& source,
             break;
           }
           if (*n != op.elements) {
-            s = absl::InternalError(absl::StrCat("rank ", rp.rank, " tensor '",
-                                                 rp.targets[op.target].name, "': copied ", *n,
-                                                 " elements, planned ", op.elements));
+            s = CopyCountError(rp, op, *n);
             break;
           }
           uint64_t bytes = static_cast<uint64_t>(*n) * DTypeSize(rp.targets[op.target].dtype);

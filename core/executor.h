@@ -3,9 +3,21 @@
 //
 // Reads run on a few threads; each read's copies run right after it on the
 // same thread while its bytes are hot in cache. Checksum blocks entirely
-// inside a read from storage are verified before any byte of it is used. On
-// any error the caller gets the error (naming file, tensor and rank) and
-// must treat every destination as unfilled.
+// inside a read from storage are verified. On any error the caller gets the
+// error (naming file, tensor and rank) and must treat every destination as
+// unfilled.
+//
+// Two ways to run a read:
+//  - piece-wise (a source that reads files with nothing in between, host
+//    destinations, no axis permutation): the read's copies are expanded
+//    into runs once; the read is pread in L2-sized pieces into a small
+//    scratch buffer, each piece hashed (streaming XXH3) and its runs copied
+//    or cast out while it is still in the CPU cache, with streaming stores
+//    for large loads: the kernel's copy plus one write of each destination
+//    byte, instead of three passes over a 64 MiB buffer.
+//  - staged (caches, device deliveries, transposes): the whole read is
+//    fetched into a buffer (or served by a cache), verified, and each copy
+//    runs CopyRegion from it.
 #ifndef CKPTD_CORE_EXECUTOR_H_
 #define CKPTD_CORE_EXECUTOR_H_
 
@@ -44,6 +56,12 @@ class RangeSource {
   virtual absl::StatusOr<RangeView> Fetch(
       const std::string& file, uint64_t offset, uint64_t n, std::vector<uint8_t>& scratch,
       const std::function<absl::Status(const uint8_t*)>& verify) = 0;
+  // The file itself when this source reads `file` straight from storage
+  // with nothing kept in between (no cache): the executor may then read it
+  // piece by piece. Null otherwise.
+  virtual absl::StatusOr<const RandomAccessFile*> DirectFile(const std::string& file) {
+    return nullptr;
+  }
 };
 
 // Reads files of one checkpoint directory with pread; opens each file once.
@@ -53,6 +71,9 @@ class DirectorySource final : public RangeSource {
   absl::StatusOr<RangeView> Fetch(
       const std::string& file, uint64_t offset, uint64_t n, std::vector<uint8_t>& scratch,
       const std::function<absl::Status(const uint8_t*)>& verify) override;
+  absl::StatusOr<const RandomAccessFile*> DirectFile(const std::string& file) override {
+    return Get(file);
+  }
 
  private:
   absl::StatusOr<const RandomAccessFile*> Get(const std::string& file);
@@ -74,6 +95,10 @@ class Delivery {
   // a failed one) and before that read's bytes are released: a delivery
   // that copies asynchronously (server/cuda) waits for its copies here.
   virtual absl::Status Flush() { return absl::OkStatus(); }
+  // The host buffer of plan rank `rank_index`'s target `target` when
+  // copies into it are plain CPU stores (the executor may then write it
+  // run by run); null when Copy must be used.
+  virtual uint8_t* HostDestination(size_t rank_index, uint32_t target) { return nullptr; }
 };
 
 // Delivery into host memory: dests[i][j] is the buffer of plan.ranks[i]
@@ -83,6 +108,9 @@ class HostDelivery final : public Delivery {
   explicit HostDelivery(std::vector<std::vector<void*>> dests) : dests_(std::move(dests)) {}
   absl::StatusOr<int64_t> Copy(size_t rank_index, const RankPlan& rank, const CopyOp& op,
                                const uint8_t* src) override;
+  uint8_t* HostDestination(size_t rank_index, uint32_t target) override {
+    return static_cast<uint8_t*>(dests_[rank_index][target]);
+  }
   const std::vector<std::vector<void*>>& dests() const { return dests_; }
 
  private:
@@ -92,6 +120,10 @@ class HostDelivery final : public Delivery {
 struct ExecuteOptions {
   int threads = 2;
   bool verify_checksums = true;
+  // Bytes per pread in the piece-wise way (at least 64): small enough that
+  // a piece stays in L2 while it is hashed and copied out (128 KiB-1 MiB
+  // measure the same on the dev VM). Tests make it tiny.
+  uint64_t piece_bytes = 256 << 10;
   // Ranks (plan indices) whose copies are skipped, e.g. a client that left.
   std::function<bool(size_t rank_index)> skip_rank;
   // Bytes of reads completed so far, for progress reports.

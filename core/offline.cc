@@ -49,6 +49,7 @@ absl::StatusOr<OfflineLoadResult> LoadOffline(const std::string& dir, const Layo
   ExecuteOptions eo;
   eo.threads = options.threads;
   eo.verify_checksums = options.verify_checksums;
+  eo.piece_bytes = options.piece_bytes;
   CKPT_ASSIGN_OR_RETURN(res.stats, ExecutePlan(res.plan, source, dests, eo));
   res.times.load_seconds = Since(t0);
   return res;

@@ -4,11 +4,11 @@
 #include <cstring>
 
 #include <nlohmann/json.hpp>
-#include <xxhash.h>
 
 #include "absl/container/flat_hash_set.h"
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
+#include "core/xxh3.h"
 
 namespace ckpt {
 namespace {

@@ -332,11 +332,13 @@ class BadInput : public ::testing::Test {
     ckpt_ = tmp_.Sub("ckpt");
     ASSERT_TRUE(ShardCheckpoint(src_, TwoRankRows(), ckpt_, {}).ok());
   }
-  absl::Status Load() {
+  absl::Status Load(uint64_t piece_bytes = OfflineLoadOptions{}.piece_bytes) {
     Layout l;
     l.world_size = 1;
     l.ranks = {{0, {Target("w", {4, 8}, {0, 0}, {4, 8})}}};
-    auto res = LoadOffline(ckpt_, l, {});
+    OfflineLoadOptions options;
+    options.piece_bytes = piece_bytes;
+    auto res = LoadOffline(ckpt_, l, options);
     if (res.ok()) {
       absl::Status s = WriteRankOutputs(*res, tmp_.Sub("out"));
       if (!s.ok()) return s;
@@ -495,6 +497,8 @@ TEST_F(BadInput, CorruptDataFailsChecksum) {
   ASSERT_EQ(::pwrite(fd, "\xff\xff", 2, 4096 + 10), 2);
   ::close(fd);
   ExpectError(Load(), "1_0.safetensors: tensor 'w' bytes [4096, 4160) fail their checksum");
+  // The same from the piece-wise reader with one piece per 64 bytes.
+  ExpectError(Load(64), "1_0.safetensors: tensor 'w' bytes [4096, 4160) fail their checksum");
 }
 
 TEST_F(BadInput, FailedShardLeavesNoMetadata) {
