@@ -101,9 +101,29 @@ absl::StatusOr<std::unique_ptr<ShmArena>> ShmArena::Create(uint64_t size, const 
   return std::unique_ptr<ShmArena>(new ShmArena(fd, static_cast<uint8_t*>(p), mapped));
 }
 
+absl::StatusOr<std::unique_ptr<ShmArena>> ShmArena::FromDaemon(const std::string& socket,
+                                                                uint64_t size,
+                                                                absl::Duration timeout) {
+  CKPT_ASSIGN_OR_RETURN(ArenaGrant g,
+                        RequestArena(FdSocketPath(socket), std::max<uint64_t>(size, 1), timeout));
+  void* p = ::mmap(nullptr, g.size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, g.fd, 0);
+  if (p == MAP_FAILED) {
+    const int err = errno;
+    ::close(g.fd);
+    ::close(g.lease);
+    return absl::ResourceExhaustedError(
+        absl::StrCat("mmap of a daemon arena of ", g.size, " bytes: ", std::strerror(err)));
+  }
+  std::unique_ptr<ShmArena> a(new ShmArena(g.fd, static_cast<uint8_t*>(p), g.size));
+  a->lease_ = g.lease;
+  a->token_ = std::move(g.token);
+  return a;
+}
+
 ShmArena::~ShmArena() {
   ::munmap(data_, size_);
   ::close(fd_);
+  if (lease_ >= 0) ::close(lease_);  // after unmapping: the daemon may lend it again
 }
 
 uint64_t TensorSpec::num_bytes() const {
@@ -222,6 +242,9 @@ absl::StatusOr<LoadReport> Client::Load(const LoadSpec& spec,
       names.push_back(t.name);
     }
     CKPT_RETURN_IF_ERROR(AddCudaIpcDestination(ptrs, sizes, names, &req));
+  } else if (shm && !arena->daemon_token().empty()) {
+    req.mutable_shm()->set_arena_token(arena->daemon_token());
+    req.mutable_shm()->set_size(arena->size());
   } else if (shm) {
     CKPT_ASSIGN_OR_RETURN(std::string token,
                           SendFd(FdSocketPath(rep_->options.socket), arena->fd(),
@@ -291,9 +314,13 @@ absl::StatusOr<v1::SaveResponse> Client::Save(const SaveSpec& spec) {
     }
   }
   AddTargets(spec.tensors, offsets, req.mutable_targets());
-  CKPT_ASSIGN_OR_RETURN(std::string token, SendFd(FdSocketPath(rep_->options.socket), arena->fd(),
-                                                  rep_->options.connect_timeout));
-  req.mutable_shm()->set_fd_token(token);
+  if (!arena->daemon_token().empty()) {
+    req.mutable_shm()->set_arena_token(arena->daemon_token());
+  } else {
+    CKPT_ASSIGN_OR_RETURN(std::string token, SendFd(FdSocketPath(rep_->options.socket),
+                                                    arena->fd(), rep_->options.connect_timeout));
+    req.mutable_shm()->set_fd_token(token);
+  }
   req.mutable_shm()->set_size(arena->size());
   grpc::ClientContext ctx;
   ctx.set_deadline(Deadline(rep_->options.call_timeout));

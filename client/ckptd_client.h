@@ -32,20 +32,35 @@
 namespace ckptd {
 
 // A memfd-backed shared-memory arena a rank's tensors can live in.
+//
+// Create() makes one in this process; the daemon maps it for every load
+// (page tables built per job). FromDaemon() borrows one the daemon keeps
+// mapped (server/arena_pool.h): loads into it skip that set-up, and a
+// restarted rank asking for the same size gets a recycled one. Its contents
+// start as whatever the last user left (like malloc). The lease ends when
+// the arena is destroyed.
 class ShmArena {
  public:
   static absl::StatusOr<std::unique_ptr<ShmArena>> Create(uint64_t size,
                                                           const std::string& name = "ckptd");
+  // `socket`: the daemon's gRPC Unix socket (the fd socket sits beside it).
+  // The arena is mapped and faulted in here before this returns.
+  static absl::StatusOr<std::unique_ptr<ShmArena>> FromDaemon(
+      const std::string& socket, uint64_t size, absl::Duration timeout = absl::Seconds(10));
   ~ShmArena();
   uint8_t* data() const { return data_; }
   uint64_t size() const { return size_; }
   int fd() const { return fd_; }
+  // Non-empty for an arena from the daemon: names it in LoadRequest.shm.
+  const std::string& daemon_token() const { return token_; }
 
  private:
   ShmArena(int fd, uint8_t* data, uint64_t size) : fd_(fd), data_(data), size_(size) {}
   int fd_;
   uint8_t* data_;
   uint64_t size_;
+  int lease_ = -1;     // FromDaemon: the lease socket
+  std::string token_;  // FromDaemon: the arena's token
 };
 
 struct TensorSpec {

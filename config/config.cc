@@ -21,7 +21,7 @@ const std::set<std::string>& KnownKeys() {
       "cache_budget",  "io_threads",      "io_request_size", "barrier_timeout",
       "load_timeout",  "drain_timeout",   "log_level",       "peer_listen",
       "peers",         "peer_dns",        "peer_timeout",    "log_format",
-      "metrics_address"};
+      "metrics_address", "arena_pool",      "arena_limit"};
   return *keys;
 }
 
@@ -117,10 +117,14 @@ absl::StatusOr<DaemonConfig> ParseConfig(const std::string& yaml, const std::str
         c.socket_mode = static_cast<uint32_t>(m);
       } else if (key == "tcp_address") {
         c.tcp_address = s;
-      } else if (key == "cache_budget" || key == "io_request_size") {
+      } else if (key == "cache_budget" || key == "io_request_size" || key == "arena_pool" ||
+                 key == "arena_limit") {
         auto b = ParseBytes(s);
         if (!b.ok()) return Bad(source, key, b.status().message());
-        (key == "cache_budget" ? c.cache_budget : c.io_request_size) = *b;
+        (key == "cache_budget"      ? c.cache_budget
+         : key == "io_request_size" ? c.io_request_size
+         : key == "arena_pool"      ? c.arena_pool
+                                    : c.arena_limit) = *b;
       } else if (key == "io_threads") {
         int n;
         if (!absl::SimpleAtoi(s, &n) || n < 1 || n > 256) {
@@ -227,6 +231,8 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   out << YAML::Key << "tcp_address" << YAML::Value << c.tcp_address;
   out << YAML::Key << "roots" << YAML::Value << c.roots;
   out << YAML::Key << "cache_budget" << YAML::Value << c.cache_budget;
+  out << YAML::Key << "arena_pool" << YAML::Value << c.arena_pool;
+  out << YAML::Key << "arena_limit" << YAML::Value << c.arena_limit;
   out << YAML::Key << "io_threads" << YAML::Value << c.io_threads;
   out << YAML::Key << "io_request_size" << YAML::Value << c.io_request_size;
   out << YAML::Key << "barrier_timeout" << YAML::Value << absl::FormatDuration(c.barrier_timeout);

@@ -19,6 +19,10 @@ struct DaemonConfig {
   std::string tcp_address;  // "host:port"; empty: no TCP listener
   std::vector<std::string> roots;  // checkpoints outside these are refused
   uint64_t cache_budget = 4ull << 30;  // bytes of checkpoint data kept in memory
+  // Destination arenas the daemon lends clients (server/arena_pool.h): free
+  // ones kept mapped for the next client, and all leased ones together.
+  uint64_t arena_pool = 4ull << 30;
+  uint64_t arena_limit = 64ull << 30;
   int io_threads = 2;
   uint64_t io_request_size = 64ull << 20;  // largest single read
   absl::Duration barrier_timeout = absl::Seconds(120);

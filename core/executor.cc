@@ -28,24 +28,34 @@ absl::Status CopyCountError(const RankPlan& rp, const CopyOp& op, int64_t n) {
                                           " elements, planned ", op.elements));
 }
 
-// The piece-wise way to run one read (see executor.h), with its buffers
-// kept across reads by one worker thread.
-class PieceReader {
+// Writes the copies of one read into host destinations run by run: the
+// copies are expanded into runs (segments of the file) once, then fed the
+// read's bytes in increasing pieces. Serves the piece-wise reads and staged
+// reads into host memory; kept across reads by one worker thread.
+class RunWriter {
  public:
-  explicit PieceReader(uint64_t piece)
-      : piece_(std::max<uint64_t>(piece, 64)), scratch_(piece_), state_(XXH3_createState()) {}
-  ~PieceReader() { XXH3_freeState(state_); }
-  PieceReader(const PieceReader&) = delete;
-  PieceReader& operator=(const PieceReader&) = delete;
+  explicit RunWriter(uint64_t piece)
+      : piece_(std::max<uint64_t>(piece, 64)), state_(XXH3_createState()) {}
+  ~RunWriter() { XXH3_freeState(state_); }
+  RunWriter(const RunWriter&) = delete;
+  RunWriter& operator=(const RunWriter&) = delete;
 
-  // Runs read `i` fed by `copies` (skipping ranks whose memo entry is 2),
-  // or sets *applies = false and does nothing when it cannot (a layout with
-  // a permutation, a destination that is not host memory, a cast of a run
-  // not aligned to its elements, or too many short runs). Adds to `stats`.
-  absl::Status Run(const LoadPlan& plan, size_t i, const RandomAccessFile& file,
-                   const std::vector<std::pair<uint32_t, uint32_t>>& copies,
-                   const std::vector<uint8_t>& skip, Delivery& delivery, bool verify, bool stream,
-                   LoadStats& stats, bool* applies);
+  // Expands the copies of read `i` (skipping ranks whose memo entry is 2).
+  // False (nothing to do here) when a copy cannot go run by run: a layout
+  // with a permutation, a destination that is not host memory, a cast of a
+  // run not aligned to its elements, or too many short runs. A copy whose
+  // runs do not add up to its plan is an error in *error.
+  bool Prepare(const LoadPlan& plan, size_t i,
+               const std::vector<std::pair<uint32_t, uint32_t>>& copies,
+               const std::vector<uint8_t>& skip, Delivery& delivery, absl::Status* error);
+  // Reads the prepared read from `file` in pieces into an L2-sized scratch
+  // buffer, verifies its checksums (when `verify`) and writes the runs.
+  absl::Status ReadPieces(const RandomAccessFile& file, bool verify, bool stream,
+                          LoadStats& stats);
+  // Writes the runs of the prepared read from `data`, its bytes in memory.
+  void WriteAll(const uint8_t* data, bool stream);
+  // Adds the prepared read's delivered bytes to `stats`.
+  void Account(LoadStats& stats) const;
 
  private:
   // One run of one copy: source bytes [off, end) of the file go to dst.
@@ -56,31 +66,38 @@ class PieceReader {
     DType sdt = DType::kU8, ddt = DType::kU8;
   };
 
-  bool Build(const LoadPlan& plan, const ReadRange& rr,
-             const std::vector<std::pair<uint32_t, uint32_t>>& copies,
-             const std::vector<uint8_t>& skip, Delivery& delivery, absl::Status* error);
-  absl::Status Hash(const std::string& file, const ReadRange& rr, uint64_t pos, uint64_t n);
+  // Writes every run's part inside file bytes [start, stop), held at `data`.
+  // Calls cover the read in increasing order.
+  void Write(const uint8_t* data, uint64_t start, uint64_t stop, bool stream);
+  absl::Status Hash(const uint8_t* data, uint64_t pos, uint64_t n);
 
   const uint64_t piece_;
   std::vector<uint8_t> scratch_;
   XXH3_state_t* state_;
+  const LoadPlan* plan_ = nullptr;
+  const ReadRange* read_ = nullptr;
   std::vector<Segment> segs_;  // sorted by offset
   std::vector<CopyRun> runs_;
-  std::vector<uint32_t> active_;  // segments the current piece may feed
-  std::vector<uint32_t> checks_;  // indices into rr.checks, by offset
+  size_t next_ = 0;               // first segment not yet active
+  std::vector<uint32_t> active_;  // segments the next piece may feed
+  std::vector<uint32_t> checks_;  // indices into read_->checks, by offset
   size_t check_pos_ = 0;          // next check not yet complete
   bool hashing_ = false;          // state_ holds a partial check
   std::vector<uint64_t> delivered_;  // per plan rank, this read
 };
 
-bool PieceReader::Build(const LoadPlan& plan, const ReadRange& rr,
+bool RunWriter::Prepare(const LoadPlan& plan, size_t i,
                         const std::vector<std::pair<uint32_t, uint32_t>>& copies,
                         const std::vector<uint8_t>& skip, Delivery& delivery,
                         absl::Status* error) {
+  plan_ = &plan;
+  read_ = &plan.reads[i];
   segs_.clear();
-  // Beyond one run per 256 bytes on average, walking runs per piece costs
-  // more than it saves: such reads go the staged way.
-  size_t budget = std::max<uint64_t>(64, rr.length / 256);
+  next_ = 0;
+  active_.clear();
+  // Beyond one run per 256 bytes on average, walking runs costs more than
+  // CopyRegion's walk: such reads go copy by copy.
+  size_t budget = std::max<uint64_t>(64, read_->length / 256);
   delivered_.assign(plan.ranks.size(), 0);
   for (const auto& [r, c] : copies) {
     if (skip[r] == 2) continue;  // the worker's memo: 2 = skip
@@ -119,8 +136,38 @@ bool PieceReader::Build(const LoadPlan& plan, const ReadRange& rr,
   return true;
 }
 
-absl::Status PieceReader::Hash(const std::string& file, const ReadRange& rr, uint64_t pos,
-                               uint64_t n) {
+void RunWriter::Write(const uint8_t* data, uint64_t start, uint64_t stop, bool stream) {
+  while (next_ < segs_.size() && segs_[next_].off < stop) active_.push_back(next_++);
+  size_t keep = 0;
+  for (uint32_t k : active_) {
+    const Segment& sg = segs_[k];
+    const uint64_t lo = std::max(sg.off, start), hi = std::min(sg.end, stop);
+    if (hi > lo) {
+      const uint8_t* src = data + (lo - start);
+      if (sg.sdt == sg.ddt) {
+        if (stream && hi - lo >= kStreamingMinRun) {
+          StreamingCopy(sg.dst + (lo - sg.off), src, hi - lo);
+        } else {
+          std::memcpy(sg.dst + (lo - sg.off), src, hi - lo);
+        }
+      } else {
+        const uint64_t ssz = DTypeSize(sg.sdt), dsz = DTypeSize(sg.ddt);
+        ConvertElements(src, sg.sdt, sg.dst + (lo - sg.off) / ssz * dsz, sg.ddt,
+                        (hi - lo) / ssz);
+      }
+    }
+    if (sg.end > stop) active_[keep++] = k;
+  }
+  active_.resize(keep);
+}
+
+void RunWriter::WriteAll(const uint8_t* data, bool stream) {
+  Write(data, read_->offset, read_->offset + read_->length, stream);
+  if (stream) StreamingFence();
+}
+
+absl::Status RunWriter::Hash(const uint8_t* data, uint64_t pos, uint64_t n) {
+  const ReadRange& rr = *read_;
   const uint64_t end = pos + n;
   while (check_pos_ < checks_.size()) {
     const ReadRange::Check& c = rr.checks[checks_[check_pos_]];
@@ -130,23 +177,19 @@ absl::Status PieceReader::Hash(const std::string& file, const ReadRange& rr, uin
       XXH3_64bits_reset(state_);
       hashing_ = true;
     }
-    if (hi > lo) XXH3_64bits_update(state_, scratch_.data() + (lo - pos), hi - lo);
+    if (hi > lo) XXH3_64bits_update(state_, data + (lo - pos), hi - lo);
     if (hi < c.offset + c.nbytes) break;  // continues in the next piece
     hashing_ = false;
     ++check_pos_;
-    if (XXH3_64bits_digest(state_) != c.xxh3) return ChecksumError(file, c);
+    if (XXH3_64bits_digest(state_) != c.xxh3) return ChecksumError(plan_->files[rr.file], c);
   }
   return absl::OkStatus();
 }
 
-absl::Status PieceReader::Run(const LoadPlan& plan, size_t i, const RandomAccessFile& file,
-                              const std::vector<std::pair<uint32_t, uint32_t>>& copies,
-                              const std::vector<uint8_t>& skip, Delivery& delivery, bool verify,
-                              bool stream, LoadStats& stats, bool* applies) {
-  const ReadRange& rr = plan.reads[i];
-  absl::Status error;
-  *applies = Build(plan, rr, copies, skip, delivery, &error);
-  if (!*applies || !error.ok()) return error;
+absl::Status RunWriter::ReadPieces(const RandomAccessFile& file, bool verify, bool stream,
+                                   LoadStats& stats) {
+  const ReadRange& rr = *read_;
+  if (scratch_.empty()) scratch_.resize(piece_);
   checks_.clear();
   if (verify) {
     for (uint32_t k = 0; k < rr.checks.size(); ++k) checks_.push_back(k);
@@ -156,10 +199,7 @@ absl::Status PieceReader::Run(const LoadPlan& plan, size_t i, const RandomAccess
   }
   check_pos_ = 0;
   hashing_ = false;
-  const std::string& name = plan.files[rr.file];
   const uint64_t end = rr.offset + rr.length;
-  size_t next = 0;  // first segment not yet active
-  active_.clear();
   double read_s = 0, copy_s = 0;
   for (uint64_t start = rr.offset; start < end;) {
     // A piece ends on a 64-byte file offset (or the read's end).
@@ -167,30 +207,9 @@ absl::Status PieceReader::Run(const LoadPlan& plan, size_t i, const RandomAccess
     if (stop <= start) stop = std::min(end, start + piece_);
     const auto t0 = Clock::now();
     CKPT_RETURN_IF_ERROR(file.Read(start, stop - start, scratch_.data()));
-    if (verify) CKPT_RETURN_IF_ERROR(Hash(name, rr, start, stop - start));
+    if (verify) CKPT_RETURN_IF_ERROR(Hash(scratch_.data(), start, stop - start));
     const auto t1 = Clock::now();
-    while (next < segs_.size() && segs_[next].off < stop) active_.push_back(next++);
-    size_t keep = 0;
-    for (uint32_t k : active_) {
-      const Segment& sg = segs_[k];
-      const uint64_t lo = std::max(sg.off, start), hi = std::min(sg.end, stop);
-      if (hi > lo) {
-        const uint8_t* src = scratch_.data() + (lo - start);
-        if (sg.sdt == sg.ddt) {
-          if (stream && hi - lo >= kStreamingMinRun) {
-            StreamingCopy(sg.dst + (lo - sg.off), src, hi - lo);
-          } else {
-            std::memcpy(sg.dst + (lo - sg.off), src, hi - lo);
-          }
-        } else {
-          const uint64_t ssz = DTypeSize(sg.sdt), dsz = DTypeSize(sg.ddt);
-          ConvertElements(src, sg.sdt, sg.dst + (lo - sg.off) / ssz * dsz, sg.ddt,
-                          (hi - lo) / ssz);
-        }
-      }
-      if (sg.end > stop) active_[keep++] = k;
-    }
-    active_.resize(keep);
+    Write(scratch_.data(), start, stop, stream);
     const auto t2 = Clock::now();
     read_s += std::chrono::duration<double>(t1 - t0).count();
     copy_s += std::chrono::duration<double>(t2 - t1).count();
@@ -198,19 +217,22 @@ absl::Status PieceReader::Run(const LoadPlan& plan, size_t i, const RandomAccess
   }
   if (stream) StreamingFence();
   if (check_pos_ != checks_.size()) {
-    return absl::InternalError(absl::StrCat(name, ": checksum range of tensor '",
+    return absl::InternalError(absl::StrCat(plan_->files[rr.file], ": checksum range of tensor '",
                                             rr.checks[checks_[check_pos_]].tensor,
                                             "' is not inside its read"));
   }
   stats.bytes_read += rr.length;
   stats.checksums_verified += static_cast<int64_t>(checks_.size());
+  stats.read_seconds += read_s;
+  stats.copy_seconds += copy_s;
+  return absl::OkStatus();
+}
+
+void RunWriter::Account(LoadStats& stats) const {
   for (size_t r = 0; r < delivered_.size(); ++r) {
     stats.bytes_delivered += delivered_[r];
     stats.rank_bytes_delivered[r] += delivered_[r];
   }
-  stats.read_seconds += read_s;
-  stats.copy_seconds += copy_s;
-  return absl::OkStatus();
 }
 
 }  // namespace
@@ -274,8 +296,8 @@ absl::StatusOr<LoadStats> ExecutePlan(const LoadPlan& plan, RangeSource& source,
     for (uint32_t c = 0; c < rp.copies.size(); ++c) by_read[rp.copies[c].read].push_back({r, c});
   }
 
-  // Destinations far larger than the caches are written with streaming
-  // stores (as CopyRegion does for one large region).
+  // Loads far larger than the caches write their destinations with
+  // streaming stores (as CopyRegion does for one large region).
   const bool stream = plan.bytes_to_deliver() >= kStreamingBytes;
   std::atomic<size_t> next{0};
   std::atomic<bool> failed{false};
@@ -287,7 +309,7 @@ absl::StatusOr<LoadStats> ExecutePlan(const LoadPlan& plan, RangeSource& source,
     LoadStats local;
     local.rank_bytes_delivered.assign(plan.ranks.size(), 0);
     std::vector<uint8_t> scratch;
-    PieceReader reader(options.piece_bytes);
+    RunWriter writer(options.piece_bytes);
     std::vector<uint8_t> skip_memo(plan.ranks.size(), 0);  // 0 unknown, 1 run, 2 skip
     std::vector<uint32_t> memo_touched;
     while (!failed.load(std::memory_order_relaxed)) {
@@ -315,25 +337,30 @@ absl::StatusOr<LoadStats> ExecutePlan(const LoadPlan& plan, RangeSource& source,
           memo_touched.push_back(r);
         }
       }
-      {
+      auto fail = [&](const absl::Status& s) {
+        absl::MutexLock lock(&mu);
+        if (first_error.ok()) first_error = s;
+        failed = true;
+      };
+      absl::Status prepared;
+      const bool by_runs = writer.Prepare(plan, i, by_read[i], skip_memo, delivery, &prepared);
+      if (!prepared.ok()) {
+        fail(prepared);
+        break;
+      }
+      if (by_runs) {
         absl::StatusOr<const RandomAccessFile*> direct = source.DirectFile(file);
-        bool applies = false;
-        absl::Status s = direct.status();
-        if (s.ok() && *direct != nullptr) {
-          s = reader.Run(plan, i, **direct, by_read[i], skip_memo, delivery,
-                         options.verify_checksums, stream, local, &applies);
-          if (applies) {
-            absl::Status flushed = delivery.Flush();
-            if (s.ok()) s = flushed;
-          }
+        if (!direct.ok()) {
+          fail(direct.status());
+          break;
         }
-        if (!s.ok() || applies) {
+        if (*direct != nullptr) {
+          absl::Status s = writer.ReadPieces(**direct, options.verify_checksums, stream, local);
+          if (s.ok()) writer.Account(local);
+          absl::Status flushed = delivery.Flush();
+          if (s.ok()) s = flushed;
           if (options.progress_bytes) options.progress_bytes->fetch_add(rr.length);
-          if (!s.ok()) {
-            absl::MutexLock lock(&mu);
-            if (first_error.ok()) first_error = s;
-            failed = true;
-          }
+          if (!s.ok()) fail(s);
           continue;
         }
       }
@@ -355,23 +382,28 @@ absl::StatusOr<LoadStats> ExecutePlan(const LoadPlan& plan, RangeSource& source,
       if (s.ok()) {
         local.checksums_verified += verified;
         (view->from_storage ? local.bytes_read : local.bytes_from_cache) += rr.length;
-        for (const auto& [r, c] : by_read[i]) {
-          if (skip_memo[r] == 2) continue;
-          const RankPlan& rp = plan.ranks[r];
-          const CopyOp& op = rp.copies[c];
-          absl::StatusOr<int64_t> n =
-              delivery.Copy(r, rp, op, view->data + (op.src_offset - rr.offset));
-          if (!n.ok()) {
-            s = n.status();
-            break;
+        if (by_runs) {
+          writer.WriteAll(view->data, stream);
+          writer.Account(local);
+        } else {
+          for (const auto& [r, c] : by_read[i]) {
+            if (skip_memo[r] == 2) continue;
+            const RankPlan& rp = plan.ranks[r];
+            const CopyOp& op = rp.copies[c];
+            absl::StatusOr<int64_t> n =
+                delivery.Copy(r, rp, op, view->data + (op.src_offset - rr.offset));
+            if (!n.ok()) {
+              s = n.status();
+              break;
+            }
+            if (*n != op.elements) {
+              s = CopyCountError(rp, op, *n);
+              break;
+            }
+            uint64_t bytes = static_cast<uint64_t>(*n) * DTypeSize(rp.targets[op.target].dtype);
+            local.bytes_delivered += bytes;
+            local.rank_bytes_delivered[r] += bytes;
           }
-          if (*n != op.elements) {
-            s = CopyCountError(rp, op, *n);
-            break;
-          }
-          uint64_t bytes = static_cast<uint64_t>(*n) * DTypeSize(rp.targets[op.target].dtype);
-          local.bytes_delivered += bytes;
-          local.rank_bytes_delivered[r] += bytes;
         }
         absl::Status flushed = delivery.Flush();
         if (s.ok()) s = flushed;
@@ -380,11 +412,7 @@ absl::StatusOr<LoadStats> ExecutePlan(const LoadPlan& plan, RangeSource& source,
       local.read_seconds += std::chrono::duration<double>(t1 - t0).count();
       local.copy_seconds += std::chrono::duration<double>(t2 - t1).count();
       if (options.progress_bytes) options.progress_bytes->fetch_add(rr.length);
-      if (!s.ok()) {
-        absl::MutexLock lock(&mu);
-        if (first_error.ok()) first_error = s;
-        failed = true;
-      }
+      if (!s.ok()) fail(s);
     }
     absl::MutexLock lock(&mu);
     total.bytes_read += local.bytes_read;

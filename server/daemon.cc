@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <deque>
+#include <thread>
 
 #include <grpcpp/grpcpp.h>
 #include <spdlog/spdlog.h>
@@ -75,8 +77,55 @@ absl::StatusOr<std::unique_ptr<MappedSegment>> MappedSegment::Map(int fd, uint64
   return std::unique_ptr<MappedSegment>(new MappedSegment(static_cast<uint8_t*>(p), size));
 }
 
+namespace {
+// Unmaps client segments on a background thread: tearing down the page
+// tables of a job's segments (8 x 64 MiB: ~20 ms) would otherwise delay
+// the reply of the handler that drops the job last.
+class Unmapper {
+ public:
+  static Unmapper& Get() {
+    static Unmapper* u = new Unmapper;  // never destroyed: its thread outlives main
+    return *u;
+  }
+  void Unmap(void* p, size_t n) {
+    absl::MutexLock lock(&mu_);
+    if (queue_.size() >= kMaxQueued) {  // behind: do it here
+      ::munmap(p, n);
+      return;
+    }
+    queue_.push_back({p, n});
+  }
+
+ private:
+  static constexpr size_t kMaxQueued = 256;
+  Unmapper() {
+    std::thread([this] {
+      while (true) {
+        std::pair<void*, size_t> job;
+        {
+          absl::MutexLock lock(&mu_);
+          mu_.Await(absl::Condition(
+              +[](std::deque<std::pair<void*, size_t>>* q) { return !q->empty(); }, &queue_));
+          job = queue_.front();
+          queue_.pop_front();
+        }
+        ::munmap(job.first, job.second);
+      }
+    }).detach();
+  }
+  absl::Mutex mu_;
+  std::deque<std::pair<void*, size_t>> queue_ ABSL_GUARDED_BY(mu_);
+};
+}  // namespace
+
+std::unique_ptr<MappedSegment> MappedSegment::Borrow(std::shared_ptr<Arena> arena) {
+  std::unique_ptr<MappedSegment> m(new MappedSegment(arena->data(), arena->size()));
+  m->arena_ = std::move(arena);
+  return m;
+}
+
 MappedSegment::~MappedSegment() {
-  if (data_ != nullptr) ::munmap(data_, size_);
+  if (data_ != nullptr && arena_ == nullptr) Unmapper::Get().Unmap(data_, size_);
 }
 
 // --- Jobs ------------------------------------------------------------------
@@ -95,7 +144,8 @@ Daemon::Daemon(DaemonConfig config)
     : config_(std::move(config)),
       started_(absl::Now()),
       gpu_(gpu::CreateGpuRuntime(GpuOptionsOf(config_))),
-      cache_(config_.cache_budget, gpu_->host_allocator()) {}
+      cache_(config_.cache_budget, gpu_->host_allocator()),
+      arenas_(std::make_unique<ArenaPool>(config_.arena_pool, config_.arena_limit)) {}
 
 Daemon::~Daemon() { Stop(); }
 
@@ -105,7 +155,8 @@ absl::Status Daemon::Start() {
     CKPT_ASSIGN_OR_RETURN(fd_receiver_, FdReceiver::Start(FdSocketPath(config_.socket),
                                                           config_.socket_mode,
                                                           config_.barrier_timeout +
-                                                              absl::Minutes(1)));
+                                                              absl::Minutes(1),
+                                                          arenas_.get()));
   }
   return absl::OkStatus();
 }
@@ -267,7 +318,18 @@ absl::StatusOr<std::shared_ptr<Daemon::RankSlot>> Daemon::PrepareSlot(
     const v1::ShmDestination& shm = req.shm();
     int fd = -1;
     std::string what;
-    if (!shm.fd_token().empty()) {
+    uint64_t size = shm.size();
+    if (!shm.arena_token().empty()) {
+      // An arena this daemon lent: already mapped and faulted in.
+      auto arena = arenas_->Find(shm.arena_token());
+      if (!arena.ok()) return ckpt::Annotate(arena.status(), who);
+      if (size == 0) size = (*arena)->size();
+      if (size > (*arena)->size()) {
+        return absl::InvalidArgumentError(absl::StrCat(who, ": shm arena holds ", (*arena)->size(),
+                                                       " bytes but the request declares ", size));
+      }
+      slot->segment = MappedSegment::Borrow(std::move(*arena));
+    } else if (!shm.fd_token().empty()) {
       if (!fd_receiver_) return absl::FailedPreconditionError("this daemon has no fd socket");
       CKPT_ASSIGN_OR_RETURN(fd, fd_receiver_->Take(shm.fd_token()));
       what = absl::StrCat(who, ": shm segment (memfd)");
@@ -284,18 +346,21 @@ absl::StatusOr<std::shared_ptr<Daemon::RankSlot>> Daemon::PrepareSlot(
       }
       what = absl::StrCat(who, ": shm segment ", p);
     } else {
-      return absl::InvalidArgumentError(absl::StrCat(who, ": shm destination needs fd_token or name"));
+      return absl::InvalidArgumentError(
+          absl::StrCat(who, ": shm destination needs arena_token, fd_token or name"));
     }
-    CKPT_ASSIGN_OR_RETURN(slot->segment, MappedSegment::Map(fd, shm.size(), what));
+    if (!slot->segment) {
+      CKPT_ASSIGN_OR_RETURN(slot->segment, MappedSegment::Map(fd, size, what));
+    }
     // Every target inside the segment, and no two overlapping.
     std::vector<std::pair<uint64_t, uint64_t>> ranges;
     for (int i = 0; i < req.targets_size(); ++i) {
       const uint64_t off = req.targets(i).dest_offset();
       const uint64_t n = slot->targets.tensors[i].num_bytes();
-      if (off > shm.size() || n > shm.size() - off) {
+      if (off > size || n > size - off) {
         return absl::InvalidArgumentError(absl::StrCat(
             who, " tensor '", req.targets(i).name(), "' needs segment bytes [", off, ", ", off + n,
-            ") but the segment is ", shm.size(), " bytes (segment too small)"));
+            ") but the segment is ", size, " bytes (segment too small)"));
       }
       if (n > 0) ranges.push_back({off, off + n});
     }
@@ -880,6 +945,9 @@ v1::StatusResponse Daemon::Status() {
   ckpt::CacheStats cs = cache_.stats();
   resp.set_cache_budget_bytes(cs.budget_bytes);
   resp.set_cache_bytes(cs.bytes);
+  resp.set_arena_leased_bytes(arenas_->leased_bytes());
+  resp.set_arena_free_bytes(arenas_->free_bytes());
+  resp.set_arena_reused(arenas_->reused());
   resp.set_cache_entries(cs.entries);
   resp.set_cache_hits(cs.hits);
   resp.set_cache_misses(cs.misses);

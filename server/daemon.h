@@ -28,6 +28,7 @@
 #include "core/planner.h"
 #include "proto/ckpt.pb.h"
 #include "proto/peer.grpc.pb.h"
+#include "server/arena_pool.h"
 #include "server/cuda/gpu.h"
 #include "server/fd_channel.h"
 
@@ -39,6 +40,8 @@ class MappedSegment {
   // Takes ownership of `fd`; maps `size` bytes read-write.
   static absl::StatusOr<std::unique_ptr<MappedSegment>> Map(int fd, uint64_t size,
                                                             const std::string& what);
+  // An arena this daemon lent (already mapped); holds it while alive.
+  static std::unique_ptr<MappedSegment> Borrow(std::shared_ptr<Arena> arena);
   ~MappedSegment();
   uint8_t* data() const { return data_; }
   uint64_t size() const { return size_; }
@@ -47,6 +50,7 @@ class MappedSegment {
   MappedSegment(uint8_t* data, uint64_t size) : data_(data), size_(size) {}
   uint8_t* data_;
   uint64_t size_;
+  std::shared_ptr<Arena> arena_;  // set when borrowed: nothing to unmap
 };
 
 class Daemon {
@@ -159,6 +163,7 @@ class Daemon {
   // Before cache_: the cache's memory may come from its pinned allocator.
   std::unique_ptr<gpu::GpuRuntime> gpu_;
   ckpt::HostCache cache_;
+  std::unique_ptr<ArenaPool> arenas_;  // before fd_receiver_, which lends from it
   std::unique_ptr<FdReceiver> fd_receiver_;
 
   absl::Mutex meta_mu_;

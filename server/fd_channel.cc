@@ -6,8 +6,12 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <cerrno>
+#include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 
@@ -30,6 +34,8 @@ absl::StatusOr<sockaddr_un> Address(const std::string& path) {
   return addr;
 }
 
+}  // namespace
+
 std::string RandomToken() {
   static thread_local std::mt19937_64 rng(std::random_device{}() ^
                                           static_cast<uint64_t>(::getpid()) << 32);
@@ -38,8 +44,6 @@ std::string RandomToken() {
   for (char& c : t) c = kHex[rng() & 15];
   return t;
 }
-
-}  // namespace
 
 std::string FdSocketPath(const std::string& grpc_socket) { return grpc_socket + ".fd"; }
 
@@ -84,9 +88,63 @@ absl::StatusOr<std::string> SendFd(const std::string& fd_socket, int fd, absl::D
   return token;
 }
 
+absl::StatusOr<ArenaGrant> RequestArena(const std::string& fd_socket, uint64_t size,
+                                        absl::Duration timeout) {
+  auto addr = Address(fd_socket);
+  if (!addr.ok()) return addr.status();
+  ArenaGrant g;
+  g.lease = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (g.lease < 0) return Errno("socket", fd_socket);
+  auto fail = [&](absl::Status s) {
+    ::close(g.lease);
+    if (g.fd >= 0) ::close(g.fd);
+    return s;
+  };
+  timeval tv{};
+  tv.tv_sec = absl::ToInt64Seconds(timeout);
+  tv.tv_usec = absl::ToInt64Microseconds(timeout) % 1000000;
+  ::setsockopt(g.lease, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  ::setsockopt(g.lease, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  if (::connect(g.lease, reinterpret_cast<sockaddr*>(&*addr), sizeof(*addr)) != 0) {
+    return fail(Errno("connect to the daemon's fd socket (is ckptd running?)", fd_socket));
+  }
+  const std::string req = absl::StrCat("ALLOC ", size);
+  if (::send(g.lease, req.data(), req.size(), MSG_NOSIGNAL) < 0) {
+    return fail(Errno("send", fd_socket));
+  }
+  char reply[256] = {};
+  iovec iov{reply, sizeof(reply) - 1};
+  alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = ctrl;
+  msg.msg_controllen = sizeof(ctrl);
+  ssize_t n = ::recvmsg(g.lease, &msg, MSG_CMSG_CLOEXEC);
+  if (n <= 0) return fail(Errno("no reply from the daemon", fd_socket));
+  for (cmsghdr* cm = CMSG_FIRSTHDR(&msg); cm != nullptr; cm = CMSG_NXTHDR(&msg, cm)) {
+    if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
+      std::memcpy(&g.fd, CMSG_DATA(cm), sizeof(int));
+    }
+  }
+  reply[n] = '\0';
+  char token[kTokenLen + 1] = {};
+  unsigned long long got = 0;
+  if (std::strncmp(reply, "OK ", 3) != 0 || g.fd < 0 ||
+      std::sscanf(reply + 3, "%32s %llu", token, &got) != 2 || std::strlen(token) != kTokenLen ||
+      got < size) {
+    return fail(absl::UnavailableError(
+        absl::StrCat(fd_socket, ": the daemon did not lend an arena of ", size, " bytes: ", reply)));
+  }
+  g.token = token;
+  g.size = got;
+  return g;
+}
+
 absl::StatusOr<std::unique_ptr<FdReceiver>> FdReceiver::Start(const std::string& path,
                                                               uint32_t mode,
-                                                              absl::Duration token_ttl) {
+                                                              absl::Duration token_ttl,
+                                                              ArenaHandler* arenas) {
   auto addr = Address(path);
   if (!addr.ok()) return addr.status();
   ::unlink(path.c_str());
@@ -98,7 +156,7 @@ absl::StatusOr<std::unique_ptr<FdReceiver>> FdReceiver::Start(const std::string&
     ::close(s);
     return st;
   }
-  std::unique_ptr<FdReceiver> r(new FdReceiver(path, s, token_ttl));
+  std::unique_ptr<FdReceiver> r(new FdReceiver(path, s, token_ttl, arenas));
   r->thread_ = std::thread([p = r.get()] { p->Run(); });
   return r;
 }
@@ -134,53 +192,121 @@ void FdReceiver::ExpireLocked() {
 }
 
 void FdReceiver::Run() {
+  std::vector<pollfd> polls;
   while (!stop_.load()) {
-    pollfd p{listen_fd_, POLLIN, 0};
-    int r = ::poll(&p, 1, 200);
+    polls.assign(1, pollfd{listen_fd_, POLLIN, 0});
+    for (const auto& [fd, token] : leases_) polls.push_back(pollfd{fd, POLLIN, 0});
+    int r = ::poll(polls.data(), polls.size(), 200);
     {
       absl::MutexLock lock(&mu_);
       ExpireLocked();
     }
     if (r <= 0) continue;
+    // A lease ends when the client closes it (or dies); anything it sends
+    // after the grant ends it too.
+    for (size_t i = 1; i < polls.size(); ++i) {
+      if (polls[i].revents == 0) continue;
+      auto it = leases_.find(polls[i].fd);
+      if (arenas_ != nullptr) arenas_->Release(it->second);
+      ::close(it->first);
+      leases_.erase(it);
+    }
+    if ((polls[0].revents & POLLIN) == 0) continue;
     int c = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
     if (c < 0) continue;
-    timeval tv{2, 0};
-    ::setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-    char token[kTokenLen + 1] = {};
-    iovec iov{token, kTokenLen};
-    alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int))] = {};
-    msghdr msg{};
-    msg.msg_iov = &iov;
-    msg.msg_iovlen = 1;
-    msg.msg_control = ctrl;
-    msg.msg_controllen = sizeof(ctrl);
-    ssize_t n = ::recvmsg(c, &msg, MSG_CMSG_CLOEXEC);
-    int fd = -1;
-    for (cmsghdr* cm = CMSG_FIRSTHDR(&msg); n > 0 && cm != nullptr; cm = CMSG_NXTHDR(&msg, cm)) {
-      if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
-        std::memcpy(&fd, CMSG_DATA(cm), sizeof(int));
-      }
-    }
-    const char* reply = "OK";
-    if (n != static_cast<ssize_t>(kTokenLen) || fd < 0) {
-      reply = "ERR expected a 32-byte token and one fd";
-      if (fd >= 0) ::close(fd);
-    } else {
-      absl::MutexLock lock(&mu_);
-      if (fds_.size() >= 4096) {
-        reply = "ERR too many pending fds";
-        ::close(fd);
-      } else {
-        auto [it, inserted] = fds_.emplace(std::string(token, kTokenLen), Held{fd, absl::Now() + ttl_});
-        if (!inserted) {
-          reply = "ERR duplicate token";
-          ::close(fd);
-        }
-      }
-    }
-    ::send(c, reply, std::strlen(reply), MSG_NOSIGNAL);
-    ::close(c);
+    if (!Serve(c)) ::close(c);
   }
+  for (const auto& [fd, token] : leases_) {
+    if (arenas_ != nullptr) arenas_->Release(token);
+    ::close(fd);
+  }
+  leases_.clear();
+}
+
+bool FdReceiver::Serve(int c) {
+  timeval tv{2, 0};
+  ::setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  ::setsockopt(c, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+  char buf[64] = {};
+  iovec iov{buf, sizeof(buf) - 1};
+  alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = ctrl;
+  msg.msg_controllen = sizeof(ctrl);
+  ssize_t n = ::recvmsg(c, &msg, MSG_CMSG_CLOEXEC);
+  int fd = -1;
+  for (cmsghdr* cm = CMSG_FIRSTHDR(&msg); n > 0 && cm != nullptr; cm = CMSG_NXTHDR(&msg, cm)) {
+    if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
+      std::memcpy(&fd, CMSG_DATA(cm), sizeof(int));
+    }
+  }
+  auto reply = [&](const std::string& text, int send_fd) {
+    iovec out{const_cast<char*>(text.data()), text.size()};
+    alignas(cmsghdr) char octrl[CMSG_SPACE(sizeof(int))] = {};
+    msghdr m{};
+    m.msg_iov = &out;
+    m.msg_iovlen = 1;
+    if (send_fd >= 0) {
+      m.msg_control = octrl;
+      m.msg_controllen = sizeof(octrl);
+      cmsghdr* cm = CMSG_FIRSTHDR(&m);
+      cm->cmsg_level = SOL_SOCKET;
+      cm->cmsg_type = SCM_RIGHTS;
+      cm->cmsg_len = CMSG_LEN(sizeof(int));
+      std::memcpy(CMSG_DATA(cm), &send_fd, sizeof(int));
+    }
+    return ::sendmsg(c, &m, MSG_NOSIGNAL) == static_cast<ssize_t>(text.size());
+  };
+  if (n > 6 && fd < 0 && std::strncmp(buf, "ALLOC ", 6) == 0) {
+    if (arenas_ == nullptr) {
+      reply("ERR this daemon lends no arenas", -1);
+      return false;
+    }
+    char* end = nullptr;
+    errno = 0;
+    const unsigned long long size = std::strtoull(buf + 6, &end, 10);
+    ucred cred{};
+    socklen_t len = sizeof(cred);
+    if (errno != 0 || end == buf + 6 || *end != '\0' ||
+        ::getsockopt(c, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+      reply("ERR expected ALLOC <bytes>", -1);
+      return false;
+    }
+    absl::StatusOr<ArenaLease> lease = arenas_->Allocate(size, cred.uid);
+    if (!lease.ok()) {
+      reply(absl::StrCat("ERR ", lease.status().message()), -1);
+      return false;
+    }
+    const bool sent = reply(absl::StrCat("OK ", lease->token, " ", lease->size), lease->fd);
+    ::close(lease->fd);
+    if (!sent) {
+      arenas_->Release(lease->token);
+      return false;
+    }
+    leases_[c] = lease->token;
+    return true;
+  }
+  const char* text = "OK";
+  if (n != static_cast<ssize_t>(kTokenLen) || fd < 0) {
+    text = "ERR expected a 32-byte token and one fd, or ALLOC <bytes>";
+    if (fd >= 0) ::close(fd);
+  } else {
+    absl::MutexLock lock(&mu_);
+    if (fds_.size() >= 4096) {
+      text = "ERR too many pending fds";
+      ::close(fd);
+    } else {
+      auto [it, inserted] = fds_.emplace(std::string(buf, kTokenLen), Held{fd, absl::Now() + ttl_});
+      if (!inserted) {
+        text = "ERR duplicate token";
+        ::close(fd);
+      }
+    }
+  }
+  reply(text, -1);
+  return false;
 }
 
 absl::StatusOr<int> FdReceiver::Take(const std::string& token) {

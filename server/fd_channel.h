@@ -7,8 +7,18 @@
 //   daemon -> client: "OK" or "ERR <reason>"
 // The client then names the token in LoadRequest.shm.fd_token. Tokens are
 // single-use and expire.
+//
+// Arenas from the daemon (server/arena_pool.h), on the same socket:
+//   client -> daemon: "ALLOC <bytes>"
+//   daemon -> client: "OK <32-byte token> <bytes>" + the arena's memfd as
+//                     SCM_RIGHTS, or "ERR <reason>"
+// The connection then stays open as the lease: the client names the token in
+// LoadRequest.shm.arena_token for as many loads as it likes; closing the
+// connection (or exiting) gives the arena back.
 #ifndef CKPTD_SERVER_FD_CHANNEL_H_
 #define CKPTD_SERVER_FD_CHANNEL_H_
+
+#include <sys/types.h>
 
 #include <atomic>
 #include <map>
@@ -30,26 +40,61 @@ std::string FdSocketPath(const std::string& grpc_socket);
 absl::StatusOr<std::string> SendFd(const std::string& fd_socket, int fd,
                                    absl::Duration timeout = absl::Seconds(10));
 
-// Daemon side: accepts fds on `path` on a background thread.
+// A random 32-character hex token.
+std::string RandomToken();
+
+// An arena the daemon lent: `fd` is the receiver's to send and close.
+struct ArenaLease {
+  std::string token;
+  int fd = -1;
+  uint64_t size = 0;
+};
+
+// What the daemon does with "ALLOC" requests and closed leases.
+class ArenaHandler {
+ public:
+  virtual ~ArenaHandler() = default;
+  virtual absl::StatusOr<ArenaLease> Allocate(uint64_t size, uid_t uid) = 0;
+  virtual void Release(const std::string& token) = 0;
+};
+
+// Client side of "ALLOC": the arena's memfd, its token and size (rounded
+// up), and the lease socket to keep open while the arena is in use.
+struct ArenaGrant {
+  int fd = -1;
+  int lease = -1;
+  std::string token;
+  uint64_t size = 0;
+};
+absl::StatusOr<ArenaGrant> RequestArena(const std::string& fd_socket, uint64_t size,
+                                        absl::Duration timeout = absl::Seconds(10));
+
+// Daemon side: accepts fds on `path` on a background thread, and arena
+// requests when `arenas` is set (it must outlive the receiver).
 class FdReceiver {
  public:
   ~FdReceiver();
   static absl::StatusOr<std::unique_ptr<FdReceiver>> Start(const std::string& path, uint32_t mode,
-                                                           absl::Duration token_ttl);
+                                                           absl::Duration token_ttl,
+                                                           ArenaHandler* arenas = nullptr);
   // Takes ownership of the fd named by `token` (the caller closes it).
   absl::StatusOr<int> Take(const std::string& token);
   void Stop();
   size_t pending() const;
 
  private:
-  FdReceiver(std::string path, int listen_fd, absl::Duration ttl)
-      : path_(std::move(path)), listen_fd_(listen_fd), ttl_(ttl) {}
+  FdReceiver(std::string path, int listen_fd, absl::Duration ttl, ArenaHandler* arenas)
+      : path_(std::move(path)), listen_fd_(listen_fd), ttl_(ttl), arenas_(arenas) {}
   void Run();
+  // Handles one new connection; true if it became a lease (kept open).
+  bool Serve(int c);
   void ExpireLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string path_;
   int listen_fd_;
   const absl::Duration ttl_;
+  ArenaHandler* const arenas_;
+  std::map<int, std::string> leases_;  // lease socket -> arena token (Run's thread only)
   std::atomic<bool> stop_{false};
   std::thread thread_;
   mutable absl::Mutex mu_;

@@ -1,7 +1,10 @@
 // Integration tests: the real ckptd binary, real client processes (ckptctl)
 // and the C++ client library over the daemon's Unix socket.
 #include <fcntl.h>
+#include <grpcpp/grpcpp.h>
 #include <unistd.h>
+
+#include <cstring>
 
 #include <filesystem>
 #include <fstream>
@@ -15,6 +18,7 @@
 #include "core/writer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "proto/ckpt.grpc.pb.h"
 #include "tests/integration/daemon_process.h"
 #include "tests/integration/fixtures.h"
 #include "tests/testing/temp_dir.h"
@@ -271,6 +275,80 @@ TEST_F(BadRequests, EachGetsTheRightCodeAndMessage) {
   st = LoadOne(s, d);
   EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
   EXPECT_THAT(std::string(st.message()), HasSubstr("rank 3"));
+  EXPECT_TRUE(d.Alive());
+}
+
+TEST_F(BadRequests, DaemonLendsArenasReusesThemAndChecksTokens) {
+  const std::string config = tmp_.Sub("arenas.yaml");
+  std::ofstream(config) << "roots: [" << root_ << "]\narena_limit: 8MiB\narena_pool: 4MiB\n";
+  DaemonProcess d(root_, {"--config", config});
+  ASSERT_TRUE(d.Ready()) << Slurp(d.log());
+  auto client = Connect(d);
+  std::vector<float> want;
+  ASSERT_TRUE(LoadOne(Spec(want), d).ok());
+
+  // A lent arena: rounded up to 2 MiB, loads land at their offsets, and its
+  // token serves any number of loads while the lease is open.
+  auto arena = ckptd::ShmArena::FromDaemon(d.socket(), 5000);
+  ASSERT_TRUE(arena.ok()) << arena.status();
+  EXPECT_EQ((*arena)->size(), 2u << 20);
+  EXPECT_FALSE((*arena)->daemon_token().empty());
+  EXPECT_EQ(client->Status()->arena_leased_bytes(), 2u << 20);
+  for (int round = 0; round < 2; ++round) {
+    std::memset((*arena)->data(), 0xee, (*arena)->size());
+    std::vector<float> unused;
+    auto s = Spec(unused);
+    s.tensors[0].buffer = nullptr;
+    s.tensors[0].arena_offset = 4096;
+    s.arena = arena->get();
+    ASSERT_TRUE(LoadOne(s, d).ok());
+    EXPECT_EQ(std::memcmp((*arena)->data() + 4096, want.data(), want.size() * 4), 0);
+    EXPECT_EQ((*arena)->data()[4095], 0xee);  // nothing outside the target
+    EXPECT_EQ((*arena)->data()[4096 + want.size() * 4], 0xee);
+  }
+
+  // Over the daemon's lease limit: refused, naming the limit.
+  auto big = ckptd::ShmArena::FromDaemon(d.socket(), 7u << 20);
+  ASSERT_FALSE(big.ok());
+  EXPECT_THAT(std::string(big.status().message()), HasSubstr("exceed the daemon's limit"));
+
+  // Giving it back puts it in the pool; the next client of that size gets it.
+  arena->reset();
+  for (int i = 0; i < 200 && client->Status()->arena_free_bytes() != (2u << 20); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(client->Status()->arena_leased_bytes(), 0u);
+  EXPECT_EQ(client->Status()->arena_free_bytes(), 2u << 20);
+  auto again = ckptd::ShmArena::FromDaemon(d.socket(), 2u << 20);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(client->Status()->arena_reused(), 1u);
+  // A 6 MiB arena given back does not fit the 4 MiB pool: dropped.
+  again->reset();
+  auto six = ckptd::ShmArena::FromDaemon(d.socket(), 6u << 20);
+  ASSERT_TRUE(six.ok()) << six.status();
+  six->reset();
+  for (int i = 0; i < 200 && client->Status()->arena_leased_bytes() != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_LE(client->Status()->arena_free_bytes(), 4u << 20);
+
+  // A token the daemon did not lend (or whose lease ended).
+  auto channel = grpc::CreateChannel("unix:" + d.socket(), grpc::InsecureChannelCredentials());
+  auto stub = ckptd::v1::Ckptd::NewStub(channel);
+  ckptd::v1::LoadRequest req;
+  req.set_job_id("bad-token");
+  req.set_world_size(1);
+  req.set_path(ckpt_);
+  req.mutable_shm()->set_arena_token(std::string(32, 'a'));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(30));
+  auto reader = stub->Load(&ctx, req);
+  ckptd::v1::LoadEvent ev;
+  while (reader->Read(&ev)) {
+  }
+  grpc::Status gs = reader->Finish();
+  EXPECT_EQ(gs.error_code(), grpc::StatusCode::NOT_FOUND) << gs.error_message();
+  EXPECT_THAT(gs.error_message(), HasSubstr("is not leased"));
   EXPECT_TRUE(d.Alive());
 }
 
