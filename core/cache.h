@@ -46,11 +46,13 @@ struct CacheStats {
   uint64_t hits = 0;
   uint64_t misses = 0;
   uint64_t evictions = 0;
+  uint64_t recycled_bytes = 0;  // freed entry memory kept for the next entries
 };
 
-// Where HostCache entries get their memory. The default is new[]; the
-// daemon plugs in page-locked memory when CUDA is present (server/cuda), so
-// cached bytes can be DMA'd to devices directly. Thread-safe.
+// Where HostCache entries get their memory. The default recycles anonymous
+// mappings (cache.cc); the daemon plugs in page-locked memory when CUDA is
+// present (server/cuda), so cached bytes can be DMA'd to devices directly.
+// Thread-safe.
 class HostAllocator {
  public:
   virtual ~HostAllocator() = default;
@@ -61,9 +63,10 @@ class HostAllocator {
 
 class HostCache {
  public:
-  // `allocator` (optional, not owned) must outlive the cache.
-  explicit HostCache(uint64_t budget_bytes, HostAllocator* allocator = nullptr)
-      : budget_(budget_bytes), allocator_(allocator) {}
+  // `allocator` (optional, not owned) must outlive the cache; without one
+  // the cache recycles its own blocks of memory (cache.cc, BlockPool).
+  explicit HostCache(uint64_t budget_bytes, HostAllocator* allocator = nullptr);
+  ~HostCache();
   HostCache(const HostCache&) = delete;
   HostCache& operator=(const HostCache&) = delete;
 
@@ -96,8 +99,10 @@ class HostCache {
   void TouchLocked(const EntryPtr& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   struct Buffer;  // entry bytes from allocator_ (or new[])
+  class BlockPool;
 
   const uint64_t budget_;
+  const std::shared_ptr<BlockPool> pool_;  // null when an allocator is given
   HostAllocator* const allocator_;
   mutable absl::Mutex mu_;
   // Bytes of published entries plus reservations.

@@ -42,6 +42,31 @@ TEST(HostCache, HitsContainedRangesAndEvictsLru) {
   EXPECT_EQ(s.evictions, 1u);
 }
 
+TEST(HostCache, RecyclesEntryMemoryWithinTheBudget) {
+  constexpr uint64_t kMiB = 1 << 20;
+  HostCache c(4 * kMiB);
+  FileStamp st{1, 2, 3, 4};
+  Put(c, "/a", 0, 2 * kMiB, 1);
+  Put(c, "/b", 0, 2 * kMiB, 2);
+  const uint8_t* a_bytes = c.Lookup("/a", st, 0, 1)->data;
+  EXPECT_EQ(c.EvictPrefix("/a").first, 2 * kMiB);
+  EXPECT_EQ(c.stats().recycled_bytes, 2 * kMiB);  // kept, already faulted in
+  // The next entry of that size gets the same memory back.
+  auto p = c.Reserve(2 * kMiB);
+  ASSERT_NE(p, nullptr);
+  EXPECT_EQ(c.PendingData(p), a_bytes);
+  EXPECT_EQ(c.stats().recycled_bytes, 0u);
+  std::memset(c.PendingData(p), 3, 2 * kMiB);
+  c.Publish(std::move(p), "/c", st, 0);
+  EXPECT_EQ(c.Lookup("/c", st, 2 * kMiB - 1, 1)->data[0], 3);
+  // Recycled blocks count against the budget: published + recycled <= budget.
+  c.EvictPrefix("/");
+  EXPECT_EQ(c.stats().recycled_bytes, 4 * kMiB);
+  Put(c, "/d", 0, 3 * kMiB, 4);
+  EXPECT_LE(c.stats().bytes + c.stats().recycled_bytes, 4 * kMiB);
+  EXPECT_EQ(c.Lookup("/d", st, 0, 3 * kMiB)->data[3 * kMiB - 1], 4);
+}
+
 TEST(HostCache, PinnedEntriesAreNeverEvicted) {
   HostCache c(200);
   FileStamp st{1, 2, 3, 4};
