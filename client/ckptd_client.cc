@@ -34,9 +34,12 @@ std::chrono::system_clock::time_point Deadline(absl::Duration d) {
 constexpr uint64_t kAlign = 64;
 
 // The segment the tensors travel in: `given` (tensors at their
-// arena_offset), or a new arena `own` with a slot per tensor buffer.
+// arena_offset), or a new arena `own` with a slot per tensor buffer,
+// borrowed from the daemon at `socket` (it keeps it mapped across loads)
+// or, when it lends none, made here.
 absl::StatusOr<ShmArena*> ArenaFor(const std::vector<TensorSpec>& tensors, ShmArena* given,
-                                   const std::string& name, std::unique_ptr<ShmArena>* own,
+                                   const std::string& name, const std::string& socket,
+                                   absl::Duration timeout, std::unique_ptr<ShmArena>* own,
                                    std::vector<uint64_t>* offsets) {
   offsets->resize(tensors.size());
   if (given != nullptr) {
@@ -52,7 +55,8 @@ absl::StatusOr<ShmArena*> ArenaFor(const std::vector<TensorSpec>& tensors, ShmAr
     (*offsets)[i] = pos;
     pos = (pos + tensors[i].num_bytes() + kAlign - 1) / kAlign * kAlign;
   }
-  auto arena = ShmArena::Create(pos, name);
+  auto arena = ShmArena::FromDaemon(socket, pos, timeout);
+  if (!arena.ok()) arena = ShmArena::Create(pos, name);
   if (!arena.ok()) return arena.status();
   *own = std::move(*arena);
   return own->get();
@@ -229,6 +233,7 @@ absl::StatusOr<LoadReport> Client::Load(const LoadSpec& spec,
   if (shm) {
     CKPT_ASSIGN_OR_RETURN(arena, ArenaFor(spec.tensors, spec.arena,
                                           absl::StrCat("ckptd-", spec.job_id, "-", spec.rank),
+                                          rep_->options.socket, rep_->options.connect_timeout,
                                           &own, &offsets));
   }
   AddTargets(spec.tensors, offsets, req.mutable_targets());
@@ -307,7 +312,9 @@ absl::StatusOr<v1::SaveResponse> Client::Save(const SaveSpec& spec) {
   ShmArena* arena = spec.arena;
   std::vector<uint64_t> offsets(spec.tensors.size());
   CKPT_ASSIGN_OR_RETURN(arena, ArenaFor(spec.tensors, spec.arena,
-                                        absl::StrCat("ckptd-save-", spec.rank), &own, &offsets));
+                                        absl::StrCat("ckptd-save-", spec.rank),
+                                        rep_->options.socket, rep_->options.connect_timeout, &own,
+                                        &offsets));
   if (own) {
     for (size_t i = 0; i < spec.tensors.size(); ++i) {
       std::memcpy(own->data() + offsets[i], spec.tensors[i].buffer, spec.tensors[i].num_bytes());

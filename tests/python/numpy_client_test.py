@@ -195,6 +195,30 @@ class NumpyClientTest(unittest.TestCase):
         np.testing.assert_array_equal(w, self.full("model.layers.0.mlp.up_proj.weight"))
         np.testing.assert_array_equal(sd["model.norm.weight"], self.full("model.norm.weight"))
 
+    def test_arena_borrowed_from_the_daemon(self):
+        arena = ckptd.SharedArena(5000, daemon=self.sock)
+        self.assertIsNotNone(arena.daemon_token)
+        self.assertEqual(arena.size, 2 << 20)  # the daemon rounds up to 2 MiB
+        w = arena.empty((128, 64), np.float32)
+        w[:] = -1
+        for _ in range(2):  # one lease, any number of loads
+            r = ckptd.load_state_dict({"model.layers.0.mlp.up_proj.weight": w}, self.tp2,
+                                      socket=self.sock)
+            self.assertTrue(r.zero_copy)
+            np.testing.assert_array_equal(w, self.full("model.layers.0.mlp.up_proj.weight"))
+            w[:] = -1
+        del w
+        arena.close()
+        # Given back: the next client asking for that size gets it again.
+        again = ckptd.SharedArena(2 << 20, daemon=self.sock)
+        st = ckptd.status(socket=self.sock)
+        self.assertGreaterEqual(int(st.get("arena_reused", 0)), 1)
+        again.close()
+        # Tensors outside any arena stage through a borrowed segment as well.
+        sd = {"model.norm.weight": np.zeros(64, np.float32)}
+        ckptd.load_state_dict(sd, self.tp2, socket=self.sock)
+        np.testing.assert_array_equal(sd["model.norm.weight"], self.full("model.norm.weight"))
+
     def test_stream_transport(self):
         sd = {"model.layers.0.mlp.down_proj.weight": np.zeros((64, 128), np.float32),
               "lm_head.weight": np.zeros((256, 64), np.float32)}

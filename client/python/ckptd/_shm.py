@@ -6,6 +6,12 @@ server/fd_channel.h: one SOCK_SEQPACKET message carrying a 32-byte ASCII
 token plus the fd as SCM_RIGHTS; the daemon answers "OK" or "ERR <reason>".
 The request then names the token (ShmDestination.fd_token). Nothing is ever
 created under /dev/shm, and the memory is freed when both sides close it.
+
+A segment can also be borrowed from the daemon ("ALLOC <bytes>" on the same
+socket; the reply "OK <token> <bytes>" carries the memfd): the daemon keeps
+it mapped, so loads into it skip the daemon's per-load mmap and page-table
+set-up, and hands it to the next client of the same size when this one closes
+the connection (the lease). Requests then name ShmDestination.arena_token.
 """
 import mmap
 import os
@@ -30,20 +36,55 @@ def fd_socket_path(grpc_socket):
     return grpc_socket + ".fd"
 
 
-class Segment:
-    """A memfd of `size` bytes mapped read-write (MAP_SHARED)."""
+def request_arena(fd_socket, size, timeout=10.0):
+    """Borrows an arena from the daemon: (fd, lease socket, token, size)."""
+    s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
+    try:
+        s.settimeout(timeout)
+        s.connect(fd_socket)
+        s.send(f"ALLOC {int(size)}".encode("ascii"))
+        msg, fds, _, _ = _socket.recv_fds(s, 256, 1)
+    except OSError as e:
+        s.close()
+        raise CkptdError("UNAVAILABLE", f"{fd_socket}: borrowing an arena: {e}") from e
+    parts = msg.decode("ascii", "replace").split()
+    if len(parts) != 3 or parts[0] != "OK" or len(fds) != 1 or int(parts[2]) < size:
+        for fd in fds:
+            os.close(fd)
+        s.close()
+        code = "RESOURCE_EXHAUSTED" if msg.startswith(b"ERR") else "UNAVAILABLE"
+        raise CkptdError(code, f"{fd_socket}: the daemon did not lend an arena of {size} bytes: "
+                         f"{msg.decode('ascii', 'replace') or 'no reply'}")
+    s.settimeout(None)
+    return fds[0], s, parts[1], int(parts[2])
 
-    def __init__(self, size, name="ckptd"):
+
+class Segment:
+    """A memfd of `size` bytes mapped read-write (MAP_SHARED): made here, or
+    borrowed from the daemon listening on the gRPC socket `daemon`."""
+
+    def __init__(self, size, name="ckptd", daemon=None, timeout=10.0):
         self.size = max(int(size), 1)
+        self.token = None
+        self._lease = None
+        if daemon is not None:
+            self.fd, self._lease, self.token, self.size = request_arena(
+                fd_socket_path(daemon), self.size, timeout)
+        else:
+            try:
+                self.fd = os.memfd_create(name[:200], os.MFD_CLOEXEC)
+            except OSError as e:
+                raise CkptdError("RESOURCE_EXHAUSTED", f"memfd_create: {e.strerror}") from e
         try:
-            self.fd = os.memfd_create(name[:200], os.MFD_CLOEXEC)
-        except OSError as e:
-            raise CkptdError("RESOURCE_EXHAUSTED", f"memfd_create: {e.strerror}") from e
-        try:
-            os.ftruncate(self.fd, self.size)
-            self.mm = mmap.mmap(self.fd, self.size)
+            if daemon is None:
+                os.ftruncate(self.fd, self.size)
+            # The daemon's arena already has its pages: map them all now.
+            flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if daemon else 0)
+            self.mm = mmap.mmap(self.fd, self.size, flags=flags)
         except OSError as e:
             os.close(self.fd)
+            if self._lease is not None:
+                self._lease.close()
             raise CkptdError("RESOURCE_EXHAUSTED",
                              f"shared memory of {size} bytes: {e.strerror}") from e
         self.u8 = np.frombuffer(self.mm, dtype=np.uint8)
@@ -63,6 +104,9 @@ class Segment:
             pass  # a view is still alive: the mapping goes with it
         os.close(self.fd)
         self.fd = -1
+        if self._lease is not None:
+            self._lease.close()  # the daemon may lend the arena again
+            self._lease = None
 
     def __enter__(self):
         return self
@@ -114,10 +158,16 @@ class SharedArena:
         arena = ckptd.SharedArena(1 << 30)
         w = arena.empty((4096, 4096), "float32")          # numpy
         e = arena.empty_torch((1024, 512), torch.bfloat16)  # torch
+
+    With `daemon=` (the daemon's socket path, e.g. ckptd.default_socket())
+    the memory is borrowed from that daemon, which keeps it mapped: loads
+    into it are faster still, and a restarted process asking for the same
+    size gets a recycled arena. Its bytes start as the last user left them
+    (like malloc); loads overwrite every target byte.
     """
 
-    def __init__(self, nbytes, name="ckptd-arena"):
-        self._seg = Segment(nbytes, name)
+    def __init__(self, nbytes, name="ckptd-arena", daemon=None):
+        self._seg = Segment(nbytes, name, daemon=daemon)
         self._pos = 0
         self._lock = threading.Lock()
         with _arenas_lock:
@@ -130,6 +180,11 @@ class SharedArena:
     @property
     def size(self):
         return self._seg.size
+
+    @property
+    def daemon_token(self):
+        """The token of an arena borrowed from the daemon (None otherwise)."""
+        return self._seg.token
 
     @property
     def used(self):

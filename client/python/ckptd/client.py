@@ -274,6 +274,24 @@ class Client:
 
     # -- load / save --
 
+    def _staging(self, size, name):
+        """A segment for tensors outside any arena: borrowed from the daemon
+        (kept mapped there across loads), or made here if it lends none."""
+        try:
+            return Segment(size, name, daemon=self.socket, timeout=self.connect_timeout)
+        except CkptdError as err:
+            if not _no_arena(err):
+                raise
+            return Segment(size, name)
+
+    def _name_segment(self, shm, fd, size, token):
+        """Fills ShmDestination: the arena's token, or a fresh fd token."""
+        if token is not None:
+            shm.arena_token = token
+        else:
+            shm.fd_token = send_fd(fd_socket_path(self.socket), fd, self.connect_timeout)
+        shm.size = size
+
     def _targets(self, entries, offsets):
         out = []
         for e, off in zip(entries, offsets):
@@ -323,24 +341,20 @@ class Client:
         timings = {}
         try:
             if transport == "shm":
-                arena, offsets = _arena_placement(entries)
-                if arena is not None:
-                    fd, size = arena.fd, arena.size
-                    report.zero_copy = True
-                else:
-                    offsets, size = _layout(entries)
-                    seg = Segment(size, f"ckptd-load-{rank}")
-                    fd, size = seg.fd, seg.size
-                req.targets.extend(self._targets(entries, offsets))
-                t1 = time.perf_counter()
-                token = (send_fd(fd_socket_path(self.socket), fd, self.connect_timeout)
-                         if not self.tcp else None)
-                if token is None:
+                if self.tcp:
                     raise CkptdError("INVALID_ARGUMENT", "transport='shm' needs a Unix socket; "
                                      "use transport='stream' over TCP")
+                arena, offsets = _arena_placement(entries)
+                t1 = time.perf_counter()
+                if arena is not None:
+                    report.zero_copy = True
+                    self._name_segment(req.shm, arena.fd, arena.size, arena.daemon_token)
+                else:
+                    offsets, size = _layout(entries)
+                    seg = self._staging(size, f"ckptd-load-{rank}")
+                    self._name_segment(req.shm, seg.fd, seg.size, seg.token)
                 timings["client_send_fd_s"] = time.perf_counter() - t1
-                req.shm.fd_token = token
-                req.shm.size = size
+                req.targets.extend(self._targets(entries, offsets))
             elif transport == "cuda_ipc":
                 if self.tcp:
                     raise CkptdError("INVALID_ARGUMENT", "transport='cuda_ipc' needs the daemon of "
@@ -445,19 +459,18 @@ class Client:
         try:
             arena, offsets = _arena_placement(entries)
             if arena is not None:
-                fd, size = arena.fd, arena.size
+                fd, size, token = arena.fd, arena.size, arena.daemon_token
                 report.zero_copy = True
             else:
                 offsets, size = _layout(entries)
-                seg = Segment(size, f"ckptd-save-{rank}")
-                fd, size = seg.fd, seg.size
+                seg = self._staging(size, f"ckptd-save-{rank}")
+                fd, size, token = seg.fd, seg.size, seg.token
                 for e, off in zip(entries, offsets):
                     e.copy_to(seg.u8[off:off + e.nbytes])
             req.targets.extend(self._targets(entries, offsets))
             timings["client_prepare_s"] = time.perf_counter() - t0
             t1 = time.perf_counter()
-            req.shm.fd_token = send_fd(fd_socket_path(self.socket), fd, self.connect_timeout)
-            req.shm.size = size
+            self._name_segment(req.shm, fd, size, token)
             timings["client_send_fd_s"] = time.perf_counter() - t1
             t1 = time.perf_counter()
             r = self._call("Save", self.stub.Save, req, timeout)
@@ -503,6 +516,11 @@ def _layout(entries):
         offsets.append(pos)
         pos = align(pos + e.nbytes)
     return offsets, pos
+
+
+def _no_arena(err):
+    """Whether a refused arena request should fall back to a local memfd."""
+    return err.code in ("RESOURCE_EXHAUSTED", "UNAVAILABLE")
 
 
 def _arena_placement(entries):
