@@ -325,6 +325,50 @@ absl::Status CachingSource::CheckUnchanged(const std::string& file) {
   return absl::OkStatus();
 }
 
+class CachingSource::CacheFill final : public Fill {
+ public:
+  CacheFill(CachingSource* source, std::string file, std::string path, uint64_t offset,
+            std::shared_ptr<HostCache::Pending> pending)
+      : source_(source),
+        file_(std::move(file)),
+        path_(std::move(path)),
+        offset_(offset),
+        pending_(std::move(pending)) {}
+  absl::Status Finish() override {
+    CKPT_RETURN_IF_ERROR(source_->CheckUnchanged(file_));
+    if (pending_) {
+      source_->cache_->Publish(std::move(pending_), path_, source_->stamps_.at(file_), offset_);
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  CachingSource* source_;
+  std::string file_, path_;
+  uint64_t offset_;
+  std::shared_ptr<HostCache::Pending> pending_;  // null: no room, nothing kept
+};
+
+absl::StatusOr<std::unique_ptr<RangeSource::Fill>> CachingSource::BeginFill(
+    const std::string& file, uint64_t offset, uint64_t n, std::optional<RangeView>* served) {
+  const std::string path = JoinPath(dir_, file);
+  auto stamp_it = stamps_.find(file);
+  if (stamp_it == stamps_.end()) {
+    return absl::InternalError(absl::StrCat(path, ": no file stamp for a planned read"));
+  }
+  CKPT_ASSIGN_OR_RETURN(const RandomAccessFile* f, Get(file));
+  if (auto hit = cache_->Lookup(path, stamp_it->second, offset, n)) {
+    *served = std::move(*hit);
+    return nullptr;
+  }
+  auto pending = cache_->Reserve(n);
+  uint8_t* keep = pending ? cache_->PendingData(pending) : nullptr;
+  auto fill = std::make_unique<CacheFill>(this, file, path, offset, std::move(pending));
+  fill->file = f;
+  fill->keep = keep;
+  return fill;
+}
+
 absl::StatusOr<RangeView> CachingSource::Fetch(
     const std::string& file, uint64_t offset, uint64_t n, std::vector<uint8_t>& scratch,
     const std::function<absl::Status(const uint8_t*)>& verify) {

@@ -126,8 +126,14 @@ class CachingSource final : public RangeSource {
   absl::StatusOr<RangeView> Fetch(
       const std::string& file, uint64_t offset, uint64_t n, std::vector<uint8_t>& scratch,
       const std::function<absl::Status(const uint8_t*)>& verify) override;
+  // A hit is served; a miss is read by the executor straight into a new
+  // cache entry, published by Finish once the file is checked unchanged.
+  absl::StatusOr<std::unique_ptr<Fill>> BeginFill(const std::string& file, uint64_t offset,
+                                                  uint64_t n,
+                                                  std::optional<RangeView>* served) override;
 
  private:
+  class CacheFill;
   absl::StatusOr<const RandomAccessFile*> Get(const std::string& file);
   absl::Status CheckUnchanged(const std::string& file);
 

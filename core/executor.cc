@@ -49,9 +49,10 @@ class RunWriter {
                const std::vector<std::pair<uint32_t, uint32_t>>& copies,
                const std::vector<uint8_t>& skip, Delivery& delivery, absl::Status* error);
   // Reads the prepared read from `file` in pieces into an L2-sized scratch
-  // buffer, verifies its checksums (when `verify`) and writes the runs.
+  // buffer (or into `keep`, which holds the whole read), verifies its
+  // checksums (when `verify`) and writes the runs.
   absl::Status ReadPieces(const RandomAccessFile& file, bool verify, bool stream,
-                          LoadStats& stats);
+                          LoadStats& stats, uint8_t* keep = nullptr);
   // Writes the runs of the prepared read from `data`, its bytes in memory.
   void WriteAll(const uint8_t* data, bool stream);
   // Adds the prepared read's delivered bytes to `stats`.
@@ -187,9 +188,9 @@ absl::Status RunWriter::Hash(const uint8_t* data, uint64_t pos, uint64_t n) {
 }
 
 absl::Status RunWriter::ReadPieces(const RandomAccessFile& file, bool verify, bool stream,
-                                   LoadStats& stats) {
+                                   LoadStats& stats, uint8_t* keep) {
   const ReadRange& rr = *read_;
-  if (scratch_.empty()) scratch_.resize(piece_);
+  if (keep == nullptr && scratch_.empty()) scratch_.resize(piece_);
   checks_.clear();
   if (verify) {
     for (uint32_t k = 0; k < rr.checks.size(); ++k) checks_.push_back(k);
@@ -206,10 +207,11 @@ absl::Status RunWriter::ReadPieces(const RandomAccessFile& file, bool verify, bo
     uint64_t stop = std::min(end, (start + piece_) & ~uint64_t{63});
     if (stop <= start) stop = std::min(end, start + piece_);
     const auto t0 = Clock::now();
-    CKPT_RETURN_IF_ERROR(file.Read(start, stop - start, scratch_.data()));
-    if (verify) CKPT_RETURN_IF_ERROR(Hash(scratch_.data(), start, stop - start));
+    uint8_t* piece = keep != nullptr ? keep + (start - rr.offset) : scratch_.data();
+    CKPT_RETURN_IF_ERROR(file.Read(start, stop - start, piece));
+    if (verify) CKPT_RETURN_IF_ERROR(Hash(piece, start, stop - start));
     const auto t1 = Clock::now();
-    Write(scratch_.data(), start, stop, stream);
+    Write(piece, start, stop, stream);
     const auto t2 = Clock::now();
     read_s += std::chrono::duration<double>(t1 - t0).count();
     copy_s += std::chrono::duration<double>(t2 - t1).count();
@@ -245,6 +247,13 @@ absl::StatusOr<const RandomAccessFile*> DirectorySource::Get(const std::string& 
   const RandomAccessFile* p = f.get();
   files_.emplace(file, std::move(f));
   return p;
+}
+
+absl::StatusOr<std::unique_ptr<RangeSource::Fill>> DirectorySource::BeginFill(
+    const std::string& file, uint64_t offset, uint64_t n, std::optional<RangeView>* served) {
+  auto fill = std::make_unique<Fill>();
+  CKPT_ASSIGN_OR_RETURN(fill->file, Get(file));
+  return fill;
 }
 
 absl::StatusOr<RangeView> DirectorySource::Fetch(
@@ -349,13 +358,26 @@ absl::StatusOr<LoadStats> ExecutePlan(const LoadPlan& plan, RangeSource& source,
         break;
       }
       if (by_runs) {
-        absl::StatusOr<const RandomAccessFile*> direct = source.DirectFile(file);
-        if (!direct.ok()) {
-          fail(direct.status());
+        std::optional<RangeView> served;
+        auto fill = source.BeginFill(file, rr.offset, rr.length, &served);
+        if (!fill.ok()) {
+          fail(fill.status());
           break;
         }
-        if (*direct != nullptr) {
-          absl::Status s = writer.ReadPieces(**direct, options.verify_checksums, stream, local);
+        if (*fill != nullptr || served) {
+          absl::Status s;
+          if (*fill != nullptr) {
+            s = writer.ReadPieces(*(*fill)->file, options.verify_checksums, stream, local,
+                                  (*fill)->keep);
+            if (s.ok()) s = (*fill)->Finish();
+          } else {
+            const auto t0 = std::chrono::steady_clock::now();
+            writer.WriteAll(served->data, stream);
+            local.copy_seconds += std::chrono::duration<double>(
+                                      std::chrono::steady_clock::now() - t0)
+                                      .count();
+            (served->from_storage ? local.bytes_read : local.bytes_from_cache) += rr.length;
+          }
           if (s.ok()) writer.Account(local);
           absl::Status flushed = delivery.Flush();
           if (s.ok()) s = flushed;

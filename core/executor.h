@@ -7,15 +7,18 @@
 // error (naming file, tensor and rank) and must treat every destination as
 // unfilled.
 //
-// Two ways to run a read:
-//  - piece-wise (a source that reads files with nothing in between, host
-//    destinations, no axis permutation): the read's copies are expanded
-//    into runs once; the read is pread in L2-sized pieces into a small
-//    scratch buffer, each piece hashed (streaming XXH3) and its runs copied
-//    or cast out while it is still in the CPU cache, with streaming stores
-//    for large loads: the kernel's copy plus one write of each destination
-//    byte, instead of three passes over a 64 MiB buffer.
-//  - staged (caches, device deliveries, transposes): the whole read is
+// Three ways to run a read:
+//  - piece-wise (host destinations, no axis permutation, a source that
+//    lets the executor read: RangeSource::BeginFill): the read's copies are
+//    expanded into runs once; the read is pread in L2-sized pieces into a
+//    small scratch buffer (or straight into the cache entry that keeps the
+//    bytes), each piece hashed (streaming XXH3) and its runs copied or cast
+//    out while it is still in the CPU cache, with streaming stores for large
+//    loads: the kernel's copy plus one write of each destination byte,
+//    instead of three passes over a 64 MiB buffer.
+//  - by runs from memory (the same destinations, bytes served by a cache):
+//    the runs are copied from the cached bytes.
+//  - staged (device deliveries, transposes, peers): the whole read is
 //    fetched into a buffer (or served by a cache), verified, and each copy
 //    runs CopyRegion from it.
 #ifndef CKPTD_CORE_EXECUTOR_H_
@@ -56,10 +59,25 @@ class RangeSource {
   virtual absl::StatusOr<RangeView> Fetch(
       const std::string& file, uint64_t offset, uint64_t n, std::vector<uint8_t>& scratch,
       const std::function<absl::Status(const uint8_t*)>& verify) = 0;
-  // The file itself when this source reads `file` straight from storage
-  // with nothing kept in between (no cache): the executor may then read it
-  // piece by piece. Null otherwise.
-  virtual absl::StatusOr<const RandomAccessFile*> DirectFile(const std::string& file) {
+
+  // A read the source lets the executor do itself, piece by piece (see
+  // ExecutePlan): bytes from `file` go into `keep` (the source's memory
+  // for them, e.g. a cache entry; null: nothing is kept), each piece
+  // verified and delivered while hot; then Finish() (e.g. checks the file
+  // did not change and publishes the entry). Destroying an unfinished Fill
+  // drops what was kept.
+  class Fill {
+   public:
+    virtual ~Fill() = default;
+    const RandomAccessFile* file = nullptr;
+    uint8_t* keep = nullptr;
+    virtual absl::Status Finish() { return absl::OkStatus(); }
+  };
+  // Either sets *served (the bytes are in memory already, e.g. a cache
+  // hit), returns a Fill, or returns null (use Fetch). The default: null.
+  virtual absl::StatusOr<std::unique_ptr<Fill>> BeginFill(const std::string& file, uint64_t offset,
+                                                          uint64_t n,
+                                                          std::optional<RangeView>* served) {
     return nullptr;
   }
 };
@@ -71,9 +89,9 @@ class DirectorySource final : public RangeSource {
   absl::StatusOr<RangeView> Fetch(
       const std::string& file, uint64_t offset, uint64_t n, std::vector<uint8_t>& scratch,
       const std::function<absl::Status(const uint8_t*)>& verify) override;
-  absl::StatusOr<const RandomAccessFile*> DirectFile(const std::string& file) override {
-    return Get(file);
-  }
+  absl::StatusOr<std::unique_ptr<Fill>> BeginFill(const std::string& file, uint64_t offset,
+                                                  uint64_t n,
+                                                  std::optional<RangeView>* served) override;
 
  private:
   absl::StatusOr<const RandomAccessFile*> Get(const std::string& file);
