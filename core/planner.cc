@@ -123,6 +123,17 @@ absl::StatusOr<LoadPlan> PlanLoad(const CheckpointMetadata& metadata,
   };
   std::vector<std::vector<Extent>> extents;
   absl::flat_hash_set<std::pair<uint32_t, uint64_t>> seen_shards;
+  // Per stored shard (numbered tensor by tensor), looked up once per target
+  // instead of once per copy (plans can hold millions of copies): its file
+  // index (-1: not yet known) and whether its extent is recorded.
+  absl::flat_hash_map<const TensorMeta*, size_t> shard_base;
+  size_t total_shards = 0;
+  for (const auto& [name, tm] : metadata.tensors) {
+    shard_base[&tm] = total_shards;
+    total_shards += tm.shards.size();
+  }
+  std::vector<int64_t> shard_file(total_shards, -1);
+  std::vector<uint8_t> shard_seen(total_shards, 0);
 
   for (uint32_t ri = 0; ri < ranks.size(); ++ri) {
     const RankTargets& rt = ranks[ri];
@@ -174,6 +185,7 @@ absl::StatusOr<LoadPlan> PlanLoad(const CheckpointMetadata& metadata,
         }
       }
       if (exact == nullptr) all_local = false;
+      const size_t base = shard_base.at(&tm);
       for (const ShardMeta& s : tm.shards) {
         if (s.replica_id != 0) continue;
         if (exact != nullptr && &s != exact) continue;
@@ -191,10 +203,16 @@ absl::StatusOr<LoadPlan> PlanLoad(const CheckpointMetadata& metadata,
         int64_t n = exact != nullptr ? t.num_elements() : CountRegion(src, dst, *region);
         if (n == 0) continue;
         const FlatSpan span = RegionSpan(src, *region);
-        const uint32_t file = file_id(s.file);
+        const size_t si = base + static_cast<size_t>(&s - tm.shards.data());
+        if (shard_file[si] < 0) shard_file[si] = file_id(s.file);
+        const uint32_t file = static_cast<uint32_t>(shard_file[si]);
         if (extents.size() <= file) extents.resize(file + 1);
-        if (seen_shards.insert({file, s.data_offset}).second) {
-          extents[file].push_back({s.data_offset, s.data_offset + s.nbytes, &s, &it->first});
+        // Once per shard; by bytes too (AOA virtual shards can share bytes).
+        if (!shard_seen[si]) {
+          shard_seen[si] = 1;
+          if (seen_shards.insert({file, s.data_offset}).second) {
+            extents[file].push_back({s.data_offset, s.data_offset + s.nbytes, &s, &it->first});
+          }
         }
         CopyOp op;
         op.target = ti;
@@ -234,44 +252,47 @@ absl::StatusOr<LoadPlan> PlanLoad(const CheckpointMetadata& metadata,
     }
   }
 
-  // Byte spans per file -> merged reads.
-  struct Span {
-    uint32_t file;
-    uint64_t begin, end;
-  };
-  std::vector<Span> spans;
+  // Byte spans per file -> merged reads. Spans are bucketed by file (a
+  // counting sort, files in name order) and sorted by offset within each
+  // file: integer compares only, over millions of spans.
+  std::vector<uint32_t> order(plan.files.size());  // file indices in name order
+  for (uint32_t i = 0; i < order.size(); ++i) order[i] = i;
+  std::sort(order.begin(), order.end(),
+            [&](uint32_t a, uint32_t b) { return plan.files[a] < plan.files[b]; });
+  std::vector<size_t> bucket(plan.files.size() + 1, 0);
   for (const RankPlan& rp : plan.ranks) {
-    for (const CopyOp& op : rp.copies) {
-      spans.push_back({op.read, op.src_offset,
-                       op.src_offset + static_cast<uint64_t>(op.src.num_bytes())});
-    }
+    for (const CopyOp& op : rp.copies) ++bucket[op.read + 1];
   }
-  // Files in name order, compared by a precomputed rank instead of strings.
-  std::vector<uint32_t> file_rank(plan.files.size());
+  for (size_t f = 0; f < plan.files.size(); ++f) bucket[f + 1] += bucket[f];
+  std::vector<std::pair<uint64_t, uint64_t>> spans(bucket.back());  // (begin, end)
   {
-    std::vector<uint32_t> order(plan.files.size());
-    for (uint32_t i = 0; i < order.size(); ++i) order[i] = i;
-    std::sort(order.begin(), order.end(),
-              [&](uint32_t a, uint32_t b) { return plan.files[a] < plan.files[b]; });
-    for (uint32_t i = 0; i < order.size(); ++i) file_rank[order[i]] = i;
-  }
-  auto file_less = [&](uint32_t a, uint32_t b) { return file_rank[a] < file_rank[b]; };
-  std::sort(spans.begin(), spans.end(), [&](const Span& a, const Span& b) {
-    if (a.file != b.file) return file_less(a.file, b.file);
-    return a.begin < b.begin;
-  });
-  std::vector<ReadRange> merged;
-  for (const Span& s : spans) {
-    if (!merged.empty()) {
-      ReadRange& last = merged.back();
-      if (last.file == s.file && s.begin <= last.offset + last.length + options.coalesce_gap) {
-        last.length = std::max(last.length, s.end - last.offset);
-        continue;
+    std::vector<size_t> fill(bucket.begin(), bucket.end() - 1);
+    for (const RankPlan& rp : plan.ranks) {
+      for (const CopyOp& op : rp.copies) {
+        spans[fill[op.read]++] = {op.src_offset,
+                                  op.src_offset + static_cast<uint64_t>(op.src.num_bytes())};
       }
     }
-    merged.push_back({s.file, s.begin, s.end - s.begin, {}});
   }
-  std::vector<Span>().swap(spans);
+  std::vector<ReadRange> merged;
+  for (uint32_t file : order) {
+    auto first = spans.begin() + static_cast<ptrdiff_t>(bucket[file]);
+    auto last_span = spans.begin() + static_cast<ptrdiff_t>(bucket[file + 1]);
+    std::sort(first, last_span);
+    bool open = false;
+    for (auto sp = first; sp != last_span; ++sp) {
+      if (open) {
+        ReadRange& last = merged.back();
+        if (sp->first <= last.offset + last.length + options.coalesce_gap) {
+          last.length = std::max(last.length, sp->second - last.offset);
+          continue;
+        }
+      }
+      merged.push_back({file, sp->first, sp->second - sp->first, {}});
+      open = true;
+    }
+  }
+  std::vector<std::pair<uint64_t, uint64_t>>().swap(spans);
   extents.resize(plan.files.size());
   for (auto& e : extents) {
     std::sort(e.begin(), e.end(), [](const Extent& a, const Extent& b) { return a.begin < b.begin; });
@@ -308,16 +329,21 @@ absl::StatusOr<LoadPlan> PlanLoad(const CheckpointMetadata& metadata,
   }
   for (const ReadRange& r : plan.reads) plan.bytes_to_read += r.length;
 
+  // Reads are grouped by file (in name order), by offset within a file.
+  std::vector<std::pair<size_t, size_t>> file_reads(plan.files.size(), {0, 0});
+  for (size_t i = 0; i < plan.reads.size(); ++i) {
+    auto& fr = file_reads[plan.reads[i].file];
+    if (fr.second == 0) fr.first = i;
+    fr.second = i + 1;
+  }
   // Index of the read holding byte `offset` of `file`, or -1.
   auto find_read = [&](uint32_t file, uint64_t offset) -> int64_t {
-    auto it = std::upper_bound(
-        plan.reads.begin(), plan.reads.end(), std::make_pair(file, offset),
-        [&](const std::pair<uint32_t, uint64_t>& key, const ReadRange& r) {
-          if (key.first != r.file) return file_less(key.first, r.file);
-          return key.second < r.offset;
-        });
+    const auto [lo, hi] = file_reads[file];
+    auto it = std::upper_bound(plan.reads.begin() + static_cast<ptrdiff_t>(lo),
+                               plan.reads.begin() + static_cast<ptrdiff_t>(hi), offset,
+                               [](uint64_t o, const ReadRange& r) { return o < r.offset; });
     int64_t i = std::distance(plan.reads.begin(), it) - 1;
-    if (i < 0 || plan.reads[i].file != file || plan.reads[i].offset > offset ||
+    if (i < static_cast<int64_t>(lo) || plan.reads[i].file != file ||
         offset >= plan.reads[i].offset + plan.reads[i].length) {
       return -1;
     }
