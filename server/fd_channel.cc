@@ -34,6 +34,69 @@ absl::StatusOr<sockaddr_un> Address(const std::string& path) {
   return addr;
 }
 
+void SetTimeouts(int sock, absl::Duration timeout) {
+  timeval tv{};
+  tv.tv_sec = absl::ToInt64Seconds(timeout);
+  tv.tv_usec = absl::ToInt64Microseconds(timeout) % 1000000;
+  ::setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  ::setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+}
+
+// A connected SOCK_SEQPACKET socket to `path` with send/receive timeouts.
+absl::StatusOr<int> Dial(const std::string& path, absl::Duration timeout) {
+  auto addr = Address(path);
+  if (!addr.ok()) return addr.status();
+  int s = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  if (s < 0) return Errno("socket", path);
+  SetTimeouts(s, timeout);
+  if (::connect(s, reinterpret_cast<sockaddr*>(&*addr), sizeof(*addr)) != 0) {
+    absl::Status st = Errno("connect to the daemon's fd socket (is ckptd running?)", path);
+    ::close(s);
+    return st;
+  }
+  return s;
+}
+
+// Sends one message, with `fd` as SCM_RIGHTS when it is >= 0.
+bool SendMessage(int sock, const std::string& text, int fd) {
+  iovec iov{const_cast<char*>(text.data()), text.size()};
+  alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  if (fd >= 0) {
+    msg.msg_control = ctrl;
+    msg.msg_controllen = sizeof(ctrl);
+    cmsghdr* cm = CMSG_FIRSTHDR(&msg);
+    cm->cmsg_level = SOL_SOCKET;
+    cm->cmsg_type = SCM_RIGHTS;
+    cm->cmsg_len = CMSG_LEN(sizeof(int));
+    std::memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+  }
+  return ::sendmsg(sock, &msg, MSG_NOSIGNAL) == static_cast<ssize_t>(text.size());
+}
+
+// Receives one message into buf (NUL-terminated, at most cap - 1 bytes) and
+// the fd it carries, if any (*fd = -1 otherwise). Returns recvmsg's result.
+ssize_t ReceiveMessage(int sock, char* buf, size_t cap, int* fd) {
+  iovec iov{buf, cap - 1};
+  alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int))] = {};
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  msg.msg_control = ctrl;
+  msg.msg_controllen = sizeof(ctrl);
+  const ssize_t n = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
+  *fd = -1;
+  for (cmsghdr* cm = CMSG_FIRSTHDR(&msg); n > 0 && cm != nullptr; cm = CMSG_NXTHDR(&msg, cm)) {
+    if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
+      std::memcpy(fd, CMSG_DATA(cm), sizeof(int));
+    }
+  }
+  buf[n > 0 ? n : 0] = '\0';
+  return n;
+}
+
 }  // namespace
 
 std::string RandomToken() {
@@ -48,40 +111,20 @@ std::string RandomToken() {
 std::string FdSocketPath(const std::string& grpc_socket) { return grpc_socket + ".fd"; }
 
 absl::StatusOr<std::string> SendFd(const std::string& fd_socket, int fd, absl::Duration timeout) {
-  auto addr = Address(fd_socket);
-  if (!addr.ok()) return addr.status();
-  int s = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-  if (s < 0) return Errno("socket", fd_socket);
+  absl::StatusOr<int> s = Dial(fd_socket, timeout);
+  if (!s.ok()) return s.status();
   struct Closer {
     int fd;
     ~Closer() { ::close(fd); }
-  } closer{s};
-  timeval tv{};
-  tv.tv_sec = absl::ToInt64Seconds(timeout);
-  tv.tv_usec = absl::ToInt64Microseconds(timeout) % 1000000;
-  ::setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  ::setsockopt(s, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-  if (::connect(s, reinterpret_cast<sockaddr*>(&*addr), sizeof(*addr)) != 0) {
-    return Errno("connect to the daemon's fd socket (is ckptd running?)", fd_socket);
-  }
+  } closer{*s};
   std::string token = RandomToken();
-  iovec iov{token.data(), token.size()};
-  alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int))] = {};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = ctrl;
-  msg.msg_controllen = sizeof(ctrl);
-  cmsghdr* cm = CMSG_FIRSTHDR(&msg);
-  cm->cmsg_level = SOL_SOCKET;
-  cm->cmsg_type = SCM_RIGHTS;
-  cm->cmsg_len = CMSG_LEN(sizeof(int));
-  std::memcpy(CMSG_DATA(cm), &fd, sizeof(int));
-  if (::sendmsg(s, &msg, MSG_NOSIGNAL) < 0) return Errno("sendmsg", fd_socket);
+  if (!SendMessage(*s, token, fd)) return Errno("sendmsg", fd_socket);
   char reply[256];
-  ssize_t n = ::recv(s, reply, sizeof(reply) - 1, 0);
-  if (n <= 0) return Errno("no reply from the daemon", fd_socket);
-  reply[n] = '\0';
+  int unused = -1;
+  if (ReceiveMessage(*s, reply, sizeof(reply), &unused) <= 0) {
+    return Errno("no reply from the daemon", fd_socket);
+  }
+  if (unused >= 0) ::close(unused);
   if (std::strncmp(reply, "OK", 2) != 0) {
     return absl::UnavailableError(absl::StrCat(fd_socket, ": daemon refused the fd: ", reply));
   }
@@ -90,44 +133,20 @@ absl::StatusOr<std::string> SendFd(const std::string& fd_socket, int fd, absl::D
 
 absl::StatusOr<ArenaGrant> RequestArena(const std::string& fd_socket, uint64_t size,
                                         absl::Duration timeout) {
-  auto addr = Address(fd_socket);
-  if (!addr.ok()) return addr.status();
+  absl::StatusOr<int> s = Dial(fd_socket, timeout);
+  if (!s.ok()) return s.status();
   ArenaGrant g;
-  g.lease = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-  if (g.lease < 0) return Errno("socket", fd_socket);
-  auto fail = [&](absl::Status s) {
+  g.lease = *s;
+  auto fail = [&](absl::Status st) {
     ::close(g.lease);
     if (g.fd >= 0) ::close(g.fd);
-    return s;
+    return st;
   };
-  timeval tv{};
-  tv.tv_sec = absl::ToInt64Seconds(timeout);
-  tv.tv_usec = absl::ToInt64Microseconds(timeout) % 1000000;
-  ::setsockopt(g.lease, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  ::setsockopt(g.lease, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-  if (::connect(g.lease, reinterpret_cast<sockaddr*>(&*addr), sizeof(*addr)) != 0) {
-    return fail(Errno("connect to the daemon's fd socket (is ckptd running?)", fd_socket));
+  if (!SendMessage(g.lease, absl::StrCat("ALLOC ", size), -1)) return fail(Errno("send", fd_socket));
+  char reply[256];
+  if (ReceiveMessage(g.lease, reply, sizeof(reply), &g.fd) <= 0) {
+    return fail(Errno("no reply from the daemon", fd_socket));
   }
-  const std::string req = absl::StrCat("ALLOC ", size);
-  if (::send(g.lease, req.data(), req.size(), MSG_NOSIGNAL) < 0) {
-    return fail(Errno("send", fd_socket));
-  }
-  char reply[256] = {};
-  iovec iov{reply, sizeof(reply) - 1};
-  alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int))] = {};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = ctrl;
-  msg.msg_controllen = sizeof(ctrl);
-  ssize_t n = ::recvmsg(g.lease, &msg, MSG_CMSG_CLOEXEC);
-  if (n <= 0) return fail(Errno("no reply from the daemon", fd_socket));
-  for (cmsghdr* cm = CMSG_FIRSTHDR(&msg); cm != nullptr; cm = CMSG_NXTHDR(&msg, cm)) {
-    if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
-      std::memcpy(&g.fd, CMSG_DATA(cm), sizeof(int));
-    }
-  }
-  reply[n] = '\0';
   char token[kTokenLen + 1] = {};
   unsigned long long got = 0;
   if (std::strncmp(reply, "OK ", 3) != 0 || g.fd < 0 ||
@@ -224,44 +243,13 @@ void FdReceiver::Run() {
 }
 
 bool FdReceiver::Serve(int c) {
-  timeval tv{2, 0};
-  ::setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  ::setsockopt(c, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-  char buf[64] = {};
-  iovec iov{buf, sizeof(buf) - 1};
-  alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int))] = {};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = ctrl;
-  msg.msg_controllen = sizeof(ctrl);
-  ssize_t n = ::recvmsg(c, &msg, MSG_CMSG_CLOEXEC);
+  SetTimeouts(c, absl::Seconds(2));
+  char buf[64];
   int fd = -1;
-  for (cmsghdr* cm = CMSG_FIRSTHDR(&msg); n > 0 && cm != nullptr; cm = CMSG_NXTHDR(&msg, cm)) {
-    if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
-      std::memcpy(&fd, CMSG_DATA(cm), sizeof(int));
-    }
-  }
-  auto reply = [&](const std::string& text, int send_fd) {
-    iovec out{const_cast<char*>(text.data()), text.size()};
-    alignas(cmsghdr) char octrl[CMSG_SPACE(sizeof(int))] = {};
-    msghdr m{};
-    m.msg_iov = &out;
-    m.msg_iovlen = 1;
-    if (send_fd >= 0) {
-      m.msg_control = octrl;
-      m.msg_controllen = sizeof(octrl);
-      cmsghdr* cm = CMSG_FIRSTHDR(&m);
-      cm->cmsg_level = SOL_SOCKET;
-      cm->cmsg_type = SCM_RIGHTS;
-      cm->cmsg_len = CMSG_LEN(sizeof(int));
-      std::memcpy(CMSG_DATA(cm), &send_fd, sizeof(int));
-    }
-    return ::sendmsg(c, &m, MSG_NOSIGNAL) == static_cast<ssize_t>(text.size());
-  };
+  const ssize_t n = ReceiveMessage(c, buf, sizeof(buf), &fd);
   if (n > 6 && fd < 0 && std::strncmp(buf, "ALLOC ", 6) == 0) {
     if (arenas_ == nullptr) {
-      reply("ERR this daemon lends no arenas", -1);
+      SendMessage(c, "ERR this daemon lends no arenas", -1);
       return false;
     }
     char* end = nullptr;
@@ -271,15 +259,15 @@ bool FdReceiver::Serve(int c) {
     socklen_t len = sizeof(cred);
     if (errno != 0 || end == buf + 6 || *end != '\0' ||
         ::getsockopt(c, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
-      reply("ERR expected ALLOC <bytes>", -1);
+      SendMessage(c, "ERR expected ALLOC <bytes>", -1);
       return false;
     }
     absl::StatusOr<ArenaLease> lease = arenas_->Allocate(size, cred.uid);
     if (!lease.ok()) {
-      reply(absl::StrCat("ERR ", lease.status().message()), -1);
+      SendMessage(c, absl::StrCat("ERR ", lease.status().message()), -1);
       return false;
     }
-    const bool sent = reply(absl::StrCat("OK ", lease->token, " ", lease->size), lease->fd);
+    const bool sent = SendMessage(c, absl::StrCat("OK ", lease->token, " ", lease->size), lease->fd);
     ::close(lease->fd);
     if (!sent) {
       arenas_->Release(lease->token);
@@ -305,7 +293,7 @@ bool FdReceiver::Serve(int c) {
       }
     }
   }
-  reply(text, -1);
+  SendMessage(c, text, -1);
   return false;
 }
 
