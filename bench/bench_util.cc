@@ -180,6 +180,69 @@ double PreadPlanGBps(const std::string& dir, const LoadPlan& plan, uint8_t* dst,
   return GB(pos) / s;
 }
 
+double DirectPreadPlanGBps(const std::string& dir, const LoadPlan& plan, uint8_t* dst,
+                           int threads) {
+  constexpr uint64_t kAlign = 4096, kRequest = 4u << 20;
+  std::vector<int> fds;
+  for (const std::string& f : plan.files) {
+    int fd = ::open(JoinPath(dir, f).c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+    if (fd < 0) {
+      std::fprintf(stderr, "bench: open %s (O_DIRECT): %s\n", f.c_str(), std::strerror(errno));
+      std::exit(1);
+    }
+    fds.push_back(fd);
+  }
+  std::vector<uint64_t> at(plan.reads.size());
+  uint64_t pos = 0;
+  for (size_t i = 0; i < plan.reads.size(); ++i) {
+    at[i] = pos;
+    const uint64_t b = plan.reads[i].offset / kAlign * kAlign;
+    const uint64_t e = (plan.reads[i].offset + plan.reads[i].length + kAlign - 1) / kAlign * kAlign;
+    pos += e - b;
+  }
+  std::atomic<size_t> next{0};
+  auto worker = [&] {
+    while (true) {
+      size_t i = next.fetch_add(1);
+      if (i >= plan.reads.size()) return;
+      const ReadRange& r = plan.reads[i];
+      const uint64_t b = r.offset / kAlign * kAlign;
+      const uint64_t e = (r.offset + r.length + kAlign - 1) / kAlign * kAlign;
+      for (uint64_t o = b; o < e;) {
+        ssize_t n = ::pread(fds[r.file], dst + at[i] + (o - b), std::min(kRequest, e - o),
+                            static_cast<off_t>(o));
+        if (n < 0 && errno == EINTR) continue;
+        if (n < 0) {
+          std::fprintf(stderr, "bench: pread (O_DIRECT) failed: %s\n", std::strerror(errno));
+          std::exit(1);
+        }
+        if (n == 0) break;  // end of file inside the last page
+        o += static_cast<uint64_t>(n);
+      }
+    }
+  };
+  auto t0 = Clock::now();
+  std::vector<std::thread> ts;
+  for (int t = 1; t < threads; ++t) ts.emplace_back(worker);
+  worker();
+  for (auto& t : ts) t.join();
+  const double s = SecondsSince(t0);
+  for (int fd : fds) ::close(fd);
+  return GB(plan.bytes_to_read) / s;
+}
+
+double DropPageCache(const std::string& dir) {
+  for (const auto& e : std::filesystem::directory_iterator(dir)) {
+    if (!e.is_regular_file()) continue;
+    int fd = ::open(e.path().c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;
+    ::fdatasync(fd);
+    ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+    ::close(fd);
+  }
+  return ResidentFraction(dir);
+}
+
 namespace {
 
 double Residency(const std::string& dir, bool read_first, uint64_t* bytes) {

@@ -72,6 +72,14 @@ double MemcpyLimitGBps(uint64_t bytes, int threads, int reps);
 // otherwise reads wrap around inside dst_size bytes (> the longest read).
 double PreadPlanGBps(const std::string& dir, const LoadPlan& plan, uint8_t* dst, int threads,
                      uint64_t dst_size = 0);
+// The same with O_DIRECT (the storage device's limit, page cache bypassed):
+// each read widened to 4 KiB boundaries and issued in 4 MiB requests into
+// `dst` (page-aligned, holding the widened reads). GB/s of planned bytes.
+double DirectPreadPlanGBps(const std::string& dir, const LoadPlan& plan, uint8_t* dst,
+                           int threads);
+// Drops `dir`'s files from the page cache (fdatasync + POSIX_FADV_DONTNEED;
+// no root needed); returns the fraction still resident.
+double DropPageCache(const std::string& dir);
 
 // Reads every file of `dir` once (into the page cache) and returns the
 // fraction of their pages resident afterwards (mincore).

@@ -46,6 +46,9 @@ ABSL_FLAG(std::string, aoa, "",
           "load: file of AOA statements (rename, split, concat, transpose, cast, fused "
           "layouts) applied while loading; see README");
 ABSL_FLAG(bool, verify, true, "verify shard checksums recorded in the metadata");
+ABSL_FLAG(std::string, direct_io, "never",
+          "load (offline): never, auto (bypass the page cache for reads not already in it) or "
+          "always (O_DIRECT for every piece-wise read)");
 ABSL_FLAG(uint64_t, coalesce_gap, 0,
           "load: merge reads of one file whose gap is at most this many bytes");
 ABSL_FLAG(std::vector<std::string>, daemon, {},
@@ -72,10 +75,12 @@ Usage:
       Cut the tensors of SRC per the layout and write a native checkpoint, as if
       each rank had saved its part (replicas written once).
   ckptctl load CKPT --layout L.json --out DIR [--unique_id N] [--json] [--strict]
-               [--aoa FILE]
+               [--aoa FILE] [--direct_io never|auto|always]
       Load every rank of the layout (resharding) and write DIR/rank{r}.safetensors,
       then report bytes read, missing and unexpected keys. --aoa applies the AOA
       statements of FILE (renames, splits, transposes, fused qkv, ...) on the way.
+      --direct_io reads around the page cache (O_DIRECT): auto for reads whose
+      bytes are not in it, always for every read.
   ckptctl merge CKPT --out DIR [--prefix P] [--skip_postfix S,...] [--shards N]
       Merge a sharded checkpoint into HuggingFace safetensors files plus
       model.safetensors.index.json.
@@ -193,6 +198,7 @@ absl::Status Load(const std::string& dir) {
   lo.threads = absl::GetFlag(FLAGS_threads);
   lo.verify_checksums = absl::GetFlag(FLAGS_verify);
   lo.plan.coalesce_gap = absl::GetFlag(FLAGS_coalesce_gap);
+  CKPT_ASSIGN_OR_RETURN(lo.direct_io, ParseDirectIo(absl::GetFlag(FLAGS_direct_io)));
   if (!absl::GetFlag(FLAGS_aoa).empty()) {
     CKPT_ASSIGN_OR_RETURN(lo.aoa, ReadAoaFile(absl::GetFlag(FLAGS_aoa)));
     lo.aoa_where = absl::GetFlag(FLAGS_aoa);

@@ -21,7 +21,7 @@ const std::set<std::string>& KnownKeys() {
       "cache_budget",  "io_threads",      "io_request_size", "barrier_timeout",
       "load_timeout",  "drain_timeout",   "log_level",       "peer_listen",
       "peers",         "peer_dns",        "peer_timeout",    "log_format",
-      "metrics_address", "arena_pool",      "arena_limit"};
+      "metrics_address", "arena_pool",      "arena_limit",     "direct_io"};
   return *keys;
 }
 
@@ -125,6 +125,11 @@ absl::StatusOr<DaemonConfig> ParseConfig(const std::string& yaml, const std::str
          : key == "io_request_size" ? c.io_request_size
          : key == "arena_pool"      ? c.arena_pool
                                     : c.arena_limit) = *b;
+      } else if (key == "direct_io") {
+        if (s != "never" && s != "auto" && s != "always") {
+          return Bad(source, key, "must be never, auto or always");
+        }
+        c.direct_io = s;
       } else if (key == "io_threads") {
         int n;
         if (!absl::SimpleAtoi(s, &n) || n < 1 || n > 256) {
@@ -195,6 +200,10 @@ absl::Status ValidateConfig(const DaemonConfig& c) {
   if (c.io_request_size < 4096) {
     return absl::InvalidArgumentError("config: 'io_request_size' must be at least 4KiB");
   }
+  if (c.direct_io != "never" && c.direct_io != "auto" && c.direct_io != "always") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config: 'direct_io' is '", c.direct_io, "', not one of never, auto, always"));
+  }
   for (const std::string& p : c.peers) {
     if (p.rfind(':') == std::string::npos) {
       return absl::InvalidArgumentError(absl::StrCat("config: peer '", p, "' must be host:port"));
@@ -234,6 +243,7 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   out << YAML::Key << "arena_pool" << YAML::Value << c.arena_pool;
   out << YAML::Key << "arena_limit" << YAML::Value << c.arena_limit;
   out << YAML::Key << "io_threads" << YAML::Value << c.io_threads;
+  out << YAML::Key << "direct_io" << YAML::Value << c.direct_io;
   out << YAML::Key << "io_request_size" << YAML::Value << c.io_request_size;
   out << YAML::Key << "barrier_timeout" << YAML::Value << absl::FormatDuration(c.barrier_timeout);
   out << YAML::Key << "load_timeout" << YAML::Value << absl::FormatDuration(c.load_timeout);

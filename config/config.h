@@ -24,6 +24,9 @@ struct DaemonConfig {
   uint64_t arena_pool = 4ull << 30;
   uint64_t arena_limit = 64ull << 30;
   int io_threads = 2;
+  // Reads around the page cache (O_DIRECT): never, auto (reads whose bytes
+  // are not in the page cache: the data cache keeps them), always.
+  std::string direct_io = "auto";
   uint64_t io_request_size = 64ull << 20;  // largest single read
   absl::Duration barrier_timeout = absl::Seconds(120);
   absl::Duration load_timeout = absl::Minutes(30);  // one job's plan + read + copy

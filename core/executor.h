@@ -135,8 +135,20 @@ class HostDelivery final : public Delivery {
   std::vector<std::vector<void*>> dests_;
 };
 
+// Reading storage around the page cache (O_DIRECT; piece-wise reads only).
+enum class DirectIo {
+  kNever,   // always through the page cache
+  kAuto,    // a read whose bytes are not in the page cache (probed) bypasses
+            // it: for data that is kept elsewhere (a cache) or read once
+  kAlways,  // every piece-wise read bypasses it
+};
+// "never", "auto", "always".
+absl::StatusOr<DirectIo> ParseDirectIo(const std::string& text);
+const char* DirectIoName(DirectIo d);
+
 struct ExecuteOptions {
   int threads = 2;
+  DirectIo direct_io = DirectIo::kNever;
   bool verify_checksums = true;
   // Bytes per pread in the piece-wise way (at least 64): small enough that
   // a piece stays in L2 while it is hashed and copied out (128 KiB-1 MiB
@@ -152,6 +164,7 @@ struct ExecuteOptions {
 
 struct LoadStats {
   uint64_t bytes_read = 0;        // from storage
+  uint64_t bytes_read_direct = 0;  // of which around the page cache (O_DIRECT)
   uint64_t bytes_from_cache = 0;  // served by the source from memory
   uint64_t bytes_delivered = 0;   // written into destinations
   std::vector<uint64_t> rank_bytes_delivered;  // per plan rank

@@ -3,9 +3,12 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <sys/stat.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
+#include <mutex>
 #include <random>
 
 #include "absl/strings/str_cat.h"
@@ -24,7 +27,10 @@ class PosixFile final : public RandomAccessFile {
  public:
   PosixFile(std::string path, int fd, uint64_t size)
       : path_(std::move(path)), fd_(fd), size_(size) {}
-  ~PosixFile() override { ::close(fd_); }
+  ~PosixFile() override {
+    ::close(fd_);
+    if (direct_fd_ >= 0) ::close(direct_fd_);
+  }
 
   const std::string& path() const override { return path_; }
   uint64_t size() const override { return size_; }
@@ -53,13 +59,70 @@ class PosixFile final : public RandomAccessFile {
     return absl::OkStatus();
   }
 
+  absl::StatusOr<uint64_t> ReadDirect(uint64_t offset, uint64_t n, void* dst) const override {
+    const int dfd = DirectFd();
+    if (dfd < 0) return RandomAccessFile::ReadDirect(offset, n, dst);
+    char* p = static_cast<char*>(dst);
+    uint64_t done = 0;
+    while (done < n) {
+      ssize_t r = ::pread(dfd, p + done, n - done, static_cast<off_t>(offset + done));
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        if (errno == EINVAL && done == 0) return RandomAccessFile::ReadDirect(offset, n, dst);
+        return ErrnoError(errno, absl::StrCat("pread (O_DIRECT) at ", offset + done), path_);
+      }
+      if (r == 0) break;  // end of file
+      done += static_cast<uint64_t>(r);
+    }
+    if (done < n && offset + done < size_) {
+      return absl::OutOfRangeError(
+          absl::StrCat(path_, ": truncated while reading at offset ", offset + done));
+    }
+    return done;
+  }
+
+  bool Cached(uint64_t offset, uint64_t n) const override {
+#ifdef RWF_NOWAIT
+    // A buffered read with RWF_NOWAIT fails with EAGAIN unless the page is
+    // in the page cache: probe the first, middle and last page.
+    char byte;
+    for (uint64_t at : {offset, offset + n / 2, offset + (n > 0 ? n - 1 : 0)}) {
+      if (at >= size_) continue;
+      iovec iov{&byte, 1};
+      const ssize_t r = ::preadv2(fd_, &iov, 1, static_cast<off_t>(at), RWF_NOWAIT);
+      if (r == 1) continue;
+      return !(r < 0 && errno == EAGAIN);
+    }
+#endif
+    return true;
+  }
+
  private:
+  // A second descriptor with O_DIRECT, opened on first use; -1 where the
+  // file system refuses it.
+  int DirectFd() const {
+    std::call_once(direct_once_, [this] {
+      direct_fd_ = ::open(path_.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
+    });
+    return direct_fd_;
+  }
+
   std::string path_;
   int fd_;
   uint64_t size_;
+  mutable std::once_flag direct_once_;
+  mutable int direct_fd_ = -1;
 };
 
 }  // namespace
+
+absl::StatusOr<uint64_t> RandomAccessFile::ReadDirect(uint64_t offset, uint64_t n,
+                                                      void* dst) const {
+  const uint64_t have = offset < size() ? std::min(n, size() - offset) : 0;
+  absl::Status s = Read(offset, have, dst);
+  if (!s.ok()) return s;
+  return have;
+}
 
 absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenFile(const std::string& path) {
   int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);

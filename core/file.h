@@ -15,6 +15,9 @@
 
 namespace ckpt {
 
+// Offsets, lengths and buffers of direct reads are multiples of this.
+inline constexpr uint64_t kDirectAlign = 4096;
+
 class RandomAccessFile {
  public:
   virtual ~RandomAccessFile() = default;
@@ -23,6 +26,14 @@ class RandomAccessFile {
   // Reads exactly `n` bytes at `offset` into `dst`. A range past the end of
   // the file is an OUT_OF_RANGE error naming the file ("truncated").
   virtual absl::Status Read(uint64_t offset, uint64_t n, void* dst) const = 0;
+  // Reads up to `n` bytes at `offset` into `dst` bypassing the page cache
+  // (O_DIRECT) where the file system allows it, through it otherwise;
+  // `offset`, `n` and `dst` are multiples of kDirectAlign. Returns the bytes
+  // read: `n`, or fewer only where the file ends. The default uses Read.
+  virtual absl::StatusOr<uint64_t> ReadDirect(uint64_t offset, uint64_t n, void* dst) const;
+  // Whether bytes [offset, offset + n) seem to be in the page cache (a
+  // non-blocking probe of a few pages); true when it cannot tell.
+  virtual bool Cached(uint64_t offset, uint64_t n) const { return true; }
 };
 
 // Opens `path` read-only (O_CLOEXEC). NOT_FOUND if it does not exist.

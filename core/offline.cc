@@ -50,6 +50,7 @@ absl::StatusOr<OfflineLoadResult> LoadOffline(const std::string& dir, const Layo
   eo.threads = options.threads;
   eo.verify_checksums = options.verify_checksums;
   eo.piece_bytes = options.piece_bytes;
+  eo.direct_io = options.direct_io;
   CKPT_ASSIGN_OR_RETURN(res.stats, ExecutePlan(res.plan, source, dests, eo));
   res.times.load_seconds = Since(t0);
   return res;

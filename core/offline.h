@@ -21,6 +21,7 @@ struct OfflineLoadOptions {
   int threads = 2;
   bool verify_checksums = true;
   uint64_t piece_bytes = ExecuteOptions{}.piece_bytes;  // see ExecuteOptions
+  DirectIo direct_io = DirectIo::kNever;                // see ExecuteOptions
   PlanOptions plan;
   // AOA statements applied while loading (the text of a config, see
   // core/aoa.h); empty: none. `aoa_where` names it in error messages.

@@ -824,6 +824,7 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
   if (!delivery.ok()) return fail_all(delivery.status());
   ckpt::ExecuteOptions eo;
   eo.threads = config_.io_threads;
+  eo.direct_io = ckpt::ParseDirectIo(config_.direct_io).value_or(ckpt::DirectIo::kNever);
   eo.verify_checksums = !(slots.front()->request.skip_verify());
   eo.progress_bytes = &job->progress;
   eo.skip_rank = [&](size_t i) { return skip[i] || slots[i]->cancelled(); };
@@ -893,6 +894,7 @@ absl::StatusOr<v1::PrefetchResponse> Daemon::Prefetch(const v1::PrefetchRequest&
   NoDelivery none;
   ckpt::ExecuteOptions eo;
   eo.threads = config_.io_threads;
+  eo.direct_io = ckpt::ParseDirectIo(config_.direct_io).value_or(ckpt::DirectIo::kNever);
   CKPT_ASSIGN_OR_RETURN(ckpt::LoadStats stats, ckpt::ExecutePlan(plan, source, none, eo));
   bytes_read_total_ += stats.bytes_read;
   v1::PrefetchResponse resp;

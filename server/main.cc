@@ -38,6 +38,7 @@ ABSL_FLAG(std::vector<std::string>, root, {},
 ABSL_FLAG(std::string, tcp, "", "also listen on host:port (overrides the config)");
 ABSL_FLAG(std::string, cache_budget, "", "data cache budget, e.g. 8GiB (overrides the config)");
 ABSL_FLAG(int, io_threads, 0, "I/O threads (overrides the config)");
+ABSL_FLAG(std::string, direct_io, "", "never|auto|always: O_DIRECT reads (overrides the config)");
 ABSL_FLAG(std::string, barrier_timeout, "", "e.g. 120s (overrides the config)");
 ABSL_FLAG(std::string, log_level, "", "trace|debug|info|warn|error (overrides the config)");
 ABSL_FLAG(std::string, log_format, "", "text|json (overrides the config)");
@@ -135,6 +136,7 @@ int main(int argc, char** argv) {
     config.cache_budget = *b;
   }
   if (absl::GetFlag(FLAGS_io_threads) > 0) config.io_threads = absl::GetFlag(FLAGS_io_threads);
+  if (!absl::GetFlag(FLAGS_direct_io).empty()) config.direct_io = absl::GetFlag(FLAGS_direct_io);
   if (!absl::GetFlag(FLAGS_barrier_timeout).empty()) {
     auto d = ckptd::ParseDuration(absl::GetFlag(FLAGS_barrier_timeout));
     if (!d.ok()) return Fail(absl::StrCat("--barrier_timeout: ", d.status().message()));

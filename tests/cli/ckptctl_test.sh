@@ -21,6 +21,15 @@ echo "$out" | grep -q "huggingface-safetensors" || fail "inspect text"
 "$CKPTCTL" inspect "$T/tp2" --json | /usr/bin/python3 -c "import json,sys; j=json.load(sys.stdin); assert j['unique_id']==5 and j['format']=='ckptd'"
 "$CKPTCTL" load "$T/tp2" --layout "$EXAMPLE_DIR/layout-tp4-dim0.json" --out "$T/out" --json > "$T/report.json"
 /usr/bin/python3 "$VERIFY" "$EXAMPLE_DIR/tiny-model/model.safetensors" "$EXAMPLE_DIR/layout-tp4-dim0.json" "$T/out" "$T/report.json"
+# The same load read around the page cache (O_DIRECT): the same bytes.
+"$CKPTCTL" load "$T/tp2" --layout "$EXAMPLE_DIR/layout-tp4-dim0.json" --out "$T/out-dio" --direct-io always
+for f in "$T"/out/rank*.safetensors; do
+  cmp -s "$f" "$T/out-dio/$(basename "$f")" || fail "--direct-io always: $(basename "$f") differs"
+done
+set +e
+err=$("$CKPTCTL" load "$T/tp2" --layout "$EXAMPLE_DIR/layout-tp4-dim0.json" --out "$T/o-dio" --direct-io sometimes 2>&1 >/dev/null); rc=$?
+set -e
+[ $rc -ne 0 ] && echo "$err" | grep -q "'sometimes' is not one of never, auto, always" || fail "bad --direct-io: $err"
 
 # merge back into HF shards and compare every tensor with the original
 "$CKPTCTL" merge "$T/tp2" --out "$T/merged" --shards 3 --skip-postfix .nothing

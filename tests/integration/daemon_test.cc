@@ -137,6 +137,26 @@ TEST_F(DaemonTest, EightRanksByteExactReadOnceThenCacheHit) {
   EXPECT_THAT(Slurp(d.log()), HasSubstr("load job=job2"));
 }
 
+TEST_F(DaemonTest, DirectIoLoadsAreByteExact) {
+  // Every cache miss read around the page cache (O_DIRECT where the file
+  // system has it), into the data cache and the ranks.
+  DaemonProcess d(root_, {"--direct-io", "always"});
+  ASSERT_TRUE(d.Ready()) << Slurp(d.log());
+  std::string expected = Expected("expected");
+  EXPECT_THAT(RunRanks(d, "dio", tmp_.Sub("dio")), ::testing::Each(0))
+      << Slurp(tmp_.Sub("ckptctl-dio.log")) << Slurp(d.log());
+  for (int r = 0; r < 8; ++r) {
+    const std::string f = "/rank" + std::to_string(r) + ".safetensors";
+    ASSERT_EQ(Slurp(tmp_.Sub("dio") + f), Slurp(expected + f)) << "rank " << r;
+  }
+  // And from the cache it filled.
+  EXPECT_THAT(RunRanks(d, "dio2", tmp_.Sub("dio2")), ::testing::Each(0));
+  for (int r = 0; r < 8; ++r) {
+    const std::string f = "/rank" + std::to_string(r) + ".safetensors";
+    ASSERT_EQ(Slurp(tmp_.Sub("dio2") + f), Slurp(expected + f)) << "rank " << r;
+  }
+}
+
 TEST_F(DaemonTest, EvictionAndInvalidationOnFileChange) {
   DaemonProcess d(root_);
   auto client = Connect(d);
@@ -379,6 +399,11 @@ TEST(DaemonConfig, CheckConfigAndBadStartup) {
                            tmp.Sub("b.log"))),
             1);
   EXPECT_THAT(Slurp(tmp.Sub("b.log")), HasSubstr("unknown key 'cache_bugdet'"));
+  std::ofstream(tmp.Sub("dio.yaml")) << "roots: [/tmp]\ndirect_io: sometimes\n";
+  EXPECT_EQ(WaitExit(Spawn({Runfile("server/ckptd"), "--check-config", tmp.Sub("dio.yaml")},
+                           tmp.Sub("d.log"))),
+            1);
+  EXPECT_THAT(Slurp(tmp.Sub("d.log")), HasSubstr("key 'direct_io': must be never, auto or always"));
   EXPECT_EQ(WaitExit(Spawn({Runfile("server/ckptd"), "--socket", "/tmp/x.sock"}, tmp.Sub("n.log"))),
             1);
   EXPECT_THAT(Slurp(tmp.Sub("n.log")), HasSubstr("'roots' is empty"));

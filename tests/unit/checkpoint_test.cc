@@ -1,7 +1,11 @@
 // Checkpoint format, versions, planner semantics, merge, and every bad input
 // the foundation must turn into a clear error.
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <unistd.h>
+
+#include <cstdlib>
+#include <memory>
 
 #include <filesystem>
 #include <fstream>
@@ -11,6 +15,7 @@
 #include <nlohmann/json.hpp>
 
 #include "core/checkpoint.h"
+#include "core/file.h"
 #include "core/layout.h"
 #include "core/offline.h"
 #include "core/planner.h"
@@ -332,12 +337,14 @@ class BadInput : public ::testing::Test {
     ckpt_ = tmp_.Sub("ckpt");
     ASSERT_TRUE(ShardCheckpoint(src_, TwoRankRows(), ckpt_, {}).ok());
   }
-  absl::Status Load(uint64_t piece_bytes = OfflineLoadOptions{}.piece_bytes) {
+  absl::Status Load(uint64_t piece_bytes = OfflineLoadOptions{}.piece_bytes,
+                    DirectIo direct_io = DirectIo::kNever) {
     Layout l;
     l.world_size = 1;
     l.ranks = {{0, {Target("w", {4, 8}, {0, 0}, {4, 8})}}};
     OfflineLoadOptions options;
     options.piece_bytes = piece_bytes;
+    options.direct_io = direct_io;
     auto res = LoadOffline(ckpt_, l, options);
     if (res.ok()) {
       absl::Status s = WriteRankOutputs(*res, tmp_.Sub("out"));
@@ -497,8 +504,64 @@ TEST_F(BadInput, CorruptDataFailsChecksum) {
   ASSERT_EQ(::pwrite(fd, "\xff\xff", 2, 4096 + 10), 2);
   ::close(fd);
   ExpectError(Load(), "1_0.safetensors: tensor 'w' bytes [4096, 4160) fail their checksum");
-  // The same from the piece-wise reader with one piece per 64 bytes.
+  // The same from the piece-wise reader with one piece per 64 bytes, and
+  // reading around the page cache.
   ExpectError(Load(64), "1_0.safetensors: tensor 'w' bytes [4096, 4160) fail their checksum");
+  ExpectError(Load(64, DirectIo::kAlways),
+              "1_0.safetensors: tensor 'w' bytes [4096, 4160) fail their checksum");
+}
+
+TEST(File, DirectReadsMatchBufferedAndReportTruncation) {
+  testing::TempDir tmp;
+  const std::string path = tmp.Sub("f.bin");
+  std::string data(3 * kDirectAlign + 100, '\0');
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(i * 7 + 3);
+  Spit(path, data);
+  auto f = OpenFile(path);
+  ASSERT_TRUE(f.ok());
+  void* mem = nullptr;
+  ASSERT_EQ(::posix_memalign(&mem, kDirectAlign, 4 * kDirectAlign), 0);
+  std::unique_ptr<char, decltype(&std::free)> buf(static_cast<char*>(mem), &std::free);
+  // The last page ends inside the request: fewer bytes, no error.
+  auto got = (*f)->ReadDirect(0, 4 * kDirectAlign, buf.get());
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(*got, data.size());
+  EXPECT_EQ(std::string(buf.get(), data.size()), data);
+  got = (*f)->ReadDirect(kDirectAlign, kDirectAlign, buf.get());
+  ASSERT_TRUE(got.ok());
+  EXPECT_EQ(std::string(buf.get(), kDirectAlign), data.substr(kDirectAlign, kDirectAlign));
+  // Shorter than when it was opened: truncated, named.
+  ASSERT_EQ(::truncate(path.c_str(), kDirectAlign), 0);
+  got = (*f)->ReadDirect(kDirectAlign, kDirectAlign, buf.get());
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kOutOfRange) << got.status();
+  EXPECT_THAT(std::string(got.status().message()), HasSubstr("f.bin: truncated"));
+}
+
+TEST(File, CachedProbeAgreesWithMincore) {
+  testing::TempDir tmp;
+  const std::string path = tmp.Sub("f.bin");
+  Spit(path, std::string(8u << 20, 'x'));
+  auto f = OpenFile(path);
+  ASSERT_TRUE(f.ok());
+  const uint64_t n = (*f)->size();
+  // What the page cache holds of the pages Cached() probes, by mincore.
+  auto resident = [&] {
+    int fd = ::open(path.c_str(), O_RDONLY);
+    void* m = ::mmap(nullptr, n, PROT_READ, MAP_SHARED, fd, 0);
+    std::vector<unsigned char> vec((n + 4095) / 4096);
+    ::mincore(m, n, vec.data());
+    ::munmap(m, n);
+    ::close(fd);
+    return (vec.front() & 1) && (vec[vec.size() / 2] & 1) && (vec.back() & 1);
+  };
+  std::string all(n, '\0');
+  ASSERT_TRUE((*f)->Read(0, n, all.data()).ok());
+  EXPECT_TRUE((*f)->Cached(0, n));
+  int fd = ::open(path.c_str(), O_RDONLY);
+  ::fdatasync(fd);
+  ::posix_fadvise(fd, 0, 0, POSIX_FADV_DONTNEED);
+  ::close(fd);
+  EXPECT_EQ((*f)->Cached(0, n), resident());
 }
 
 TEST_F(BadInput, FailedShardLeavesNoMetadata) {
