@@ -219,6 +219,22 @@ class NumpyClientTest(unittest.TestCase):
         ckptd.load_state_dict(sd, self.tp2, socket=self.sock)
         np.testing.assert_array_equal(sd["model.norm.weight"], self.full("model.norm.weight"))
 
+    def test_staging_falls_back_when_the_daemon_lends_no_more(self):
+        cfg = os.path.join(self.root, "arena-limit.yaml")
+        with open(cfg, "w") as f:
+            f.write(f"roots: [{self.root}]\narena_limit: 2MiB\n")
+        with testlib.Daemon(self.root, "--config", cfg) as d:
+            hold = ckptd.SharedArena(2 << 20, daemon=d.socket)  # all the daemon lends
+            with self.assertRaises(ckptd.CkptdError) as cm:
+                ckptd.SharedArena(1, daemon=d.socket)
+            self.assertEqual(cm.exception.code, "RESOURCE_EXHAUSTED")
+            self.assertIn("limit", cm.exception.message)
+            # A plain array then stages through a memfd of this process.
+            sd = {"model.norm.weight": np.zeros(64, np.float32)}
+            ckptd.load_state_dict(sd, self.tp2, socket=d.socket)
+            np.testing.assert_array_equal(sd["model.norm.weight"], self.full("model.norm.weight"))
+            hold.close()
+
     def test_stream_transport(self):
         sd = {"model.layers.0.mlp.down_proj.weight": np.zeros((64, 128), np.float32),
               "lm_head.weight": np.zeros((256, 64), np.float32)}
