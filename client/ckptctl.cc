@@ -363,6 +363,9 @@ void PrintStatus(const ckptd::v1::StatusResponse& s) {
                     "%)"),
        absl::StrCat(s.cache_entries(), " cached ranges, metadata of ", s.metadata_cache_entries(),
                     " checkpoints")},
+      {"arenas", absl::StrCat("lent ", HumanBytes(s.arena_leased_bytes())),
+       absl::StrCat("free ", HumanBytes(s.arena_free_bytes())),
+       absl::StrCat(s.arena_reused(), " leases from the free ones")},
       {"cache", absl::StrCat("hits ", s.cache_hits(), ", misses ", s.cache_misses()),
        absl::StrCat("evictions ", s.cache_evictions()),
        lookups > 0 ? absl::StrCat("hit rate ", static_cast<int>(100 * s.cache_hits() / lookups), "%")
@@ -456,6 +459,9 @@ absl::Status Status() {
                                 {"bytes_delivered_total", s.bytes_delivered_total()},
                                 {"metadata_cache_entries", s.metadata_cache_entries()},
                                 {"resident_bytes", s.resident_bytes()},
+                                {"arenas", {{"leased_bytes", s.arena_leased_bytes()},
+                                            {"free_bytes", s.arena_free_bytes()},
+                                            {"reused", s.arena_reused()}}},
                                 {"peer_address", s.peer_address()},
                                 {"peers", [&] {
                                    nlohmann::json ps = nlohmann::json::array();

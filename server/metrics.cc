@@ -221,6 +221,13 @@ class StatusCollector final : public prometheus::Collectable {
                       s.bytes_delivered_total()));
     out.push_back(One("ckptd_cache_bytes", "Checkpoint bytes held in the data cache", G,
                       s.cache_bytes()));
+    out.push_back(One("ckptd_arena_leased_bytes", "Bytes of shared-memory arenas lent to clients",
+                      G, s.arena_leased_bytes()));
+    out.push_back(One("ckptd_arena_free_bytes",
+                      "Bytes of arenas kept mapped for the next clients (arena_pool)", G,
+                      s.arena_free_bytes()));
+    out.push_back(One("ckptd_arena_reused_total", "Arena leases served from the free arenas", C,
+                      s.arena_reused()));
     out.push_back(One("ckptd_cache_budget_bytes", "Data cache budget (cache_budget)", G,
                       s.cache_budget_bytes()));
     out.push_back(One("ckptd_cache_entries", "Byte ranges held in the data cache", G,
