@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstring>
 #include <thread>
+#include <tuple>
 
 #include "absl/strings/str_cat.h"
 #include "core/safetensors.h"
@@ -27,6 +28,69 @@ absl::Status CopyCountError(const RankPlan& rp, const CopyOp& op, int64_t n) {
                                           rp.targets[op.target].name, "': copied ", n,
                                           " elements, planned ", op.elements));
 }
+
+// Reads one direct piece on a helper thread while the worker hashes and
+// copies the previous one: O_DIRECT reads wait on the device, not the CPU,
+// so this keeps one more request in flight per worker.
+class ReadAhead {
+ public:
+  ReadAhead() = default;
+  ReadAhead(const ReadAhead&) = delete;
+  ReadAhead& operator=(const ReadAhead&) = delete;
+  ~ReadAhead() {
+    {
+      absl::MutexLock lock(&mu_);
+      stop_ = true;
+    }
+    if (thread_.joinable()) thread_.join();
+  }
+  // Starts ReadDirect(at, len, dst) of `file`; one at a time.
+  void Submit(const RandomAccessFile* file, uint64_t at, uint64_t len, uint8_t* dst) {
+    absl::MutexLock lock(&mu_);
+    if (!thread_.joinable()) thread_ = std::thread([this] { Loop(); });
+    job_ = Job{file, at, len, dst};
+    queued_ = true;
+    done_ = false;
+  }
+  // The result of the last Submit, once it is in.
+  absl::StatusOr<uint64_t> Wait() {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(&done_));
+    return result_;
+  }
+
+ private:
+  struct Job {
+    const RandomAccessFile* file = nullptr;
+    uint64_t at = 0, len = 0;
+    uint8_t* dst = nullptr;
+  };
+  void Loop() {
+    while (true) {
+      Job job;
+      {
+        absl::MutexLock lock(&mu_);
+        mu_.Await(absl::Condition(
+            +[](ReadAhead* r) { return r->queued_ || r->stop_; }, this));
+        if (stop_) return;
+        job = job_;
+        queued_ = false;
+      }
+      absl::StatusOr<uint64_t> got = job.file->ReadDirect(job.at, job.len, job.dst);
+      absl::MutexLock lock(&mu_);
+      result_ = std::move(got);
+      done_ = true;
+    }
+  }
+
+  absl::Mutex mu_;
+  std::thread thread_;
+  Job job_ ABSL_GUARDED_BY(mu_);
+  bool queued_ ABSL_GUARDED_BY(mu_) = false;
+  bool done_ ABSL_GUARDED_BY(mu_) = false;
+  bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  absl::StatusOr<uint64_t> result_ ABSL_GUARDED_BY(mu_) = uint64_t{0};
+};
 
 // Writes the copies of one read into host destinations run by run: the
 // copies are expanded into runs (segments of the file) once, then fed the
@@ -75,9 +139,14 @@ class RunWriter {
   absl::Status Hash(const uint8_t* data, uint64_t pos, uint64_t n);
 
   uint8_t* Scratch(bool direct);
+  // ReadPieces with direct reads: two aligned buffers, the next piece read
+  // ahead while the current one is hashed and copied.
+  absl::Status ReadDirectPieces(const RandomAccessFile& file, bool verify, bool stream,
+                                uint8_t* keep, double* read_s, double* copy_s);
 
   const uint64_t piece_;
-  std::vector<uint8_t> scratch_;   // piece_ bytes, or the direct piece + alignment
+  std::vector<uint8_t> scratch_;   // piece_ bytes, or two direct pieces + alignment
+  ReadAhead ahead_;
   XXH3_state_t* state_;
   const LoadPlan* plan_ = nullptr;
   const ReadRange* read_ = nullptr;
@@ -199,17 +268,63 @@ uint64_t DirectPiece(uint64_t piece) {
 }
 
 uint8_t* RunWriter::Scratch(bool direct) {
-  const uint64_t need = direct ? DirectPiece(piece_) + kDirectAlign : piece_;
+  const uint64_t need = direct ? 2 * DirectPiece(piece_) + kDirectAlign : piece_;
   if (scratch_.size() < need) scratch_.resize(need);
   if (!direct) return scratch_.data();
   const uintptr_t p = reinterpret_cast<uintptr_t>(scratch_.data());
   return reinterpret_cast<uint8_t*>((p + kDirectAlign - 1) / kDirectAlign * kDirectAlign);
 }
 
+absl::Status RunWriter::ReadDirectPieces(const RandomAccessFile& file, bool verify, bool stream,
+                                         uint8_t* keep, double* read_s, double* copy_s) {
+  const ReadRange& rr = *read_;
+  const uint64_t end = rr.offset + rr.length;
+  const uint64_t piece = DirectPiece(piece_);
+  uint8_t* bufs[2] = {Scratch(true), nullptr};
+  bufs[1] = bufs[0] + piece;
+  // The aligned file range that holds the read's bytes from `start` on.
+  auto range = [&](uint64_t start) {
+    const uint64_t at = start / kDirectAlign * kDirectAlign;
+    return std::make_pair(
+        at, std::min(piece, (end - at + kDirectAlign - 1) / kDirectAlign * kDirectAlign));
+  };
+  auto [at, len] = range(rr.offset);
+  ahead_.Submit(&file, at, len, bufs[0]);
+  bool in_flight = true;
+  absl::Status status;
+  for (uint64_t start = rr.offset, k = 0; start < end; ++k) {
+    const auto t0 = Clock::now();
+    absl::StatusOr<uint64_t> got = ahead_.Wait();
+    in_flight = false;
+    if (!got.ok()) return got.status();
+    const uint64_t stop = std::min(end, at + len);
+    if (at + *got < stop) {
+      return absl::OutOfRangeError(absl::StrCat(file.path(), ": truncated: need bytes [", start,
+                                                ", ", stop, ") but the file ends at ", at + *got));
+    }
+    const uint8_t* data = bufs[k % 2] + (start - at);
+    if (stop < end) {  // read the next piece meanwhile
+      std::tie(at, len) = range(stop);
+      ahead_.Submit(&file, at, len, bufs[(k + 1) % 2]);
+      in_flight = true;
+    }
+    if (keep != nullptr) std::memcpy(keep + (start - rr.offset), data, stop - start);
+    if (verify) status = Hash(data, start, stop - start);
+    if (!status.ok()) break;
+    const auto t1 = Clock::now();
+    Write(data, start, stop, stream);
+    *read_s += std::chrono::duration<double>(t1 - t0).count();
+    *copy_s += std::chrono::duration<double>(Clock::now() - t1).count();
+    start = stop;
+  }
+  if (in_flight) ahead_.Wait().IgnoreError();  // its buffer must not be written later
+  return status;
+}
+
 absl::Status RunWriter::ReadPieces(const RandomAccessFile& file, bool verify, bool stream,
                                    bool direct, LoadStats& stats, uint8_t* keep) {
   const ReadRange& rr = *read_;
-  uint8_t* scratch = keep == nullptr || direct ? Scratch(direct) : nullptr;
+  uint8_t* scratch = keep == nullptr && !direct ? Scratch(false) : nullptr;
   checks_.clear();
   if (verify) {
     for (uint32_t k = 0; k < rr.checks.size(); ++k) checks_.push_back(k);
@@ -221,32 +336,18 @@ absl::Status RunWriter::ReadPieces(const RandomAccessFile& file, bool verify, bo
   hashing_ = false;
   const uint64_t end = rr.offset + rr.length;
   double read_s = 0, copy_s = 0;
-  for (uint64_t start = rr.offset; start < end;) {
-    uint64_t stop;
-    uint8_t* piece;
+  if (direct) {
+    // Aligned file ranges into aligned buffers; bytes outside the read are
+    // ignored. Piece ends are 4 KiB file offsets (see the cast rule below).
+    CKPT_RETURN_IF_ERROR(ReadDirectPieces(file, verify, stream, keep, &read_s, &copy_s));
+  }
+  for (uint64_t start = direct ? end : rr.offset; start < end;) {
     const auto t0 = Clock::now();
-    if (direct) {
-      // Aligned file ranges into the aligned scratch; the bytes outside the
-      // read are ignored.
-      const uint64_t at = start / kDirectAlign * kDirectAlign;
-      const uint64_t len = std::min(DirectPiece(piece_),
-                                    (end - at + kDirectAlign - 1) / kDirectAlign * kDirectAlign);
-      CKPT_ASSIGN_OR_RETURN(uint64_t got, file.ReadDirect(at, len, scratch));
-      stop = std::min(end, at + len);
-      if (at + got < stop) {
-        return absl::OutOfRangeError(absl::StrCat(file.path(), ": truncated: need bytes [", start,
-                                                  ", ", stop, ") but the file ends at ",
-                                                  at + got));
-      }
-      piece = scratch + (start - at);
-      if (keep != nullptr) std::memcpy(keep + (start - rr.offset), piece, stop - start);
-    } else {
-      // A piece ends on a 64-byte file offset (or the read's end).
-      stop = std::min(end, (start + piece_) & ~uint64_t{63});
-      if (stop <= start) stop = std::min(end, start + piece_);
-      piece = keep != nullptr ? keep + (start - rr.offset) : scratch;
-      CKPT_RETURN_IF_ERROR(file.Read(start, stop - start, piece));
-    }
+    // A piece ends on a 64-byte file offset (or the read's end).
+    uint64_t stop = std::min(end, (start + piece_) & ~uint64_t{63});
+    if (stop <= start) stop = std::min(end, start + piece_);
+    uint8_t* piece = keep != nullptr ? keep + (start - rr.offset) : scratch;
+    CKPT_RETURN_IF_ERROR(file.Read(start, stop - start, piece));
     if (verify) CKPT_RETURN_IF_ERROR(Hash(piece, start, stop - start));
     const auto t1 = Clock::now();
     Write(piece, start, stop, stream);
