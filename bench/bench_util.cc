@@ -14,6 +14,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <fstream>
 #include <iterator>
 #include <sstream>
@@ -131,17 +132,37 @@ double MemcpyLimitGBps(uint64_t bytes, int threads, int reps) {
   return MemcpyProbe(bytes).GBps(threads, reps);
 }
 
-double PreadPlanGBps(const std::string& dir, const LoadPlan& plan, uint8_t* dst, int threads,
-                     uint64_t dst_size) {
+namespace {
+
+// The plan's files opened with `flags` (exits on failure).
+std::vector<int> OpenPlanFiles(const std::string& dir, const LoadPlan& plan, int flags) {
   std::vector<int> fds;
   for (const std::string& f : plan.files) {
-    int fd = ::open(JoinPath(dir, f).c_str(), O_RDONLY | O_CLOEXEC);
+    int fd = ::open(JoinPath(dir, f).c_str(), O_RDONLY | O_CLOEXEC | flags);
     if (fd < 0) {
       std::fprintf(stderr, "bench: open %s: %s\n", f.c_str(), std::strerror(errno));
       std::exit(1);
     }
     fds.push_back(fd);
   }
+  return fds;
+}
+
+// Runs `worker` on `threads` threads (this one included); wall seconds.
+double TimeOnThreads(int threads, const std::function<void()>& worker) {
+  auto t0 = Clock::now();
+  std::vector<std::thread> ts;
+  for (int t = 1; t < threads; ++t) ts.emplace_back(worker);
+  worker();
+  for (auto& t : ts) t.join();
+  return SecondsSince(t0);
+}
+
+}  // namespace
+
+double PreadPlanGBps(const std::string& dir, const LoadPlan& plan, uint8_t* dst, int threads,
+                     uint64_t dst_size) {
+  std::vector<int> fds = OpenPlanFiles(dir, plan, 0);
   std::vector<uint64_t> at(plan.reads.size());
   uint64_t pos = 0;
   uint64_t wrap = 0;
@@ -170,12 +191,7 @@ double PreadPlanGBps(const std::string& dir, const LoadPlan& plan, uint8_t* dst,
       }
     }
   };
-  auto t0 = Clock::now();
-  std::vector<std::thread> ts;
-  for (int t = 1; t < threads; ++t) ts.emplace_back(worker);
-  worker();
-  for (auto& t : ts) t.join();
-  const double s = SecondsSince(t0);
+  const double s = TimeOnThreads(threads, worker);
   for (int fd : fds) ::close(fd);
   return GB(pos) / s;
 }
@@ -183,15 +199,7 @@ double PreadPlanGBps(const std::string& dir, const LoadPlan& plan, uint8_t* dst,
 double DirectPreadPlanGBps(const std::string& dir, const LoadPlan& plan, uint8_t* dst,
                            int threads) {
   constexpr uint64_t kAlign = 4096, kRequest = 4u << 20;
-  std::vector<int> fds;
-  for (const std::string& f : plan.files) {
-    int fd = ::open(JoinPath(dir, f).c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT);
-    if (fd < 0) {
-      std::fprintf(stderr, "bench: open %s (O_DIRECT): %s\n", f.c_str(), std::strerror(errno));
-      std::exit(1);
-    }
-    fds.push_back(fd);
-  }
+  std::vector<int> fds = OpenPlanFiles(dir, plan, O_DIRECT);
   std::vector<uint64_t> at(plan.reads.size());
   uint64_t pos = 0;
   for (size_t i = 0; i < plan.reads.size(); ++i) {
@@ -221,12 +229,7 @@ double DirectPreadPlanGBps(const std::string& dir, const LoadPlan& plan, uint8_t
       }
     }
   };
-  auto t0 = Clock::now();
-  std::vector<std::thread> ts;
-  for (int t = 1; t < threads; ++t) ts.emplace_back(worker);
-  worker();
-  for (auto& t : ts) t.join();
-  const double s = SecondsSince(t0);
+  const double s = TimeOnThreads(threads, worker);
   for (int fd : fds) ::close(fd);
   return GB(plan.bytes_to_read) / s;
 }
