@@ -189,6 +189,18 @@ FdReceiver::~FdReceiver() {
 void FdReceiver::Stop() {
   if (stop_.exchange(true)) return;
   if (thread_.joinable()) thread_.join();
+  // Grants still being made finish first; what they lent goes back.
+  std::vector<std::pair<int, std::string>> late;
+  {
+    absl::MutexLock lock(&mu_);
+    mu_.Await(absl::Condition(
+        +[](int* n) { return *n == 0; }, &granting_));
+    late.swap(new_leases_);
+  }
+  for (const auto& [fd, token] : late) {
+    if (arenas_ != nullptr) arenas_->Release(token);
+    ::close(fd);
+  }
   ::close(listen_fd_);
   ::unlink(path_.c_str());
 }
@@ -213,6 +225,11 @@ void FdReceiver::ExpireLocked() {
 void FdReceiver::Run() {
   std::vector<pollfd> polls;
   while (!stop_.load()) {
+    {
+      absl::MutexLock lock(&mu_);
+      for (auto& [fd, token] : new_leases_) leases_[fd] = std::move(token);
+      new_leases_.clear();
+    }
     polls.assign(1, pollfd{listen_fd_, POLLIN, 0});
     for (const auto& [fd, token] : leases_) polls.push_back(pollfd{fd, POLLIN, 0});
     int r = ::poll(polls.data(), polls.size(), 200);
@@ -262,19 +279,18 @@ bool FdReceiver::Serve(int c) {
       SendMessage(c, "ERR expected ALLOC <bytes>", -1);
       return false;
     }
-    absl::StatusOr<ArenaLease> lease = arenas_->Allocate(size, cred.uid);
-    if (!lease.ok()) {
-      SendMessage(c, absl::StrCat("ERR ", lease.status().message()), -1);
-      return false;
+    // Making an arena faults in its memory (seconds for many GiB): on its
+    // own thread, so other clients of this socket are not held up.
+    {
+      absl::MutexLock lock(&mu_);
+      if (granting_ >= kMaxGranting) {
+        SendMessage(c, "ERR too many arena requests at once; retry", -1);
+        return false;
+      }
+      ++granting_;
     }
-    const bool sent = SendMessage(c, absl::StrCat("OK ", lease->token, " ", lease->size), lease->fd);
-    ::close(lease->fd);
-    if (!sent) {
-      arenas_->Release(lease->token);
-      return false;
-    }
-    leases_[c] = lease->token;
-    return true;
+    std::thread([this, c, size, uid = cred.uid] { Grant(c, size, uid); }).detach();
+    return true;  // the socket is Grant's now
   }
   const char* text = "OK";
   if (n != static_cast<ssize_t>(kTokenLen) || fd < 0) {
@@ -295,6 +311,30 @@ bool FdReceiver::Serve(int c) {
   }
   SendMessage(c, text, -1);
   return false;
+}
+
+void FdReceiver::Grant(int c, uint64_t size, uid_t uid) {
+  absl::StatusOr<ArenaLease> lease = arenas_->Allocate(size, uid);
+  bool kept = false;
+  if (!lease.ok()) {
+    SendMessage(c, absl::StrCat("ERR ", lease.status().message()), -1);
+  } else {
+    const bool sent =
+        SendMessage(c, absl::StrCat("OK ", lease->token, " ", lease->size), lease->fd);
+    ::close(lease->fd);
+    if (sent) {
+      kept = true;
+    } else {
+      arenas_->Release(lease->token);
+    }
+  }
+  absl::MutexLock lock(&mu_);
+  if (kept) {
+    new_leases_.emplace_back(c, lease->token);  // Run polls it from its next round
+  } else {
+    ::close(c);
+  }
+  --granting_;
 }
 
 absl::StatusOr<int> FdReceiver::Take(const std::string& token) {

@@ -24,6 +24,8 @@
 #include <map>
 #include <string>
 #include <thread>
+#include <utility>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
@@ -86,8 +88,11 @@ class FdReceiver {
   FdReceiver(std::string path, int listen_fd, absl::Duration ttl, ArenaHandler* arenas)
       : path_(std::move(path)), listen_fd_(listen_fd), ttl_(ttl), arenas_(arenas) {}
   void Run();
-  // Handles one new connection; true if it became a lease (kept open).
+  // Handles one new connection; true if something else owns it now.
   bool Serve(int c);
+  // Lends an arena to the client on `c` (its own thread; see Serve).
+  void Grant(int c, uint64_t size, uid_t uid);
+  static constexpr int kMaxGranting = 64;
   void ExpireLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string path_;
@@ -103,6 +108,9 @@ class FdReceiver {
     absl::Time expires;
   };
   std::map<std::string, Held> fds_ ABSL_GUARDED_BY(mu_);
+  int granting_ ABSL_GUARDED_BY(mu_) = 0;  // Grant threads running
+  // Leases granted since Run last looked (socket, token).
+  std::vector<std::pair<int, std::string>> new_leases_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace ckptd
