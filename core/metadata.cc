@@ -36,6 +36,77 @@ absl::StatusOr<uint64_t> ReadU64(const std::string& path, const json& obj, const
   return it->get<uint64_t>();
 }
 
+// One entry of "tensors" (its DOM is freed as soon as it is converted).
+absl::StatusOr<TensorMeta> ParseTensor(const std::string& path, const std::string& name,
+                                       const json& t) {
+  const std::string where = absl::StrCat("tensor '", name, "'");
+  if (!t.is_object()) return Bad(path, absl::StrCat(where, " is not an object"));
+  TensorMeta tm;
+  auto dt = t.find("dtype");
+  if (dt == t.end() || !dt->is_string()) return Bad(path, absl::StrCat(where, ": no dtype"));
+  auto dtype = ParseDType(dt->get<std::string>());
+  if (!dtype.ok()) return Bad(path, absl::StrCat(where, ": ", dtype.status().message()));
+  tm.dtype = *dtype;
+  auto gs = t.find("global_shape");
+  if (gs == t.end()) return Bad(path, absl::StrCat(where, ": no global_shape"));
+  CKPT_ASSIGN_OR_RETURN(tm.global_shape, ReadShape(path, *gs, where + " global_shape"));
+  auto shards = t.find("shards");
+  if (shards == t.end() || !shards->is_array()) {
+    return Bad(path, absl::StrCat(where, ": no shards array"));
+  }
+  for (size_t i = 0; i < shards->size(); ++i) {
+    const json& s = (*shards)[i];
+    const std::string sw = absl::StrCat(where, " shard ", i);
+    if (!s.is_object()) return Bad(path, absl::StrCat(sw, " is not an object"));
+    ShardMeta sm;
+    auto file = s.find("file");
+    if (file == s.end() || !file->is_string()) return Bad(path, absl::StrCat(sw, ": no file"));
+    sm.file = file->get<std::string>();
+    auto off = s.find("offset");
+    auto shp = s.find("shape");
+    if (off == s.end() || shp == s.end()) {
+      return Bad(path, absl::StrCat(sw, ": needs offset and shape"));
+    }
+    CKPT_ASSIGN_OR_RETURN(sm.box.offset, ReadShape(path, *off, sw + " offset"));
+    CKPT_ASSIGN_OR_RETURN(sm.box.shape, ReadShape(path, *shp, sw + " shape"));
+    sm.dtype = tm.dtype;
+    if (auto sd = s.find("dtype"); sd != s.end()) {
+      if (!sd->is_string()) return Bad(path, absl::StrCat(sw, ": dtype is not a string"));
+      auto d = ParseDType(sd->get<std::string>());
+      if (!d.ok()) return Bad(path, absl::StrCat(sw, ": ", d.status().message()));
+      sm.dtype = *d;
+    }
+    if (auto fr = s.find("flat_range"); fr != s.end() && !fr->is_null()) {
+      if (!fr->is_array() || fr->size() != 2 || !(*fr)[0].is_number_integer() ||
+          !(*fr)[1].is_number_integer()) {
+        return Bad(path, absl::StrCat(sw, ": flat_range is not [begin, end]"));
+      }
+      sm.flat_range = FlatRange{(*fr)[0].get<int64_t>(), (*fr)[1].get<int64_t>()};
+    }
+    if (auto rid = s.find("replica_id"); rid != s.end()) {
+      if (!rid->is_number_integer()) return Bad(path, absl::StrCat(sw, ": bad replica_id"));
+      sm.replica_id = rid->get<int>();
+    }
+    CKPT_ASSIGN_OR_RETURN(sm.data_offset, ReadU64(path, s, "data_offset", sw));
+    CKPT_ASSIGN_OR_RETURN(sm.nbytes, ReadU64(path, s, "nbytes", sw));
+    if (auto x = s.find("xxh3"); x != s.end()) {
+      if (!x->is_array()) return Bad(path, absl::StrCat(sw, ": xxh3 is not an array"));
+      for (const json& h : *x) {
+        const std::string hex = h.is_string() ? h.get<std::string>() : "";
+        char* endp = nullptr;
+        unsigned long long v = std::strtoull(hex.c_str(), &endp, 16);
+        if (hex.empty() || hex.size() > 16 || *endp != '\0') {
+          return Bad(path, absl::StrCat(sw, ": xxh3 entry '", hex,
+                                        "' is not 1-16 hex digits"));
+        }
+        sm.xxh3.push_back(v);
+      }
+    }
+    tm.shards.push_back(std::move(sm));
+  }
+  return tm;
+}
+
 }  // namespace
 
 int64_t ShardMeta::num_elements() const {
@@ -64,9 +135,49 @@ bool IsPlainFileName(const std::string& name) {
 
 absl::StatusOr<CheckpointMetadata> ParseMetadataJson(const std::string& path,
                                                      const std::string& text) {
+  // Each entry of "tensors" is converted as soon as it is parsed and then
+  // dropped from the DOM: a checkpoint with 10^4-10^5 shards never holds the
+  // whole document as JSON objects (building and freeing that DOM was most
+  // of OpenCheckpoint's time).
+  CheckpointMetadata m;
+  absl::Status tensor_error;
+  std::string top_key, tensor_name;
+  bool in_tensors = false;  // inside the "tensors" object
+  auto on_event = [&](int depth, json::parse_event_t event, json& parsed) -> bool {
+    switch (event) {
+      case json::parse_event_t::key:
+        if (depth == 1) {
+          top_key = parsed.get<std::string>();
+          in_tensors = false;
+        } else if (depth == 2 && in_tensors) {
+          tensor_name = parsed.get<std::string>();
+        }
+        return true;
+      case json::parse_event_t::object_start:
+        if (depth == 1 && top_key == "tensors") in_tensors = true;
+        return true;
+      case json::parse_event_t::object_end:
+      case json::parse_event_t::array_end:
+      case json::parse_event_t::value:
+        if (depth == 2 && in_tensors) {
+          if (tensor_error.ok()) {
+            absl::StatusOr<TensorMeta> tm = ParseTensor(path, tensor_name, parsed);
+            if (tm.ok()) {
+              m.tensors.insert_or_assign(tensor_name, std::move(*tm));
+            } else {
+              tensor_error = tm.status();
+            }
+          }
+          return false;
+        }
+        return true;
+      default:
+        return true;
+    }
+  };
   json j;
   try {
-    j = json::parse(text);
+    j = json::parse(text, on_event);
   } catch (const json::parse_error& e) {
     return Bad(path, absl::StrCat("not valid JSON: ", e.what()));
   }
@@ -82,7 +193,6 @@ absl::StatusOr<CheckpointMetadata> ParseMetadataJson(const std::string& path,
         absl::StrCat(path, ": metadata format version ", ver->get<int64_t>(),
                      " is newer than this ckptd supports (", kMetadataFormatVersion, ")"));
   }
-  CheckpointMetadata m;
   if (auto cb = j.find("checksum_block"); cb != j.end()) {
     if (!cb->is_number_unsigned() || cb->get<uint64_t>() == 0) {
       return Bad(path, "'checksum_block' must be a positive integer");
@@ -93,75 +203,7 @@ absl::StatusOr<CheckpointMetadata> ParseMetadataJson(const std::string& path,
   if (uid != j.end() && uid->is_number_integer()) m.unique_id = uid->get<int64_t>();
   auto tensors = j.find("tensors");
   if (tensors == j.end() || !tensors->is_object()) return Bad(path, "'tensors' missing");
-  for (auto it = tensors->begin(); it != tensors->end(); ++it) {
-    const std::string where = absl::StrCat("tensor '", it.key(), "'");
-    const json& t = it.value();
-    if (!t.is_object()) return Bad(path, absl::StrCat(where, " is not an object"));
-    TensorMeta tm;
-    auto dt = t.find("dtype");
-    if (dt == t.end() || !dt->is_string()) return Bad(path, absl::StrCat(where, ": no dtype"));
-    auto dtype = ParseDType(dt->get<std::string>());
-    if (!dtype.ok()) return Bad(path, absl::StrCat(where, ": ", dtype.status().message()));
-    tm.dtype = *dtype;
-    auto gs = t.find("global_shape");
-    if (gs == t.end()) return Bad(path, absl::StrCat(where, ": no global_shape"));
-    CKPT_ASSIGN_OR_RETURN(tm.global_shape, ReadShape(path, *gs, where + " global_shape"));
-    auto shards = t.find("shards");
-    if (shards == t.end() || !shards->is_array()) {
-      return Bad(path, absl::StrCat(where, ": no shards array"));
-    }
-    for (size_t i = 0; i < shards->size(); ++i) {
-      const json& s = (*shards)[i];
-      const std::string sw = absl::StrCat(where, " shard ", i);
-      if (!s.is_object()) return Bad(path, absl::StrCat(sw, " is not an object"));
-      ShardMeta sm;
-      auto file = s.find("file");
-      if (file == s.end() || !file->is_string()) return Bad(path, absl::StrCat(sw, ": no file"));
-      sm.file = file->get<std::string>();
-      auto off = s.find("offset");
-      auto shp = s.find("shape");
-      if (off == s.end() || shp == s.end()) {
-        return Bad(path, absl::StrCat(sw, ": needs offset and shape"));
-      }
-      CKPT_ASSIGN_OR_RETURN(sm.box.offset, ReadShape(path, *off, sw + " offset"));
-      CKPT_ASSIGN_OR_RETURN(sm.box.shape, ReadShape(path, *shp, sw + " shape"));
-      sm.dtype = tm.dtype;
-      if (auto sd = s.find("dtype"); sd != s.end()) {
-        if (!sd->is_string()) return Bad(path, absl::StrCat(sw, ": dtype is not a string"));
-        auto d = ParseDType(sd->get<std::string>());
-        if (!d.ok()) return Bad(path, absl::StrCat(sw, ": ", d.status().message()));
-        sm.dtype = *d;
-      }
-      if (auto fr = s.find("flat_range"); fr != s.end() && !fr->is_null()) {
-        if (!fr->is_array() || fr->size() != 2 || !(*fr)[0].is_number_integer() ||
-            !(*fr)[1].is_number_integer()) {
-          return Bad(path, absl::StrCat(sw, ": flat_range is not [begin, end]"));
-        }
-        sm.flat_range = FlatRange{(*fr)[0].get<int64_t>(), (*fr)[1].get<int64_t>()};
-      }
-      if (auto rid = s.find("replica_id"); rid != s.end()) {
-        if (!rid->is_number_integer()) return Bad(path, absl::StrCat(sw, ": bad replica_id"));
-        sm.replica_id = rid->get<int>();
-      }
-      CKPT_ASSIGN_OR_RETURN(sm.data_offset, ReadU64(path, s, "data_offset", sw));
-      CKPT_ASSIGN_OR_RETURN(sm.nbytes, ReadU64(path, s, "nbytes", sw));
-      if (auto x = s.find("xxh3"); x != s.end()) {
-        if (!x->is_array()) return Bad(path, absl::StrCat(sw, ": xxh3 is not an array"));
-        for (const json& h : *x) {
-          const std::string hex = h.is_string() ? h.get<std::string>() : "";
-          char* endp = nullptr;
-          unsigned long long v = std::strtoull(hex.c_str(), &endp, 16);
-          if (hex.empty() || hex.size() > 16 || *endp != '\0') {
-            return Bad(path, absl::StrCat(sw, ": xxh3 entry '", hex,
-                                          "' is not 1-16 hex digits"));
-          }
-          sm.xxh3.push_back(v);
-        }
-      }
-      tm.shards.push_back(std::move(sm));
-    }
-    m.tensors.emplace(it.key(), std::move(tm));
-  }
+  CKPT_RETURN_IF_ERROR(tensor_error);
   if (auto fm = j.find("flat_mapping"); fm != j.end() && fm->is_object()) {
     for (auto it = fm->begin(); it != fm->end(); ++it) {
       if (!it.value().is_array()) continue;
