@@ -16,7 +16,7 @@ BUILD_PACKAGES=(
   bazel-bootstrap build-essential pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libyaml-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev
-  nlohmann-json3-dev libspdlog-dev libfmt-dev libxxhash-dev liburing-dev
+  nlohmann-json3-dev libsimdjson-dev libspdlog-dev libfmt-dev libxxhash-dev liburing-dev
   prometheus-cpp-dev libsystemd-dev
   python3
 )
@@ -32,6 +32,7 @@ TEST_PACKAGES=(
 RUNTIME_PACKAGES=(
   libgrpc++1.51 libprotobuf32 libabsl20220623 libyaml-cpp0.7 libspdlog1.10 libfmt9
   libxxhash0 liburing2 libprometheus-cpp-pull1.0 libprometheus-cpp-core1.0 libsystemd0
+  libsimdjson14
 )
 
 mode=all

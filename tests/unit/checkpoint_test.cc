@@ -395,6 +395,17 @@ TEST_F(BadInput, CorruptHeaderJson) {
   EXPECT_THAT(std::string(s.message()), HasSubstr("x.safetensors: invalid safetensors file: header is not valid JSON"));
 }
 
+TEST_F(BadInput, DuplicateTensorInHeader) {
+  Spit(tmp_.Sub("d.safetensors"),
+       WithHeader(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
+                  R"("w":{"dtype":"F32","shape":[1],"data_offsets":[4,8]}})",
+                  std::string(8, 'x')));
+  absl::Status s = HeaderStatus(tmp_.Sub("d.safetensors"));
+  EXPECT_EQ(s.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("d.safetensors: invalid safetensors file: "
+                                                  "tensor 'w' appears twice"));
+}
+
 TEST_F(BadInput, LyingOffsets) {
   Spit(tmp_.Sub("a.safetensors"),
        WithHeader(R"({"w":{"dtype":"F32","shape":[2],"data_offsets":[0,80]}})", std::string(8, 'x')));

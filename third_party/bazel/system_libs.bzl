@@ -37,6 +37,7 @@ _PACKAGES = {
     "xxhash": ["libxxhash"],
     "uring": ["liburing"],
     "nlohmann_json": ["nlohmann_json"],
+    "simdjson": ["simdjson"],
     "prometheus_cpp": ["prometheus-cpp-pull", "prometheus-cpp-core"],
     "systemd": ["libsystemd"],
 }
