@@ -344,10 +344,25 @@ absl::Status ValidateMetadata(const CheckpointMetadata& m, const std::string& wh
                                      ShapeString(t.global_shape), " has ", numel,
                                      covered < numel ? " (incomplete coverage)" : " (overlap)"));
     }
-    // Sweep over axis 0 to find overlapping pieces without comparing all pairs.
+    // Sweep along one axis to find overlapping pieces without comparing all
+    // pairs: the axis the shards are cut along most (distinct offsets), so
+    // a tensor split by columns sweeps columns (axis 0 would keep every
+    // shard active at once: quadratic).
     if (!t.global_shape.empty() && pieces.size() > 1) {
-      std::sort(pieces.begin(), pieces.end(), [](const Piece& a, const Piece& b) {
-        return a.cover.offset[0] < b.cover.offset[0];
+      size_t axis = 0, best = 0;
+      std::vector<int64_t> offs(pieces.size());
+      for (size_t d = 0; d < t.global_shape.size(); ++d) {
+        for (size_t i = 0; i < pieces.size(); ++i) offs[i] = pieces[i].cover.offset[d];
+        std::sort(offs.begin(), offs.end());
+        const size_t distinct =
+            static_cast<size_t>(std::unique(offs.begin(), offs.end()) - offs.begin());
+        if (distinct > best) {
+          best = distinct;
+          axis = d;
+        }
+      }
+      std::sort(pieces.begin(), pieces.end(), [axis](const Piece& a, const Piece& b) {
+        return a.cover.offset[axis] < b.cover.offset[axis];
       });
       std::vector<size_t> active;
       for (size_t i = 0; i < pieces.size(); ++i) {
@@ -355,7 +370,7 @@ absl::Status ValidateMetadata(const CheckpointMetadata& m, const std::string& wh
         size_t keep = 0;
         for (size_t a : active) {
           const Piece& q = pieces[a];
-          if (q.cover.offset[0] + q.cover.shape[0] <= p.cover.offset[0]) continue;
+          if (q.cover.offset[axis] + q.cover.shape[axis] <= p.cover.offset[axis]) continue;
           active[keep++] = a;
           auto region = Intersect(p.cover, q.cover);
           if (region && CountRegion(p.layout, q.layout, *region) > 0) {

@@ -395,6 +395,45 @@ TEST_F(BadInput, CorruptHeaderJson) {
   EXPECT_THAT(std::string(s.message()), HasSubstr("x.safetensors: invalid safetensors file: header is not valid JSON"));
 }
 
+TEST(Metadata, OverlapFoundAlongTheAxisShardsAreCutOn) {
+  auto columns = [](int64_t rows, std::vector<std::pair<int64_t, int64_t>> cuts) {
+    TensorMeta t;
+    t.dtype = DType::kF32;
+    t.global_shape = {rows, 0};
+    uint64_t off = 0;
+    for (const auto& [col, n] : cuts) {
+      ShardMeta s;
+      s.file = "0_0.safetensors";
+      s.box = Box{{0, col}, {rows, n}};
+      s.dtype = DType::kF32;
+      s.data_offset = off;
+      s.nbytes = static_cast<uint64_t>(rows * n) * 4;
+      off += s.nbytes;
+      t.global_shape[1] = std::max(t.global_shape[1], col + n);
+      t.shards.push_back(s);
+    }
+    CheckpointMetadata m;
+    m.tensors["w"] = t;
+    return m;
+  };
+  // Columns [0, 4) and [3, 7) of 8: as many elements as the tensor has, so
+  // only the overlap check can tell.
+  auto bad = columns(4, {{0, 4}, {3, 4}});
+  bad.tensors["w"].global_shape = {4, 8};
+  absl::Status s = ValidateMetadata(bad, "m.metadata");
+  EXPECT_THAT(std::string(s.message()), HasSubstr("overlap")) << s;
+  // 4,096 column shards of one tensor (every shard shares axis-0's offset).
+  std::vector<std::pair<int64_t, int64_t>> cuts;
+  for (int64_t c = 0; c < 4096; ++c) cuts.push_back({c, 1});
+  EXPECT_TRUE(ValidateMetadata(columns(2, cuts), "m.metadata").ok());
+  // Column 100 missing, column 101 twice: the counts agree, the sweep
+  // finds the pair.
+  cuts[100] = {101, 1};
+  s = ValidateMetadata(columns(2, cuts), "m.metadata");
+  EXPECT_THAT(std::string(s.message()), HasSubstr("shards 100 (2,1)@(0,101) and 101 (2,1)@(0,101) overlap"))
+      << s;
+}
+
 TEST_F(BadInput, DuplicateTensorInHeader) {
   Spit(tmp_.Sub("d.safetensors"),
        WithHeader(R"({"w":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},)"
