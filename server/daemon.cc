@@ -752,8 +752,8 @@ void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
 }
 
 void Daemon::RunJob(const std::shared_ptr<Job>& job) {
-  // AOA statements (LoadRequest.aoa_config): the same text from every rank;
-  // multi-node plans do not carry AOA virtual shards to peers yet.
+  // AOA statements (LoadRequest.aoa_config): the same text from every rank
+  // (multi-node: the coordinator checks every node sends the same).
   std::string aoa;
   {
     const std::vector<std::shared_ptr<RankSlot>> aoa_slots = SlotsOf(*job);
@@ -766,10 +766,6 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
       }
     }
     aoa = aoa_slots.front()->request.aoa_config();
-    if (bad.ok() && !aoa.empty() && static_cast<int>(job->expected.size()) < job->world_size) {
-      bad = absl::UnimplementedError(absl::StrCat(
-          "job '", job->id, "': aoa_config is not supported for multi-node jobs yet"));
-    }
     if (!bad.ok()) {
       RecordLoadJob(LoadJobRecord{job->id, job->path, "", aoa_slots.size(), bad});
       return FailJob(*job, bad);

@@ -30,6 +30,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/aoa.h"
 #include "core/balancer.h"
 #include "core/executor.h"
 #include "core/status_macros.h"
@@ -54,6 +55,7 @@ struct Daemon::DistJob {
   std::string local_dir;  // where it resolves on this node
   std::optional<int64_t> unique_id;
   int world_size = 0;
+  std::string aoa;  // the job's AOA statements (compared across nodes)
   // Coordinator: gathering and planning.
   std::map<std::string, peer::v1::JoinRequest> joins;  // node -> its join
   std::set<int> ranks_joined;
@@ -198,6 +200,7 @@ absl::StatusOr<peer::v1::PlanPart> Daemon::PeerJoin(const peer::v1::JoinRequest&
   if (req.world_size() != dj->world_size) {
     mismatch = absl::StrCat("world_size ", req.world_size(), " vs ", dj->world_size);
   }
+  if (req.aoa_config() != dj->aoa) mismatch = "aoa_config (the AOA statements differ)";
   for (const auto& r : req.ranks()) {
     if (r.rank() < 0 || r.rank() >= dj->world_size || dj->ranks_joined.count(r.rank())) {
       mismatch = absl::StrCat("rank ", r.rank(), " is outside the world or already joined");
@@ -292,7 +295,9 @@ absl::StatusOr<peer::v1::PlanPart> Daemon::CoordinatePlan(const std::shared_ptr<
     }
     ckpt::PlanOptions po;
     po.max_read_bytes = config_.io_request_size;
-    CKPT_ASSIGN_OR_RETURN(ckpt::LoadPlan plan, ckpt::PlanLoad(opened->checkpoint.metadata, ranks, po));
+    CKPT_ASSIGN_OR_RETURN(ckpt::LoadPlan plan,
+                          ckpt::PlanLoadWithAoa(opened->checkpoint.metadata, dj->aoa, ranks, po,
+                                                "aoa_config"));
     std::vector<std::set<std::string>> readable(joins.size());
     for (size_t n = 0; n < joins.size(); ++n) {
       for (const auto& f : joins[n].readable()) readable[n].insert(f.name());
@@ -639,6 +644,7 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
   own.set_world_size(job->world_size);
   own.set_coordinator_rank(coord_rank);
   own.set_nccl(NcclWanted(*gpu_));
+  own.set_aoa_config(slots.front()->request.aoa_config());
   for (const auto& s : slots) {
     peer::v1::RankTargetsMsg* rm = own.add_ranks();
     rm->set_rank(s->targets.rank);
@@ -654,6 +660,7 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
   dj->local_dir = job->path;
   dj->unique_id = job->unique_id;
   dj->world_size = job->world_size;
+  dj->aoa = slots.front()->request.aoa_config();
   {
     absl::MutexLock lock(&peer_mu_);
     PurgeDistJobsLocked();

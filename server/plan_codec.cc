@@ -50,6 +50,7 @@ void ToMsg(const ckpt::RankPlan& r, peer::v1::RankPlanMsg* m) {
     cm->mutable_src()->set_flat_begin(c.src.flat_begin);
     cm->mutable_src()->set_flat_end(c.src.flat_end);
     cm->mutable_src()->set_dtype(std::string(ckpt::DTypeName(c.src.dtype)));
+    for (int a : c.src.perm) cm->mutable_src()->add_perm(a);
     cm->set_src_offset(c.src_offset);
     ToMsg(c.region, cm->mutable_region());
     cm->set_elements(c.elements);
@@ -73,6 +74,20 @@ absl::StatusOr<ckpt::RankPlan> FromMsg(const peer::v1::RankPlanMsg& m) {
     c.src.flat_begin = cm.src().flat_begin();
     c.src.flat_end = cm.src().flat_end();
     CKPT_ASSIGN_OR_RETURN(c.src.dtype, ckpt::ParseDType(cm.src().dtype()));
+    c.src.perm.assign(cm.src().perm().begin(), cm.src().perm().end());
+    if (!c.src.perm.empty()) {
+      // A permutation of the box's axes, or the copy could index anywhere.
+      std::vector<bool> seen(c.src.box.rank(), false);
+      bool ok = c.src.perm.size() == c.src.box.rank();
+      for (int a : c.src.perm) {
+        ok = ok && a >= 0 && static_cast<size_t>(a) < seen.size() && !seen[a];
+        if (ok) seen[a] = true;
+      }
+      if (!ok) {
+        return absl::DataLossError(absl::StrCat("plan part: copy of rank ", r.rank,
+                                                " has an invalid axis permutation"));
+      }
+    }
     c.src_offset = cm.src_offset();
     c.region = FromMsg(cm.region());
     c.elements = cm.elements();

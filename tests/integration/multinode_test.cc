@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <fstream>
 #include <random>
 
 #include "client/ckptd_client.h"
@@ -239,6 +240,60 @@ TEST_F(MultiNode, PeerKilledMidLoadThenRetrySucceeds) {
   EXPECT_THAT(RunJob("ckpt", lf, kWorld, "retry", tmp_.Sub("out-retry")), ::testing::Each(0))
       << Slurp(tmp_.Sub("retry.log"));
   ExpectSameAsOffline(tmp_.Sub("full"), load, tmp_.Sub("out-retry"));
+}
+
+// (d) AOA statements in a multi-node job: planned once by the coordinator
+// (each node receives copies from transposed virtual shards); nodes that
+// send different statements are refused, naming the difference.
+TEST_F(MultiNode, AoaTransposeAcrossNodes) {
+  const int kNodes = 4, kWorld = 8;
+  const std::vector<std::string> roots = NodeLocalCheckpoint(kNodes, kWorld, false);
+  StartNodes(roots);
+  const std::string aoa = tmp_.Sub("t.aoa");
+  std::ofstream(aoa) << "layers.0.w^T -> layers.0.wt\n";
+  Layout load;
+  load.world_size = kWorld;
+  for (int r = 0; r < kWorld; ++r) {
+    RankTargets rt{r, {}};
+    Box b = Split({512, 256}, 0, kWorld, r);  // rows of the transposed [512, 256]
+    rt.tensors.push_back(T("layers.0.wt", DType::kF32, {512, 256}, b.offset, b.shape));
+    Box e = Split({512, 256}, 1, kWorld, r);
+    rt.tensors.push_back(T("embed", DType::kBF16, {512, 256}, e.offset, e.shape));
+    load.ranks.push_back(rt);
+  }
+  const std::string lf = WriteLayout(load, "load-aoa.json");
+  auto run = [&](const std::string& job, const std::string& out,
+                 const std::vector<std::string>& aoa_of_rank) {
+    std::vector<pid_t> pids;
+    for (int r = 0; r < kWorld; ++r) {
+      pids.push_back(Spawn({Runfile("client/ckptctl"), "load", "ckpt", "--layout", lf, "--out",
+                            out, "--daemon", Sockets(), "--ranks", std::to_string(r), "--job-id",
+                            job, "--aoa", aoa_of_rank[r]},
+                           tmp_.Sub(job + ".log")));
+    }
+    std::vector<int> codes;
+    for (pid_t p : pids) codes.push_back(WaitExit(p, std::chrono::seconds(30)));
+    return codes;
+  };
+  EXPECT_THAT(run("aoa", tmp_.Sub("out-aoa"), std::vector<std::string>(kWorld, aoa)),
+              ::testing::Each(0))
+      << Slurp(tmp_.Sub("aoa.log")) << Slurp(nodes_[0]->log());
+  OfflineLoadOptions lo;
+  lo.aoa = "layers.0.w^T -> layers.0.wt\n";
+  auto res = LoadOffline(tmp_.Sub("full"), load, lo);
+  ASSERT_TRUE(res.ok()) << res.status();
+  ASSERT_TRUE(WriteRankOutputs(*res, tmp_.Sub("expected-aoa")).ok());
+  for (int r = 0; r < kWorld; ++r) {
+    const std::string f = "/rank" + std::to_string(r) + ".safetensors";
+    ASSERT_EQ(Slurp(tmp_.Sub("out-aoa") + f), Slurp(tmp_.Sub("expected-aoa") + f)) << "rank " << r;
+  }
+  // Node 0 (the coordinator's) sends other statements than nodes 1-3.
+  const std::string other = tmp_.Sub("u.aoa");
+  std::ofstream(other) << "layers.0.w^T -> layers.0.wt\nlayers.1.w -> layers.1.renamed\n";
+  std::vector<std::string> mixed(kWorld, other);
+  mixed[0] = mixed[1] = aoa;
+  EXPECT_THAT(run("aoa-mixed", tmp_.Sub("out-mixed"), mixed), ::testing::Each(::testing::Ne(0)));
+  EXPECT_THAT(Slurp(tmp_.Sub("aoa-mixed.log")), HasSubstr("aoa_config (the AOA statements differ)"));
 }
 
 }  // namespace
