@@ -15,7 +15,9 @@
 //    bytes), each piece hashed (streaming XXH3) and its runs copied or cast
 //    out while it is still in the CPU cache, with streaming stores for large
 //    loads: the kernel's copy plus one write of each destination byte,
-//    instead of three passes over a 64 MiB buffer.
+//    instead of three passes over a 64 MiB buffer. With direct I/O
+//    (ExecuteOptions::direct_io) pieces are 4 MiB, aligned, read around the
+//    page cache, the next one read ahead while the current one is used.
 //  - by runs from memory (the same destinations, bytes served by a cache):
 //    the runs are copied from the cached bytes.
 //  - staged (device deliveries, transposes, peers): the whole read is
