@@ -53,8 +53,9 @@ absl::StatusOr<ArenaLease> ArenaPool::Allocate(uint64_t size, uid_t uid) {
       ::close(fd);
       return fail("ftruncate");
     }
-    // Faulted in once here; every later load into it copies at memory speed.
-    void* p = ::mmap(nullptr, want, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE, fd, 0);
+    // Faulted in once, by Prefault after the client has it; every later load
+    // into it copies at memory speed.
+    void* p = ::mmap(nullptr, want, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) {
       ::close(fd);
       return fail("mmap");
@@ -74,6 +75,22 @@ absl::StatusOr<ArenaLease> ArenaPool::Allocate(uint64_t size, uid_t uid) {
   while (leased_.count(token) != 0) token = RandomToken();
   leased_[token] = std::move(arena);
   return ArenaLease{token, dup, want};
+}
+
+void ArenaPool::Prefault(const std::string& token) {
+  std::shared_ptr<Arena> a;
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = leased_.find(token);
+    if (it == leased_.end()) return;
+    a = it->second;
+  }
+  if (a->faulted_in_.exchange(true)) return;
+  // Page tables as for writes, without writing (the client may be using it).
+  if (::madvise(a->data(), a->size(), MADV_POPULATE_WRITE) != 0) {
+    volatile const uint8_t* p = a->data();  // older kernels: read every page
+    for (uint64_t off = 0; off < a->size(); off += 4096) (void)p[off];
+  }
 }
 
 void ArenaPool::Release(const std::string& token) {

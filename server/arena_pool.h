@@ -17,6 +17,7 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <cstdint>
 #include <list>
 #include <map>
@@ -47,6 +48,7 @@ class Arena {
   uint8_t* data_;
   uint64_t size_;
   uid_t uid_;
+  std::atomic<bool> faulted_in_{false};  // the daemon's page tables are built
 };
 
 class ArenaPool final : public ArenaHandler {
@@ -61,6 +63,7 @@ class ArenaPool final : public ArenaHandler {
 
   // ArenaHandler (called by the fd socket's thread).
   absl::StatusOr<ArenaLease> Allocate(uint64_t size, uid_t uid) override;
+  void Prefault(const std::string& token) override;
   void Release(const std::string& token) override;
 
   // The leased arena named by `token`; the caller's reference keeps it

@@ -324,6 +324,7 @@ void FdReceiver::Grant(int c, uint64_t size, uid_t uid) {
     ::close(lease->fd);
     if (sent) {
       kept = true;
+      arenas_->Prefault(lease->token);
     } else {
       arenas_->Release(lease->token);
     }

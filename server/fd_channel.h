@@ -57,6 +57,9 @@ class ArenaHandler {
  public:
   virtual ~ArenaHandler() = default;
   virtual absl::StatusOr<ArenaLease> Allocate(uint64_t size, uid_t uid) = 0;
+  // After the client has the arena: fault it in on this side (may take a
+  // while; the client need not wait for it).
+  virtual void Prefault(const std::string& token) {}
   virtual void Release(const std::string& token) = 0;
 };
 
