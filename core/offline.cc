@@ -1,6 +1,9 @@
 #include "core/offline.h"
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -35,14 +38,37 @@ absl::StatusOr<OfflineLoadResult> LoadOffline(const std::string& dir, const Layo
   t0 = std::chrono::steady_clock::now();
   res.buffers.resize(res.plan.ranks.size());
   std::vector<std::vector<void*>> dests(res.plan.ranks.size());
+  // The buffers are zero-filled (std::vector) and so faulted in: spread
+  // over the I/O threads, largest first, instead of one thread doing all.
+  std::vector<std::pair<uint64_t, std::vector<uint8_t>*>> allocs;
   for (size_t r = 0; r < res.plan.ranks.size(); ++r) {
     const RankPlan& rp = res.plan.ranks[r];
     std::vector<bool> has_copy(rp.targets.size(), false);
     for (const CopyOp& c : rp.copies) has_copy[c.target] = true;
     res.buffers[r].tensors.resize(rp.targets.size());
     for (size_t t = 0; t < rp.targets.size(); ++t) {
-      if (has_copy[t]) res.buffers[r].tensors[t].resize(rp.targets[t].num_bytes());
-      dests[r].push_back(has_copy[t] ? res.buffers[r].tensors[t].data() : nullptr);
+      if (has_copy[t]) allocs.push_back({rp.targets[t].num_bytes(), &res.buffers[r].tensors[t]});
+    }
+  }
+  std::sort(allocs.begin(), allocs.end(),
+            [](const auto& a, const auto& b) { return a.first > b.first; });
+  {
+    std::atomic<size_t> next{0};
+    auto work = [&] {
+      for (size_t i; (i = next.fetch_add(1)) < allocs.size();) {
+        allocs[i].second->resize(allocs[i].first);
+      }
+    };
+    std::vector<std::thread> helpers;
+    for (int i = 1; i < options.threads && static_cast<size_t>(i) < allocs.size(); ++i) {
+      helpers.emplace_back(work);
+    }
+    work();
+    for (auto& h : helpers) h.join();
+  }
+  for (size_t r = 0; r < res.plan.ranks.size(); ++r) {
+    for (auto& buf : res.buffers[r].tensors) {
+      dests[r].push_back(buf.empty() ? nullptr : buf.data());
     }
   }
   DirectorySource source(res.checkpoint.dir);
