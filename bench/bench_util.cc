@@ -148,8 +148,14 @@ std::vector<int> OpenPlanFiles(const std::string& dir, const LoadPlan& plan, int
   return fds;
 }
 
-// Runs `worker` on `threads` threads (this one included); wall seconds.
-double TimeOnThreads(int threads, const std::function<void()>& worker) {
+// Calls read_one(i) for every read of `plan`, handed to `threads` threads
+// (this one included) from one queue as in the executor; wall seconds.
+double TimeEachRead(const LoadPlan& plan, int threads,
+                    const std::function<void(size_t)>& read_one) {
+  std::atomic<size_t> next{0};
+  auto worker = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < plan.reads.size();) read_one(i);
+  };
   auto t0 = Clock::now();
   std::vector<std::thread> ts;
   for (int t = 1; t < threads; ++t) ts.emplace_back(worker);
@@ -172,26 +178,20 @@ double PreadPlanGBps(const std::string& dir, const LoadPlan& plan, uint8_t* dst,
     pos += plan.reads[i].length;
     wrap = (wrap + plan.reads[i].length + 4095) / 4096 * 4096;
   }
-  std::atomic<size_t> next{0};
-  auto worker = [&] {
-    while (true) {
-      size_t i = next.fetch_add(1);
-      if (i >= plan.reads.size()) return;
-      const ReadRange& r = plan.reads[i];
-      uint64_t done = 0;
-      while (done < r.length) {
-        ssize_t n = ::pread(fds[r.file], dst + at[i] + done, r.length - done,
-                            static_cast<off_t>(r.offset + done));
-        if (n < 0 && errno == EINTR) continue;
-        if (n <= 0) {
-          std::fprintf(stderr, "bench: pread failed: %s\n", std::strerror(errno));
-          std::exit(1);
-        }
-        done += static_cast<uint64_t>(n);
+  const double s = TimeEachRead(plan, threads, [&](size_t i) {
+    const ReadRange& r = plan.reads[i];
+    uint64_t done = 0;
+    while (done < r.length) {
+      ssize_t n = ::pread(fds[r.file], dst + at[i] + done, r.length - done,
+                          static_cast<off_t>(r.offset + done));
+      if (n < 0 && errno == EINTR) continue;
+      if (n <= 0) {
+        std::fprintf(stderr, "bench: pread failed: %s\n", std::strerror(errno));
+        std::exit(1);
       }
+      done += static_cast<uint64_t>(n);
     }
-  };
-  const double s = TimeOnThreads(threads, worker);
+  });
   for (int fd : fds) ::close(fd);
   return GB(pos) / s;
 }
@@ -208,28 +208,22 @@ double DirectPreadPlanGBps(const std::string& dir, const LoadPlan& plan, uint8_t
     const uint64_t e = (plan.reads[i].offset + plan.reads[i].length + kAlign - 1) / kAlign * kAlign;
     pos += e - b;
   }
-  std::atomic<size_t> next{0};
-  auto worker = [&] {
-    while (true) {
-      size_t i = next.fetch_add(1);
-      if (i >= plan.reads.size()) return;
-      const ReadRange& r = plan.reads[i];
-      const uint64_t b = r.offset / kAlign * kAlign;
-      const uint64_t e = (r.offset + r.length + kAlign - 1) / kAlign * kAlign;
-      for (uint64_t o = b; o < e;) {
-        ssize_t n = ::pread(fds[r.file], dst + at[i] + (o - b), std::min(kRequest, e - o),
-                            static_cast<off_t>(o));
-        if (n < 0 && errno == EINTR) continue;
-        if (n < 0) {
-          std::fprintf(stderr, "bench: pread (O_DIRECT) failed: %s\n", std::strerror(errno));
-          std::exit(1);
-        }
-        if (n == 0) break;  // end of file inside the last page
-        o += static_cast<uint64_t>(n);
+  const double s = TimeEachRead(plan, threads, [&](size_t i) {
+    const ReadRange& r = plan.reads[i];
+    const uint64_t b = r.offset / kAlign * kAlign;
+    const uint64_t e = (r.offset + r.length + kAlign - 1) / kAlign * kAlign;
+    for (uint64_t o = b; o < e;) {
+      ssize_t n = ::pread(fds[r.file], dst + at[i] + (o - b), std::min(kRequest, e - o),
+                          static_cast<off_t>(o));
+      if (n < 0 && errno == EINTR) continue;
+      if (n < 0) {
+        std::fprintf(stderr, "bench: pread (O_DIRECT) failed: %s\n", std::strerror(errno));
+        std::exit(1);
       }
+      if (n == 0) break;  // end of file inside the last page
+      o += static_cast<uint64_t>(n);
     }
-  };
-  const double s = TimeOnThreads(threads, worker);
+  });
   for (int fd : fds) ::close(fd);
   return GB(plan.bytes_to_read) / s;
 }
