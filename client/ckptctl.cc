@@ -219,7 +219,7 @@ absl::Status Load(const std::string& dir) {
   std::cout << "loaded " << res.plan.ranks.size() << " ranks from " << dir << " ("
             << FormatName(res.checkpoint.format) << ")\n"
             << "bytes read:      " << res.stats.bytes_read << " in " << res.plan.reads.size()
-            << " reads\n"
+            << " reads (" << res.stats.bytes_read_direct << " around the page cache)\n"
             << "bytes delivered: " << res.stats.bytes_delivered << "\n"
             << "checksums:       " << res.stats.checksums_verified << " shards verified\n"
             << "missing keys:    " << absl::StrJoin(res.plan.missing_keys, ", ") << "\n"

@@ -122,6 +122,7 @@ std::string LoadReportJson(const OfflineLoadResult& res) {
       {"checkpoint", res.checkpoint.dir},
       {"format", FormatName(res.checkpoint.format)},
       {"bytes_read", res.stats.bytes_read},
+      {"bytes_read_direct", res.stats.bytes_read_direct},
       {"bytes_delivered", res.stats.bytes_delivered},
       {"reads", res.plan.reads.size()},
       {"checksums_verified", res.stats.checksums_verified},

@@ -428,6 +428,7 @@ void FillLoadResult(Daemon::RankSlot& s, const ckpt::RankPlan& rp, size_t index,
   for (const auto& k : f.unexpected_keys) r.add_unexpected_keys(k);
   for (const auto& [from, to] : f.renamed_keys) (*r.mutable_renamed_keys())[from] = to;
   r.set_bytes_read(f.stats->bytes_read);
+  r.set_bytes_read_direct(f.stats->bytes_read_direct);
   r.set_bytes_from_cache(f.bytes_from_cache);
   r.set_bytes_delivered(f.stats->rank_bytes_delivered[index]);
   r.set_job_bytes_delivered(f.stats->bytes_delivered);
@@ -851,6 +852,7 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
   if (it != jobs_.end() && it->second == job) jobs_.erase(it);
   LoadJobRecord rec{job->id, job->path, "", slots.size()};  // metrics + the job's log line
   rec.bytes_read = stats->bytes_read;
+  rec.bytes_read_direct = stats->bytes_read_direct;
   rec.bytes_from_cache = stats->bytes_from_cache;
   rec.bytes_delivered = stats->bytes_delivered;
   rec.reads = plan->reads.size();

@@ -29,6 +29,7 @@ struct LoadJobRecord {
   size_t ranks = 0;  // ranks of the job served by this daemon
   absl::Status status;
   uint64_t bytes_read = 0;        // from storage
+  uint64_t bytes_read_direct = 0;  // of which around the page cache (O_DIRECT)
   uint64_t bytes_from_cache = 0;  // from the data cache
   uint64_t bytes_from_peers = 0;  // multi-node: received from other daemons
   uint64_t bytes_to_peers = 0;    // multi-node: sent to other daemons

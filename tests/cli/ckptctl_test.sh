@@ -22,7 +22,8 @@ echo "$out" | grep -q "huggingface-safetensors" || fail "inspect text"
 "$CKPTCTL" load "$T/tp2" --layout "$EXAMPLE_DIR/layout-tp4-dim0.json" --out "$T/out" --json > "$T/report.json"
 /usr/bin/python3 "$VERIFY" "$EXAMPLE_DIR/tiny-model/model.safetensors" "$EXAMPLE_DIR/layout-tp4-dim0.json" "$T/out" "$T/report.json"
 # The same load read around the page cache (O_DIRECT): the same bytes.
-"$CKPTCTL" load "$T/tp2" --layout "$EXAMPLE_DIR/layout-tp4-dim0.json" --out "$T/out-dio" --direct-io always
+"$CKPTCTL" load "$T/tp2" --layout "$EXAMPLE_DIR/layout-tp4-dim0.json" --out "$T/out-dio" --direct-io always --json > "$T/dio.json"
+/usr/bin/python3 -c "import json; j=json.load(open('$T/dio.json')); assert j['bytes_read'] > 0 and j['bytes_read_direct'] == j['bytes_read'], j"
 for f in "$T"/out/rank*.safetensors; do
   cmp -s "$f" "$T/out-dio/$(basename "$f")" || fail "--direct-io always: $(basename "$f") differs"
 done
