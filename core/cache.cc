@@ -349,22 +349,33 @@ class CachingSource::CacheFill final : public Fill {
   std::shared_ptr<HostCache::Pending> pending_;  // null: no room, nothing kept
 };
 
-absl::StatusOr<std::unique_ptr<RangeSource::Fill>> CachingSource::BeginFill(
-    const std::string& file, uint64_t offset, uint64_t n, std::optional<RangeView>* served) {
-  const std::string path = JoinPath(dir_, file);
+absl::StatusOr<CachingSource::Probed> CachingSource::Probe(const std::string& file,
+                                                          uint64_t offset, uint64_t n) {
+  Probed p;
+  p.path = JoinPath(dir_, file);
   auto stamp_it = stamps_.find(file);
   if (stamp_it == stamps_.end()) {
-    return absl::InternalError(absl::StrCat(path, ": no file stamp for a planned read"));
+    return absl::InternalError(absl::StrCat(p.path, ": no file stamp for a planned read"));
   }
-  CKPT_ASSIGN_OR_RETURN(const RandomAccessFile* f, Get(file));
-  if (auto hit = cache_->Lookup(path, stamp_it->second, offset, n)) {
-    *served = std::move(*hit);
+  p.stamp = &stamp_it->second;
+  // Opening checks the file still has the stamp the plan was made against,
+  // so even cache hits never outlive a rewritten file.
+  CKPT_ASSIGN_OR_RETURN(p.file, Get(file));
+  p.hit = cache_->Lookup(p.path, *p.stamp, offset, n);
+  return p;
+}
+
+absl::StatusOr<std::unique_ptr<RangeSource::Fill>> CachingSource::BeginFill(
+    const std::string& file, uint64_t offset, uint64_t n, std::optional<RangeView>* served) {
+  CKPT_ASSIGN_OR_RETURN(Probed p, Probe(file, offset, n));
+  if (p.hit) {
+    *served = std::move(*p.hit);
     return nullptr;
   }
   auto pending = cache_->Reserve(n);
   uint8_t* keep = pending ? cache_->PendingData(pending) : nullptr;
-  auto fill = std::make_unique<CacheFill>(this, file, path, offset, std::move(pending));
-  fill->file = f;
+  auto fill = std::make_unique<CacheFill>(this, file, p.path, offset, std::move(pending));
+  fill->file = p.file;
   fill->keep = keep;
   return fill;
 }
@@ -372,15 +383,8 @@ absl::StatusOr<std::unique_ptr<RangeSource::Fill>> CachingSource::BeginFill(
 absl::StatusOr<RangeView> CachingSource::Fetch(
     const std::string& file, uint64_t offset, uint64_t n, std::vector<uint8_t>& scratch,
     const std::function<absl::Status(const uint8_t*)>& verify) {
-  const std::string path = JoinPath(dir_, file);
-  auto stamp_it = stamps_.find(file);
-  if (stamp_it == stamps_.end()) {
-    return absl::InternalError(absl::StrCat(path, ": no file stamp for a planned read"));
-  }
-  // Opening checks the file still has the stamp the plan was made against,
-  // so even cache hits never outlive a rewritten file.
-  CKPT_ASSIGN_OR_RETURN(const RandomAccessFile* f, Get(file));
-  if (auto hit = cache_->Lookup(path, stamp_it->second, offset, n)) return *hit;
+  CKPT_ASSIGN_OR_RETURN(Probed p, Probe(file, offset, n));
+  if (p.hit) return *std::move(p.hit);
   auto pending = cache_->Reserve(n);
   uint8_t* dst;
   if (pending) {
@@ -389,11 +393,11 @@ absl::StatusOr<RangeView> CachingSource::Fetch(
     if (scratch.size() < n) scratch.resize(n);
     dst = scratch.data();
   }
-  CKPT_RETURN_IF_ERROR(f->Read(offset, n, dst));
+  CKPT_RETURN_IF_ERROR(p.file->Read(offset, n, dst));
   CKPT_RETURN_IF_ERROR(CheckUnchanged(file));
   if (verify) CKPT_RETURN_IF_ERROR(verify(dst));
   if (!pending) return RangeView{dst, nullptr, true};
-  RangeView v = cache_->Publish(std::move(pending), path, stamp_it->second, offset);
+  RangeView v = cache_->Publish(std::move(pending), p.path, *p.stamp, offset);
   v.from_storage = true;
   return v;
 }

@@ -134,6 +134,15 @@ class CachingSource final : public RangeSource {
 
  private:
   class CacheFill;
+  // What Fetch and BeginFill both start with: the file checked against its
+  // stamp, and the cached bytes if an entry holds them.
+  struct Probed {
+    std::string path;
+    const FileStamp* stamp = nullptr;
+    const RandomAccessFile* file = nullptr;
+    std::optional<RangeView> hit;
+  };
+  absl::StatusOr<Probed> Probe(const std::string& file, uint64_t offset, uint64_t n);
   absl::StatusOr<const RandomAccessFile*> Get(const std::string& file);
   absl::Status CheckUnchanged(const std::string& file);
 
