@@ -387,15 +387,6 @@ absl::StatusOr<DirectIo> ParseDirectIo(const std::string& text) {
       absl::StrCat("direct I/O mode '", text, "' is not one of never, auto, always"));
 }
 
-const char* DirectIoName(DirectIo d) {
-  switch (d) {
-    case DirectIo::kNever: return "never";
-    case DirectIo::kAuto: return "auto";
-    case DirectIo::kAlways: return "always";
-  }
-  return "never";
-}
-
 absl::StatusOr<const RandomAccessFile*> DirectorySource::Get(const std::string& file) {
   absl::MutexLock lock(&mu_);
   auto it = files_.find(file);
@@ -514,31 +505,23 @@ absl::StatusOr<LoadStats> ExecutePlan(const LoadPlan& plan, RangeSource& source,
         fail(prepared);
         break;
       }
+      // The read's bytes: read piece by piece here (a Fill), served from
+      // memory (a cache hit), or fetched whole by the source.
+      std::optional<RangeView> served;
       if (by_runs) {
-        std::optional<RangeView> served;
         auto fill = source.BeginFill(file, rr.offset, rr.length, &served);
         if (!fill.ok()) {
           fail(fill.status());
           break;
         }
-        if (*fill != nullptr || served) {
-          absl::Status s;
-          if (*fill != nullptr) {
-            const RandomAccessFile& f = *(*fill)->file;
-            const bool direct = options.direct_io == DirectIo::kAlways ||
-                                (options.direct_io == DirectIo::kAuto &&
-                                 !f.Cached(rr.offset, rr.length));
-            s = writer.ReadPieces(f, options.verify_checksums, stream, direct, local,
-                                  (*fill)->keep);
-            if (s.ok()) s = (*fill)->Finish();
-          } else {
-            const auto t0 = std::chrono::steady_clock::now();
-            writer.WriteAll(served->data, stream);
-            local.copy_seconds += std::chrono::duration<double>(
-                                      std::chrono::steady_clock::now() - t0)
-                                      .count();
-            (served->from_storage ? local.bytes_read : local.bytes_from_cache) += rr.length;
-          }
+        if (*fill != nullptr) {
+          const RandomAccessFile& f = *(*fill)->file;
+          const bool direct = options.direct_io == DirectIo::kAlways ||
+                              (options.direct_io == DirectIo::kAuto &&
+                               !f.Cached(rr.offset, rr.length));
+          absl::Status s = writer.ReadPieces(f, options.verify_checksums, stream, direct, local,
+                                             (*fill)->keep);
+          if (s.ok()) s = (*fill)->Finish();
           if (s.ok()) writer.Account(local);
           absl::Status flushed = delivery.Flush();
           if (s.ok()) s = flushed;
@@ -559,7 +542,8 @@ absl::StatusOr<LoadStats> ExecutePlan(const LoadPlan& plan, RangeSource& source,
         return absl::OkStatus();
       };
       auto t0 = std::chrono::steady_clock::now();
-      absl::StatusOr<RangeView> view = source.Fetch(file, rr.offset, rr.length, scratch, verify);
+      absl::StatusOr<RangeView> view =
+          served ? *std::move(served) : source.Fetch(file, rr.offset, rr.length, scratch, verify);
       auto t1 = std::chrono::steady_clock::now();
       absl::Status s = view.status();
       if (s.ok()) {

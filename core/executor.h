@@ -146,7 +146,6 @@ enum class DirectIo {
 };
 // "never", "auto", "always".
 absl::StatusOr<DirectIo> ParseDirectIo(const std::string& text);
-const char* DirectIoName(DirectIo d);
 
 struct ExecuteOptions {
   int threads = 2;
