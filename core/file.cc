@@ -23,6 +23,28 @@ absl::Status ErrnoError(int err, absl::string_view what, absl::string_view path)
   return absl::InternalError(msg);
 }
 
+// pread until `n` bytes, the end of the file, or an error (EINTR retried):
+// the bytes read, and errno of the failing call (0: none).
+struct Preads {
+  uint64_t done = 0;
+  int err = 0;
+};
+Preads PreadAll(int fd, uint64_t offset, uint64_t n, void* dst) {
+  Preads r;
+  char* p = static_cast<char*>(dst);
+  while (r.done < n) {
+    const ssize_t got = ::pread(fd, p + r.done, n - r.done, static_cast<off_t>(offset + r.done));
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      r.err = errno;
+      break;
+    }
+    if (got == 0) break;  // end of file
+    r.done += static_cast<uint64_t>(got);
+  }
+  return r;
+}
+
 class PosixFile final : public RandomAccessFile {
  public:
   PosixFile(std::string path, int fd, uint64_t size)
@@ -41,20 +63,11 @@ class PosixFile final : public RandomAccessFile {
                                                 offset + n, ") but the file has ", size_,
                                                 " bytes"));
     }
-    char* p = static_cast<char*>(dst);
-    while (n > 0) {
-      ssize_t r = ::pread(fd_, p, n, static_cast<off_t>(offset));
-      if (r < 0) {
-        if (errno == EINTR) continue;
-        return ErrnoError(errno, absl::StrCat("pread at ", offset), path_);
-      }
-      if (r == 0) {
-        return absl::OutOfRangeError(
-            absl::StrCat(path_, ": truncated while reading at offset ", offset));
-      }
-      p += r;
-      n -= static_cast<uint64_t>(r);
-      offset += static_cast<uint64_t>(r);
+    const Preads r = PreadAll(fd_, offset, n, dst);
+    if (r.err != 0) return ErrnoError(r.err, absl::StrCat("pread at ", offset + r.done), path_);
+    if (r.done < n) {
+      return absl::OutOfRangeError(
+          absl::StrCat(path_, ": truncated while reading at offset ", offset + r.done));
     }
     return absl::OkStatus();
   }
@@ -62,23 +75,16 @@ class PosixFile final : public RandomAccessFile {
   absl::StatusOr<uint64_t> ReadDirect(uint64_t offset, uint64_t n, void* dst) const override {
     const int dfd = DirectFd();
     if (dfd < 0) return RandomAccessFile::ReadDirect(offset, n, dst);
-    char* p = static_cast<char*>(dst);
-    uint64_t done = 0;
-    while (done < n) {
-      ssize_t r = ::pread(dfd, p + done, n - done, static_cast<off_t>(offset + done));
-      if (r < 0) {
-        if (errno == EINTR) continue;
-        if (errno == EINVAL && done == 0) return RandomAccessFile::ReadDirect(offset, n, dst);
-        return ErrnoError(errno, absl::StrCat("pread (O_DIRECT) at ", offset + done), path_);
-      }
-      if (r == 0) break;  // end of file
-      done += static_cast<uint64_t>(r);
+    const Preads r = PreadAll(dfd, offset, n, dst);
+    if (r.err == EINVAL && r.done == 0) return RandomAccessFile::ReadDirect(offset, n, dst);
+    if (r.err != 0) {
+      return ErrnoError(r.err, absl::StrCat("pread (O_DIRECT) at ", offset + r.done), path_);
     }
-    if (done < n && offset + done < size_) {
+    if (r.done < n && offset + r.done < size_) {  // short of the end it had when opened
       return absl::OutOfRangeError(
-          absl::StrCat(path_, ": truncated while reading at offset ", offset + done));
+          absl::StrCat(path_, ": truncated while reading at offset ", offset + r.done));
     }
-    return done;
+    return r.done;
   }
 
   bool Cached(uint64_t offset, uint64_t n) const override {
