@@ -32,19 +32,6 @@ inline bool OdometerStep(size_t n, AxisOf axis_of, const Box& region, int64_t* i
   return false;
 }
 
-// Folds trailing axes that are whole in region, src and dst into one run of
-// `*run` elements; returns k: the outer axes 0..k-1 step from run to run.
-// (region has rank >= 1.)
-size_t FoldTrailingAxes(const StoredLayout& src, const StoredLayout& dst, const Box& region,
-                        int64_t* run) {
-  size_t k = region.rank() - 1;
-  *run = region.shape[k];
-  while (k > 0 && region.shape[k] == src.box.shape[k] && region.shape[k] == dst.box.shape[k]) {
-    --k;
-    *run *= region.shape[k];
-  }
-  return k;
-}
 
 // Walks `region` as runs contiguous in both layouts and calls
 // emit(src_flat, dst_flat, len) with flat indices relative to each layout's
@@ -401,6 +388,17 @@ void StreamingFence() {
 #if defined(__x86_64__) || defined(__SSE2__)
   _mm_sfence();
 #endif
+}
+
+size_t FoldTrailingAxes(const StoredLayout& src, const StoredLayout& dst, const Box& region,
+                        int64_t* run) {
+  size_t k = region.rank() - 1;
+  *run = region.shape[k];
+  while (k > 0 && region.shape[k] == src.box.shape[k] && region.shape[k] == dst.box.shape[k]) {
+    --k;
+    *run *= region.shape[k];
+  }
+  return k;
 }
 
 bool IsIdentityPerm(const std::vector<int>& perm) {

@@ -53,6 +53,12 @@ inline constexpr size_t kStreamingMinRun = 512;
 void StreamingCopy(void* dst, const void* src, size_t n);
 void StreamingFence();
 
+// Folds the trailing axes that are whole in `region`, `src` and `dst` into
+// one contiguous run of `*run` elements; returns k: the outer axes 0..k-1
+// step from run to run. `region` has rank >= 1.
+size_t FoldTrailingAxes(const StoredLayout& src, const StoredLayout& dst, const Box& region,
+                        int64_t* run);
+
 // Whether `perm` is empty or the identity [0, 1, ..., n-1].
 bool IsIdentityPerm(const std::vector<int>& perm);
 

@@ -83,12 +83,8 @@ int64_t ForEachBlock(const StoredLayout& src, const StoredLayout& dst, const Box
   // Trailing axes whole in region, src and dst fold into one run (axes
   // k..rank-1); axis k-1 is the row axis of the 2-D blocks; axes 0..k-2 are
   // walked.
-  size_t k = rank - 1;
-  int64_t run = region.shape[k];
-  while (k > 0 && region.shape[k] == src.box.shape[k] && region.shape[k] == dst.box.shape[k]) {
-    --k;
-    run *= region.shape[k];
-  }
+  int64_t run = 0;
+  const size_t k = ckpt::FoldTrailingAxes(src, dst, region, &run);
   std::vector<int64_t> ss(rank), ds(rank);
   int64_t sacc = 1, dacc = 1;
   for (size_t i = rank; i-- > 0;) {
