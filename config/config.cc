@@ -25,6 +25,9 @@ const std::set<std::string>& KnownKeys() {
   return *keys;
 }
 
+// The modes of `direct_io` (core's ckpt::DirectIo; config/ does not link core).
+bool IsDirectIoMode(const std::string& s) { return s == "never" || s == "auto" || s == "always"; }
+
 absl::Status Bad(const std::string& source, const std::string& key, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(source, ": key '", key, "': ", what));
 }
@@ -126,9 +129,7 @@ absl::StatusOr<DaemonConfig> ParseConfig(const std::string& yaml, const std::str
          : key == "arena_pool"      ? c.arena_pool
                                     : c.arena_limit) = *b;
       } else if (key == "direct_io") {
-        if (s != "never" && s != "auto" && s != "always") {
-          return Bad(source, key, "must be never, auto or always");
-        }
+        if (!IsDirectIoMode(s)) return Bad(source, key, "must be never, auto or always");
         c.direct_io = s;
       } else if (key == "io_threads") {
         int n;
@@ -200,7 +201,7 @@ absl::Status ValidateConfig(const DaemonConfig& c) {
   if (c.io_request_size < 4096) {
     return absl::InvalidArgumentError("config: 'io_request_size' must be at least 4KiB");
   }
-  if (c.direct_io != "never" && c.direct_io != "auto" && c.direct_io != "always") {
+  if (!IsDirectIoMode(c.direct_io)) {
     return absl::InvalidArgumentError(absl::StrCat(
         "config: 'direct_io' is '", c.direct_io, "', not one of never, auto, always"));
   }

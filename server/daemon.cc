@@ -142,6 +142,7 @@ gpu::GpuOptions GpuOptionsOf(const DaemonConfig& c) {
 
 Daemon::Daemon(DaemonConfig config)
     : config_(std::move(config)),
+      direct_io_(ckpt::ParseDirectIo(config_.direct_io).value_or(ckpt::DirectIo::kNever)),
       started_(absl::Now()),
       gpu_(gpu::CreateGpuRuntime(GpuOptionsOf(config_))),
       cache_(config_.cache_budget, gpu_->host_allocator()),
@@ -821,7 +822,7 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
   if (!delivery.ok()) return fail_all(delivery.status());
   ckpt::ExecuteOptions eo;
   eo.threads = config_.io_threads;
-  eo.direct_io = ckpt::ParseDirectIo(config_.direct_io).value_or(ckpt::DirectIo::kNever);
+  eo.direct_io = direct_io_;
   eo.verify_checksums = !(slots.front()->request.skip_verify());
   eo.progress_bytes = &job->progress;
   eo.skip_rank = [&](size_t i) { return skip[i] || slots[i]->cancelled(); };
@@ -892,7 +893,7 @@ absl::StatusOr<v1::PrefetchResponse> Daemon::Prefetch(const v1::PrefetchRequest&
   NoDelivery none;
   ckpt::ExecuteOptions eo;
   eo.threads = config_.io_threads;
-  eo.direct_io = ckpt::ParseDirectIo(config_.direct_io).value_or(ckpt::DirectIo::kNever);
+  eo.direct_io = direct_io_;
   CKPT_ASSIGN_OR_RETURN(ckpt::LoadStats stats, ckpt::ExecutePlan(plan, source, none, eo));
   bytes_read_total_ += stats.bytes_read;
   v1::PrefetchResponse resp;

@@ -25,6 +25,7 @@
 #include "config/config.h"
 #include "core/cache.h"
 #include "core/checkpoint.h"
+#include "core/executor.h"
 #include "core/planner.h"
 #include "proto/ckpt.pb.h"
 #include "proto/peer.grpc.pb.h"
@@ -159,6 +160,8 @@ class Daemon {
   std::vector<std::shared_ptr<RankSlot>> SlotsOf(const Job& job) ABSL_LOCKS_EXCLUDED(mu_);
 
   const DaemonConfig config_;
+  // config_.direct_io, parsed once (ValidateConfig checked it).
+  const ckpt::DirectIo direct_io_;
   const absl::Time started_;
   // Before cache_: the cache's memory may come from its pinned allocator.
   std::unique_ptr<gpu::GpuRuntime> gpu_;
