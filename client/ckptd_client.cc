@@ -62,6 +62,21 @@ absl::StatusOr<ShmArena*> ArenaFor(const std::vector<TensorSpec>& tensors, ShmAr
   return own->get();
 }
 
+// Names the segment in a request: an arena the daemon lent by its token,
+// else the memfd, sent over the fd socket.
+absl::Status NameSegment(const ShmArena& arena, const Client::Options& options,
+                         v1::ShmDestination* shm) {
+  if (!arena.daemon_token().empty()) {
+    shm->set_arena_token(arena.daemon_token());
+  } else {
+    CKPT_ASSIGN_OR_RETURN(std::string token, SendFd(FdSocketPath(options.socket), arena.fd(),
+                                                    options.connect_timeout));
+    shm->set_fd_token(token);
+  }
+  shm->set_size(arena.size());
+  return absl::OkStatus();
+}
+
 void AddTargets(const std::vector<TensorSpec>& tensors, const std::vector<uint64_t>& offsets,
                 google::protobuf::RepeatedPtrField<v1::Target>* out) {
   for (size_t i = 0; i < tensors.size(); ++i) {
@@ -247,15 +262,8 @@ absl::StatusOr<LoadReport> Client::Load(const LoadSpec& spec,
       names.push_back(t.name);
     }
     CKPT_RETURN_IF_ERROR(AddCudaIpcDestination(ptrs, sizes, names, &req));
-  } else if (shm && !arena->daemon_token().empty()) {
-    req.mutable_shm()->set_arena_token(arena->daemon_token());
-    req.mutable_shm()->set_size(arena->size());
   } else if (shm) {
-    CKPT_ASSIGN_OR_RETURN(std::string token,
-                          SendFd(FdSocketPath(rep_->options.socket), arena->fd(),
-                                 rep_->options.connect_timeout));
-    req.mutable_shm()->set_fd_token(token);
-    req.mutable_shm()->set_size(arena->size());
+    CKPT_RETURN_IF_ERROR(NameSegment(*arena, rep_->options, req.mutable_shm()));
   } else {
     req.mutable_stream();
   }
@@ -321,14 +329,7 @@ absl::StatusOr<v1::SaveResponse> Client::Save(const SaveSpec& spec) {
     }
   }
   AddTargets(spec.tensors, offsets, req.mutable_targets());
-  if (!arena->daemon_token().empty()) {
-    req.mutable_shm()->set_arena_token(arena->daemon_token());
-  } else {
-    CKPT_ASSIGN_OR_RETURN(std::string token, SendFd(FdSocketPath(rep_->options.socket),
-                                                    arena->fd(), rep_->options.connect_timeout));
-    req.mutable_shm()->set_fd_token(token);
-  }
-  req.mutable_shm()->set_size(arena->size());
+  CKPT_RETURN_IF_ERROR(NameSegment(*arena, rep_->options, req.mutable_shm()));
   grpc::ClientContext ctx;
   ctx.set_deadline(Deadline(rep_->options.call_timeout));
   v1::SaveResponse resp;

@@ -197,10 +197,7 @@ void FdReceiver::Stop() {
         +[](int* n) { return *n == 0; }, &granting_));
     late.swap(new_leases_);
   }
-  for (const auto& [fd, token] : late) {
-    if (arenas_ != nullptr) arenas_->Release(token);
-    ::close(fd);
-  }
+  for (const auto& [fd, token] : late) EndLease(fd, token);
   ::close(listen_fd_);
   ::unlink(path_.c_str());
 }
@@ -243,8 +240,7 @@ void FdReceiver::Run() {
     for (size_t i = 1; i < polls.size(); ++i) {
       if (polls[i].revents == 0) continue;
       auto it = leases_.find(polls[i].fd);
-      if (arenas_ != nullptr) arenas_->Release(it->second);
-      ::close(it->first);
+      EndLease(it->first, it->second);
       leases_.erase(it);
     }
     if ((polls[0].revents & POLLIN) == 0) continue;
@@ -252,11 +248,13 @@ void FdReceiver::Run() {
     if (c < 0) continue;
     if (!Serve(c)) ::close(c);
   }
-  for (const auto& [fd, token] : leases_) {
-    if (arenas_ != nullptr) arenas_->Release(token);
-    ::close(fd);
-  }
+  for (const auto& [fd, token] : leases_) EndLease(fd, token);
   leases_.clear();
+}
+
+void FdReceiver::EndLease(int fd, const std::string& token) {
+  if (arenas_ != nullptr) arenas_->Release(token);
+  ::close(fd);
 }
 
 bool FdReceiver::Serve(int c) {

@@ -93,6 +93,8 @@ class FdReceiver {
   void Run();
   // Handles one new connection; true if something else owns it now.
   bool Serve(int c);
+  // The client's lease socket `fd` closed (or we stop): the arena goes back.
+  void EndLease(int fd, const std::string& token);
   // Lends an arena to the client on `c` (its own thread; see Serve).
   void Grant(int c, uint64_t size, uid_t uid);
   static constexpr int kMaxGranting = 64;
