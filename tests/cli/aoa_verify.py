@@ -9,30 +9,21 @@ aoa_verify.py check SRC.safetensors LAYOUT.json OUT_DIR REPORT.json
 """
 import json
 import os
-import struct
 import sys
 
 import numpy as np
 
-NP = {"F64": "<f8", "F32": "<f4", "BF16": "<u2", "I64": "<i8"}
+from verify_outputs import read as read_raw  # the suite's independent safetensors reader
 
 
 def read(path):
-    with open(path, "rb") as f:
-        n = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(n))
-        base = 8 + n
-        out = {}
-        for name, info in header.items():
-            if name == "__metadata__":
-                continue
-            b, e = info["data_offsets"]
-            f.seek(base + b)
-            a = np.frombuffer(f.read(e - b), dtype=NP[info["dtype"]]).reshape(info["shape"])
-            if info["dtype"] == "BF16":  # bfloat16 -> float32: the bits are the high half
-                a = (a.astype("<u4") << 16).view("<f4")
-            out[name] = a
-        return out
+    """verify_outputs.read, with BF16 (read as raw '<u2') widened to float32:
+    the bits are the high half."""
+    out = read_raw(path)
+    for name, a in out.items():
+        if a.dtype == np.dtype("<u2"):
+            out[name] = (a.astype("<u4") << 16).view("<f4")
+    return out
 
 
 def model(src):
