@@ -12,7 +12,7 @@
 #include "client/cuda/device_export.h"
 #include "core/status_macros.h"
 #include "proto/ckpt.grpc.pb.h"
-#include "server/fd_channel.h"
+#include "proto/fd_socket.h"
 
 namespace ckptd {
 namespace {
@@ -102,7 +102,9 @@ void AddTargets(const std::vector<TensorSpec>& tensors, const std::vector<uint64
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShmArena>> ShmArena::Create(uint64_t size, const std::string& name) {
-  int fd = ::memfd_create(name.c_str(), MFD_CLOEXEC);
+  // Sealable, and sealed once sized: the daemon maps only segments that
+  // cannot shrink under it (proto/fd_socket.h).
+  int fd = ::memfd_create(name.c_str(), MFD_CLOEXEC | MFD_ALLOW_SEALING);
   if (fd < 0) return absl::InternalError(absl::StrCat("memfd_create: ", std::strerror(errno)));
   const uint64_t mapped = std::max<uint64_t>(size, 1);
   if (::ftruncate(fd, static_cast<off_t>(mapped)) != 0) {
@@ -110,6 +112,10 @@ absl::StatusOr<std::unique_ptr<ShmArena>> ShmArena::Create(uint64_t size, const 
     ::close(fd);
     return absl::ResourceExhaustedError(
         absl::StrCat("shared memory of ", size, " bytes: ", std::strerror(err)));
+  }
+  if (absl::Status st = SealSegment(fd); !st.ok()) {
+    ::close(fd);
+    return st;
   }
   void* p = ::mmap(nullptr, mapped, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {

@@ -33,9 +33,11 @@ namespace ckptd {
 
 // A memfd-backed shared-memory arena a rank's tensors can live in.
 //
-// Create() makes one in this process; the daemon maps it for every load
-// (page tables built per job). FromDaemon() borrows one the daemon keeps
-// mapped (server/arena_pool.h): loads into it skip that set-up, and a
+// Create() makes one in this process (a memfd sealed against shrinking and
+// growing, as the daemon requires); the daemon maps it for every load (page
+// tables built per job). FromDaemon() borrows one the daemon keeps mapped
+// (its arena pool, "ALLOC" in proto/fd_socket.h; sealed the same way, usable
+// only by this uid): loads into it skip that set-up, and a
 // restarted rank asking for the same size gets a recycled one. Its contents
 // start as whatever the last user left (like malloc). The lease ends when
 // the arena is destroyed.

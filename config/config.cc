@@ -21,7 +21,9 @@ const std::set<std::string>& KnownKeys() {
       "cache_budget",  "io_threads",      "io_request_size", "barrier_timeout",
       "load_timeout",  "drain_timeout",   "log_level",       "peer_listen",
       "peers",         "peer_dns",        "peer_timeout",    "log_format",
-      "metrics_address", "arena_pool",      "arena_limit",     "direct_io"};
+      "metrics_address", "arena_pool",      "arena_limit",     "direct_io",
+      "tcp_tls_cert",  "tcp_tls_key",     "tcp_tls_ca",      "insecure_tcp",
+      "tcp_uid",       "admin_uids",      "access",          "limits"};
   return *keys;
 }
 
@@ -30,6 +32,112 @@ bool IsDirectIoMode(const std::string& s) { return s == "never" || s == "auto" |
 
 absl::Status Bad(const std::string& source, const std::string& key, absl::string_view what) {
   return absl::InvalidArgumentError(absl::StrCat(source, ": key '", key, "': ", what));
+}
+
+// A uid/gid list: a sequence of numbers (or one number).
+absl::StatusOr<std::vector<uint32_t>> IdList(const YAML::Node& v, const std::string& source,
+                                             const std::string& key) {
+  std::vector<uint32_t> out;
+  auto one = [&](const YAML::Node& n) -> absl::Status {
+    uint32_t id;
+    if (!n.IsScalar() || !absl::SimpleAtoi(n.as<std::string>(), &id)) {
+      return Bad(source, key, "must be a list of numeric uids/gids");
+    }
+    out.push_back(id);
+    return absl::OkStatus();
+  };
+  if (v.IsSequence()) {
+    for (const auto& n : v) {
+      if (absl::Status s = one(n); !s.ok()) return s;
+    }
+  } else if (!v.IsNull()) {
+    if (absl::Status s = one(v); !s.ok()) return s;
+  }
+  return out;
+}
+
+const std::set<std::string>& LimitKeys() {
+  static const auto* keys = new std::set<std::string>{
+      "max_targets_per_request", "max_request_bytes",   "max_uid_bytes",
+      "max_stream_bytes",        "max_jobs_per_uid",    "max_ranks_per_uid",
+      "max_ranks_per_job",       "max_barrier_timeout", "max_message_bytes",
+      "max_concurrent_streams",  "max_connections",     "max_threads",
+      "max_metadata_bytes",      "metadata_cache_entries"};
+  return *keys;
+}
+
+absl::Status ParseLimits(const YAML::Node& v, const std::string& source, Limits* l) {
+  if (!v.IsMap()) return Bad(source, "limits", "must be a mapping of limit: value");
+  for (const auto& kv : v) {
+    const std::string key = kv.first.as<std::string>();
+    const std::string full = "limits." + key;
+    if (!LimitKeys().count(key)) {
+      return absl::InvalidArgumentError(absl::StrCat(source, ": unknown key '", full, "' (known: ",
+                                                     absl::StrJoin(LimitKeys(), ", "), ")"));
+    }
+    if (!kv.second.IsScalar()) return Bad(source, full, "must be a single value");
+    const std::string s = kv.second.as<std::string>();
+    if (key == "max_barrier_timeout") {
+      auto d = ParseDuration(s);
+      if (!d.ok()) return Bad(source, full, d.status().message());
+      if (*d <= absl::ZeroDuration()) return Bad(source, full, "must be positive");
+      l->max_barrier_timeout = *d;
+      continue;
+    }
+    auto b = ParseBytes(s);  // plain counts parse as bytes too
+    if (!b.ok() || *b == 0) return Bad(source, full, "must be a positive number or byte size");
+    uint64_t* field = key == "max_targets_per_request" ? &l->max_targets_per_request
+                      : key == "max_request_bytes"     ? &l->max_request_bytes
+                      : key == "max_uid_bytes"         ? &l->max_uid_bytes
+                      : key == "max_stream_bytes"      ? &l->max_stream_bytes
+                      : key == "max_jobs_per_uid"      ? &l->max_jobs_per_uid
+                      : key == "max_ranks_per_uid"     ? &l->max_ranks_per_uid
+                      : key == "max_ranks_per_job"     ? &l->max_ranks_per_job
+                      : key == "max_message_bytes"     ? &l->max_message_bytes
+                      : key == "max_concurrent_streams" ? &l->max_concurrent_streams
+                      : key == "max_connections"       ? &l->max_connections
+                      : key == "max_threads"           ? &l->max_threads
+                      : key == "max_metadata_bytes"    ? &l->max_metadata_bytes
+                                                       : &l->metadata_cache_entries;
+    *field = *b;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ParseAccess(const YAML::Node& v, const std::string& source,
+                         std::vector<RootAccess>* out) {
+  if (!v.IsSequence()) {
+    return Bad(source, "access", "must be a list of {root, read_uids, read_gids, save_uids, save_gids}");
+  }
+  static const std::set<std::string> kKeys = {"root", "read_uids", "read_gids", "save_uids",
+                                              "save_gids"};
+  out->clear();
+  for (const auto& e : v) {
+    if (!e.IsMap()) return Bad(source, "access", "each entry must be a mapping");
+    RootAccess ra;
+    for (const auto& kv : e) {
+      const std::string key = kv.first.as<std::string>();
+      const std::string full = "access." + key;
+      if (!kKeys.count(key)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            source, ": unknown key '", full, "' (known: ", absl::StrJoin(kKeys, ", "), ")"));
+      }
+      if (key == "root") {
+        if (!kv.second.IsScalar()) return Bad(source, full, "must be a path");
+        ra.root = kv.second.as<std::string>();
+        continue;
+      }
+      auto ids = IdList(kv.second, source, full);
+      if (!ids.ok()) return ids.status();
+      (key == "read_uids"   ? ra.read_uids
+       : key == "read_gids" ? ra.read_gids
+       : key == "save_uids" ? ra.save_uids
+                            : ra.save_gids) = *ids;
+    }
+    if (ra.root.empty()) return Bad(source, "access", "every entry needs 'root'");
+    out->push_back(std::move(ra));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace
@@ -109,6 +217,20 @@ absl::StatusOr<DaemonConfig> ParseConfig(const std::string& yaml, const std::str
         }
         continue;
       }
+      if (key == "limits") {
+        if (absl::Status st = ParseLimits(v, source, &c.limits); !st.ok()) return st;
+        continue;
+      }
+      if (key == "access") {
+        if (absl::Status st = ParseAccess(v, source, &c.access); !st.ok()) return st;
+        continue;
+      }
+      if (key == "admin_uids") {
+        auto ids = IdList(v, source, key);
+        if (!ids.ok()) return ids.status();
+        c.admin_uids = *ids;
+        continue;
+      }
       if (!v.IsScalar()) return Bad(source, key, "must be a single value");
       const std::string s = v.as<std::string>();
       if (key == "socket") {
@@ -120,6 +242,17 @@ absl::StatusOr<DaemonConfig> ParseConfig(const std::string& yaml, const std::str
         c.socket_mode = static_cast<uint32_t>(m);
       } else if (key == "tcp_address") {
         c.tcp_address = s;
+      } else if (key == "tcp_tls_cert") {
+        c.tcp_tls_cert = s;
+      } else if (key == "tcp_tls_key") {
+        c.tcp_tls_key = s;
+      } else if (key == "tcp_tls_ca") {
+        c.tcp_tls_ca = s;
+      } else if (key == "insecure_tcp") {
+        if (s != "true" && s != "false") return Bad(source, key, "must be true or false");
+        c.insecure_tcp = s == "true";
+      } else if (key == "tcp_uid") {
+        if (!absl::SimpleAtoi(s, &c.tcp_uid)) return Bad(source, key, "must be a numeric uid");
       } else if (key == "cache_budget" || key == "io_request_size" || key == "arena_pool" ||
                  key == "arena_limit") {
         auto b = ParseBytes(s);
@@ -230,6 +363,36 @@ absl::Status ValidateConfig(const DaemonConfig& c) {
   if (c.barrier_timeout <= absl::ZeroDuration()) {
     return absl::InvalidArgumentError("config: 'barrier_timeout' must be positive");
   }
+  if (c.barrier_timeout > c.limits.max_barrier_timeout) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config: 'barrier_timeout' ", absl::FormatDuration(c.barrier_timeout),
+        " is above limits.max_barrier_timeout ", absl::FormatDuration(c.limits.max_barrier_timeout)));
+  }
+  if (!c.tcp_address.empty()) {
+    const bool tls = !c.tcp_tls_cert.empty() || !c.tcp_tls_key.empty() || !c.tcp_tls_ca.empty();
+    if (tls && (c.tcp_tls_cert.empty() || c.tcp_tls_key.empty() || c.tcp_tls_ca.empty())) {
+      return absl::InvalidArgumentError(
+          "config: TLS on 'tcp_address' needs all of 'tcp_tls_cert', 'tcp_tls_key' and "
+          "'tcp_tls_ca' (the CA that signs client certificates)");
+    }
+    if (!tls && !c.insecure_tcp) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config: 'tcp_address' ", c.tcp_address,
+          " would accept anyone who can reach it: set 'tcp_tls_cert', 'tcp_tls_key' and "
+          "'tcp_tls_ca' (mutual TLS), or 'insecure_tcp: true' to accept that explicitly"));
+    }
+  }
+  for (const RootAccess& a : c.access) {
+    bool known = false;
+    for (const std::string& r : c.roots) known = known || r == a.root;
+    if (!known) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config: access entry for '", a.root, "' names no configured root"));
+    }
+  }
+  if (c.limits.max_message_bytes < (4u << 20)) {
+    return absl::InvalidArgumentError("config: 'limits.max_message_bytes' must be at least 4MiB");
+  }
   return absl::OkStatus();
 }
 
@@ -256,6 +419,40 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   out << YAML::Key << "peers" << YAML::Value << c.peers;
   out << YAML::Key << "peer_dns" << YAML::Value << c.peer_dns;
   out << YAML::Key << "peer_timeout" << YAML::Value << absl::FormatDuration(c.peer_timeout);
+  out << YAML::Key << "tcp_tls_cert" << YAML::Value << c.tcp_tls_cert;
+  out << YAML::Key << "tcp_tls_key" << YAML::Value << c.tcp_tls_key;
+  out << YAML::Key << "tcp_tls_ca" << YAML::Value << c.tcp_tls_ca;
+  out << YAML::Key << "insecure_tcp" << YAML::Value << (c.insecure_tcp ? "true" : "false");
+  out << YAML::Key << "tcp_uid" << YAML::Value << c.tcp_uid;
+  out << YAML::Key << "admin_uids" << YAML::Value << YAML::Flow << c.admin_uids;
+  out << YAML::Key << "access" << YAML::Value << YAML::BeginSeq;
+  for (const RootAccess& a : c.access) {
+    out << YAML::BeginMap << YAML::Key << "root" << YAML::Value << a.root;
+    out << YAML::Key << "read_uids" << YAML::Value << YAML::Flow << a.read_uids;
+    out << YAML::Key << "read_gids" << YAML::Value << YAML::Flow << a.read_gids;
+    out << YAML::Key << "save_uids" << YAML::Value << YAML::Flow << a.save_uids;
+    out << YAML::Key << "save_gids" << YAML::Value << YAML::Flow << a.save_gids;
+    out << YAML::EndMap;
+  }
+  out << YAML::EndSeq;
+  const Limits& l = c.limits;
+  out << YAML::Key << "limits" << YAML::Value << YAML::BeginMap;
+  out << YAML::Key << "max_targets_per_request" << YAML::Value << l.max_targets_per_request;
+  out << YAML::Key << "max_request_bytes" << YAML::Value << l.max_request_bytes;
+  out << YAML::Key << "max_uid_bytes" << YAML::Value << l.max_uid_bytes;
+  out << YAML::Key << "max_stream_bytes" << YAML::Value << l.max_stream_bytes;
+  out << YAML::Key << "max_jobs_per_uid" << YAML::Value << l.max_jobs_per_uid;
+  out << YAML::Key << "max_ranks_per_uid" << YAML::Value << l.max_ranks_per_uid;
+  out << YAML::Key << "max_ranks_per_job" << YAML::Value << l.max_ranks_per_job;
+  out << YAML::Key << "max_barrier_timeout" << YAML::Value
+      << absl::FormatDuration(l.max_barrier_timeout);
+  out << YAML::Key << "max_message_bytes" << YAML::Value << l.max_message_bytes;
+  out << YAML::Key << "max_concurrent_streams" << YAML::Value << l.max_concurrent_streams;
+  out << YAML::Key << "max_connections" << YAML::Value << l.max_connections;
+  out << YAML::Key << "max_threads" << YAML::Value << l.max_threads;
+  out << YAML::Key << "max_metadata_bytes" << YAML::Value << l.max_metadata_bytes;
+  out << YAML::Key << "metadata_cache_entries" << YAML::Value << l.metadata_cache_entries;
+  out << YAML::EndMap;
   out << YAML::EndMap;
   return std::string(out.c_str()) + "\n";
 }

@@ -13,10 +13,49 @@
 
 namespace ckptd {
 
+// Who may use a checkpoint root (README "Security"). A caller may read
+// (Inspect, Load, Prefetch) when its uid is in read_uids or save_uids, or
+// one of its groups in read_gids or save_gids; it may save (Save, Evict)
+// when its uid is in save_uids or a group in save_gids. Roots without an
+// entry get the default rule: the daemon's own uid and root read and save,
+// members of the socket file's group read.
+struct RootAccess {
+  std::string root;
+  std::vector<uint32_t> read_uids, read_gids, save_uids, save_gids;
+};
+
+// Caps on what one request, one uid and all clients together may make the
+// daemon hold (README "Security", "Limits"). Going over one is
+// RESOURCE_EXHAUSTED or INVALID_ARGUMENT naming the limit and the value.
+struct Limits {
+  uint64_t max_targets_per_request = 262144;
+  uint64_t max_request_bytes = 256ull << 30;   // destination bytes of one request
+  uint64_t max_uid_bytes = 1ull << 40;         // destination bytes of one uid's requests in flight
+  uint64_t max_stream_bytes = 4ull << 30;      // stream buffers held by the daemon, all clients
+  uint64_t max_jobs_per_uid = 64;              // jobs waiting or running
+  uint64_t max_ranks_per_uid = 256;            // Load/Save calls in flight (waiting or running)
+  uint64_t max_ranks_per_job = 1024;           // ranks one job may have on this daemon
+  absl::Duration max_barrier_timeout = absl::Hours(1);
+  uint64_t max_message_bytes = 128ull << 20;   // gRPC messages, both ways
+  uint64_t max_concurrent_streams = 256;       // gRPC calls per connection
+  uint64_t max_connections = 4096;             // client connections on the Unix socket
+  uint64_t max_threads = 2048;                 // gRPC handler threads (ResourceQuota)
+  uint64_t max_metadata_bytes = 1ull << 30;    // one metadata / index / header file
+  uint64_t metadata_cache_entries = 256;       // checkpoints whose metadata is kept (LRU)
+};
+
 struct DaemonConfig {
   std::string socket = "/run/ckptd/ckptd.sock";  // gRPC Unix socket
   uint32_t socket_mode = 0660;
   std::string tcp_address;  // "host:port"; empty: no TCP listener
+  // TLS for tcp_address (client certificates required and verified); without
+  // them a TCP listener is refused unless insecure_tcp is set explicitly.
+  std::string tcp_tls_cert, tcp_tls_key, tcp_tls_ca;
+  bool insecure_tcp = false;
+  uint32_t tcp_uid = 65534;  // the identity TCP callers act as (nobody)
+  std::vector<uint32_t> admin_uids = {0};  // see every job; the daemon's own uid is admin too
+  std::vector<RootAccess> access;
+  Limits limits;
   std::vector<std::string> roots;  // checkpoints outside these are refused
   uint64_t cache_budget = 4ull << 30;  // bytes of checkpoint data kept in memory
   // Destination arenas the daemon lends clients (server/arena_pool.h): free

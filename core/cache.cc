@@ -122,36 +122,6 @@ struct HostCache::Entry {
   std::list<EntryPtr>::iterator lru;
 };
 
-namespace {
-
-FileStamp FromStat(const struct stat& st) {
-  FileStamp s;
-  s.dev = st.st_dev;
-  s.ino = st.st_ino;
-  s.size = static_cast<uint64_t>(st.st_size);
-  s.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
-  return s;
-}
-
-}  // namespace
-
-absl::StatusOr<FileStamp> StatFile(const std::string& path) {
-  struct stat st;
-  if (::stat(path.c_str(), &st) != 0) {
-    std::string msg = absl::StrCat(path, ": stat: ", std::strerror(errno));
-    return errno == ENOENT ? absl::NotFoundError(msg) : absl::InternalError(msg);
-  }
-  return FromStat(st);
-}
-
-absl::StatusOr<FileStamp> StatFd(int fd, const std::string& path) {
-  struct stat st;
-  if (::fstat(fd, &st) != 0) {
-    return absl::InternalError(absl::StrCat(path, ": fstat: ", std::strerror(errno)));
-  }
-  return FromStat(st);
-}
-
 std::optional<RangeView> HostCache::Lookup(const std::string& path, const FileStamp& stamp,
                                            uint64_t offset, uint64_t n) {
   absl::MutexLock lock(&mu_);
@@ -299,28 +269,48 @@ absl::StatusOr<const RandomAccessFile*> CachingSource::Get(const std::string& fi
   absl::MutexLock lock(&mu_);
   auto it = files_.find(file);
   if (it != files_.end()) return it->second.get();
-  const std::string path = JoinPath(dir_, file);
-  CKPT_ASSIGN_OR_RETURN(auto f, OpenFile(path));
-  CKPT_ASSIGN_OR_RETURN(FileStamp now, StatFile(path));
+  if (directory_ == nullptr) {
+    CKPT_ASSIGN_OR_RETURN(directory_, Directory::Open(dir_, options_.confine));
+  }
+  CKPT_ASSIGN_OR_RETURN(auto f, directory_->OpenFile(file));
+  // The stamp of the descriptor the bytes will come from.
+  CKPT_ASSIGN_OR_RETURN(FileStamp now, f->Stamp());
   auto want = stamps_.find(file);
   if (want != stamps_.end() && want->second != now) {
-    return absl::AbortedError(absl::StrCat(
-        path, ": file changed since the checkpoint was opened (size/mtime/inode differ)"));
+    return absl::AbortedError(
+        absl::StrCat(f->path(), ": file changed since the checkpoint was opened "
+                                "(size/mtime/ctime/inode differ)"));
   }
   const RandomAccessFile* p = f.get();
   files_.emplace(file, std::move(f));
   return p;
 }
 
-absl::Status CachingSource::CheckUnchanged(const std::string& file) {
-  const std::string path = JoinPath(dir_, file);
-  auto now = StatFile(path);
-  if (!now.ok()) {
-    return absl::AbortedError(absl::StrCat(path, ": file vanished during the load"));
-  }
+absl::Status CachingSource::CheckUnchanged(const std::string& file, const RandomAccessFile& f) {
   auto want = stamps_.find(file);
+  // The open descriptor: a write into the file (even one that puts mtime
+  // back) moves its ctime.
+  auto now = f.Stamp();
+  if (!now.ok()) return now.status();
   if (want != stamps_.end() && want->second != *now) {
-    return absl::AbortedError(absl::StrCat(path, ": file changed during the load"));
+    return absl::AbortedError(absl::StrCat(f.path(), ": file changed during the load"));
+  }
+  // The name: replaced (renamed over) or removed.
+  std::shared_ptr<const Directory> dir;
+  {
+    absl::MutexLock lock(&mu_);
+    dir = directory_;
+  }
+  auto named = dir->Stat(file);
+  if (!named.ok()) {
+    if (absl::IsNotFound(named.status())) {
+      return absl::AbortedError(absl::StrCat(f.path(), ": file vanished during the load"));
+    }
+    return absl::AbortedError(absl::StrCat(f.path(), ": file changed during the load: ",
+                                           named.status().message()));
+  }
+  if (want != stamps_.end() && want->second != *named) {
+    return absl::AbortedError(absl::StrCat(f.path(), ": file changed during the load"));
   }
   return absl::OkStatus();
 }
@@ -335,7 +325,7 @@ class CachingSource::CacheFill final : public Fill {
         offset_(offset),
         pending_(std::move(pending)) {}
   absl::Status Finish() override {
-    CKPT_RETURN_IF_ERROR(source_->CheckUnchanged(file_));
+    CKPT_RETURN_IF_ERROR(source_->CheckUnchanged(file_, *file));
     if (pending_) {
       source_->cache_->Publish(std::move(pending_), path_, source_->stamps_.at(file_), offset_);
     }
@@ -346,7 +336,8 @@ class CachingSource::CacheFill final : public Fill {
   CachingSource* source_;
   std::string file_, path_;
   uint64_t offset_;
-  std::shared_ptr<HostCache::Pending> pending_;  // null: no room, nothing kept
+  // null: nothing is kept (no room in the cache, or the fill is unverified).
+  std::shared_ptr<HostCache::Pending> pending_;
 };
 
 absl::StatusOr<CachingSource::Probed> CachingSource::Probe(const std::string& file,
@@ -366,13 +357,16 @@ absl::StatusOr<CachingSource::Probed> CachingSource::Probe(const std::string& fi
 }
 
 absl::StatusOr<std::unique_ptr<RangeSource::Fill>> CachingSource::BeginFill(
-    const std::string& file, uint64_t offset, uint64_t n, std::optional<RangeView>* served) {
+    const std::string& file, uint64_t offset, uint64_t n, bool verify,
+    std::optional<RangeView>* served) {
   CKPT_ASSIGN_OR_RETURN(Probed p, Probe(file, offset, n));
   if (p.hit) {
     *served = std::move(*p.hit);
     return nullptr;
   }
-  auto pending = cache_->Reserve(n);
+  // Unverified bytes are never kept: no reservation (which could evict
+  // verified entries) for them.
+  auto pending = verify ? cache_->Reserve(n) : nullptr;
   uint8_t* keep = pending ? cache_->PendingData(pending) : nullptr;
   auto fill = std::make_unique<CacheFill>(this, file, p.path, offset, std::move(pending));
   fill->file = p.file;
@@ -385,7 +379,8 @@ absl::StatusOr<RangeView> CachingSource::Fetch(
     const std::function<absl::Status(const uint8_t*)>& verify) {
   CKPT_ASSIGN_OR_RETURN(Probed p, Probe(file, offset, n));
   if (p.hit) return *std::move(p.hit);
-  auto pending = cache_->Reserve(n);
+  // Without a verify function the bytes are read into scratch and not kept.
+  auto pending = verify ? cache_->Reserve(n) : nullptr;
   uint8_t* dst;
   if (pending) {
     dst = cache_->PendingData(pending);
@@ -394,7 +389,7 @@ absl::StatusOr<RangeView> CachingSource::Fetch(
     dst = scratch.data();
   }
   CKPT_RETURN_IF_ERROR(p.file->Read(offset, n, dst));
-  CKPT_RETURN_IF_ERROR(CheckUnchanged(file));
+  CKPT_RETURN_IF_ERROR(CheckUnchanged(file, *p.file));
   if (verify) CKPT_RETURN_IF_ERROR(verify(dst));
   if (!pending) return RangeView{dst, nullptr, true};
   RangeView v = cache_->Publish(std::move(pending), p.path, *p.stamp, offset);

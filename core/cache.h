@@ -2,9 +2,22 @@
 // byte budget, evicted least-recently-used first. Entries that a load is
 // using (pinned through a RangeView) are never evicted.
 //
-// Entries are keyed by file path + FileStamp (device, inode, size, mtime),
-// so a file that is rewritten or replaced never serves stale bytes: its new
+// Entries are keyed by file path + FileStamp (device, inode, size, mtime,
+// ctime), so a file that is rewritten or replaced never serves stale bytes
+// (even a same-size rewrite with its mtime put back: ctime moves): its new
 // stamp misses and the old entries age out (or Evict drops them).
+//
+// What a cache hit has been checked against: CachingSource publishes only
+// bytes that were verified when they were read from storage, against every
+// checksum block lying entirely inside the read that filled the entry. A
+// hit for a range inside that entry is served without hashing again; every
+// checksum block entirely inside the hit's range is also entirely inside the
+// filling read, so a hit has passed every check a read of that range from
+// storage would make. Bytes outside any whole checksum block (the partial
+// blocks at the ends of a read; formats without checksums: HuggingFace,
+// PaddlePaddle, PyTorch DCP) are cached as read, like a storage read would
+// deliver them. A load run without verification reads and delivers but adds
+// nothing to the cache (it can still be served by entries already there).
 //
 // Thread-safe.
 #ifndef CKPTD_CORE_CACHE_H_
@@ -24,20 +37,6 @@
 #include "core/executor.h"
 
 namespace ckpt {
-
-struct FileStamp {
-  uint64_t dev = 0;
-  uint64_t ino = 0;
-  uint64_t size = 0;
-  int64_t mtime_ns = 0;
-  bool operator==(const FileStamp& o) const {
-    return dev == o.dev && ino == o.ino && size == o.size && mtime_ns == o.mtime_ns;
-  }
-  bool operator!=(const FileStamp& o) const { return !(*this == o); }
-};
-
-absl::StatusOr<FileStamp> StatFile(const std::string& path);
-absl::StatusOr<FileStamp> StatFd(int fd, const std::string& path);
 
 struct CacheStats {
   uint64_t budget_bytes = 0;
@@ -114,14 +113,21 @@ class HostCache {
 };
 
 // A RangeSource for one checkpoint directory that serves from a HostCache
-// and reads misses from storage into it. Every file's identity is checked
-// against `stamps` (taken when the checkpoint's metadata was validated)
-// before and after reading, so a file that changes or vanishes fails the
-// load instead of delivering stale bytes.
+// and reads misses from storage into it. Files are opened beneath the
+// directory (SourceOptions::confine, on by default: no symlink followed,
+// regular files only). Every file's identity is checked against `stamps`
+// (taken when the checkpoint's metadata was validated) when it is opened
+// (fstat of the descriptor read from) and after each read (the descriptor
+// and the name), so a file that changes, is replaced or vanishes fails the
+// load instead of delivering stale bytes. Misses are published to the cache
+// only when their bytes were verified (see the top of this file): a Fetch
+// without a verify function or a fill begun without `verify` reads into
+// scratch memory and keeps nothing.
 class CachingSource final : public RangeSource {
  public:
-  CachingSource(std::string dir, HostCache* cache, std::map<std::string, FileStamp> stamps)
-      : dir_(std::move(dir)), cache_(cache), stamps_(std::move(stamps)) {}
+  CachingSource(std::string dir, HostCache* cache, std::map<std::string, FileStamp> stamps,
+                SourceOptions options = {})
+      : dir_(std::move(dir)), cache_(cache), stamps_(std::move(stamps)), options_(options) {}
 
   absl::StatusOr<RangeView> Fetch(
       const std::string& file, uint64_t offset, uint64_t n, std::vector<uint8_t>& scratch,
@@ -129,7 +135,7 @@ class CachingSource final : public RangeSource {
   // A hit is served; a miss is read by the executor straight into a new
   // cache entry, published by Finish once the file is checked unchanged.
   absl::StatusOr<std::unique_ptr<Fill>> BeginFill(const std::string& file, uint64_t offset,
-                                                  uint64_t n,
+                                                  uint64_t n, bool verify,
                                                   std::optional<RangeView>* served) override;
 
  private:
@@ -144,12 +150,14 @@ class CachingSource final : public RangeSource {
   };
   absl::StatusOr<Probed> Probe(const std::string& file, uint64_t offset, uint64_t n);
   absl::StatusOr<const RandomAccessFile*> Get(const std::string& file);
-  absl::Status CheckUnchanged(const std::string& file);
+  absl::Status CheckUnchanged(const std::string& file, const RandomAccessFile& f);
 
   const std::string dir_;
   HostCache* const cache_;
   const std::map<std::string, FileStamp> stamps_;
+  const SourceOptions options_;
   absl::Mutex mu_;
+  std::shared_ptr<const Directory> directory_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::unique_ptr<RandomAccessFile>> files_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -1,7 +1,5 @@
 #include "core/checkpoint.h"
 
-#include <dirent.h>
-
 #include <algorithm>
 #include <map>
 #include <set>
@@ -22,27 +20,16 @@
 namespace ckpt {
 namespace {
 
-constexpr uint64_t kMaxMetadataBytes = 4ull << 30;
 constexpr uint64_t kMaxIndexBytes = 256ull << 20;
 
-absl::StatusOr<std::vector<std::string>> ListDir(const std::string& dir) {
-  DIR* d = ::opendir(dir.c_str());
-  if (d == nullptr) {
-    int err = errno;
-    std::string msg = absl::StrCat(dir, ": cannot open checkpoint directory: ", std::strerror(err));
-    if (err == ENOENT) return absl::NotFoundError(msg);
-    if (err == ENOTDIR) return absl::InvalidArgumentError(msg);
-    if (err == EACCES) return absl::PermissionDeniedError(msg);
-    return absl::InternalError(msg);
+absl::StatusOr<std::shared_ptr<const Directory>> OpenCheckpointDir(const std::string& dir,
+                                                                   bool confine) {
+  auto d = Directory::Open(dir, confine);
+  if (!d.ok()) {
+    return absl::Status(d.status().code(),
+                        absl::StrCat("checkpoint ", d.status().message()));
   }
-  std::vector<std::string> names;
-  while (struct dirent* e = ::readdir(d)) {
-    std::string n = e->d_name;
-    if (n != "." && n != "..") names.push_back(std::move(n));
-  }
-  ::closedir(d);
-  std::sort(names.begin(), names.end());
-  return names;
+  return d;
 }
 
 // "{digits}" -> value; false if not all digits.
@@ -63,21 +50,30 @@ bool ParseDataFileName(absl::string_view name, absl::string_view ext, int64_t* u
   return ParseUid(name.substr(0, us), &rank) && ParseUid(name.substr(us + 1), uid);
 }
 
-absl::Status CheckDataFiles(Checkpoint& ckpt) {
+// Opens data file `file` of the checkpoint, recording its stamp.
+absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenDataFile(Checkpoint& ckpt,
+                                                               const Directory& dir,
+                                                               const std::string& file) {
+  auto f = dir.OpenFile(file);
+  if (!f.ok()) {
+    return absl::Status(f.status().code(),
+                        absl::StrCat("checkpoint ", ckpt.dir, ": data file '", file,
+                                     "' named by the metadata cannot be opened: ",
+                                     f.status().message()));
+  }
+  CKPT_ASSIGN_OR_RETURN(ckpt.file_stamps[file], (*f)->Stamp());
+  return f;
+}
+
+absl::Status CheckDataFiles(Checkpoint& ckpt, const Directory& dir) {
   std::map<std::string, std::vector<std::pair<std::string, const ShardMeta*>>> by_file;
   for (const auto& [name, t] : ckpt.metadata.tensors) {
     for (const ShardMeta& s : t.shards) by_file[s.file].push_back({name, &s});
   }
   for (const auto& [file, shards] : by_file) {
     const std::string path = JoinPath(ckpt.dir, file);
-    auto f = OpenFile(path);
-    if (!f.ok()) {
-      return absl::Status(f.status().code(),
-                          absl::StrCat("checkpoint ", ckpt.dir, ": data file '", file,
-                                       "' named by the metadata cannot be opened: ",
-                                       f.status().message()));
-    }
-    CKPT_ASSIGN_OR_RETURN(SafetensorsHeader h, ReadSafetensorsHeader(**f));
+    CKPT_ASSIGN_OR_RETURN(auto f, OpenDataFile(ckpt, dir, file));
+    CKPT_ASSIGN_OR_RETURN(SafetensorsHeader h, ReadSafetensorsHeader(*f));
     std::multimap<uint64_t, const SafetensorsTensor*> by_begin;
     for (const auto& t : h.tensors) by_begin.emplace(t.begin, &t);
     for (const auto& [name, s] : shards) {
@@ -101,8 +97,25 @@ absl::Status CheckDataFiles(Checkpoint& ckpt) {
   return absl::OkStatus();
 }
 
-absl::Status OpenNative(Checkpoint& ckpt, const std::vector<std::string>& names,
-                        const OpenOptions& options) {
+// Reads metadata file `name`, bounded by `max_bytes`, and records its stamp.
+absl::StatusOr<std::string> ReadMetadataFile(Checkpoint& ckpt, const Directory& dir,
+                                             const std::string& name, uint64_t max_bytes,
+                                             absl::string_view limit_name) {
+  auto f = dir.OpenFile(name);
+  if (!f.ok()) return f.status();
+  if ((*f)->size() > max_bytes) {
+    return absl::ResourceExhaustedError(
+        absl::StrCat((*f)->path(), ": metadata file is ", (*f)->size(), " bytes, over the ",
+                     limit_name, " limit of ", max_bytes, " bytes"));
+  }
+  CKPT_ASSIGN_OR_RETURN(ckpt.file_stamps[name], (*f)->Stamp());
+  std::string out((*f)->size(), '\0');
+  CKPT_RETURN_IF_ERROR((*f)->Read(0, out.size(), out.data()));
+  return out;
+}
+
+absl::Status OpenNative(Checkpoint& ckpt, const Directory& dir,
+                        const std::vector<std::string>& names, const OpenOptions& options) {
   int64_t uid = options.unique_id ? *options.unique_id : ckpt.versions.back();
   if (std::find(ckpt.versions.begin(), ckpt.versions.end(), uid) == ckpt.versions.end()) {
     return absl::NotFoundError(absl::StrCat("checkpoint ", ckpt.dir, ": no version ", uid,
@@ -124,35 +137,45 @@ absl::Status OpenNative(Checkpoint& ckpt, const std::vector<std::string>& names,
   }
   ckpt.metadata_file = absl::StrCat(uid, ".metadata");
   const std::string path = JoinPath(ckpt.dir, ckpt.metadata_file);
-  CKPT_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path, kMaxMetadataBytes));
-  if (LooksPickled(text)) return OpenPickledCheckpoint(&ckpt, ckpt.metadata_file, text);
+  CKPT_ASSIGN_OR_RETURN(std::string text,
+                        ReadMetadataFile(ckpt, dir, ckpt.metadata_file,
+                                         options.max_metadata_bytes, "max_metadata_bytes"));
+  if (LooksPickled(text)) return OpenPickledCheckpoint(&ckpt, dir, ckpt.metadata_file, text);
   CKPT_ASSIGN_OR_RETURN(ckpt.metadata, ParseMetadataJson(path, text));
   ckpt.metadata.unique_id = uid;
   return absl::OkStatus();
 }
 
 // PyTorch DCP: one unversioned, pickled `.metadata` (detected by content).
-absl::Status OpenDotMetadata(Checkpoint& ckpt, const OpenOptions& options) {
+absl::Status OpenDotMetadata(Checkpoint& ckpt, const Directory& dir,
+                             const OpenOptions& options) {
   if (options.unique_id) {
     return absl::InvalidArgumentError(absl::StrCat(
         "checkpoint ", ckpt.dir, ": a PyTorch DCP checkpoint has no versions; drop --unique-id"));
   }
   ckpt.metadata_file = ".metadata";
   const std::string path = JoinPath(ckpt.dir, ckpt.metadata_file);
-  CKPT_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path, kMaxMetadataBytes));
+  CKPT_ASSIGN_OR_RETURN(std::string text,
+                        ReadMetadataFile(ckpt, dir, ckpt.metadata_file,
+                                         options.max_metadata_bytes, "max_metadata_bytes"));
   if (!LooksPickled(text)) {
     return absl::DataLossError(absl::StrCat(path, ": not a pickle (PyTorch DCP metadata)"));
   }
-  return OpenPickledCheckpoint(&ckpt, ckpt.metadata_file, text);
+  return OpenPickledCheckpoint(&ckpt, dir, ckpt.metadata_file, text);
 }
 
-absl::Status OpenHuggingFace(Checkpoint& ckpt, const std::vector<std::string>& names) {
+absl::Status OpenHuggingFace(Checkpoint& ckpt, const Directory& dir,
+                             const std::vector<std::string>& names, const OpenOptions& options) {
   std::vector<std::string> files;
   const bool has_index =
       std::find(names.begin(), names.end(), "model.safetensors.index.json") != names.end();
   if (has_index) {
     const std::string path = JoinPath(ckpt.dir, "model.safetensors.index.json");
-    CKPT_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path, kMaxIndexBytes));
+    const uint64_t limit = std::min(kMaxIndexBytes, options.max_metadata_bytes);
+    CKPT_ASSIGN_OR_RETURN(
+        std::string text,
+        ReadMetadataFile(ckpt, dir, "model.safetensors.index.json", limit,
+                         limit == options.max_metadata_bytes ? "max_metadata_bytes" : "index"));
     nlohmann::json j;
     try {
       j = nlohmann::json::parse(text);
@@ -178,12 +201,12 @@ absl::Status OpenHuggingFace(Checkpoint& ckpt, const std::vector<std::string>& n
     }
   }
   for (const std::string& file : files) {
-    const std::string path = JoinPath(ckpt.dir, file);
-    auto f = OpenFile(path);
+    auto f = dir.OpenFile(file);
     if (!f.ok()) {
       return absl::Status(f.status().code(), absl::StrCat("checkpoint ", ckpt.dir, ": file '",
                                                           file, "': ", f.status().message()));
     }
+    CKPT_ASSIGN_OR_RETURN(ckpt.file_stamps[file], (*f)->Stamp());
     CKPT_ASSIGN_OR_RETURN(SafetensorsHeader h, ReadSafetensorsHeader(**f));
     for (const SafetensorsTensor& t : h.tensors) {
       if (ckpt.metadata.tensors.count(t.name)) {
@@ -219,8 +242,9 @@ const char* FormatName(CheckpointFormat f) {
   return "unknown";
 }
 
-absl::StatusOr<std::vector<int64_t>> ListVersions(const std::string& dir) {
-  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, ListDir(dir));
+namespace {
+
+std::vector<int64_t> VersionsIn(const std::vector<std::string>& names) {
   std::vector<int64_t> out;
   for (const std::string& n : names) {
     absl::string_view v = n;
@@ -231,16 +255,36 @@ absl::StatusOr<std::vector<int64_t>> ListVersions(const std::string& dir) {
   return out;
 }
 
+}  // namespace
+
+absl::StatusOr<std::vector<int64_t>> ListVersions(const std::string& dir) {
+  CKPT_ASSIGN_OR_RETURN(auto d, OpenCheckpointDir(dir, /*confine=*/true));
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, d->List());
+  return VersionsIn(names);
+}
+
+absl::StatusOr<bool> VersionExists(const std::string& dir, int64_t unique_id) {
+  auto d = Directory::Open(dir, /*confine=*/true);
+  if (!d.ok()) {
+    if (absl::IsNotFound(d.status())) return false;
+    return d.status();
+  }
+  return (*d)->Exists(absl::StrCat(unique_id, ".metadata"));
+}
+
 absl::StatusOr<Checkpoint> OpenCheckpoint(const std::string& dir, const OpenOptions& options) {
   Checkpoint ckpt;
   ckpt.dir = dir;
-  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, ListDir(dir));
-  CKPT_ASSIGN_OR_RETURN(ckpt.versions, ListVersions(dir));
+  ckpt.confine = options.confine;
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<const Directory> d,
+                        OpenCheckpointDir(dir, options.confine));
+  CKPT_ASSIGN_OR_RETURN(std::vector<std::string> names, d->List());
+  ckpt.versions = VersionsIn(names);
   if (!ckpt.versions.empty()) {
     ckpt.format = CheckpointFormat::kNative;
-    CKPT_RETURN_IF_ERROR(OpenNative(ckpt, names, options));
+    CKPT_RETURN_IF_ERROR(OpenNative(ckpt, *d, names, options));
   } else if (std::find(names.begin(), names.end(), ".metadata") != names.end()) {
-    CKPT_RETURN_IF_ERROR(OpenDotMetadata(ckpt, options));
+    CKPT_RETURN_IF_ERROR(OpenDotMetadata(ckpt, *d, options));
   } else {
     bool any_st = false, any_distcp = false;
     for (const std::string& n : names) {
@@ -260,7 +304,7 @@ absl::StatusOr<Checkpoint> OpenCheckpoint(const std::string& dir, const OpenOpti
           "checkpoint ", dir, ": a HuggingFace checkpoint has no versions; drop --unique-id"));
     }
     ckpt.format = CheckpointFormat::kHuggingFace;
-    CKPT_RETURN_IF_ERROR(OpenHuggingFace(ckpt, names));
+    CKPT_RETURN_IF_ERROR(OpenHuggingFace(ckpt, *d, names, options));
   }
   std::set<std::string> files;
   for (const auto& [name, t] : ckpt.metadata.tensors) {
@@ -268,7 +312,7 @@ absl::StatusOr<Checkpoint> OpenCheckpoint(const std::string& dir, const OpenOpti
   }
   ckpt.data_files.assign(files.begin(), files.end());
   if (options.check_data_files && ckpt.format == CheckpointFormat::kNative) {
-    CKPT_RETURN_IF_ERROR(CheckDataFiles(ckpt));
+    CKPT_RETURN_IF_ERROR(CheckDataFiles(ckpt, *d));
   }
   return ckpt;
 }

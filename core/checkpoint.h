@@ -10,11 +10,13 @@
 #define CKPTD_CORE_CHECKPOINT_H_
 
 #include <cstdint>
+#include <map>
 #include <optional>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "core/file.h"
 #include "core/metadata.h"
 
 namespace ckpt {
@@ -35,6 +37,15 @@ struct Checkpoint {
   // Items of a foreign checkpoint that are not tensors (PyTorch DCP bytes
   // items), left out of `metadata`.
   std::vector<std::string> skipped_items;
+  // Whether its files were opened confined (OpenOptions::confine); readers
+  // of its data (DirectorySource, CachingSource) should use the same.
+  bool confine = true;
+  // Identity (fstat of the descriptor read) of every file OpenCheckpoint
+  // read, by name relative to `dir`: the metadata / index file and each
+  // data file whose header was read (all of them unless check_data_files is
+  // false for a native checkpoint). Taken from the descriptors the headers
+  // came from, so they describe exactly the bytes that were validated.
+  std::map<std::string, FileStamp> file_stamps;
 };
 
 struct OpenOptions {
@@ -42,6 +53,21 @@ struct OpenOptions {
   // Read each data file's header and check it agrees with the metadata
   // (files present, dtype, byte ranges). Cheap: two small preads per file.
   bool check_data_files = true;
+  // Every file named by the checkpoint (metadata, index, data files of any
+  // format) is opened beneath the checkpoint directory with no symbolic link
+  // anywhere in its name (openat2 RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS; see
+  // OpenFileAt in core/file.h). On by default: the daemon relies on it.
+  // false follows symlinks (e.g. a HuggingFace hub cache snapshot, whose
+  // files are symlinks into ../../blobs) — for tools running with the
+  // user's own rights only. Either way files must be regular files and are
+  // opened with O_NONBLOCK (a FIFO never blocks). The directory `dir`
+  // itself is opened following symlinks.
+  bool confine = true;
+  // A metadata file ({uid}.metadata, .metadata) larger than this is refused
+  // (RESOURCE_EXHAUSTED naming the file, its size and this limit) before it
+  // is read. A HuggingFace index (model.safetensors.index.json) is bounded by
+  // the smaller of this and 256 MiB.
+  uint64_t max_metadata_bytes = 1ull << 30;
 };
 
 absl::StatusOr<Checkpoint> OpenCheckpoint(const std::string& dir, const OpenOptions& options = {});
@@ -49,6 +75,11 @@ absl::StatusOr<Checkpoint> OpenCheckpoint(const std::string& dir, const OpenOpti
 // unique_ids of the `{uid}.metadata` files in `dir`, ascending. Matching is
 // exact: uid 1 is never `11.metadata`.
 absl::StatusOr<std::vector<int64_t>> ListVersions(const std::string& dir);
+
+// Whether version `unique_id` exists in `dir`: its `{uid}.metadata` (the
+// commit point of a save) is present (as any kind of file, so a symlink
+// squatting the name counts too). false when `dir` does not exist.
+absl::StatusOr<bool> VersionExists(const std::string& dir, int64_t unique_id);
 
 }  // namespace ckpt
 

@@ -391,14 +391,18 @@ absl::StatusOr<const RandomAccessFile*> DirectorySource::Get(const std::string& 
   absl::MutexLock lock(&mu_);
   auto it = files_.find(file);
   if (it != files_.end()) return it->second.get();
-  CKPT_ASSIGN_OR_RETURN(auto f, OpenFile(JoinPath(dir_, file)));
+  if (directory_ == nullptr) {
+    CKPT_ASSIGN_OR_RETURN(directory_, Directory::Open(dir_, options_.confine));
+  }
+  CKPT_ASSIGN_OR_RETURN(auto f, directory_->OpenFile(file));
   const RandomAccessFile* p = f.get();
   files_.emplace(file, std::move(f));
   return p;
 }
 
 absl::StatusOr<std::unique_ptr<RangeSource::Fill>> DirectorySource::BeginFill(
-    const std::string& file, uint64_t offset, uint64_t n, std::optional<RangeView>* served) {
+    const std::string& file, uint64_t offset, uint64_t n, bool verify,
+    std::optional<RangeView>* served) {
   auto fill = std::make_unique<Fill>();
   CKPT_ASSIGN_OR_RETURN(fill->file, Get(file));
   return fill;
@@ -509,7 +513,8 @@ absl::StatusOr<LoadStats> ExecutePlan(const LoadPlan& plan, RangeSource& source,
       // memory (a cache hit), or fetched whole by the source.
       std::optional<RangeView> served;
       if (by_runs) {
-        auto fill = source.BeginFill(file, rr.offset, rr.length, &served);
+        auto fill =
+            source.BeginFill(file, rr.offset, rr.length, options.verify_checksums, &served);
         if (!fill.ok()) {
           fail(fill.status());
           break;
@@ -541,9 +546,16 @@ absl::StatusOr<LoadStats> ExecutePlan(const LoadPlan& plan, RangeSource& source,
         }
         return absl::OkStatus();
       };
+      // Without verification the source gets no verify function, so it
+      // knows these bytes are unverified (and a cache does not keep them).
+      static const std::function<absl::Status(const uint8_t*)> kNoVerify;
       auto t0 = std::chrono::steady_clock::now();
       absl::StatusOr<RangeView> view =
-          served ? *std::move(served) : source.Fetch(file, rr.offset, rr.length, scratch, verify);
+          served ? *std::move(served)
+                 : source.Fetch(file, rr.offset, rr.length, scratch,
+                                options.verify_checksums
+                                    ? std::function<absl::Status(const uint8_t*)>(verify)
+                                    : kNoVerify);
       auto t1 = std::chrono::steady_clock::now();
       absl::Status s = view.status();
       if (s.ok()) {

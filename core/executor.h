@@ -58,6 +58,9 @@ class RangeSource {
   // Returns `n` bytes at `offset` of checkpoint file `file`, either in
   // `scratch` (resized as needed) or in memory the source owns. Bytes read
   // from storage are passed to `verify` before they are kept or returned.
+  // An empty `verify` means the caller does not verify these bytes: a
+  // source that keeps bytes for later reads (a cache) must then not keep
+  // them (see CachingSource).
   virtual absl::StatusOr<RangeView> Fetch(
       const std::string& file, uint64_t offset, uint64_t n, std::vector<uint8_t>& scratch,
       const std::function<absl::Status(const uint8_t*)>& verify) = 0;
@@ -65,9 +68,10 @@ class RangeSource {
   // A read the source lets the executor do itself, piece by piece (see
   // ExecutePlan): bytes from `file` go into `keep` (the source's memory
   // for them, e.g. a cache entry; null: nothing is kept), each piece
-  // verified and delivered while hot; then Finish() (e.g. checks the file
-  // did not change and publishes the entry). Destroying an unfinished Fill
-  // drops what was kept.
+  // verified (when `verify`) and delivered while hot; then Finish() (e.g.
+  // checks the file did not change and publishes the entry). Destroying an
+  // unfinished Fill drops what was kept. A source must not keep bytes of a
+  // fill begun with `verify` false.
   class Fill {
    public:
     virtual ~Fill() = default;
@@ -76,29 +80,42 @@ class RangeSource {
     virtual absl::Status Finish() { return absl::OkStatus(); }
   };
   // Either sets *served (the bytes are in memory already, e.g. a cache
-  // hit), returns a Fill, or returns null (use Fetch). The default: null.
+  // hit), returns a Fill, or returns null (use Fetch). `verify`: whether
+  // the executor will verify the fill's bytes against every checksum block
+  // entirely inside it. The default: null.
   virtual absl::StatusOr<std::unique_ptr<Fill>> BeginFill(const std::string& file, uint64_t offset,
-                                                          uint64_t n,
+                                                          uint64_t n, bool verify,
                                                           std::optional<RangeView>* served) {
     return nullptr;
   }
 };
 
-// Reads files of one checkpoint directory with pread; opens each file once.
+// How the sources below open the files of their checkpoint directory.
+struct SourceOptions {
+  // Open every file beneath the directory with no symlink followed
+  // (OpenFileAt with confine; see core/file.h and OpenOptions::confine).
+  bool confine = true;
+};
+
+// Reads files of one checkpoint directory with pread; opens each file once
+// (beneath the directory, see SourceOptions).
 class DirectorySource final : public RangeSource {
  public:
-  explicit DirectorySource(std::string dir) : dir_(std::move(dir)) {}
+  explicit DirectorySource(std::string dir, SourceOptions options = {})
+      : dir_(std::move(dir)), options_(options) {}
   absl::StatusOr<RangeView> Fetch(
       const std::string& file, uint64_t offset, uint64_t n, std::vector<uint8_t>& scratch,
       const std::function<absl::Status(const uint8_t*)>& verify) override;
   absl::StatusOr<std::unique_ptr<Fill>> BeginFill(const std::string& file, uint64_t offset,
-                                                  uint64_t n,
+                                                  uint64_t n, bool verify,
                                                   std::optional<RangeView>* served) override;
 
  private:
   absl::StatusOr<const RandomAccessFile*> Get(const std::string& file);
   const std::string dir_;
+  const SourceOptions options_;
   absl::Mutex mu_;
+  std::shared_ptr<const Directory> directory_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::unique_ptr<RandomAccessFile>> files_ ABSL_GUARDED_BY(mu_);
 };
 

@@ -156,8 +156,8 @@ bool StoredDTypeCompatible(DType metadata, DType file) {
   return false;
 }
 
-absl::Status OpenPickledCheckpoint(Checkpoint* ckpt, const std::string& metadata_file,
-                                   const std::string& bytes) {
+absl::Status OpenPickledCheckpoint(Checkpoint* ckpt, const Directory& dir,
+                                   const std::string& metadata_file, const std::string& bytes) {
   const std::string path = JoinPath(ckpt->dir, metadata_file);
   CKPT_ASSIGN_OR_RETURN(pickle::Document doc,
                         pickle::ParseBuffer(path, bytes, MetadataPickleOptions()));
@@ -167,12 +167,13 @@ absl::Status OpenPickledCheckpoint(Checkpoint* ckpt, const std::string& metadata
     case kTagPdMetadata: {
       ckpt->format = CheckpointFormat::kPaddle;
       CKPT_ASSIGN_OR_RETURN(m, PaddleMetadataToModel(doc));
-      CKPT_RETURN_IF_ERROR(LocatePaddleData(ckpt->dir, &m));
+      CKPT_RETURN_IF_ERROR(LocatePaddleData(dir, &m, &ckpt->file_stamps));
       break;
     }
     case kTagTMetadata: {
       ckpt->format = CheckpointFormat::kTorchDcp;
-      CKPT_ASSIGN_OR_RETURN(m, TorchDcpToModel(doc, ckpt->dir, &ckpt->skipped_items));
+      CKPT_ASSIGN_OR_RETURN(
+          m, TorchDcpToModel(doc, dir, &ckpt->skipped_items, &ckpt->file_stamps));
       break;
     }
     default:
@@ -196,6 +197,7 @@ absl::StatusOr<ConvertReport> ConvertCheckpoint(const std::string& src_dir,
   }
   OpenOptions oo;
   oo.unique_id = options.source_unique_id;
+  oo.confine = options.confine;
   CKPT_ASSIGN_OR_RETURN(Checkpoint src, OpenCheckpoint(src_dir, oo));
   ConvertReport report;
   report.source_format = src.format;
@@ -264,6 +266,7 @@ absl::StatusOr<ConvertReport> ConvertCheckpoint(const std::string& src_dir,
   so.source_unique_id = src.unique_id;
   so.unique_id = options.unique_id;
   so.threads = options.threads;
+  so.confine = options.confine;
   CKPT_RETURN_IF_ERROR(ShardCheckpoint(src_dir, layout, out_dir, so));
   report.files_written = layout.world_size;
   report.tensors = src.metadata.tensors.size();

@@ -67,16 +67,19 @@ const pickle::Options& TorchTensorPickleOptions(); // torch.save's data.pkl
 // Whether the first bytes of a file are a pickle (PROTO opcode 0x80).
 bool LooksPickled(absl::string_view head);
 
-// Opens a checkpoint whose metadata file `metadata_file` (in ckpt->dir) is a
-// pickle held in `bytes`: detects Paddle or torch DCP by the root record's
-// class and fills ckpt->format, ckpt->metadata and ckpt->skipped_items.
-absl::Status OpenPickledCheckpoint(Checkpoint* ckpt, const std::string& metadata_file,
-                                   const std::string& bytes);
+// Opens a checkpoint whose metadata file `metadata_file` (in `dir`, the
+// open ckpt->dir) is a pickle held in `bytes`: detects Paddle or torch DCP by
+// the root record's class and fills ckpt->format, ckpt->metadata,
+// ckpt->skipped_items and the stamps of the data files it reads
+// (ckpt->file_stamps). Data files are opened through `dir` (OpenFileAt).
+absl::Status OpenPickledCheckpoint(Checkpoint* ckpt, const Directory& dir,
+                                   const std::string& metadata_file, const std::string& bytes);
 
 struct ConvertOptions {
   std::optional<int64_t> source_unique_id;
   int64_t unique_id = 0;  // version written
   int threads = 2;
+  bool confine = true;  // for the source checkpoint (OpenOptions::confine)
 };
 
 struct ConvertReport {

@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <climits>
+#include <cstdlib>
+#include <cstring>
 #include <thread>
 
 #include <nlohmann/json.hpp>
@@ -29,6 +32,7 @@ absl::StatusOr<OfflineLoadResult> LoadOffline(const std::string& dir, const Layo
   auto t0 = std::chrono::steady_clock::now();
   OpenOptions oo;
   oo.unique_id = options.unique_id;
+  oo.confine = options.confine;
   CKPT_ASSIGN_OR_RETURN(res.checkpoint, OpenCheckpoint(dir, oo));
   res.times.open_seconds = Since(t0);
   t0 = std::chrono::steady_clock::now();
@@ -71,7 +75,7 @@ absl::StatusOr<OfflineLoadResult> LoadOffline(const std::string& dir, const Layo
       dests[r].push_back(buf.empty() ? nullptr : buf.data());
     }
   }
-  DirectorySource source(res.checkpoint.dir);
+  DirectorySource source(res.checkpoint.dir, SourceOptions{res.checkpoint.confine});
   ExecuteOptions eo;
   eo.threads = options.threads;
   eo.verify_checksums = options.verify_checksums;
@@ -143,11 +147,20 @@ absl::Status ShardCheckpoint(const std::string& src_dir, const Layout& layout,
                              const std::string& out_dir, const ShardOptions& options) {
   OpenOptions oo;
   oo.unique_id = options.source_unique_id;
+  oo.confine = options.confine;
   CKPT_ASSIGN_OR_RETURN(Checkpoint src, OpenCheckpoint(src_dir, oo));
   CKPT_ASSIGN_OR_RETURN(SavePlan save, PlanSave(layout.ranks, layout.world_size, options.unique_id,
                                                       options.checksum_block));
   CKPT_RETURN_IF_ERROR(MakeDirs(out_dir));
-  DirectorySource source(src.dir);
+  // The user's own output path may hold symlinks: resolve it, then lock the
+  // real directory and write through the locked descriptor.
+  char real[PATH_MAX];
+  if (::realpath(out_dir.c_str(), real) == nullptr) {
+    return absl::InternalError(
+        absl::StrCat(out_dir, ": cannot resolve the output directory: ", std::strerror(errno)));
+  }
+  CKPT_ASSIGN_OR_RETURN(DirLock lock, LockDirectory(real));
+  DirectorySource source(src.dir, SourceOptions{src.confine});
   std::vector<std::pair<std::string, ShardMeta>> written;
   for (int r = 0; r < layout.world_size; ++r) {
     RankTargets rt;
@@ -170,10 +183,10 @@ absl::Status ShardCheckpoint(const std::string& src_dir, const Layout& layout,
     ExecuteOptions eo;
     eo.threads = options.threads;
     CKPT_RETURN_IF_ERROR(ExecutePlan(lp, source, dests, eo).status());
-    CKPT_ASSIGN_OR_RETURN(auto shards, WriteRankFile(out_dir, save, r, data));
+    CKPT_ASSIGN_OR_RETURN(auto shards, WriteRankFile(lock.directory(), save, r, data));
     written.insert(written.end(), shards.begin(), shards.end());
   }
-  return FinishSave(out_dir, save, written, src.metadata.flat_mapping);
+  return FinishSave(lock.directory(), save, written, src.metadata.flat_mapping);
 }
 
 }  // namespace ckpt

@@ -27,6 +27,10 @@ struct OfflineLoadOptions {
   // core/aoa.h); empty: none. `aoa_where` names it in error messages.
   std::string aoa;
   std::string aoa_where = "aoa";
+  // Open the checkpoint's files confined beneath its directory, no symlink
+  // followed (OpenOptions::confine). A tool may turn it off for a directory
+  // of symlinks (HuggingFace hub cache snapshots).
+  bool confine = true;
 };
 
 struct PhaseTimes {
@@ -68,12 +72,14 @@ struct ShardOptions {
   int64_t unique_id = 0;  // of the written checkpoint
   int threads = 2;
   uint64_t checksum_block = 64ull << 20;
+  bool confine = true;  // for the source checkpoint (OpenOptions::confine)
 };
 
 // Cuts the tensors of the checkpoint at `src_dir` per `layout` and writes a
 // native checkpoint into `out_dir`, as if each rank had saved its part
 // (replicas written once). Keys of the layout missing in the source are an
-// error.
+// error. `out_dir` is locked (LockDirectory, after resolving symlinks in its
+// path) while writing, so it never interleaves with a daemon's Save.
 absl::Status ShardCheckpoint(const std::string& src_dir, const Layout& layout,
                              const std::string& out_dir, const ShardOptions& options);
 

@@ -489,7 +489,8 @@ absl::StatusOr<CheckpointMetadata> PaddleMetadataToModel(const Document& doc) {
   return m;
 }
 
-absl::Status LocatePaddleData(const std::string& dir, CheckpointMetadata* m) {
+absl::Status LocatePaddleData(const Directory& dir, CheckpointMetadata* m,
+                              std::map<std::string, FileStamp>* stamps) {
   std::map<std::string, std::vector<std::pair<std::string, size_t>>> by_file;
   for (auto& [name, t] : m->tensors) {
     for (size_t i = 0; i < t.shards.size(); ++i) by_file[t.shards[i].file].push_back({name, i});
@@ -498,13 +499,16 @@ absl::Status LocatePaddleData(const std::string& dir, CheckpointMetadata* m) {
   std::map<std::string, std::vector<std::vector<ShardMeta>>> replaced;
   for (auto& [name, t] : m->tensors) replaced[name].resize(t.shards.size());
   for (const auto& [file, shards] : by_file) {
-    const std::string path = JoinPath(dir, file);
-    auto f = OpenFile(path);
+    const std::string path = JoinPath(dir.path(), file);
+    auto f = dir.OpenFile(file);
     if (!f.ok()) {
       return absl::Status(f.status().code(),
-                          absl::StrCat("checkpoint ", dir, ": data file '", file,
+                          absl::StrCat("checkpoint ", dir.path(), ": data file '", file,
                                        "' named by the metadata cannot be opened: ",
                                        f.status().message()));
+    }
+    if (stamps != nullptr) {
+      CKPT_ASSIGN_OR_RETURN((*stamps)[file], (*f)->Stamp());
     }
     CKPT_ASSIGN_OR_RETURN(PaddleDataIndex idx, ReadPaddleDataFile(**f));
     std::map<std::string, int> uses;

@@ -57,8 +57,11 @@ struct PaddleDataIndex {
 absl::StatusOr<PaddleDataIndex> ReadPaddleDataFile(const RandomAccessFile& file);
 
 // Fills every shard's data_offset from the data files in `dir` (each read
-// once), checking sizes and dtypes; split params become several shards.
-absl::Status LocatePaddleData(const std::string& dir, CheckpointMetadata* metadata);
+// once, opened through `dir`: see OpenFileAt), checking sizes and dtypes;
+// split params become several shards. The stamp of each data file read goes
+// to `stamps` when given.
+absl::Status LocatePaddleData(const Directory& dir, CheckpointMetadata* metadata,
+                              std::map<std::string, FileStamp>* stamps = nullptr);
 
 }  // namespace ckpt
 

@@ -221,7 +221,7 @@ bool Utf8ToLatin1(absl::string_view s, std::string* out) {
 class Machine {
  public:
   Machine(const RandomAccessFile& f, uint64_t begin, uint64_t end, const Options& o)
-      : r_(f, begin, end), opt_(o), lim_(o.limits) {
+      : r_(f, begin, end), begin_(begin), opt_(o), lim_(o.limits) {
     doc_.path = f.path();
     doc_.globals = o.globals;
     index_.reserve(o.globals.size());
@@ -369,6 +369,7 @@ class Machine {
   absl::Status Build(uint64_t at);
 
   Reader r_;
+  const uint64_t begin_;  // where the pickle starts in the file
   const Options& opt_;
   const Limits& lim_;
   Document doc_;
@@ -568,6 +569,7 @@ absl::StatusOr<Document> Machine::Run() {
         if (memo_.size() >= lim_.max_memo) {
           return Err(at, absl::StrCat("memo larger than ", lim_.max_memo, " entries"));
         }
+        // (One slot per 1-byte opcode: never more slots than bytes read.)
         memo_.push_back(stack_.back());
         break;
       case BINPUT:
@@ -576,9 +578,17 @@ absl::StatusOr<Document> Machine::Run() {
         if (!Take(n, &p)) return ReadErr(at, OpcodeName(op));
         const uint64_t idx = LoadLE(p, n);
         if (Available() < 1) return Underflow(at, OpcodeName(op), 1);
-        if (idx >= lim_.max_memo || idx > memo_.size() + (1u << 20)) {
+        // A pickler numbers memo entries 0, 1, 2, ... as it stores values,
+        // each stored value costing at least one opcode byte: an index past
+        // the bytes read so far can only come from a hostile file, which
+        // must not make the memo grow faster than the input (a 10-byte file
+        // asking for slot 2^26).
+        const uint64_t consumed = r_.pos() - begin_;
+        if (idx >= lim_.max_memo || idx > memo_.size() + (1u << 20) || idx >= consumed) {
           return Err(at, absl::StrCat(OpcodeName(op), " to memo index ", idx,
-                                      " (memo holds ", memo_.size(), " entries)"));
+                                      " (memo holds ", memo_.size(), " entries; ", consumed,
+                                      " bytes read so far, and a pickle cannot number more "
+                                      "memo entries than it has bytes)"));
         }
         if (idx >= memo_.size()) memo_.resize(idx + 1, Value{Kind::kInvalid, 0, 0});
         memo_[idx] = stack_.back();

@@ -192,9 +192,16 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(const std::string& path
   return h;
 }
 
-absl::StatusOr<std::vector<WrittenTensor>> WriteSafetensors(
-    const std::string& path, const std::vector<TensorToWrite>& tensors,
+namespace {
+
+// Bytes copied, hashed and written at a time.
+constexpr uint64_t kStagingBytes = 4ull << 20;
+
+absl::StatusOr<std::vector<WrittenTensor>> WriteSafetensorsTo(
+    AtomicFileWriter& writer, const std::vector<TensorToWrite>& tensors,
     const std::map<std::string, std::string>& metadata, uint64_t checksum_block) {
+  const std::string& path = writer.path();
+  if (checksum_block == 0) return absl::InvalidArgumentError("checksum block must be > 0");
   json header = json::object();
   if (!metadata.empty()) header["__metadata__"] = metadata;
   std::vector<WrittenTensor> out;
@@ -223,18 +230,58 @@ absl::StatusOr<std::vector<WrittenTensor>> WriteSafetensors(
   uint8_t len[8];
   uint64_t n = text.size();
   for (int i = 0; i < 8; ++i) len[i] = static_cast<uint8_t>(n >> (8 * i));
-  CKPT_ASSIGN_OR_RETURN(auto writer, AtomicFileWriter::Create(path));
-  CKPT_RETURN_IF_ERROR(writer->Append(len, 8));
-  CKPT_RETURN_IF_ERROR(writer->Append(text));
+  CKPT_RETURN_IF_ERROR(writer.Append(len, 8));
+  CKPT_RETURN_IF_ERROR(writer.Append(text));
+  std::vector<uint8_t> staging;
+  std::unique_ptr<XXH3_state_t, decltype(&XXH3_freeState)> state(XXH3_createState(),
+                                                                 &XXH3_freeState);
+  if (state == nullptr) return absl::ResourceExhaustedError("out of memory (XXH3 state)");
   for (size_t i = 0; i < tensors.size(); ++i) {
-    size_t nbytes = out[i].end - out[i].begin;
+    const uint64_t nbytes = out[i].end - out[i].begin;
     out[i].begin += padded;
     out[i].end += padded;
-    out[i].xxh3 = BlockChecksums(tensors[i].data, nbytes, checksum_block);
-    CKPT_RETURN_IF_ERROR(writer->Append(tensors[i].data, nbytes));
+    const uint8_t* src = static_cast<const uint8_t*>(tensors[i].data);
+    if (nbytes > 0 && src == nullptr) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(path, ": tensor '", tensors[i].name, "' has no data"));
+    }
+    if (staging.size() < std::min(nbytes, kStagingBytes)) {
+      staging.resize(std::min(nbytes, kStagingBytes));
+    }
+    // Block by block; each block in staging-sized pieces: copy, hash the
+    // copy, write the copy.
+    for (uint64_t block = 0; block < nbytes; block += checksum_block) {
+      const uint64_t block_end = std::min(nbytes, block + checksum_block);
+      XXH3_64bits_reset(state.get());
+      for (uint64_t at = block; at < block_end;) {
+        const uint64_t m = std::min(kStagingBytes, block_end - at);
+        std::memcpy(staging.data(), src + at, m);
+        XXH3_64bits_update(state.get(), staging.data(), m);
+        CKPT_RETURN_IF_ERROR(writer.Append(staging.data(), m));
+        at += m;
+      }
+      out[i].xxh3.push_back(XXH3_64bits_digest(state.get()));
+    }
   }
-  CKPT_RETURN_IF_ERROR(writer->Commit());
+  CKPT_RETURN_IF_ERROR(writer.Commit());
   return out;
+}
+
+}  // namespace
+
+absl::StatusOr<std::vector<WrittenTensor>> WriteSafetensors(
+    const std::string& path, const std::vector<TensorToWrite>& tensors,
+    const std::map<std::string, std::string>& metadata, uint64_t checksum_block) {
+  CKPT_ASSIGN_OR_RETURN(auto writer, AtomicFileWriter::Create(path));
+  return WriteSafetensorsTo(*writer, tensors, metadata, checksum_block);
+}
+
+absl::StatusOr<std::vector<WrittenTensor>> WriteSafetensorsIn(
+    std::shared_ptr<const Directory> dir, const std::string& name,
+    const std::vector<TensorToWrite>& tensors, const std::map<std::string, std::string>& metadata,
+    uint64_t checksum_block) {
+  CKPT_ASSIGN_OR_RETURN(auto writer, AtomicFileWriter::CreateIn(std::move(dir), name));
+  return WriteSafetensorsTo(*writer, tensors, metadata, checksum_block);
 }
 
 }  // namespace ckpt

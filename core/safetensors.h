@@ -15,6 +15,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -77,13 +78,22 @@ inline constexpr uint64_t kChecksumBlock = 64ull << 20;
 // XXH3-64 of each `block`-byte block of `data`.
 std::vector<uint64_t> BlockChecksums(const void* data, size_t n, uint64_t block = kChecksumBlock);
 
-// Writes a safetensors file atomically (temp name + rename). The header is
-// padded with spaces so the data area starts on a 4 KiB boundary (page
-// aligned reads). Tensors are written in the given order; names must be
-// unique and must not be "__metadata__".
+// Writes a safetensors file atomically and durably (temp name, fsync,
+// rename, directory fsync: AtomicFileWriter). The header is padded with
+// spaces so the data area starts on a 4 KiB boundary (page aligned reads).
+// Tensors are written in the given order; names must be unique and must not
+// be "__metadata__". Each tensor's bytes are copied piece by piece into a
+// private staging buffer which is hashed and then written, so the recorded
+// checksums are those of exactly the bytes in the file even if `data` is
+// being modified meanwhile (a client still writing its shared memory).
 absl::StatusOr<std::vector<WrittenTensor>> WriteSafetensors(
     const std::string& path, const std::vector<TensorToWrite>& tensors,
     const std::map<std::string, std::string>& metadata, uint64_t checksum_block = 64ull << 20);
+// The same, as file `name` of `dir`.
+absl::StatusOr<std::vector<WrittenTensor>> WriteSafetensorsIn(
+    std::shared_ptr<const Directory> dir, const std::string& name,
+    const std::vector<TensorToWrite>& tensors, const std::map<std::string, std::string>& metadata,
+    uint64_t checksum_block = 64ull << 20);
 
 // XXH3-64 of a buffer (the checksum recorded in checkpoint metadata).
 uint64_t Checksum(const void* data, size_t n);

@@ -293,8 +293,9 @@ absl::StatusOr<TorchSavedTensor> ReadTorchSaveTensor(const RandomAccessFile& f, 
   return t;
 }
 
-absl::StatusOr<CheckpointMetadata> TorchDcpToModel(const Document& doc, const std::string& dir,
-                                                   std::vector<std::string>* skipped) {
+absl::StatusOr<CheckpointMetadata> TorchDcpToModel(const Document& doc, const Directory& dir,
+                                                   std::vector<std::string>* skipped,
+                                                   std::map<std::string, FileStamp>* stamps) {
   CKPT_ASSIGN_OR_RETURN(const Object* root, doc.Obj(doc.root, "metadata"));
   if (doc.Tag(*root) != kTagTMetadata) {
     return doc.Error(absl::StrCat("root is ", doc.ClassName(*root), ", not torch DCP Metadata"));
@@ -412,12 +413,15 @@ absl::StatusOr<CheckpointMetadata> TorchDcpToModel(const Document& doc, const st
       }
       auto& file = files[item.file];
       if (!file) {
-        auto f = OpenFile(JoinPath(dir, item.file));
+        auto f = dir.OpenFile(item.file);
         if (!f.ok()) {
           return absl::Status(f.status().code(),
-                              absl::StrCat("checkpoint ", dir, ": data file '", item.file,
+                              absl::StrCat("checkpoint ", dir.path(), ": data file '", item.file,
                                            "' named by the metadata cannot be opened: ",
                                            f.status().message()));
+        }
+        if (stamps != nullptr) {
+          CKPT_ASSIGN_OR_RETURN((*stamps)[item.file], (*f)->Stamp());
         }
         file = std::move(*f);
       }

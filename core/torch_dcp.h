@@ -20,6 +20,7 @@
 #define CKPTD_CORE_TORCH_DCP_H_
 
 #include <cstdint>
+#include <map>
 #include <string>
 #include <vector>
 
@@ -66,9 +67,11 @@ absl::StatusOr<TorchSavedTensor> ReadTorchSaveTensor(const RandomAccessFile& fil
 // Converts a parsed DCP metadata pickle into the metadata model, locating
 // every chunk's bytes in the data files of `dir`. Names of skipped non-tensor
 // items go to `skipped`.
-absl::StatusOr<CheckpointMetadata> TorchDcpToModel(const pickle::Document& doc,
-                                                   const std::string& dir,
-                                                   std::vector<std::string>* skipped);
+// Data files are opened through `dir` (OpenFileAt); the stamp of each goes
+// to `stamps` when given.
+absl::StatusOr<CheckpointMetadata> TorchDcpToModel(
+    const pickle::Document& doc, const Directory& dir, std::vector<std::string>* skipped,
+    std::map<std::string, FileStamp>* stamps = nullptr);
 
 }  // namespace ckpt
 

@@ -1,6 +1,7 @@
 #include "core/writer.h"
 
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -116,8 +117,35 @@ absl::StatusOr<SavePlan> PlanSave(const std::vector<RankTargets>& ranks, int wor
   return plan;
 }
 
+absl::Status PrepareSave(const Directory& dir, int64_t unique_id, bool overwrite) {
+  const std::string name = absl::StrCat(unique_id, ".metadata");
+  CKPT_ASSIGN_OR_RETURN(bool exists, dir.Exists(name));
+  if (!exists) return absl::OkStatus();
+  if (!overwrite) {
+    return absl::AlreadyExistsError(absl::StrCat(dir.path(), ": version ", unique_id,
+                                                 " already exists (", name, ")"));
+  }
+  if (::unlinkat(dir.fd(), name.c_str(), 0) != 0 && errno != ENOENT) {
+    return absl::InternalError(absl::StrCat(JoinPath(dir.path(), name),
+                                            ": cannot remove it to overwrite the version: ",
+                                            std::strerror(errno)));
+  }
+  return dir.Sync();
+}
+
 absl::StatusOr<std::vector<std::pair<std::string, ShardMeta>>> WriteRankFile(
     const std::string& dir, const SavePlan& plan, int rank, const std::vector<const void*>& data) {
+  CKPT_ASSIGN_OR_RETURN(auto d, Directory::Open(dir, /*confine=*/true));
+  return WriteRankFile(std::move(d), plan, rank, data);
+}
+
+absl::StatusOr<std::vector<std::pair<std::string, ShardMeta>>> WriteRankFile(
+    std::shared_ptr<const Directory> dir, const SavePlan& plan, int rank,
+    const std::vector<const void*>& data) {
+  if (rank < 0 || static_cast<size_t>(rank) >= plan.writes.size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("rank ", rank, " is outside the save plan's ", plan.writes.size(), " ranks"));
+  }
   const auto& writes = plan.writes.at(rank);
   if (data.size() != writes.size()) {
     return absl::InvalidArgumentError(absl::StrCat("rank ", rank, ": ", writes.size(),
@@ -144,8 +172,8 @@ absl::StatusOr<std::vector<std::pair<std::string, ShardMeta>>> WriteRankFile(
   }
   const std::string file = DataFileName(rank, plan.unique_id);
   CKPT_ASSIGN_OR_RETURN(std::vector<WrittenTensor> written,
-                        WriteSafetensors(JoinPath(dir, file), tensors, meta,
-                                         plan.checksum_block));
+                        WriteSafetensorsIn(std::move(dir), file, tensors, meta,
+                                           plan.checksum_block));
   std::vector<std::pair<std::string, ShardMeta>> out;
   for (size_t i = 0; i < writes.size(); ++i) {
     const TargetTensor& t = writes[i];
@@ -165,6 +193,13 @@ absl::StatusOr<std::vector<std::pair<std::string, ShardMeta>>> WriteRankFile(
 absl::Status FinishSave(const std::string& dir, const SavePlan& plan,
                         const std::vector<std::pair<std::string, ShardMeta>>& shards,
                         const std::map<std::string, std::vector<std::string>>& flat_mapping) {
+  CKPT_ASSIGN_OR_RETURN(auto d, Directory::Open(dir, /*confine=*/true));
+  return FinishSave(std::move(d), plan, shards, flat_mapping);
+}
+
+absl::Status FinishSave(std::shared_ptr<const Directory> dir, const SavePlan& plan,
+                        const std::vector<std::pair<std::string, ShardMeta>>& shards,
+                        const std::map<std::string, std::vector<std::string>>& flat_mapping) {
   CheckpointMetadata m;
   m.unique_id = plan.unique_id;
   m.checksum_block = plan.checksum_block;
@@ -182,9 +217,10 @@ absl::Status FinishSave(const std::string& dir, const SavePlan& plan,
     it->second.shards.push_back(s);
   }
   // The ranks together must hold every tensor whole.
-  CKPT_RETURN_IF_ERROR(ValidateMetadata(m, absl::StrCat("saving into ", dir)));
-  return WriteFileAtomic(JoinPath(dir, absl::StrCat(plan.unique_id, ".metadata")),
-                         MetadataToJson(m));
+  CKPT_RETURN_IF_ERROR(ValidateMetadata(m, absl::StrCat("saving into ", dir->path())));
+  // The data files were each fsynced, renamed and the directory fsynced;
+  // the metadata is written (and made durable) last: the commit point.
+  return WriteFileAtomicIn(dir, absl::StrCat(plan.unique_id, ".metadata"), MetadataToJson(m));
 }
 
 absl::StatusOr<MergeReport> MergeToHuggingFace(const Checkpoint& checkpoint,
@@ -213,7 +249,7 @@ absl::StatusOr<MergeReport> MergeToHuggingFace(const Checkpoint& checkpoint,
   CKPT_RETURN_IF_ERROR(MakeDirs(out_dir));
   MergeReport report;
   nlohmann::json weight_map = nlohmann::json::object();
-  DirectorySource source(checkpoint.dir);
+  DirectorySource source(checkpoint.dir, SourceOptions{checkpoint.confine});
   size_t pos = 0;
   const size_t base = keys.size() / n, extra = keys.size() % n;
   for (int f = 0; f < n; ++f) {

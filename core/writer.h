@@ -5,18 +5,35 @@
 // once: PlanSave decides which rank writes which shard (replicated shards
 // once, balanced over the ranks holding them by bytes), each rank's file is
 // written with WriteRankFile, and FinishSave writes `{uid}.metadata` last —
-// the metadata file is the commit point; every file goes through a temp
-// name + rename.
+// the metadata file is the commit point.
+//
+// Durability and crash safety: every file is written under a temporary name
+// ("{name}.tmp.{pid}.{n}"), fsynced, renamed into place and the directory
+// fsynced (AtomicFileWriter) — data files first, then the metadata. A
+// process killed at any point leaves every earlier version loadable and no
+// half version visible: until `{uid}.metadata` is renamed into place the
+// new version does not exist for readers (versions are listed by their
+// metadata files; leftover temporaries match no name a reader looks for).
+// Checksums are computed from a private copy of the bytes that is then
+// written (WriteSafetensors), so they match the file even if the source
+// memory changes meanwhile.
+//
+// A writer serving other processes (the daemon) should, per save:
+//   auto lock = LockDirectory(dir);              // one writer per directory
+//   PrepareSave(*lock->directory(), uid, overwrite);  // ALREADY_EXISTS check
+//   WriteRankFile(lock->directory(), ...) per rank; FinishSave(lock->directory(), ...)
 #ifndef CKPTD_CORE_WRITER_H_
 #define CKPTD_CORE_WRITER_H_
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "core/checkpoint.h"
+#include "core/file.h"
 #include "core/metadata.h"
 #include "core/planner.h"
 #include "core/safetensors.h"
@@ -40,13 +57,29 @@ struct SavePlan {
 absl::StatusOr<SavePlan> PlanSave(const std::vector<RankTargets>& ranks, int world_size,
                                   int64_t unique_id, uint64_t checksum_block = kChecksumBlock);
 
+// Checks that version `unique_id` may be written into `dir`: when
+// `{uid}.metadata` exists, ALREADY_EXISTS "<dir>: version <uid> already
+// exists (<uid>.metadata)" unless `overwrite`; with `overwrite` that
+// metadata file is removed first and the directory fsynced, so a save that
+// dies midway leaves no version `uid` at all rather than the old metadata
+// over new data files. Call it with the directory locked (LockDirectory).
+absl::Status PrepareSave(const Directory& dir, int64_t unique_id, bool overwrite = false);
+
 // Writes rank `rank`'s data file. `data[i]` holds plan.writes[rank][i]
 // (num_bytes() bytes). Returns the shard metadata of what was written.
 absl::StatusOr<std::vector<std::pair<std::string, ShardMeta>>> WriteRankFile(
     const std::string& dir, const SavePlan& plan, int rank, const std::vector<const void*>& data);
+// The same into an open directory (e.g. DirLock::directory()).
+absl::StatusOr<std::vector<std::pair<std::string, ShardMeta>>> WriteRankFile(
+    std::shared_ptr<const Directory> dir, const SavePlan& plan, int rank,
+    const std::vector<const void*>& data);
 
-// Writes `{uid}.metadata` from the shards every rank wrote.
+// Writes `{uid}.metadata` from the shards every rank wrote (temp name,
+// fsync, rename, directory fsync: the commit point of the version).
 absl::Status FinishSave(const std::string& dir, const SavePlan& plan,
+                        const std::vector<std::pair<std::string, ShardMeta>>& shards,
+                        const std::map<std::string, std::vector<std::string>>& flat_mapping = {});
+absl::Status FinishSave(std::shared_ptr<const Directory> dir, const SavePlan& plan,
                         const std::vector<std::pair<std::string, ShardMeta>>& shards,
                         const std::map<std::string, std::vector<std::string>>& flat_mapping = {});
 

@@ -47,11 +47,18 @@ absl::StatusOr<ArenaLease> ArenaPool::Allocate(uint64_t size, uid_t uid) {
       return absl::ResourceExhaustedError(
           absl::StrCat("arena of ", want, " bytes: ", what, ": ", std::strerror(err)));
     };
-    int fd = ::memfd_create("ckptd-arena", MFD_CLOEXEC);
+    int fd = ::memfd_create("ckptd-arena", MFD_CLOEXEC | MFD_ALLOW_SEALING);
     if (fd < 0) return fail("memfd_create");
     if (::ftruncate(fd, static_cast<off_t>(want)) != 0) {
       ::close(fd);
       return fail("ftruncate");
+    }
+    // Sealed before any client sees it: a client cannot shrink it under the
+    // daemon's mapping (a copy into a truncated page is SIGBUS), nor grow it
+    // or change the seals.
+    if (::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0) {
+      ::close(fd);
+      return fail("sealing (F_ADD_SEALS)");
     }
     // Faulted in once, by Prefault after the client has it; every later load
     // into it copies at memory speed.
@@ -112,12 +119,18 @@ void ArenaPool::TrimLocked() {
   }
 }
 
-absl::StatusOr<std::shared_ptr<Arena>> ArenaPool::Find(const std::string& token) const {
+absl::StatusOr<std::shared_ptr<Arena>> ArenaPool::Find(const std::string& token,
+                                                       uid_t caller_uid) const {
   absl::MutexLock lock(&mu_);
   auto it = leased_.find(token);
   if (it == leased_.end()) {
     return absl::NotFoundError(absl::StrCat(
         "shm arena '", token, "' is not leased (allocate it from this daemon and keep the lease open)"));
+  }
+  if (it->second->uid() != caller_uid) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "shm arena '", TokenPrefix(token),
+        "' belongs to another user: an arena may only be used by the uid that borrowed it"));
   }
   return it->second;
 }

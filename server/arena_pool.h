@@ -7,7 +7,9 @@
 // itself). When the client closes its lease (or dies), the arena goes back
 // to a pool and is handed to the next client of the same user asking for the
 // same size (a restarted rank), still mapped. Free arenas are kept up to a
-// byte budget, least recently freed dropped first. A recycled arena holds
+// byte budget, least recently freed dropped first. Arenas are sealed
+// (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) before a client gets one, and
+// their tokens work only for the uid that borrowed them. A recycled arena holds
 // the bytes of its last load (like memory from malloc): the daemon overwrites
 // every target byte of a successful load.
 //
@@ -27,6 +29,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "proto/fd_socket.h"
 #include "server/fd_channel.h"
 
 namespace ckptd {
@@ -66,9 +69,10 @@ class ArenaPool final : public ArenaHandler {
   void Prefault(const std::string& token) override;
   void Release(const std::string& token) override;
 
-  // The leased arena named by `token`; the caller's reference keeps it
-  // mapped and out of the pool until dropped. NOT_FOUND if unknown.
-  absl::StatusOr<std::shared_ptr<Arena>> Find(const std::string& token) const;
+  // The leased arena named by `token`, if `caller_uid` borrowed it; the
+  // caller's reference keeps it mapped and out of the pool until dropped.
+  // NOT_FOUND if unknown, PERMISSION_DENIED if another uid borrowed it.
+  absl::StatusOr<std::shared_ptr<Arena>> Find(const std::string& token, uid_t caller_uid) const;
 
   // Drops every free arena (Evict).
   void DropFree();

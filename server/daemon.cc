@@ -5,7 +5,9 @@
 #include <fcntl.h>
 #include <stdlib.h>
 #include <sys/mman.h>
+#include <linux/magic.h>
 #include <sys/stat.h>
+#include <sys/statfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -57,6 +59,22 @@ absl::StatusOr<std::unique_ptr<MappedSegment>> MappedSegment::Map(int fd, uint64
   if (::fstat(fd, &st) != 0) {
     ::close(fd);
     return absl::InvalidArgumentError(absl::StrCat(what, ": fstat: ", std::strerror(errno)));
+  }
+  // A segment the client could shrink would fault (SIGBUS) under our copies,
+  // and a hugetlbfs or on-disk file can fault for lack of memory or space:
+  // only sealed memfds on tmpfs.
+  struct statfs sfs;
+  const int seals = ::fcntl(fd, F_GET_SEALS);
+  if (!S_ISREG(st.st_mode) || ::fstatfs(fd, &sfs) != 0 || sfs.f_type != TMPFS_MAGIC) {
+    ::close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " is not a memfd on tmpfs (create it with memfd_create(MFD_ALLOW_SEALING))"));
+  }
+  if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
+    ::close(fd);
+    return absl::InvalidArgumentError(absl::StrCat(
+        what, " is not sealed with F_SEAL_SHRINK: create it with MFD_ALLOW_SEALING and add "
+              "F_SEAL_SHRINK|F_SEAL_GROW after sizing it"));
   }
   if (static_cast<uint64_t>(st.st_size) < size) {
     ::close(fd);
@@ -187,31 +205,227 @@ absl::StatusOr<std::string> Daemon::ResolvePath(const std::string& path) const {
       absl::StrJoin(config_.roots, ", "), ")"));
 }
 
+// --- Callers: access and limits (README "Security") ------------------------
+
+bool Daemon::IsAdmin(const Caller& caller) const {
+  if (caller.via == Caller::Via::kSelf) return true;
+  if (caller.via != Caller::Via::kUnix) return false;  // TCP callers are never admins
+  if (caller.uid == ::geteuid()) return true;
+  return std::find(config_.admin_uids.begin(), config_.admin_uids.end(), caller.uid) !=
+         config_.admin_uids.end();
+}
+
+namespace {
+bool Contains(const std::vector<uint32_t>& v, uint32_t x) {
+  return std::find(v.begin(), v.end(), x) != v.end();
+}
+bool AnyGroup(const Caller& c, const std::vector<uint32_t>& gids) {
+  for (uint32_t g : gids) {
+    if (c.InGroup(g)) return true;
+  }
+  return false;
+}
+// The mode bits that apply to `c` for a file with `st` (owner, group, other).
+mode_t ModeFor(const Caller& c, const struct stat& st) {
+  if (st.st_uid == c.uid) return (st.st_mode >> 6) & 7;
+  if (c.InGroup(st.st_gid)) return (st.st_mode >> 3) & 7;
+  return st.st_mode & 7;
+}
+}  // namespace
+
+absl::Status Daemon::CheckAccess(const Caller& caller, const std::string& resolved,
+                                 Access access) const {
+  if (caller.via == Caller::Via::kSelf) return absl::OkStatus();
+  const char* verb = access == Access::kRead ? "read" : "write";
+  // The configured root holding `resolved` (ResolvePath checked there is one).
+  std::string root;
+  const RootAccess* rule = nullptr;
+  for (const std::string& r : config_.roots) {
+    char rb[PATH_MAX];
+    const std::string real = ::realpath(r.c_str(), rb) != nullptr ? std::string(rb) : r;
+    if (resolved == real || absl::StartsWith(resolved, real == "/" ? real : real + "/")) {
+      if (real.size() >= root.size()) {
+        root = real;
+        rule = nullptr;
+        for (const RootAccess& a : config_.access) {
+          if (a.root == r) rule = &a;
+        }
+      }
+    }
+  }
+  if (root.empty()) {
+    return absl::PermissionDeniedError(
+        absl::StrCat(resolved, " is outside the checkpoint roots this daemon serves"));
+  }
+  bool allowed = false;
+  if (caller.uid == 0 && caller.via == Caller::Via::kUnix) {
+    allowed = true;  // root may always
+  } else if (rule != nullptr) {
+    allowed = Contains(rule->save_uids, caller.uid) || AnyGroup(caller, rule->save_gids);
+    if (access == Access::kRead) {
+      allowed = allowed || Contains(rule->read_uids, caller.uid) || AnyGroup(caller, rule->read_gids);
+    }
+  } else {
+    // Default rule: the daemon's own uid reads and saves; members of the
+    // socket file's group read.
+    allowed = caller.via == Caller::Via::kUnix && caller.uid == ::geteuid();
+    struct stat sock;
+    if (!allowed && access == Access::kRead && caller.via == Caller::Via::kUnix &&
+        !config_.socket.empty() && ::stat(config_.socket.c_str(), &sock) == 0) {
+      allowed = caller.InGroup(sock.st_gid);
+    }
+  }
+  if (!allowed) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        caller.Describe(), " may not ", verb, " checkpoints under ", root,
+        rule != nullptr ? " (its 'access' entry does not list this uid or its groups)"
+                        : " (default rule: only the daemon's uid, root and, for reading, the "
+                          "socket's group; add an 'access' entry for this root)"));
+  }
+  if (caller.uid == 0 && caller.via == Caller::Via::kUnix) return absl::OkStatus();
+  // The file system's own answer for this uid: the directory's mode bits
+  // (reading needs r-x on the checkpoint directory, saving w-x on the
+  // directory that receives the files).
+  struct stat st;
+  if (::stat(resolved.c_str(), &st) == 0) {
+    const mode_t need = access == Access::kRead ? 5 : 3;
+    if ((ModeFor(caller, st) & need) != need) {
+      return absl::PermissionDeniedError(absl::StrCat(caller.Describe(), " may not ", verb, " ",
+                                                      resolved, " (its mode bits do not allow it)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+Daemon::Reservation::~Reservation() {
+  absl::MutexLock lock(&d_->mu_);
+  auto it = d_->usage_.find(uid_);
+  if (it != d_->usage_.end()) {
+    it->second.ranks -= 1;
+    it->second.bytes -= bytes_;
+    if (it->second.ranks == 0) d_->usage_.erase(it);
+  }
+  d_->stream_bytes_ -= stream_;
+}
+
+absl::StatusOr<std::unique_ptr<Daemon::Reservation>> Daemon::Reserve(const Caller& caller,
+                                                                      const std::string& who,
+                                                                      uint64_t bytes,
+                                                                      uint64_t stream_bytes) {
+  const Limits& l = config_.limits;
+  absl::MutexLock lock(&mu_);
+  UidUsage& u = usage_[caller.uid];
+  auto refuse = [&](absl::Status s) {
+    if (u.ranks == 0) usage_.erase(caller.uid);
+    return s;
+  };
+  if (u.ranks + 1 > l.max_ranks_per_uid) {
+    return refuse(absl::ResourceExhaustedError(absl::StrCat(
+        who, ": ", caller.Describe(), " already has ", u.ranks,
+        " Load/Save calls waiting or running (limits.max_ranks_per_uid ", l.max_ranks_per_uid, ")")));
+  }
+  if (u.bytes + bytes > l.max_uid_bytes) {
+    return refuse(absl::ResourceExhaustedError(absl::StrCat(
+        who, ": ", bytes, " destination bytes on top of the ", u.bytes, " that ", caller.Describe(),
+        " has in flight exceed limits.max_uid_bytes ", l.max_uid_bytes)));
+  }
+  if (stream_bytes_ + stream_bytes > l.max_stream_bytes) {
+    return refuse(absl::ResourceExhaustedError(absl::StrCat(
+        who, ": streaming ", stream_bytes, " bytes on top of the ", stream_bytes_,
+        " in flight would exceed limits.max_stream_bytes ", l.max_stream_bytes,
+        " (use a shared-memory destination for large loads)")));
+  }
+  u.ranks += 1;
+  u.bytes += bytes;
+  stream_bytes_ += stream_bytes;
+  return std::make_unique<Reservation>(this, caller.uid, bytes, stream_bytes);
+}
+
+absl::StatusOr<uint64_t> Daemon::CheckRequestLimits(
+    const std::string& who, const google::protobuf::RepeatedPtrField<v1::Target>& targets,
+    int world_size, int node_ranks, uint32_t barrier_timeout_ms) const {
+  const Limits& l = config_.limits;
+  if (static_cast<uint64_t>(targets.size()) > l.max_targets_per_request) {
+    return absl::ResourceExhaustedError(absl::StrCat(who, ": ", targets.size(),
+                                                     " targets exceed limits.max_targets_per_request ",
+                                                     l.max_targets_per_request));
+  }
+  if (absl::Milliseconds(barrier_timeout_ms) > l.max_barrier_timeout) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, ": barrier_timeout_ms ", barrier_timeout_ms, " is above limits.max_barrier_timeout ",
+        absl::FormatDuration(l.max_barrier_timeout)));
+  }
+  const uint64_t ranks_here = node_ranks > 0 ? node_ranks : std::max(world_size, 0);
+  if (ranks_here > l.max_ranks_per_job) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, ": ", ranks_here, node_ranks > 0 ? " node_ranks" : " ranks (world_size, no node_ranks)",
+        " on this daemon exceed limits.max_ranks_per_job ", l.max_ranks_per_job));
+  }
+  // Destination bytes from the shapes alone (nothing allocated yet).
+  uint64_t total = 0;
+  for (const v1::Target& t : targets) {
+    uint64_t n = 1;
+    bool overflow = false;
+    const auto& shape = t.has_flat_range() ? google::protobuf::RepeatedField<int64_t>() : t.shape();
+    for (int64_t d : shape) {
+      if (d < 0) break;  // ValidateTarget names it
+      if (d != 0 && n > (UINT64_MAX >> 4) / static_cast<uint64_t>(d)) overflow = true;
+      n = overflow ? 0 : n * static_cast<uint64_t>(d);
+    }
+    if (t.has_flat_range()) {
+      n = t.flat_range().end() > t.flat_range().begin()
+              ? static_cast<uint64_t>(t.flat_range().end() - t.flat_range().begin())
+              : 0;
+    }
+    auto dt = ckpt::ParseDType(t.dtype());
+    const uint64_t item = dt.ok() ? ckpt::DTypeSize(*dt) : 1;
+    if (overflow || (n != 0 && n > (UINT64_MAX >> 4) / item)) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat(who, " tensor '", t.name(), "': its box has more bytes than fit in 60 bits"));
+    }
+    total += n * item;
+    if (total > l.max_request_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          who, ": the targets need ", total, "+ destination bytes (tensor '", t.name(),
+          "' among them), above limits.max_request_bytes ", l.max_request_bytes));
+    }
+  }
+  return total;
+}
+
 absl::StatusOr<std::shared_ptr<const Daemon::OpenedCheckpoint>> Daemon::OpenCached(
     const std::string& dir, std::optional<int64_t> unique_id, bool all_files_local) {
   const auto key = std::make_pair(dir + (all_files_local ? "" : "\n(partial)"),
                                   unique_id.value_or(-1));
+  std::shared_ptr<const OpenedCheckpoint> cached;
   {
     absl::MutexLock lock(&meta_mu_);
     auto it = meta_cache_.find(key);
     if (it != meta_cache_.end()) {
-      bool fresh = true;
-      for (const auto& [path, stamp] : it->second->watched) {
-        auto now = ckpt::StatFile(path);
-        if (!now.ok() || *now != stamp) {
-          fresh = false;
-          break;
-        }
-      }
-      for (const auto& [file, stamp] : it->second->stamps) {
-        if (!fresh) break;
-        auto now = ckpt::StatFile(ckpt::JoinPath(dir, file));
-        if (!now.ok() || *now != stamp) fresh = false;
-      }
-      if (fresh) return it->second;
-      meta_cache_.erase(it);
-      spdlog::info("metadata of {} changed on disk; reopening", dir);
+      cached = it->second.opened;
+      it->second.last_used = ++meta_tick_;
     }
+  }
+  if (cached != nullptr) {
+    // Stat outside the lock: one slow mount must not hold up other loads.
+    bool fresh = true;
+    for (const auto& [path, stamp] : cached->watched) {
+      auto now = ckpt::StatFile(path);
+      if (!now.ok() || *now != stamp) {
+        fresh = false;
+        break;
+      }
+    }
+    for (const auto& [file, stamp] : cached->stamps) {
+      if (!fresh) break;
+      auto now = ckpt::StatFile(ckpt::JoinPath(dir, file));
+      if (!now.ok() || *now != stamp) fresh = false;
+    }
+    if (fresh) return cached;
+    absl::MutexLock lock(&meta_mu_);
+    auto it = meta_cache_.find(key);
+    if (it != meta_cache_.end() && it->second.opened == cached) meta_cache_.erase(it);
+    spdlog::info("metadata of {} changed on disk; reopening", dir);
   }
   auto opened = std::make_shared<OpenedCheckpoint>();
   // Stamp the directory first: a change racing with the open invalidates.
@@ -233,12 +447,22 @@ absl::StatusOr<std::shared_ptr<const Daemon::OpenedCheckpoint>> Daemon::OpenCach
     opened->stamps[f] = *st;
   }
   absl::MutexLock lock(&meta_mu_);
-  meta_cache_[key] = opened;
+  meta_cache_[key] = MetaEntry{opened, ++meta_tick_};
+  // Least recently used entries beyond limits.metadata_cache_entries go.
+  while (meta_cache_.size() > std::max<uint64_t>(1, config_.limits.metadata_cache_entries)) {
+    auto oldest = meta_cache_.begin();
+    for (auto it = meta_cache_.begin(); it != meta_cache_.end(); ++it) {
+      if (it->second.last_used < oldest->second.last_used) oldest = it;
+    }
+    meta_cache_.erase(oldest);
+  }
   return std::shared_ptr<const OpenedCheckpoint>(opened);
 }
 
-absl::StatusOr<v1::InspectResponse> Daemon::Inspect(const v1::InspectRequest& request) {
+absl::StatusOr<v1::InspectResponse> Daemon::Inspect(const Caller& caller,
+                                                    const v1::InspectRequest& request) {
   CKPT_ASSIGN_OR_RETURN(std::string dir, ResolvePath(request.path()));
+  CKPT_RETURN_IF_ERROR(CheckAccess(caller, dir, Access::kRead));
   std::optional<int64_t> uid;
   if (request.has_unique_id()) uid = request.unique_id();
   CKPT_ASSIGN_OR_RETURN(auto opened, OpenCached(dir, uid));
@@ -279,7 +503,7 @@ absl::StatusOr<v1::InspectResponse> Daemon::Inspect(const v1::InspectRequest& re
 }
 
 absl::StatusOr<std::shared_ptr<Daemon::RankSlot>> Daemon::PrepareSlot(
-    const v1::LoadRequest& req) {
+    const Caller& caller, const v1::LoadRequest& req) {
   const std::string who = absl::StrCat("job '", req.job_id(), "' rank ", req.rank());
   if (req.job_id().empty()) return absl::InvalidArgumentError("Load: job_id is empty");
   if (req.world_size() < 1 || req.world_size() > (1 << 20)) {
@@ -320,9 +544,20 @@ absl::StatusOr<std::shared_ptr<Daemon::RankSlot>> Daemon::PrepareSlot(
     int fd = -1;
     std::string what;
     uint64_t size = shm.size();
+    // Only the bytes up to the end of the last target are mapped.
+    uint64_t needed = 0;
+    for (int i = 0; i < req.targets_size(); ++i) {
+      const uint64_t off = req.targets(i).dest_offset();
+      const uint64_t n = slot->targets.tensors[i].num_bytes();
+      if (off > (1ull << 62) || n > (1ull << 62)) {
+        return absl::InvalidArgumentError(absl::StrCat(who, " tensor '", req.targets(i).name(),
+                                                       "': dest_offset ", off, " is out of range"));
+      }
+      needed = std::max(needed, off + n);
+    }
     if (!shm.arena_token().empty()) {
       // An arena this daemon lent: already mapped and faulted in.
-      auto arena = arenas_->Find(shm.arena_token());
+      auto arena = arenas_->Find(shm.arena_token(), caller.uid);
       if (!arena.ok()) return ckpt::Annotate(arena.status(), who);
       if (size == 0) size = (*arena)->size();
       if (size > (*arena)->size()) {
@@ -332,26 +567,31 @@ absl::StatusOr<std::shared_ptr<Daemon::RankSlot>> Daemon::PrepareSlot(
       slot->segment = MappedSegment::Borrow(std::move(*arena));
     } else if (!shm.fd_token().empty()) {
       if (!fd_receiver_) return absl::FailedPreconditionError("this daemon has no fd socket");
-      CKPT_ASSIGN_OR_RETURN(fd, fd_receiver_->Take(shm.fd_token()));
+      CKPT_ASSIGN_OR_RETURN(fd, fd_receiver_->Take(shm.fd_token(), caller.uid));
       what = absl::StrCat(who, ": shm segment (memfd)");
     } else if (!shm.name().empty()) {
-      if (!ckpt::IsPlainFileName(shm.name())) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(who, ": shm name '", shm.name(), "' must be a plain name in /dev/shm"));
-      }
-      const std::string p = "/dev/shm/" + shm.name();
-      fd = ::open(p.c_str(), O_RDWR | O_CLOEXEC | O_NOFOLLOW);
-      if (fd < 0) {
-        return absl::InvalidArgumentError(
-            absl::StrCat(who, ": cannot open shm segment ", p, ": ", std::strerror(errno)));
-      }
-      what = absl::StrCat(who, ": shm segment ", p);
+      return absl::InvalidArgumentError(absl::StrCat(
+          who, ": shm.name ('", shm.name(), "') is no longer accepted: a named /dev/shm segment "
+               "can be truncated under the daemon; send a sealed memfd (fd_token) or borrow an "
+               "arena (arena_token)"));
     } else {
       return absl::InvalidArgumentError(
-          absl::StrCat(who, ": shm destination needs arena_token, fd_token or name"));
+          absl::StrCat(who, ": shm destination needs arena_token or fd_token"));
+    }
+    if (needed > size) {
+      if (fd >= 0) ::close(fd);
+      for (int i = 0; i < req.targets_size(); ++i) {
+        const uint64_t off = req.targets(i).dest_offset();
+        const uint64_t n = slot->targets.tensors[i].num_bytes();
+        if (off + n > size) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              who, " tensor '", req.targets(i).name(), "' needs segment bytes [", off, ", ",
+              off + n, ") but the segment is ", size, " bytes (segment too small)"));
+        }
+      }
     }
     if (!slot->segment) {
-      CKPT_ASSIGN_OR_RETURN(slot->segment, MappedSegment::Map(fd, size, what));
+      CKPT_ASSIGN_OR_RETURN(slot->segment, MappedSegment::Map(fd, needed, what));
     }
     // Every target inside the segment, and no two overlapping.
     std::vector<std::pair<uint64_t, uint64_t>> ranges;
@@ -450,6 +690,11 @@ absl::StatusOr<std::pair<std::shared_ptr<Daemon::Job>, bool>> Daemon::Register(
     size_t* expected) {
   absl::MutexLock lock(&mu_);
   auto it = jobs_.find(key.id);
+  if (it != jobs_.end() && it->second->owner != key.owner) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "job '", key.id, "' belongs to another user (uid ", it->second->owner,
+        "); rank ", key.rank, " of uid ", key.owner, " may not join it (use another job_id)"));
+  }
   if (it != jobs_.end() && it->second->state == Job::State::kRunning) {
     return absl::FailedPreconditionError(
         absl::StrCat("job '", key.id, "' is already running; rank ", key.rank,
@@ -457,8 +702,16 @@ absl::StatusOr<std::pair<std::shared_ptr<Daemon::Job>, bool>> Daemon::Register(
   }
   std::shared_ptr<Job> job;
   if (it == jobs_.end()) {
+    uint64_t owned = 0;
+    for (const auto& [id, j] : jobs_) owned += j->owner == key.owner;
+    if (owned >= config_.limits.max_jobs_per_uid) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "job '", key.id, "': uid ", key.owner, " already has ", owned,
+          " jobs waiting or running (limits.max_jobs_per_uid ", config_.limits.max_jobs_per_uid, ")"));
+    }
     job = std::make_shared<Job>();
     job->id = key.id;
+    job->owner = key.owner;
     job->kind = key.kind;
     job->path = key.path;
     job->unique_id = key.unique_id;
@@ -563,7 +816,7 @@ absl::Status Daemon::AwaitSlot(const std::shared_ptr<Job>& job,
   }
 }
 
-absl::Status Daemon::Load(const v1::LoadRequest& request,
+absl::Status Daemon::Load(const Caller& caller, const v1::LoadRequest& request,
                           const std::function<bool(const v1::LoadEvent&)>& send,
                           const std::function<bool()>& cancelled) {
   ++loads_started_;
@@ -573,17 +826,27 @@ absl::Status Daemon::Load(const v1::LoadRequest& request,
                  request.path(), s.ToString());
     return s;
   };
+  const std::string who = absl::StrCat("job '", request.job_id(), "' rank ", request.rank());
+  // Checked before anything is allocated for the request: its shape against
+  // the limits, the caller's right to the checkpoint, the caller's share.
+  auto bytes = CheckRequestLimits(who, request.targets(), request.world_size(),
+                                  request.node_ranks_size(), request.barrier_timeout_ms());
+  if (!bytes.ok()) return fail(bytes.status());
   auto resolved = ResolvePath(request.path());
   if (!resolved.ok()) return fail(resolved.status());
-  auto prepared = PrepareSlot(request);
+  if (absl::Status a = CheckAccess(caller, *resolved, Access::kRead); !a.ok()) return fail(a);
+  auto reservation = Reserve(caller, who, *bytes, request.has_stream() ? *bytes : 0);
+  if (!reservation.ok()) return fail(reservation.status());
+  auto prepared = PrepareSlot(caller, request);
   if (!prepared.ok()) return fail(prepared.status());
   std::shared_ptr<RankSlot> slot = *prepared;
   slot->cancelled = cancelled;
   slot->registered = absl::Now();
   slot->start = std::chrono::steady_clock::now();
 
-  JobKey key{JobKind::kLoad, request.job_id(), *resolved, std::nullopt, request.world_size(),
-             request.rank(), std::vector<int>(request.node_ranks().begin(), request.node_ranks().end())};
+  JobKey key{JobKind::kLoad, request.job_id(), *resolved, std::nullopt, caller.uid,
+             request.world_size(), request.rank(),
+             std::vector<int>(request.node_ranks().begin(), request.node_ranks().end())};
   if (request.has_unique_id()) key.unique_id = request.unique_id();
   size_t registered = 0, expected = 0;
   auto reg = Register(key, slot, &registered, &expected);
@@ -608,6 +871,8 @@ absl::Status Daemon::Load(const v1::LoadRequest& request,
   if (request.has_stream()) {
     uint64_t chunk = request.stream().chunk_bytes() ? request.stream().chunk_bytes() : (4u << 20);
     chunk = std::min<uint64_t>(std::max<uint64_t>(chunk, 4096), 64u << 20);
+    // Room for the message around the chunk under limits.max_message_bytes.
+    chunk = std::min<uint64_t>(chunk, config_.limits.max_message_bytes - (64u << 10));
     for (size_t t = 0; t < slot->stream_buffers.size(); ++t) {
       const auto& buf = slot->stream_buffers[t];
       for (uint64_t off = 0; off < buf.size(); off += chunk) {
@@ -628,7 +893,7 @@ absl::Status Daemon::Load(const v1::LoadRequest& request,
   return absl::OkStatus();
 }
 
-absl::StatusOr<v1::SaveResponse> Daemon::Save(const v1::SaveRequest& request,
+absl::StatusOr<v1::SaveResponse> Daemon::Save(const Caller& caller, const v1::SaveRequest& request,
                                               const std::function<bool()>& cancelled) {
   const auto t0 = std::chrono::steady_clock::now();
   auto fail = [&](absl::Status s) {
@@ -651,6 +916,28 @@ absl::StatusOr<v1::SaveResponse> Daemon::Save(const v1::SaveRequest& request,
     return fail(absl::InvalidArgumentError(absl::StrCat("Save: bad directory name '", leaf, "'")));
   }
   const std::string dir = ckpt::JoinPath(*parent, leaf);
+  const std::string who = absl::StrCat("save job '", request.job_id(), "' rank ", request.rank());
+  auto bytes = CheckRequestLimits(who, request.targets(), request.world_size(),
+                                  request.node_ranks_size(), request.barrier_timeout_ms());
+  if (!bytes.ok()) return fail(bytes.status());
+  if (absl::Status a = CheckAccess(caller, *parent, Access::kSave); !a.ok()) return fail(a);
+  struct stat lst;
+  if (::lstat(dir.c_str(), &lst) == 0) {
+    if (!S_ISDIR(lst.st_mode)) {
+      return fail(absl::InvalidArgumentError(absl::StrCat(
+          "Save: ", dir, S_ISLNK(lst.st_mode) ? " is a symbolic link" : " is not a directory",
+          "; save into a real directory inside a root")));
+    }
+    if (absl::Status a = CheckAccess(caller, dir, Access::kSave); !a.ok()) return fail(a);
+    const std::string meta = ckpt::JoinPath(dir, absl::StrCat(request.unique_id(), ".metadata"));
+    if (!request.overwrite() && ::lstat(meta.c_str(), &lst) == 0) {
+      return fail(absl::AlreadyExistsError(absl::StrCat(
+          "Save: version ", request.unique_id(), " already exists in ", dir, " (", meta,
+          "); choose another unique_id or set overwrite")));
+    }
+  }
+  auto reservation = Reserve(caller, who, *bytes, 0);
+  if (!reservation.ok()) return fail(reservation.status());
   // Reuse the Load validation of targets and segment.
   v1::LoadRequest as_load;
   as_load.set_job_id(request.job_id());
@@ -659,14 +946,15 @@ absl::StatusOr<v1::SaveResponse> Daemon::Save(const v1::SaveRequest& request,
   *as_load.mutable_targets() = request.targets();
   *as_load.mutable_shm() = request.shm();
   *as_load.mutable_node_ranks() = request.node_ranks();
-  auto prepared = PrepareSlot(as_load);
+  auto prepared = PrepareSlot(caller, as_load);
   if (!prepared.ok()) return fail(prepared.status());
   std::shared_ptr<RankSlot> slot = *prepared;
   slot->save_request = request;
   slot->cancelled = cancelled;
   slot->registered = absl::Now();
   slot->start = t0;
-  JobKey key{JobKind::kSave, request.job_id(), dir, request.unique_id(), request.world_size(),
+  JobKey key{JobKind::kSave, request.job_id(), dir, request.unique_id(), caller.uid,
+             request.world_size(),
              request.rank(), std::vector<int>(request.node_ranks().begin(), request.node_ranks().end())};
   size_t registered = 0, expected = 0;
   auto reg = Register(key, slot, &registered, &expected);
@@ -823,7 +1111,13 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
   ckpt::ExecuteOptions eo;
   eo.threads = config_.io_threads;
   eo.direct_io = direct_io_;
-  eo.verify_checksums = !(slots.front()->request.skip_verify());
+  // skip_verify is one rank's wish for its own delivery; the bytes are shared
+  // with every rank of the job (and the cache), so they are verified unless
+  // every rank asks not to (and then nothing read is cached: core publishes
+  // only verified fills).
+  bool all_skip = true;
+  for (const auto& s : slots) all_skip = all_skip && s->request.skip_verify();
+  eo.verify_checksums = !all_skip;
   eo.progress_bytes = &job->progress;
   eo.skip_rank = [&](size_t i) { return skip[i] || slots[i]->cancelled(); };
   eo.deadline = std::chrono::steady_clock::now() +
@@ -866,9 +1160,11 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
   RecordLoadJob(rec);
 }
 
-absl::StatusOr<v1::PrefetchResponse> Daemon::Prefetch(const v1::PrefetchRequest& request) {
+absl::StatusOr<v1::PrefetchResponse> Daemon::Prefetch(const Caller& caller,
+                                                      const v1::PrefetchRequest& request) {
   const auto t0 = std::chrono::steady_clock::now();
   CKPT_ASSIGN_OR_RETURN(std::string dir, ResolvePath(request.path()));
+  CKPT_RETURN_IF_ERROR(CheckAccess(caller, dir, Access::kRead));
   std::optional<int64_t> uid;
   if (request.has_unique_id()) uid = request.unique_id();
   CKPT_ASSIGN_OR_RETURN(auto opened, OpenCached(dir, uid));
@@ -909,13 +1205,20 @@ absl::StatusOr<v1::PrefetchResponse> Daemon::Prefetch(const v1::PrefetchRequest&
   return resp;
 }
 
-absl::StatusOr<v1::EvictResponse> Daemon::Evict(const v1::EvictRequest& request) {
+absl::StatusOr<v1::EvictResponse> Daemon::Evict(const Caller& caller,
+                                                const v1::EvictRequest& request) {
   CKPT_ASSIGN_OR_RETURN(std::string dir, ResolvePath(request.path()));
-  auto [bytes, entries] = cache_.EvictPrefix(dir + "/");
+  // Dropping cached data slows everyone's next load: admins, or who may save there.
+  if (!IsAdmin(caller)) CKPT_RETURN_IF_ERROR(CheckAccess(caller, dir, Access::kSave));
+  const std::string prefix = dir == "/" ? dir : dir + "/";
+  auto [bytes, entries] = cache_.EvictPrefix(prefix);
   {
+    // By path component: evicting ".../run1" keeps ".../run10".
     absl::MutexLock lock(&meta_mu_);
     for (auto it = meta_cache_.begin(); it != meta_cache_.end();) {
-      it = absl::StartsWith(it->first.first, dir) ? meta_cache_.erase(it) : std::next(it);
+      const std::string& p = it->first.first;
+      const bool under = p == dir || absl::StartsWith(p, dir + "\n") || absl::StartsWith(p, prefix);
+      it = under ? meta_cache_.erase(it) : std::next(it);
     }
   }
   spdlog::info("evict path={} freed={}B entries={}", dir, bytes, entries);
@@ -925,13 +1228,15 @@ absl::StatusOr<v1::EvictResponse> Daemon::Evict(const v1::EvictRequest& request)
   return resp;
 }
 
-v1::StatusResponse Daemon::Status() {
+v1::StatusResponse Daemon::Status(const Caller& caller) {
   v1::StatusResponse resp;
   resp.set_version("ckptd 0.1 (api ckptd.v1)");
   resp.set_uptime_s(absl::ToDoubleSeconds(absl::Now() - started_));
+  const bool admin = IsAdmin(caller);
   {
     absl::MutexLock lock(&mu_);
     for (const auto& [id, job] : jobs_) {
+      if (!admin && job->owner != caller.uid) continue;  // others' jobs are not its business
       v1::JobStatus* js = resp.add_jobs();
       js->set_job_id(id);
       js->set_path(job->path);
@@ -954,6 +1259,14 @@ v1::StatusResponse Daemon::Status() {
   resp.set_cache_misses(cs.misses);
   resp.set_cache_evictions(cs.evictions);
   for (const auto& [path, be] : cache_.Files()) {
+    if (!admin) {
+      // Only files under checkpoints the caller may read.
+      const size_t slash = path.rfind('/');
+      if (slash == std::string::npos ||
+          !CheckAccess(caller, path.substr(0, std::max<size_t>(slash, 1)), Access::kRead).ok()) {
+        continue;
+      }
+    }
     v1::CachedFile* f = resp.add_cached_files();
     f->set_path(path);
     f->set_bytes(be.first);

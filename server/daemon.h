@@ -30,6 +30,7 @@
 #include "proto/ckpt.pb.h"
 #include "proto/peer.grpc.pb.h"
 #include "server/arena_pool.h"
+#include "server/caller.h"
 #include "server/cuda/gpu.h"
 #include "server/fd_channel.h"
 
@@ -63,19 +64,24 @@ class Daemon {
   absl::Status Start();
   void Stop();
 
-  absl::StatusOr<v1::InspectResponse> Inspect(const v1::InspectRequest& request);
+  // Every call names its caller (caller.h): access to roots, job ids,
+  // tokens and limits are decided by it (README "Security").
+  absl::StatusOr<v1::InspectResponse> Inspect(const Caller& caller,
+                                              const v1::InspectRequest& request);
   // Runs one rank's Load. `send` writes an event to the client (false when
   // the stream is gone); `cancelled` tells whether the client went away.
-  absl::Status Load(const v1::LoadRequest& request,
+  absl::Status Load(const Caller& caller, const v1::LoadRequest& request,
                     const std::function<bool(const v1::LoadEvent&)>& send,
                     const std::function<bool()>& cancelled);
   // Runs one rank's Save: waits for the job's ranks, then writes the native
   // format once for all of them.
-  absl::StatusOr<v1::SaveResponse> Save(const v1::SaveRequest& request,
+  absl::StatusOr<v1::SaveResponse> Save(const Caller& caller, const v1::SaveRequest& request,
                                         const std::function<bool()>& cancelled);
-  absl::StatusOr<v1::PrefetchResponse> Prefetch(const v1::PrefetchRequest& request);
-  absl::StatusOr<v1::EvictResponse> Evict(const v1::EvictRequest& request);
-  v1::StatusResponse Status();
+  absl::StatusOr<v1::PrefetchResponse> Prefetch(const Caller& caller,
+                                                const v1::PrefetchRequest& request);
+  absl::StatusOr<v1::EvictResponse> Evict(const Caller& caller, const v1::EvictRequest& request);
+  // Jobs: only the caller's own unless it is an admin.
+  v1::StatusResponse Status(const Caller& caller = Caller());
 
   // Peer RPC bodies (multi-node jobs; see daemon_multinode.cc).
   absl::StatusOr<peer::v1::PlanPart> PeerJoin(const peer::v1::JoinRequest& request);
@@ -89,13 +95,49 @@ class Daemon {
   struct RankSlot;  // public for the helpers in daemon_internal.h
   struct Job;
 
+  enum class Access { kRead, kSave };
+  bool IsAdmin(const Caller& caller) const;
+  // Whether `caller` may read (or save into) `resolved`, a path ResolvePath
+  // returned: the root's access rule, then the directory's mode bits.
+  absl::Status CheckAccess(const Caller& caller, const std::string& resolved, Access access) const;
+
  private:
+  // What one uid holds right now (limits.*_per_uid).
+  struct UidUsage {
+    uint64_t ranks = 0;  // Load/Save calls in flight
+    uint64_t bytes = 0;  // their destination bytes
+  };
+  // Held by a Load/Save call while it runs; gives its share back.
+  class Reservation {
+   public:
+    Reservation(Daemon* d, uid_t uid, uint64_t bytes, uint64_t stream)
+        : d_(d), uid_(uid), bytes_(bytes), stream_(stream) {}
+    Reservation(const Reservation&) = delete;
+    Reservation& operator=(const Reservation&) = delete;
+    ~Reservation();
+
+   private:
+    Daemon* d_;
+    uid_t uid_;
+    uint64_t bytes_, stream_;
+  };
+  // Checks one request against the limits and reserves its share.
+  absl::StatusOr<std::unique_ptr<Reservation>> Reserve(const Caller& caller, const std::string& who,
+                                                       uint64_t bytes, uint64_t stream_bytes);
+  // Checks a request's shape against the limits before anything is
+  // allocated for it; returns its destination bytes.
+  absl::StatusOr<uint64_t> CheckRequestLimits(const std::string& who,
+                                              const google::protobuf::RepeatedPtrField<v1::Target>& targets,
+                                              int world_size, int node_ranks,
+                                              uint32_t barrier_timeout_ms) const;
+
   enum class JobKind { kLoad, kSave };
   struct JobKey {
     JobKind kind;
     std::string id;
     std::string path;
     std::optional<int64_t> unique_id;
+    uid_t owner;
     int world_size;
     int rank;
     std::vector<int> node_ranks;
@@ -104,6 +146,10 @@ class Daemon {
     ckpt::Checkpoint checkpoint;
     std::map<std::string, ckpt::FileStamp> stamps;  // data file -> identity
     std::map<std::string, ckpt::FileStamp> watched;  // dir + metadata/index files
+  };
+  struct MetaEntry {
+    std::shared_ptr<const OpenedCheckpoint> opened;
+    uint64_t last_used = 0;  // LRU tick
   };
 
   struct DistJob;
@@ -132,7 +178,8 @@ class Daemon {
   // not all be readable here.
   absl::StatusOr<std::shared_ptr<const OpenedCheckpoint>> OpenCached(
       const std::string& dir, std::optional<int64_t> unique_id, bool all_files_local = true);
-  absl::StatusOr<std::shared_ptr<RankSlot>> PrepareSlot(const v1::LoadRequest& request);
+  absl::StatusOr<std::shared_ptr<RankSlot>> PrepareSlot(const Caller& caller,
+                                                        const v1::LoadRequest& request);
   // cuda_ipc destinations (daemon_gpu.cc): validates the rank's device
   // targets and opens its buffers; the delivery of a job's ranks.
   absl::Status PrepareDeviceSlot(const v1::LoadRequest& request, const std::string& who,
@@ -170,11 +217,14 @@ class Daemon {
   std::unique_ptr<FdReceiver> fd_receiver_;
 
   absl::Mutex meta_mu_;
-  std::map<std::pair<std::string, int64_t>, std::shared_ptr<const OpenedCheckpoint>> meta_cache_
-      ABSL_GUARDED_BY(meta_mu_);
+  std::map<std::pair<std::string, int64_t>, MetaEntry> meta_cache_ ABSL_GUARDED_BY(meta_mu_);
+  uint64_t meta_tick_ ABSL_GUARDED_BY(meta_mu_) = 0;
 
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
+  std::map<uid_t, UidUsage> usage_ ABSL_GUARDED_BY(mu_);
+  uint64_t stream_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // stream buffers reserved, all clients
+  gid_t socket_gid_ = 0;  // group of the socket file (default read access)
 
   // Multi-node jobs this daemon takes part in (coordinating or not).
   absl::Mutex peer_mu_;

@@ -44,6 +44,7 @@ struct Daemon::Job {
   std::string id;
   std::string path;
   std::optional<int64_t> unique_id;
+  uid_t owner = 0;  // the uid that created it: only it may join
   int world_size = 0;
   std::set<int> expected;
   std::map<int, std::shared_ptr<RankSlot>> slots;

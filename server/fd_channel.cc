@@ -1,181 +1,93 @@
 #include "server/fd_channel.h"
 
-#include <poll.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
-#include <cstdio>
 #include <cstdlib>
 #include <cstring>
-#include <random>
-#include <vector>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 namespace ckptd {
 namespace {
 
-constexpr size_t kTokenLen = 32;
+constexpr uint64_t kListenId = 0;
+constexpr uint64_t kWakeId = 1;
+// How often held fds past their time are closed, and the longest epoll wait.
+constexpr absl::Duration kTick = absl::Milliseconds(200);
+// How long accepting pauses when the process is out of fds.
+constexpr absl::Duration kAcceptBackoff = absl::Milliseconds(100);
 
 absl::Status Errno(absl::string_view what, absl::string_view path) {
   return absl::UnavailableError(absl::StrCat(path, ": ", what, ": ", std::strerror(errno)));
 }
 
-absl::StatusOr<sockaddr_un> Address(const std::string& path) {
+// Replies without waiting: a client that does not read its reply loses it.
+void Reply(int c, absl::string_view text) { SendMessage(c, text, -1, MSG_DONTWAIT); }
+
+// Refuses a connection whose request was not read, and closes it. What it
+// already sent is read and dropped first (fds closed): closing a socket with
+// unread messages makes the client's next receive fail with ECONNRESET
+// before it sees the reply.
+void Refuse(int c, const absl::Status& why) {
+  Reply(c, ErrorReply(why));
+  char buf[kMaxMessage];
+  for (int i = 0; i < 4; ++i) {
+    int fd = -1;
+    const ssize_t n = ReceiveMessage(c, buf, sizeof(buf), &fd, MSG_DONTWAIT);
+    if (fd >= 0) ::close(fd);
+    if (n <= 0) break;
+  }
+  ::close(c);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<FdReceiver>> FdReceiver::Start(const std::string& path,
+                                                              uint32_t mode,
+                                                              absl::Duration token_ttl,
+                                                              ArenaHandler* arenas,
+                                                              const FdReceiverLimits& limits) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.size() >= sizeof(addr.sun_path)) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": socket path too long"));
   }
   std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
-  return addr;
-}
-
-void SetTimeouts(int sock, absl::Duration timeout) {
-  timeval tv{};
-  tv.tv_sec = absl::ToInt64Seconds(timeout);
-  tv.tv_usec = absl::ToInt64Microseconds(timeout) % 1000000;
-  ::setsockopt(sock, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
-  ::setsockopt(sock, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
-}
-
-// A connected SOCK_SEQPACKET socket to `path` with send/receive timeouts.
-absl::StatusOr<int> Dial(const std::string& path, absl::Duration timeout) {
-  auto addr = Address(path);
-  if (!addr.ok()) return addr.status();
-  int s = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
-  if (s < 0) return Errno("socket", path);
-  SetTimeouts(s, timeout);
-  if (::connect(s, reinterpret_cast<sockaddr*>(&*addr), sizeof(*addr)) != 0) {
-    absl::Status st = Errno("connect to the daemon's fd socket (is ckptd running?)", path);
-    ::close(s);
-    return st;
-  }
-  return s;
-}
-
-// Sends one message, with `fd` as SCM_RIGHTS when it is >= 0.
-bool SendMessage(int sock, const std::string& text, int fd) {
-  iovec iov{const_cast<char*>(text.data()), text.size()};
-  alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int))] = {};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  if (fd >= 0) {
-    msg.msg_control = ctrl;
-    msg.msg_controllen = sizeof(ctrl);
-    cmsghdr* cm = CMSG_FIRSTHDR(&msg);
-    cm->cmsg_level = SOL_SOCKET;
-    cm->cmsg_type = SCM_RIGHTS;
-    cm->cmsg_len = CMSG_LEN(sizeof(int));
-    std::memcpy(CMSG_DATA(cm), &fd, sizeof(int));
-  }
-  return ::sendmsg(sock, &msg, MSG_NOSIGNAL) == static_cast<ssize_t>(text.size());
-}
-
-// Receives one message into buf (NUL-terminated, at most cap - 1 bytes) and
-// the fd it carries, if any (*fd = -1 otherwise). Returns recvmsg's result.
-ssize_t ReceiveMessage(int sock, char* buf, size_t cap, int* fd) {
-  iovec iov{buf, cap - 1};
-  alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int))] = {};
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = ctrl;
-  msg.msg_controllen = sizeof(ctrl);
-  const ssize_t n = ::recvmsg(sock, &msg, MSG_CMSG_CLOEXEC);
-  *fd = -1;
-  for (cmsghdr* cm = CMSG_FIRSTHDR(&msg); n > 0 && cm != nullptr; cm = CMSG_NXTHDR(&msg, cm)) {
-    if (cm->cmsg_level == SOL_SOCKET && cm->cmsg_type == SCM_RIGHTS) {
-      std::memcpy(fd, CMSG_DATA(cm), sizeof(int));
-    }
-  }
-  buf[n > 0 ? n : 0] = '\0';
-  return n;
-}
-
-}  // namespace
-
-std::string RandomToken() {
-  static thread_local std::mt19937_64 rng(std::random_device{}() ^
-                                          static_cast<uint64_t>(::getpid()) << 32);
-  static const char kHex[] = "0123456789abcdef";
-  std::string t(kTokenLen, '0');
-  for (char& c : t) c = kHex[rng() & 15];
-  return t;
-}
-
-std::string FdSocketPath(const std::string& grpc_socket) { return grpc_socket + ".fd"; }
-
-absl::StatusOr<std::string> SendFd(const std::string& fd_socket, int fd, absl::Duration timeout) {
-  absl::StatusOr<int> s = Dial(fd_socket, timeout);
-  if (!s.ok()) return s.status();
-  struct Closer {
-    int fd;
-    ~Closer() { ::close(fd); }
-  } closer{*s};
-  std::string token = RandomToken();
-  if (!SendMessage(*s, token, fd)) return Errno("sendmsg", fd_socket);
-  char reply[256];
-  int unused = -1;
-  if (ReceiveMessage(*s, reply, sizeof(reply), &unused) <= 0) {
-    return Errno("no reply from the daemon", fd_socket);
-  }
-  if (unused >= 0) ::close(unused);
-  if (std::strncmp(reply, "OK", 2) != 0) {
-    return absl::UnavailableError(absl::StrCat(fd_socket, ": daemon refused the fd: ", reply));
-  }
-  return token;
-}
-
-absl::StatusOr<ArenaGrant> RequestArena(const std::string& fd_socket, uint64_t size,
-                                        absl::Duration timeout) {
-  absl::StatusOr<int> s = Dial(fd_socket, timeout);
-  if (!s.ok()) return s.status();
-  ArenaGrant g;
-  g.lease = *s;
-  auto fail = [&](absl::Status st) {
-    ::close(g.lease);
-    if (g.fd >= 0) ::close(g.fd);
-    return st;
-  };
-  if (!SendMessage(g.lease, absl::StrCat("ALLOC ", size), -1)) return fail(Errno("send", fd_socket));
-  char reply[256];
-  if (ReceiveMessage(g.lease, reply, sizeof(reply), &g.fd) <= 0) {
-    return fail(Errno("no reply from the daemon", fd_socket));
-  }
-  char token[kTokenLen + 1] = {};
-  unsigned long long got = 0;
-  if (std::strncmp(reply, "OK ", 3) != 0 || g.fd < 0 ||
-      std::sscanf(reply + 3, "%32s %llu", token, &got) != 2 || std::strlen(token) != kTokenLen ||
-      got < size) {
-    return fail(absl::UnavailableError(
-        absl::StrCat(fd_socket, ": the daemon did not lend an arena of ", size, " bytes: ", reply)));
-  }
-  g.token = token;
-  g.size = got;
-  return g;
-}
-
-absl::StatusOr<std::unique_ptr<FdReceiver>> FdReceiver::Start(const std::string& path,
-                                                              uint32_t mode,
-                                                              absl::Duration token_ttl,
-                                                              ArenaHandler* arenas) {
-  auto addr = Address(path);
-  if (!addr.ok()) return addr.status();
   ::unlink(path.c_str());
-  int s = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  int s = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (s < 0) return Errno("socket", path);
-  if (::bind(s, reinterpret_cast<sockaddr*>(&*addr), sizeof(*addr)) != 0 ||
-      ::chmod(path.c_str(), mode) != 0 || ::listen(s, 64) != 0) {
+  if (::bind(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)) != 0 ||
+      ::chmod(path.c_str(), mode) != 0 || ::listen(s, 1024) != 0) {
     absl::Status st = Errno("bind/listen", path);
     ::close(s);
     return st;
   }
-  std::unique_ptr<FdReceiver> r(new FdReceiver(path, s, token_ttl, arenas));
+  const int ep = ::epoll_create1(EPOLL_CLOEXEC);
+  const int wake = ::eventfd(0, EFD_CLOEXEC | EFD_NONBLOCK);
+  epoll_event lev{};
+  lev.events = EPOLLIN;
+  lev.data.u64 = kListenId;
+  epoll_event wev{};
+  wev.events = EPOLLIN;
+  wev.data.u64 = kWakeId;
+  if (ep < 0 || wake < 0 || ::epoll_ctl(ep, EPOLL_CTL_ADD, s, &lev) != 0 ||
+      ::epoll_ctl(ep, EPOLL_CTL_ADD, wake, &wev) != 0) {
+    absl::Status st = Errno("epoll/eventfd", path);
+    if (ep >= 0) ::close(ep);
+    if (wake >= 0) ::close(wake);
+    ::close(s);
+    ::unlink(path.c_str());
+    return st;
+  }
+  std::unique_ptr<FdReceiver> r(new FdReceiver(path, s, ep, wake, token_ttl, arenas, limits));
   r->thread_ = std::thread([p = r.get()] { p->Run(); });
   return r;
 }
@@ -184,21 +96,30 @@ FdReceiver::~FdReceiver() {
   Stop();
   absl::MutexLock lock(&mu_);
   for (auto& [t, h] : fds_) ::close(h.fd);
+  fds_.clear();
+}
+
+void FdReceiver::Wake() {
+  const uint64_t one = 1;
+  (void)!::write(wake_fd_, &one, sizeof(one));
 }
 
 void FdReceiver::Stop() {
   if (stop_.exchange(true)) return;
+  Wake();
   if (thread_.joinable()) thread_.join();
   // Grants still being made finish first; what they lent goes back.
-  std::vector<std::pair<int, std::string>> late;
+  std::vector<NewLease> late;
   {
     absl::MutexLock lock(&mu_);
     mu_.Await(absl::Condition(
         +[](int* n) { return *n == 0; }, &granting_));
     late.swap(new_leases_);
   }
-  for (const auto& [fd, token] : late) EndLease(fd, token);
+  for (const NewLease& l : late) EndLease(l.fd, l.token);
   ::close(listen_fd_);
+  ::close(epoll_fd_);
+  ::close(wake_fd_);
   ::unlink(path_.c_str());
 }
 
@@ -207,11 +128,14 @@ size_t FdReceiver::pending() const {
   return fds_.size();
 }
 
+size_t FdReceiver::waiting() const { return waiting_.load(); }
+
 void FdReceiver::ExpireLocked() {
   const absl::Time now = absl::Now();
   for (auto it = fds_.begin(); it != fds_.end();) {
     if (it->second.expires < now) {
       ::close(it->second.fd);
+      if (--held_per_uid_[it->second.uid] == 0) held_per_uid_.erase(it->second.uid);
       it = fds_.erase(it);
     } else {
       ++it;
@@ -219,37 +143,163 @@ void FdReceiver::ExpireLocked() {
   }
 }
 
+void FdReceiver::Watch(int fd, uid_t uid, bool lease, std::string token) {
+  const uint64_t id = next_id_++;
+  epoll_event ev{};
+  // A lease ends when the client closes it (or dies); anything it sends
+  // after the grant ends it too.
+  ev.events = EPOLLIN | EPOLLRDHUP;
+  ev.data.u64 = id;
+  if (::epoll_ctl(epoll_fd_, EPOLL_CTL_ADD, fd, &ev) != 0) {
+    if (lease) {
+      EndLease(fd, token);
+    } else {
+      Refuse(fd, absl::ResourceExhaustedError(
+                     absl::StrCat("the daemon cannot watch this connection: ", std::strerror(errno))));
+    }
+    return;
+  }
+  Conn c{fd, uid, lease, absl::InfiniteFuture(), std::move(token)};
+  if (!lease) {
+    c.deadline = absl::Now() + limits_.request_timeout;
+    deadlines_.emplace(c.deadline, id);
+    ++waiting_per_uid_[uid];
+    ++waiting_;
+  }
+  conns_.emplace(id, std::move(c));
+}
+
+FdReceiver::Conn FdReceiver::Unwatch(uint64_t id) {
+  auto it = conns_.find(id);
+  Conn c = std::move(it->second);
+  conns_.erase(it);
+  ::epoll_ctl(epoll_fd_, EPOLL_CTL_DEL, c.fd, nullptr);
+  if (!c.lease) {
+    auto [b, e] = deadlines_.equal_range(c.deadline);
+    for (auto d = b; d != e; ++d) {
+      if (d->second == id) {
+        deadlines_.erase(d);
+        break;
+      }
+    }
+    if (--waiting_per_uid_[c.uid] == 0) waiting_per_uid_.erase(c.uid);
+    --waiting_;
+  }
+  return c;
+}
+
+void FdReceiver::AcceptAll() {
+  // A bounded batch per round, so a flood of connections cannot keep the
+  // loop from serving requests and deadlines.
+  for (int i = 0; i < 256; ++i) {
+    const int c = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC | SOCK_NONBLOCK);
+    if (c < 0) {
+      if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM) {
+        // Out of fds: the listening socket would stay readable and spin the
+        // loop. Waiting connections time out and leases end, freeing some.
+        accept_paused_until_ = absl::Now() + kAcceptBackoff;
+        epoll_event ev{};
+        ev.events = 0;
+        ev.data.u64 = kListenId;
+        ::epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, listen_fd_, &ev);
+      }
+      return;  // EAGAIN: none left (or a transient error)
+    }
+    ucred cred{};
+    socklen_t len = sizeof(cred);
+    if (::getsockopt(c, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
+      Refuse(c, absl::UnavailableError("the daemon cannot tell who is connecting"));
+      continue;
+    }
+    const auto per_uid = waiting_per_uid_.find(cred.uid);
+    const int uid_waiting = per_uid == waiting_per_uid_.end() ? 0 : per_uid->second;
+    if (static_cast<int>(waiting_.load()) >= limits_.max_waiting ||
+        uid_waiting >= limits_.max_waiting_per_uid) {
+      const bool mine = uid_waiting >= limits_.max_waiting_per_uid;
+      Refuse(c, absl::ResourceExhaustedError(absl::StrCat(
+                    "too many connections waiting to send their request on the fd socket (",
+                    mine ? absl::StrCat(uid_waiting, " of uid ", cred.uid,
+                                        ", the limit per uid is ", limits_.max_waiting_per_uid)
+                         : absl::StrCat(waiting_.load(), ", the limit is ", limits_.max_waiting),
+                    "); retry")));
+      continue;
+    }
+    Watch(c, cred.uid, /*lease=*/false, "");
+  }
+}
+
 void FdReceiver::Run() {
-  std::vector<pollfd> polls;
+  constexpr int kEvents = 256;
+  epoll_event events[kEvents];
+  absl::Time next_expiry = absl::Now() + kTick;
   while (!stop_.load()) {
     {
-      absl::MutexLock lock(&mu_);
-      for (auto& [fd, token] : new_leases_) leases_[fd] = std::move(token);
-      new_leases_.clear();
+      std::vector<NewLease> adopt;
+      {
+        absl::MutexLock lock(&mu_);
+        adopt.swap(new_leases_);
+      }
+      for (NewLease& l : adopt) Watch(l.fd, l.uid, /*lease=*/true, std::move(l.token));
     }
-    polls.assign(1, pollfd{listen_fd_, POLLIN, 0});
-    for (const auto& [fd, token] : leases_) polls.push_back(pollfd{fd, POLLIN, 0});
-    int r = ::poll(polls.data(), polls.size(), 200);
-    {
+    absl::Time now = absl::Now();
+    if (accept_paused_until_ != absl::InfinitePast() && now >= accept_paused_until_) {
+      accept_paused_until_ = absl::InfinitePast();
+      epoll_event ev{};
+      ev.events = EPOLLIN;
+      ev.data.u64 = kListenId;
+      ::epoll_ctl(epoll_fd_, EPOLL_CTL_MOD, listen_fd_, &ev);
+    }
+    absl::Time wake_at = next_expiry;
+    if (!deadlines_.empty()) wake_at = std::min(wake_at, deadlines_.begin()->first);
+    if (accept_paused_until_ != absl::InfinitePast()) {
+      wake_at = std::min(wake_at, accept_paused_until_);
+    }
+    const int64_t wait_ms =
+        std::max<int64_t>(0, absl::ToInt64Milliseconds(absl::Ceil(wake_at - now, absl::Milliseconds(1))));
+    const int n = ::epoll_wait(epoll_fd_, events, kEvents, static_cast<int>(wait_ms));
+    for (int i = 0; i < n; ++i) {
+      const uint64_t id = events[i].data.u64;
+      if (id == kWakeId) {
+        uint64_t v;
+        (void)!::read(wake_fd_, &v, sizeof(v));
+      } else if (id == kListenId) {
+        AcceptAll();
+      } else {
+        auto it = conns_.find(id);
+        if (it == conns_.end()) continue;  // closed earlier in this round
+        if (it->second.lease) {
+          Conn c = Unwatch(id);
+          EndLease(c.fd, c.token);
+        } else {
+          Serve(id);
+        }
+      }
+    }
+    // Connections past their deadline without a request are closed.
+    now = absl::Now();
+    while (!deadlines_.empty() && deadlines_.begin()->first <= now) {
+      Conn c = Unwatch(deadlines_.begin()->second);
+      Refuse(c.fd, absl::DeadlineExceededError(absl::StrCat(
+                       "no request within ", absl::FormatDuration(limits_.request_timeout),
+                       " of connecting")));
+    }
+    if (now >= next_expiry) {
       absl::MutexLock lock(&mu_);
       ExpireLocked();
+      next_expiry = now + kTick;
     }
-    if (r <= 0) continue;
-    // A lease ends when the client closes it (or dies); anything it sends
-    // after the grant ends it too.
-    for (size_t i = 1; i < polls.size(); ++i) {
-      if (polls[i].revents == 0) continue;
-      auto it = leases_.find(polls[i].fd);
-      EndLease(it->first, it->second);
-      leases_.erase(it);
-    }
-    if ((polls[0].revents & POLLIN) == 0) continue;
-    int c = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (c < 0) continue;
-    if (!Serve(c)) ::close(c);
   }
-  for (const auto& [fd, token] : leases_) EndLease(fd, token);
-  leases_.clear();
+  for (auto& [id, c] : conns_) {
+    if (c.lease) {
+      EndLease(c.fd, c.token);
+    } else {
+      ::close(c.fd);
+    }
+  }
+  conns_.clear();
+  deadlines_.clear();
+  waiting_per_uid_.clear();
+  waiting_ = 0;
 }
 
 void FdReceiver::EndLease(int fd, const std::string& token) {
@@ -257,68 +307,94 @@ void FdReceiver::EndLease(int fd, const std::string& token) {
   ::close(fd);
 }
 
-bool FdReceiver::Serve(int c) {
-  SetTimeouts(c, absl::Seconds(2));
-  char buf[64];
+void FdReceiver::Serve(uint64_t id) {
+  const int c = conns_.at(id).fd;
+  char buf[kMaxMessage];
   int fd = -1;
-  const ssize_t n = ReceiveMessage(c, buf, sizeof(buf), &fd);
-  if (n > 6 && fd < 0 && std::strncmp(buf, "ALLOC ", 6) == 0) {
+  bool truncated = false;
+  const ssize_t n = ReceiveMessage(c, buf, sizeof(buf), &fd, MSG_DONTWAIT, &truncated);
+  if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return;  // nothing yet
+  const Conn conn = Unwatch(id);
+  if (n <= 0) {  // the client went away (or the socket failed) before asking
+    if (fd >= 0) ::close(fd);
+    ::close(c);
+    return;
+  }
+  const absl::string_view text(buf, static_cast<size_t>(n));
+  if (absl::StartsWith(text, "ALLOC ") && fd < 0 && !truncated) {
     if (arenas_ == nullptr) {
-      SendMessage(c, "ERR this daemon lends no arenas", -1);
-      return false;
+      Reply(c, ErrorReply(absl::UnavailableError("this daemon lends no arenas")));
+      ::close(c);
+      return;
     }
     char* end = nullptr;
     errno = 0;
     const unsigned long long size = std::strtoull(buf + 6, &end, 10);
-    ucred cred{};
-    socklen_t len = sizeof(cred);
-    if (errno != 0 || end == buf + 6 || *end != '\0' ||
-        ::getsockopt(c, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0) {
-      SendMessage(c, "ERR expected ALLOC <bytes>", -1);
-      return false;
+    if (errno != 0 || end == buf + 6 || *end != '\0' || buf[6] == '-' || buf[6] == '+' ||
+        buf[6] == ' ') {
+      Reply(c, ErrorReply(absl::InvalidArgumentError("expected ALLOC <bytes>")));
+      ::close(c);
+      return;
     }
     // Making an arena faults in its memory (seconds for many GiB): on its
     // own thread, so other clients of this socket are not held up.
     {
       absl::MutexLock lock(&mu_);
-      if (granting_ >= kMaxGranting) {
-        SendMessage(c, "ERR too many arena requests at once; retry", -1);
-        return false;
+      if (granting_ >= limits_.max_granting) {
+        Reply(c, ErrorReply(absl::ResourceExhaustedError(absl::StrCat(
+                     "too many arena requests at once (", limits_.max_granting, "); retry"))));
+        ::close(c);
+        return;
       }
       ++granting_;
     }
-    std::thread([this, c, size, uid = cred.uid] { Grant(c, size, uid); }).detach();
-    return true;  // the socket is Grant's now
+    std::thread([this, c, size, uid = conn.uid] { Grant(c, size, uid); }).detach();
+    return;  // the socket is Grant's now
   }
-  const char* text = "OK";
-  if (n != static_cast<ssize_t>(kTokenLen) || fd < 0) {
-    text = "ERR expected a 32-byte token and one fd, or ALLOC <bytes>";
-    if (fd >= 0) ::close(fd);
+  Reply(c, Hold(buf, n, fd, truncated, conn.uid));
+  ::close(c);
+}
+
+std::string FdReceiver::Hold(const char* text, ssize_t n, int fd, bool truncated, uid_t uid) {
+  const absl::string_view token(text, static_cast<size_t>(n));
+  absl::Status st;
+  if (truncated || fd < 0 || !IsToken(token)) {
+    st = absl::InvalidArgumentError(absl::StrCat(
+        "expected a ", kTokenLen, "-character lowercase hex token and one fd, or ALLOC <bytes>"));
   } else {
-    absl::MutexLock lock(&mu_);
-    if (fds_.size() >= 4096) {
-      text = "ERR too many pending fds";
-      ::close(fd);
-    } else {
-      auto [it, inserted] = fds_.emplace(std::string(buf, kTokenLen), Held{fd, absl::Now() + ttl_});
-      if (!inserted) {
-        text = "ERR duplicate token";
-        ::close(fd);
-      }
-    }
+    st = CheckSealedSegment(fd, "the fd");
   }
-  SendMessage(c, text, -1);
-  return false;
+  if (st.ok()) {
+    absl::MutexLock lock(&mu_);
+    size_t& mine = held_per_uid_[uid];
+    if (fds_.size() >= limits_.max_held) {
+      st = absl::ResourceExhaustedError(absl::StrCat(
+          "too many fds held and not yet named in a request (", fds_.size(), ")"));
+    } else if (mine >= limits_.max_held_per_uid) {
+      st = absl::ResourceExhaustedError(absl::StrCat(
+          "too many fds of uid ", uid, " held and not yet named in a request (", mine,
+          ", the limit per uid is ", limits_.max_held_per_uid, "; unused ones expire after ",
+          absl::FormatDuration(ttl_), ")"));
+    } else if (!fds_.emplace(std::string(token), Held{fd, absl::Now() + ttl_, uid}).second) {
+      st = absl::InvalidArgumentError("duplicate token");
+    } else {
+      ++mine;
+      return "OK";
+    }
+    if (mine == 0) held_per_uid_.erase(uid);
+  }
+  if (fd >= 0) ::close(fd);
+  return ErrorReply(st);
 }
 
 void FdReceiver::Grant(int c, uint64_t size, uid_t uid) {
   absl::StatusOr<ArenaLease> lease = arenas_->Allocate(size, uid);
   bool kept = false;
   if (!lease.ok()) {
-    SendMessage(c, absl::StrCat("ERR ", lease.status().message()), -1);
+    Reply(c, ErrorReply(lease.status()));
   } else {
-    const bool sent =
-        SendMessage(c, absl::StrCat("OK ", lease->token, " ", lease->size), lease->fd);
+    const bool sent = SendMessage(c, absl::StrCat("OK ", lease->token, " ", lease->size),
+                                  lease->fd, MSG_DONTWAIT);
     ::close(lease->fd);
     if (sent) {
       kept = true;
@@ -329,21 +405,32 @@ void FdReceiver::Grant(int c, uint64_t size, uid_t uid) {
   }
   absl::MutexLock lock(&mu_);
   if (kept) {
-    new_leases_.emplace_back(c, lease->token);  // Run polls it from its next round
+    new_leases_.push_back(NewLease{c, uid, lease->token});  // Run watches it from its next round
+    Wake();  // before granting_ drops: Stop closes wake_fd_ once it is 0
   } else {
     ::close(c);
   }
   --granting_;
 }
 
-absl::StatusOr<int> FdReceiver::Take(const std::string& token) {
+absl::StatusOr<int> FdReceiver::Take(const std::string& token, uid_t caller_uid) {
   absl::MutexLock lock(&mu_);
   auto it = fds_.find(token);
+  if (it != fds_.end() && it->second.expires < absl::Now()) {
+    ExpireLocked();
+    it = fds_.end();
+  }
   if (it == fds_.end()) {
     return absl::InvalidArgumentError(
         absl::StrCat("shm fd_token '", token, "' is unknown or expired (send the fd first)"));
   }
-  int fd = it->second.fd;
+  if (it->second.uid != caller_uid) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "shm fd_token '", TokenPrefix(token),
+        "' belongs to another user: a token may only be used by the uid that sent its fd"));
+  }
+  const int fd = it->second.fd;
+  if (--held_per_uid_[it->second.uid] == 0) held_per_uid_.erase(it->second.uid);
   fds_.erase(it);
   return fd;
 }

@@ -1,29 +1,29 @@
-// Handing a shared-memory file descriptor (a memfd) from a client process to
-// the daemon over a Unix socket (SCM_RIGHTS), so destinations need no name
-// in /dev/shm and cannot leak: the memory is freed when both sides close it.
+// The daemon side of the fd socket (protocol: proto/fd_socket.h): clients
+// hand it sealed memfds (SCM_RIGHTS) and borrow arenas ("ALLOC <bytes>").
 //
-// Protocol (SOCK_SEQPACKET, one message each way):
-//   client -> daemon: 32-byte ASCII token + the fd as SCM_RIGHTS
-//   daemon -> client: "OK" or "ERR <reason>"
-// The client then names the token in LoadRequest.shm.fd_token. Tokens are
-// single-use and expire.
+// One thread serves every connection with epoll, never blocking on a
+// client: each connection has kRequestTimeout to send its one request (then
+// it is closed), connections waiting for their request are capped (in all
+// and per uid; past the cap a connection gets "ERR RESOURCE_EXHAUSTED: ..."
+// at once), replies are sent without waiting, arenas are made and handed out
+// on their own threads (a bounded number at once), and lease sockets are
+// watched on the same epoll set: a lease ends when its client closes it.
 //
-// Arenas from the daemon (server/arena_pool.h), on the same socket:
-//   client -> daemon: "ALLOC <bytes>"
-//   daemon -> client: "OK <32-byte token> <bytes>" + the arena's memfd as
-//                     SCM_RIGHTS, or "ERR <reason>"
-// The connection then stays open as the lease: the client names the token in
-// LoadRequest.shm.arena_token for as many loads as it likes; closing the
-// connection (or exiting) gives the arena back.
+// Received fds are checked (CheckSealedSegment: a tmpfs memfd sealed against
+// shrinking), held for a while under their token and the uid that sent them
+// (SO_PEERCRED), and taken by that uid only.
 #ifndef CKPTD_SERVER_FD_CHANNEL_H_
 #define CKPTD_SERVER_FD_CHANNEL_H_
 
 #include <sys/types.h>
 
 #include <atomic>
+#include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <utility>
 #include <vector>
 
@@ -31,19 +31,9 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "proto/fd_socket.h"
 
 namespace ckptd {
-
-// The fd socket that goes with a daemon's gRPC socket path.
-std::string FdSocketPath(const std::string& grpc_socket);
-
-// Client side: sends `fd` to the daemon listening at `fd_socket`; returns
-// the token that names it.
-absl::StatusOr<std::string> SendFd(const std::string& fd_socket, int fd,
-                                   absl::Duration timeout = absl::Seconds(10));
-
-// A random 32-character hex token.
-std::string RandomToken();
 
 // An arena the daemon lent: `fd` is the receiver's to send and close.
 struct ArenaLease {
@@ -63,59 +53,106 @@ class ArenaHandler {
   virtual void Release(const std::string& token) = 0;
 };
 
-// Client side of "ALLOC": the arena's memfd, its token and size (rounded
-// up), and the lease socket to keep open while the arena is in use.
-struct ArenaGrant {
-  int fd = -1;
-  int lease = -1;
-  std::string token;
-  uint64_t size = 0;
+struct FdReceiverLimits {
+  // How long a connection may take to send its request.
+  absl::Duration request_timeout = kRequestTimeout;
+  // Connections that have not sent their request yet, in all and per uid.
+  int max_waiting = 1024;
+  int max_waiting_per_uid = 256;
+  // Fds received and not yet taken, in all and per uid.
+  size_t max_held = 4096;
+  size_t max_held_per_uid = 1024;
+  // Arena grants being made at once (each on its own thread).
+  int max_granting = 64;
 };
-absl::StatusOr<ArenaGrant> RequestArena(const std::string& fd_socket, uint64_t size,
-                                        absl::Duration timeout = absl::Seconds(10));
 
-// Daemon side: accepts fds on `path` on a background thread, and arena
-// requests when `arenas` is set (it must outlive the receiver).
+// Daemon side: serves the fd socket at `path` on a background thread, and
+// arena requests when `arenas` is set (it must outlive the receiver).
 class FdReceiver {
  public:
   ~FdReceiver();
-  static absl::StatusOr<std::unique_ptr<FdReceiver>> Start(const std::string& path, uint32_t mode,
-                                                           absl::Duration token_ttl,
-                                                           ArenaHandler* arenas = nullptr);
-  // Takes ownership of the fd named by `token` (the caller closes it).
-  absl::StatusOr<int> Take(const std::string& token);
+  static absl::StatusOr<std::unique_ptr<FdReceiver>> Start(
+      const std::string& path, uint32_t mode, absl::Duration token_ttl,
+      ArenaHandler* arenas = nullptr, const FdReceiverLimits& limits = FdReceiverLimits());
+  // Takes ownership of the fd named by `token` (the caller closes it), if
+  // `caller_uid` sent it: INVALID_ARGUMENT when unknown or expired,
+  // PERMISSION_DENIED when another uid sent it (it stays held for its owner).
+  absl::StatusOr<int> Take(const std::string& token, uid_t caller_uid);
   void Stop();
-  size_t pending() const;
+  size_t pending() const;  // fds held, not yet taken
+  size_t waiting() const;  // connections that have not sent their request
 
  private:
-  FdReceiver(std::string path, int listen_fd, absl::Duration ttl, ArenaHandler* arenas)
-      : path_(std::move(path)), listen_fd_(listen_fd), ttl_(ttl), arenas_(arenas) {}
+  FdReceiver(std::string path, int listen_fd, int epoll_fd, int wake_fd, absl::Duration ttl,
+             ArenaHandler* arenas, const FdReceiverLimits& limits)
+      : path_(std::move(path)),
+        listen_fd_(listen_fd),
+        epoll_fd_(epoll_fd),
+        wake_fd_(wake_fd),
+        ttl_(ttl),
+        arenas_(arenas),
+        limits_(limits) {}
+
+  // A connection on the epoll set (Run's thread only).
+  struct Conn {
+    int fd;
+    uid_t uid;
+    bool lease;           // a lent arena's lease socket (else: waiting for its request)
+    absl::Time deadline;  // for its request
+    std::string token;    // lease: the arena's token
+  };
+
   void Run();
-  // Handles one new connection; true if something else owns it now.
-  bool Serve(int c);
+  void Wake();
+  void AcceptAll();
+  void Watch(int fd, uid_t uid, bool lease, std::string token);
+  // Takes the connection off the epoll set and out of conns_; returns it.
+  Conn Unwatch(uint64_t id);
+  // Reads the request of connection `id` and answers it (or hands it to a
+  // Grant thread).
+  void Serve(uint64_t id);
+  // Answers a token + fd request: the reply text.
+  std::string Hold(const char* text, ssize_t n, int fd, bool truncated, uid_t uid);
   // The client's lease socket `fd` closed (or we stop): the arena goes back.
   void EndLease(int fd, const std::string& token);
   // Lends an arena to the client on `c` (its own thread; see Serve).
   void Grant(int c, uint64_t size, uid_t uid);
-  static constexpr int kMaxGranting = 64;
   void ExpireLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const std::string path_;
-  int listen_fd_;
+  const int listen_fd_;
+  const int epoll_fd_;
+  const int wake_fd_;  // eventfd: Stop and Grant threads wake Run
   const absl::Duration ttl_;
   ArenaHandler* const arenas_;
-  std::map<int, std::string> leases_;  // lease socket -> arena token (Run's thread only)
+  const FdReceiverLimits limits_;
   std::atomic<bool> stop_{false};
+  std::atomic<size_t> waiting_{0};
   std::thread thread_;
+
+  // Run's thread only.
+  uint64_t next_id_ = 2;  // 0: the listening socket, 1: wake_fd_
+  std::unordered_map<uint64_t, Conn> conns_;
+  std::multimap<absl::Time, uint64_t> deadlines_;  // connections waiting for their request
+  std::unordered_map<uid_t, int> waiting_per_uid_;
+  absl::Time accept_paused_until_ = absl::InfinitePast();  // out of fds: accept later
+
   mutable absl::Mutex mu_;
   struct Held {
     int fd;
     absl::Time expires;
+    uid_t uid;
   };
   std::map<std::string, Held> fds_ ABSL_GUARDED_BY(mu_);
+  std::unordered_map<uid_t, size_t> held_per_uid_ ABSL_GUARDED_BY(mu_);
   int granting_ ABSL_GUARDED_BY(mu_) = 0;  // Grant threads running
-  // Leases granted since Run last looked (socket, token).
-  std::vector<std::pair<int, std::string>> new_leases_ ABSL_GUARDED_BY(mu_);
+  // Leases granted since Run last looked (socket, uid, token).
+  struct NewLease {
+    int fd;
+    uid_t uid;
+    std::string token;
+  };
+  std::vector<NewLease> new_leases_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace ckptd

@@ -15,12 +15,15 @@
 
 #include <grpcpp/grpcpp.h>
 #include <grpcpp/health_check_service_interface.h>
+#include <grpcpp/resource_quota.h>
+#include <grpcpp/security/server_credentials.h>
 #include <spdlog/spdlog.h>
 #include <systemd/sd-daemon.h>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
@@ -29,6 +32,7 @@
 #include "server/metrics.h"
 #include "server/peer_service.h"
 #include "server/service.h"
+#include "server/uds_listener.h"
 
 ABSL_FLAG(std::string, config, "", "YAML config file (see config/ckptd.yaml)");
 ABSL_FLAG(std::string, check_config, "", "validate a config file and exit");
@@ -54,6 +58,19 @@ ABSL_FLAG(int, testing_delay_part_ms, 0,
           "testing only: pause before executing a multi-node plan part (fault injection)");
 
 namespace {
+
+absl::StatusOr<std::string> ReadPem(const std::string& path, const std::string& key) {
+  FILE* f = std::fopen(path.c_str(), "rb");
+  if (f == nullptr) {
+    return absl::NotFoundError(absl::StrCat(key, ": cannot open ", path, ": ", std::strerror(errno)));
+  }
+  std::string out;
+  char buf[16384];
+  size_t n;
+  while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0 && out.size() < (1 << 20)) out.append(buf, n);
+  std::fclose(f);
+  return out;
+}
 
 constexpr char kUsage[] = R"(ckptd — per-node checkpoint loading and resharding daemon
 
@@ -181,25 +198,67 @@ int main(int argc, char** argv) {
     if (absl::Status s = ClaimSocket(config.socket); !s.ok()) return Fail(std::string(s.message()));
   }
   if (absl::Status s = daemon.Start(); !s.ok()) return Fail(std::string(s.message()));
-  ckptd::CkptdService service(&daemon);
+  std::unique_ptr<ckptd::UdsListener> uds;
+  if (!config.socket.empty()) {
+    auto l = ckptd::UdsListener::Listen(config.socket, config.socket_mode,
+                                        config.limits.max_connections);
+    if (!l.ok()) return Fail(std::string(l.status().message()));
+    uds = std::move(*l);
+  }
+  const uid_t tcp_uid = config.tcp_uid;
+  ckptd::CkptdService service(
+      &daemon, [&uds, tcp_uid](const std::string& peer) -> std::optional<ckptd::Caller> {
+        if (absl::StartsWith(peer, "fd:")) {
+          return uds ? uds->Lookup(peer) : std::nullopt;
+        }
+        if (absl::StartsWith(peer, "ipv4:") || absl::StartsWith(peer, "ipv6:")) {
+          ckptd::Caller c;
+          c.via = ckptd::Caller::Via::kTcp;
+          c.uid = tcp_uid;
+          c.gid = tcp_uid;
+          return c;
+        }
+        return std::nullopt;
+      });
   grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
-  if (!config.socket.empty()) {
-    builder.AddListeningPort("unix:" + config.socket, grpc::InsecureServerCredentials());
-  }
   int tcp_port = 0;
   if (!config.tcp_address.empty()) {
-    builder.AddListeningPort(config.tcp_address, grpc::InsecureServerCredentials(), &tcp_port);
+    std::shared_ptr<grpc::ServerCredentials> creds;
+    if (!config.tcp_tls_cert.empty()) {
+      auto cert = ReadPem(config.tcp_tls_cert, "tcp_tls_cert");
+      auto key = ReadPem(config.tcp_tls_key, "tcp_tls_key");
+      auto ca = ReadPem(config.tcp_tls_ca, "tcp_tls_ca");
+      for (const auto* r : {&cert, &key, &ca}) {
+        if (!r->ok()) return Fail(std::string(r->status().message()));
+      }
+      grpc::SslServerCredentialsOptions o(
+          GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
+      o.pem_root_certs = *ca;
+      o.pem_key_cert_pairs.push_back({*key, *cert});
+      creds = grpc::SslServerCredentials(o);
+    } else {
+      spdlog::warn("tcp_address {} is served WITHOUT TLS (insecure_tcp: true): anyone who can "
+                   "reach it acts as uid {}", config.tcp_address, config.tcp_uid);
+      creds = grpc::InsecureServerCredentials();
+    }
+    builder.AddListeningPort(config.tcp_address, creds, &tcp_port);
   }
-  builder.SetMaxReceiveMessageSize(256 << 20);
-  builder.SetMaxSendMessageSize(256 << 20);
+  const int max_msg = static_cast<int>(std::min<uint64_t>(config.limits.max_message_bytes, INT32_MAX));
+  builder.SetMaxReceiveMessageSize(max_msg);
+  builder.SetMaxSendMessageSize(max_msg);
+  builder.AddChannelArgument(GRPC_ARG_MAX_CONCURRENT_STREAMS,
+                             static_cast<int>(std::min<uint64_t>(config.limits.max_concurrent_streams, INT32_MAX)));
+  grpc::ResourceQuota quota("ckptd");
+  quota.SetMaxThreads(static_cast<int>(std::min<uint64_t>(config.limits.max_threads, INT32_MAX)));
+  builder.SetResourceQuota(quota);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
   if (!server) {
-    return Fail(absl::StrCat("cannot listen on ", config.socket,
-                             config.tcp_address.empty() ? "" : " / " + config.tcp_address));
+    return Fail(absl::StrCat("cannot start the gRPC server",
+                             config.tcp_address.empty() ? "" : " on " + config.tcp_address));
   }
-  if (!config.socket.empty()) ::chmod(config.socket.c_str(), config.socket_mode);
+  if (uds) uds->Serve(server.get());
   // The peer service: TCP, separate from the client API.
   ckptd::PeerService peer_service(&daemon);
   std::unique_ptr<grpc::Server> peer_server;
@@ -245,6 +304,7 @@ int main(int argc, char** argv) {
                  absl::FormatDuration(config.drain_timeout));
     sd_notify(0, "STOPPING=1\nSTATUS=draining running loads");
     server->GetHealthCheckService()->SetServingStatus(false);
+    if (uds) uds->Stop();  // no new connections; open ones drain
     // Kubernetes probes the peer port's health service (deploy/k8s): not ready while draining.
     if (peer_server) peer_server->GetHealthCheckService()->SetServingStatus(false);
     const auto drain = std::chrono::system_clock::now() +
@@ -254,6 +314,7 @@ int main(int argc, char** argv) {
   });
   server->Wait();
   signals.join();
+  if (uds) uds->Stop();
   metrics.reset();
   daemon.Stop();
   if (!config.socket.empty()) ::unlink(config.socket.c_str());

@@ -1,5 +1,10 @@
 #include "server/service.h"
 
+#include <new>
+
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/str_cat.h"
 #include "server/metrics.h"
 
 namespace ckptd {
@@ -9,50 +14,86 @@ grpc::Status ToGrpc(const absl::Status& s) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
 }
 
-grpc::Status CkptdService::Inspect(grpc::ServerContext*, const v1::InspectRequest* req,
+grpc::Status CkptdService::Guard(const char* rpc, grpc::ServerContext* ctx,
+                                 const std::function<absl::Status(const Caller&)>& body) {
+  try {
+    std::optional<Caller> caller = resolve_(ctx->peer());
+    if (!caller) {
+      return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                          absl::StrCat(rpc, ": cannot tell who is calling (peer '", ctx->peer(),
+                                       "'); connect through the daemon's Unix socket"));
+    }
+    return ToGrpc(body(*caller));
+  } catch (const std::bad_alloc&) {
+    spdlog::error("{}: out of memory handling a request from {}", rpc, ctx->peer());
+    return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
+                        absl::StrCat(rpc, ": the daemon ran out of memory for this request"));
+  } catch (const std::exception& e) {
+    spdlog::error("{}: unexpected exception (a ckptd bug): {}", rpc, e.what());
+    return grpc::Status(grpc::StatusCode::INTERNAL,
+                        absl::StrCat(rpc, ": internal error (a ckptd bug): ", e.what()));
+  } catch (...) {
+    spdlog::error("{}: unexpected non-standard exception (a ckptd bug)", rpc);
+    return grpc::Status(grpc::StatusCode::INTERNAL, absl::StrCat(rpc, ": internal error"));
+  }
+}
+
+grpc::Status CkptdService::Inspect(grpc::ServerContext* ctx, const v1::InspectRequest* req,
                                    v1::InspectResponse* resp) {
-  auto r = daemon_->Inspect(*req);
-  if (!r.ok()) return ToGrpc(r.status());
-  *resp = std::move(*r);
-  return grpc::Status::OK;
+  return Guard("Inspect", ctx, [&](const Caller& c) -> absl::Status {
+    auto r = daemon_->Inspect(c, *req);
+    if (!r.ok()) return r.status();
+    *resp = std::move(*r);
+    return absl::OkStatus();
+  });
 }
 
 grpc::Status CkptdService::Load(grpc::ServerContext* ctx, const v1::LoadRequest* req,
                                 grpc::ServerWriter<v1::LoadEvent>* writer) {
-  return ToGrpc(daemon_->Load(
-      *req, [writer](const v1::LoadEvent& ev) { return writer->Write(ev); },
-      [ctx] { return ctx->IsCancelled(); }));
+  return Guard("Load", ctx, [&](const Caller& c) {
+    return daemon_->Load(
+        c, *req, [writer](const v1::LoadEvent& ev) { return writer->Write(ev); },
+        [ctx] { return ctx->IsCancelled(); });
+  });
 }
 
 grpc::Status CkptdService::Save(grpc::ServerContext* ctx, const v1::SaveRequest* req,
                                 v1::SaveResponse* resp) {
-  auto r = daemon_->Save(*req, [ctx] { return ctx->IsCancelled(); });
-  if (!r.ok()) return ToGrpc(r.status());
-  *resp = std::move(*r);
-  return grpc::Status::OK;
+  return Guard("Save", ctx, [&](const Caller& c) -> absl::Status {
+    auto r = daemon_->Save(c, *req, [ctx] { return ctx->IsCancelled(); });
+    if (!r.ok()) return r.status();
+    *resp = std::move(*r);
+    return absl::OkStatus();
+  });
 }
 
-grpc::Status CkptdService::Prefetch(grpc::ServerContext*, const v1::PrefetchRequest* req,
+grpc::Status CkptdService::Prefetch(grpc::ServerContext* ctx, const v1::PrefetchRequest* req,
                                     v1::PrefetchResponse* resp) {
-  auto r = daemon_->Prefetch(*req);
-  if (!r.ok()) return ToGrpc(r.status());
-  *resp = std::move(*r);
-  return grpc::Status::OK;
+  return Guard("Prefetch", ctx, [&](const Caller& c) -> absl::Status {
+    auto r = daemon_->Prefetch(c, *req);
+    if (!r.ok()) return r.status();
+    *resp = std::move(*r);
+    return absl::OkStatus();
+  });
 }
 
-grpc::Status CkptdService::Evict(grpc::ServerContext*, const v1::EvictRequest* req,
+grpc::Status CkptdService::Evict(grpc::ServerContext* ctx, const v1::EvictRequest* req,
                                  v1::EvictResponse* resp) {
-  auto r = daemon_->Evict(*req);
-  if (!r.ok()) return ToGrpc(r.status());
-  *resp = std::move(*r);
-  return grpc::Status::OK;
+  return Guard("Evict", ctx, [&](const Caller& c) -> absl::Status {
+    auto r = daemon_->Evict(c, *req);
+    if (!r.ok()) return r.status();
+    *resp = std::move(*r);
+    return absl::OkStatus();
+  });
 }
 
-grpc::Status CkptdService::Status(grpc::ServerContext*, const v1::StatusRequest*,
+grpc::Status CkptdService::Status(grpc::ServerContext* ctx, const v1::StatusRequest*,
                                   v1::StatusResponse* resp) {
-  *resp = daemon_->Status();
-  resp->set_resident_bytes(ResidentBytes());
-  return grpc::Status::OK;
+  return Guard("Status", ctx, [&](const Caller& c) {
+    *resp = daemon_->Status(c);
+    resp->set_resident_bytes(ResidentBytes());
+    return absl::OkStatus();
+  });
 }
 
 }  // namespace ckptd

@@ -1,18 +1,31 @@
 // gRPC glue: translates ckptd.v1 RPCs into Daemon calls and absl::Status
-// into grpc::Status with the same code and message.
+// into grpc::Status with the same code and message. Every call is first
+// mapped to its Caller (uds_listener.h); a call whose caller cannot be
+// identified is UNAUTHENTICATED. No exception leaves a handler: one that
+// escapes the daemon's code becomes RESOURCE_EXHAUSTED (out of memory) or
+// INTERNAL naming the RPC, and is logged.
 #ifndef CKPTD_SERVER_SERVICE_H_
 #define CKPTD_SERVER_SERVICE_H_
 
+#include <functional>
+#include <optional>
+#include <string>
+
 #include "proto/ckpt.grpc.pb.h"
+#include "server/caller.h"
 #include "server/daemon.h"
 
 namespace ckptd {
 
 grpc::Status ToGrpc(const absl::Status& s);
 
+// Maps ServerContext::peer() to the caller; nullopt: unknown.
+using CallerResolver = std::function<std::optional<Caller>(const std::string& peer)>;
+
 class CkptdService final : public v1::Ckptd::Service {
  public:
-  explicit CkptdService(Daemon* daemon) : daemon_(daemon) {}
+  CkptdService(Daemon* daemon, CallerResolver resolve)
+      : daemon_(daemon), resolve_(std::move(resolve)) {}
 
   grpc::Status Inspect(grpc::ServerContext* ctx, const v1::InspectRequest* req,
                        v1::InspectResponse* resp) override;
@@ -28,7 +41,12 @@ class CkptdService final : public v1::Ckptd::Service {
                       v1::StatusResponse* resp) override;
 
  private:
+  // Runs `body` with the caller of `ctx`, catching every exception.
+  grpc::Status Guard(const char* rpc, grpc::ServerContext* ctx,
+                     const std::function<absl::Status(const Caller&)>& body);
+
   Daemon* const daemon_;
+  const CallerResolver resolve_;
 };
 
 }  // namespace ckptd

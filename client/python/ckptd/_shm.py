@@ -1,11 +1,14 @@
 """Shared memory for ckptd: memfd segments, and handing their fd to the daemon.
 
-A segment is an anonymous memfd (os.memfd_create) mapped with mmap. Its fd
-goes to the daemon over the daemon's fd socket ("<socket>.fd"), protocol of
-server/fd_channel.h: one SOCK_SEQPACKET message carrying a 32-byte ASCII
-token plus the fd as SCM_RIGHTS; the daemon answers "OK" or "ERR <reason>".
-The request then names the token (ShmDestination.fd_token). Nothing is ever
-created under /dev/shm, and the memory is freed when both sides close it.
+A segment is an anonymous memfd (os.memfd_create) mapped with mmap, sealed
+with F_SEAL_SHRINK | F_SEAL_GROW once sized (the daemon accepts only memfds
+that cannot shrink under its mapping). Its fd goes to the daemon over the
+daemon's fd socket ("<socket>.fd"), protocol of proto/fd_socket.h: one
+SOCK_SEQPACKET message carrying a 32-character lowercase hex token plus the
+fd as SCM_RIGHTS; the daemon answers "OK" or "ERR <CODE>: <reason>". The
+request then names the token (ShmDestination.fd_token); only this uid may.
+Nothing is ever created under /dev/shm, and the memory is freed when both
+sides close it.
 
 A segment can also be borrowed from the daemon ("ALLOC <bytes>" on the same
 socket; the reply "OK <token> <bytes>" carries the memfd): the daemon keeps
@@ -13,6 +16,7 @@ it mapped, so loads into it skip the daemon's per-load mmap and page-table
 set-up, and hands it to the next client of the same size when this one closes
 the connection (the lease). Requests then name ShmDestination.arena_token.
 """
+import fcntl
 import mmap
 import os
 import secrets
@@ -36,17 +40,81 @@ def fd_socket_path(grpc_socket):
     return grpc_socket + ".fd"
 
 
+_CODES = ("CANCELLED", "UNKNOWN", "INVALID_ARGUMENT", "DEADLINE_EXCEEDED", "NOT_FOUND",
+          "ALREADY_EXISTS", "PERMISSION_DENIED", "RESOURCE_EXHAUSTED", "FAILED_PRECONDITION",
+          "ABORTED", "OUT_OF_RANGE", "UNIMPLEMENTED", "INTERNAL", "UNAVAILABLE", "DATA_LOSS",
+          "UNAUTHENTICATED")
+
+
+def parse_refusal(reply):
+    """(code, message) of a daemon's "ERR <CODE>: <message>" reply (a bare
+    "ERR <message>" from older daemons is UNAVAILABLE)."""
+    text = reply.decode("ascii", "replace") if isinstance(reply, bytes) else reply
+    if not text:
+        return "UNAVAILABLE", "no reply"
+    if text.startswith("ERR "):
+        text = text[4:]
+    code, sep, rest = text.partition(": ")
+    if sep and code in _CODES:
+        return code, rest
+    return "UNAVAILABLE", text
+
+
+def _queued_refusal(s):
+    """After a failed send: the refusal the daemon sent before closing, if any."""
+    try:
+        s.setblocking(False)
+        try:
+            reply = s.recv(512)
+        except ConnectionResetError:
+            reply = s.recv(512)
+    except OSError:
+        return None
+    return parse_refusal(reply) if reply.startswith(b"ERR") else None
+
+
+def _recv_reply(s, with_fd):
+    """The daemon's reply (and its fds). A daemon that refuses a connection
+    before reading the request leaves it unread, so the first receive fails
+    with ECONNRESET although the reply is queued: the second gets it."""
+    for attempt in (0, 1):
+        try:
+            if with_fd:
+                msg, fds, _, _ = _socket.recv_fds(s, 512, 1)
+                return msg, fds
+            return s.recv(512), []
+        except ConnectionResetError:
+            if attempt:
+                raise
+            s.setblocking(False)
+
+
+def seal(fd):
+    """Seals a sized memfd (made with MFD_ALLOW_SEALING) as the daemon requires."""
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+
+
 def request_arena(fd_socket, size, timeout=10.0):
     """Borrows an arena from the daemon: (fd, lease socket, token, size)."""
     s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
     try:
         s.settimeout(timeout)
         s.connect(fd_socket)
-        s.send(f"ALLOC {int(size)}".encode("ascii"))
-        msg, fds, _, _ = _socket.recv_fds(s, 256, 1)
+        try:
+            s.send(f"ALLOC {int(size)}".encode("ascii"))
+        except OSError as e:
+            refusal = _queued_refusal(s)
+            if refusal is None:
+                raise
+            raise CkptdError("RESOURCE_EXHAUSTED", f"{fd_socket}: the daemon did not lend an "
+                             f"arena of {size} bytes: {refusal[1]}") from e
+        msg, fds = _recv_reply(s, True)
     except OSError as e:
         s.close()
         raise CkptdError("UNAVAILABLE", f"{fd_socket}: borrowing an arena: {e}") from e
+    except CkptdError:
+        s.close()
+        raise
     parts = msg.decode("ascii", "replace").split()
     if len(parts) != 3 or parts[0] != "OK" or len(fds) != 1 or int(parts[2]) < size:
         for fd in fds:
@@ -55,7 +123,7 @@ def request_arena(fd_socket, size, timeout=10.0):
         code = "RESOURCE_EXHAUSTED" if msg.startswith(b"ERR") else "UNAVAILABLE"
         raise CkptdError(code, f"{fd_socket}: the daemon did not lend an arena of {size} bytes: "
                          f"{msg.decode('ascii', 'replace') or 'no reply'}")
-    s.settimeout(None)
+    s.settimeout(None)  # blocking again (also after _recv_reply's second try)
     return fds[0], s, parts[1], int(parts[2])
 
 
@@ -72,12 +140,13 @@ class Segment:
                 fd_socket_path(daemon), self.size, timeout)
         else:
             try:
-                self.fd = os.memfd_create(name[:200], os.MFD_CLOEXEC)
+                self.fd = os.memfd_create(name[:200], os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
             except OSError as e:
                 raise CkptdError("RESOURCE_EXHAUSTED", f"memfd_create: {e.strerror}") from e
         try:
             if daemon is None:
                 os.ftruncate(self.fd, self.size)
+                seal(self.fd)  # the daemon's arenas come sealed
             # The daemon's arena already has its pages: map them all now.
             flags = mmap.MAP_SHARED | (getattr(mmap, "MAP_POPULATE", 0) if daemon else 0)
             self.mm = mmap.mmap(self.fd, self.size, flags=flags)
@@ -132,12 +201,16 @@ def send_fd(fd_socket, fd, timeout=10.0):
         token = secrets.token_hex(TOKEN_LEN // 2)
         try:
             _socket.send_fds(s, [token.encode("ascii")], [fd])
-            reply = s.recv(256)
+            reply, _ = _recv_reply(s, False)
         except OSError as e:
+            refusal = _queued_refusal(s)
+            if refusal is not None:
+                raise CkptdError(refusal[0],
+                                 f"{fd_socket}: daemon refused the fd: {refusal[1]}") from e
             raise CkptdError("UNAVAILABLE", f"{fd_socket}: passing the shm fd: {e}") from e
         if not reply.startswith(b"OK"):
-            raise CkptdError("UNAVAILABLE", f"{fd_socket}: daemon refused the fd: "
-                             f"{reply.decode('ascii', 'replace') or 'no reply'}")
+            code, message = parse_refusal(reply)
+            raise CkptdError(code, f"{fd_socket}: daemon refused the fd: {message}")
         return token
     finally:
         s.close()

@@ -1,0 +1,416 @@
+// The fd socket against a real FdReceiver + ArenaPool on a temporary socket:
+// the seal requirement, uid-bound tokens, tokens themselves, sealed arenas,
+// and serving many connections without one client holding up the others.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <fstream>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "proto/fd_socket.h"
+#include "server/arena_pool.h"
+#include "server/fd_channel.h"
+#include "tests/testing/temp_dir.h"
+
+namespace ckptd {
+namespace {
+
+using ::testing::HasSubstr;
+using ::testing::Not;
+
+// A memfd of `size` bytes; sealed as the clients do unless told otherwise.
+int MakeMemfd(uint64_t size, bool allow_sealing = true, int seals = F_SEAL_SHRINK | F_SEAL_GROW) {
+  const int fd = ::memfd_create("fd-socket-test", MFD_CLOEXEC | (allow_sealing ? MFD_ALLOW_SEALING : 0));
+  EXPECT_GE(fd, 0);
+  EXPECT_EQ(::ftruncate(fd, static_cast<off_t>(size)), 0);
+  if (allow_sealing && seals != 0) EXPECT_EQ(::fcntl(fd, F_ADD_SEALS, seals), 0);
+  return fd;
+}
+
+// A connection that has sent nothing.
+int Idle(const std::string& path) {
+  auto s = Dial(path, absl::Seconds(5));
+  EXPECT_TRUE(s.ok()) << s.status();
+  return s.ok() ? *s : -1;
+}
+
+double SecondsSince(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+class FdSocketTest : public ::testing::Test {
+ protected:
+  void StartReceiver(const FdReceiverLimits& limits = FdReceiverLimits()) {
+    // Unix socket paths must stay under 108 bytes: not under TEST_TMPDIR.
+    if (sock_dir_.empty()) {
+      char tmpl[] = "/tmp/ckptd-fd-XXXXXX";
+      ASSERT_NE(::mkdtemp(tmpl), nullptr);
+      sock_dir_ = tmpl;
+    }
+    path_ = sock_dir_ + "/ckptd.sock.fd";
+    auto r = FdReceiver::Start(path_, 0600, absl::Minutes(1), &pool_, limits);
+    ASSERT_TRUE(r.ok()) << r.status();
+    receiver_ = std::move(*r);
+  }
+  void SetUp() override { StartReceiver(); }
+  void TearDown() override {
+    receiver_.reset();  // removes the socket
+    ::rmdir(sock_dir_.c_str());
+  }
+
+  ckpt::testing::TempDir tmp_;
+  ArenaPool pool_{64ull << 20, 256ull << 20};
+  std::string sock_dir_;
+  std::string path_;
+  std::unique_ptr<FdReceiver> receiver_;
+};
+
+TEST(Tokens, Are128RandomBitsAsLowercaseHex) {
+  std::set<std::string> seen;
+  for (int i = 0; i < 2000; ++i) {
+    const std::string t = RandomToken();
+    ASSERT_EQ(t.size(), 32u);
+    for (char c : t) ASSERT_TRUE((c >= '0' && c <= '9') || (c >= 'a' && c <= 'f')) << t;
+    EXPECT_TRUE(IsToken(t));
+    seen.insert(t);
+  }
+  EXPECT_EQ(seen.size(), 2000u);
+  // Every hex digit shows up in every position across 2000 tokens (a fixed
+  // or narrow generator would not).
+  for (size_t pos = 0; pos < 32; ++pos) {
+    std::set<char> digits;
+    for (const std::string& t : seen) digits.insert(t[pos]);
+    EXPECT_EQ(digits.size(), 16u) << "position " << pos;
+  }
+  EXPECT_FALSE(IsToken(std::string(31, 'a')));
+  EXPECT_FALSE(IsToken(std::string(32, 'A')));
+  EXPECT_FALSE(IsToken(std::string(31, 'a') + "g"));
+  EXPECT_EQ(TokenPrefix("0123456789abcdef0123456789abcdef"), "01234567...");
+}
+
+TEST(CheckSealedSegment, AcceptsOnlySealedWritableTmpfsMemfds) {
+  const int good = MakeMemfd(4096);
+  EXPECT_TRUE(CheckSealedSegment(good, "seg").ok());
+
+  const int unsealed = MakeMemfd(4096, true, 0);
+  absl::Status st = CheckSealedSegment(unsealed, "seg");
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(st.message()), HasSubstr("not sealed with F_SEAL_SHRINK"));
+  EXPECT_THAT(std::string(st.message()), HasSubstr("MFD_ALLOW_SEALING"));
+
+  const int no_sealing = MakeMemfd(4096, false);  // its seals: F_SEAL_SEAL only
+  st = CheckSealedSegment(no_sealing, "seg");
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(st.message()), HasSubstr("not sealed with F_SEAL_SHRINK"));
+
+  const int write_sealed = MakeMemfd(4096, true, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_WRITE);
+  st = CheckSealedSegment(write_sealed, "seg");
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(st.message()), HasSubstr("sealed against writes"));
+
+  const int read_only =
+      ::open(("/proc/self/fd/" + std::to_string(good)).c_str(), O_RDONLY | O_CLOEXEC);
+  ASSERT_GE(read_only, 0);
+  st = CheckSealedSegment(read_only, "seg");
+  EXPECT_THAT(std::string(st.message()), HasSubstr("not open read-write"));
+
+  ckpt::testing::TempDir tmp;
+  const std::string file = tmp.Sub("plain");
+  std::ofstream(file) << std::string(4096, 'x');
+  const int disk = ::open(file.c_str(), O_RDWR | O_CLOEXEC);
+  ASSERT_GE(disk, 0);
+  st = CheckSealedSegment(disk, "seg");
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(st.message()), HasSubstr("seg is not a memfd"));
+
+  int pipe_fds[2];
+  ASSERT_EQ(::pipe2(pipe_fds, O_CLOEXEC), 0);
+  st = CheckSealedSegment(pipe_fds[1], "seg");
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+
+  // A hugetlbfs memfd, where the kernel offers them.
+  const int huge = ::memfd_create("fd-socket-test-huge", MFD_CLOEXEC | MFD_ALLOW_SEALING | MFD_HUGETLB);
+  if (huge >= 0) {
+    ::fcntl(huge, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW);
+    st = CheckSealedSegment(huge, "seg");
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+    EXPECT_THAT(std::string(st.message()), HasSubstr("hugetlbfs"));
+    ::close(huge);
+  }
+  for (int fd : {good, unsealed, no_sealing, write_sealed, read_only, disk, pipe_fds[0], pipe_fds[1]}) {
+    ::close(fd);
+  }
+}
+
+TEST(Replies, CarryTheirCode) {
+  EXPECT_TRUE(ParseReply("OK", "x").ok());
+  absl::Status st = ParseReply(ErrorReply(absl::PermissionDeniedError("no")), "ctx");
+  EXPECT_EQ(st.code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_EQ(st.message(), "ctx: no");
+  st = ParseReply("ERR too many pending fds", "ctx");  // an older daemon's reply
+  EXPECT_EQ(st.code(), absl::StatusCode::kUnavailable);
+  EXPECT_EQ(st.message(), "ctx: too many pending fds");
+  EXPECT_LT(ErrorReply(absl::InternalError(std::string(5000, 'x'))).size(), kMaxMessage);
+}
+
+TEST_F(FdSocketTest, UnsealedMemfdIsRefusedWithTheReason) {
+  const int fd = MakeMemfd(1 << 20, true, 0);
+  auto token = SendFd(path_, fd);
+  ASSERT_FALSE(token.ok());
+  EXPECT_EQ(token.status().code(), absl::StatusCode::kInvalidArgument) << token.status();
+  EXPECT_THAT(std::string(token.status().message()), HasSubstr("not sealed with F_SEAL_SHRINK"));
+  EXPECT_THAT(std::string(token.status().message()),
+              HasSubstr("add F_SEAL_SHRINK|F_SEAL_GROW"));
+  EXPECT_EQ(receiver_->pending(), 0u);
+
+  // A file on disk is no memfd at all.
+  const std::string file = tmp_.Sub("on-disk");
+  std::ofstream(file) << std::string(4096, 'x');
+  const int disk = ::open(file.c_str(), O_RDWR | O_CLOEXEC);
+  token = SendFd(path_, disk);
+  EXPECT_EQ(token.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(token.status().message()), HasSubstr("not a memfd"));
+  EXPECT_EQ(receiver_->pending(), 0u);
+  ::close(fd);
+  ::close(disk);
+}
+
+TEST_F(FdSocketTest, SealedMemfdIsAcceptedAndTakenOnceByItsOwner) {
+  const int fd = MakeMemfd(1 << 20);
+  auto token = SendFd(path_, fd);
+  ASSERT_TRUE(token.ok()) << token.status();
+  EXPECT_TRUE(IsToken(*token));
+  EXPECT_EQ(receiver_->pending(), 1u);
+  auto taken = receiver_->Take(*token, ::geteuid());
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  EXPECT_EQ(CheckSealedSegment(*taken, "taken"), absl::OkStatus());
+  ::close(*taken);
+  auto again = receiver_->Take(*token, ::geteuid());
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(again.status().message()), HasSubstr("unknown or expired"));
+  ::close(fd);
+}
+
+TEST_F(FdSocketTest, AnotherUidCannotTakeAToken) {
+  const int fd = MakeMemfd(4096);
+  auto token = SendFd(path_, fd);
+  ASSERT_TRUE(token.ok()) << token.status();
+  auto stolen = receiver_->Take(*token, ::geteuid() + 1);
+  ASSERT_EQ(stolen.status().code(), absl::StatusCode::kPermissionDenied) << stolen.status();
+  const std::string msg(stolen.status().message());
+  EXPECT_THAT(msg, HasSubstr("belongs to another user"));
+  EXPECT_THAT(msg, HasSubstr(token->substr(0, 8)));
+  EXPECT_THAT(msg, Not(HasSubstr(*token)));  // never the whole token
+  // Still held for its owner.
+  EXPECT_EQ(receiver_->pending(), 1u);
+  auto taken = receiver_->Take(*token, ::geteuid());
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  ::close(*taken);
+  ::close(fd);
+}
+
+TEST_F(FdSocketTest, BadRequestsAreRefused) {
+  auto send_raw = [&](const std::string& text, int fd) {
+    const int s = Idle(path_);
+    EXPECT_TRUE(SendMessage(s, text, fd));
+    char reply[kMaxMessage];
+    int got = -1;
+    EXPECT_GT(ReceiveMessage(s, reply, sizeof(reply), &got), 0);
+    ::close(s);
+    return std::string(reply);
+  };
+  const int fd = MakeMemfd(4096);
+  EXPECT_THAT(send_raw(std::string(32, 'Z'), fd), HasSubstr("ERR INVALID_ARGUMENT: expected a 32-character"));
+  EXPECT_THAT(send_raw(RandomToken(), -1), HasSubstr("ERR INVALID_ARGUMENT"));
+  EXPECT_THAT(send_raw("ALLOC abc", -1), HasSubstr("ERR INVALID_ARGUMENT: expected ALLOC <bytes>"));
+  EXPECT_THAT(send_raw("ALLOC -5", -1), HasSubstr("ERR INVALID_ARGUMENT"));
+  EXPECT_THAT(send_raw("ALLOC 0", -1), HasSubstr("ERR INVALID_ARGUMENT"));
+  const std::string token = RandomToken();
+  EXPECT_EQ(send_raw(token, fd), "OK");
+  EXPECT_THAT(send_raw(token, fd), HasSubstr("duplicate token"));
+  EXPECT_EQ(receiver_->pending(), 1u);
+  ::close(fd);
+}
+
+TEST_F(FdSocketTest, LentArenaIsSealedAndUidBound) {
+  auto g = RequestArena(path_, 5000);
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->size, ArenaPool::kGranule);
+  EXPECT_TRUE(IsToken(g->token));
+  const int seals = ::fcntl(g->fd, F_GET_SEALS);
+  EXPECT_EQ(seals & (F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL),
+            F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL);
+  EXPECT_EQ(seals & F_SEAL_WRITE, 0);  // the client writes into it
+  EXPECT_NE(::ftruncate(g->fd, 0), 0);
+  EXPECT_EQ(errno, EPERM);
+  EXPECT_NE(::ftruncate(g->fd, static_cast<off_t>(g->size * 2)), 0);
+  EXPECT_EQ(errno, EPERM);
+  EXPECT_NE(::fcntl(g->fd, F_ADD_SEALS, F_SEAL_WRITE), 0);
+  EXPECT_EQ(errno, EPERM);
+  EXPECT_EQ(CheckSealedSegment(g->fd, "arena"), absl::OkStatus());
+
+  auto mine = pool_.Find(g->token, ::geteuid());
+  ASSERT_TRUE(mine.ok()) << mine.status();
+  EXPECT_EQ((*mine)->size(), g->size);
+  mine->reset();
+  auto theirs = pool_.Find(g->token, ::geteuid() + 1);
+  EXPECT_EQ(theirs.status().code(), absl::StatusCode::kPermissionDenied);
+  EXPECT_THAT(std::string(theirs.status().message()), HasSubstr("belongs to another user"));
+  EXPECT_THAT(std::string(theirs.status().message()), Not(HasSubstr(g->token)));
+  EXPECT_EQ(pool_.Find(RandomToken(), ::geteuid()).status().code(), absl::StatusCode::kNotFound);
+
+  // An arena another uid borrowed is not this uid's either.
+  auto other = pool_.Allocate(4096, ::geteuid() + 1);
+  ASSERT_TRUE(other.ok()) << other.status();
+  EXPECT_EQ(pool_.Find(other->token, ::geteuid()).status().code(),
+            absl::StatusCode::kPermissionDenied);
+  ::close(other->fd);
+  pool_.Release(other->token);
+
+  // Closing the lease gives the arena back.
+  EXPECT_EQ(pool_.leased_bytes(), g->size);
+  ::close(g->fd);
+  ::close(g->lease);
+  for (int i = 0; i < 300 && pool_.leased_bytes() != 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(pool_.leased_bytes(), 0u);
+  EXPECT_EQ(pool_.free_bytes(), 2 * ArenaPool::kGranule);  // with the other uid's
+}
+
+TEST_F(FdSocketTest, IdleConnectionsDoNotHoldUpOtherClients) {
+  std::vector<int> idle;
+  for (int i = 0; i < 200; ++i) idle.push_back(Idle(path_));
+  for (int i = 0; i < 100 && receiver_->waiting() < 200; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_EQ(receiver_->waiting(), 200u);
+
+  const int fd = MakeMemfd(1 << 20);
+  auto t0 = std::chrono::steady_clock::now();
+  auto token = SendFd(path_, fd, absl::Seconds(5));
+  const double send_s = SecondsSince(t0);
+  ASSERT_TRUE(token.ok()) << token.status();
+  t0 = std::chrono::steady_clock::now();
+  auto g = RequestArena(path_, 1 << 20, absl::Seconds(5));
+  const double alloc_s = SecondsSince(t0);
+  ASSERT_TRUE(g.ok()) << g.status();
+  // The old receiver served one connection at a time with a 2 s receive:
+  // behind 200 idle connections these took minutes.
+  EXPECT_LT(send_s, 0.5);
+  EXPECT_LT(alloc_s, 0.5);
+  auto taken = receiver_->Take(*token, ::geteuid());
+  ASSERT_TRUE(taken.ok()) << taken.status();
+  ::close(*taken);
+  ::close(g->fd);
+  ::close(g->lease);
+  ::close(fd);
+  for (int s : idle) ::close(s);
+}
+
+TEST_F(FdSocketTest, ConnectionsWithoutARequestAreClosedAtTheirDeadline) {
+  receiver_.reset();
+  FdReceiverLimits limits;
+  limits.request_timeout = absl::Milliseconds(300);
+  StartReceiver(limits);
+  const int s = Idle(path_);
+  const auto t0 = std::chrono::steady_clock::now();
+  char reply[kMaxMessage];
+  int fd = -1;
+  timeval tv{5, 0};
+  ::setsockopt(s, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  ASSERT_GT(ReceiveMessage(s, reply, sizeof(reply), &fd), 0);
+  const double waited = SecondsSince(t0);
+  EXPECT_THAT(std::string(reply), HasSubstr("ERR DEADLINE_EXCEEDED: no request within"));
+  EXPECT_GT(waited, 0.2);
+  EXPECT_LT(waited, 2.0);
+  EXPECT_EQ(ReceiveMessage(s, reply, sizeof(reply), &fd), 0);  // closed
+  EXPECT_EQ(receiver_->waiting(), 0u);
+  ::close(s);
+}
+
+TEST_F(FdSocketTest, WaitingConnectionsAreCappedPerUidWithAClearRefusal) {
+  receiver_.reset();
+  FdReceiverLimits limits;
+  limits.max_waiting_per_uid = 10;
+  StartReceiver(limits);
+  std::vector<int> idle;
+  for (int i = 0; i < 10; ++i) idle.push_back(Idle(path_));
+  for (int i = 0; i < 100 && receiver_->waiting() < 10; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_EQ(receiver_->waiting(), 10u);
+  const int fd = MakeMemfd(4096);
+  auto token = SendFd(path_, fd);
+  ASSERT_FALSE(token.ok());
+  EXPECT_EQ(token.status().code(), absl::StatusCode::kResourceExhausted) << token.status();
+  EXPECT_THAT(std::string(token.status().message()), HasSubstr("too many connections waiting"));
+  auto g = RequestArena(path_, 4096);
+  ASSERT_FALSE(g.ok());
+  EXPECT_THAT(std::string(g.status().message()), HasSubstr("too many connections waiting"));
+  // Once they are gone, clients are served again.
+  for (int s : idle) ::close(s);
+  for (int i = 0; i < 100 && receiver_->waiting() > 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  token = SendFd(path_, fd);
+  EXPECT_TRUE(token.ok()) << token.status();
+  ::close(fd);
+}
+
+TEST_F(FdSocketTest, HeldFdsAreCappedPerUid) {
+  receiver_.reset();
+  FdReceiverLimits limits;
+  limits.max_held_per_uid = 3;
+  StartReceiver(limits);
+  const int fd = MakeMemfd(4096);
+  for (int i = 0; i < 3; ++i) ASSERT_TRUE(SendFd(path_, fd).ok());
+  auto fourth = SendFd(path_, fd);
+  EXPECT_EQ(fourth.status().code(), absl::StatusCode::kResourceExhausted) << fourth.status();
+  EXPECT_THAT(std::string(fourth.status().message()), HasSubstr("limit per uid is 3"));
+  EXPECT_EQ(receiver_->pending(), 3u);
+  ::close(fd);
+}
+
+TEST_F(FdSocketTest, ManyClientsAtOnce) {
+  std::vector<std::thread> threads;
+  std::atomic<int> ok{0};
+  for (int t = 0; t < 16; ++t) {
+    threads.emplace_back([&] {
+      for (int i = 0; i < 20; ++i) {
+        const int fd = MakeMemfd(4096);
+        auto token = SendFd(path_, fd);
+        if (token.ok()) {
+          auto taken = receiver_->Take(*token, ::geteuid());
+          if (taken.ok()) {
+            ::close(*taken);
+            ++ok;
+          }
+        }
+        ::close(fd);
+        auto g = RequestArena(path_, 4096);
+        if (g.ok()) {
+          ::close(g->fd);
+          ::close(g->lease);
+          ++ok;
+        }
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(ok.load(), 16 * 20 * 2);
+  EXPECT_EQ(receiver_->pending(), 0u);
+}
+
+}  // namespace
+}  // namespace ckptd
