@@ -219,6 +219,40 @@ class NumpyClientTest(unittest.TestCase):
         ckptd.load_state_dict(sd, self.tp2, socket=self.sock)
         np.testing.assert_array_equal(sd["model.norm.weight"], self.full("model.norm.weight"))
 
+    def test_memfds_are_sealed_and_unsealed_ones_refused(self):
+        import fcntl
+        from ckptd import _shm
+        fd_sock = _shm.fd_socket_path(self.sock)
+        # The client's own segments: sealed against shrinking and growing.
+        arena = ckptd.SharedArena(1 << 20)
+        seals = fcntl.fcntl(arena.fd, fcntl.F_GET_SEALS)
+        self.assertEqual(seals & (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW),
+                         fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        with self.assertRaises(PermissionError):
+            os.ftruncate(arena.fd, 0)
+        token = _shm.send_fd(fd_sock, arena.fd)
+        self.assertRegex(token, r"^[0-9a-f]{32}$")
+        arena.close()
+        # The daemon's arenas: sealed before the client gets them.
+        lent = ckptd.SharedArena(4096, daemon=self.sock)
+        seals = fcntl.fcntl(lent.fd, fcntl.F_GET_SEALS)
+        want = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_SEAL
+        self.assertEqual(seals & want, want)
+        with self.assertRaises(PermissionError):
+            os.ftruncate(lent.fd, 0)
+        lent.close()
+        # An unsealed memfd (it could be truncated under the daemon's copies).
+        fd = os.memfd_create("unsealed", os.MFD_CLOEXEC)
+        os.ftruncate(fd, 4096)
+        try:
+            with self.assertRaises(ckptd.CkptdError) as cm:
+                _shm.send_fd(fd_sock, fd)
+            self.assertEqual(cm.exception.code, "INVALID_ARGUMENT")
+            self.assertIn("not sealed with F_SEAL_SHRINK", cm.exception.message)
+            self.assertIn("MFD_ALLOW_SEALING", cm.exception.message)
+        finally:
+            os.close(fd)
+
     def test_staging_falls_back_when_the_daemon_lends_no_more(self):
         cfg = os.path.join(self.root, "arena-limit.yaml")
         with open(cfg, "w") as f:
