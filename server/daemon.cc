@@ -433,6 +433,8 @@ absl::StatusOr<std::shared_ptr<const Daemon::OpenedCheckpoint>> Daemon::OpenCach
   ckpt::OpenOptions oo;
   oo.unique_id = unique_id;
   oo.check_data_files = all_files_local;
+  oo.max_metadata_bytes = config_.limits.max_metadata_bytes;
+  oo.confine = true;  // every file beneath the checkpoint directory, no symlinks
   CKPT_ASSIGN_OR_RETURN(opened->checkpoint, ckpt::OpenCheckpoint(dir, oo));
   if (!opened->checkpoint.metadata_file.empty()) {
     const std::string mp = ckpt::JoinPath(dir, opened->checkpoint.metadata_file);
@@ -654,9 +656,12 @@ std::vector<void*> PrepareDestinations(Daemon::RankSlot& s, const ckpt::RankPlan
     return dests;
   }
   if (s.device) return dests;  // device buffers: Daemon::JobDelivery
+  // Only targets the checkpoint has get a buffer (their bytes were checked
+  // against limits.max_stream_bytes when the rank registered).
+  const std::set<std::string> missing(plan.missing_keys.begin(), plan.missing_keys.end());
   s.stream_buffers.resize(plan.targets.size());
   for (size_t t = 0; t < plan.targets.size(); ++t) {
-    s.stream_buffers[t].resize(plan.targets[t].num_bytes());
+    if (!missing.count(plan.targets[t].name)) s.stream_buffers[t].resize(plan.targets[t].num_bytes());
     dests.push_back(s.stream_buffers[t].data());
   }
   return dests;
@@ -977,7 +982,23 @@ void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
   for (const auto& s : slots) ranks.push_back(s->targets);
   auto plan = ckpt::PlanSave(ranks, job->world_size, job->unique_id.value_or(0));
   if (!plan.ok()) return fail_all(plan.status());
+  bool overwrite = slots.front()->save_request.overwrite();
+  for (const auto& s : slots) {
+    if (s->save_request.overwrite() != overwrite) {
+      return fail_all(absl::InvalidArgumentError(absl::StrCat(
+          "save job '", job->id, "': ranks disagree on overwrite (all must set it or none)")));
+    }
+  }
   if (absl::Status s = ckpt::MakeDirs(job->path); !s.ok()) return fail_all(s);
+  // One writer per directory; the files go into the directory that is locked
+  // (opened without following a symlink), the version checked under the lock.
+  auto lock = ckpt::LockDirectory(job->path, 0);
+  if (!lock.ok()) {
+    return fail_all(ckpt::Annotate(lock.status(), absl::StrCat("save job '", job->id, "'")));
+  }
+  if (absl::Status s = ckpt::PrepareSave(*lock->directory(), plan->unique_id, overwrite); !s.ok()) {
+    return fail_all(s);
+  }
   // Where each rank's copy of a shard lives: (rank, name) -> bytes.
   std::map<std::pair<int, std::string>, const uint8_t*> where;
   for (const auto& s : slots) {
@@ -993,7 +1014,7 @@ void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
     if (!job->expected.count(r)) continue;
     std::vector<const void*> data;
     for (const TargetTensor& t : plan->writes[r]) data.push_back(where.at({r, t.name}));
-    auto shards = ckpt::WriteRankFile(job->path, *plan, r, data);
+    auto shards = ckpt::WriteRankFile(lock->directory(), *plan, r, data);
     if (!shards.ok()) return fail_all(shards.status());
     for (auto& sh : *shards) {
       bytes += sh.second.nbytes;
@@ -1016,17 +1037,17 @@ void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
       flat_mapping[k] = std::vector<std::string>(v.parts().begin(), v.parts().end());
     }
   }
-  if (absl::Status s = ckpt::FinishSave(job->path, *plan, written, flat_mapping); !s.ok()) {
+  if (absl::Status s = ckpt::FinishSave(lock->directory(), *plan, written, flat_mapping); !s.ok()) {
     return fail_all(s);
   }
   // New files under a cached directory: drop its cached metadata.
   {
-    absl::MutexLock lock(&meta_mu_);
+    absl::MutexLock meta_lock(&meta_mu_);
     for (auto it = meta_cache_.begin(); it != meta_cache_.end();) {
       it = it->first.first == job->path ? meta_cache_.erase(it) : std::next(it);
     }
   }
-  absl::MutexLock lock(&mu_);
+  absl::MutexLock jobs_lock(&mu_);
   for (const auto& s : slots) {
     v1::SaveResponse& r = s->save_result;
     for (const auto& f : files_of_rank[s->targets.rank]) r.add_files(f);
