@@ -318,6 +318,7 @@ absl::StatusOr<v1::SaveResponse> Client::Save(const SaveSpec& spec) {
   req.set_world_size(spec.world_size);
   req.set_path(spec.path);
   req.set_unique_id(spec.unique_id);
+  req.set_overwrite(spec.overwrite);
   for (int r : spec.node_ranks) req.add_node_ranks(r);
   if (spec.barrier_timeout > absl::ZeroDuration()) {
     req.set_barrier_timeout_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(spec.barrier_timeout)));

@@ -117,6 +117,8 @@ struct SaveSpec {
   std::vector<int> node_ranks;
   ShmArena* arena = nullptr;
   absl::Duration barrier_timeout = absl::ZeroDuration();
+  // Replace version unique_id if it exists (else the daemon answers ALREADY_EXISTS).
+  bool overwrite = false;
 };
 
 struct LoadReport {

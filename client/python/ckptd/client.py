@@ -435,7 +435,8 @@ class Client:
         return report
 
     def save_state_dict(self, state_dict, path, *, rank=None, world_size=None, unique_id=None,
-                        job_id=None, timeout=600.0, node_ranks=None, barrier_timeout=None):
+                        job_id=None, timeout=600.0, node_ranks=None, barrier_timeout=None,
+                        overwrite=False):
         """See ckptd.save_state_dict."""
         t0 = time.perf_counter()
         if self.tcp:
@@ -447,7 +448,8 @@ class Client:
         if unique_id is None:
             unique_id = next_unique_id(path)
         req = self.pb2.SaveRequest(job_id=job_id, rank=rank, world_size=world_size, path=path,
-                                   unique_id=int(unique_id), node_ranks=node_ranks)
+                                   unique_id=int(unique_id), node_ranks=node_ranks,
+                                   overwrite=bool(overwrite))
         if barrier_timeout is not None:
             req.barrier_timeout_ms = max(1, int(barrier_timeout * 1000))
         for e in entries:
@@ -602,20 +604,23 @@ def load_state_dict(state_dict, path, *, rank=None, world_size=None, job_id=None
 
 
 def save_state_dict(state_dict, path, *, rank=None, world_size=None, unique_id=None, job_id=None,
-                    socket=None, timeout=600.0, node_ranks=None, barrier_timeout=None):
+                    socket=None, timeout=600.0, node_ranks=None, barrier_timeout=None,
+                    overwrite=False):
     """Saves `state_dict` (as for load_state_dict) as version `unique_id` of `path`.
 
     Every rank of the job calls it with its own part; when all have, the
     daemon writes the native format once: one data file per rank, tensors held
     by several ranks (same box) written once, then {unique_id}.metadata.
     unique_id: default one more than the newest version in `path` (0 if none),
-    computed by each rank from the directory listing.
+    computed by each rank from the directory listing. An existing version is
+    ALREADY_EXISTS unless `overwrite` (every rank must pass the same).
     Returns a SaveReport. Raises CkptdError.
     """
     with Client(socket) as c:
         return c.save_state_dict(state_dict, path, rank=rank, world_size=world_size,
                                  unique_id=unique_id, job_id=job_id, timeout=timeout,
-                                 node_ranks=node_ranks, barrier_timeout=barrier_timeout)
+                                 node_ranks=node_ranks, barrier_timeout=barrier_timeout,
+                                 overwrite=overwrite)
 
 
 def inspect(path, *, unique_id=None, socket=None, timeout=60.0):
