@@ -635,6 +635,24 @@ void Daemon::FailJobLocked(Job& job, const absl::Status& status) {
   if (it != jobs_.end() && it->second.get() == &job) jobs_.erase(it);
 }
 
+void Daemon::RunGuarded(const std::shared_ptr<Job>& job,
+                        void (Daemon::*run)(const std::shared_ptr<Job>&)) {
+  // An exception must not leave the job running with its other ranks
+  // waiting for ever: it fails the job for all of them.
+  try {
+    (this->*run)(job);
+    return;
+  } catch (const std::bad_alloc&) {
+    spdlog::error("job {}: out of memory", job->id);
+    FailJob(*job, absl::ResourceExhaustedError(
+                      absl::StrCat("job '", job->id, "': the daemon ran out of memory running it")));
+  } catch (const std::exception& e) {
+    spdlog::error("job {}: unexpected exception (a ckptd bug): {}", job->id, e.what());
+    FailJob(*job, absl::InternalError(
+                      absl::StrCat("job '", job->id, "': internal error (a ckptd bug): ", e.what())));
+  }
+}
+
 void Daemon::FailJob(Job& job, const absl::Status& status) {
   absl::MutexLock lock(&mu_);
   FailJobLocked(job, status);
@@ -863,7 +881,7 @@ absl::Status Daemon::Load(const Caller& caller, const v1::LoadRequest& request,
                                  expected, " ranks of job '", request.job_id(), "')"));
     send(ev);
   }
-  if (runner) RunJob(job);
+  if (runner) RunGuarded(job, &Daemon::RunJob);
   absl::Status status = AwaitSlot(job, slot, request.rank(), request.barrier_timeout_ms(), send, cancelled);
   if (!status.ok()) return fail(status);
   v1::LoadResult result;
@@ -965,7 +983,7 @@ absl::StatusOr<v1::SaveResponse> Daemon::Save(const Caller& caller, const v1::Sa
   auto reg = Register(key, slot, &registered, &expected);
   if (!reg.ok()) return fail(reg.status());
   auto [job, runner] = *reg;
-  if (runner) RunSaveJob(job);
+  if (runner) RunGuarded(job, &Daemon::RunSaveJob);
   absl::Status status = AwaitSlot(job, slot, request.rank(), request.barrier_timeout_ms(), nullptr, cancelled);
   if (!status.ok()) return fail(status);
   absl::MutexLock lock(&mu_);

@@ -200,6 +200,8 @@ class Daemon {
                          const std::function<bool(const v1::LoadEvent&)>& send,
                          const std::function<bool()>& cancelled);
   void RunJob(const std::shared_ptr<Job>& job);
+  // Runs `run` (RunJob, RunSaveJob) failing the job on any exception.
+  void RunGuarded(const std::shared_ptr<Job>& job, void (Daemon::*run)(const std::shared_ptr<Job>&));
   void RunSaveJob(const std::shared_ptr<Job>& job);
   void FailJobLocked(Job& job, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailJob(Job& job, const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
