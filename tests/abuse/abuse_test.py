@@ -167,9 +167,6 @@ class Rpc:
                 return ev.result
         return None
 
-    def chunks(self):
-        return [ev.data for ev in self.events if ev.WhichOneof("event") == "data"]
-
     def __repr__(self):
         return f"{self.code}: {self.details!r}"
 
@@ -184,13 +181,11 @@ def call(where, fn, *args, **kw):
         return Rpc(code, details)
 
 
-def raw_load(stub, req, timeout=30.0, on_event=None):
+def raw_load(stub, req, timeout=30.0):
     events = []
     try:
         for ev in stub.Load(req, timeout=timeout):
             events.append(ev)
-            if on_event is not None:
-                on_event(ev)
         return Rpc("OK", "", None, events)
     except grpc.RpcError as e:
         code, details = e.code().name, e.details() or ""
@@ -252,7 +247,7 @@ def memfd(size, allow_sealing=True, seals=fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GRO
     return fd
 
 
-def fd_request(fd_socket, payload, fds=(), want_fd=False, timeout=5.0):
+def fd_request(fd_socket, payload, fds=(), timeout=5.0):
     """One fd-socket request: (reply text, received fds, the connection)."""
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     s.settimeout(timeout)
@@ -1135,11 +1130,11 @@ class AbuseTest(unittest.TestCase):
 
     # === 10. Save over an existing version ==========================================
 
-    def raw_save(self, path, arrays, unique_id, job=None, rank=0, world=1, overwrite=False,
-                 boxes=None, timeout=60.0, future=False, dmn=None, barrier_timeout_ms=0):
-        """A raw Save of numpy arrays (whole tensors, or `boxes`: name ->
-        (global_shape, offset)) from a sealed memfd, to `dmn` (default: the
-        suite's daemon). Returns an Rpc (or, with future=True, a grpc future)."""
+    def save_request(self, path, arrays, unique_id, job=None, rank=0, world=1, overwrite=False,
+                     boxes=None, dmn=None, barrier_timeout_ms=0):
+        """A SaveRequest for numpy arrays (whole tensors, or `boxes`: name ->
+        (global_shape, offset)) copied into a sealed memfd already handed to
+        `dmn` (default: the suite's daemon)."""
         dmn = dmn or self.daemon
         size = max(sum((a.nbytes + 63) // 64 * 64 for a in arrays.values()), 64)
         fd = memfd(size)
@@ -1159,6 +1154,12 @@ class AbuseTest(unittest.TestCase):
                               path=path, unique_id=unique_id, targets=targets, overwrite=overwrite,
                               barrier_timeout_ms=barrier_timeout_ms)
         req.shm.fd_token, req.shm.size = token, size
+        return req
+
+    def raw_save(self, path, arrays, unique_id, timeout=60.0, future=False, dmn=None, **kw):
+        """save_request + Save: an Rpc (or, with future=True, a grpc future)."""
+        dmn = dmn or self.daemon
+        req = self.save_request(path, arrays, unique_id, dmn=dmn, **kw)
         if future:
             return dmn.stub.Save.future(req, timeout=timeout)
         return call("Save", dmn.stub.Save, req, timeout=timeout)
@@ -1193,14 +1194,17 @@ class AbuseTest(unittest.TestCase):
             datas[uid] = (np.arange(rows * cols, dtype=np.uint32) * np.uint32(2654435761)
                           + np.uint32(uid)).reshape(rows, cols)
         jobs = {uid: self.job(f"concurrent-{uid}") for uid in (1, 2)}
+        # Every request prepared (memfd filled and handed over) before any is
+        # sent, so the two rank 1s go out back to back.
+        reqs = {(uid, rank): self.save_request(
+                    d, {"w": datas[uid][rank:rank + 1]}, uid, job=jobs[uid], rank=rank, world=2,
+                    boxes={"w": ((rows, cols), (rank, 0))}, barrier_timeout_ms=10000)
+                for rank in (0, 1) for uid in (1, 2)}
         futures, ended = {}, {}
         t0 = time.monotonic()
         for rank in (0, 1):
             for uid in (1, 2):
-                part = datas[uid][rank:rank + 1]
-                f = self.raw_save(d, {"w": part}, uid, job=jobs[uid], rank=rank, world=2,
-                                  boxes={"w": ((rows, cols), (rank, 0))}, future=True,
-                                  timeout=120, barrier_timeout_ms=10000)
+                f = self.stub.Save.future(reqs[(uid, rank)], timeout=120)
                 f.add_done_callback(lambda _f, key=(uid, rank): ended.setdefault(
                     key, round(time.monotonic() - t0, 3)))
                 futures[(uid, rank)] = f
