@@ -306,9 +306,10 @@ TEST_F(FdSocketTest, IdleConnectionsDoNotHoldUpOtherClients) {
   const double alloc_s = SecondsSince(t0);
   ASSERT_TRUE(g.ok()) << g.status();
   // The old receiver served one connection at a time with a 2 s receive:
-  // behind 200 idle connections these took minutes.
-  EXPECT_LT(send_s, 0.5);
-  EXPECT_LT(alloc_s, 0.5);
+  // behind 200 idle connections these took minutes. (Well under one such
+  // receive, with room for a loaded machine.)
+  EXPECT_LT(send_s, 1.5);
+  EXPECT_LT(alloc_s, 1.5);
   auto taken = receiver_->Take(*token, ::geteuid());
   ASSERT_TRUE(taken.ok()) << taken.status();
   ::close(*taken);
@@ -316,6 +317,39 @@ TEST_F(FdSocketTest, IdleConnectionsDoNotHoldUpOtherClients) {
   ::close(g->lease);
   ::close(fd);
   for (int s : idle) ::close(s);
+}
+
+// An arena handler that takes its time (as faulting in many GiB does).
+class SlowArenas final : public ArenaHandler {
+ public:
+  absl::StatusOr<ArenaLease> Allocate(uint64_t size, uid_t uid) override {
+    std::this_thread::sleep_for(std::chrono::milliseconds(1500));
+    return pool_.Allocate(size, uid);
+  }
+  void Release(const std::string& token) override { pool_.Release(token); }
+  ArenaPool pool_{16ull << 20, 64ull << 20};
+};
+
+TEST_F(FdSocketTest, ASlowArenaGrantDoesNotHoldUpOtherClients) {
+  receiver_.reset();
+  SlowArenas slow;
+  auto r = FdReceiver::Start(path_, 0600, absl::Minutes(1), &slow);
+  ASSERT_TRUE(r.ok()) << r.status();
+  std::thread alloc([&] {
+    auto g = RequestArena(path_, 4096);
+    ASSERT_TRUE(g.ok()) << g.status();
+    ::close(g->fd);
+    ::close(g->lease);
+  });
+  std::this_thread::sleep_for(std::chrono::milliseconds(100));  // the grant is under way
+  const int fd = MakeMemfd(4096);
+  const auto t0 = std::chrono::steady_clock::now();
+  auto token = SendFd(path_, fd);
+  EXPECT_LT(SecondsSince(t0), 1.0);
+  EXPECT_TRUE(token.ok()) << token.status();
+  alloc.join();
+  ::close(fd);
+  (*r)->Stop();
 }
 
 TEST_F(FdSocketTest, ConnectionsWithoutARequestAreClosedAtTheirDeadline) {
