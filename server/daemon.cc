@@ -1,13 +1,12 @@
 #include "server/daemon.h"
 #include "server/daemon_internal.h"
+#include "proto/fd_socket.h"
 #include "server/metrics.h"
 
 #include <fcntl.h>
 #include <stdlib.h>
 #include <sys/mman.h>
-#include <linux/magic.h>
 #include <sys/stat.h>
-#include <sys/statfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -55,26 +54,17 @@ class NoDelivery final : public ckpt::Delivery {
 
 absl::StatusOr<std::unique_ptr<MappedSegment>> MappedSegment::Map(int fd, uint64_t size,
                                                                   const std::string& what) {
+  // A segment the client could shrink would fault (SIGBUS) under our copies,
+  // and a hugetlbfs or on-disk file can fault for lack of memory or space:
+  // only sealed memfds on tmpfs (checked before anything else is asked of it).
+  if (absl::Status sealed = CheckSealedSegment(fd, what); !sealed.ok()) {
+    ::close(fd);
+    return sealed;
+  }
   struct stat st;
   if (::fstat(fd, &st) != 0) {
     ::close(fd);
     return absl::InvalidArgumentError(absl::StrCat(what, ": fstat: ", std::strerror(errno)));
-  }
-  // A segment the client could shrink would fault (SIGBUS) under our copies,
-  // and a hugetlbfs or on-disk file can fault for lack of memory or space:
-  // only sealed memfds on tmpfs.
-  struct statfs sfs;
-  const int seals = ::fcntl(fd, F_GET_SEALS);
-  if (!S_ISREG(st.st_mode) || ::fstatfs(fd, &sfs) != 0 || sfs.f_type != TMPFS_MAGIC) {
-    ::close(fd);
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, " is not a memfd on tmpfs (create it with memfd_create(MFD_ALLOW_SEALING))"));
-  }
-  if (seals < 0 || (seals & F_SEAL_SHRINK) == 0) {
-    ::close(fd);
-    return absl::InvalidArgumentError(absl::StrCat(
-        what, " is not sealed with F_SEAL_SHRINK: create it with MFD_ALLOW_SEALING and add "
-              "F_SEAL_SHRINK|F_SEAL_GROW after sizing it"));
   }
   if (static_cast<uint64_t>(st.st_size) < size) {
     ::close(fd);
