@@ -39,7 +39,7 @@ struct Checkpoint {
   std::vector<std::string> skipped_items;
   // Whether its files were opened confined (OpenOptions::confine); readers
   // of its data (DirectorySource, CachingSource) should use the same.
-  bool confine = true;
+  bool confine = false;
   // Identity (fstat of the descriptor read) of every file OpenCheckpoint
   // read, by name relative to `dir`: the metadata / index file and each
   // data file whose header was read (all of them unless check_data_files is
@@ -53,16 +53,19 @@ struct OpenOptions {
   // Read each data file's header and check it agrees with the metadata
   // (files present, dtype, byte ranges). Cheap: two small preads per file.
   bool check_data_files = true;
-  // Every file named by the checkpoint (metadata, index, data files of any
-  // format) is opened beneath the checkpoint directory with no symbolic link
-  // anywhere in its name (openat2 RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS; see
-  // OpenFileAt in core/file.h). On by default: the daemon relies on it.
-  // false follows symlinks (e.g. a HuggingFace hub cache snapshot, whose
-  // files are symlinks into ../../blobs) — for tools running with the
-  // user's own rights only. Either way files must be regular files and are
-  // opened with O_NONBLOCK (a FIFO never blocks). The directory `dir`
-  // itself is opened following symlinks.
-  bool confine = true;
+  // true: every file named by the checkpoint (metadata, index, data files
+  // of any format) is opened beneath the checkpoint directory with no
+  // symbolic link anywhere in its name (openat2 RESOLVE_BENEATH |
+  // RESOLVE_NO_SYMLINKS; see OpenFileAt in core/file.h). A process that
+  // opens checkpoints for others (the daemon) must set it.
+  // false (the default, for the offline tools, which run with their user's
+  // own rights): symlinks are followed, since real checkpoint directories
+  // are often symlink farms — a HuggingFace hub cache snapshot (files are
+  // symlinks into ../../blobs), Bazel runfiles.
+  // Either way every file must be a regular file and is opened with
+  // O_NONBLOCK (a FIFO never blocks). The directory `dir` itself is opened
+  // following symlinks (the daemon resolves it against its roots first).
+  bool confine = false;
   // A metadata file ({uid}.metadata, .metadata) larger than this is refused
   // (RESOURCE_EXHAUSTED naming the file, its size and this limit) before it
   // is read. A HuggingFace index (model.safetensors.index.json) is bounded by

@@ -94,6 +94,8 @@ class RangeSource {
 struct SourceOptions {
   // Open every file beneath the directory with no symlink followed
   // (OpenFileAt with confine; see core/file.h and OpenOptions::confine).
+  // On by default here (CachingSource is the daemon's); the offline tools
+  // pass their checkpoint's choice (Checkpoint::confine).
   bool confine = true;
 };
 

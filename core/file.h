@@ -69,7 +69,7 @@ absl::StatusOr<FileStamp> StatFd(int fd, const std::string& path);
 //    never blocks the open, and the result must be a regular file (fstat
 //    S_ISREG), else FAILED_PRECONDITION "<path>: is a FIFO, not a regular
 //    file" (directory, socket, device alike); O_NONBLOCK is then cleared;
-//  - `confine` (the default for checkpoints, see OpenOptions::confine):
+//  - `confine` (what the daemon uses, see OpenOptions::confine):
 //    openat2(dirfd, name, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS), so the name
 //    resolves beneath the directory with no symbolic link anywhere in it
 //    (PERMISSION_DENIED "<path>: is a symbolic link" / "... resolves outside

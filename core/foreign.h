@@ -79,7 +79,7 @@ struct ConvertOptions {
   std::optional<int64_t> source_unique_id;
   int64_t unique_id = 0;  // version written
   int threads = 2;
-  bool confine = true;  // for the source checkpoint (OpenOptions::confine)
+  bool confine = false;  // for the source checkpoint (OpenOptions::confine)
 };
 
 struct ConvertReport {

@@ -28,9 +28,9 @@ struct OfflineLoadOptions {
   std::string aoa;
   std::string aoa_where = "aoa";
   // Open the checkpoint's files confined beneath its directory, no symlink
-  // followed (OpenOptions::confine). A tool may turn it off for a directory
-  // of symlinks (HuggingFace hub cache snapshots).
-  bool confine = true;
+  // followed (OpenOptions::confine; off by default like there: the offline
+  // tools follow symlinks, e.g. into a HuggingFace hub cache's blobs).
+  bool confine = false;
 };
 
 struct PhaseTimes {
@@ -72,7 +72,7 @@ struct ShardOptions {
   int64_t unique_id = 0;  // of the written checkpoint
   int threads = 2;
   uint64_t checksum_block = 64ull << 20;
-  bool confine = true;  // for the source checkpoint (OpenOptions::confine)
+  bool confine = false;  // for the source checkpoint (OpenOptions::confine)
 };
 
 // Cuts the tensors of the checkpoint at `src_dir` per `layout` and writes a
