@@ -1151,8 +1151,10 @@ class AbuseTest(unittest.TestCase):
         os.close(fd)
         self.assertTrue(reply.startswith("OK"), reply)
         req = pb2.SaveRequest(job_id=job or self.job("save"), rank=rank, world_size=world,
-                              path=path, unique_id=unique_id, targets=targets, overwrite=overwrite,
+                              path=path, unique_id=unique_id, targets=targets,
                               barrier_timeout_ms=barrier_timeout_ms)
+        if overwrite:
+            req.overwrite = True
         req.shm.fd_token, req.shm.size = token, size
         return req
 
