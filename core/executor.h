@@ -3,7 +3,9 @@
 //
 // Reads run on a few threads; each read's copies run right after it on the
 // same thread while its bytes are hot in cache. Checksum blocks entirely
-// inside a read from storage are verified. On any error the caller gets the
+// inside a read from storage are verified (ExecuteOptions::verify_checksums);
+// a source that caches keeps only verified reads (the executor tells it
+// whether a read is verified: BeginFill's `verify`, Fetch's `verify`). On any error the caller gets the
 // error (naming file, tensor and rank) and must treat every destination as
 // unfilled.
 //
@@ -19,7 +21,8 @@
 //    (ExecuteOptions::direct_io) pieces are 4 MiB, aligned, read around the
 //    page cache, the next one read ahead while the current one is used.
 //  - by runs from memory (the same destinations, bytes served by a cache):
-//    the runs are copied from the cached bytes.
+//    the runs are copied from the cached bytes (verified when the cache
+//    entry was filled, not hashed again: see core/cache.h).
 //  - staged (device deliveries, transposes, peers): the whole read is
 //    fetched into a buffer (or served by a cache), verified, and each copy
 //    runs CopyRegion from it.

@@ -359,7 +359,7 @@ absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenFile(const std::string& pa
 absl::StatusOr<std::shared_ptr<const Directory>> Directory::Open(const std::string& path,
                                                                   bool confine,
                                                                   bool follow_last) {
-  int flags = O_RDONLY | O_DIRECTORY | O_CLOEXEC;
+  int flags = O_RDONLY | O_DIRECTORY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY;
   if (!follow_last) flags |= O_NOFOLLOW;
   const std::string p = path.empty() ? "." : path;
   const int fd = OpenatRetry(AT_FDCWD, p.c_str(), flags);

@@ -84,7 +84,10 @@ struct Limits {
   uint32_t max_depth = 512;           // nesting of containers and records
   uint64_t max_stack = 1ull << 24;    // values on the stack
   uint64_t max_marks = 1ull << 16;    // open MARKs
-  uint64_t max_memo = 1ull << 27;     // memo slots
+  // Memo slots; besides, a memo index must be below the number of bytes
+  // read so far (a pickler numbers its memo 0, 1, 2, ... one stored value
+  // at a time), so the memo never grows faster than the input.
+  uint64_t max_memo = 1ull << 27;
   uint64_t max_values = 1ull << 28;   // strings, bytes, containers and records created
   uint64_t max_string = 64ull << 20;  // longer strings are located, not read
   uint64_t inline_bytes = 4096;       // byte payloads up to this size are also kept inline

@@ -1,5 +1,6 @@
 #include "core/writer.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -39,8 +40,21 @@ absl::Status MakeDirs(const std::string& dir) {
   std::string cur;
   for (size_t i = 0; i <= dir.size(); ++i) {
     if (i == dir.size() || dir[i] == '/') {
-      if (!cur.empty() && ::mkdir(cur.c_str(), 0755) != 0 && errno != EEXIST) {
-        return absl::InternalError(absl::StrCat(cur, ": mkdir: ", std::strerror(errno)));
+      if (!cur.empty()) {
+        if (::mkdir(cur.c_str(), 0755) == 0) {
+          // A new directory is durable once its parent's entry is: fsync the
+          // parent, so a save reported done survives a power loss.
+          const size_t slash = cur.rfind('/');
+          const std::string parent =
+              slash == std::string::npos ? "." : (slash == 0 ? "/" : cur.substr(0, slash));
+          const int pfd = ::open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+          if (pfd >= 0) {
+            ::fsync(pfd);
+            ::close(pfd);
+          }
+        } else if (errno != EEXIST) {
+          return absl::InternalError(absl::StrCat(cur, ": mkdir: ", std::strerror(errno)));
+        }
       }
     }
     if (i < dir.size()) cur.push_back(dir[i]);
