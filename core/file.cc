@@ -163,12 +163,16 @@ class PosixFile final : public RandomAccessFile {
   mutable int direct_fd_ = -1;
 };
 
-std::atomic<bool> g_openat2_disabled{false};
+std::atomic<bool> g_openat2_disabled{false};  // tests
+// Set once openat2 turned out to be missing (ENOSYS) or filtered (EPERM from
+// a seccomp profile that predates it): later opens go straight to the walk.
+std::atomic<bool> g_openat2_missing{false};
 
 constexpr int kReadFlags = O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY;
 
 int SysOpenat2(int dirfd, const char* name, int flags, uint64_t resolve) {
-  if (g_openat2_disabled.load(std::memory_order_relaxed)) {
+  if (g_openat2_disabled.load(std::memory_order_relaxed) ||
+      g_openat2_missing.load(std::memory_order_relaxed)) {
     errno = ENOSYS;
     return -1;
   }
@@ -180,6 +184,7 @@ int SysOpenat2(int dirfd, const char* name, int flags, uint64_t resolve) {
   do {
     r = ::syscall(SYS_openat2, dirfd, name, &how, sizeof how);
   } while (r < 0 && errno == EINTR);
+  if (r < 0 && errno == ENOSYS) g_openat2_missing = true;
   return static_cast<int>(r);
 }
 
@@ -280,7 +285,11 @@ int WalkBeneath(int dirfd, const std::string& name, int last_flags) {
 int OpenRaw(int dirfd, const std::string& name, bool confine, int flags) {
   if (!confine) return OpenatRetry(dirfd, name.c_str(), flags);
   const int fd = SysOpenat2(dirfd, name.c_str(), flags, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS);
-  if (fd >= 0 || errno != ENOSYS) return fd;
+  if (fd >= 0) return fd;
+  // ENOSYS: a kernel before 5.6. EPERM: for these flags only a seccomp
+  // filter (older container runtimes deny syscalls they do not know) or an
+  // LSM says it; the walk is as strict, and an LSM denial repeats there.
+  if (errno != ENOSYS && errno != EPERM) return fd;
   return WalkBeneath(dirfd, name, flags);
 }
 

@@ -74,8 +74,9 @@ absl::StatusOr<FileStamp> StatFd(int fd, const std::string& path);
 //    resolves beneath the directory with no symbolic link anywhere in it
 //    (PERMISSION_DENIED "<path>: is a symbolic link" / "... resolves outside
 //    the checkpoint directory <dir>"). Where the kernel has no openat2
-//    (ENOSYS) the name is walked component by component with O_NOFOLLOW,
-//    refusing "." / ".." components, with the same errors;
+//    (ENOSYS, or EPERM from a seccomp filter that does not know it) the name
+//    is walked component by component with O_NOFOLLOW, refusing "." / ".."
+//    components, with the same errors;
 //  - not `confine`: openat(dirfd, name), symlinks followed (the offline tools
 //    on a HuggingFace hub cache, whose snapshot files are symlinks to blobs).
 // The directory itself is opened following symlinks: callers that must not
