@@ -120,6 +120,12 @@ struct HostCache::Entry {
   uint64_t n = 0;
   std::unique_ptr<Buffer> data;
   std::list<EntryPtr>::iterator lru;
+  // Set when dropped from the index while pinned: the cache's count of such
+  // bytes, given back here when the memory is.
+  std::shared_ptr<std::atomic<uint64_t>> detached;
+  ~Entry() {
+    if (detached) detached->fetch_sub(n);
+  }
 };
 
 std::optional<RangeView> HostCache::Lookup(const std::string& path, const FileStamp& stamp,
@@ -145,6 +151,19 @@ std::optional<RangeView> HostCache::Lookup(const std::string& path, const FileSt
 
 void HostCache::TouchLocked(const EntryPtr& e) { lru_.splice(lru_.begin(), lru_, e->lru); }
 
+void HostCache::DropLocked(EntryPtr e) {
+  lru_.erase(e->lru);
+  used_ -= e->n;
+  --stats_.entries;
+  stats_.bytes -= e->n;
+  // Still in the index (the caller erases it after), plus `e`: two
+  // references; a third is a load's pin.
+  if (e.use_count() > 2) {
+    detached_->fetch_add(e->n);
+    e->detached = detached_;
+  }
+}
+
 bool HostCache::EvictOneLocked() {
   for (auto it = lru_.rbegin(); it != lru_.rend(); ++it) {
     EntryPtr e = *it;
@@ -166,12 +185,13 @@ bool HostCache::EvictOneLocked() {
 std::shared_ptr<HostCache::Pending> HostCache::Reserve(uint64_t n) {
   absl::MutexLock lock(&mu_);
   if (n == 0 || n > budget_) return nullptr;
-  while (used_ + n > budget_) {
+  // Memory of dropped entries still pinned by a load counts too.
+  while (used_ + detached_->load() + n > budget_) {
     if (!EvictOneLocked()) return nullptr;
   }
   used_ += n;
   // Recycled blocks count against the budget too.
-  if (pool_) pool_->Trim(budget_ - used_, n);
+  if (pool_) pool_->Trim(budget_ - used_ - detached_->load(), n);
   auto p = std::make_shared<Pending>();
   p->cache = this;
   p->n = n;
@@ -208,12 +228,8 @@ RangeView HostCache::Publish(std::shared_ptr<Pending> p, const std::string& path
   auto& files = index_[path];
   auto old = files.find(offset);
   if (old != files.end()) {  // replace a stale or shorter entry at the same offset
-    EntryPtr o = old->second;
-    lru_.erase(o->lru);
+    DropLocked(old->second);
     files.erase(old);
-    used_ -= o->n;
-    --stats_.entries;
-    stats_.bytes -= o->n;
   }
   lru_.push_front(e);
   e->lru = lru_.begin();
@@ -232,13 +248,10 @@ std::pair<uint64_t, uint64_t> HostCache::EvictPrefix(const std::string& prefix) 
       continue;
     }
     for (auto& [off, e] : it->second) {
-      lru_.erase(e->lru);
-      used_ -= e->n;
       bytes += e->n;
       ++entries;
-      --stats_.entries;
-      stats_.bytes -= e->n;
       ++stats_.evictions;
+      DropLocked(e);
     }
     it = index_.erase(it);
   }
@@ -248,6 +261,7 @@ std::pair<uint64_t, uint64_t> HostCache::EvictPrefix(const std::string& prefix) 
 CacheStats HostCache::stats() const {
   absl::MutexLock lock(&mu_);
   CacheStats s = stats_;
+  s.bytes += detached_->load();  // evicted while pinned: still held
   s.budget_bytes = budget_;
   if (pool_) s.recycled_bytes = pool_->free_bytes();
   return s;

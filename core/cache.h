@@ -23,6 +23,7 @@
 #ifndef CKPTD_CORE_CACHE_H_
 #define CKPTD_CORE_CACHE_H_
 
+#include <atomic>
 #include <cstdint>
 #include <list>
 #include <map>
@@ -83,8 +84,11 @@ class HostCache {
   RangeView Publish(std::shared_ptr<Pending> p, const std::string& path, const FileStamp& stamp,
                     uint64_t offset);
 
-  // Drops every unpinned entry whose path starts with `prefix` (pinned ones
-  // are dropped from the index and freed when released). Returns bytes freed.
+  // Drops every entry whose path starts with `prefix` from the index.
+  // Unpinned ones are freed now; pinned ones (a load is using them) when
+  // their last user lets go, and until then their bytes still count against
+  // the budget and in stats().bytes (so the figures match the memory held).
+  // Returns the bytes and entries dropped.
   std::pair<uint64_t, uint64_t> EvictPrefix(const std::string& prefix);
 
   CacheStats stats() const;
@@ -95,6 +99,10 @@ class HostCache {
   struct Entry;
   using EntryPtr = std::shared_ptr<Entry>;
   bool EvictOneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Takes `e` out of the index and LRU list. Its bytes leave used_ now, or,
+  // when a load still pins it, move to detached_ until the entry is freed.
+  // Call it while `e` is still in the index.
+  void DropLocked(EntryPtr e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void TouchLocked(const EntryPtr& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   struct Buffer;  // entry bytes from allocator_ (or new[])
@@ -106,6 +114,11 @@ class HostCache {
   mutable absl::Mutex mu_;
   // Bytes of published entries plus reservations.
   uint64_t used_ ABSL_GUARDED_BY(mu_) = 0;
+  // Bytes of entries dropped from the index while pinned, not yet freed
+  // (decremented by the entry's destructor, which may run on any thread
+  // and never takes mu_).
+  const std::shared_ptr<std::atomic<uint64_t>> detached_ =
+      std::make_shared<std::atomic<uint64_t>>(0);
   // path -> (offset -> entry) for published entries.
   std::map<std::string, std::map<uint64_t, EntryPtr>> index_ ABSL_GUARDED_BY(mu_);
   std::list<EntryPtr> lru_ ABSL_GUARDED_BY(mu_);  // front = most recent

@@ -1144,9 +1144,7 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
   // with every rank of the job (and the cache), so they are verified unless
   // every rank asks not to (and then nothing read is cached: core publishes
   // only verified fills).
-  bool all_skip = true;
-  for (const auto& s : slots) all_skip = all_skip && s->request.skip_verify();
-  eo.verify_checksums = !all_skip;
+  eo.verify_checksums = !AllRanksSkipVerify(slots);
   eo.progress_bytes = &job->progress;
   eo.skip_rank = [&](size_t i) { return skip[i] || slots[i]->cancelled(); };
   eo.deadline = std::chrono::steady_clock::now() +

@@ -70,6 +70,15 @@ struct JobFigures {
 // stream buffers allocated now.
 std::vector<void*> PrepareDestinations(Daemon::RankSlot& slot, const ckpt::RankPlan& plan);
 
+// Whether every rank of a job asked skip_verify (only then are the job's
+// reads left unverified, and nothing they read is cached).
+inline bool AllRanksSkipVerify(const std::vector<std::shared_ptr<Daemon::RankSlot>>& slots) {
+  for (const auto& s : slots) {
+    if (!s->request.skip_verify()) return false;
+  }
+  return !slots.empty();
+}
+
 // Fills `slot.result` for plan rank `index` (not `done`: the caller marks it).
 void FillLoadResult(Daemon::RankSlot& slot, const ckpt::RankPlan& plan, size_t index,
                     const JobFigures& figures, std::chrono::steady_clock::time_point job_start);

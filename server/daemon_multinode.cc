@@ -806,7 +806,7 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
     auto delivery = JobDelivery(slots, std::move(dests));
     ckpt::ExecuteOptions eo;
     eo.threads = config_.io_threads;
-    eo.verify_checksums = !slots.front()->request.skip_verify();
+    eo.verify_checksums = !AllRanksSkipVerify(slots);
     eo.progress_bytes = &job->progress;
     eo.skip_rank = [&](size_t i) { return slots[i]->cancelled(); };
     eo.deadline = std::chrono::steady_clock::now() +

@@ -94,6 +94,27 @@ TEST(HostCache, EvictPrefix) {
   EXPECT_EQ(c.Files().size(), 1u);
 }
 
+TEST(HostCache, EvictingAPinnedEntryKeepsItsBytesCountedUntilReleased) {
+  HostCache c(200);
+  FileStamp st{1, 2, 3, 4};
+  RangeView a = Put(c, "/ck/run1/0.st", 0, 100, 7);  // a load is using it
+  Put(c, "/ck/run10/0.st", 0, 50, 8);
+  auto [bytes, entries] = c.EvictPrefix("/ck/run1/");  // by component: run10 stays
+  EXPECT_EQ(bytes, 100u);
+  EXPECT_EQ(entries, 1u);
+  EXPECT_FALSE(c.Lookup("/ck/run1/0.st", st, 0, 1).has_value());  // never served again
+  EXPECT_TRUE(c.Lookup("/ck/run10/0.st", st, 0, 1).has_value());
+  EXPECT_EQ(a.data[42], 7);  // the load's bytes stay valid
+  // The memory is still held: it counts in the figures and against the budget.
+  EXPECT_EQ(c.stats().bytes, 150u);
+  // 150 would fit beside run10's 50 were run1's 100 not still held.
+  EXPECT_EQ(c.Reserve(150), nullptr);  // (evicts the unpinned run10 trying)
+  EXPECT_EQ(c.stats().bytes, 100u);
+  a = RangeView{};  // the load lets go: the memory and its count are gone
+  EXPECT_EQ(c.stats().bytes, 0u);
+  EXPECT_NE(c.Reserve(200), nullptr);
+}
+
 TEST(CachingSource, DetectsChangedFiles) {
   testing::TempDir tmp;
   {
