@@ -11,16 +11,12 @@
 
 #include "core/layout.h"
 #include "core/planner.h"
+#include "tests/testing/files.h"
 #include "tests/testing/split.h"
 
 namespace ckpt {
 
-inline std::string Slurp(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
+using ckpt::testing::Slurp;
 
 inline TargetTensor T(const std::string& name, DType dt, Shape global, Shape off, Shape shape) {
   return TargetTensor{name, dt, std::move(global), Box{std::move(off), std::move(shape)},

@@ -23,6 +23,7 @@
 #include "core/writer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/files.h"
 #include "tests/testing/temp_dir.h"
 
 namespace ckpt {
@@ -32,17 +33,8 @@ using ::testing::HasSubstr;
 using ::testing::ElementsAre;
 namespace fs = std::filesystem;
 
-std::string Slurp(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
-void Spit(const std::string& path, const std::string& data) {
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  f << data;
-}
+using ckpt::testing::Slurp;
+using ckpt::testing::Spit;
 
 std::vector<float> Arange(int n) {
   std::vector<float> v(n);

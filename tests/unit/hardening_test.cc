@@ -30,6 +30,7 @@
 #include "core/writer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/testing/files.h"
 #include "tests/testing/temp_dir.h"
 
 namespace ckpt {
@@ -44,17 +45,8 @@ using Clock = std::chrono::steady_clock;
 
 constexpr int64_t kRows = 64, kCols = 32;
 
-std::string Slurp(const std::string& path) {
-  std::ifstream f(path, std::ios::binary);
-  std::stringstream ss;
-  ss << f.rdbuf();
-  return ss.str();
-}
-
-void Spit(const std::string& path, const std::string& data) {
-  std::ofstream f(path, std::ios::binary | std::ios::trunc);
-  f << data;
-}
+using ckpt::testing::Slurp;
+using ckpt::testing::Spit;
 
 std::vector<float> Values(float seed, int64_t n = kRows * kCols) {
   std::vector<float> v(n);

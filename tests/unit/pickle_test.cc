@@ -16,6 +16,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/pickle_writer.h"
+#include "tests/testing/files.h"
 #include "tests/testing/temp_dir.h"
 
 namespace ckpt {
@@ -483,9 +484,7 @@ TEST(PickleFuzz, CorruptedPicklesNeverCrash) {
 
 // ---- through OpenCheckpoint ---------------------------------------------------
 
-void Spit(const std::string& path, const std::string& data) {
-  std::ofstream(path, std::ios::binary) << data;
-}
+using ckpt::testing::Spit;
 
 TEST(ForeignOpen, HostileMetadataNamesFileAndGlobal) {
   testing::TempDir tmp;
