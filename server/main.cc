@@ -39,7 +39,11 @@ ABSL_FLAG(std::string, check_config, "", "validate a config file and exit");
 ABSL_FLAG(std::string, socket, "", "Unix socket for the gRPC API (overrides the config)");
 ABSL_FLAG(std::vector<std::string>, root, {},
           "checkpoint root(s) served, comma-separated (overrides the config)");
-ABSL_FLAG(std::string, tcp, "", "also listen on host:port (overrides the config)");
+ABSL_FLAG(std::string, tcp, "", "also listen on host:port (overrides the config; needs mutual TLS or --insecure_tcp)");
+ABSL_FLAG(std::string, tcp_tls_cert, "", "PEM certificate of this daemon for --tcp");
+ABSL_FLAG(std::string, tcp_tls_key, "", "PEM private key for --tcp");
+ABSL_FLAG(std::string, tcp_tls_ca, "", "PEM CA that signs the client certificates --tcp requires");
+ABSL_FLAG(bool, insecure_tcp, false, "serve --tcp without TLS (anyone who can reach it acts as tcp_uid)");
 ABSL_FLAG(std::string, cache_budget, "", "data cache budget, e.g. 8GiB (overrides the config)");
 ABSL_FLAG(int, io_threads, 0, "I/O threads (overrides the config)");
 ABSL_FLAG(std::string, direct_io, "", "never|auto|always: O_DIRECT reads (overrides the config)");
@@ -147,6 +151,10 @@ int main(int argc, char** argv) {
   if (!absl::GetFlag(FLAGS_socket).empty()) config.socket = absl::GetFlag(FLAGS_socket);
   if (!absl::GetFlag(FLAGS_root).empty()) config.roots = absl::GetFlag(FLAGS_root);
   if (!absl::GetFlag(FLAGS_tcp).empty()) config.tcp_address = absl::GetFlag(FLAGS_tcp);
+  if (!absl::GetFlag(FLAGS_tcp_tls_cert).empty()) config.tcp_tls_cert = absl::GetFlag(FLAGS_tcp_tls_cert);
+  if (!absl::GetFlag(FLAGS_tcp_tls_key).empty()) config.tcp_tls_key = absl::GetFlag(FLAGS_tcp_tls_key);
+  if (!absl::GetFlag(FLAGS_tcp_tls_ca).empty()) config.tcp_tls_ca = absl::GetFlag(FLAGS_tcp_tls_ca);
+  if (absl::GetFlag(FLAGS_insecure_tcp)) config.insecure_tcp = true;
   if (!absl::GetFlag(FLAGS_cache_budget).empty()) {
     auto b = ckptd::ParseBytes(absl::GetFlag(FLAGS_cache_budget));
     if (!b.ok()) return Fail(absl::StrCat("--cache_budget: ", b.status().message()));

@@ -203,10 +203,11 @@ class Client:
     /run/ckptd/ckptd.sock), or "host:port" with tcp=True (then only the
     stream transport can carry data). Fails fast with CkptdError(UNAVAILABLE)
     when no daemon listens there. connect_timeout bounds connecting to the
-    Unix socket and handing over the shm fd.
+    Unix socket and handing over the shm fd. tls=(ca, cert, key), three PEM
+    file paths, connects over TCP with mutual TLS (a daemon with tcp_tls_*).
     """
 
-    def __init__(self, socket=None, *, tcp=False, connect_timeout=10.0):
+    def __init__(self, socket=None, *, tcp=False, connect_timeout=10.0, tls=None):
         import grpc
         self._grpc = grpc
         self.pb2, pb2_grpc = _proto.load_stubs()
@@ -220,10 +221,19 @@ class Client:
         # No channel_ready_future: it makes close() take 200 ms. Calls are made
         # without wait_for_ready, so a daemon that is gone fails them at once
         # with UNAVAILABLE.
-        self._channel = grpc.insecure_channel(target, options=[
+        options = [
             ("grpc.max_receive_message_length", 256 << 20),
             ("grpc.max_send_message_length", 256 << 20),
-        ])
+        ]
+        if tls is not None:
+            if not tcp:
+                raise CkptdError("INVALID_ARGUMENT", "tls=(ca, cert, key) needs tcp=True")
+            ca, cert, key = (open(p, "rb").read() for p in tls)
+            creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
+                                                 certificate_chain=cert)
+            self._channel = grpc.secure_channel(target, creds, options=options)
+        else:
+            self._channel = grpc.insecure_channel(target, options=options)
         self.stub = pb2_grpc.CkptdStub(self._channel)
 
     def close(self):
