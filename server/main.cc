@@ -85,6 +85,9 @@ Usage:
   ckptd ... --print-config                     print the effective config and exit
 
 Training ranks connect with the C++/Python clients or `ckptctl load --daemon PATH`.
+Callers are identified by the kernel (uid/groups of the Unix-socket peer) and
+checked against each root's access rule (README "Security"). --tcp needs
+mutual TLS (--tcp-tls-cert/--tcp-tls-key/--tcp-tls-ca) or --insecure-tcp.
 SIGTERM/SIGINT: stop accepting, drain running loads (drain_timeout), exit.)";
 
 int Fail(const std::string& msg) {
