@@ -356,16 +356,17 @@ absl::StatusOr<uint64_t> Daemon::CheckRequestLimits(
   for (const v1::Target& t : targets) {
     uint64_t n = 1;
     bool overflow = false;
-    const auto& shape = t.has_flat_range() ? google::protobuf::RepeatedField<int64_t>() : t.shape();
-    for (int64_t d : shape) {
-      if (d < 0) break;  // ValidateTarget names it
-      if (d != 0 && n > (UINT64_MAX >> 4) / static_cast<uint64_t>(d)) overflow = true;
-      n = overflow ? 0 : n * static_cast<uint64_t>(d);
-    }
-    if (t.has_flat_range()) {
+    if (t.has_flat_range()) {  // a range of the flattened box
       n = t.flat_range().end() > t.flat_range().begin()
-              ? static_cast<uint64_t>(t.flat_range().end() - t.flat_range().begin())
+              ? static_cast<uint64_t>(t.flat_range().end()) -
+                    static_cast<uint64_t>(t.flat_range().begin())
               : 0;
+    } else {
+      for (int64_t d : t.shape()) {
+        if (d < 0) break;  // ValidateTarget names it
+        if (d != 0 && n > (UINT64_MAX >> 4) / static_cast<uint64_t>(d)) overflow = true;
+        n = overflow ? 0 : n * static_cast<uint64_t>(d);
+      }
     }
     auto dt = ckpt::ParseDType(t.dtype());
     const uint64_t item = dt.ok() ? ckpt::DTypeSize(*dt) : 1;
