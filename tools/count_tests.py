@@ -1,14 +1,16 @@
 #!/usr/bin/python3
 """Counts passed/failed test cases in Bazel's JUnit XML files.
 
-Prints one line per failing case, then "N passed, N failed". A test target
-whose XML has no test cases (a shell test) counts as one case. Exits 1 when
-anything failed or nothing ran.
+Prints one line per failing case and per skipped case (with its reason),
+then "N skipped" when anything was skipped, and last "N passed, N failed".
+Skipped and disabled cases are never counted as passed. A test target whose
+XML has no test cases (a shell test) counts as one case. Exits 1 when
+anything failed or nothing passed.
 
   count_tests.py [TESTLOGS [BAZEL_RC]] [--extra NAME=pass|fail|skip ...]
 
 --extra adds a case checked outside `bazel test` (tests/run.sh: the
---config=cuda build); a skipped one counts as passed, like skipped cases.
+--config=cuda build); a skipped one counts as skipped.
 """
 import os
 import sys
@@ -16,16 +18,17 @@ import xml.etree.ElementTree as ET
 
 
 def main(root, bazel_rc=0, extra=()):
-    passed = failed = 0
+    passed = failed = skipped = 0
     for item in extra:
         name, _, result = item.rpartition("=")
         if result == "fail":
             failed += 1
             print(f"FAILED {name}")
+        elif result == "skip":
+            skipped += 1
+            print(f"SKIPPED {name}")
         else:
             passed += 1
-            if result == "skip":
-                print(f"SKIPPED {name}")
     for dirpath, _, files in os.walk(root, followlinks=True):
         if "test.xml" not in files:
             continue
@@ -52,13 +55,21 @@ def main(root, bazel_rc=0, extra=()):
             if c.find("failure") is not None or c.find("error") is not None:
                 failed += 1
                 print(f"FAILED {target}: {c.get('classname', '')}.{c.get('name', '')}")
-            elif c.find("skipped") is not None or c.get("result") == "skipped":
-                passed += 1
+            elif (c.find("skipped") is not None or c.get("result") in ("skipped", "suppressed")
+                  or c.get("status") == "notrun"):
+                # A skip (with its reason) or a disabled gtest: not a pass.
+                skipped += 1
+                el = c.find("skipped")
+                reason = (el.get("message") or el.text or "").strip() if el is not None else "disabled"
+                print(f"SKIPPED {target}: {c.get('classname', '')}.{c.get('name', '')}"
+                      f" ({reason.splitlines()[-1] if reason else 'no reason given'})")
             else:
                 passed += 1
     if bazel_rc != 0 and failed == 0:
         print(f"FAILED bazel test exited {bazel_rc} (build error or timeout)")
         failed = 1
+    if skipped:
+        print(f"{skipped} skipped")
     print(f"{passed} passed, {failed} failed")
     return 1 if failed or passed == 0 else 0
 

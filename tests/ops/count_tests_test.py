@@ -1,0 +1,57 @@
+"""tools/count_tests.py: skipped and disabled cases are reported (with their
+reason) and never counted as passed; failures and crashes are counted."""
+import os
+import subprocess
+import tempfile
+import unittest
+
+import testlib
+
+COUNT = os.path.abspath("tools/count_tests.py")
+
+
+def run(tree, *extra):
+    root = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
+    for target, xml in tree.items():
+        os.makedirs(os.path.join(root, target))
+        with open(os.path.join(root, target, "test.xml"), "w") as f:
+            f.write(xml)
+    args = ["/usr/bin/python3", COUNT, root, "0"]
+    for e in extra:
+        args += ["--extra", e]
+    return subprocess.run(args, capture_output=True, text=True, timeout=30)
+
+
+GTEST = """<?xml version="1.0"?><testsuites><testsuite name="S" tests="3">
+<testcase name="ok" status="run" result="completed" classname="S"/>
+<testcase name="DISABLED_off" status="notrun" result="suppressed" classname="S"/>
+<testcase name="skip" status="run" result="skipped" classname="S"><skipped message="needs a GPU"/></testcase>
+</testsuite></testsuites>"""
+
+
+class CountTests(unittest.TestCase):
+    def test_skips_and_disabled_cases_are_not_passes(self):
+        r = run({"t/a": GTEST}, "cuda build=skip")
+        lines = r.stdout.strip().splitlines()
+        self.assertEqual(lines[-1], "1 passed, 0 failed", r.stdout)
+        self.assertEqual(lines[-2], "3 skipped", r.stdout)
+        self.assertIn("needs a GPU", r.stdout)
+        self.assertIn("DISABLED_off", r.stdout)
+        self.assertEqual(r.returncode, 0)
+
+    def test_only_skips_is_a_failure_to_run_anything(self):
+        xml = GTEST.replace('<testcase name="ok" status="run" result="completed" classname="S"/>', "")
+        r = run({"t/a": xml})
+        self.assertTrue(r.stdout.strip().endswith("0 passed, 0 failed"), r.stdout)
+        self.assertEqual(r.returncode, 1)
+
+    def test_failures_and_unreadable_files_count(self):
+        bad = GTEST.replace('<testcase name="ok" status="run" result="completed" classname="S"/>',
+                            '<testcase name="ok" classname="S"><failure message="x"/></testcase>')
+        r = run({"t/a": bad, "t/b": "<not xml"}, "cuda build=fail")
+        self.assertTrue(r.stdout.strip().endswith("0 passed, 3 failed"), r.stdout)
+        self.assertEqual(r.returncode, 1)
+
+
+if __name__ == "__main__":
+    testlib.main("count_tests_test")
