@@ -56,14 +56,33 @@ absl::StatusOr<std::vector<uint32_t>> IdList(const YAML::Node& v, const std::str
   return out;
 }
 
-const std::set<std::string>& LimitKeys() {
-  static const auto* keys = new std::set<std::string>{
-      "max_targets_per_request", "max_request_bytes",   "max_uid_bytes",
-      "max_stream_bytes",        "max_jobs_per_uid",    "max_ranks_per_uid",
-      "max_ranks_per_job",       "max_barrier_timeout", "max_message_bytes",
-      "max_concurrent_streams",  "max_connections",     "max_threads",
-      "max_metadata_bytes",      "metadata_cache_entries"};
-  return *keys;
+// The count and size limits: one table for parsing, the key list in errors
+// and printing (max_barrier_timeout, a duration, is handled beside it).
+struct CountLimit {
+  const char* key;
+  uint64_t Limits::*field;
+};
+constexpr CountLimit kCountLimits[] = {
+    {"max_targets_per_request", &Limits::max_targets_per_request},
+    {"max_request_bytes", &Limits::max_request_bytes},
+    {"max_uid_bytes", &Limits::max_uid_bytes},
+    {"max_stream_bytes", &Limits::max_stream_bytes},
+    {"max_jobs_per_uid", &Limits::max_jobs_per_uid},
+    {"max_ranks_per_uid", &Limits::max_ranks_per_uid},
+    {"max_ranks_per_job", &Limits::max_ranks_per_job},
+    {"max_message_bytes", &Limits::max_message_bytes},
+    {"max_concurrent_streams", &Limits::max_concurrent_streams},
+    {"max_connections", &Limits::max_connections},
+    {"max_threads", &Limits::max_threads},
+    {"max_metadata_bytes", &Limits::max_metadata_bytes},
+    {"metadata_cache_entries", &Limits::metadata_cache_entries},
+};
+constexpr char kBarrierLimit[] = "max_barrier_timeout";
+
+std::string LimitKeyList() {
+  std::set<std::string> keys = {kBarrierLimit};
+  for (const CountLimit& c : kCountLimits) keys.insert(c.key);
+  return absl::StrJoin(keys, ", ");
 }
 
 absl::Status ParseLimits(const YAML::Node& v, const std::string& source, Limits* l) {
@@ -71,13 +90,17 @@ absl::Status ParseLimits(const YAML::Node& v, const std::string& source, Limits*
   for (const auto& kv : v) {
     const std::string key = kv.first.as<std::string>();
     const std::string full = "limits." + key;
-    if (!LimitKeys().count(key)) {
-      return absl::InvalidArgumentError(absl::StrCat(source, ": unknown key '", full, "' (known: ",
-                                                     absl::StrJoin(LimitKeys(), ", "), ")"));
+    const CountLimit* count = nullptr;
+    for (const CountLimit& c : kCountLimits) {
+      if (key == c.key) count = &c;
+    }
+    if (count == nullptr && key != kBarrierLimit) {
+      return absl::InvalidArgumentError(absl::StrCat(source, ": unknown key '", full,
+                                                     "' (known: ", LimitKeyList(), ")"));
     }
     if (!kv.second.IsScalar()) return Bad(source, full, "must be a single value");
     const std::string s = kv.second.as<std::string>();
-    if (key == "max_barrier_timeout") {
+    if (count == nullptr) {
       auto d = ParseDuration(s);
       if (!d.ok()) return Bad(source, full, d.status().message());
       if (*d <= absl::ZeroDuration()) return Bad(source, full, "must be positive");
@@ -86,20 +109,7 @@ absl::Status ParseLimits(const YAML::Node& v, const std::string& source, Limits*
     }
     auto b = ParseBytes(s);  // plain counts parse as bytes too
     if (!b.ok() || *b == 0) return Bad(source, full, "must be a positive number or byte size");
-    uint64_t* field = key == "max_targets_per_request" ? &l->max_targets_per_request
-                      : key == "max_request_bytes"     ? &l->max_request_bytes
-                      : key == "max_uid_bytes"         ? &l->max_uid_bytes
-                      : key == "max_stream_bytes"      ? &l->max_stream_bytes
-                      : key == "max_jobs_per_uid"      ? &l->max_jobs_per_uid
-                      : key == "max_ranks_per_uid"     ? &l->max_ranks_per_uid
-                      : key == "max_ranks_per_job"     ? &l->max_ranks_per_job
-                      : key == "max_message_bytes"     ? &l->max_message_bytes
-                      : key == "max_concurrent_streams" ? &l->max_concurrent_streams
-                      : key == "max_connections"       ? &l->max_connections
-                      : key == "max_threads"           ? &l->max_threads
-                      : key == "max_metadata_bytes"    ? &l->max_metadata_bytes
-                                                       : &l->metadata_cache_entries;
-    *field = *b;
+    l->*count->field = *b;
   }
   return absl::OkStatus();
 }
@@ -437,21 +447,8 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   out << YAML::EndSeq;
   const Limits& l = c.limits;
   out << YAML::Key << "limits" << YAML::Value << YAML::BeginMap;
-  out << YAML::Key << "max_targets_per_request" << YAML::Value << l.max_targets_per_request;
-  out << YAML::Key << "max_request_bytes" << YAML::Value << l.max_request_bytes;
-  out << YAML::Key << "max_uid_bytes" << YAML::Value << l.max_uid_bytes;
-  out << YAML::Key << "max_stream_bytes" << YAML::Value << l.max_stream_bytes;
-  out << YAML::Key << "max_jobs_per_uid" << YAML::Value << l.max_jobs_per_uid;
-  out << YAML::Key << "max_ranks_per_uid" << YAML::Value << l.max_ranks_per_uid;
-  out << YAML::Key << "max_ranks_per_job" << YAML::Value << l.max_ranks_per_job;
-  out << YAML::Key << "max_barrier_timeout" << YAML::Value
-      << absl::FormatDuration(l.max_barrier_timeout);
-  out << YAML::Key << "max_message_bytes" << YAML::Value << l.max_message_bytes;
-  out << YAML::Key << "max_concurrent_streams" << YAML::Value << l.max_concurrent_streams;
-  out << YAML::Key << "max_connections" << YAML::Value << l.max_connections;
-  out << YAML::Key << "max_threads" << YAML::Value << l.max_threads;
-  out << YAML::Key << "max_metadata_bytes" << YAML::Value << l.max_metadata_bytes;
-  out << YAML::Key << "metadata_cache_entries" << YAML::Value << l.metadata_cache_entries;
+  for (const CountLimit& cl : kCountLimits) out << YAML::Key << cl.key << YAML::Value << l.*cl.field;
+  out << YAML::Key << kBarrierLimit << YAML::Value << absl::FormatDuration(l.max_barrier_timeout);
   out << YAML::EndMap;
   out << YAML::EndMap;
   return std::string(out.c_str()) + "\n";
