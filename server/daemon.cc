@@ -174,6 +174,22 @@ void Daemon::Stop() {
   if (fd_receiver_) fd_receiver_->Stop();
 }
 
+const std::string* Daemon::RootOf(const std::string& real, std::string* real_root) const {
+  const std::string* best = nullptr;
+  std::string best_real;
+  for (const std::string& root : config_.roots) {
+    char rb[PATH_MAX];
+    std::string r = ::realpath(root.c_str(), rb) != nullptr ? std::string(rb) : root;
+    const bool under = real == r || absl::StartsWith(real, r == "/" ? r : r + "/");
+    if (under && (best == nullptr || r.size() > best_real.size())) {
+      best = &root;
+      best_real = std::move(r);
+    }
+  }
+  if (real_root != nullptr) *real_root = std::move(best_real);
+  return best;
+}
+
 absl::StatusOr<std::string> Daemon::ResolvePath(const std::string& path) const {
   if (path.empty()) return absl::InvalidArgumentError("checkpoint path is empty");
   // A relative path names a checkpoint under the first root, so a multi-node
@@ -185,11 +201,7 @@ absl::StatusOr<std::string> Daemon::ResolvePath(const std::string& path) const {
     return errno == ENOENT ? absl::NotFoundError(msg) : absl::InvalidArgumentError(msg);
   }
   std::string real = buf;
-  for (const std::string& root : config_.roots) {
-    char rb[PATH_MAX];
-    std::string r = ::realpath(root.c_str(), rb) != nullptr ? std::string(rb) : root;
-    if (real == r || absl::StartsWith(real, r == "/" ? r : r + "/")) return real;
-  }
+  if (RootOf(real, nullptr) != nullptr) return real;
   return absl::PermissionDeniedError(absl::StrCat(
       path, " (", real, ") is outside the checkpoint roots this daemon serves (",
       absl::StrJoin(config_.roots, ", "), ")"));
@@ -229,23 +241,14 @@ absl::Status Daemon::CheckAccess(const Caller& caller, const std::string& resolv
   const char* verb = access == Access::kRead ? "read" : "write";
   // The configured root holding `resolved` (ResolvePath checked there is one).
   std::string root;
-  const RootAccess* rule = nullptr;
-  for (const std::string& r : config_.roots) {
-    char rb[PATH_MAX];
-    const std::string real = ::realpath(r.c_str(), rb) != nullptr ? std::string(rb) : r;
-    if (resolved == real || absl::StartsWith(resolved, real == "/" ? real : real + "/")) {
-      if (real.size() >= root.size()) {
-        root = real;
-        rule = nullptr;
-        for (const RootAccess& a : config_.access) {
-          if (a.root == r) rule = &a;
-        }
-      }
-    }
-  }
-  if (root.empty()) {
+  const std::string* configured = RootOf(resolved, &root);
+  if (configured == nullptr) {
     return absl::PermissionDeniedError(
         absl::StrCat(resolved, " is outside the checkpoint roots this daemon serves"));
+  }
+  const RootAccess* rule = nullptr;
+  for (const RootAccess& a : config_.access) {
+    if (a.root == *configured) rule = &a;
   }
   bool allowed = false;
   if (caller.uid == 0 && caller.via == Caller::Via::kUnix) {
@@ -427,14 +430,22 @@ absl::StatusOr<std::shared_ptr<const Daemon::OpenedCheckpoint>> Daemon::OpenCach
   oo.max_metadata_bytes = config_.limits.max_metadata_bytes;
   oo.confine = true;  // every file beneath the checkpoint directory, no symlinks
   CKPT_ASSIGN_OR_RETURN(opened->checkpoint, ckpt::OpenCheckpoint(dir, oo));
+  // The identity of each file as OpenCheckpoint read it (from its
+  // descriptor); a stat only for files it did not read.
+  const auto& read = opened->checkpoint.file_stamps;
+  auto stamp_of = [&](const std::string& name) -> absl::StatusOr<ckpt::FileStamp> {
+    auto it = read.find(name);
+    if (it != read.end()) return it->second;
+    return ckpt::StatFile(ckpt::JoinPath(dir, name));
+  };
   if (!opened->checkpoint.metadata_file.empty()) {
     const std::string mp = ckpt::JoinPath(dir, opened->checkpoint.metadata_file);
-    CKPT_ASSIGN_OR_RETURN(opened->watched[mp], ckpt::StatFile(mp));
+    CKPT_ASSIGN_OR_RETURN(opened->watched[mp], stamp_of(opened->checkpoint.metadata_file));
   }
   const std::string index = ckpt::JoinPath(dir, "model.safetensors.index.json");
-  if (auto st = ckpt::StatFile(index); st.ok()) opened->watched[index] = *st;
+  if (auto st = stamp_of("model.safetensors.index.json"); st.ok()) opened->watched[index] = *st;
   for (const std::string& f : opened->checkpoint.data_files) {
-    auto st = ckpt::StatFile(ckpt::JoinPath(dir, f));
+    auto st = stamp_of(f);
     if (!st.ok() && !all_files_local && absl::IsNotFound(st.status())) continue;
     CKPT_RETURN_IF_ERROR(st.status());
     opened->stamps[f] = *st;
@@ -450,6 +461,18 @@ absl::StatusOr<std::shared_ptr<const Daemon::OpenedCheckpoint>> Daemon::OpenCach
     meta_cache_.erase(oldest);
   }
   return std::shared_ptr<const OpenedCheckpoint>(opened);
+}
+
+void Daemon::DropCachedMetadata(const std::string& dir) {
+  // By path component: ".../run1" keeps ".../run10"; keys of partial opens
+  // are the directory + "\n(partial)".
+  const std::string prefix = dir == "/" ? dir : dir + "/";
+  absl::MutexLock lock(&meta_mu_);
+  for (auto it = meta_cache_.begin(); it != meta_cache_.end();) {
+    const std::string& p = it->first.first;
+    const bool under = p == dir || absl::StartsWith(p, dir + "\n") || absl::StartsWith(p, prefix);
+    it = under ? meta_cache_.erase(it) : std::next(it);
+  }
 }
 
 absl::StatusOr<v1::InspectResponse> Daemon::Inspect(const Caller& caller,
@@ -537,17 +560,6 @@ absl::StatusOr<std::shared_ptr<Daemon::RankSlot>> Daemon::PrepareSlot(
     int fd = -1;
     std::string what;
     uint64_t size = shm.size();
-    // Only the bytes up to the end of the last target are mapped.
-    uint64_t needed = 0;
-    for (int i = 0; i < req.targets_size(); ++i) {
-      const uint64_t off = req.targets(i).dest_offset();
-      const uint64_t n = slot->targets.tensors[i].num_bytes();
-      if (off > (1ull << 62) || n > (1ull << 62)) {
-        return absl::InvalidArgumentError(absl::StrCat(who, " tensor '", req.targets(i).name(),
-                                                       "': dest_offset ", off, " is out of range"));
-      }
-      needed = std::max(needed, off + n);
-    }
     if (!shm.arena_token().empty()) {
       // An arena this daemon lent: already mapped and faulted in.
       auto arena = arenas_->Find(shm.arena_token(), caller.uid);
@@ -571,39 +583,35 @@ absl::StatusOr<std::shared_ptr<Daemon::RankSlot>> Daemon::PrepareSlot(
       return absl::InvalidArgumentError(
           absl::StrCat(who, ": shm destination needs arena_token or fd_token"));
     }
-    if (needed > size) {
-      if (fd >= 0) ::close(fd);
-      for (int i = 0; i < req.targets_size(); ++i) {
-        const uint64_t off = req.targets(i).dest_offset();
-        const uint64_t n = slot->targets.tensors[i].num_bytes();
-        if (off + n > size) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              who, " tensor '", req.targets(i).name(), "' needs segment bytes [", off, ", ",
-              off + n, ") but the segment is ", size, " bytes (segment too small)"));
-        }
-      }
-    }
-    if (!slot->segment) {
-      CKPT_ASSIGN_OR_RETURN(slot->segment, MappedSegment::Map(fd, needed, what));
-    }
-    // Every target inside the segment, and no two overlapping.
+    // Every target inside the segment and no two overlapping, checked before
+    // anything is mapped; only the bytes up to the end of the last target are.
+    absl::Status bad;
+    uint64_t needed = 0;
     std::vector<std::pair<uint64_t, uint64_t>> ranges;
-    for (int i = 0; i < req.targets_size(); ++i) {
+    for (int i = 0; i < req.targets_size() && bad.ok(); ++i) {
       const uint64_t off = req.targets(i).dest_offset();
       const uint64_t n = slot->targets.tensors[i].num_bytes();
       if (off > size || n > size - off) {
-        return absl::InvalidArgumentError(absl::StrCat(
+        bad = absl::InvalidArgumentError(absl::StrCat(
             who, " tensor '", req.targets(i).name(), "' needs segment bytes [", off, ", ", off + n,
             ") but the segment is ", size, " bytes (segment too small)"));
       }
       if (n > 0) ranges.push_back({off, off + n});
+      needed = std::max(needed, off + n);
     }
     std::sort(ranges.begin(), ranges.end());
-    for (size_t i = 1; i < ranges.size(); ++i) {
+    for (size_t i = 1; i < ranges.size() && bad.ok(); ++i) {
       if (ranges[i].first < ranges[i - 1].second) {
-        return absl::InvalidArgumentError(absl::StrCat(
+        bad = absl::InvalidArgumentError(absl::StrCat(
             who, ": two targets overlap in the segment at byte ", ranges[i].first));
       }
+    }
+    if (!bad.ok()) {
+      if (fd >= 0) ::close(fd);
+      return bad;
+    }
+    if (!slot->segment) {
+      CKPT_ASSIGN_OR_RETURN(slot->segment, MappedSegment::Map(fd, needed, what));
     }
   } else if (req.has_cuda_ipc()) {
     CKPT_RETURN_IF_ERROR(PrepareDeviceSlot(req, who, *slot));
@@ -943,11 +951,12 @@ absl::StatusOr<v1::SaveResponse> Daemon::Save(const Caller& caller, const v1::Sa
           "; save into a real directory inside a root")));
     }
     if (absl::Status a = CheckAccess(caller, dir, Access::kSave); !a.ok()) return fail(a);
-    const std::string meta = ckpt::JoinPath(dir, absl::StrCat(request.unique_id(), ".metadata"));
-    if (!request.overwrite() && ::lstat(meta.c_str(), &lst) == 0) {
+    // Early answer for the ranks; RunSaveJob checks again under the directory lock.
+    auto exists = ckpt::VersionExists(dir, request.unique_id());
+    if (!request.overwrite() && exists.ok() && *exists) {
       return fail(absl::AlreadyExistsError(absl::StrCat(
-          "Save: version ", request.unique_id(), " already exists in ", dir, " (", meta,
-          "); choose another unique_id or set overwrite")));
+          "Save: version ", request.unique_id(), " already exists in ", dir, " (",
+          request.unique_id(), ".metadata); choose another unique_id or set overwrite")));
     }
   }
   auto reservation = Reserve(caller, who, *bytes, 0);
@@ -1049,13 +1058,7 @@ void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
   if (absl::Status s = ckpt::FinishSave(lock->directory(), *plan, written, flat_mapping); !s.ok()) {
     return fail_all(s);
   }
-  // New files under a cached directory: drop its cached metadata.
-  {
-    absl::MutexLock meta_lock(&meta_mu_);
-    for (auto it = meta_cache_.begin(); it != meta_cache_.end();) {
-      it = it->first.first == job->path ? meta_cache_.erase(it) : std::next(it);
-    }
-  }
+  DropCachedMetadata(job->path);  // new files under a cached directory
   absl::MutexLock jobs_lock(&mu_);
   for (const auto& s : slots) {
     v1::SaveResponse& r = s->save_result;
@@ -1240,15 +1243,7 @@ absl::StatusOr<v1::EvictResponse> Daemon::Evict(const Caller& caller,
   if (!IsAdmin(caller)) CKPT_RETURN_IF_ERROR(CheckAccess(caller, dir, Access::kSave));
   const std::string prefix = dir == "/" ? dir : dir + "/";
   auto [bytes, entries] = cache_.EvictPrefix(prefix);
-  {
-    // By path component: evicting ".../run1" keeps ".../run10".
-    absl::MutexLock lock(&meta_mu_);
-    for (auto it = meta_cache_.begin(); it != meta_cache_.end();) {
-      const std::string& p = it->first.first;
-      const bool under = p == dir || absl::StartsWith(p, dir + "\n") || absl::StartsWith(p, prefix);
-      it = under ? meta_cache_.erase(it) : std::next(it);
-    }
-  }
+  DropCachedMetadata(dir);
   spdlog::info("evict path={} freed={}B entries={}", dir, bytes, entries);
   v1::EvictResponse resp;
   resp.set_bytes_freed(bytes);
@@ -1286,14 +1281,16 @@ v1::StatusResponse Daemon::Status(const Caller& caller) {
   resp.set_cache_hits(cs.hits);
   resp.set_cache_misses(cs.misses);
   resp.set_cache_evictions(cs.evictions);
+  std::map<std::string, bool> readable;  // checkpoint directory -> caller may read it
   for (const auto& [path, be] : cache_.Files()) {
     if (!admin) {
-      // Only files under checkpoints the caller may read.
+      // Only files under checkpoints the caller may read (checked once per directory).
       const size_t slash = path.rfind('/');
-      if (slash == std::string::npos ||
-          !CheckAccess(caller, path.substr(0, std::max<size_t>(slash, 1)), Access::kRead).ok()) {
-        continue;
-      }
+      if (slash == std::string::npos) continue;
+      const std::string dir = path.substr(0, std::max<size_t>(slash, 1));
+      auto [it, fresh] = readable.try_emplace(dir, false);
+      if (fresh) it->second = CheckAccess(caller, dir, Access::kRead).ok();
+      if (!it->second) continue;
     }
     v1::CachedFile* f = resp.add_cached_files();
     f->set_path(path);

@@ -171,6 +171,9 @@ class Daemon {
   std::vector<std::string> PeerAddresses() const;
   peer::v1::Peer::Stub* PeerStub(const std::string& address);
 
+  // The configured root (the deepest, when roots nest) holding `real`, a
+  // resolved path, and its own resolved form in *real_root; null if none.
+  const std::string* RootOf(const std::string& real, std::string* real_root) const;
   // realpath(path) inside one of the configured roots, else PERMISSION_DENIED.
   absl::StatusOr<std::string> ResolvePath(const std::string& path) const;
   // Metadata from the cache when no watched file changed, else reopened.
@@ -178,6 +181,8 @@ class Daemon {
   // not all be readable here.
   absl::StatusOr<std::shared_ptr<const OpenedCheckpoint>> OpenCached(
       const std::string& dir, std::optional<int64_t> unique_id, bool all_files_local = true);
+  // Drops the cached metadata of `dir` and of every checkpoint under it.
+  void DropCachedMetadata(const std::string& dir);
   absl::StatusOr<std::shared_ptr<RankSlot>> PrepareSlot(const Caller& caller,
                                                         const v1::LoadRequest& request);
   // cuda_ipc destinations (daemon_gpu.cc): validates the rank's device
@@ -226,7 +231,6 @@ class Daemon {
   std::map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
   std::map<uid_t, UidUsage> usage_ ABSL_GUARDED_BY(mu_);
   uint64_t stream_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // stream buffers reserved, all clients
-  gid_t socket_gid_ = 0;  // group of the socket file (default read access)
 
   // Multi-node jobs this daemon takes part in (coordinating or not).
   absl::Mutex peer_mu_;
