@@ -6,6 +6,7 @@
 #include <yaml-cpp/yaml.h>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -23,7 +24,9 @@ const std::set<std::string>& KnownKeys() {
       "peers",         "peer_dns",        "peer_timeout",    "log_format",
       "metrics_address", "arena_pool",      "arena_limit",     "direct_io",
       "tcp_tls_cert",  "tcp_tls_key",     "tcp_tls_ca",      "insecure_tcp",
-      "tcp_uid",       "admin_uids",      "access",          "limits"};
+      "tcp_uid",       "admin_uids",      "access",          "limits",
+      "peer_tls_cert", "peer_tls_key",    "peer_tls_ca",     "peer_insecure",
+      "nccl_connect_timeout"};
   return *keys;
 }
 
@@ -152,6 +155,21 @@ absl::Status ParseAccess(const YAML::Node& v, const std::string& source,
 
 }  // namespace
 
+std::string HostOf(const std::string& address) {
+  if (!address.empty() && address[0] == '[') {
+    const size_t close = address.find(']');
+    return close == std::string::npos ? address : address.substr(1, close - 1);
+  }
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos || address.find(':') != colon) return address;  // bare v6
+  return address.substr(0, colon);
+}
+
+bool IsLoopbackAddress(const std::string& address) {
+  const std::string host = HostOf(address);
+  return host == "localhost" || host == "::1" || absl::StartsWith(host, "127.");
+}
+
 absl::StatusOr<uint64_t> ParseBytes(const std::string& text) {
   std::string t = std::string(absl::StripAsciiWhitespace(text));
   static const std::pair<const char*, double> kUnits[] = {
@@ -258,9 +276,15 @@ absl::StatusOr<DaemonConfig> ParseConfig(const std::string& yaml, const std::str
         c.tcp_tls_key = s;
       } else if (key == "tcp_tls_ca") {
         c.tcp_tls_ca = s;
-      } else if (key == "insecure_tcp") {
+      } else if (key == "insecure_tcp" || key == "peer_insecure") {
         if (s != "true" && s != "false") return Bad(source, key, "must be true or false");
-        c.insecure_tcp = s == "true";
+        (key == "insecure_tcp" ? c.insecure_tcp : c.peer_insecure) = s == "true";
+      } else if (key == "peer_tls_cert") {
+        c.peer_tls_cert = s;
+      } else if (key == "peer_tls_key") {
+        c.peer_tls_key = s;
+      } else if (key == "peer_tls_ca") {
+        c.peer_tls_ca = s;
       } else if (key == "tcp_uid") {
         if (!absl::SimpleAtoi(s, &c.tcp_uid)) return Bad(source, key, "must be a numeric uid");
       } else if (key == "cache_budget" || key == "io_request_size" || key == "arena_pool" ||
@@ -281,12 +305,13 @@ absl::StatusOr<DaemonConfig> ParseConfig(const std::string& yaml, const std::str
         }
         c.io_threads = n;
       } else if (key == "barrier_timeout" || key == "load_timeout" || key == "drain_timeout" ||
-                 key == "peer_timeout") {
+                 key == "peer_timeout" || key == "nccl_connect_timeout") {
         auto d = ParseDuration(s);
         if (!d.ok()) return Bad(source, key, d.status().message());
         (key == "barrier_timeout"  ? c.barrier_timeout
          : key == "load_timeout"   ? c.load_timeout
          : key == "peer_timeout"   ? c.peer_timeout
+         : key == "nccl_connect_timeout" ? c.nccl_connect_timeout
                                    : c.drain_timeout) = *d;
       } else if (key == "peer_listen") {
         c.peer_listen = s;
@@ -356,6 +381,24 @@ absl::Status ValidateConfig(const DaemonConfig& c) {
   if ((!c.peers.empty() || !c.peer_dns.empty()) && c.peer_listen.empty()) {
     return absl::InvalidArgumentError(
         "config: 'peers'/'peer_dns' need 'peer_listen' (this daemon's own peer address)");
+  }
+  if (!c.peer_listen.empty()) {
+    const bool tls = !c.peer_tls_cert.empty() || !c.peer_tls_key.empty() || !c.peer_tls_ca.empty();
+    if (tls && (c.peer_tls_cert.empty() || c.peer_tls_key.empty() || c.peer_tls_ca.empty())) {
+      return absl::InvalidArgumentError(
+          "config: mutual TLS on the peer plane needs all of 'peer_tls_cert', 'peer_tls_key' and "
+          "'peer_tls_ca' (the CA that signs every peer's certificate)");
+    }
+    if (!tls && !c.peer_insecure && !IsLoopbackAddress(c.peer_listen)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config: 'peer_listen' ", c.peer_listen,
+          " is not a loopback address, and without mutual TLS anyone who can reach it could join "
+          "jobs, read and alter checkpoint bytes: set 'peer_tls_cert', 'peer_tls_key' and "
+          "'peer_tls_ca', or 'peer_insecure: true' to accept that explicitly"));
+    }
+  }
+  if (c.nccl_connect_timeout <= absl::ZeroDuration()) {
+    return absl::InvalidArgumentError("config: 'nccl_connect_timeout' must be positive");
   }
   if (!c.metrics_address.empty()) {
     const size_t colon = c.metrics_address.rfind(':');
@@ -429,6 +472,12 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   out << YAML::Key << "peers" << YAML::Value << c.peers;
   out << YAML::Key << "peer_dns" << YAML::Value << c.peer_dns;
   out << YAML::Key << "peer_timeout" << YAML::Value << absl::FormatDuration(c.peer_timeout);
+  out << YAML::Key << "peer_tls_cert" << YAML::Value << c.peer_tls_cert;
+  out << YAML::Key << "peer_tls_key" << YAML::Value << c.peer_tls_key;
+  out << YAML::Key << "peer_tls_ca" << YAML::Value << c.peer_tls_ca;
+  out << YAML::Key << "peer_insecure" << YAML::Value << (c.peer_insecure ? "true" : "false");
+  out << YAML::Key << "nccl_connect_timeout" << YAML::Value
+      << absl::FormatDuration(c.nccl_connect_timeout);
   out << YAML::Key << "tcp_tls_cert" << YAML::Value << c.tcp_tls_cert;
   out << YAML::Key << "tcp_tls_key" << YAML::Value << c.tcp_tls_key;
   out << YAML::Key << "tcp_tls_ca" << YAML::Value << c.tcp_tls_ca;

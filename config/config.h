@@ -81,10 +81,25 @@ struct DaemonConfig {
   std::vector<std::string> peers;
   std::string peer_dns;
   absl::Duration peer_timeout = absl::Seconds(60);  // joins, transfers, completion
+  // Mutual TLS on the peer plane (README "Security"): this node's certificate
+  // and key (PEM) and the CA that signs every peer's. A peer's identity is the
+  // names (DNS/IP SANs) of its certificate. Plaintext only on a loopback
+  // peer_listen or with peer_insecure: true.
+  std::string peer_tls_cert;
+  std::string peer_tls_key;
+  std::string peer_tls_ca;
+  bool peer_insecure = false;
+  // Connecting a job's NCCL links (GPU nodes) gives up after this; the reads
+  // then move over gRPC, and NCCL stays off for that pair of nodes a while.
+  absl::Duration nccl_connect_timeout = absl::Seconds(5);
   // Testing only (flag --testing_delay_part_ms, not in YAML): pause between
   // receiving a multi-node plan part and executing it, so tests can kill a
   // peer mid-load deterministically.
   absl::Duration testing_delay_part = absl::ZeroDuration();
+  // Testing only (flag --testing-corrupt-served, not in YAML): flip one byte
+  // of every read this node serves to peers, after its checksum was taken,
+  // as a faulty link or a malicious peer would.
+  bool testing_corrupt_served = false;
 };
 
 // Parses YAML text; `source` names it in errors.
@@ -100,6 +115,11 @@ absl::StatusOr<uint64_t> ParseBytes(const std::string& text);
 absl::StatusOr<absl::Duration> ParseDuration(const std::string& text);
 
 std::string ConfigToYaml(const DaemonConfig& config);
+
+// The host part of "host:port" ("[v6]:port" gives "v6"; no port: all of it).
+std::string HostOf(const std::string& address);
+// Whether "host:port" is a loopback address (localhost, 127.0.0.0/8, ::1).
+bool IsLoopbackAddress(const std::string& address);
 
 }  // namespace ckptd
 

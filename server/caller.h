@@ -42,6 +42,22 @@ struct Caller {
   }
 };
 
+// Who is calling the peer service (another daemon, or anyone who reached
+// the peer port). With mutual TLS, `names` are the DNS and IP names (SANs)
+// of the certificate the TLS handshake verified against peer_tls_ca; in
+// plaintext (a loopback peer_listen, or peer_insecure), the caller's source
+// IP, and what it says about itself cannot be checked.
+struct PeerCaller {
+  std::vector<std::string> names;
+  bool verified = false;  // names come from a verified certificate
+  std::string Describe() const {
+    std::string n;
+    for (const auto& s : names) absl::StrAppend(&n, n.empty() ? "" : ",", s);
+    return verified ? absl::StrCat("peer certificate [", n, "]")
+                    : absl::StrCat("plaintext peer ", n.empty() ? "(unknown)" : n);
+  }
+};
+
 }  // namespace ckptd
 
 #endif  // CKPTD_SERVER_CALLER_H_

@@ -160,6 +160,7 @@ Daemon::~Daemon() { Stop(); }
 
 absl::Status Daemon::Start() {
   spdlog::info("gpu: {}", gpu_->Describe());
+  CKPT_RETURN_IF_ERROR(LoadPeerTls());
   if (!config_.socket.empty()) {
     CKPT_ASSIGN_OR_RETURN(fd_receiver_, FdReceiver::Start(FdSocketPath(config_.socket),
                                                           config_.socket_mode,
@@ -1306,19 +1307,7 @@ v1::StatusResponse Daemon::Status(const Caller& caller) {
   resp.set_gpu(gpu_->Describe());
   resp.set_cache_pinned_bytes(gpu_->pinned_bytes());
   resp.set_peer_address(config_.peer_listen);
-  for (const std::string& p : PeerAddresses()) {
-    v1::PeerHealth* ph = resp.add_peers();
-    ph->set_address(p);
-    grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(300));
-    peer::v1::PingRequest req;
-    peer::v1::PingResponse pr;
-    const auto t0 = std::chrono::steady_clock::now();
-    grpc::Status s = PeerStub(p)->Ping(&ctx, req, &pr);
-    ph->set_reachable(s.ok());
-    if (!s.ok()) ph->set_error(s.error_message());
-    ph->set_rtt_ms(Seconds(t0) * 1000);
-  }
+  for (v1::PeerHealth& ph : PeerHealth()) *resp.add_peers() = std::move(ph);
   {
     absl::MutexLock lock(&meta_mu_);
     resp.set_metadata_cache_entries(meta_cache_.size());

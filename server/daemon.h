@@ -28,6 +28,8 @@
 #include "core/executor.h"
 #include "core/planner.h"
 #include "proto/ckpt.pb.h"
+#include <grpcpp/security/server_credentials.h>
+
 #include "proto/peer.grpc.pb.h"
 #include "server/arena_pool.h"
 #include "server/caller.h"
@@ -83,12 +85,32 @@ class Daemon {
   // Jobs: only the caller's own unless it is an admin.
   v1::StatusResponse Status(const Caller& caller = Caller());
 
-  // Peer RPC bodies (multi-node jobs; see daemon_multinode.cc).
-  absl::StatusOr<peer::v1::PlanPart> PeerJoin(const peer::v1::JoinRequest& request);
-  absl::Status PeerFetchRead(const peer::v1::FetchReadRequest& request,
-                             const std::function<bool(const peer::v1::Chunk&)>& send);
-  absl::StatusOr<peer::v1::CompleteResponse> PeerComplete(const peer::v1::CompleteRequest& request);
-  peer::v1::PingResponse PeerPing();
+  // The peer plane (server/peer_plane.cc). A caller of the peer service
+  // passes when one of its certificate's names belongs to the peer set
+  // (hosts of `peers` and `peer_listen`, the `peer_dns` name and the
+  // addresses behind it); in plaintext, always (loopback or peer_insecure).
+  absl::StatusOr<PeerCaller> AuthorizePeer(PeerCaller caller) const;
+  // Reads peer_tls_* (at start, and again on SIGHUP): peer channels made
+  // from now on present the new certificate. A file that cannot be read
+  // keeps the old ones and is the error.
+  absl::Status LoadPeerTls();
+  // Credentials for the peer service from the files LoadPeerTls read
+  // (mutual TLS: client certificates required and verified); plaintext
+  // when peer TLS is off.
+  std::shared_ptr<grpc::ServerCredentials> PeerServerCredentials();
+
+  // Peer RPC bodies (multi-node jobs; see daemon_multinode.cc). `caller`
+  // passed AuthorizePeer; `cancelled` polls whether the call went away.
+  absl::StatusOr<peer::v1::PlanPart> PeerJoin(const PeerCaller& caller,
+                                              const peer::v1::JoinRequest& request,
+                                              const std::function<bool()>& cancelled);
+  absl::Status PeerFetchRead(const PeerCaller& caller, const peer::v1::FetchReadRequest& request,
+                             const std::function<bool(const peer::v1::Chunk&)>& send,
+                             const std::function<bool()>& cancelled);
+  absl::StatusOr<peer::v1::CompleteResponse> PeerComplete(const PeerCaller& caller,
+                                                          const peer::v1::CompleteRequest& request,
+                                                          const std::function<bool()>& cancelled);
+  peer::v1::PingResponse PeerPing(const PeerCaller& caller, const peer::v1::PingRequest& request);
 
   const DaemonConfig& config() const { return config_; }
 
@@ -169,7 +191,33 @@ class Daemon {
   void PurgeDistJobsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_);
   // Other daemons' peer addresses (static list and DNS), without this one.
   std::vector<std::string> PeerAddresses() const;
-  peer::v1::Peer::Stub* PeerStub(const std::string& address);
+  // A channel to `address` with this node's peer credentials (TLS: the
+  // server's certificate must name the address's host, or the peer_dns name
+  // for an address found through it). Shared: a reload replaces the cached
+  // stubs while calls on the old ones finish.
+  std::shared_ptr<peer::v1::Peer::Stub> PeerStub(const std::string& address);
+  struct PeerSet {
+    std::vector<std::string> others;       // every other daemon's address
+    std::set<std::string> members;         // every peer address, this one's included
+    std::set<std::string> names;           // what a peer certificate may be named
+    std::string dns_name;                  // host of peer_dns
+    std::set<std::string> dns_addresses;   // the addresses found through it
+    absl::Time resolved;
+  };
+  // The configured peer set, with peer_dns resolved at most every few seconds.
+  std::shared_ptr<const PeerSet> CurrentPeerSet() const;
+  // OK when `caller` may speak for the peer address `node`: `node` is in the
+  // peer set and (TLS) its certificate names node's host, or the peer_dns
+  // name when node was found through it. Else PERMISSION_DENIED.
+  absl::Status SpeaksFor(const PeerCaller& caller, const std::string& node) const;
+  // An authorization violation by `caller` inside job `dj`: logged, kept as
+  // the job's failure on this node, and (coordinator) the job's outcome for
+  // every node. Returns the PERMISSION_DENIED status naming the caller.
+  absl::Status ViolationLocked(DistJob& dj, const PeerCaller& caller, absl::string_view what)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_);
+  // Every other daemon pinged in parallel (short deadline), the answer kept
+  // a few seconds so Status and metrics scrapes do not ping again.
+  std::vector<v1::PeerHealth> PeerHealth();
 
   // The configured root (the deepest, when roots nest) holding `real`, a
   // resolved path, and its own resolved form in *real_root; null if none.
@@ -235,8 +283,21 @@ class Daemon {
   // Multi-node jobs this daemon takes part in (coordinating or not).
   absl::Mutex peer_mu_;
   std::map<std::string, std::shared_ptr<DistJob>> dist_jobs_ ABSL_GUARDED_BY(peer_mu_);
+  // Peers this node failed to connect NCCL links with, until when it keeps
+  // their jobs on gRPC.
+  std::map<std::string, absl::Time> nccl_unreachable_ ABSL_GUARDED_BY(peer_mu_);
+  mutable absl::Mutex peer_set_mu_;
+  mutable std::shared_ptr<const PeerSet> peer_set_ ABSL_GUARDED_BY(peer_set_mu_);
+  struct PeerTls {
+    std::string cert, key, ca;  // PEM
+  };
   absl::Mutex stubs_mu_;
-  std::map<std::string, std::unique_ptr<peer::v1::Peer::Stub>> stubs_ ABSL_GUARDED_BY(stubs_mu_);
+  std::optional<PeerTls> peer_tls_ ABSL_GUARDED_BY(stubs_mu_);
+  std::map<std::string, std::shared_ptr<peer::v1::Peer::Stub>> stubs_ ABSL_GUARDED_BY(stubs_mu_);
+  absl::Mutex health_refresh_mu_;  // one refresh at a time
+  absl::Mutex health_mu_;
+  std::vector<v1::PeerHealth> health_ ABSL_GUARDED_BY(health_mu_);
+  absl::Time health_at_ ABSL_GUARDED_BY(health_mu_) = absl::InfinitePast();
 
   std::atomic<uint64_t> loads_started_{0}, loads_succeeded_{0}, loads_failed_{0};
   std::atomic<uint64_t> bytes_read_total_{0}, bytes_delivered_total_{0};

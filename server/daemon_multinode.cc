@@ -34,6 +34,7 @@
 #include "core/balancer.h"
 #include "core/executor.h"
 #include "core/status_macros.h"
+#include "core/xxh3.h"
 #include "server/daemon.h"
 #include "server/daemon_internal.h"
 #include "server/metrics.h"
@@ -67,14 +68,22 @@ struct Daemon::DistJob {
     bool ready = false;
     ckpt::RangeView view;  // pinned bytes of the read once ready
     uint64_t length = 0;
+    uint64_t xxh3 = 0;     // of the bytes as read (and verified) here
+    std::set<std::string> needers;  // the other nodes whose parts copy from it
+    std::set<std::string> fetched;  // who fetched it (once each)
     int remaining = 0;     // fetches still expected
   };
   std::map<uint32_t, Served> served;
   bool part_known = false;
   absl::Status exec_status;
-  // Coordinator: completion.
+  // The first authorization violation seen here (PERMISSION_DENIED naming
+  // the caller): the job fails with it on this node.
+  absl::Status violation;
+  // Every node of the job (known once planned / the part arrived).
   std::vector<std::string> nodes;
+  // Coordinator: completion.
   std::map<std::string, peer::v1::CompleteRequest> completes;
+  std::set<std::string> reported;  // nodes that sent Complete themselves
   bool finished = false;
   peer::v1::CompleteResponse outcome;
 };
@@ -90,6 +99,25 @@ absl::Status FromGrpc(const grpc::Status& s, absl::string_view who) {
 std::chrono::system_clock::time_point ToChrono(absl::Time t) {
   return std::chrono::system_clock::from_time_t(0) +
          std::chrono::microseconds(absl::ToUnixMicros(t));
+}
+
+// With `mu` held: waits until `cond` holds, `deadline` passes or
+// `cancelled()` (polled every 100 ms) says the caller went away. Returns
+// whether `cond` holds.
+bool AwaitOrCancel(absl::Mutex* mu, const absl::Condition& cond, absl::Time deadline,
+                   const std::function<bool()>& cancelled) ABSL_EXCLUSIVE_LOCKS_REQUIRED(*mu) {
+  while (!cond.Eval()) {
+    const absl::Time now = absl::Now();
+    if (now >= deadline || (cancelled && cancelled())) return false;
+    mu->AwaitWithDeadline(cond, std::min(deadline, now + absl::Milliseconds(100)));
+  }
+  return true;
+}
+
+// Why a wait ended without its condition.
+absl::Status WaitFailed(const std::function<bool()>& cancelled, const std::string& what) {
+  if (cancelled && cancelled()) return absl::CancelledError(absl::StrCat(what, ": the caller went away"));
+  return absl::DeadlineExceededError(what);
 }
 
 // Data-file-like names in `dir` (what this node can read).
@@ -113,50 +141,6 @@ std::vector<peer::v1::FileInfo> ListReadable(const std::string& dir) {
 
 }  // namespace
 
-std::vector<std::string> Daemon::PeerAddresses() const {
-  std::set<std::string> out;
-  for (const std::string& p : config_.peers) {
-    if (p != config_.peer_listen) out.insert(p);
-  }
-  if (!config_.peer_dns.empty()) {
-    const size_t colon = config_.peer_dns.rfind(':');
-    const std::string host = config_.peer_dns.substr(0, colon);
-    const std::string port = colon == std::string::npos ? "" : config_.peer_dns.substr(colon + 1);
-    addrinfo hints{};
-    hints.ai_socktype = SOCK_STREAM;
-    addrinfo* res = nullptr;
-    if (::getaddrinfo(host.c_str(), port.c_str(), &hints, &res) == 0) {
-      for (addrinfo* a = res; a != nullptr; a = a->ai_next) {
-        char ip[INET6_ADDRSTRLEN] = {};
-        const void* addr = a->ai_family == AF_INET
-                               ? static_cast<const void*>(&reinterpret_cast<sockaddr_in*>(a->ai_addr)->sin_addr)
-                               : static_cast<const void*>(&reinterpret_cast<sockaddr_in6*>(a->ai_addr)->sin6_addr);
-        ::inet_ntop(a->ai_family, addr, ip, sizeof(ip));
-        std::string p = a->ai_family == AF_INET6 ? absl::StrCat("[", ip, "]:", port)
-                                                  : absl::StrCat(ip, ":", port);
-        if (p != config_.peer_listen) out.insert(p);
-      }
-      ::freeaddrinfo(res);
-    } else {
-      spdlog::warn("peer_dns {} does not resolve", config_.peer_dns);
-    }
-  }
-  return std::vector<std::string>(out.begin(), out.end());
-}
-
-peer::v1::Peer::Stub* Daemon::PeerStub(const std::string& address) {
-  absl::MutexLock lock(&stubs_mu_);
-  auto& s = stubs_[address];
-  if (!s) {
-    grpc::ChannelArguments args;
-    args.SetMaxReceiveMessageSize(256 << 20);
-    args.SetMaxSendMessageSize(256 << 20);
-    s = peer::v1::Peer::NewStub(
-        grpc::CreateCustomChannel(address, grpc::InsecureChannelCredentials(), args));
-  }
-  return s.get();
-}
-
 void Daemon::PurgeDistJobsLocked() {
   const absl::Time now = absl::Now();
   for (auto it = dist_jobs_.begin(); it != dist_jobs_.end();) {
@@ -170,18 +154,54 @@ void Daemon::RetireDistJob(const std::shared_ptr<DistJob>& dj, absl::Duration li
   PurgeDistJobsLocked();
 }
 
-peer::v1::PingResponse Daemon::PeerPing() {
+absl::Status Daemon::ViolationLocked(DistJob& dj, const PeerCaller& caller,
+                                     absl::string_view what) {
+  absl::Status s = absl::PermissionDeniedError(
+      absl::StrCat("job '", dj.id, "': ", caller.Describe(), " ", what));
+  spdlog::warn("peer plane: {}", std::string(s.message()));
+  if (dj.violation.ok()) dj.violation = s;
+  if (dj.coordinator) {
+    if (!dj.planned) {
+      dj.plan_status = s;
+      dj.planned = true;
+    } else if (!dj.finished) {
+      peer::v1::CompleteRequest c;
+      c.set_ok(false);
+      c.set_error(std::string(s.message()));
+      c.set_error_code(static_cast<int>(s.code()));
+      dj.completes.emplace("(authorization)", std::move(c));
+    }
+  }
+  return s;
+}
+
+peer::v1::PingResponse Daemon::PeerPing(const PeerCaller& caller, const peer::v1::PingRequest& req) {
   peer::v1::PingResponse r;
   r.set_node(config_.peer_listen);
+  // Job ids only to a node of the job, speaking for an address it may.
+  if (req.node().empty() || !SpeaksFor(caller, req.node()).ok()) return r;
   absl::MutexLock lock(&peer_mu_);
   PurgeDistJobsLocked();
-  for (const auto& [id, dj] : dist_jobs_) r.add_jobs(id);
+  for (const auto& [id, dj] : dist_jobs_) {
+    const bool member = std::find(dj->nodes.begin(), dj->nodes.end(), req.node()) != dj->nodes.end() ||
+                        dj->joins.count(req.node()) > 0;
+    if (member) r.add_jobs(id);
+  }
   return r;
 }
 
-absl::StatusOr<peer::v1::PlanPart> Daemon::PeerJoin(const peer::v1::JoinRequest& req) {
+absl::StatusOr<peer::v1::PlanPart> Daemon::PeerJoin(const PeerCaller& caller,
+                                                    const peer::v1::JoinRequest& req,
+                                                    const std::function<bool()>& cancelled) {
+  const absl::Status who = SpeaksFor(caller, req.node());
   absl::MutexLock lock(&peer_mu_);
   auto it = dist_jobs_.find(req.job_id());
+  if (!who.ok()) {
+    if (it != dist_jobs_.end() && it->second->coordinator) {
+      return ViolationLocked(*it->second, caller, absl::StrCat("tried to join: ", who.message()));
+    }
+    return who;
+  }
   if (it == dist_jobs_.end()) {
     return absl::UnavailableError(absl::StrCat("job '", req.job_id(), "' is not known on ",
                                                config_.peer_listen, " yet"));
@@ -190,6 +210,11 @@ absl::StatusOr<peer::v1::PlanPart> Daemon::PeerJoin(const peer::v1::JoinRequest&
   if (!dj->coordinator) {
     return absl::FailedPreconditionError(
         absl::StrCat(config_.peer_listen, " is not the coordinator of job '", req.job_id(), "'"));
+  }
+  if (req.ranks_size() == 0) {
+    return ViolationLocked(*dj, caller,
+                           absl::StrCat("joined as '", req.node(),
+                                        "' with no ranks (a node joins only for ranks it serves)"));
   }
   std::string mismatch;
   if (req.path() != dj->path) mismatch = absl::StrCat("checkpoint ", req.path(), " vs ", dj->path);
@@ -223,10 +248,9 @@ absl::StatusOr<peer::v1::PlanPart> Daemon::PeerJoin(const peer::v1::JoinRequest&
   dj->joins[req.node()] = req;
   for (const auto& r : req.ranks()) dj->ranks_joined.insert(r.rank());
   auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) { return dj->planned; };
-  peer_mu_.AwaitWithDeadline(absl::Condition(&ready), dj->deadline);
-  if (!dj->planned) {
-    return absl::DeadlineExceededError(
-        absl::StrCat("job '", req.job_id(), "': the coordinator did not plan before the deadline"));
+  if (!AwaitOrCancel(&peer_mu_, absl::Condition(&ready), dj->deadline, cancelled)) {
+    return WaitFailed(cancelled, absl::StrCat("job '", req.job_id(),
+                                              "': the coordinator did not plan before the deadline"));
   }
   if (!dj->plan_status.ok()) return dj->plan_status;
   return dj->parts.at(req.node());
@@ -335,6 +359,15 @@ absl::StatusOr<peer::v1::PlanPart> Daemon::CoordinatePlan(const std::shared_ptr<
     // NCCL between the nodes when every one of them can (peer_nccl.h).
     bool nccl = nodes.size() > 1;
     for (const auto& j : joins) nccl = nccl && j.nccl();
+    for (const auto& j : joins) {
+      for (const auto& u : j.nccl_unreachable()) {
+        if (nccl && std::find(nodes.begin(), nodes.end(), u) != nodes.end()) {
+          spdlog::info("coordinator job={}: {} recently failed to connect NCCL links with {}; "
+                       "peers use gRPC", dj->id, j.node(), u);
+          nccl = false;
+        }
+      }
+    }
     if (nccl) {
       auto id = gpu_->NewNcclId();
       if (id.ok()) {
@@ -391,25 +424,38 @@ absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> Daemon::JoinCoordinat
 }
 
 absl::StatusOr<peer::v1::CompleteResponse> Daemon::PeerComplete(
-    const peer::v1::CompleteRequest& req) {
-  std::shared_ptr<DistJob> dj;
-  {
-    absl::MutexLock lock(&peer_mu_);
-    auto it = dist_jobs_.find(req.job_id());
-    if (it == dist_jobs_.end() || !it->second->coordinator) {
-      return absl::NotFoundError(absl::StrCat("job '", req.job_id(), "' is not coordinated by ",
-                                              config_.peer_listen));
-    }
-    dj = it->second;
-    dj->completes[req.node()] = req;
-    auto finished = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) { return dj->finished; };
-    peer_mu_.AwaitWithDeadline(absl::Condition(&finished), absl::Now() + config_.peer_timeout);
-    if (!dj->finished) {
-      return absl::DeadlineExceededError(
-          absl::StrCat("job '", req.job_id(), "': the coordinator did not conclude in time"));
-    }
-    return dj->outcome;
+    const PeerCaller& caller, const peer::v1::CompleteRequest& req,
+    const std::function<bool()>& cancelled) {
+  const absl::Status who = SpeaksFor(caller, req.node());
+  absl::MutexLock lock(&peer_mu_);
+  auto it = dist_jobs_.find(req.job_id());
+  if (it == dist_jobs_.end() || !it->second->coordinator) {
+    return absl::NotFoundError(absl::StrCat("job '", req.job_id(), "' is not coordinated by ",
+                                            config_.peer_listen));
   }
+  std::shared_ptr<DistJob> dj = it->second;
+  if (!who.ok()) {
+    return ViolationLocked(*dj, caller, absl::StrCat("reported completion: ", who.message()));
+  }
+  if (!dj->planned ||
+      std::find(dj->nodes.begin(), dj->nodes.end(), req.node()) == dj->nodes.end()) {
+    return ViolationLocked(*dj, caller,
+                           absl::StrCat("reported completion as '", req.node(),
+                                        "', which is not a node of the job"));
+  }
+  if (!dj->reported.insert(req.node()).second) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "node ", req.node(), " already reported completion of job '", req.job_id(), "'"));
+  }
+  // A node the coordinator already found down keeps that entry.
+  dj->completes.emplace(req.node(), req);
+  auto finished = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) { return dj->finished; };
+  if (!AwaitOrCancel(&peer_mu_, absl::Condition(&finished), absl::Now() + config_.peer_timeout,
+                     cancelled)) {
+    return WaitFailed(cancelled, absl::StrCat("job '", req.job_id(),
+                                              "': the coordinator did not conclude in time"));
+  }
+  return dj->outcome;
 }
 
 absl::StatusOr<peer::v1::CompleteResponse> Daemon::AwaitOutcome(
@@ -418,6 +464,7 @@ absl::StatusOr<peer::v1::CompleteResponse> Daemon::AwaitOutcome(
   {
     absl::MutexLock lock(&peer_mu_);
     dj->completes[own.node()] = own;
+    dj->reported.insert(own.node());
   }
   while (true) {
     std::vector<std::string> missing;
@@ -464,6 +511,7 @@ absl::StatusOr<peer::v1::CompleteResponse> Daemon::AwaitOutcome(
       grpc::ClientContext ctx;
       ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
       peer::v1::PingRequest pr;
+      pr.set_node(config_.peer_listen);
       peer::v1::PingResponse resp;
       grpc::Status s = PeerStub(n)->Ping(&ctx, pr, &resp);
       if (!s.ok()) {
@@ -479,70 +527,122 @@ absl::StatusOr<peer::v1::CompleteResponse> Daemon::AwaitOutcome(
   }
 }
 
-absl::Status Daemon::PeerFetchRead(const peer::v1::FetchReadRequest& req,
-                                   const std::function<bool(const peer::v1::Chunk&)>& send) {
+absl::Status Daemon::PeerFetchRead(const PeerCaller& caller,
+                                   const peer::v1::FetchReadRequest& req,
+                                   const std::function<bool(const peer::v1::Chunk&)>& send,
+                                   const std::function<bool()>& cancelled) {
+  const absl::Status who = SpeaksFor(caller, req.node());
+  const std::string& me = config_.peer_listen;
+  const uint32_t g = req.read();
   std::shared_ptr<DistJob> dj;
   ckpt::RangeView view;
-  uint64_t length = 0;
+  uint64_t length = 0, xxh3 = 0;
   const absl::Time deadline = absl::Now() + config_.peer_timeout;
   {
     absl::MutexLock lock(&peer_mu_);
-    auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) {
-      auto it = dist_jobs_.find(req.job_id());
-      if (it == dist_jobs_.end() || !it->second->part_known) return false;
-      if (!it->second->exec_status.ok()) return true;
-      auto s = it->second->served.find(req.read());
-      return s == it->second->served.end() || s->second.ready;
+    auto it = dist_jobs_.find(req.job_id());
+    if (it == dist_jobs_.end()) {
+      return absl::NotFoundError(absl::StrCat(
+          me, ": job '", req.job_id(),
+          "' is not running here (finished, failed, or never started on this node): a late or "
+          "unplanned fetch of read ", g));
+    }
+    dj = it->second;
+    if (!who.ok()) {
+      return ViolationLocked(*dj, caller, absl::StrCat("fetched read ", g, ": ", who.message()));
+    }
+    auto over = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) {
+      return !dj->exec_status.ok() || !dj->violation.ok();
     };
-    peer_mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
-    if (!ready()) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          config_.peer_listen, ": read ", req.read(), " of job '", req.job_id(),
-          "' was not available within ", absl::FormatDuration(config_.peer_timeout)));
+    auto part_known = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) {
+      return dj->part_known || over();
+    };
+    if (!AwaitOrCancel(&peer_mu_, absl::Condition(&part_known), deadline, cancelled)) {
+      return WaitFailed(cancelled, absl::StrCat(me, ": job '", req.job_id(),
+                                                "' had no plan part within ",
+                                                absl::FormatDuration(config_.peer_timeout)));
     }
-    dj = dist_jobs_.at(req.job_id());
     if (!dj->exec_status.ok()) {
-      return absl::AbortedError(absl::StrCat(config_.peer_listen, " failed its part of job '",
-                                             req.job_id(), "': ", dj->exec_status.message()));
+      return absl::AbortedError(absl::StrCat(me, " failed its part of job '", req.job_id(),
+                                             "': ", dj->exec_status.message()));
     }
-    auto s = dj->served.find(req.read());
-    if (s == dj->served.end()) {
-      return absl::InvalidArgumentError(absl::StrCat(config_.peer_listen, " does not serve read ",
-                                                     req.read(), " of job '", req.job_id(), "'"));
+    if (!dj->violation.ok()) return absl::AbortedError(std::string(dj->violation.message()));
+    if (std::find(dj->nodes.begin(), dj->nodes.end(), req.node()) == dj->nodes.end()) {
+      return ViolationLocked(*dj, caller, absl::StrCat("fetched read ", g, " as '", req.node(),
+                                                       "', which is not a node of the job"));
     }
-    view = s->second.view;
-    length = s->second.length;
+    auto sv = dj->served.find(g);
+    if (sv == dj->served.end() || !sv->second.needers.count(req.node())) {
+      return ViolationLocked(*dj, caller,
+                             absl::StrCat("fetched read ", g, " as '", req.node(),
+                                          "', whose part does not need it from ", me));
+    }
+    DistJob::Served& served = sv->second;
+    if (!served.fetched.insert(req.node()).second) {
+      return ViolationLocked(*dj, caller,
+                             absl::StrCat("fetched read ", g, " as '", req.node(),
+                                          "' a second time (a node fetches a read once)"));
+    }
+    auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) { return served.ready || over(); };
+    if (!AwaitOrCancel(&peer_mu_, absl::Condition(&ready), deadline, cancelled)) {
+      return WaitFailed(cancelled, absl::StrCat(me, ": read ", g, " of job '", req.job_id(),
+                                                "' was not available within ",
+                                                absl::FormatDuration(config_.peer_timeout)));
+    }
+    if (!dj->exec_status.ok()) {
+      return absl::AbortedError(absl::StrCat(me, " failed its part of job '", req.job_id(),
+                                             "': ", dj->exec_status.message()));
+    }
+    if (!dj->violation.ok()) return absl::AbortedError(std::string(dj->violation.message()));
+    if (served.view.data == nullptr && served.length > 0) {
+      return absl::FailedPreconditionError(absl::StrCat(me, ": read ", g, " of job '",
+                                                        req.job_id(), "' is no longer held"));
+    }
+    view = served.view;  // pinned while we send
+    length = served.length;
+    xxh3 = served.xxh3;
   }
   constexpr uint64_t kChunk = 1 << 20;
-  for (uint64_t off = 0; off < length; off += kChunk) {
+  for (uint64_t off = 0; off == 0 || off < length; off += kChunk) {
     peer::v1::Chunk c;
     c.set_offset(off);
-    c.set_data(view.data + off, std::min(kChunk, length - off));
+    if (length > 0) c.set_data(view.data + off, std::min(kChunk, length - off));
+    if (off == 0) {
+      c.set_xxh3(xxh3);
+      if (config_.testing_corrupt_served && length > 0) {
+        (*c.mutable_data())[0] ^= 0x01;  // fault injection for tests only
+      }
+    }
     if (!send(c)) return absl::CancelledError("the fetching node went away");
   }
   absl::MutexLock lock(&peer_mu_);
-  auto& served = dj->served.at(req.read());
+  auto& served = dj->served.at(g);
   if (--served.remaining <= 0) served.view = ckpt::RangeView{};  // unpin
   return absl::OkStatus();
 }
 
 // Reads of one node's part: storage for reads assigned here (published for
-// the nodes that need them), peers for the rest.
+// the nodes that need them, with their xxh3), peers for the rest. Bytes from
+// a peer reach the executor only after their xxh3 matched the one the
+// serving node took as it read them, and after the plan's own checksums
+// (where the format stores them) verified them.
 class DistSource final : public ckpt::RangeSource {
  public:
-  DistSource(Daemon* d, std::string me, std::string job_id, ckpt::RangeSource* storage,
+  using PublishFn = std::function<void(uint32_t, const ckpt::RangeView&, uint64_t xxh3)>;
+  using StubFn = std::function<std::shared_ptr<peer::v1::Peer::Stub>(const std::string&)>;
+  DistSource(std::string me, std::string job_id, ckpt::RangeSource* storage,
              std::map<std::pair<std::string, uint64_t>, uint32_t> global_index,
-             std::vector<std::string> reader, std::function<void(uint32_t, const ckpt::RangeView&)> publish,
-             std::function<peer::v1::Peer::Stub*(const std::string&)> stub, absl::Duration timeout)
+             std::vector<std::string> reader, PublishFn publish, StubFn stub,
+             std::function<absl::Status()> aborted, absl::Duration timeout)
       : me_(std::move(me)), job_id_(std::move(job_id)), storage_(storage),
         global_index_(std::move(global_index)), reader_(std::move(reader)),
-        publish_(std::move(publish)), stub_(std::move(stub)), timeout_(timeout) {
-    (void)d;
-  }
+        publish_(std::move(publish)), stub_(std::move(stub)), aborted_(std::move(aborted)),
+        timeout_(timeout) {}
 
   absl::StatusOr<ckpt::RangeView> Fetch(
       const std::string& file, uint64_t offset, uint64_t n, std::vector<uint8_t>& scratch,
       const std::function<absl::Status(const uint8_t*)>& verify) override {
+    CKPT_RETURN_IF_ERROR(aborted_());  // an authorization violation ends the job here
     auto it = global_index_.find({file, offset});
     if (it == global_index_.end()) {
       return absl::InternalError(absl::StrCat("no planned read of ", file, " at ", offset));
@@ -556,13 +656,16 @@ class DistSource final : public ckpt::RangeSource {
         auto copy = std::make_shared<std::vector<uint8_t>>(v.data, v.data + n);
         v = ckpt::RangeView{copy->data(), copy, true};
       }
-      publish_(g, v);
+      publish_(g, v, XXH3_64bits(v.data, n));
       return v;
     }
+    const std::string what =
+        absl::StrCat("read ", g, " (", file, " bytes [", offset, ", ", offset + n, ")) from peer ", reader);
     if (links_ != nullptr && links_->Receives(g)) {
-      if (auto v = links_->Take(g, absl::Now() + timeout_)) {
+      if (auto b = links_->Take(g, absl::Now() + timeout_)) {
+        CKPT_RETURN_IF_ERROR(Check(b->view.data, n, b->xxh3, what + " over NCCL", verify));
         received_ += n;
-        return *v;
+        return b->view;
       }  // links failed: gRPC below
     }
     grpc::ClientContext ctx;
@@ -572,25 +675,33 @@ class DistSource final : public ckpt::RangeSource {
     req.set_job_id(job_id_);
     req.set_read(g);
     req.set_node(me_);
-    auto stream = stub_(reader)->FetchRead(&ctx, req);
+    auto stub = stub_(reader);
+    auto stream = stub->FetchRead(&ctx, req);
     if (scratch.size() < n) scratch.resize(n);
     uint64_t got = 0;
+    std::optional<uint64_t> xxh3;
     peer::v1::Chunk c;
     while (stream->Read(&c)) {
-      if (c.offset() != got || c.data().size() > n - got) {
+      if (c.offset() != got || c.data().size() > n - got || (c.has_xxh3() && got != 0)) {
         ctx.TryCancel();
-        return absl::DataLossError(absl::StrCat("peer ", reader, " sent a chunk out of order for ",
-                                                file, " [", offset, ", ", offset + n, ")"));
+        return absl::DataLossError(absl::StrCat(what, ": a chunk out of order or too long"));
       }
+      if (c.has_xxh3()) xxh3 = c.xxh3();
       std::memcpy(scratch.data() + got, c.data().data(), c.data().size());
       got += c.data().size();
     }
     grpc::Status s = stream->Finish();
     if (!s.ok() || got != n) {
-      return absl::UnavailableError(absl::StrCat(
-          "peer ", reader, " failed to send ", file, " bytes [", offset, ", ", offset + n,
-          ") (got ", got, "): ", s.ok() ? "stream ended early" : s.error_message()));
+      const auto code = s.ok() ? absl::StatusCode::kUnavailable
+                               : static_cast<absl::StatusCode>(s.error_code());
+      return absl::Status(
+          code == absl::StatusCode::kPermissionDenied ? code : absl::StatusCode::kUnavailable,
+          absl::StrCat("peer ", reader, " failed to send ", file, " bytes [", offset, ", ",
+                       offset + n, ") (got ", got, "): ",
+                       s.ok() ? "stream ended early" : s.error_message()));
     }
+    if (!xxh3) return absl::DataLossError(absl::StrCat(what, ": sent without its checksum"));
+    CKPT_RETURN_IF_ERROR(Check(scratch.data(), n, *xxh3, what, verify));
     received_ += n;
     return ckpt::RangeView{scratch.data(), nullptr, false};
   }
@@ -599,13 +710,32 @@ class DistSource final : public ckpt::RangeSource {
   void set_links(NcclTransfers* links) { links_ = links; }
 
  private:
+  // The received bytes against the sender's xxh3, then the plan's checksums.
+  static absl::Status Check(const uint8_t* data, uint64_t n, uint64_t want,
+                            const std::string& what,
+                            const std::function<absl::Status(const uint8_t*)>& verify) {
+    const uint64_t have = XXH3_64bits(data, n);
+    if (have != want) {
+      return absl::DataLossError(absl::StrCat(
+          what, ": the bytes received hash to xxh3 ", absl::Hex(have, absl::kZeroPad16),
+          ", the peer read ", absl::Hex(want, absl::kZeroPad16),
+          " (altered in transit or by the peer); none of it was delivered"));
+    }
+    if (verify) {
+      absl::Status v = verify(data);
+      if (!v.ok()) return absl::Status(v.code(), absl::StrCat(what, ": ", v.message()));
+    }
+    return absl::OkStatus();
+  }
+
   NcclTransfers* links_ = nullptr;
   const std::string me_, job_id_;
   ckpt::RangeSource* storage_;
   const std::map<std::pair<std::string, uint64_t>, uint32_t> global_index_;
   const std::vector<std::string> reader_;
-  std::function<void(uint32_t, const ckpt::RangeView&)> publish_;
-  std::function<peer::v1::Peer::Stub*(const std::string&)> stub_;
+  const PublishFn publish_;
+  const StubFn stub_;
+  const std::function<absl::Status()> aborted_;
   const absl::Duration timeout_;
   std::atomic<uint64_t> received_{0};
 };
@@ -644,6 +774,18 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
   own.set_world_size(job->world_size);
   own.set_coordinator_rank(coord_rank);
   own.set_nccl(NcclWanted(*gpu_));
+  {
+    absl::MutexLock lock(&peer_mu_);
+    const absl::Time now = absl::Now();
+    for (auto it = nccl_unreachable_.begin(); it != nccl_unreachable_.end();) {
+      if (it->second < now) {
+        it = nccl_unreachable_.erase(it);
+      } else {
+        own.add_nccl_unreachable(it->first);
+        ++it;
+      }
+    }
+  }
   own.set_aoa_config(slots.front()->request.aoa_config());
   for (const auto& s : slots) {
     peer::v1::RankTargetsMsg* rm = own.add_ranks();
@@ -694,6 +836,14 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
     }
     part = std::move(p->first);
     coordinator = p->second;
+    const auto& n = part.nodes();
+    if (part.job_id() != job->id || std::find(n.begin(), n.end(), me) == n.end() ||
+        std::find(n.begin(), n.end(), coordinator) == n.end()) {
+      cleanup();
+      return fail_all(absl::PermissionDeniedError(absl::StrCat(
+          "job '", job->id, "': the plan part from ", coordinator,
+          " is not one the job's coordinator could have made (job id or nodes do not match)")));
+    }
   }
 
   // 2. This node's reads: global index -> local plan.
@@ -716,15 +866,19 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
       global_index[{lp.files.at(rm.file()), rm.offset()}] = g;
       if (rm.reader() == me) {
         local_files.insert(lp.files.at(rm.file()));
-        int others = 0;
-        for (const auto& n : rm.needed_by()) others += n != me;
-        if (others > 0) {
+        std::set<std::string> others;
+        for (const auto& n : rm.needed_by()) {
+          if (n != me) others.insert(n);
+        }
+        if (!others.empty()) {
           DistJob::Served& sv = dj->served[g];
           sv.length = rm.length();
-          sv.remaining = others;
+          sv.remaining = static_cast<int>(others.size());
+          sv.needers = std::move(others);
         }
       }
     }
+    dj->nodes.assign(part.nodes().begin(), part.nodes().end());
     dj->part_known = true;
   }
   for (const auto& rpm : part.ranks()) {
@@ -777,30 +931,46 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
     }
     ckpt::CachingSource storage(job->path, &cache_, stamps);
     DistSource source(
-        this, me, job->id, &storage, global_index, reader,
-        [&](uint32_t g, const ckpt::RangeView& v) {
+        me, job->id, &storage, global_index, reader,
+        [&](uint32_t g, const ckpt::RangeView& v, uint64_t xxh3) {
           absl::MutexLock lock(&peer_mu_);
           auto it = dj->served.find(g);
           if (it == dj->served.end()) return;
           it->second.view = v;
+          it->second.xxh3 = xxh3;
           it->second.ready = true;
           sent += it->second.length * it->second.remaining;
         },
-        [this](const std::string& a) { return PeerStub(a); }, config_.peer_timeout);
+        [this](const std::string& a) { return PeerStub(a); },
+        [this, dj]() -> absl::Status {
+          absl::MutexLock lock(&peer_mu_);
+          return dj->violation;
+        },
+        config_.peer_timeout);
     std::unique_ptr<NcclTransfers> nccl = StartNcclTransfers(
         gpu_.get(), part, me, config_.peer_timeout,
-        [this, dj](uint32_t g, absl::Time deadline) -> absl::StatusOr<ckpt::RangeView> {
+        std::min(config_.nccl_connect_timeout, config_.peer_timeout),
+        [this, dj](uint32_t g, absl::Time deadline) -> absl::StatusOr<NcclTransfers::Bytes> {
           absl::MutexLock lock(&peer_mu_);
           auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) {
             auto it = dj->served.find(g);
-            return it == dj->served.end() || it->second.ready;
+            return it == dj->served.end() || it->second.ready || !dj->exec_status.ok() ||
+                   !dj->violation.ok();
           };
           peer_mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
           auto it = dj->served.find(g);
           if (it == dj->served.end() || !it->second.ready || it->second.view.data == nullptr) {
             return absl::UnavailableError(absl::StrCat("read ", g, " is not available to send"));
           }
-          return it->second.view;
+          NcclTransfers::Bytes b{it->second.view, it->second.xxh3};
+          if (config_.testing_corrupt_served && it->second.length > 0) {
+            // Fault injection for tests only: a flipped byte on the link.
+            auto copy = std::make_shared<std::vector<uint8_t>>(b.view.data,
+                                                               b.view.data + it->second.length);
+            (*copy)[0] ^= 0x01;
+            b.view = ckpt::RangeView{copy->data(), copy, false};
+          }
+          return b;
         });
     source.set_links(nccl.get());
     auto delivery = JobDelivery(slots, std::move(dests));
@@ -814,6 +984,13 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
     auto st = delivery.ok() ? ckpt::ExecutePlan(lp, source, **delivery, eo)
                             : absl::StatusOr<ckpt::LoadStats>(delivery.status());
     received = source.received();
+    if (nccl != nullptr && nccl->connect_failed()) {
+      // Remembered: this node's next jobs with these peers stay on gRPC.
+      absl::MutexLock lock(&peer_mu_);
+      for (const auto& n : part.nodes()) {
+        if (n != me) nccl_unreachable_[n] = absl::Now() + absl::Minutes(5);
+      }
+    }
     if (nccl != nullptr) {
       // Our own part is done; peers may still be receiving our reads.
       if (st.ok()) {
@@ -828,9 +1005,12 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
       exec = st.status();
     }
   }
-  if (!exec.ok()) {
+  {
     absl::MutexLock lock(&peer_mu_);
-    dj->exec_status = exec;
+    // A violation seen here fails this node's part (and so the job), even
+    // when every read went through before it.
+    if (exec.ok() && !dj->violation.ok()) exec = dj->violation;
+    if (!exec.ok()) dj->exec_status = exec;
   }
   bytes_read_total_ += stats.bytes_read;
   // 4. Agree on the outcome with every node.

@@ -30,7 +30,9 @@
 #include "config/config.h"
 #include "server/daemon.h"
 #include "server/metrics.h"
+#include "server/peer_server.h"
 #include "server/peer_service.h"
+#include "server/pem.h"
 #include "server/service.h"
 #include "server/uds_listener.h"
 
@@ -57,24 +59,20 @@ ABSL_FLAG(std::string, peer_listen, "", "multi-node: this daemon's peer address 
 ABSL_FLAG(std::vector<std::string>, peers, {}, "multi-node: the other daemons, host:port,...");
 ABSL_FLAG(std::string, peer_dns, "", "multi-node: DNS name:port resolving to all daemons");
 ABSL_FLAG(std::string, peer_timeout, "", "multi-node: e.g. 60s (overrides the config)");
+ABSL_FLAG(std::string, peer_tls_cert, "", "multi-node: PEM certificate of this node (its names are its identity)");
+ABSL_FLAG(std::string, peer_tls_key, "", "multi-node: PEM private key of --peer-tls-cert");
+ABSL_FLAG(std::string, peer_tls_ca, "", "multi-node: PEM CA that signs every peer's certificate");
+ABSL_FLAG(bool, peer_insecure, false,
+          "multi-node: plaintext peer service on a non-loopback --peer-listen (anyone who reaches it "
+          "can join jobs and read or alter their bytes)");
+ABSL_FLAG(std::string, nccl_connect_timeout, "", "multi-node GPU: e.g. 5s (overrides the config)");
+ABSL_FLAG(bool, testing_corrupt_served, false,
+          "testing only: flip a byte of every read served to peers (fault injection)");
 ABSL_FLAG(std::string, io_request_size, "", "largest single read, e.g. 64MiB (overrides the config)");
 ABSL_FLAG(int, testing_delay_part_ms, 0,
           "testing only: pause before executing a multi-node plan part (fault injection)");
 
 namespace {
-
-absl::StatusOr<std::string> ReadPem(const std::string& path, const std::string& key) {
-  FILE* f = std::fopen(path.c_str(), "rb");
-  if (f == nullptr) {
-    return absl::NotFoundError(absl::StrCat(key, ": cannot open ", path, ": ", std::strerror(errno)));
-  }
-  std::string out;
-  char buf[16384];
-  size_t n;
-  while ((n = std::fread(buf, 1, sizeof(buf), f)) > 0 && out.size() < (1 << 20)) out.append(buf, n);
-  std::fclose(f);
-  return out;
-}
 
 constexpr char kUsage[] = R"(ckptd — per-node checkpoint loading and resharding daemon
 
@@ -88,7 +86,10 @@ Training ranks connect with the C++/Python clients or `ckptctl load --daemon PAT
 Callers are identified by the kernel (uid/groups of the Unix-socket peer) and
 checked against each root's access rule (README "Security"). --tcp needs
 mutual TLS (--tcp-tls-cert/--tcp-tls-key/--tcp-tls-ca) or --insecure-tcp.
-SIGTERM/SIGINT: stop accepting, drain running loads (drain_timeout), exit.)";
+The peer service (--peer-listen) needs mutual TLS (--peer-tls-cert/--peer-tls-key/
+--peer-tls-ca) unless it listens on loopback or --peer-insecure is given.
+SIGTERM/SIGINT: stop accepting, drain running loads (drain_timeout), exit.
+SIGHUP: reload the peer TLS files without dropping running jobs.)";
 
 int Fail(const std::string& msg) {
   std::cerr << "ckptd: error: " << msg << "\n";
@@ -184,6 +185,16 @@ int main(int argc, char** argv) {
     config.io_request_size = *b;
   }
   config.testing_delay_part = absl::Milliseconds(absl::GetFlag(FLAGS_testing_delay_part_ms));
+  config.testing_corrupt_served = absl::GetFlag(FLAGS_testing_corrupt_served);
+  if (!absl::GetFlag(FLAGS_peer_tls_cert).empty()) config.peer_tls_cert = absl::GetFlag(FLAGS_peer_tls_cert);
+  if (!absl::GetFlag(FLAGS_peer_tls_key).empty()) config.peer_tls_key = absl::GetFlag(FLAGS_peer_tls_key);
+  if (!absl::GetFlag(FLAGS_peer_tls_ca).empty()) config.peer_tls_ca = absl::GetFlag(FLAGS_peer_tls_ca);
+  if (absl::GetFlag(FLAGS_peer_insecure)) config.peer_insecure = true;
+  if (!absl::GetFlag(FLAGS_nccl_connect_timeout).empty()) {
+    auto d = ckptd::ParseDuration(absl::GetFlag(FLAGS_nccl_connect_timeout));
+    if (!d.ok()) return Fail(absl::StrCat("--nccl_connect_timeout: ", d.status().message()));
+    config.nccl_connect_timeout = *d;
+  }
   if (!absl::GetFlag(FLAGS_peer_timeout).empty()) {
     auto d = ckptd::ParseDuration(absl::GetFlag(FLAGS_peer_timeout));
     if (!d.ok()) return Fail(absl::StrCat("--peer_timeout: ", d.status().message()));
@@ -201,6 +212,7 @@ int main(int argc, char** argv) {
   sigemptyset(&sigs);
   sigaddset(&sigs, SIGTERM);
   sigaddset(&sigs, SIGINT);
+  sigaddset(&sigs, SIGHUP);
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
@@ -237,9 +249,9 @@ int main(int argc, char** argv) {
   if (!config.tcp_address.empty()) {
     std::shared_ptr<grpc::ServerCredentials> creds;
     if (!config.tcp_tls_cert.empty()) {
-      auto cert = ReadPem(config.tcp_tls_cert, "tcp_tls_cert");
-      auto key = ReadPem(config.tcp_tls_key, "tcp_tls_key");
-      auto ca = ReadPem(config.tcp_tls_ca, "tcp_tls_ca");
+      auto cert = ckptd::ReadPem(config.tcp_tls_cert, "tcp_tls_cert");
+      auto key = ckptd::ReadPem(config.tcp_tls_key, "tcp_tls_key");
+      auto ca = ckptd::ReadPem(config.tcp_tls_ca, "tcp_tls_ca");
       for (const auto* r : {&cert, &key, &ca}) {
         if (!r->ok()) return Fail(std::string(r->status().message()));
       }
@@ -272,28 +284,29 @@ int main(int argc, char** argv) {
   if (uds) uds->Serve(server.get());
   // The peer service: TCP, separate from the client API.
   ckptd::PeerService peer_service(&daemon);
-  std::unique_ptr<grpc::Server> peer_server;
+  std::unique_ptr<ckptd::PeerServer> peer_server;
   if (!config.peer_listen.empty()) {
-    grpc::ServerBuilder pb;
-    pb.AddListeningPort(config.peer_listen, grpc::InsecureServerCredentials());
-    pb.SetMaxReceiveMessageSize(256 << 20);
-    pb.SetMaxSendMessageSize(256 << 20);
-    pb.RegisterService(&peer_service);
-    peer_server = pb.BuildAndStart();
-    if (!peer_server) {
+    auto ps = ckptd::PeerServer::Start(&daemon, &peer_service);
+    if (!ps.ok()) {
       server->Shutdown();
-      return Fail(absl::StrCat("cannot listen for peers on ", config.peer_listen));
+      return Fail(std::string(ps.status().message()));
     }
-    spdlog::info("peer service on {} (peers: {}{})", config.peer_listen,
+    peer_server = std::move(*ps);
+    if (config.peer_tls_cert.empty() && !ckptd::IsLoopbackAddress(config.peer_listen)) {
+      spdlog::warn("peer service on {} WITHOUT TLS (peer_insecure: true): whoever reaches it can "
+                   "join jobs and read or alter their bytes", config.peer_listen);
+    }
+    spdlog::info("peer service on {} (peers: {}{}; {})", config.peer_listen,
                  absl::StrJoin(config.peers, ","),
-                 config.peer_dns.empty() ? "" : " dns " + config.peer_dns);
+                 config.peer_dns.empty() ? "" : " dns " + config.peer_dns,
+                 config.peer_tls_cert.empty() ? "plaintext" : "mutual TLS");
   }
   std::unique_ptr<ckptd::MetricsServer> metrics;
   if (!config.metrics_address.empty()) {
     auto m = ckptd::MetricsServer::Start(config.metrics_address, [&daemon] { return daemon.Status(); });
     if (!m.ok()) {
       server->Shutdown();
-      if (peer_server) peer_server->Shutdown();
+      if (peer_server) peer_server->Shutdown(std::chrono::system_clock::now());
       return Fail(std::string(m.status().message()));
     }
     metrics = std::move(*m);
@@ -310,14 +323,22 @@ int main(int argc, char** argv) {
 
   std::thread signals([&] {
     int sig = 0;
-    sigwait(&sigs, &sig);
+    while (sigwait(&sigs, &sig) == 0 && sig == SIGHUP) {
+      absl::Status s = daemon.LoadPeerTls();
+      if (s.ok() && peer_server && !config.peer_tls_cert.empty()) s = peer_server->Rotate();
+      if (s.ok()) {
+        spdlog::info("SIGHUP: peer TLS files reloaded");
+      } else {
+        spdlog::error("SIGHUP: peer TLS not reloaded, the old certificate stays: {}", std::string(s.message()));
+      }
+    }
     spdlog::info("signal {}: draining running loads (up to {})", sig,
                  absl::FormatDuration(config.drain_timeout));
     sd_notify(0, "STOPPING=1\nSTATUS=draining running loads");
     server->GetHealthCheckService()->SetServingStatus(false);
     if (uds) uds->Stop();  // no new connections; open ones drain
     // Kubernetes probes the peer port's health service (deploy/k8s): not ready while draining.
-    if (peer_server) peer_server->GetHealthCheckService()->SetServingStatus(false);
+    if (peer_server) peer_server->SetServing(false);
     const auto drain = std::chrono::system_clock::now() +
                        std::chrono::milliseconds(absl::ToInt64Milliseconds(config.drain_timeout));
     server->Shutdown(drain);

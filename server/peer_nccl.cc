@@ -66,7 +66,10 @@ void NcclTransfers::Run() {
     status_ = s;
   };
   auto links = gpu_->ConnectPeerLinks(spec_);
-  if (!links.ok()) return fail(links.status());
+  if (!links.ok()) {
+    connect_failed_ = true;
+    return fail(links.status());
+  }
   gpu::PeerLinks* l = links->get();
   {
     absl::MutexLock lock(&mu_);
@@ -82,9 +85,12 @@ void NcclTransfers::Run() {
     const absl::Time deadline = absl::Now() + spec_.timeout;
     absl::Status s;
     if (t.send) {
-      auto view = served_(t.read, deadline);
-      if (!view.ok()) return fail(view.status());
-      s = l->Send(t.peer, view->data, t.length);
+      auto bytes = served_(t.read, deadline);
+      if (!bytes.ok()) return fail(bytes.status());
+      s = l->Send(t.peer, bytes->view.data, t.length);
+      if (s.ok()) {
+        s = l->Send(t.peer, reinterpret_cast<const uint8_t*>(&bytes->xxh3), sizeof(uint64_t));
+      }
       if (s.ok()) sent_ += t.length;
     } else {
       {
@@ -105,11 +111,13 @@ void NcclTransfers::Run() {
         }
       }
       auto buf = std::make_shared<std::vector<uint8_t>>(t.length);
+      uint64_t xxh3 = 0;
       s = l->Recv(t.peer, buf->data(), t.length);
+      if (s.ok()) s = l->Recv(t.peer, reinterpret_cast<uint8_t*>(&xxh3), sizeof(xxh3));
       if (s.ok()) {
         received_ += t.length;
         absl::MutexLock lock(&mu_);
-        ready_[t.read] = std::move(buf);
+        ready_[t.read] = Arrived{std::move(buf), xxh3};
         buffered_ += t.length;
       }
     }
@@ -119,7 +127,7 @@ void NcclTransfers::Run() {
   done_ = true;
 }
 
-std::optional<ckpt::RangeView> NcclTransfers::Take(uint32_t g, absl::Time deadline) {
+std::optional<NcclTransfers::Bytes> NcclTransfers::Take(uint32_t g, absl::Time deadline) {
   absl::MutexLock lock(&mu_);
   auto arrived = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     return failed_ || stop_ || ready_.count(g) > 0;
@@ -127,11 +135,12 @@ std::optional<ckpt::RangeView> NcclTransfers::Take(uint32_t g, absl::Time deadli
   mu_.AwaitWithDeadline(absl::Condition(&arrived), deadline);
   auto it = ready_.find(g);
   if (it == ready_.end()) return std::nullopt;
-  std::shared_ptr<std::vector<uint8_t>> buf = std::move(it->second);
+  std::shared_ptr<std::vector<uint8_t>> buf = std::move(it->second.bytes);
+  const uint64_t xxh3 = it->second.xxh3;
   ready_.erase(it);
   buffered_ -= buf->size();
   const uint8_t* data = buf->data();
-  return ckpt::RangeView{data, std::move(buf), false};
+  return Bytes{ckpt::RangeView{data, std::move(buf), false}, xxh3};
 }
 
 absl::Status NcclTransfers::Finish(absl::Time deadline) {
@@ -166,6 +175,7 @@ bool NcclWanted(gpu::GpuRuntime& gpu) {
 std::unique_ptr<NcclTransfers> StartNcclTransfers(gpu::GpuRuntime* gpu,
                                                   const peer::v1::PlanPart& part,
                                                   const std::string& me, absl::Duration timeout,
+                                                  absl::Duration connect_timeout,
                                                   NcclTransfers::ServedFn served) {
   if (part.nccl_id().empty()) return nullptr;
   std::map<std::string, int> index;
@@ -193,6 +203,7 @@ std::unique_ptr<NcclTransfers> StartNcclTransfers(gpu::GpuRuntime* gpu,
   spec.nranks = part.nodes_size();
   spec.rank = self->second;
   spec.timeout = timeout;
+  spec.connect_timeout = connect_timeout;
   // Every node of the communicator must connect, even one without transfers.
   auto t = std::make_unique<NcclTransfers>(gpu, std::move(spec), std::move(transfers),
                                            std::move(served), std::max<uint64_t>(largest, 1ull << 30));

@@ -50,9 +50,16 @@ class NcclTransfers {
                                         const std::vector<std::vector<int>>& needed_by,
                                         const std::vector<uint64_t>& length);
 
+  // A read's bytes with the xxh3 the serving node took of them; after the
+  // bytes of each transfer its 8-byte xxh3 follows on the link, and the
+  // receiver checks it before delivering (as FetchRead's first chunk).
+  struct Bytes {
+    ckpt::RangeView view;
+    uint64_t xxh3 = 0;
+  };
   // `served(g, deadline)`: the bytes of read g this node reads, once they are
   // in memory (kept alive by the view's pin).
-  using ServedFn = std::function<absl::StatusOr<ckpt::RangeView>(uint32_t, absl::Time)>;
+  using ServedFn = std::function<absl::StatusOr<Bytes>(uint32_t, absl::Time)>;
   NcclTransfers(gpu::GpuRuntime* gpu, gpu::PeerLinkSpec spec, std::vector<Transfer> transfers,
                 ServedFn served, uint64_t receive_budget);
   ~NcclTransfers();  // aborts what is still running
@@ -62,11 +69,14 @@ class NcclTransfers {
   bool Receives(uint32_t g) const { return receives_.count(g) > 0; }
   // The received bytes of read g, or nullopt when the links failed (or the
   // deadline passed) before it arrived: fetch it over gRPC then.
-  std::optional<ckpt::RangeView> Take(uint32_t g, absl::Time deadline);
+  std::optional<Bytes> Take(uint32_t g, absl::Time deadline);
   // Waits (until `deadline`) for this node's sends to finish, then closes.
   absl::Status Finish(absl::Time deadline);
   void Abort();
 
+  // Whether the communicator could not be created (a node never connected
+  // within the connect timeout, or NCCL failed there).
+  bool connect_failed() const { return connect_failed_.load(); }
   uint64_t bytes_sent() const { return sent_.load(); }
   uint64_t bytes_received() const { return received_.load(); }
 
@@ -84,6 +94,7 @@ class NcclTransfers {
   std::map<uint32_t, uint64_t> receives_;  // read -> length
   std::thread thread_;
   std::atomic<uint64_t> sent_{0}, received_{0};
+  std::atomic<bool> connect_failed_{false};
 
   absl::Mutex mu_;
   std::unique_ptr<gpu::PeerLinks> links_ ABSL_GUARDED_BY(mu_);
@@ -92,7 +103,11 @@ class NcclTransfers {
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   absl::Status status_ ABSL_GUARDED_BY(mu_);
   uint64_t buffered_ ABSL_GUARDED_BY(mu_) = 0;
-  std::map<uint32_t, std::shared_ptr<std::vector<uint8_t>>> ready_ ABSL_GUARDED_BY(mu_);
+  struct Arrived {
+    std::shared_ptr<std::vector<uint8_t>> bytes;
+    uint64_t xxh3 = 0;
+  };
+  std::map<uint32_t, Arrived> ready_ ABSL_GUARDED_BY(mu_);
 };
 
 // Whether this node offers NCCL to a job's coordinator: a device is present
@@ -105,6 +120,7 @@ bool NcclWanted(gpu::GpuRuntime& gpu);
 std::unique_ptr<NcclTransfers> StartNcclTransfers(gpu::GpuRuntime* gpu,
                                                   const peer::v1::PlanPart& part,
                                                   const std::string& me, absl::Duration timeout,
+                                                  absl::Duration connect_timeout,
                                                   NcclTransfers::ServedFn served);
 
 }  // namespace ckptd

@@ -1,35 +1,76 @@
 #include "server/peer_service.h"
 
+#include <grpc/grpc_security_constants.h>
+
+#include "absl/strings/match.h"
+#include "config/config.h"
 #include "server/service.h"
 
 namespace ckptd {
 
-grpc::Status PeerService::Join(grpc::ServerContext*, const peer::v1::JoinRequest* req,
+PeerCaller PeerCallerOf(const grpc::ServerContext& ctx) {
+  PeerCaller c;
+  std::shared_ptr<const grpc::AuthContext> auth = ctx.auth_context();
+  if (auth != nullptr && auth->IsPeerAuthenticated()) {
+    // The TLS handshake verified the certificate against peer_tls_ca.
+    for (const grpc::string_ref& v : auth->FindPropertyValues(GRPC_X509_SAN_PROPERTY_NAME)) {
+      c.names.emplace_back(v.data(), v.size());
+    }
+    c.verified = true;
+    return c;
+  }
+  // Plaintext: "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000".
+  std::string p = ctx.peer();
+  for (const char* prefix : {"ipv4:", "ipv6:"}) {
+    if (absl::StartsWith(p, prefix)) c.names.push_back(HostOf(p.substr(5)));
+  }
+  return c;
+}
+
+grpc::Status PeerService::Run(const char* rpc, grpc::ServerContext* ctx,
+                              const std::function<absl::Status(const PeerCaller&)>& body) {
+  return RunCatching(rpc, ctx->peer(), [&] {
+    auto caller = daemon_->AuthorizePeer(PeerCallerOf(*ctx));
+    if (!caller.ok()) return ToGrpc(caller.status());
+    return ToGrpc(body(*caller));
+  });
+}
+
+grpc::Status PeerService::Join(grpc::ServerContext* ctx, const peer::v1::JoinRequest* req,
                                peer::v1::PlanPart* resp) {
-  auto r = daemon_->PeerJoin(*req);
-  if (!r.ok()) return ToGrpc(r.status());
-  *resp = std::move(*r);
-  return grpc::Status::OK;
+  return Run("Join", ctx, [&](const PeerCaller& c) -> absl::Status {
+    auto r = daemon_->PeerJoin(c, *req, [ctx] { return ctx->IsCancelled(); });
+    if (!r.ok()) return r.status();
+    *resp = std::move(*r);
+    return absl::OkStatus();
+  });
 }
 
-grpc::Status PeerService::FetchRead(grpc::ServerContext*, const peer::v1::FetchReadRequest* req,
+grpc::Status PeerService::FetchRead(grpc::ServerContext* ctx, const peer::v1::FetchReadRequest* req,
                                     grpc::ServerWriter<peer::v1::Chunk>* writer) {
-  return ToGrpc(daemon_->PeerFetchRead(
-      *req, [writer](const peer::v1::Chunk& c) { return writer->Write(c); }));
+  return Run("FetchRead", ctx, [&](const PeerCaller& c) {
+    return daemon_->PeerFetchRead(
+        c, *req, [writer](const peer::v1::Chunk& chunk) { return writer->Write(chunk); },
+        [ctx] { return ctx->IsCancelled(); });
+  });
 }
 
-grpc::Status PeerService::Complete(grpc::ServerContext*, const peer::v1::CompleteRequest* req,
+grpc::Status PeerService::Complete(grpc::ServerContext* ctx, const peer::v1::CompleteRequest* req,
                                    peer::v1::CompleteResponse* resp) {
-  auto r = daemon_->PeerComplete(*req);
-  if (!r.ok()) return ToGrpc(r.status());
-  *resp = std::move(*r);
-  return grpc::Status::OK;
+  return Run("Complete", ctx, [&](const PeerCaller& c) -> absl::Status {
+    auto r = daemon_->PeerComplete(c, *req, [ctx] { return ctx->IsCancelled(); });
+    if (!r.ok()) return r.status();
+    *resp = std::move(*r);
+    return absl::OkStatus();
+  });
 }
 
-grpc::Status PeerService::Ping(grpc::ServerContext*, const peer::v1::PingRequest*,
+grpc::Status PeerService::Ping(grpc::ServerContext* ctx, const peer::v1::PingRequest* req,
                                peer::v1::PingResponse* resp) {
-  *resp = daemon_->PeerPing();
-  return grpc::Status::OK;
+  return Run("Ping", ctx, [&](const PeerCaller& c) {
+    *resp = daemon_->PeerPing(c, *req);
+    return absl::OkStatus();
+  });
 }
 
 }  // namespace ckptd

@@ -1,11 +1,20 @@
-// gRPC glue for the daemon-to-daemon Peer service (proto/peer.proto).
+// gRPC glue for the daemon-to-daemon Peer service (proto/peer.proto): every
+// call is mapped to its PeerCaller (the verified certificate's names, or the
+// source IP in plaintext), checked against the peer set (Daemon::
+// AuthorizePeer: PERMISSION_DENIED for a name outside it), and run with no
+// exception escaping.
 #ifndef CKPTD_SERVER_PEER_SERVICE_H_
 #define CKPTD_SERVER_PEER_SERVICE_H_
 
+#include <functional>
+
 #include "proto/peer.grpc.pb.h"
+#include "server/caller.h"
 #include "server/daemon.h"
 
 namespace ckptd {
+
+PeerCaller PeerCallerOf(const grpc::ServerContext& ctx);
 
 class PeerService final : public peer::v1::Peer::Service {
  public:
@@ -20,6 +29,8 @@ class PeerService final : public peer::v1::Peer::Service {
                     peer::v1::PingResponse* resp) override;
 
  private:
+  grpc::Status Run(const char* rpc, grpc::ServerContext* ctx,
+                   const std::function<absl::Status(const PeerCaller&)>& body);
   Daemon* const daemon_;
 };
 

@@ -14,18 +14,12 @@ grpc::Status ToGrpc(const absl::Status& s) {
   return grpc::Status(static_cast<grpc::StatusCode>(s.code()), std::string(s.message()));
 }
 
-grpc::Status CkptdService::Guard(const char* rpc, grpc::ServerContext* ctx,
-                                 const std::function<absl::Status(const Caller&)>& body) {
+grpc::Status RunCatching(const char* rpc, const std::string& who,
+                         const std::function<grpc::Status()>& body) {
   try {
-    std::optional<Caller> caller = resolve_(ctx->peer());
-    if (!caller) {
-      return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
-                          absl::StrCat(rpc, ": cannot tell who is calling (peer '", ctx->peer(),
-                                       "'); connect through the daemon's Unix socket"));
-    }
-    return ToGrpc(body(*caller));
+    return body();
   } catch (const std::bad_alloc&) {
-    spdlog::error("{}: out of memory handling a request from {}", rpc, ctx->peer());
+    spdlog::error("{}: out of memory handling a request from {}", rpc, who);
     return grpc::Status(grpc::StatusCode::RESOURCE_EXHAUSTED,
                         absl::StrCat(rpc, ": the daemon ran out of memory for this request"));
   } catch (const std::exception& e) {
@@ -36,6 +30,19 @@ grpc::Status CkptdService::Guard(const char* rpc, grpc::ServerContext* ctx,
     spdlog::error("{}: unexpected non-standard exception (a ckptd bug)", rpc);
     return grpc::Status(grpc::StatusCode::INTERNAL, absl::StrCat(rpc, ": internal error"));
   }
+}
+
+grpc::Status CkptdService::Guard(const char* rpc, grpc::ServerContext* ctx,
+                                 const std::function<absl::Status(const Caller&)>& body) {
+  return RunCatching(rpc, ctx->peer(), [&] {
+    std::optional<Caller> caller = resolve_(ctx->peer());
+    if (!caller) {
+      return grpc::Status(grpc::StatusCode::UNAUTHENTICATED,
+                          absl::StrCat(rpc, ": cannot tell who is calling (peer '", ctx->peer(),
+                                       "'); connect through the daemon's Unix socket"));
+    }
+    return ToGrpc(body(*caller));
+  });
 }
 
 grpc::Status CkptdService::Inspect(grpc::ServerContext* ctx, const v1::InspectRequest* req,

@@ -18,6 +18,10 @@
 namespace ckptd {
 
 grpc::Status ToGrpc(const absl::Status& s);
+// Runs a handler's `body`; an exception becomes RESOURCE_EXHAUSTED (out of
+// memory) or INTERNAL naming `rpc`, logged with `who` called.
+grpc::Status RunCatching(const char* rpc, const std::string& who,
+                         const std::function<grpc::Status()>& body);
 
 // Maps ServerContext::peer() to the caller; nullopt: unknown.
 using CallerResolver = std::function<std::optional<Caller>(const std::string& peer)>;

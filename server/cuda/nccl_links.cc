@@ -46,7 +46,7 @@ class NcclLinks final : public PeerLinks {
     if (comm_ != nullptr && !aborted_) {
       cudaSetDevice(spec_.device);
       ncclResult_t r = ok_ && !Cancelled() ? ncclCommFinalize(comm_) : ncclInternalError;
-      if ((r == ncclSuccess || r == ncclInProgress) && Wait("finalize").ok()) {
+      if ((r == ncclSuccess || r == ncclInProgress) && Wait("finalize", spec_.timeout).ok()) {
         ncclCommDestroy(comm_);
       } else {
         ncclCommAbort(comm_);
@@ -96,7 +96,7 @@ class NcclLinks final : public PeerLinks {
       comm_ = nullptr;
       return NcclError(r, "ncclCommInitRankConfig");
     }
-    if (absl::Status s = Wait("connect"); !s.ok()) {
+    if (absl::Status s = Wait("connect", spec_.connect_timeout); !s.ok()) {
       Abort();
       return s;
     }
@@ -105,8 +105,8 @@ class NcclLinks final : public PeerLinks {
   }
 
   // Polls the communicator until its pending operation is issued.
-  absl::Status Wait(const std::string& what) {
-    const absl::Time deadline = absl::Now() + spec_.timeout;
+  absl::Status Wait(const std::string& what, absl::Duration timeout) {
+    const absl::Time deadline = absl::Now() + timeout;
     while (true) {
       ncclResult_t state = ncclSuccess;
       ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
@@ -116,7 +116,7 @@ class NcclLinks final : public PeerLinks {
       if (Cancelled()) return absl::CancelledError(absl::StrCat("NCCL ", what, ": cancelled"));
       if (absl::Now() > deadline) {
         return absl::DeadlineExceededError(absl::StrCat("NCCL ", what, " did not finish within ",
-                                                        absl::FormatDuration(spec_.timeout)));
+                                                        absl::FormatDuration(timeout)));
       }
       std::this_thread::sleep_for(std::chrono::microseconds(200));
     }
@@ -154,11 +154,11 @@ class NcclLinks final : public PeerLinks {
                     what);
         if (s.ok()) {
           ncclResult_t r = ncclSend(staging_, len, ncclUint8, peer, comm_, stream_);
-          s = (r == ncclSuccess || r == ncclInProgress) ? Wait(what) : NcclError(r, what);
+          s = (r == ncclSuccess || r == ncclInProgress) ? Wait(what, spec_.timeout) : NcclError(r, what);
         }
       } else {
         ncclResult_t r = ncclRecv(staging_, len, ncclUint8, peer, comm_, stream_);
-        s = (r == ncclSuccess || r == ncclInProgress) ? Wait(what) : NcclError(r, what);
+        s = (r == ncclSuccess || r == ncclInProgress) ? Wait(what, spec_.timeout) : NcclError(r, what);
         if (s.ok()) {
           s = CudaErr(cudaMemcpyAsync(host + off, staging_, len, cudaMemcpyDeviceToHost, stream_),
                       what);

@@ -27,7 +27,10 @@ struct PeerLinkSpec {
   int nranks = 0;       // nodes of the job
   int rank = 0;         // this node's index
   int device = 0;       // the daemon's CUDA device used for the links
-  absl::Duration timeout = absl::Seconds(60);  // connect, and each transfer
+  absl::Duration timeout = absl::Seconds(60);  // each transfer step
+  // Creating the communicator: every node of the job must take part, so a
+  // node that never connects is noticed after this, not after `timeout`.
+  absl::Duration connect_timeout = absl::Seconds(5);
   uint64_t chunk_bytes = 64ull << 20;          // device staging per transfer step
   // Polled while waiting: true aborts the links (from any thread).
   std::function<bool()> cancelled;

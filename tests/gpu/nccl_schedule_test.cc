@@ -20,7 +20,23 @@ namespace {
 // Rendezvous channels between in-process nodes.
 class Fabric {
  public:
-  explicit Fabric(int fail_after = -1) : fail_after_(fail_after) {}
+  explicit Fabric(int fail_after = -1, bool connect_barrier = false)
+      : fail_after_(fail_after), connect_barrier_(connect_barrier) {}
+
+  // As creating an NCCL communicator: every node of the job must connect
+  // (with connect_barrier), else it fails after spec.connect_timeout.
+  absl::Status Connect(const gpu::PeerLinkSpec& spec) {
+    if (!connect_barrier_) return absl::OkStatus();
+    std::unique_lock<std::mutex> l(mu_);
+    ++connected_;
+    cv_.notify_all();
+    const auto timeout = std::chrono::milliseconds(absl::ToInt64Milliseconds(spec.connect_timeout));
+    if (!cv_.wait_for(l, timeout, [&] { return connected_ >= spec.nranks || Cancelled(spec); }) ||
+        connected_ < spec.nranks) {
+      return absl::DeadlineExceededError("NCCL connect did not finish");
+    }
+    return absl::OkStatus();
+  }
 
   absl::Status Send(int from, int to, const uint8_t* d, uint64_t n, const gpu::PeerLinkSpec& spec) {
     std::unique_lock<std::mutex> l(mu_);
@@ -62,6 +78,8 @@ class Fabric {
   std::map<std::pair<int, int>, uint64_t> posted_, taken_;
   int fail_after_;
   int sends_ = 0;
+  bool connect_barrier_;
+  int connected_ = 0;
 };
 
 class FakeLinks final : public gpu::PeerLinks {
@@ -99,6 +117,7 @@ class FakeGpu final : public gpu::GpuRuntime {
   absl::StatusOr<std::string> NewNcclId() override { return std::string(128, 'x'); }
   absl::StatusOr<std::unique_ptr<gpu::PeerLinks>> ConnectPeerLinks(
       const gpu::PeerLinkSpec& spec) override {
+    if (absl::Status s = f_->Connect(spec); !s.ok()) return s;
     return std::unique_ptr<gpu::PeerLinks>(new FakeLinks(f_, spec));
   }
 
@@ -107,6 +126,7 @@ class FakeGpu final : public gpu::GpuRuntime {
 };
 
 uint8_t Byte(uint32_t g, uint64_t i) { return static_cast<uint8_t>(g * 31 + i * 7); }
+uint64_t Digest(uint32_t g) { return 0x9e3779b97f4a7c15ull * (g + 1); }
 
 TEST(NcclSchedule, GlobalOrderPerNode) {
   // read 0: node 0 -> 1, 2; read 1: node 2 -> 0; read 2: node 1 -> nobody else.
@@ -156,13 +176,13 @@ std::vector<int> RunJob(int nodes, int reads, Fabric* fabric, uint32_t seed, boo
       std::mutex mu;
       std::condition_variable cv;
       std::map<uint32_t, std::shared_ptr<std::vector<uint8_t>>> published;
-      auto served = [&](uint32_t g, absl::Time deadline) -> absl::StatusOr<ckpt::RangeView> {
+      auto served = [&](uint32_t g, absl::Time deadline) -> absl::StatusOr<NcclTransfers::Bytes> {
         std::unique_lock<std::mutex> l(mu);
         cv.wait_for(l, std::chrono::milliseconds(absl::ToInt64Milliseconds(deadline - absl::Now())),
                     [&] { return published.count(g) > 0; });
         if (!published.count(g)) return absl::DeadlineExceededError("not read");
         auto b = published[g];
-        return ckpt::RangeView{b->data(), b, true};
+        return NcclTransfers::Bytes{ckpt::RangeView{b->data(), b, true}, Digest(g)};
       };
       gpu::PeerLinkSpec spec;
       spec.nccl_id = std::string(128, 'x');
@@ -193,7 +213,8 @@ std::vector<int> RunJob(int nodes, int reads, Fabric* fabric, uint32_t seed, boo
             EXPECT_FALSE(expect_all) << "node " << me << " read " << g;
             continue;  // would fall back to gRPC
           }
-          for (uint64_t k = 0; k < len[g]; ++k) ASSERT_EQ(v->data[k], Byte(g, k));
+          for (uint64_t k = 0; k < len[g]; ++k) ASSERT_EQ(v->view.data[k], Byte(g, k));
+          ASSERT_EQ(v->xxh3, Digest(g)) << "the sender's checksum travels with read " << g;
           ++arrived;
         }
       };
@@ -226,6 +247,42 @@ TEST(NcclTransfers, BrokenLinkFallsBackInsteadOfHanging) {
   const auto t0 = std::chrono::steady_clock::now();
   RunJob(3, 30, &fabric, 5, /*expect_all=*/false);
   EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(30));
+}
+
+}  // namespace
+}  // namespace ckptd
+
+namespace ckptd {
+namespace {
+
+// A node that never opens its links (its daemon is stuck, or NCCL cannot
+// reach it): the others give up after the connect timeout, not the 60 s
+// transfer timeout, and every read falls back to gRPC.
+TEST(NcclTransfers, NodeThatNeverConnectsFallsBackWithinConnectTimeout) {
+  Fabric fabric(/*fail_after=*/-1, /*connect_barrier=*/true);
+  FakeGpu gpu(&fabric);
+  gpu::PeerLinkSpec spec;
+  spec.nccl_id = std::string(128, 'x');
+  spec.nranks = 2;
+  spec.rank = 0;
+  spec.timeout = absl::Seconds(60);
+  spec.connect_timeout = absl::Milliseconds(500);
+  // Read 0 is read by node 1 (which never connects) and needed by node 0.
+  auto t = std::make_unique<NcclTransfers>(
+      &gpu, spec, NcclTransfers::Schedule(0, {1}, {{0, 1}}, {100}),
+      [](uint32_t, absl::Time) -> absl::StatusOr<NcclTransfers::Bytes> {
+        return absl::InternalError("node 0 serves nothing");
+      },
+      1 << 20);
+  ASSERT_TRUE(t->Receives(0));
+  const auto t0 = std::chrono::steady_clock::now();
+  t->Start();
+  auto v = t->Take(0, absl::Now() + absl::Seconds(60));
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_FALSE(v.has_value());
+  EXPECT_TRUE(t->connect_failed());
+  EXPECT_GE(took, 0.4);
+  EXPECT_LT(took, 5.0);  // the connect timeout, not the transfer timeout
 }
 
 }  // namespace

@@ -1,0 +1,72 @@
+#include "server/peer_server.h"
+
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/str_cat.h"
+
+namespace ckptd {
+
+absl::StatusOr<std::unique_ptr<grpc::Server>> PeerServer::Build() {
+  const DaemonConfig& c = daemon_->config();
+  grpc::ServerBuilder pb;
+  pb.AddListeningPort(c.peer_listen, daemon_->PeerServerCredentials());
+  pb.SetMaxReceiveMessageSize(256 << 20);
+  pb.SetMaxSendMessageSize(256 << 20);
+  pb.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 1);  // the next server, on rotation
+  pb.RegisterService(service_);
+  std::unique_ptr<grpc::Server> s = pb.BuildAndStart();
+  if (s == nullptr) {
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen for peers on ", c.peer_listen,
+        c.peer_tls_cert.empty() ? "" : " (or the peer TLS certificate/key is unusable)"));
+  }
+  s->GetHealthCheckService()->SetServingStatus(true);
+  return s;
+}
+
+absl::StatusOr<std::unique_ptr<PeerServer>> PeerServer::Start(Daemon* daemon,
+                                                              PeerService* service) {
+  std::unique_ptr<PeerServer> p(new PeerServer(daemon, service));
+  auto s = p->Build();
+  if (!s.ok()) return s.status();
+  absl::MutexLock lock(&p->mu_);
+  p->current_ = std::move(*s);
+  return p;
+}
+
+absl::Status PeerServer::Rotate() {
+  auto next = Build();
+  if (!next.ok()) return next.status();
+  absl::MutexLock lock(&mu_);
+  std::shared_ptr<grpc::Server> old(std::move(current_));
+  current_ = std::move(*next);
+  const auto deadline = std::chrono::system_clock::now() +
+                        std::chrono::milliseconds(absl::ToInt64Milliseconds(
+                            daemon_->config().peer_timeout + absl::Seconds(5)));
+  retiring_.emplace_back([old, deadline] { old->Shutdown(deadline); });
+  spdlog::info("peer service on {}: new certificate in use; calls in flight finish on the old one",
+               daemon_->config().peer_listen);
+  return absl::OkStatus();
+}
+
+void PeerServer::SetServing(bool serving) {
+  absl::MutexLock lock(&mu_);
+  if (current_) current_->GetHealthCheckService()->SetServingStatus(serving);
+}
+
+void PeerServer::Shutdown(std::chrono::system_clock::time_point deadline) {
+  absl::MutexLock lock(&mu_);
+  if (current_) current_->Shutdown(deadline);
+}
+
+PeerServer::~PeerServer() {
+  std::vector<std::thread> threads;
+  {
+    absl::MutexLock lock(&mu_);
+    threads = std::move(retiring_);
+    if (current_) current_->Shutdown(std::chrono::system_clock::now());
+  }
+  for (auto& t : threads) t.join();
+}
+
+}  // namespace ckptd

@@ -1,0 +1,51 @@
+// The peer service's gRPC server, with certificate rotation.
+//
+// Rotate() (SIGHUP, after Daemon::LoadPeerTls read the new files) starts a
+// second server on the same port (gRPC sets SO_REUSEPORT) with the new
+// credentials and shuts the old one down in the background: the calls in
+// flight on it (joins, FetchRead streams, completions) finish there within
+// peer_timeout, so running jobs are not dropped, and new connections meet
+// the new certificate. If the new server cannot start, the old one stays.
+#ifndef CKPTD_SERVER_PEER_SERVER_H_
+#define CKPTD_SERVER_PEER_SERVER_H_
+
+#include <chrono>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "server/daemon.h"
+#include "server/peer_service.h"
+
+namespace ckptd {
+
+class PeerServer {
+ public:
+  static absl::StatusOr<std::unique_ptr<PeerServer>> Start(Daemon* daemon, PeerService* service);
+  ~PeerServer();
+
+  absl::Status Rotate();
+  // The standard health service's answer (Kubernetes probes the peer port).
+  void SetServing(bool serving);
+  // Stops accepting; calls in flight get until `deadline`.
+  void Shutdown(std::chrono::system_clock::time_point deadline);
+
+ private:
+  PeerServer(Daemon* daemon, PeerService* service) : daemon_(daemon), service_(service) {}
+  absl::StatusOr<std::unique_ptr<grpc::Server>> Build();
+
+  Daemon* const daemon_;
+  PeerService* const service_;
+  absl::Mutex mu_;
+  std::unique_ptr<grpc::Server> current_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::thread> retiring_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace ckptd
+
+#endif  // CKPTD_SERVER_PEER_SERVER_H_
