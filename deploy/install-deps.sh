@@ -22,10 +22,11 @@ BUILD_PACKAGES=(
 )
 # Tests: Python client tests, manifest checks (python3-yaml), the systemd unit
 # check (systemd-analyze), the metrics checks (promtool and the Prometheus
-# server, from the prometheus package).
+# server, from the prometheus package), the peer-plane tests' certificates
+# (openssl).
 TEST_PACKAGES=(
   python3-numpy python3-grpcio python3-protobuf python3-torch
-  python3-yaml systemd prometheus
+  python3-yaml systemd prometheus openssl
 )
 # What ckptd and ckptctl load at run time (tests/ops checks this list against
 # `ldd` of the built binaries).

@@ -221,6 +221,24 @@ int main(int argc, char** argv) {
     if (absl::Status s = ClaimSocket(config.socket); !s.ok()) return Fail(std::string(s.message()));
   }
   if (absl::Status s = daemon.Start(); !s.ok()) return Fail(std::string(s.message()));
+  grpc::EnableDefaultHealthCheckService(true);  // every server below has grpc.health.v1
+  // The peer service: TCP, separate from the client API; up before the
+  // client socket appears, so a node whose socket exists can be joined.
+  ckptd::PeerService peer_service(&daemon);
+  std::unique_ptr<ckptd::PeerServer> peer_server;
+  if (!config.peer_listen.empty()) {
+    auto ps = ckptd::PeerServer::Start(&daemon, &peer_service);
+    if (!ps.ok()) return Fail(std::string(ps.status().message()));
+    peer_server = std::move(*ps);
+    if (config.peer_tls_cert.empty() && !ckptd::IsLoopbackAddress(config.peer_listen)) {
+      spdlog::warn("peer service on {} WITHOUT TLS (peer_insecure: true): whoever reaches it can "
+                   "join jobs and read or alter their bytes", config.peer_listen);
+    }
+    spdlog::info("peer service on {} (peers: {}{}; {})", config.peer_listen,
+                 absl::StrJoin(config.peers, ","),
+                 config.peer_dns.empty() ? "" : " dns " + config.peer_dns,
+                 config.peer_tls_cert.empty() ? "plaintext" : "mutual TLS");
+  }
   std::unique_ptr<ckptd::UdsListener> uds;
   if (!config.socket.empty()) {
     auto l = ckptd::UdsListener::Listen(config.socket, config.socket_mode,
@@ -243,7 +261,6 @@ int main(int argc, char** argv) {
         }
         return std::nullopt;
       });
-  grpc::EnableDefaultHealthCheckService(true);
   grpc::ServerBuilder builder;
   int tcp_port = 0;
   if (!config.tcp_address.empty()) {
@@ -282,25 +299,6 @@ int main(int argc, char** argv) {
                              config.tcp_address.empty() ? "" : " on " + config.tcp_address));
   }
   if (uds) uds->Serve(server.get());
-  // The peer service: TCP, separate from the client API.
-  ckptd::PeerService peer_service(&daemon);
-  std::unique_ptr<ckptd::PeerServer> peer_server;
-  if (!config.peer_listen.empty()) {
-    auto ps = ckptd::PeerServer::Start(&daemon, &peer_service);
-    if (!ps.ok()) {
-      server->Shutdown();
-      return Fail(std::string(ps.status().message()));
-    }
-    peer_server = std::move(*ps);
-    if (config.peer_tls_cert.empty() && !ckptd::IsLoopbackAddress(config.peer_listen)) {
-      spdlog::warn("peer service on {} WITHOUT TLS (peer_insecure: true): whoever reaches it can "
-                   "join jobs and read or alter their bytes", config.peer_listen);
-    }
-    spdlog::info("peer service on {} (peers: {}{}; {})", config.peer_listen,
-                 absl::StrJoin(config.peers, ","),
-                 config.peer_dns.empty() ? "" : " dns " + config.peer_dns,
-                 config.peer_tls_cert.empty() ? "plaintext" : "mutual TLS");
-  }
   std::unique_ptr<ckptd::MetricsServer> metrics;
   if (!config.metrics_address.empty()) {
     auto m = ckptd::MetricsServer::Start(config.metrics_address, [&daemon] { return daemon.Status(); });

@@ -94,6 +94,7 @@ class DaemonProcess {
     pid_ = -1;
   }
   bool Alive() const { return pid_ > 0 && ::kill(pid_, 0) == 0 && waitpid(pid_, nullptr, WNOHANG) == 0; }
+  pid_t pid() const { return pid_; }
   const std::string& socket() const { return socket_; }
   const std::string& log() const { return log_; }
   const std::string& dir() const { return dir_; }

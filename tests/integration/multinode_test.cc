@@ -1,8 +1,6 @@
 // Multi-node jobs: 3-4 real daemons on loopback (own sockets, own peer
 // ports, own "local disks"), 8-12 ranks spread over them as separate
 // ckptctl processes.
-#include <netinet/in.h>
-#include <sys/socket.h>
 #include <unistd.h>
 
 #include <filesystem>
@@ -15,8 +13,10 @@
 #include "core/writer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "tests/integration/certs.h"
 #include "tests/integration/daemon_process.h"
 #include "tests/integration/fixtures.h"
+#include "tests/integration/ports.h"
 #include "tests/testing/temp_dir.h"
 
 namespace ckpt {
@@ -29,21 +29,20 @@ using testing::Runfile;
 using testing::Spawn;
 using testing::WaitExit;
 
-int FreePort() {
-  int s = ::socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  ::bind(s, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  socklen_t len = sizeof(a);
-  ::getsockname(s, reinterpret_cast<sockaddr*>(&a), &len);
-  ::close(s);
-  return ntohs(a.sin_port);
-}
+using testing::FreePort;
 
-class MultiNode : public ::testing::Test {
+// Every case runs twice: plaintext on loopback, and with mutual TLS
+// (certificates made at test time, tests/integration/certs.h).
+class MultiNode : public ::testing::TestWithParam<bool> {
  protected:
   void SetUp() override {
+    if (GetParam()) {
+      const std::string certs = tmp_.Sub("certs");
+      ASSERT_TRUE(MakeDirs(certs).ok());
+      ASSERT_TRUE(testing::MakeCa(certs, "ca")) << Slurp(certs + "/openssl.log");
+      tls_ = testing::MakeLeaf(certs, "ca", "node", "IP:127.0.0.1");
+      ASSERT_FALSE(tls_.cert.empty()) << Slurp(certs + "/openssl.log");
+    }
     ASSERT_TRUE(MakeDirs(tmp_.Sub("src")).ok());
     std::mt19937_64 rng(11);
     std::vector<std::vector<uint8_t>> data;
@@ -88,6 +87,10 @@ class MultiNode : public ::testing::Test {
     std::vector<std::string> args = {"--peer-listen", "127.0.0.1:" + std::to_string(ports_[i]),
                                      "--peers", peers, "--peer-timeout", "4s",
                                      "--io-request-size", "64KiB"};
+    if (GetParam()) {
+      args.insert(args.end(), {"--peer-tls-cert", tls_.cert, "--peer-tls-key", tls_.key,
+                               "--peer-tls-ca", tls_.ca});
+    }
     args.insert(args.end(), extra.begin(), extra.end());
     if (nodes_.size() <= i) nodes_.resize(i + 1);
     nodes_[i] = std::make_unique<DaemonProcess>(root, args);
@@ -141,12 +144,13 @@ class MultiNode : public ::testing::Test {
   }
 
   testing::TempDir tmp_;
+  testing::CertFiles tls_;
   std::vector<int> ports_;
   std::vector<std::unique_ptr<DaemonProcess>> nodes_;
 };
 
 // (a) Node-local disks: each node holds only its own ranks' data files.
-TEST_F(MultiNode, NodeLocalFilesReshardedByteExactReadOnce) {
+TEST_P(MultiNode, NodeLocalFilesReshardedByteExactReadOnce) {
   const int kNodes = 4, kWorld = 8;
   const std::vector<std::string> roots = NodeLocalCheckpoint(kNodes, kWorld, true);
   StartNodes(roots);
@@ -170,7 +174,7 @@ TEST_F(MultiNode, NodeLocalFilesReshardedByteExactReadOnce) {
 }
 
 // (b) Shared storage: every node sees every file; reading is split by bytes.
-TEST_F(MultiNode, SharedDirectoryReadingSplitEvenly) {
+TEST_P(MultiNode, SharedDirectoryReadingSplitEvenly) {
   const int kNodes = 3, kWorld = 12;
   ASSERT_TRUE(ShardCheckpoint(tmp_.Sub("src"), MakeLayout(4, 0, false), tmp_.Sub("shared/ckpt"), {}).ok());
   StartNodes({tmp_.Sub("shared"), tmp_.Sub("shared"), tmp_.Sub("shared")});
@@ -200,7 +204,7 @@ TEST_F(MultiNode, SharedDirectoryReadingSplitEvenly) {
 
 // (c) A peer killed mid-load: every rank gets a clear error within the
 // deadline; a retry with the peer back succeeds.
-TEST_F(MultiNode, PeerKilledMidLoadThenRetrySucceeds) {
+TEST_P(MultiNode, PeerKilledMidLoadThenRetrySucceeds) {
   const int kNodes = 3, kWorld = 6;
   const std::vector<std::string> roots = NodeLocalCheckpoint(kNodes, kWorld, false);
   // Every node pauses 1.5 s between receiving its plan part and executing
@@ -245,7 +249,7 @@ TEST_F(MultiNode, PeerKilledMidLoadThenRetrySucceeds) {
 // (d) AOA statements in a multi-node job: planned once by the coordinator
 // (each node receives copies from transposed virtual shards); nodes that
 // send different statements are refused, naming the difference.
-TEST_F(MultiNode, AoaTransposeAcrossNodes) {
+TEST_P(MultiNode, AoaTransposeAcrossNodes) {
   const int kNodes = 4, kWorld = 8;
   const std::vector<std::string> roots = NodeLocalCheckpoint(kNodes, kWorld, false);
   StartNodes(roots);
@@ -295,6 +299,11 @@ TEST_F(MultiNode, AoaTransposeAcrossNodes) {
   EXPECT_THAT(run("aoa-mixed", tmp_.Sub("out-mixed"), mixed), ::testing::Each(::testing::Ne(0)));
   EXPECT_THAT(Slurp(tmp_.Sub("aoa-mixed.log")), HasSubstr("aoa_config (the AOA statements differ)"));
 }
+
+INSTANTIATE_TEST_SUITE_P(Peers, MultiNode, ::testing::Values(false, true),
+                         [](const ::testing::TestParamInfo<bool>& p) {
+                           return p.param ? "MutualTls" : "Plaintext";
+                         });
 
 }  // namespace
 }  // namespace ckpt

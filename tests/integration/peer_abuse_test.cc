@@ -1,0 +1,463 @@
+// The peer plane under attack: real daemons with mutual TLS (certificates
+// made at test time with openssl), and this test process as a stranger
+// (no certificate, one from another CA, a valid one whose name is not a
+// peer) or as a misbehaving member of a job (joining with no ranks,
+// speaking for another node, fetching a read three times, completing for
+// a job it is not in). Also: a peer that flips a byte of what it serves,
+// and certificates rotated by SIGHUP in the middle of a job.
+#include <signal.h>
+#include <unistd.h>
+
+#include <filesystem>
+#include <fstream>
+#include <random>
+
+#include <grpcpp/grpcpp.h>
+
+#include "core/writer.h"
+#include "client/ckptd_client.h"
+#include "core/offline.h"
+#include "core/safetensors.h"
+#include "core/xxh3.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "proto/peer.grpc.pb.h"
+#include "server/plan_codec.h"
+#include "tests/integration/certs.h"
+#include "tests/integration/daemon_process.h"
+#include "tests/integration/fixtures.h"
+#include "tests/integration/ports.h"
+#include "tests/testing/temp_dir.h"
+
+namespace ckpt {
+namespace {
+
+using ::testing::HasSubstr;
+using testing::CertFiles;
+using testing::DaemonProcess;
+using testing::Runfile;
+using testing::Spawn;
+using testing::WaitExit;
+namespace fs = std::filesystem;
+namespace pv1 = ckptd::peer::v1;
+
+std::string Addr(int port) { return "127.0.0.1:" + std::to_string(port); }
+
+class PeerAbuse : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    certs_ = tmp_.Sub("certs");
+    ASSERT_TRUE(MakeDirs(certs_).ok());
+    ASSERT_TRUE(testing::MakeCa(certs_, "ca")) << Slurp(certs_ + "/openssl.log");
+    ASSERT_TRUE(testing::MakeCa(certs_, "otherca"));
+    node_ = testing::MakeLeaf(certs_, "ca", "node", "IP:127.0.0.1");
+    intruder_ = testing::MakeLeaf(certs_, "ca", "intruder", "DNS:intruder.example");
+    elsewhere_ = testing::MakeLeaf(certs_, "ca", "elsewhere", "IP:127.0.0.2");
+    foreign_ = testing::MakeLeaf(certs_, "otherca", "foreign", "IP:127.0.0.1");
+    for (const auto* c : {&node_, &intruder_, &elsewhere_, &foreign_}) {
+      ASSERT_FALSE(c->cert.empty()) << Slurp(certs_ + "/openssl.log");
+    }
+    // The model, saved over 4 ranks (rows); node n's "local disk" holds the
+    // files of ranks 2n and 2n+1.
+    ASSERT_TRUE(MakeDirs(tmp_.Sub("src")).ok());
+    std::mt19937_64 rng(5);
+    std::vector<std::vector<uint8_t>> data;
+    std::vector<TensorToWrite> tw;
+    for (const Model& m : Tensors()) {
+      data.emplace_back(NumElements(m.shape) * DTypeSize(m.dtype));
+      for (auto& b : data.back()) b = static_cast<uint8_t>(rng() & 0x3f);
+      tw.push_back({m.name, m.dtype, m.shape, data.back().data()});
+    }
+    ASSERT_TRUE(WriteSafetensors(tmp_.Sub("src/model.safetensors"), tw, {}).ok());
+    ASSERT_TRUE(ShardCheckpoint(tmp_.Sub("src"), MakeLayout(4, 0, false), tmp_.Sub("full"), {}).ok());
+    for (int n = 0; n < 2; ++n) {
+      const std::string dir = tmp_.Sub("node" + std::to_string(n) + "/ckpt");
+      ASSERT_TRUE(MakeDirs(dir).ok());
+      fs::copy_file(tmp_.Sub("full/0.metadata"), dir + "/0.metadata");
+      for (int r = 2 * n; r < 2 * n + 2; ++r) {
+        const std::string f = std::to_string(r) + "_0.safetensors";
+        fs::copy_file(tmp_.Sub("full/" + f), dir + "/" + f);
+      }
+    }
+    for (int& p : ports_) p = testing::FreePort();
+  }
+
+  // The peer set every daemon is configured with: daemons A and B, the
+  // address this test speaks for as a member (X), and 127.0.0.2:Y (so a
+  // certificate for 127.0.0.2 is a peer, but not node X).
+  std::string Peers() const {
+    return Addr(ports_[0]) + "," + Addr(ports_[1]) + "," + Addr(ports_[2]) + ",127.0.0.2:" +
+           std::to_string(ports_[3]);
+  }
+  std::string X() const { return Addr(ports_[2]); }
+
+  // Node X (this test) reads nothing: daemon A gets every data file.
+  void GiveAllFilesToA() {
+    for (int r = 2; r < 4; ++r) {
+      const std::string f = std::to_string(r) + "_0.safetensors";
+      fs::copy_file(tmp_.Sub("full/" + f), tmp_.Sub("node0/ckpt/" + f));
+    }
+  }
+
+  // Waits until daemon A has registered job `job` (its local ranks arrived).
+  void WaitForJob(const std::string& job) {
+    ckptd::Client::Options o;
+    o.socket = nodes_[0]->socket();
+    auto c = ckptd::Client::Connect(o);
+    ASSERT_TRUE(c.ok()) << c.status();
+    for (int i = 0; i < 1000; ++i) {
+      auto st = (*c)->Status();
+      ASSERT_TRUE(st.ok()) << st.status();
+      for (const auto& j : st->jobs()) {
+        if (j.job_id() == job) return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    FAIL() << "job " << job << " never appeared on daemon A";
+  }
+
+  // Daemon i (0: A, 1: B) on node i's disk, with mutual TLS from `certs`.
+  void Start(int i, std::vector<std::string> extra = {}, const CertFiles* certs = nullptr) {
+    const CertFiles& c = certs ? *certs : node_;
+    std::vector<std::string> args = {"--peer-listen", Addr(ports_[i]), "--peers", Peers(),
+                                     "--peer-timeout", "4s", "--io-request-size", "64KiB",
+                                     "--peer-tls-cert", c.cert, "--peer-tls-key", c.key,
+                                     "--peer-tls-ca", c.ca};
+    args.insert(args.end(), extra.begin(), extra.end());
+    nodes_[i] = std::make_unique<DaemonProcess>(tmp_.Sub("node" + std::to_string(i)), args);
+    ASSERT_TRUE(nodes_[i]->Ready()) << Slurp(nodes_[i]->log());
+  }
+
+  std::unique_ptr<pv1::Peer::Stub> Stub(int port, const CertFiles* as) {
+    std::shared_ptr<grpc::ChannelCredentials> creds;
+    if (as == nullptr) {
+      creds = grpc::InsecureChannelCredentials();
+    } else {
+      grpc::SslCredentialsOptions o;
+      o.pem_root_certs = Slurp(node_.ca);  // trusts the daemons: only the server may refuse
+      o.pem_cert_chain = Slurp(as->cert);
+      o.pem_private_key = Slurp(as->key);
+      creds = grpc::SslCredentials(o);
+    }
+    return pv1::Peer::NewStub(grpc::CreateChannel(Addr(port), creds));
+  }
+  static void Deadline(grpc::ClientContext* ctx, int seconds) {
+    ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
+  }
+
+  std::string WriteLayout(const Layout& l, const std::string& name) {
+    std::string f = tmp_.Sub(name);
+    std::ofstream(f) << LayoutToJson(l);
+    return f;
+  }
+  // Rank `r` of the load in `layout`. Ranks are spread over the daemons
+  // A and B in blocks; without B, the second block is node X (this test),
+  // which has no socket: rank r then goes to daemon A only if r is in A's block.
+  pid_t StartRank(int r, const std::string& layout, const std::string& job) {
+    const std::string daemons =
+        nodes_[0]->socket() + "," + (nodes_[1] ? nodes_[1]->socket() : tmp_.Sub("node-x.sock"));
+    return Spawn({Runfile("client/ckptctl"), "load", "ckpt", "--layout", layout, "--out",
+                  tmp_.Sub("out-" + job), "--daemon", daemons, "--ranks", std::to_string(r),
+                  "--job-id", job},
+                 tmp_.Sub(job + ".log"));
+  }
+  // Joins daemon A's job `job` as node X (or `node`) with `ranks` of `load`,
+  // retrying until A knows the job.
+  grpc::Status JoinAs(const std::string& job, const std::string& node, const Layout& load,
+                      std::vector<int> ranks, const CertFiles* as, pv1::PlanPart* part) {
+    pv1::JoinRequest req;
+    req.set_job_id(job);
+    req.set_node(node);
+    req.set_path("ckpt");
+    req.set_world_size(load.world_size);
+    req.set_coordinator_rank(0);
+    for (int r : ranks) {
+      pv1::RankTargetsMsg* rm = req.add_ranks();
+      rm->set_rank(r);
+      for (const auto& t : load.ranks[r].tensors) ckptd::ToMsg(t, rm->add_targets());
+    }
+    auto stub = Stub(ports_[0], as);
+    grpc::Status s;
+    for (int i = 0; i < 200; ++i) {
+      grpc::ClientContext ctx;
+      Deadline(&ctx, 10);
+      s = stub->Join(&ctx, req, part);
+      if (s.error_code() != grpc::StatusCode::UNAVAILABLE) return s;
+      std::this_thread::sleep_for(std::chrono::milliseconds(25));
+    }
+    return s;
+  }
+  grpc::Status Fetch(const std::string& job, uint32_t read, const std::string& node,
+                     const CertFiles* as, std::string* bytes, std::optional<uint64_t>* xxh3) {
+    auto stub = Stub(ports_[0], as);
+    grpc::ClientContext ctx;
+    Deadline(&ctx, 10);
+    pv1::FetchReadRequest req;
+    req.set_job_id(job);
+    req.set_read(read);
+    req.set_node(node);
+    auto stream = stub->FetchRead(&ctx, req);
+    pv1::Chunk c;
+    while (stream->Read(&c)) {
+      if (c.has_xxh3() && xxh3 != nullptr) *xxh3 = c.xxh3();
+      if (bytes != nullptr) bytes->append(c.data());
+    }
+    return stream->Finish();
+  }
+
+  testing::TempDir tmp_;
+  std::string certs_;
+  CertFiles node_, intruder_, elsewhere_, foreign_;
+  int ports_[4] = {};
+  std::unique_ptr<DaemonProcess> nodes_[2];
+};
+
+// No certificate, a certificate from another CA: the TLS handshake fails.
+// A valid certificate whose name is not a peer: PERMISSION_DENIED naming it.
+// On every RPC, and the daemon keeps serving.
+TEST_F(PeerAbuse, StrangersAreTurnedAwayOnEveryRpc) {
+  Start(0);
+  const Layout load = MakeLayout(2, 1, false);
+  struct Stranger {
+    const char* what;
+    const CertFiles* as;
+    std::set<grpc::StatusCode> codes;
+  };
+  const std::vector<Stranger> strangers = {
+      {"no certificate", nullptr, {grpc::StatusCode::UNAVAILABLE, grpc::StatusCode::UNAUTHENTICATED}},
+      {"another CA", &foreign_, {grpc::StatusCode::UNAVAILABLE, grpc::StatusCode::UNAUTHENTICATED}},
+      {"not a peer", &intruder_, {grpc::StatusCode::PERMISSION_DENIED}},
+  };
+  for (const Stranger& s : strangers) {
+    SCOPED_TRACE(s.what);
+    auto stub = Stub(ports_[0], s.as);
+    std::vector<std::pair<std::string, grpc::Status>> got;
+    {
+      grpc::ClientContext ctx;
+      Deadline(&ctx, 5);
+      pv1::JoinRequest req;
+      req.set_job_id("j");
+      req.set_node(X());
+      req.set_world_size(2);
+      pv1::PlanPart part;
+      got.push_back({"Join", stub->Join(&ctx, req, &part)});
+    }
+    {
+      std::string bytes;
+      got.push_back({"FetchRead", Fetch("j", 0, X(), s.as, &bytes, nullptr)});
+    }
+    {
+      grpc::ClientContext ctx;
+      Deadline(&ctx, 5);
+      pv1::CompleteRequest req;
+      req.set_job_id("j");
+      req.set_node(X());
+      req.set_ok(true);
+      pv1::CompleteResponse resp;
+      got.push_back({"Complete", stub->Complete(&ctx, req, &resp)});
+    }
+    {
+      grpc::ClientContext ctx;
+      Deadline(&ctx, 5);
+      pv1::PingRequest req;
+      pv1::PingResponse resp;
+      got.push_back({"Ping", stub->Ping(&ctx, req, &resp)});
+    }
+    for (const auto& [rpc, st] : got) {
+      EXPECT_TRUE(s.codes.count(st.error_code()))
+          << rpc << ": " << st.error_code() << " " << st.error_message();
+      if (s.as == &intruder_) {
+        EXPECT_THAT(st.error_message(), HasSubstr("intruder.example")) << rpc;
+      }
+    }
+  }
+  // Still serving its peers.
+  grpc::ClientContext ctx;
+  Deadline(&ctx, 5);
+  pv1::PingRequest req;
+  req.set_node(X());
+  pv1::PingResponse resp;
+  grpc::Status ok = Stub(ports_[0], &node_)->Ping(&ctx, req, &resp);
+  EXPECT_TRUE(ok.ok()) << ok.error_message();
+  EXPECT_EQ(resp.node(), Addr(ports_[0]));
+}
+
+// A member of a job: sees its job in Ping (a non-member does not), gets its
+// read once with the serving node's xxh3, is refused a second fetch (the
+// job fails, naming it), never crashes the server with a third; a peer that
+// is not a node of the job cannot complete it.
+TEST_F(PeerAbuse, MemberFetchingAReadThreeTimesNeverCrashesTheServer) {
+  GiveAllFilesToA();
+  Start(0);
+  const Layout load = MakeLayout(2, 1, false);
+  const std::string lf = WriteLayout(load, "load2.json");
+  pid_t rank0 = StartRank(0, lf, "fetch3");
+  pv1::PlanPart part;
+  grpc::Status joined = JoinAs("fetch3", X(), load, {1}, &node_, &part);
+  ASSERT_TRUE(joined.ok()) << joined.error_message() << Slurp(nodes_[0]->log());
+  EXPECT_THAT(part.nodes(), ::testing::UnorderedElementsAre(Addr(ports_[0]), X()));
+  int g = -1;
+  for (int i = 0; i < part.reads_size() && g < 0; ++i) {
+    const auto& r = part.reads(i);
+    if (r.reader() == Addr(ports_[0]) &&
+        std::find(r.needed_by().begin(), r.needed_by().end(), X()) != r.needed_by().end()) {
+      g = i;
+    }
+  }
+  ASSERT_GE(g, 0) << "no read of A is needed by X";
+  // Ping: job ids for a member only.
+  for (const std::string& who : {X(), Addr(ports_[1])}) {
+    grpc::ClientContext ctx;
+    Deadline(&ctx, 5);
+    pv1::PingRequest req;
+    req.set_node(who);
+    pv1::PingResponse resp;
+    ASSERT_TRUE(Stub(ports_[0], &node_)->Ping(&ctx, req, &resp).ok());
+    if (who == X()) {
+      EXPECT_THAT(resp.jobs(), ::testing::Contains("fetch3"));
+    } else {
+      EXPECT_THAT(resp.jobs(), ::testing::IsEmpty()) << "a non-member learns no job ids";
+    }
+  }
+  std::string bytes;
+  std::optional<uint64_t> xxh3;
+  grpc::Status first = Fetch("fetch3", g, X(), &node_, &bytes, &xxh3);
+  ASSERT_TRUE(first.ok()) << first.error_message();
+  ASSERT_EQ(bytes.size(), part.reads(g).length());
+  ASSERT_TRUE(xxh3.has_value()) << "the first chunk carries the read's xxh3";
+  EXPECT_EQ(*xxh3, XXH3_64bits(bytes.data(), bytes.size()));
+  grpc::Status second = Fetch("fetch3", g, X(), &node_, nullptr, nullptr);
+  EXPECT_EQ(second.error_code(), grpc::StatusCode::PERMISSION_DENIED) << second.error_message();
+  EXPECT_THAT(second.error_message(), HasSubstr("a second time"));
+  EXPECT_THAT(second.error_message(), HasSubstr("peer certificate [127.0.0.1]"));
+  grpc::Status third = Fetch("fetch3", g, X(), &node_, nullptr, nullptr);
+  EXPECT_FALSE(third.ok());
+  // Not a node of the job: no completion.
+  {
+    grpc::ClientContext ctx;
+    Deadline(&ctx, 5);
+    pv1::CompleteRequest req;
+    req.set_job_id("fetch3");
+    req.set_node(Addr(ports_[1]));
+    req.set_ok(true);
+    pv1::CompleteResponse resp;
+    grpc::Status s = Stub(ports_[0], &node_)->Complete(&ctx, req, &resp);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr("not a node of the job"));
+  }
+  // The job failed for its local rank, naming the member that misbehaved.
+  EXPECT_NE(WaitExit(rank0, std::chrono::seconds(20)), 0);
+  const std::string log = Slurp(tmp_.Sub("fetch3.log"));
+  EXPECT_THAT(log, HasSubstr("PERMISSION_DENIED"));
+  EXPECT_THAT(log, HasSubstr("peer certificate [127.0.0.1]"));
+  EXPECT_TRUE(nodes_[0]->Alive()) << Slurp(nodes_[0]->log());
+}
+
+// Join with no ranks, and Join for an address the certificate does not
+// name: PERMISSION_DENIED, and the job fails for its ranks with that name.
+TEST_F(PeerAbuse, JoinWithoutRanksOrForAnotherNodeFailsTheJob) {
+  GiveAllFilesToA();
+  Start(0);
+  const Layout load = MakeLayout(2, 1, false);
+  const std::string lf = WriteLayout(load, "load2.json");
+  struct Case {
+    const char* job;
+    const CertFiles* as;
+    std::vector<int> ranks;
+    const char* says;
+  };
+  for (const Case& c : {Case{"noranks", &node_, {}, "with no ranks"},
+                        Case{"impostor", &elsewhere_, {1}, "its certificate does not name"}}) {
+    SCOPED_TRACE(c.job);
+    pid_t rank0 = StartRank(0, lf, c.job);
+    WaitForJob(c.job);  // a violation fails a job this daemon knows
+    pv1::PlanPart part;
+    grpc::Status s = JoinAs(c.job, X(), load, c.ranks, c.as, &part);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr(c.says));
+    const auto t0 = std::chrono::steady_clock::now();
+    EXPECT_NE(WaitExit(rank0, std::chrono::seconds(20)), 0);
+    EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));  // not the barrier
+    const std::string log = Slurp(tmp_.Sub(std::string(c.job) + ".log"));
+    EXPECT_THAT(log, HasSubstr("PERMISSION_DENIED"));
+    EXPECT_THAT(log, HasSubstr(c.says));
+  }
+  EXPECT_TRUE(nodes_[0]->Alive());
+}
+
+// Node B flips one byte of every read it serves: every rank of the job
+// fails with DATA_LOSS naming B, and nothing is written as a result.
+TEST_F(PeerAbuse, FlippedByteFailsEveryRankWithDataLoss) {
+  Start(0);
+  Start(1, {"--testing-corrupt-served"});
+  const Layout load = MakeLayout(4, 1, false);
+  const std::string lf = WriteLayout(load, "load4.json");
+  std::vector<pid_t> pids;
+  for (int r = 0; r < 4; ++r) pids.push_back(StartRank(r, lf, "flip"));
+  for (pid_t p : pids) EXPECT_NE(WaitExit(p, std::chrono::seconds(30)), 0);
+  const std::string log = Slurp(tmp_.Sub("flip.log"));
+  size_t data_loss = 0;
+  for (size_t at = log.find("[DATA_LOSS]"); at != std::string::npos;
+       at = log.find("[DATA_LOSS]", at + 1)) {
+    ++data_loss;
+  }
+  EXPECT_EQ(data_loss, 4u) << log;
+  EXPECT_THAT(log, HasSubstr("from peer " + Addr(ports_[1])));
+  EXPECT_FALSE(fs::exists(tmp_.Sub("out-flip/rank0.safetensors")));
+  // Without the fault, the same job loads.
+  nodes_[1].reset();
+  Start(1);
+  pids.clear();
+  for (int r = 0; r < 4; ++r) pids.push_back(StartRank(r, lf, "clean"));
+  for (pid_t p : pids) EXPECT_EQ(WaitExit(p, std::chrono::seconds(30)), 0) << Slurp(tmp_.Sub("clean.log"));
+}
+
+// New certificates by SIGHUP while a job is between its plan and its
+// transfers: the job completes, and new connections meet the new certificate.
+TEST_F(PeerAbuse, SighupRotatesCertificatesWithoutDroppingRunningJobs) {
+  // Each daemon reads its own copy, replaced in place below.
+  CertFiles live[2];
+  for (int i = 0; i < 2; ++i) {
+    live[i] = {tmp_.Sub("live" + std::to_string(i) + ".crt"),
+               tmp_.Sub("live" + std::to_string(i) + ".key"), node_.ca};
+    fs::copy_file(node_.cert, live[i].cert);
+    fs::copy_file(node_.key, live[i].key);
+    Start(i, {"--testing-delay-part-ms", "1500"}, &live[i]);
+  }
+  EXPECT_EQ(testing::ServerCertName(certs_, Addr(ports_[0]), node_), "node");
+  const CertFiles v2 = testing::MakeLeaf(certs_, "ca", "node-v2", "IP:127.0.0.1");
+  ASSERT_FALSE(v2.cert.empty());
+  const Layout load = MakeLayout(4, 1, false);
+  const std::string lf = WriteLayout(load, "load4.json");
+  std::vector<pid_t> pids;
+  for (int r = 0; r < 4; ++r) pids.push_back(StartRank(r, lf, "rotate"));
+  for (int i = 0; i < 500 && Slurp(nodes_[0]->log()).find("coordinator job=rotate") == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  ASSERT_THAT(Slurp(nodes_[0]->log()), HasSubstr("coordinator job=rotate"));
+  for (int i = 0; i < 2; ++i) {
+    fs::copy_file(v2.cert, live[i].cert, fs::copy_options::overwrite_existing);
+    fs::copy_file(v2.key, live[i].key, fs::copy_options::overwrite_existing);
+    ::kill(nodes_[i]->pid(), SIGHUP);
+  }
+  for (pid_t p : pids) EXPECT_EQ(WaitExit(p, std::chrono::seconds(30)), 0) << Slurp(tmp_.Sub("rotate.log"));
+  OfflineLoadOptions lo;
+  auto res = LoadOffline(tmp_.Sub("full"), load, lo);
+  ASSERT_TRUE(res.ok()) << res.status();
+  ASSERT_TRUE(WriteRankOutputs(*res, tmp_.Sub("expected-rotate")).ok());
+  for (int r = 0; r < 4; ++r) {
+    const std::string f = "/rank" + std::to_string(r) + ".safetensors";
+    EXPECT_EQ(Slurp(tmp_.Sub("out-rotate") + f), Slurp(tmp_.Sub("expected-rotate") + f)) << r;
+  }
+  for (int i = 0; i < 2; ++i) {
+    EXPECT_THAT(Slurp(nodes_[i]->log()), HasSubstr("SIGHUP: peer TLS files reloaded"));
+    EXPECT_EQ(testing::ServerCertName(certs_, Addr(ports_[i]), node_), "node-v2") << i;
+  }
+  // And the next job runs on the new certificates.
+  pids.clear();
+  for (int r = 0; r < 4; ++r) pids.push_back(StartRank(r, lf, "after"));
+  for (pid_t p : pids) EXPECT_EQ(WaitExit(p, std::chrono::seconds(30)), 0) << Slurp(tmp_.Sub("after.log"));
+}
+
+}  // namespace
+}  // namespace ckpt
