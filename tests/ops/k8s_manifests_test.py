@@ -200,11 +200,14 @@ class ManifestsTest(unittest.TestCase):
         self.assertIn("chown", " ".join(init["socket-dir"]["command"]))
         self.assertIn(sock_dir, mounts(init["socket-dir"]))
 
-        # Probes: gRPC health on the peer port (TCP), which the container exposes.
+        # Probes: `ckptctl status` on the daemon's socket. Not the peer port:
+        # it demands a client certificate, which the kubelet cannot present.
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         self.assertEqual(ports["peer"], peer_port)
         for probe in ("readinessProbe", "livenessProbe"):
-            self.assertEqual(c[probe]["grpc"]["port"], peer_port, probe)
+            command = c[probe]["exec"]["command"]
+            self.assertEqual(command[:2], ["/usr/bin/ckptctl", "status"], probe)
+            self.assertIn(eff["socket"], command, probe)
 
         # Metrics: on, on the port Prometheus is told to scrape.
         metrics_port = int(eff["metrics_address"].rsplit(":", 1)[1])
@@ -224,6 +227,43 @@ class ManifestsTest(unittest.TestCase):
         self.assertGreater(spec["terminationGracePeriodSeconds"],
                            parse_seconds(eff["drain_timeout"]))
         self.assertFalse(c["securityContext"]["allowPrivilegeEscalation"])
+
+    def test_peer_tls_from_secret(self):
+        ds = self.doc("DaemonSet", "ckptd")
+        spec = ds["spec"]["template"]["spec"]
+        (c,) = [c for c in spec["containers"] if c["name"] == "ckptd"]
+        eff = effective_config(self.doc("ConfigMap", "ckptd-config")["data"]["ckptd.yaml"], c)
+        # Mutual TLS on the peer plane, not the plaintext escape hatch.
+        self.assertFalse(eff["peer_insecure"])
+        volumes = {v["name"]: v for v in spec["volumes"]}
+        secrets = set()
+        for key, item in (("peer_tls_cert", "tls.crt"), ("peer_tls_key", "tls.key"),
+                          ("peer_tls_ca", "ca.crt")):
+            path = eff[key]
+            self.assertTrue(path, key)
+            self.assertEqual(os.path.basename(path), item, key)
+            # The file comes from a Secret volume mounted whole (a subPath
+            # mount would never see a renewed certificate).
+            m = mounts(c).get(os.path.dirname(path))
+            self.assertTrue(m, f"{key}: nothing mounted at {os.path.dirname(path)}")
+            self.assertNotIn("subPath", m)
+            self.assertTrue(m.get("readOnly"))
+            secrets.add(volumes[m["name"]]["secret"]["secretName"])
+        self.assertEqual(len(secrets), 1)
+        (secret,) = secrets
+        # The cert-manager example issues that Secret for the peer_dns name,
+        # for server and client use; it stays out of the kustomization.
+        if os.path.exists(os.path.join(K8S, "peer-certificate.yaml")):
+            cert = self.doc("Certificate", secret)
+            self.assertEqual(cert["apiVersion"], "cert-manager.io/v1")
+            self.assertEqual(cert["metadata"]["namespace"], ds["metadata"]["namespace"])
+            self.assertEqual(cert["spec"]["secretName"], secret)
+            self.assertIn(eff["peer_dns"].rsplit(":", 1)[0], cert["spec"]["dnsNames"])
+            self.assertLessEqual({"server auth", "client auth"}, set(cert["spec"]["usages"]))
+            issuer = cert["spec"]["issuerRef"]
+            self.doc(issuer.get("kind", "Issuer"), issuer["name"])
+            k = load_docs("kustomization.yaml")[0]
+            self.assertNotIn("peer-certificate.yaml", k["resources"])
 
     def test_headless_service_matches_peer_dns(self):
         ds = self.doc("DaemonSet", "ckptd")
