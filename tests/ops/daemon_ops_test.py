@@ -221,6 +221,13 @@ class OpsTest(unittest.TestCase):
                     ("ckptd_peer_up", (("peer", f"127.0.0.1:{p2}"),))) == 1)
                 m = parse_metrics(a.scrape())
                 self.assertGreater(m[("ckptd_peer_rtt_seconds", (("peer", f"127.0.0.1:{p2}"),))], 0)
+            # Peer health is cached a few seconds (Status and every scrape
+            # share one parallel round of pings): the stopped peer shows
+            # DOWN within that.
+            t0 = time.monotonic()
+            wait_for("the stopped peer to show DOWN", lambda: "peers: 0 of 1 reachable" in
+                     ckptctl("status", "--daemon", a.socket).stdout)
+            self.assertLess(time.monotonic() - t0, 6)
             out = ckptctl("status", "--daemon", a.socket).stdout
             self.assertRegex(out, r"peers: 0 of 1 reachable, this daemon is 127\.0\.0\.1:\d+")
             self.assertRegex(out, rf"127\.0\.0\.1:{p2}\s+DOWN")
