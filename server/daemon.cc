@@ -160,7 +160,8 @@ Daemon::~Daemon() { Stop(); }
 
 absl::Status Daemon::Start() {
   spdlog::info("gpu: {}", gpu_->Describe());
-  CKPT_RETURN_IF_ERROR(LoadPeerTls());
+  CKPT_ASSIGN_OR_RETURN(auto tls, ReadPeerTls());
+  UsePeerTls(std::move(tls));
   if (!config_.socket.empty()) {
     CKPT_ASSIGN_OR_RETURN(fd_receiver_, FdReceiver::Start(FdSocketPath(config_.socket),
                                                           config_.socket_mode,

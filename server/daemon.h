@@ -90,14 +90,20 @@ class Daemon {
   // (hosts of `peers` and `peer_listen`, the `peer_dns` name and the
   // addresses behind it); in plaintext, always (loopback or peer_insecure).
   absl::StatusOr<PeerCaller> AuthorizePeer(PeerCaller caller) const;
-  // Reads peer_tls_* (at start, and again on SIGHUP): peer channels made
-  // from now on present the new certificate. A file that cannot be read
-  // keeps the old ones and is the error.
-  absl::Status LoadPeerTls();
-  // Credentials for the peer service from the files LoadPeerTls read
-  // (mutual TLS: client certificates required and verified); plaintext
-  // when peer TLS is off.
-  std::shared_ptr<grpc::ServerCredentials> PeerServerCredentials();
+  // The peer TLS files (PEM), read from peer_tls_*; nullopt when peer TLS
+  // is off. A file that cannot be read is the error.
+  struct PeerTlsFiles {
+    std::string cert, key, ca;
+  };
+  absl::StatusOr<std::optional<PeerTlsFiles>> ReadPeerTls() const;
+  // Peer channels made from now on present `files` (Start; SIGHUP, once the
+  // peer server accepted them: PeerServer::Rotate).
+  void UsePeerTls(std::optional<PeerTlsFiles> files);
+  // Credentials for the peer service (mutual TLS: client certificates
+  // required and verified against the CA; plaintext for nullopt).
+  static std::shared_ptr<grpc::ServerCredentials> PeerServerCredentials(
+      const std::optional<PeerTlsFiles>& files);
+  std::optional<PeerTlsFiles> peer_tls();
 
   // Peer RPC bodies (multi-node jobs; see daemon_multinode.cc). `caller`
   // passed AuthorizePeer; `cancelled` polls whether the call went away.
@@ -204,12 +210,16 @@ class Daemon {
     std::set<std::string> dns_addresses;   // the addresses found through it
     absl::Time resolved;
   };
-  // The configured peer set, with peer_dns resolved at most every few seconds.
-  std::shared_ptr<const PeerSet> CurrentPeerSet() const;
+  // The configured peer set, with peer_dns resolved at most every few
+  // seconds (`refresh`: now).
+  std::shared_ptr<const PeerSet> CurrentPeerSet(bool refresh = false) const;
   // OK when `caller` may speak for the peer address `node`: `node` is in the
-  // peer set and (TLS) its certificate names node's host, or the peer_dns
-  // name when node was found through it. Else PERMISSION_DENIED.
-  absl::Status SpeaksFor(const PeerCaller& caller, const std::string& node) const;
+  // peer set (re-resolved once when it is not) or, with `job_member`, a node
+  // of a job it joined (a pod that left the DNS answer mid-job stays one),
+  // and (TLS) the certificate names node's host, or the peer_dns name when
+  // node is found through it (or is a job member). Else PERMISSION_DENIED.
+  absl::Status SpeaksFor(const PeerCaller& caller, const std::string& node,
+                         bool job_member = false) const;
   // An authorization violation by `caller` inside job `dj`: logged, kept as
   // the job's failure on this node, and (coordinator) the job's outcome for
   // every node. Returns the PERMISSION_DENIED status naming the caller.
@@ -288,11 +298,8 @@ class Daemon {
   std::map<std::string, absl::Time> nccl_unreachable_ ABSL_GUARDED_BY(peer_mu_);
   mutable absl::Mutex peer_set_mu_;
   mutable std::shared_ptr<const PeerSet> peer_set_ ABSL_GUARDED_BY(peer_set_mu_);
-  struct PeerTls {
-    std::string cert, key, ca;  // PEM
-  };
   absl::Mutex stubs_mu_;
-  std::optional<PeerTls> peer_tls_ ABSL_GUARDED_BY(stubs_mu_);
+  std::optional<PeerTlsFiles> peer_tls_ ABSL_GUARDED_BY(stubs_mu_);
   std::map<std::string, std::shared_ptr<peer::v1::Peer::Stub>> stubs_ ABSL_GUARDED_BY(stubs_mu_);
   absl::Mutex health_refresh_mu_;  // one refresh at a time
   absl::Mutex health_mu_;

@@ -426,7 +426,8 @@ absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> Daemon::JoinCoordinat
 absl::StatusOr<peer::v1::CompleteResponse> Daemon::PeerComplete(
     const PeerCaller& caller, const peer::v1::CompleteRequest& req,
     const std::function<bool()>& cancelled) {
-  const absl::Status who = SpeaksFor(caller, req.node());
+  const absl::Status who_if_member = SpeaksFor(caller, req.node(), /*job_member=*/true);
+  const absl::Status who_otherwise = SpeaksFor(caller, req.node());
   absl::MutexLock lock(&peer_mu_);
   auto it = dist_jobs_.find(req.job_id());
   if (it == dist_jobs_.end() || !it->second->coordinator) {
@@ -434,6 +435,9 @@ absl::StatusOr<peer::v1::CompleteResponse> Daemon::PeerComplete(
                                             config_.peer_listen));
   }
   std::shared_ptr<DistJob> dj = it->second;
+  const bool member =
+      std::find(dj->nodes.begin(), dj->nodes.end(), req.node()) != dj->nodes.end();
+  const absl::Status& who = member ? who_if_member : who_otherwise;
   if (!who.ok()) {
     return ViolationLocked(*dj, caller, absl::StrCat("reported completion: ", who.message()));
   }
@@ -531,7 +535,8 @@ absl::Status Daemon::PeerFetchRead(const PeerCaller& caller,
                                    const peer::v1::FetchReadRequest& req,
                                    const std::function<bool(const peer::v1::Chunk&)>& send,
                                    const std::function<bool()>& cancelled) {
-  const absl::Status who = SpeaksFor(caller, req.node());
+  const absl::Status who_if_member = SpeaksFor(caller, req.node(), /*job_member=*/true);
+  const absl::Status who_otherwise = SpeaksFor(caller, req.node());
   const std::string& me = config_.peer_listen;
   const uint32_t g = req.read();
   std::shared_ptr<DistJob> dj;
@@ -548,6 +553,11 @@ absl::Status Daemon::PeerFetchRead(const PeerCaller& caller,
           "unplanned fetch of read ", g));
     }
     dj = it->second;
+    // A node of the job (checked again below, once the part is known) keeps
+    // its standing if it left the peer_dns answer since it joined.
+    const bool member =
+        std::find(dj->nodes.begin(), dj->nodes.end(), req.node()) != dj->nodes.end();
+    const absl::Status& who = member ? who_if_member : who_otherwise;
     if (!who.ok()) {
       return ViolationLocked(*dj, caller, absl::StrCat("fetched read ", g, ": ", who.message()));
     }

@@ -142,6 +142,16 @@ int main(int argc, char** argv) {
     auto c = ckptd::LoadConfigFile(absl::GetFlag(FLAGS_check_config));
     absl::Status s = c.ok() ? ckptd::ValidateConfig(*c) : c.status();
     if (!s.ok()) return Fail(std::string(s.message()));
+    // The TLS files must be readable PEM now, not only at start.
+    const std::pair<const std::string*, const char*> pems[] = {
+        {&c->tcp_tls_cert, "tcp_tls_cert"},   {&c->tcp_tls_key, "tcp_tls_key"},
+        {&c->tcp_tls_ca, "tcp_tls_ca"},       {&c->peer_tls_cert, "peer_tls_cert"},
+        {&c->peer_tls_key, "peer_tls_key"},   {&c->peer_tls_ca, "peer_tls_ca"}};
+    for (const auto& [path, key] : pems) {
+      if (path->empty()) continue;
+      auto pem = ckptd::ReadPem(*path, key);
+      if (!pem.ok()) return Fail(std::string(pem.status().message()));
+    }
     std::cout << absl::GetFlag(FLAGS_check_config) << ": OK\n";
     return 0;
   }
@@ -322,8 +332,9 @@ int main(int argc, char** argv) {
   std::thread signals([&] {
     int sig = 0;
     while (sigwait(&sigs, &sig) == 0 && sig == SIGHUP) {
-      absl::Status s = daemon.LoadPeerTls();
-      if (s.ok() && peer_server && !config.peer_tls_cert.empty()) s = peer_server->Rotate();
+      auto files = daemon.ReadPeerTls();
+      absl::Status s = files.status();
+      if (s.ok() && peer_server && !config.peer_tls_cert.empty()) s = peer_server->Rotate(*files);
       if (s.ok()) {
         spdlog::info("SIGHUP: peer TLS files reloaded");
       } else {
@@ -335,7 +346,7 @@ int main(int argc, char** argv) {
     sd_notify(0, "STOPPING=1\nSTATUS=draining running loads");
     server->GetHealthCheckService()->SetServingStatus(false);
     if (uds) uds->Stop();  // no new connections; open ones drain
-    // Kubernetes probes the peer port's health service (deploy/k8s): not ready while draining.
+    // grpc.health.v1 on the peer port says NOT_SERVING while draining.
     if (peer_server) peer_server->SetServing(false);
     const auto drain = std::chrono::system_clock::now() +
                        std::chrono::milliseconds(absl::ToInt64Milliseconds(config.drain_timeout));

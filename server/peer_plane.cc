@@ -10,9 +10,10 @@
 //  - static `peers` (host:port): each node's certificate names its host;
 //    channels verify the server's certificate against that host.
 //  - `peer_dns` (a Kubernetes headless service): the nodes' addresses are
-//    the service's pod IPs; a certificate naming the service name (one
-//    Secret shared by the DaemonSet) or the pod's IP identifies a node, and
-//    channels to addresses found through the name verify that name.
+//    the service's pod IPs, and channels to them verify the service name,
+//    so every node's certificate names it (one Secret shared by the
+//    DaemonSet) and may speak for any address behind it: the nodes share one
+//    identity, the key is the trust boundary.
 #include <arpa/inet.h>
 #include <netdb.h>
 #include <sys/socket.h>
@@ -66,10 +67,13 @@ std::set<std::string> Resolve(const std::string& dns) {
 
 }  // namespace
 
-std::shared_ptr<const Daemon::PeerSet> Daemon::CurrentPeerSet() const {
+std::shared_ptr<const Daemon::PeerSet> Daemon::CurrentPeerSet(bool refresh) const {
   {
     absl::MutexLock lock(&peer_set_mu_);
-    if (peer_set_ != nullptr && absl::Now() - peer_set_->resolved < kPeerSetTtl) return peer_set_;
+    if (peer_set_ != nullptr && absl::Now() - peer_set_->resolved < kPeerSetTtl &&
+        (!refresh || config_.peer_dns.empty())) {
+      return peer_set_;
+    }
   }
   auto set = std::make_shared<PeerSet>();
   set->resolved = absl::Now();
@@ -118,9 +122,11 @@ absl::StatusOr<PeerCaller> Daemon::AuthorizePeer(PeerCaller caller) const {
       absl::StrJoin(set->names, ", "), ")"));
 }
 
-absl::Status Daemon::SpeaksFor(const PeerCaller& caller, const std::string& node) const {
+absl::Status Daemon::SpeaksFor(const PeerCaller& caller, const std::string& node,
+                               bool job_member) const {
   auto set = CurrentPeerSet();
-  if (!set->members.count(node)) {
+  if (!job_member && !set->members.count(node)) set = CurrentPeerSet(/*refresh=*/true);
+  if (!job_member && !set->members.count(node)) {
     return absl::PermissionDeniedError(absl::StrCat(
         caller.Describe(), " speaks for node '", node, "', which is not in the peer set"));
   }
@@ -128,7 +134,8 @@ absl::Status Daemon::SpeaksFor(const PeerCaller& caller, const std::string& node
   const std::string host = HostOf(node);
   for (const std::string& n : caller.names) {
     if (n == host) return absl::OkStatus();
-    if (!set->dns_name.empty() && n == set->dns_name && set->dns_addresses.count(node)) {
+    if (!set->dns_name.empty() && n == set->dns_name &&
+        (job_member || set->dns_addresses.count(node))) {
       return absl::OkStatus();
     }
   }
@@ -136,26 +143,32 @@ absl::Status Daemon::SpeaksFor(const PeerCaller& caller, const std::string& node
       caller.Describe(), " speaks for node '", node, "', which its certificate does not name"));
 }
 
-absl::Status Daemon::LoadPeerTls() {
-  if (config_.peer_tls_cert.empty()) return absl::OkStatus();
-  PeerTls t;
+absl::StatusOr<std::optional<Daemon::PeerTlsFiles>> Daemon::ReadPeerTls() const {
+  if (config_.peer_tls_cert.empty()) return std::optional<PeerTlsFiles>();
+  PeerTlsFiles t;
   CKPT_ASSIGN_OR_RETURN(t.cert, ReadPem(config_.peer_tls_cert, "peer_tls_cert"));
   CKPT_ASSIGN_OR_RETURN(t.key, ReadPem(config_.peer_tls_key, "peer_tls_key"));
   CKPT_ASSIGN_OR_RETURN(t.ca, ReadPem(config_.peer_tls_ca, "peer_tls_ca"));
-  absl::MutexLock lock(&stubs_mu_);
-  const bool reload = peer_tls_.has_value();
-  peer_tls_ = std::move(t);
-  stubs_.clear();  // new channels present the new certificate; calls in flight keep theirs
-  if (reload) spdlog::info("peer TLS: reloaded {}", config_.peer_tls_cert);
-  return absl::OkStatus();
+  return std::optional<PeerTlsFiles>(std::move(t));
 }
 
-std::shared_ptr<grpc::ServerCredentials> Daemon::PeerServerCredentials() {
+void Daemon::UsePeerTls(std::optional<PeerTlsFiles> files) {
   absl::MutexLock lock(&stubs_mu_);
-  if (!peer_tls_) return grpc::InsecureServerCredentials();
+  peer_tls_ = std::move(files);
+  stubs_.clear();  // new channels present the new certificate; calls in flight keep theirs
+}
+
+std::optional<Daemon::PeerTlsFiles> Daemon::peer_tls() {
+  absl::MutexLock lock(&stubs_mu_);
+  return peer_tls_;
+}
+
+std::shared_ptr<grpc::ServerCredentials> Daemon::PeerServerCredentials(
+    const std::optional<PeerTlsFiles>& files) {
+  if (!files) return grpc::InsecureServerCredentials();
   grpc::SslServerCredentialsOptions o(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
-  o.pem_root_certs = peer_tls_->ca;
-  o.pem_key_cert_pairs.push_back({peer_tls_->key, peer_tls_->cert});
+  o.pem_root_certs = files->ca;
+  o.pem_key_cert_pairs.push_back({files->key, files->cert});
   return grpc::SslServerCredentials(o);
 }
 

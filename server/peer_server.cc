@@ -6,10 +6,11 @@
 
 namespace ckptd {
 
-absl::StatusOr<std::unique_ptr<grpc::Server>> PeerServer::Build() {
+absl::StatusOr<std::unique_ptr<grpc::Server>> PeerServer::Build(
+    const std::optional<Daemon::PeerTlsFiles>& files) {
   const DaemonConfig& c = daemon_->config();
   grpc::ServerBuilder pb;
-  pb.AddListeningPort(c.peer_listen, daemon_->PeerServerCredentials());
+  pb.AddListeningPort(c.peer_listen, Daemon::PeerServerCredentials(files));
   pb.SetMaxReceiveMessageSize(256 << 20);
   pb.SetMaxSendMessageSize(256 << 20);
   pb.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 1);  // the next server, on rotation
@@ -27,23 +28,24 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> PeerServer::Build() {
 absl::StatusOr<std::unique_ptr<PeerServer>> PeerServer::Start(Daemon* daemon,
                                                               PeerService* service) {
   std::unique_ptr<PeerServer> p(new PeerServer(daemon, service));
-  auto s = p->Build();
+  auto s = p->Build(daemon->peer_tls());
   if (!s.ok()) return s.status();
   absl::MutexLock lock(&p->mu_);
   p->current_ = std::move(*s);
   return p;
 }
 
-absl::Status PeerServer::Rotate() {
-  auto next = Build();
+absl::Status PeerServer::Rotate(const std::optional<Daemon::PeerTlsFiles>& files) {
+  auto next = Build(files);
   if (!next.ok()) return next.status();
   absl::MutexLock lock(&mu_);
   std::shared_ptr<grpc::Server> old(std::move(current_));
   current_ = std::move(*next);
   const auto deadline = std::chrono::system_clock::now() +
                         std::chrono::milliseconds(absl::ToInt64Milliseconds(
-                            daemon_->config().peer_timeout + absl::Seconds(5)));
+                            daemon_->config().peer_timeout));
   retiring_.emplace_back([old, deadline] { old->Shutdown(deadline); });
+  daemon_->UsePeerTls(files);  // and this node's channels, now that the server took them
   spdlog::info("peer service on {}: new certificate in use; calls in flight finish on the old one",
                daemon_->config().peer_listen);
   return absl::OkStatus();

@@ -1,11 +1,13 @@
 // The peer service's gRPC server, with certificate rotation.
 //
-// Rotate() (SIGHUP, after Daemon::LoadPeerTls read the new files) starts a
+// Rotate() (SIGHUP, with the files Daemon::ReadPeerTls just read) starts a
 // second server on the same port (gRPC sets SO_REUSEPORT) with the new
 // credentials and shuts the old one down in the background: the calls in
 // flight on it (joins, FetchRead streams, completions) finish there within
 // peer_timeout, so running jobs are not dropped, and new connections meet
-// the new certificate. If the new server cannot start, the old one stays.
+// the new certificate. Only then do this node's own channels switch
+// (Daemon::UsePeerTls). If the new server cannot start (e.g. a key that
+// does not match its certificate), nothing changes.
 #ifndef CKPTD_SERVER_PEER_SERVER_H_
 #define CKPTD_SERVER_PEER_SERVER_H_
 
@@ -29,7 +31,7 @@ class PeerServer {
   static absl::StatusOr<std::unique_ptr<PeerServer>> Start(Daemon* daemon, PeerService* service);
   ~PeerServer();
 
-  absl::Status Rotate();
+  absl::Status Rotate(const std::optional<Daemon::PeerTlsFiles>& files);
   // The standard health service's answer (Kubernetes probes the peer port).
   void SetServing(bool serving);
   // Stops accepting; calls in flight get until `deadline`.
@@ -37,7 +39,7 @@ class PeerServer {
 
  private:
   PeerServer(Daemon* daemon, PeerService* service) : daemon_(daemon), service_(service) {}
-  absl::StatusOr<std::unique_ptr<grpc::Server>> Build();
+  absl::StatusOr<std::unique_ptr<grpc::Server>> Build(const std::optional<Daemon::PeerTlsFiles>& files);
 
   Daemon* const daemon_;
   PeerService* const service_;

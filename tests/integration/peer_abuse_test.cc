@@ -459,5 +459,33 @@ TEST_F(PeerAbuse, SighupRotatesCertificatesWithoutDroppingRunningJobs) {
   for (pid_t p : pids) EXPECT_EQ(WaitExit(p, std::chrono::seconds(30)), 0) << Slurp(tmp_.Sub("after.log"));
 }
 
+// A SIGHUP with files the server cannot use (a key that does not match its
+// certificate) changes nothing: the old certificate keeps serving, this
+// node's own channels keep theirs, and jobs still run.
+TEST_F(PeerAbuse, SighupWithAMismatchedKeyChangesNothing) {
+  CertFiles live[2];
+  for (int i = 0; i < 2; ++i) {
+    live[i] = {tmp_.Sub("live" + std::to_string(i) + ".crt"),
+               tmp_.Sub("live" + std::to_string(i) + ".key"), node_.ca};
+    fs::copy_file(node_.cert, live[i].cert);
+    fs::copy_file(node_.key, live[i].key);
+    Start(i, {}, &live[i]);
+  }
+  const CertFiles v2 = testing::MakeLeaf(certs_, "ca", "node-v2", "IP:127.0.0.1");
+  ASSERT_FALSE(v2.cert.empty());
+  fs::copy_file(v2.cert, live[0].cert, fs::copy_options::overwrite_existing);  // key stays v1
+  ::kill(nodes_[0]->pid(), SIGHUP);
+  for (int i = 0; i < 500 && Slurp(nodes_[0]->log()).find("not reloaded") == std::string::npos; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_THAT(Slurp(nodes_[0]->log()), HasSubstr("SIGHUP: peer TLS not reloaded, the old certificate stays"));
+  EXPECT_EQ(testing::ServerCertName(certs_, Addr(ports_[0]), node_), "node");
+  const Layout load = MakeLayout(4, 1, false);
+  const std::string lf = WriteLayout(load, "load4.json");
+  std::vector<pid_t> pids;
+  for (int r = 0; r < 4; ++r) pids.push_back(StartRank(r, lf, "still"));
+  for (pid_t p : pids) EXPECT_EQ(WaitExit(p, std::chrono::seconds(30)), 0) << Slurp(tmp_.Sub("still.log"));
+}
+
 }  // namespace
 }  // namespace ckpt
