@@ -379,6 +379,38 @@ class OpsTest(unittest.TestCase):
         self.assertEqual(r.returncode, 1)
         self.assertIn("key 'log_format': must be text or json", r.stderr)
 
+    # --- the peer plane's configuration ------------------------------------------------
+
+    def test_peer_plane_needs_mutual_tls_off_loopback(self):
+        def run(*args):
+            return subprocess.run([CKPTD, "--root", self.root, *args, "--print-config"],
+                                  capture_output=True, text=True, timeout=30)
+        r = run("--peer-listen", "10.0.0.1:7071")
+        self.assertEqual(r.returncode, 1)
+        for word in ("is not a loopback address", "peer_tls_cert", "peer_insecure: true"):
+            self.assertIn(word, r.stderr)
+        r = run("--peer-listen", "10.0.0.1:7071", "--peer-insecure")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("peer_insecure: true", r.stdout)
+        for loopback in ("127.0.0.1:7071", "127.1.2.3:7071", "localhost:7071", "[::1]:7071"):
+            r = run("--peer-listen", loopback)
+            self.assertEqual(r.returncode, 0, f"{loopback}: {r.stderr}")
+        r = run("--peer-listen", "10.0.0.1:7071", "--peer-tls-cert", "/nonexistent.crt")
+        self.assertEqual(r.returncode, 1)
+        self.assertIn("needs all of 'peer_tls_cert', 'peer_tls_key' and 'peer_tls_ca'", r.stderr)
+        r = run("--peer-listen", "127.0.0.1:7071", "--nccl-connect-timeout", "0s")
+        self.assertEqual(r.returncode, 1)
+        self.assertIn("'nccl_connect_timeout' must be positive", r.stderr)
+        # --check-config reads the TLS files too.
+        cfg = os.path.join(self.root, "tls.yaml")
+        with open(cfg, "w") as f:
+            f.write(f"roots: [{self.root}]\npeer_listen: 10.0.0.1:7071\n"
+                    "peer_tls_cert: /nonexistent/node.crt\npeer_tls_key: /nonexistent/node.key\n"
+                    "peer_tls_ca: /nonexistent/ca.crt\n")
+        r = subprocess.run([CKPTD, "--check-config", cfg], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 1)
+        self.assertIn("peer_tls_cert: cannot open /nonexistent/node.crt", r.stderr)
+
     # --- systemd readiness ------------------------------------------------------------
 
     def test_sd_notify_ready_and_stopping(self):
