@@ -234,6 +234,34 @@ class OpsTest(unittest.TestCase):
             rc, msg = promtool_check(a.scrape())
             self.assertEqual((rc, msg), (0, ""))
 
+    def test_status_pings_silent_peers_in_parallel_and_caches_the_answer(self):
+        # Eight peers that accept TCP connections but never answer: each ping
+        # ends at its 300 ms deadline. One after another that is 2.4 s per
+        # Status; in parallel, one deadline.
+        silent = []
+        for _ in range(8):
+            s = socket.socket()
+            s.bind(("127.0.0.1", 0))
+            s.listen(16)
+            silent.append(s)
+        try:
+            me = free_port()
+            peers = ",".join(f"127.0.0.1:{s.getsockname()[1]}" for s in silent)
+            with testlib.Daemon(self.root, "--peer-listen", f"127.0.0.1:{me}", "--peers", peers) as d:
+                t0 = time.monotonic()
+                out = ckptctl("status", "--daemon", d.socket).stdout
+                first = time.monotonic() - t0
+                self.assertIn("peers: 0 of 8 reachable", out)
+                self.assertLess(first, 1.5, "the pings ran one after another")
+                # Within the next few seconds the same answer, without pinging.
+                t0 = time.monotonic()
+                again = ckptctl("status", "--daemon", d.socket).stdout
+                self.assertLess(time.monotonic() - t0, first)
+                self.assertIn("peers: 0 of 8 reachable", again)
+        finally:
+            for s in silent:
+                s.close()
+
     def test_multi_node_load_counts_peer_bytes(self):
         p1, p2 = free_port(), free_port()
         peers = f"127.0.0.1:{p1},127.0.0.1:{p2}"
