@@ -567,16 +567,21 @@ absl::Status Daemon::PeerFetchRead(const PeerCaller& caller,
     auto part_known = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) {
       return dj->part_known || over();
     };
+    // Why nothing is served any more: this node's part failed, or a violation.
+    auto ended = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) -> absl::Status {
+      if (!dj->exec_status.ok()) {
+        return absl::AbortedError(absl::StrCat(me, " failed its part of job '", req.job_id(),
+                                               "': ", dj->exec_status.message()));
+      }
+      if (!dj->violation.ok()) return absl::AbortedError(std::string(dj->violation.message()));
+      return absl::OkStatus();
+    };
     if (!AwaitOrCancel(&peer_mu_, absl::Condition(&part_known), deadline, cancelled)) {
       return WaitFailed(cancelled, absl::StrCat(me, ": job '", req.job_id(),
                                                 "' had no plan part within ",
                                                 absl::FormatDuration(config_.peer_timeout)));
     }
-    if (!dj->exec_status.ok()) {
-      return absl::AbortedError(absl::StrCat(me, " failed its part of job '", req.job_id(),
-                                             "': ", dj->exec_status.message()));
-    }
-    if (!dj->violation.ok()) return absl::AbortedError(std::string(dj->violation.message()));
+    CKPT_RETURN_IF_ERROR(ended());
     if (std::find(dj->nodes.begin(), dj->nodes.end(), req.node()) == dj->nodes.end()) {
       return ViolationLocked(*dj, caller, absl::StrCat("fetched read ", g, " as '", req.node(),
                                                        "', which is not a node of the job"));
@@ -599,11 +604,7 @@ absl::Status Daemon::PeerFetchRead(const PeerCaller& caller,
                                                 "' was not available within ",
                                                 absl::FormatDuration(config_.peer_timeout)));
     }
-    if (!dj->exec_status.ok()) {
-      return absl::AbortedError(absl::StrCat(me, " failed its part of job '", req.job_id(),
-                                             "': ", dj->exec_status.message()));
-    }
-    if (!dj->violation.ok()) return absl::AbortedError(std::string(dj->violation.message()));
+    CKPT_RETURN_IF_ERROR(ended());
     if (served.view.data == nullptr && served.length > 0) {
       return absl::FailedPreconditionError(absl::StrCat(me, ": read ", g, " of job '",
                                                         req.job_id(), "' is no longer held"));

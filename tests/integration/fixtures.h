@@ -5,12 +5,15 @@
 
 #include <algorithm>
 #include <fstream>
+#include <random>
 #include <sstream>
 #include <string>
 #include <vector>
 
 #include "core/layout.h"
 #include "core/planner.h"
+#include "core/safetensors.h"
+#include "core/writer.h"
 #include "tests/testing/files.h"
 #include "tests/testing/split.h"
 
@@ -43,6 +46,20 @@ inline const std::vector<Model>& Tensors() {
       {"opt.layers.0.w.moment1_0", DType::kF32, {256, 512}},
   };
   return *m;
+}
+
+// Writes Tensors() with random bytes (from `seed`) to `dir`/model.safetensors.
+inline absl::Status WriteModel(const std::string& dir, uint64_t seed) {
+  if (absl::Status s = MakeDirs(dir); !s.ok()) return s;
+  std::mt19937_64 rng(seed);
+  std::vector<std::vector<uint8_t>> data;
+  std::vector<TensorToWrite> tw;
+  for (const Model& m : Tensors()) {
+    data.emplace_back(NumElements(m.shape) * DTypeSize(m.dtype));
+    for (auto& b : data.back()) b = static_cast<uint8_t>(rng() & 0x3f);
+    tw.push_back({m.name, m.dtype, m.shape, data.back().data()});
+  }
+  return WriteSafetensors(dir + "/model.safetensors", tw, {}).status();
 }
 
 inline Layout MakeLayout(int world, size_t dim, bool flatten_optimizer) {

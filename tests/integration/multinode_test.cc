@@ -43,16 +43,7 @@ class MultiNode : public ::testing::TestWithParam<bool> {
       tls_ = testing::MakeLeaf(certs, "ca", "node", "IP:127.0.0.1");
       ASSERT_FALSE(tls_.cert.empty()) << Slurp(certs + "/openssl.log");
     }
-    ASSERT_TRUE(MakeDirs(tmp_.Sub("src")).ok());
-    std::mt19937_64 rng(11);
-    std::vector<std::vector<uint8_t>> data;
-    std::vector<TensorToWrite> tw;
-    for (const Model& m : Tensors()) {
-      data.emplace_back(NumElements(m.shape) * DTypeSize(m.dtype));
-      for (auto& b : data.back()) b = static_cast<uint8_t>(rng() & 0x3f);
-      tw.push_back({m.name, m.dtype, m.shape, data.back().data()});
-    }
-    ASSERT_TRUE(WriteSafetensors(tmp_.Sub("src/model.safetensors"), tw, {}).ok());
+    ASSERT_TRUE(WriteModel(tmp_.Sub("src"), 11).ok());
   }
 
   // Saves the model over `world` ranks into full/, then gives node n a

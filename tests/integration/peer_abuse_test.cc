@@ -59,16 +59,7 @@ class PeerAbuse : public ::testing::Test {
     }
     // The model, saved over 4 ranks (rows); node n's "local disk" holds the
     // files of ranks 2n and 2n+1.
-    ASSERT_TRUE(MakeDirs(tmp_.Sub("src")).ok());
-    std::mt19937_64 rng(5);
-    std::vector<std::vector<uint8_t>> data;
-    std::vector<TensorToWrite> tw;
-    for (const Model& m : Tensors()) {
-      data.emplace_back(NumElements(m.shape) * DTypeSize(m.dtype));
-      for (auto& b : data.back()) b = static_cast<uint8_t>(rng() & 0x3f);
-      tw.push_back({m.name, m.dtype, m.shape, data.back().data()});
-    }
-    ASSERT_TRUE(WriteSafetensors(tmp_.Sub("src/model.safetensors"), tw, {}).ok());
+    ASSERT_TRUE(WriteModel(tmp_.Sub("src"), 5).ok());
     ASSERT_TRUE(ShardCheckpoint(tmp_.Sub("src"), MakeLayout(4, 0, false), tmp_.Sub("full"), {}).ok());
     for (int n = 0; n < 2; ++n) {
       const std::string dir = tmp_.Sub("node" + std::to_string(n) + "/ckpt");
@@ -126,6 +117,18 @@ class PeerAbuse : public ::testing::Test {
     args.insert(args.end(), extra.begin(), extra.end());
     nodes_[i] = std::make_unique<DaemonProcess>(tmp_.Sub("node" + std::to_string(i)), args);
     ASSERT_TRUE(nodes_[i]->Ready()) << Slurp(nodes_[i]->log());
+  }
+
+  // Daemons A and B, each on its own copy of the node certificate (`live`),
+  // which a test replaces in place before a SIGHUP.
+  void StartWithOwnCertFiles(CertFiles live[2], const std::vector<std::string>& extra) {
+    for (int i = 0; i < 2; ++i) {
+      live[i] = {tmp_.Sub("live" + std::to_string(i) + ".crt"),
+                 tmp_.Sub("live" + std::to_string(i) + ".key"), node_.ca};
+      fs::copy_file(node_.cert, live[i].cert);
+      fs::copy_file(node_.key, live[i].key);
+      Start(i, extra, &live[i]);
+    }
   }
 
   std::unique_ptr<pv1::Peer::Stub> Stub(int port, const CertFiles* as) {
@@ -417,13 +420,7 @@ TEST_F(PeerAbuse, FlippedByteFailsEveryRankWithDataLoss) {
 TEST_F(PeerAbuse, SighupRotatesCertificatesWithoutDroppingRunningJobs) {
   // Each daemon reads its own copy, replaced in place below.
   CertFiles live[2];
-  for (int i = 0; i < 2; ++i) {
-    live[i] = {tmp_.Sub("live" + std::to_string(i) + ".crt"),
-               tmp_.Sub("live" + std::to_string(i) + ".key"), node_.ca};
-    fs::copy_file(node_.cert, live[i].cert);
-    fs::copy_file(node_.key, live[i].key);
-    Start(i, {"--testing-delay-part-ms", "1500"}, &live[i]);
-  }
+  StartWithOwnCertFiles(live, {"--testing-delay-part-ms", "1500"});
   EXPECT_EQ(testing::ServerCertName(certs_, Addr(ports_[0]), node_), "node");
   const CertFiles v2 = testing::MakeLeaf(certs_, "ca", "node-v2", "IP:127.0.0.1");
   ASSERT_FALSE(v2.cert.empty());
@@ -464,13 +461,7 @@ TEST_F(PeerAbuse, SighupRotatesCertificatesWithoutDroppingRunningJobs) {
 // node's own channels keep theirs, and jobs still run.
 TEST_F(PeerAbuse, SighupWithAMismatchedKeyChangesNothing) {
   CertFiles live[2];
-  for (int i = 0; i < 2; ++i) {
-    live[i] = {tmp_.Sub("live" + std::to_string(i) + ".crt"),
-               tmp_.Sub("live" + std::to_string(i) + ".key"), node_.ca};
-    fs::copy_file(node_.cert, live[i].cert);
-    fs::copy_file(node_.key, live[i].key);
-    Start(i, {}, &live[i]);
-  }
+  StartWithOwnCertFiles(live, {});
   const CertFiles v2 = testing::MakeLeaf(certs_, "ca", "node-v2", "IP:127.0.0.1");
   ASSERT_FALSE(v2.cert.empty());
   fs::copy_file(v2.cert, live[0].cert, fs::copy_options::overwrite_existing);  // key stays v1
