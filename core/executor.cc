@@ -70,8 +70,8 @@ class ReadAhead {
       Job job;
       {
         absl::MutexLock lock(&mu_);
-        mu_.Await(absl::Condition(
-            +[](ReadAhead* r) { return r->queued_ || r->stop_; }, this));
+        auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return queued_ || stop_; };
+        mu_.Await(absl::Condition(&ready));
         if (stop_) return;
         job = job_;
         queued_ = false;

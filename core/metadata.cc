@@ -283,7 +283,9 @@ std::string MetadataToJson(const CheckpointMetadata& m) {
 }
 
 absl::Status ValidateMetadata(const CheckpointMetadata& m, const std::string& where) {
-  for (const auto& [name, t] : m.tensors) {
+  for (const auto& entry : m.tensors) {
+    const std::string& name = entry.first;
+    const TensorMeta& t = entry.second;  // not a structured binding: lambdas below capture it
     const std::string tw = absl::StrCat("tensor '", name, "'");
     CKPT_ASSIGN_OR_RETURN(int64_t numel, [&]() -> absl::StatusOr<int64_t> {
       auto n = CheckedNumBytes(t.global_shape, DTypeSize(t.dtype));

@@ -310,7 +310,7 @@ absl::StatusOr<std::unique_ptr<Daemon::Reservation>> Daemon::Reserve(const Calle
   const Limits& l = config_.limits;
   absl::MutexLock lock(&mu_);
   UidUsage& u = usage_[caller.uid];
-  auto refuse = [&](absl::Status s) {
+  auto refuse = [&](absl::Status s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (u.ranks == 0) usage_.erase(caller.uid);
     return s;
   };
