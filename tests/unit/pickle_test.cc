@@ -413,7 +413,7 @@ std::string PaddleMetadata(int tensors, int shards_per_tensor, int files) {
   return w.Finish(true);
 }
 
-TEST(PaddleMetadata, HundredThousandShardsParseFast) {
+TEST(PaddleMetadata, HundredThousandShardsParse) {
   const std::string bytes = PaddleMetadata(1000, 100, 64);
   const int kRuns = 3;
   double best = 1e9, parse = 0, convert = 0, validate = 0;
@@ -446,8 +446,9 @@ TEST(PaddleMetadata, HundredThousandShardsParseFast) {
             << " bytes: " << best * 1e3 << " ms (pickle " << parse * 1e3 << ", convert "
             << convert * 1e3 << ", validate " << validate * 1e3 << "; best of " << kRuns
             << ")\n";
+  // A figure, not a pass/fail: speed targets are held by bench/ (a timed
+  // assert here fails under sanitizers and on a loaded machine).
   RecordProperty("parse_ms_100k_shards", static_cast<int>(best * 1e3));
-  EXPECT_LT(best, 2.0);  // loose: well under a second on the 2-vCPU VM
 }
 
 TEST(PickleFuzz, CorruptedPicklesNeverCrash) {
