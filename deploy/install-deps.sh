@@ -19,7 +19,10 @@ BUILD_PACKAGES=(
   nlohmann-json3-dev libsimdjson-dev libspdlog-dev libfmt-dev libxxhash-dev liburing-dev
   prometheus-cpp-dev libsystemd-dev
   python3
+  clang-14 libclang-rt-14-dev llvm-14
 )
+# (clang-14, its sanitizer/libFuzzer runtimes and llvm-symbolizer: the
+# --config=clang/asan/fuzz builds of .bazelrc, run by tests/run.sh.)
 # Tests: Python client tests, manifest checks (python3-yaml), the systemd unit
 # check (systemd-analyze), the metrics checks (promtool and the Prometheus
 # server, from the prometheus package), the peer-plane tests' certificates

@@ -1,6 +1,10 @@
 #!/usr/bin/env bash
 # The project's test command (README "Run the tests"): installs the Debian
 # packages, builds everything with Bazel (offline) and runs every test.
+# Then the sanitizer pass (Hardening III): the whole suite again under
+# --config=asan (clang-14, ASan + UBSan, -Werror=thread-safety in core/ and
+# server/), and a short run of every libFuzzer target (tests/fuzz/run.sh).
+# CKPTD_SANITIZERS=0 skips that pass (counted as skipped, never as passed).
 # Ends with "N passed, N failed" (test cases, from the JUnit XML files) and
 # exits non-zero if anything failed.
 set -uo pipefail
@@ -38,7 +42,28 @@ else
   EXTRA+=(--extra "cuda build (no CUDA toolkit)=skip")
 fi
 
-/usr/bin/python3 tools/count_tests.py bazel-testlogs "$test_rc" "${EXTRA[@]}"
+# bazel-testlogs follows the last build's configuration: name the directory.
+TESTLOGS=$(bazel "${BAZEL_ARGS[@]}" info bazel-testlogs 2>/dev/null)
+
+ALSO=()
+if [ "${CKPTD_SANITIZERS:-1}" = "0" ]; then
+  EXTRA+=(--extra "sanitizer pass (CKPTD_SANITIZERS=0)=skip")
+elif ! command -v clang-14 >/dev/null; then
+  EXTRA+=(--extra "sanitizer pass (no clang-14)=fail")
+else
+  bazel "${BAZEL_ARGS[@]}" test --config=asan //... 2>&1 | tail -n 40
+  asan_rc=${PIPESTATUS[0]}
+  ALSO+=(--also "asan=$(bazel "${BAZEL_ARGS[@]}" info --config=asan bazel-testlogs 2>/dev/null)=$asan_rc")
+  if [ -f tests/fuzz/run.sh ]; then
+    if bash tests/fuzz/run.sh --runs "${CKPTD_FUZZ_RUNS:-20000}" 2>&1 | tail -n 40; then
+      EXTRA+=(--extra "fuzzing pass (tests/fuzz/run.sh)=pass")
+    else
+      EXTRA+=(--extra "fuzzing pass (tests/fuzz/run.sh)=fail")
+    fi
+  fi
+fi
+
+/usr/bin/python3 tools/count_tests.py "$TESTLOGS" "$test_rc" "${ALSO[@]}" "${EXTRA[@]}"
 count_rc=$?
 if [ "$test_rc" -ne 0 ] || [ "$count_rc" -ne 0 ]; then exit 1; fi
 exit 0

@@ -7,28 +7,22 @@ Skipped and disabled cases are never counted as passed. A test target whose
 XML has no test cases (a shell test) counts as one case. Exits 1 when
 anything failed or nothing passed.
 
-  count_tests.py [TESTLOGS [BAZEL_RC]] [--extra NAME=pass|fail|skip ...]
+  count_tests.py [TESTLOGS [BAZEL_RC]] [--also LABEL=TESTLOGS=BAZEL_RC ...]
+                 [--extra NAME=pass|fail|skip ...]
 
---extra adds a case checked outside `bazel test` (tests/run.sh: the
---config=cuda build); a skipped one counts as skipped.
+--also adds the cases of another `bazel test` run (tests/run.sh: the
+--config=asan run), each named with LABEL. --extra adds a case checked
+outside `bazel test` (the --config=cuda build, the fuzzing pass); a skipped
+one counts as skipped.
 """
 import os
 import sys
 import xml.etree.ElementTree as ET
 
 
-def main(root, bazel_rc=0, extra=()):
+def count_root(root, label=""):
+    """(passed, failed, skipped) of the test.xml files under `root`."""
     passed = failed = skipped = 0
-    for item in extra:
-        name, _, result = item.rpartition("=")
-        if result == "fail":
-            failed += 1
-            print(f"FAILED {name}")
-        elif result == "skip":
-            skipped += 1
-            print(f"SKIPPED {name}")
-        else:
-            passed += 1
     for dirpath, _, files in os.walk(root, followlinks=True):
         if "test.xml" not in files:
             continue
@@ -40,7 +34,7 @@ def main(root, bazel_rc=0, extra=()):
             failed += 1
             continue
         cases = list(tree.iter("testcase"))
-        target = os.path.relpath(dirpath, root)
+        target = label + os.path.relpath(dirpath, root)
         if not cases:
             suites = list(tree.iter("testsuite"))
             bad = any(int(s.get("failures", 0)) + int(s.get("errors", 0)) for s in suites)
@@ -65,9 +59,31 @@ def main(root, bazel_rc=0, extra=()):
                       f" ({reason.splitlines()[-1] if reason else 'no reason given'})")
             else:
                 passed += 1
-    if bazel_rc != 0 and failed == 0:
-        print(f"FAILED bazel test exited {bazel_rc} (build error or timeout)")
-        failed = 1
+    return passed, failed, skipped
+
+
+def main(root, bazel_rc=0, extra=(), also=()):
+    passed = failed = skipped = 0
+    for item in extra:
+        name, _, result = item.rpartition("=")
+        if result == "fail":
+            failed += 1
+            print(f"FAILED {name}")
+        elif result == "skip":
+            skipped += 1
+            print(f"SKIPPED {name}")
+        else:
+            passed += 1
+    runs = [("", root, bazel_rc)]
+    for item in also:
+        label, logs, rc = item.split("=", 2)
+        runs.append((label + ": ", logs, int(rc)))
+    for label, logs, rc in runs:
+        p, f, s = count_root(logs, label)
+        if rc != 0 and f == 0:
+            print(f"FAILED {label}bazel test exited {rc} (build error or timeout)")
+            f = 1
+        passed, failed, skipped = passed + p, failed + f, skipped + s
     if skipped:
         print(f"{skipped} skipped")
     print(f"{passed} passed, {failed} failed")
@@ -75,13 +91,15 @@ def main(root, bazel_rc=0, extra=()):
 
 
 if __name__ == "__main__":
-    args, extra = [], []
+    args, extra, also = [], [], []
     argv = sys.argv[1:]
     while argv:
         a = argv.pop(0)
         if a == "--extra" and argv:
             extra.append(argv.pop(0))
+        elif a == "--also" and argv:
+            also.append(argv.pop(0))
         else:
             args.append(a)
     sys.exit(main(args[0] if args else "bazel-testlogs",
-                  int(args[1]) if len(args) > 1 else 0, extra))
+                  int(args[1]) if len(args) > 1 else 0, extra, also))

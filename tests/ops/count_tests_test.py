@@ -52,6 +52,31 @@ class CountTests(unittest.TestCase):
         self.assertTrue(r.stdout.strip().endswith("0 passed, 3 failed"), r.stdout)
         self.assertEqual(r.returncode, 1)
 
+    def test_a_second_run_counts_with_its_label(self):
+        # The sanitizer run (--also LABEL=TESTLOGS=RC): its cases add up, a
+        # failure is named with the label, a non-zero exit with no failing
+        # case is still a failure.
+        other = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
+        os.makedirs(os.path.join(other, "t/a"))
+        with open(os.path.join(other, "t/a/test.xml"), "w") as f:
+            f.write(GTEST.replace('<testcase name="ok" status="run" result="completed" classname="S"/>',
+                                  '<testcase name="ok" classname="S"><failure message="x"/></testcase>'))
+        root = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
+        os.makedirs(os.path.join(root, "t/a"))
+        with open(os.path.join(root, "t/a/test.xml"), "w") as f:
+            f.write(GTEST)
+        r = subprocess.run(["/usr/bin/python3", COUNT, root, "0", "--also", f"asan={other}=1"],
+                           capture_output=True, text=True, timeout=30)
+        self.assertIn("FAILED asan: t/a: S.ok", r.stdout)
+        self.assertIn("SKIPPED asan: t/a", r.stdout)
+        self.assertTrue(r.stdout.strip().endswith("1 passed, 1 failed"), r.stdout)
+        self.assertEqual(r.returncode, 1)
+        empty = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
+        r = subprocess.run(["/usr/bin/python3", COUNT, root, "0", "--also", f"asan={empty}=3"],
+                           capture_output=True, text=True, timeout=30)
+        self.assertIn("FAILED asan: bazel test exited 3", r.stdout)
+        self.assertEqual(r.returncode, 1)
+
 
 if __name__ == "__main__":
     testlib.main("count_tests_test")
