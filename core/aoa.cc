@@ -222,6 +222,8 @@ class StatementParser {
     return std::make_pair(std::string(s_.substr(start, pos_ - start)), start);
   }
 
+  static constexpr int64_t kMaxHeads = 1 << 20;
+
   absl::Status ParseOption(absl::string_view key, size_t key_pos, AoaStatement& st) {
     if (key == "axis" || key == "num_heads" || key == "num_key_value_groups") {
       size_t vpos = pos_;
@@ -235,8 +237,10 @@ class StatementParser {
       if (key == "axis") {
         if (v < -64 || v > 64) return Error(vpos, "axis out of range");
         st.axis = static_cast<int>(v);
-      } else if (v <= 0) {
-        return Error(vpos, absl::StrCat(key, " must be a positive integer"));
+      } else if (v <= 0 || v > kMaxHeads) {
+        // Bounded so that H + 2G cannot overflow and a per-group loop stays
+        // small whatever the tensor (a zero-size axis divides by anything).
+        return Error(vpos, absl::StrCat(key, " must be a positive integer of at most ", kMaxHeads));
       } else if (key == "num_heads") {
         st.num_heads = v;
       } else {
