@@ -28,6 +28,10 @@ absl::Status ErrnoError(int err, absl::string_view what, absl::string_view path)
   std::string msg = absl::StrCat(path, ": ", what, ": ", std::strerror(err));
   if (err == ENOENT) return absl::NotFoundError(msg);
   if (err == EACCES || err == EPERM) return absl::PermissionDeniedError(msg);
+  // A full disk or quota: the caller may free space and retry.
+  if (err == ENOSPC || err == EDQUOT) return absl::ResourceExhaustedError(msg);
+  // The device failed the I/O: those bytes could not be read or kept.
+  if (err == EIO) return absl::DataLossError(msg);
   return absl::InternalError(msg);
 }
 
