@@ -13,8 +13,12 @@
 
 #include <chrono>
 #include <filesystem>
+#include <fstream>
+#include <sstream>
 #include <string>
 #include <thread>
+
+#include <gtest/gtest.h>
 #include <vector>
 
 extern char** environ;
@@ -69,8 +73,19 @@ class DaemonProcess {
     pid_ = Spawn(argv, log_);
     for (int i = 0; i < 1000 && !Ready(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
+  // A daemon that did not exit 0 on SIGTERM (crashed, hung, failed to
+  // drain) fails the test, unless the test killed it on purpose.
   ~DaemonProcess() {
-    Stop();
+    const bool running = pid_ > 0;
+    const int rc = Stop();
+    if (running && rc != 0) {
+      std::ifstream in(log_);
+      std::stringstream tail;
+      tail << in.rdbuf();
+      const std::string t = tail.str();
+      ADD_FAILURE() << "ckptd exited " << rc << " at teardown (expected 0); its log ends:\n"
+                    << t.substr(t.size() > 3000 ? t.size() - 3000 : 0);
+    }
     std::error_code ec;
     std::filesystem::remove_all(dir_, ec);
   }

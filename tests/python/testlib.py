@@ -98,7 +98,12 @@ class Daemon:
         return self
 
     def __exit__(self, *exc):
-        self.stop()
+        # A daemon that does not exit 0 on SIGTERM (crash, hang, failed
+        # drain) fails the test, unless the test already failed.
+        rc = self.stop()
+        if exc[0] is None and rc != 0:
+            raise AssertionError(f"ckptd exited {rc} at teardown (expected 0): "
+                                 f"{self.read_log()[-3000:]}")
 
 
 # --- an independent safetensors reader (numpy only) -----------------------------
