@@ -187,8 +187,25 @@ class OpsTest(unittest.TestCase):
     def test_metrics_are_off_by_default_and_address_errors_are_reported(self):
         with testlib.Daemon(self.root) as d:
             self.assertNotIn("metrics on", d.read_log())
-            open_fds = os.listdir(f"/proc/{d.proc.pid}/fd")
-            self.assertTrue(open_fds)
+            # No TCP socket listens in the daemon: its sockets' inodes are
+            # none of the LISTEN (0A) entries of /proc/net/tcp{,6}.
+            inodes = set()
+            for fd in os.listdir(f"/proc/{d.proc.pid}/fd"):
+                try:
+                    link = os.readlink(f"/proc/{d.proc.pid}/fd/{fd}")
+                except OSError:
+                    continue
+                if link.startswith("socket:["):
+                    inodes.add(link[len("socket:["):-1])
+            self.assertTrue(inodes, "the daemon's Unix sockets are there")
+            listening = set()
+            for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+                with open(table) as f:
+                    for line in f.readlines()[1:]:
+                        cols = line.split()
+                        if cols[3] == "0A":
+                            listening.add(cols[9])
+            self.assertEqual(inodes & listening, set(), "no TCP listener (metrics off)")
         # A port in use stops the start with a message naming the address.
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))

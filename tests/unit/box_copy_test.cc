@@ -132,9 +132,14 @@ TEST(DType, ParseNames) {
 }
 
 TEST(DType, HalfConversions) {
-  for (float f : {0.f, 1.f, -2.5f, 65504.f, 6.1035156e-05f, 5.9604645e-08f, 1e-3f}) {
-    EXPECT_EQ(F16ToFloat(FloatToF16(f)), f == 1e-3f ? F16ToFloat(FloatToF16(f)) : f) << f;
+  // Exactly representable values round-trip.
+  for (float f : {0.f, 1.f, -2.5f, 65504.f, 6.1035156e-05f, 5.9604645e-08f}) {
+    EXPECT_EQ(F16ToFloat(FloatToF16(f)), f) << f;
   }
+  // 1e-3 = 1.024 * 2^-10: exponent 5, mantissa 0.024 * 1024 = 24.576, rounded
+  // to 25: 0x1419, which is (1 + 25/1024) * 2^-10 (worked out by hand).
+  EXPECT_EQ(FloatToF16(1e-3f), 0x1419);
+  EXPECT_EQ(F16ToFloat(0x1419), 1.0244140625f / 1024.f);
   EXPECT_EQ(FloatToF16(1e6f), 0x7c00);
   EXPECT_EQ(FloatToF16(65519.f), 0x7bff);
   EXPECT_EQ(FloatToF16(65520.f), 0x7c00);
