@@ -27,7 +27,22 @@ absl::StatusOr<Shape> IntArray(const std::string& path, const json& j, const std
 
 }  // namespace
 
+namespace {
+absl::StatusOr<Layout> ParseLayoutJson(const std::string& path, const std::string& text);
+}  // namespace
+
 absl::StatusOr<Layout> ParseLayout(const std::string& path, const std::string& text) {
+  // Every type is checked before it is read; a json::exception that still
+  // escapes is a bad file, never a crash.
+  try {
+    return ParseLayoutJson(path, text);
+  } catch (const json::exception& e) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": unexpected JSON: ", e.what()));
+  }
+}
+
+namespace {
+absl::StatusOr<Layout> ParseLayoutJson(const std::string& path, const std::string& text) {
   json j;
   try {
     j = json::parse(text);
@@ -62,11 +77,13 @@ absl::StatusOr<Layout> ParseLayout(const std::string& path, const std::string& t
     if (tensors == r.end()) continue;
     if (!tensors->is_array()) return Bad(path, absl::StrCat("rank ", rank, ": 'tensors' not an array"));
     for (const json& t : *tensors) {
-      const std::string w =
-          absl::StrCat("rank ", rank, " tensor '", t.value("name", std::string("?")), "'");
+      // Checked before anything reads it: json::value() throws on a
+      // non-object or a non-string name (found by tests/fuzz:layout_json).
       if (!t.is_object() || !t.contains("name") || !t["name"].is_string()) {
         return Bad(path, absl::StrCat("rank ", rank, ": a tensor has no string 'name'"));
       }
+      const std::string w =
+          absl::StrCat("rank ", rank, " tensor '", t["name"].get<std::string>(), "'");
       TargetTensor tt;
       tt.name = t["name"].get<std::string>();
       if (!t.contains("dtype") || !t["dtype"].is_string()) return Bad(path, w + ": no 'dtype'");
@@ -103,6 +120,7 @@ absl::StatusOr<Layout> ParseLayout(const std::string& path, const std::string& t
   }
   return layout;
 }
+}  // namespace
 
 absl::StatusOr<Layout> ReadLayoutFile(const std::string& path) {
   CKPT_ASSIGN_OR_RETURN(std::string text, ReadSmallFile(path, 1ull << 30));
