@@ -78,7 +78,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const auto& ranks = FixedRanks();
   auto plan = ckpt::PlanLoadWithAoa(md, text, ranks, ckpt::PlanOptions(), "fuzz.aoa");
   ckptd_fuzz::Note("PlanLoadWithAoa", plan.status());
-  if (plan.ok()) ckptd_fuzz::CheckPlan(*plan, ranks);
+  if (plan.ok()) ckptd_fuzz::CheckPlan(*plan, ranks, "PlanLoadWithAoa");
 
   auto res = ckpt::ResolveAoa(*program, md, ckpt::ModelTensors());
   ckptd_fuzz::Note("ResolveAoa", res.status());
@@ -88,7 +88,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   ckptd_fuzz::Note("PlanLoad(resolution)", own_plan.status());
   if (own_plan.ok()) {
     ckpt::FinishAoaPlan(*res, md, &*own_plan);
-    ckptd_fuzz::CheckPlan(*own_plan, own);
+    ckptd_fuzz::CheckPlan(*own_plan, own, "PlanLoad(resolution)");
   }
   return 0;
 }

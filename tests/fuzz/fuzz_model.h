@@ -93,17 +93,24 @@ inline ckpt::TargetTensor Target(std::string name, ckpt::DType dt, ckpt::Shape g
 // What a plan promises the executor, which trusts it (core/planner.h): the
 // ranks as requested, copies naming existing targets and reads, regions
 // inside both the source box and the target box, each copy's source bytes
-// inside its read, reads inside their file's index range and disjoint.
-inline void CheckPlan(const ckpt::LoadPlan& plan, const std::vector<ckpt::RankTargets>& ranks) {
-  FUZZ_CHECK(plan.ranks.size() == ranks.size(), "rank count");
+// inside its read, reads naming a file of the plan, sorted by file name and
+// offset, disjoint.
+inline void CheckPlan(const ckpt::LoadPlan& plan, const std::vector<ckpt::RankTargets>& ranks,
+                      const char* which) {
+  if (Verbose()) std::fprintf(stderr, "  CheckPlan(%s): %zu reads\n", which, plan.reads.size());
+  FUZZ_CHECK(plan.ranks.size() == ranks.size(), absl::StrCat(which, ": rank count"));
   for (size_t i = 0; i < plan.reads.size(); ++i) {
     const ckpt::ReadRange& r = plan.reads[i];
     FUZZ_CHECK(r.file < plan.files.size(), absl::StrCat("read ", i, " names file ", r.file));
     FUZZ_CHECK(r.offset + r.length >= r.offset, absl::StrCat("read ", i, " overflows"));
     if (i > 0) {
       const ckpt::ReadRange& p = plan.reads[i - 1];
-      FUZZ_CHECK(p.file < r.file || (p.file == r.file && p.offset + p.length <= r.offset),
-                 absl::StrCat("reads ", i - 1, " and ", i, " unsorted or overlapping"));
+      // Sorted by file name (file indices are in first-use order), then offset.
+      FUZZ_CHECK(plan.files[p.file] < plan.files[r.file] ||
+                     (p.file == r.file && p.offset + p.length <= r.offset),
+                 absl::StrCat("reads ", i - 1, " (file ", p.file, " [", p.offset, ", +", p.length,
+                              ")) and ", i, " (file ", r.file, " [", r.offset, ", +", r.length,
+                              ")) unsorted or overlapping"));
     }
   }
   for (size_t k = 0; k < plan.ranks.size(); ++k) {

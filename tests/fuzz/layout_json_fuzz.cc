@@ -26,6 +26,6 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
 
   auto plan = ckpt::PlanLoad(ckptd_fuzz::TinyCheckpoint(), layout->ranks);
   ckptd_fuzz::Note("PlanLoad", plan.status());
-  if (plan.ok()) ckptd_fuzz::CheckPlan(*plan, layout->ranks);
+  if (plan.ok()) ckptd_fuzz::CheckPlan(*plan, layout->ranks, "PlanLoad");
   return 0;
 }
