@@ -19,6 +19,14 @@
 
 namespace ckpt {
 namespace {
+// Bounds on what one statement can make the resolver do (fuzzing found both
+// unbounded): names an [a:b] array macro expands to, and steps spent
+// matching one pattern against the model's names.
+constexpr int64_t kMaxArray = 1 << 16;
+constexpr int64_t kMaxMatchSteps = 2'000'000;
+}  // namespace
+
+namespace {
 
 // ===========================================================================
 // Parsing
@@ -175,6 +183,10 @@ class StatementParser {
         if (close == std::string::npos || parts.size() != 2 || !absl::SimpleAtoi(parts[0], &a) ||
             !absl::SimpleAtoi(parts[1], &b) || a < 0 || b <= a) {
           return Error(start + i, "expected an array macro [first:end] with 0 <= first < end");
+        }
+        if (b - a > kMaxArray) {  // each name is materialised (found by tests/fuzz:aoa)
+          return Error(start + i, absl::StrCat("an array macro names at most ", kMaxArray,
+                                               " tensors, this one ", b - a));
         }
         if (++arrays > 1) return Error(start + i, "at most one [first:end] array macro per name");
         i = close;
@@ -390,14 +402,18 @@ struct Captures {
   std::vector<std::string> stars;
 };
 
+// `budget`: steps left for this pattern; at 0 the match fails (the caller
+// reports the pattern as too costly), so '*'-heavy patterns cannot make the
+// backtracking exponential.
 bool MatchFrom(const std::vector<PatternTok>& toks, size_t ti, absl::string_view s, size_t si,
-               Captures& cap) {
+               Captures& cap, int64_t& budget) {
+  if (--budget <= 0) return false;
   if (ti == toks.size()) return si == s.size();
   const PatternTok& t = toks[ti];
   switch (t.kind) {
     case PatternTok::kLit:
       if (s.substr(si, t.lit.size()) != t.lit) return false;
-      return MatchFrom(toks, ti + 1, s, si + t.lit.size(), cap);
+      return MatchFrom(toks, ti + 1, s, si + t.lit.size(), cap, budget);
     case PatternTok::kLayer:
     case PatternTok::kExpert: {
       std::optional<std::string>& slot = t.kind == PatternTok::kLayer ? cap.layer : cap.expert;
@@ -409,7 +425,7 @@ bool MatchFrom(const std::vector<PatternTok>& toks, size_t ti, absl::string_view
         Captures c = cap;
         if (!c.layer && t.kind == PatternTok::kLayer) c.layer = v;
         if (!c.expert && t.kind == PatternTok::kExpert) c.expert = v;
-        if (MatchFrom(toks, ti + 1, s, end, c)) {
+        if (MatchFrom(toks, ti + 1, s, end, c, budget)) {
           cap = std::move(c);
           return true;
         }
@@ -420,7 +436,7 @@ bool MatchFrom(const std::vector<PatternTok>& toks, size_t ti, absl::string_view
       for (size_t end = s.size(); end > si; --end) {  // greedy, at least one character
         Captures c = cap;
         c.stars.emplace_back(s.substr(si, end - si));
-        if (MatchFrom(toks, ti + 1, s, end, c)) {
+        if (MatchFrom(toks, ti + 1, s, end, c, budget)) {
           cap = std::move(c);
           return true;
         }
@@ -732,14 +748,20 @@ class Resolver {
       } else {
         const std::vector<PatternTok> toks = Tokenize(pattern);
         std::vector<std::pair<std::string, Captures>> matches;
+        int64_t budget = kMaxMatchSteps;
         auto try_name = [&](const std::string& name) {
           Captures cap;
-          if (MatchFrom(toks, 0, name, 0, cap)) matches.emplace_back(name, std::move(cap));
+          if (MatchFrom(toks, 0, name, 0, cap, budget)) matches.emplace_back(name, std::move(cap));
         };
         if (on_model) {
           for (const auto& [name, m] : model_) try_name(name);
         } else {
           for (const std::string& name : available) try_name(name);
+        }
+        if (budget <= 0) {
+          return Err(st, absl::StrCat("'", pattern, "' takes more than ", kMaxMatchSteps,
+                                      " steps to match against the tensor names (too many "
+                                      "'*' or macros in one name)"));
         }
         if (matches.empty() && !on_model) {
           return Err(st, absl::StrCat("'", pattern, "' matches no tensor of the checkpoint ",

@@ -338,7 +338,12 @@ absl::Status ValidateMetadata(const CheckpointMetadata& m, const std::string& wh
         cover = CoveringBox(s.box.shape, s.flat_range->begin, s.flat_range->end);
         for (size_t d = 0; d < cover.rank(); ++d) cover.offset[d] += s.box.offset[d];
       }
-      covered += s.num_elements();
+      // Checked: five shards of a [2^62] tensor must not wrap around to
+      // exactly its size (found by tests/fuzz:metadata_json).
+      if (__builtin_add_overflow(covered, s.num_elements(), &covered) || covered > numel) {
+        return Bad(where, absl::StrCat(tw, ": replica-0 shards hold more elements than ",
+                                       ShapeString(t.global_shape), " has ", numel, " (overlap)"));
+      }
       pieces.push_back({std::move(cover), std::move(l), i});
     }
     if (covered != numel) {

@@ -395,7 +395,13 @@ absl::StatusOr<CheckpointMetadata> PaddleMetadataToModel(const Document& doc) {
         for (const Ltm& l : ltms) {
           if (l.offset.size() != t.global_shape.size()) continue;  // refused below
           for (size_t d = 0; d < l.offset.size(); ++d) {
-            t.global_shape[d] = std::max(t.global_shape[d], l.offset[d] + l.local_shape[d]);
+            int64_t end = 0;  // checked: found by tests/fuzz:pickle
+            if (d >= l.local_shape.size() || l.offset[d] < 0 || l.local_shape[d] < 0 ||
+                __builtin_add_overflow(l.offset[d], l.local_shape[d], &end)) {
+              return doc.Error(absl::StrCat("tensor '", name, "': a shard's global_offset + "
+                                            "local_shape is out of range on axis ", d));
+            }
+            t.global_shape[d] = std::max(t.global_shape[d], end);
           }
         }
       }
