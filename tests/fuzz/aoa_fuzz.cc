@@ -2,13 +2,15 @@
 // LoadRequest.aoa_config text: ParseAoa, then resolution and planning
 // against a fixed checkpoint (fuzz_model.h, examples/tiny-model saved as
 // two ranks):
-//  1. PlanLoadWithAoa with a fixed two-rank model (a fused qkv and gate_up
-//     split by columns, renamed and cast tensors, a flattened lm_head), as
-//     the daemon and ckptctl plan an AOA load;
-//  2. ResolveAoa with no model constraints, then PlanLoad of every tensor the
-//     resolution produced (whole on rank 0, the second half of axis 0 on
-//     rank 1) and FinishAoaPlan: the virtual shards themselves, whatever the
-//     statements made of them.
+//  1. what PlanLoadWithAoa does for the daemon and ckptctl, step by step
+//     (so the statements are resolved once per input, not twice): ResolveAoa
+//     with the model of two fixed ranks (a fused qkv and gate_up split by
+//     columns, renamed and cast tensors, a flattened lm_head), PlanLoad of
+//     those ranks on the virtual metadata, FinishAoaPlan;
+//  2. PlanLoad on the same virtual metadata of every tensor the resolution
+//     produced (whole on rank 0, the second half of axis 0 on rank 1), and
+//     FinishAoaPlan: the virtual shards themselves, whatever the statements
+//     made of them.
 // Every plan must satisfy CheckPlan (the executor trusts plans).
 #include <cstdint>
 #include <string>
@@ -76,19 +78,29 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const ckpt::CheckpointMetadata& md = ckptd_fuzz::TinyCheckpoint();
 
   const auto& ranks = FixedRanks();
-  auto plan = ckpt::PlanLoadWithAoa(md, text, ranks, ckpt::PlanOptions(), "fuzz.aoa");
-  ckptd_fuzz::Note("PlanLoadWithAoa", plan.status());
-  if (plan.ok()) ckptd_fuzz::CheckPlan(*plan, ranks, "PlanLoadWithAoa");
-
-  auto res = ckpt::ResolveAoa(*program, md, ckpt::ModelTensors());
+  if (program->statements.empty()) {  // PlanLoadWithAoa: a plain load
+    auto plan = ckpt::PlanLoad(md, ranks);
+    ckptd_fuzz::Note("PlanLoad(no statements)", plan.status());
+    if (plan.ok()) ckptd_fuzz::CheckPlan(*plan, ranks, "PlanLoad(no statements)");
+    return 0;
+  }
+  auto res = ckpt::ResolveAoa(*program, md, ckpt::ModelTensorsOf(ranks));
   ckptd_fuzz::Note("ResolveAoa", res.status());
   if (!res.ok()) return 0;
+
+  auto plan = ckpt::PlanLoad(res->metadata, ranks);
+  ckptd_fuzz::Note("PlanLoad(model ranks)", plan.status());
+  if (plan.ok()) {
+    ckpt::FinishAoaPlan(*res, md, &*plan);
+    ckptd_fuzz::CheckPlan(*plan, ranks, "PlanLoad(model ranks)");
+  }
+
   const std::vector<ckpt::RankTargets> own = RanksFor(res->metadata, 64);
   auto own_plan = ckpt::PlanLoad(res->metadata, own);
-  ckptd_fuzz::Note("PlanLoad(resolution)", own_plan.status());
+  ckptd_fuzz::Note("PlanLoad(every tensor)", own_plan.status());
   if (own_plan.ok()) {
     ckpt::FinishAoaPlan(*res, md, &*own_plan);
-    ckptd_fuzz::CheckPlan(*own_plan, own, "PlanLoad(resolution)");
+    ckptd_fuzz::CheckPlan(*own_plan, own, "PlanLoad(every tensor)");
   }
   return 0;
 }
