@@ -21,9 +21,9 @@ namespace ckpt {
 namespace {
 // Bounds on what one statement can make the resolver do (fuzzing found both
 // unbounded): names an [a:b] array macro expands to, and steps spent
-// matching one pattern against the model's names.
+// matching one pattern against one tensor name.
 constexpr int64_t kMaxArray = 1 << 16;
-constexpr int64_t kMaxMatchSteps = 2'000'000;
+constexpr int64_t kMaxMatchSteps = 100'000;  // per tensor name
 }  // namespace
 
 namespace {
@@ -749,19 +749,23 @@ class Resolver {
         const std::vector<PatternTok> toks = Tokenize(pattern);
         std::vector<std::pair<std::string, Captures>> matches;
         int64_t budget = kMaxMatchSteps;
+        bool exhausted = false;
         auto try_name = [&](const std::string& name) {
+          if (exhausted) return;
           Captures cap;
+          budget = kMaxMatchSteps;
           if (MatchFrom(toks, 0, name, 0, cap, budget)) matches.emplace_back(name, std::move(cap));
+          exhausted = budget <= 0;
         };
         if (on_model) {
           for (const auto& [name, m] : model_) try_name(name);
         } else {
           for (const std::string& name : available) try_name(name);
         }
-        if (budget <= 0) {
+        if (exhausted) {
           return Err(st, absl::StrCat("'", pattern, "' takes more than ", kMaxMatchSteps,
-                                      " steps to match against the tensor names (too many "
-                                      "'*' or macros in one name)"));
+                                      " steps to match against one tensor name (too many "
+                                      "'*' or macros)"));
         }
         if (matches.empty() && !on_model) {
           return Err(st, absl::StrCat("'", pattern, "' matches no tensor of the checkpoint ",
