@@ -30,15 +30,21 @@ absl::StatusOr<std::unique_ptr<UdsListener>> UdsListener::Listen(const std::stri
   if (path.size() >= sizeof(addr.sun_path)) {
     return absl::InvalidArgumentError(absl::StrCat(path, ": socket path too long"));
   }
-  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  // Bound under a temporary name and renamed into place once listening:
+  // a client that sees the socket file can connect (no ECONNREFUSED window
+  // between bind and listen).
+  const std::string bound = path.size() + 4 < sizeof(addr.sun_path) ? path + ".new" : path;
+  std::memcpy(addr.sun_path, bound.c_str(), bound.size() + 1);
   const int s = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (s < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
+  if (bound != path) ::unlink(bound.c_str());
   // Created with no access for anyone, then opened up to `mode`: no window
   // in which the umask decides who may connect.
   const mode_t old = ::umask(0777);
   const int b = ::bind(s, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
   ::umask(old);
-  if (b != 0 || ::chmod(path.c_str(), mode) != 0 || ::listen(s, 256) != 0) {
+  if (b != 0 || ::chmod(bound.c_str(), mode) != 0 || ::listen(s, 256) != 0 ||
+      (bound != path && ::rename(bound.c_str(), path.c_str()) != 0)) {
     const int err = errno;
     ::close(s);
     return absl::UnavailableError(absl::StrCat("cannot listen on ", path, ": ", std::strerror(err)));
