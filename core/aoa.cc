@@ -24,6 +24,7 @@ namespace {
 // matching one pattern against one tensor name.
 constexpr int64_t kMaxArray = 1 << 16;
 constexpr int64_t kMaxMatchSteps = 100'000;  // per tensor name
+std::vector<std::string> ExpandArray(const std::string& text);
 }  // namespace
 
 namespace {
@@ -301,7 +302,12 @@ class StatementParser {
     auto err = [&](absl::string_view msg) {
       return absl::InvalidArgumentError(absl::StrCat(location_, ": ", msg));
     };
-    const size_t ns = st.sources.size(), nt = st.targets.size();
+    // Counted after [a:b] expansion: the arity checks below must hold for
+    // the names the resolver will see (found by tests/fuzz:aoa: a fused
+    // statement whose array macro added a target read past the split).
+    size_t ns = 0, nt = 0;
+    for (const AoaName& n : st.sources) ns += ExpandArray(n.text).size();
+    for (const AoaName& n : st.targets) nt += ExpandArray(n.text).size();
     auto is_any = [](const std::vector<AoaName>& v) {
       return std::any_of(v.begin(), v.end(), [](const AoaName& n) { return n.text == "_"; });
     };

@@ -293,6 +293,8 @@ TEST(AoaParse, ErrorsPointAtLineAndColumn) {
       {"a, _ -> c, axis=0", "'_' stands alone"},
       {"a -> _, dtype=F32", "(drop) takes no options"},
       {"a -> b, num_heads=2", "num_heads and num_key_value_groups go with fused_qkv"},
+      // Arity counts the names after [a:b] expansion.
+      {"q -> a, b[0:2], fused_ffn", "this statement has 1 source(s) and 3 target(s)"},
       // Bounded: H + 2G must not overflow, nor a per-group loop run 2^62 times.
       {"q -> a, b, c, fused_qkv, num_heads=4611686018427387904, num_key_value_groups=1",
        "num_heads must be a positive integer of at most 1048576"},
