@@ -2,7 +2,7 @@
 
 #include <grpc/grpc_security_constants.h>
 
-#include "absl/strings/match.h"
+#include "absl/strings/strip.h"
 #include "config/config.h"
 #include "server/service.h"
 
@@ -20,9 +20,10 @@ PeerCaller PeerCallerOf(const grpc::ServerContext& ctx) {
     return c;
   }
   // Plaintext: "ipv4:127.0.0.1:5000", "ipv6:[::1]:5000".
-  std::string p = ctx.peer();
-  for (const char* prefix : {"ipv4:", "ipv6:"}) {
-    if (absl::StartsWith(p, prefix)) c.names.push_back(HostOf(p.substr(5)));
+  const std::string peer = ctx.peer();
+  absl::string_view p = peer;
+  if (absl::ConsumePrefix(&p, "ipv4:") || absl::ConsumePrefix(&p, "ipv6:")) {
+    c.names.push_back(HostOf(std::string(p)));
   }
   return c;
 }
