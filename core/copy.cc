@@ -6,6 +6,8 @@
 
 #include <algorithm>
 #include <cstring>
+#include <optional>
+#include <utility>
 #include <vector>
 
 namespace ckpt {
@@ -33,21 +35,54 @@ inline bool OdometerStep(size_t n, AxisOf axis_of, const Box& region, int64_t* i
 }
 
 
-// Walks `region` as runs contiguous in both layouts and calls
-// emit(src_flat, dst_flat, len) with flat indices relative to each layout's
-// box, already clipped to both flat ranges and merged with neighbours.
-template <typename Emit>
-void ForEachRun(const StoredLayout& src, const StoredLayout& dst, const Box& region, Emit emit) {
-  const size_t rank = region.rank();
-  if (rank == 0) {
-    if (src.flat_begin <= 0 && 0 < src.flat_end && dst.flat_begin <= 0 && 0 < dst.flat_end) {
-      emit(0, 0, 1);
-    }
+// Appends to `out` (storage coordinates relative to the layout's box: pairs
+// of offset, shape) boxes covering the flat positions [b, e) of a row-major
+// array of shape s, whose axes before `d` are fixed at prefix[0..d-1]. At
+// most 2 * (s.size() - d) - 1 boxes, in flat order.
+void SplitFlatRange(const Shape& s, size_t d, int64_t b, int64_t e, Shape& prefix,
+                    std::vector<std::pair<Shape, Shape>>* out) {
+  if (b >= e) return;
+  const size_t r = s.size();
+  auto block = [&](int64_t lo, int64_t hi) {
+    Shape off(r, 0), shp(r, 1);
+    for (size_t k = 0; k < d; ++k) off[k] = prefix[k];
+    off[d] = lo;
+    shp[d] = hi - lo;
+    for (size_t k = d + 1; k < r; ++k) shp[k] = s[k];
+    out->emplace_back(std::move(off), std::move(shp));
+  };
+  int64_t inner = 1;
+  for (size_t k = d + 1; k < r; ++k) inner *= s[k];
+  if (inner <= 0) return;
+  int64_t b0 = b / inner;
+  const int64_t br = b % inner, e0 = e / inner, er = e % inner;
+  if (b0 == e0) {
+    prefix[d] = b0;
+    SplitFlatRange(s, d + 1, br, er, prefix, out);
     return;
   }
-  for (size_t i = 0; i < rank; ++i) {
-    if (region.shape[i] == 0) return;
+  if (br != 0) {
+    prefix[d] = b0;
+    SplitFlatRange(s, d + 1, br, inner, prefix, out);
+    ++b0;
   }
+  if (e0 > b0) block(b0, e0);
+  if (er != 0) {
+    prefix[d] = e0;
+    SplitFlatRange(s, d + 1, 0, er, prefix, out);
+  }
+}
+
+bool ClipsFlatRange(const StoredLayout& l) {
+  return l.flat_begin > 0 || l.flat_end < NumElements(l.box.shape);
+}
+
+// Walks `region`, every element of which both layouts hold, as runs
+// contiguous in both and calls push(src_flat, dst_flat, len) with flat
+// indices relative to each layout's box, in increasing order.
+template <typename Push>
+void WalkRuns(const StoredLayout& src, const StoredLayout& dst, const Box& region, Push& push) {
+  const size_t rank = region.rank();
   int64_t run = 0;
   const size_t k = FoldTrailingAxes(src, dst, region, &run);
   // Outer axes are 0..k-1; axis k and beyond form the run.
@@ -64,9 +99,52 @@ void ForEachRun(const StoredLayout& src, const StoredLayout& dst, const Box& reg
     src_flat += (region.offset[i] - src.box.offset[i]) * src_stride[i];
     dst_flat += (region.offset[i] - dst.box.offset[i]) * dst_stride[i];
   }
-  const bool clip = src.flat_begin > 0 || dst.flat_begin > 0 ||
-                    src.flat_end < NumElements(src.box.shape) ||
-                    dst.flat_end < NumElements(dst.box.shape);
+  std::vector<int64_t> idx(k, 0);
+  do {
+    push(src_flat, dst_flat, run);
+  } while (OdometerStep(k, [](size_t p) { return p; }, region, idx.data(), src_stride.data(),
+                        dst_stride.data(), src_flat, dst_flat));
+}
+
+// Calls walk(sub) for every non-empty part of `region` held by both layouts,
+// as boxes: the whole region when neither layout is clipped to a flat range,
+// else its intersections with their HeldBoxes (in storage order of both when
+// neither has a permutation). The walk never visits rows that hold nothing,
+// so a small flat range inside a huge covering box costs only its size.
+template <typename Walk>
+void ForEachHeldPart(const StoredLayout& src, const StoredLayout& dst, const Box& region,
+                     Walk walk) {
+  if (!ClipsFlatRange(src) && !ClipsFlatRange(dst)) {
+    walk(region);
+    return;
+  }
+  const std::vector<Box> sp = HeldBoxes(src), dp = HeldBoxes(dst);
+  for (const Box& p : sp) {
+    std::optional<Box> rp = Intersect(region, p);
+    if (!rp) continue;
+    for (const Box& q : dp) {
+      std::optional<Box> r = Intersect(*rp, q);
+      if (r) walk(*r);
+    }
+  }
+}
+
+// Walks `region` as runs contiguous in both layouts and calls
+// emit(src_flat, dst_flat, len) with flat indices relative to each layout's
+// box, restricted to the elements both flat ranges hold and merged with
+// neighbours, in increasing order.
+template <typename Emit>
+void ForEachRun(const StoredLayout& src, const StoredLayout& dst, const Box& region, Emit emit) {
+  const size_t rank = region.rank();
+  if (rank == 0) {
+    if (src.flat_begin <= 0 && 0 < src.flat_end && dst.flat_begin <= 0 && 0 < dst.flat_end) {
+      emit(0, 0, 1);
+    }
+    return;
+  }
+  for (size_t i = 0; i < rank; ++i) {
+    if (region.shape[i] == 0) return;
+  }
   int64_t pend_src = 0, pend_dst = 0, pend_len = 0;
   auto push = [&](int64_t s, int64_t d, int64_t len) {
     if (pend_len > 0 && pend_src + pend_len == s && pend_dst + pend_len == d) {
@@ -78,22 +156,8 @@ void ForEachRun(const StoredLayout& src, const StoredLayout& dst, const Box& reg
     pend_dst = d;
     pend_len = len;
   };
-  std::vector<int64_t> idx(k, 0);
-  while (true) {
-    if (!clip) {
-      push(src_flat, dst_flat, run);
-    } else {
-      int64_t lo = std::max<int64_t>({0, src.flat_begin - src_flat, dst.flat_begin - dst_flat});
-      int64_t hi = std::min<int64_t>({run, src.flat_end - src_flat, dst.flat_end - dst_flat});
-      if (hi > lo) push(src_flat + lo, dst_flat + lo, hi - lo);
-    }
-    // Advance the odometer over the outer axes 0..k-1.
-    if (!OdometerStep(k, [](size_t p) { return p; }, region, idx.data(), src_stride.data(),
-                      dst_stride.data(), src_flat, dst_flat)) {
-      if (pend_len > 0) emit(pend_src, pend_dst, pend_len);
-      return;
-    }
-  }
+  ForEachHeldPart(src, dst, region, [&](const Box& part) { WalkRuns(src, dst, part, push); });
+  if (pend_len > 0) emit(pend_src, pend_dst, pend_len);
 }
 
 // ---------------------------------------------------------------------------
@@ -118,16 +182,39 @@ void StorageStrides(const StoredLayout& l, int64_t* stride) {
   }
 }
 
-// Smallest i >= 0 with base + i * step >= bound (step > 0).
-int64_t FirstAtLeast(int64_t base, int64_t step, int64_t bound) {
-  if (base >= bound) return 0;
-  return (bound - base + step - 1) / step;
+// Walks `region`, every element of which both layouts hold, in the
+// destination's storage order as runs along the destination's innermost
+// axis: emit(src_flat, dst_flat, len, src_step), where the run's destination
+// elements are contiguous and its source elements are `src_step` apart.
+template <typename Emit>
+void WalkStridedRuns(const StoredLayout& src, const StoredLayout& dst, const Box& region,
+                     Emit& emit) {
+  const size_t rank = region.rank();
+  std::vector<int64_t> ss(rank), ds(rank);
+  StorageStrides(src, ss.data());
+  StorageStrides(dst, ds.data());
+  // Axes in destination storage order; the last one is the run axis.
+  std::vector<int> order(rank);
+  for (size_t k = 0; k < rank; ++k) {
+    order[k] = dst.perm.empty() ? static_cast<int>(k) : dst.perm[k];
+  }
+  const int inner = order.back();
+  const int64_t len = region.shape[inner];
+  const int64_t sstep = ss[inner];
+  int64_t src_flat = 0, dst_flat = 0;
+  for (size_t i = 0; i < rank; ++i) {
+    src_flat += (region.offset[i] - src.box.offset[i]) * ss[i];
+    dst_flat += (region.offset[i] - dst.box.offset[i]) * ds[i];
+  }
+  std::vector<int64_t> idx(rank, 0);  // by position in `order`
+  do {
+    emit(src_flat, dst_flat, len, sstep);
+  } while (OdometerStep(rank - 1, [&](size_t p) { return order[p]; }, region, idx.data(),
+                        ss.data(), ds.data(), src_flat, dst_flat));
 }
 
-// Walks `region` in the destination's storage order as runs along the
-// destination's innermost axis: emit(src_flat, dst_flat, len, src_step),
-// where the run's destination elements are contiguous and its source
-// elements are `src_step` apart. Runs are clipped to both flat ranges.
+// The same over every element of `region` held by both layouts' flat ranges
+// (in no particular order across the held parts).
 template <typename Emit>
 void ForEachStridedRun(const StoredLayout& src, const StoredLayout& dst, const Box& region,
                        Emit emit) {
@@ -141,43 +228,8 @@ void ForEachStridedRun(const StoredLayout& src, const StoredLayout& dst, const B
   for (size_t i = 0; i < rank; ++i) {
     if (region.shape[i] == 0) return;
   }
-  std::vector<int64_t> ss(rank), ds(rank);
-  StorageStrides(src, ss.data());
-  StorageStrides(dst, ds.data());
-  // Axes in destination storage order; the last one is the run axis.
-  std::vector<int> order(rank);
-  for (size_t k = 0; k < rank; ++k) {
-    order[k] = dst.perm.empty() ? static_cast<int>(k) : dst.perm[k];
-  }
-  const int inner = order.back();
-  const int64_t len = region.shape[inner];
-  const int64_t sstep = ss[inner];
-  const int64_t dstep = ds[inner];  // 1
-  int64_t src_flat = 0, dst_flat = 0;
-  for (size_t i = 0; i < rank; ++i) {
-    src_flat += (region.offset[i] - src.box.offset[i]) * ss[i];
-    dst_flat += (region.offset[i] - dst.box.offset[i]) * ds[i];
-  }
-  const bool clip = src.flat_begin > 0 || dst.flat_begin > 0 ||
-                    src.flat_end < NumElements(src.box.shape) ||
-                    dst.flat_end < NumElements(dst.box.shape);
-  std::vector<int64_t> idx(rank, 0);  // by position in `order`
-  while (true) {
-    if (!clip) {
-      emit(src_flat, dst_flat, len, sstep);
-    } else {
-      int64_t lo = std::max(FirstAtLeast(src_flat, sstep, src.flat_begin),
-                            FirstAtLeast(dst_flat, dstep, dst.flat_begin));
-      int64_t hi = std::min({len, FirstAtLeast(src_flat, sstep, src.flat_end),
-                             FirstAtLeast(dst_flat, dstep, dst.flat_end)});
-      if (hi > lo) emit(src_flat + lo * sstep, dst_flat + lo * dstep, hi - lo, sstep);
-    }
-    // Odometer over order[0 .. rank-2].
-    if (!OdometerStep(rank - 1, [&](size_t p) { return order[p]; }, region, idx.data(),
-                      ss.data(), ds.data(), src_flat, dst_flat)) {
-      return;
-    }
-  }
+  ForEachHeldPart(src, dst, region,
+                  [&](const Box& part) { WalkStridedRuns(src, dst, part, emit); });
 }
 
 template <typename T>
@@ -471,18 +523,48 @@ bool AppendCopyRuns(const StoredLayout& src, const StoredLayout& dst, const Box&
   return true;
 }
 
+std::vector<Box> HeldBoxes(const StoredLayout& layout) {
+  const size_t rank = layout.box.rank();
+  const int64_t total = NumElements(layout.box.shape);
+  const int64_t b = std::max<int64_t>(layout.flat_begin, 0);
+  const int64_t e = std::min<int64_t>(layout.flat_end, total);
+  std::vector<Box> out;
+  if (b >= e) return out;
+  if (rank == 0 || (b == 0 && e == total)) {
+    out.push_back(layout.box);
+    return out;
+  }
+  // Storage order: storage axis k is box axis perm[k].
+  auto axis_of = [&](size_t k) {
+    return layout.perm.empty() ? k : static_cast<size_t>(layout.perm[k]);
+  };
+  Shape storage_shape(rank);
+  for (size_t k = 0; k < rank; ++k) storage_shape[k] = layout.box.shape[axis_of(k)];
+  Shape prefix(rank, 0);
+  std::vector<std::pair<Shape, Shape>> parts;
+  SplitFlatRange(storage_shape, 0, b, e, prefix, &parts);
+  out.reserve(parts.size());
+  for (const auto& [off, shp] : parts) {
+    Box box;
+    box.offset = layout.box.offset;
+    box.shape = layout.box.shape;
+    for (size_t k = 0; k < rank; ++k) {
+      box.offset[axis_of(k)] += off[k];
+      box.shape[axis_of(k)] = shp[k];
+    }
+    out.push_back(std::move(box));
+  }
+  return out;
+}
+
 int64_t CountRegion(const StoredLayout& src, const StoredLayout& dst, const Box& region) {
-  // Both sides hold their whole box: every element of the region is there.
-  if (src.perm.empty() && dst.perm.empty() && src.flat_begin == 0 && dst.flat_begin == 0 &&
-      src.flat_end == NumElements(src.box.shape) && dst.flat_end == NumElements(dst.box.shape)) {
-    return NumElements(region.shape);
+  if (region.rank() == 0) {
+    return src.flat_begin <= 0 && 0 < src.flat_end && dst.flat_begin <= 0 && 0 < dst.flat_end
+               ? 1
+               : 0;
   }
   int64_t n = 0;
-  if (!src.perm.empty() || !dst.perm.empty()) {
-    ForEachStridedRun(src, dst, region, [&](int64_t, int64_t, int64_t len, int64_t) { n += len; });
-    return n;
-  }
-  ForEachRun(src, dst, region, [&](int64_t, int64_t, int64_t len) { n += len; });
+  ForEachHeldPart(src, dst, region, [&](const Box& part) { n += NumElements(part.shape); });
   return n;
 }
 

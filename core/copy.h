@@ -85,8 +85,15 @@ struct CopyRun {
 bool AppendCopyRuns(const StoredLayout& src, const StoredLayout& dst, const Box& region,
                     size_t max_runs, std::vector<CopyRun>* out);
 
+// The elements `layout` holds (its flat range of its box, in storage order)
+// as at most 2 * rank - 1 disjoint boxes in global coordinates, in storage
+// order (every element of one box comes before every element of the next).
+// A layout holding its whole box gives that box; an empty range gives none.
+std::vector<Box> HeldBoxes(const StoredLayout& layout);
+
 // Number of elements of `region` held by both layouts (what CopyRegion would
-// copy), without touching data.
+// copy), without touching data. Closed form over HeldBoxes: no walk over the
+// region's rows, so a flat range whose covering box is huge costs nothing.
 int64_t CountRegion(const StoredLayout& src, const StoredLayout& dst, const Box& region);
 
 // The flat-index span [first, last + 1) of `layout`'s stored elements that
