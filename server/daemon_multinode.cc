@@ -253,7 +253,12 @@ absl::StatusOr<peer::v1::PlanPart> Daemon::PeerJoin(const PeerCaller& caller,
                                               "': the coordinator did not plan before the deadline"));
   }
   if (!dj->plan_status.ok()) return dj->plan_status;
-  return dj->parts.at(req.node());
+  auto part = dj->parts.find(req.node());
+  if (part == dj->parts.end()) {
+    return absl::InternalError(absl::StrCat("job '", req.job_id(), "': the plan has no part for ",
+                                            req.node()));
+  }
+  return part->second;
 }
 
 absl::StatusOr<peer::v1::PlanPart> Daemon::CoordinatePlan(const std::shared_ptr<DistJob>& dj,
@@ -389,7 +394,12 @@ absl::StatusOr<peer::v1::PlanPart> Daemon::CoordinatePlan(const std::shared_ptr<
   }
   dj->planned = true;
   if (!dj->plan_status.ok()) return dj->plan_status;
-  return dj->parts.at(own.node());
+  auto part = dj->parts.find(own.node());
+  if (part == dj->parts.end()) {
+    return absl::InternalError(absl::StrCat("job '", dj->id, "': the plan has no part for ",
+                                            own.node()));
+  }
+  return part->second;
 }
 
 absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> Daemon::JoinCoordinator(
@@ -627,8 +637,10 @@ absl::Status Daemon::PeerFetchRead(const PeerCaller& caller,
     if (!send(c)) return absl::CancelledError("the fetching node went away");
   }
   absl::MutexLock lock(&peer_mu_);
-  auto& served = dj->served.at(g);
-  if (--served.remaining <= 0) served.view = ckpt::RangeView{};  // unpin
+  auto sv = dj->served.find(g);  // found above; entries are never erased
+  if (sv != dj->served.end() && --sv->second.remaining <= 0) {
+    sv->second.view = ckpt::RangeView{};  // unpin
+  }
   return absl::OkStatus();
 }
 
@@ -857,67 +869,48 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
     }
   }
 
-  // 2. This node's reads: global index -> local plan.
-  std::vector<std::string> reader(part.reads_size());
-  ckpt::LoadPlan lp;
-  lp.files.assign(part.files().begin(), part.files().end());
-  std::map<uint32_t, uint32_t> local_of;  // global -> local read index
-  std::map<std::pair<std::string, uint64_t>, uint32_t> global_index;
-  std::set<std::string> local_files;
+  // 2. This node's share of the part. Every index, range, file, node and
+  // rank in it is checked first (server/plan_codec.h): a part that fails is
+  // this node's failure, reported to the coordinator like any other.
+  PlanPartContext pctx;
+  pctx.job_id = job->id;
+  pctx.node = me;
+  pctx.sender = coordinator;
+  pctx.world_size = job->world_size;
+  for (const auto& s : slots) pctx.ranks.push_back(&s->targets);
+  // The coordinator cuts reads at its io_request_size as PlanLoad does.
+  pctx.limits.max_read_bytes = config_.io_request_size == 0
+                                   ? UINT64_MAX
+                                   : std::max<uint64_t>(config_.io_request_size, 8);
+  absl::StatusOr<LocalPart> local = LocalPartOf(part, pctx);
+  absl::Status exec = local.status();
+  if (!exec.ok()) {
+    spdlog::warn("multi-node job={}: refused the plan part from {}: {}", job->id, coordinator,
+                 exec.ToString());
+  }
+  LocalPart mine = exec.ok() ? *std::move(local) : LocalPart();
+  ckpt::LoadPlan& lp = mine.plan;
   {
     absl::MutexLock lock(&peer_mu_);
-    for (int g = 0; g < part.reads_size(); ++g) {
-      const peer::v1::ReadMsg& rm = part.reads(g);
-      reader[g] = rm.reader();
-      const bool needed_here =
-          std::find(rm.needed_by().begin(), rm.needed_by().end(), me) != rm.needed_by().end();
-      if (rm.reader() != me && !needed_here) continue;
-      local_of[g] = static_cast<uint32_t>(lp.reads.size());
-      lp.reads.push_back(FromMsg(rm));
-      global_index[{lp.files.at(rm.file()), rm.offset()}] = g;
-      if (rm.reader() == me) {
-        local_files.insert(lp.files.at(rm.file()));
-        std::set<std::string> others;
-        for (const auto& n : rm.needed_by()) {
-          if (n != me) others.insert(n);
-        }
-        if (!others.empty()) {
-          DistJob::Served& sv = dj->served[g];
-          sv.length = rm.length();
-          sv.remaining = static_cast<int>(others.size());
-          sv.needers = std::move(others);
-        }
+    if (exec.ok()) {
+      for (ServedRead& s : mine.served) {
+        DistJob::Served& sv = dj->served[s.read];
+        sv.length = s.length;
+        sv.remaining = static_cast<int>(s.needers.size());
+        sv.needers = std::move(s.needers);
       }
+      dj->nodes.assign(part.nodes().begin(), part.nodes().end());
+    } else {
+      dj->exec_status = exec;  // nodes fetching from this one learn why
     }
-    dj->nodes.assign(part.nodes().begin(), part.nodes().end());
     dj->part_known = true;
-  }
-  for (const auto& rpm : part.ranks()) {
-    auto rp = FromMsg(rpm);
-    if (!rp.ok()) {
-      cleanup();
-      return fail_all(rp.status());
-    }
-    for (auto& c : rp->copies) c.read = local_of.at(c.read);
-    lp.ranks.push_back(std::move(*rp));
-  }
-  absl::Status exec = absl::OkStatus();
-  if (lp.ranks.size() != slots.size()) {
-    exec = absl::InternalError(absl::StrCat("plan part has ", lp.ranks.size(), " ranks, node has ",
-                                            slots.size()));
-  }
-  for (size_t i = 0; exec.ok() && i < slots.size(); ++i) {
-    if (lp.ranks[i].rank != slots[i]->targets.rank ||
-        lp.ranks[i].targets.size() != slots[i]->targets.tensors.size()) {
-      exec = absl::InternalError(absl::StrCat("plan part does not match rank ", slots[i]->targets.rank));
-    }
   }
   // 3. Execute.
   if (config_.testing_delay_part > absl::ZeroDuration()) {
     absl::SleepFor(config_.testing_delay_part);  // fault injection for tests only
   }
   std::map<std::string, ckpt::FileStamp> stamps;
-  for (const std::string& f : local_files) {
+  for (const std::string& f : mine.local_files) {  // none when the part was refused
     auto st = ckpt::StatFile(ckpt::JoinPath(job->path, f));
     if (!st.ok()) {
       exec = absl::NotFoundError(absl::StrCat(me, ": data file ", f, " assigned to this node: ",
@@ -942,7 +935,7 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
     }
     ckpt::CachingSource storage(job->path, &cache_, stamps);
     DistSource source(
-        me, job->id, &storage, global_index, reader,
+        me, job->id, &storage, std::move(mine.global_index), std::move(mine.reader),
         [&](uint32_t g, const ckpt::RangeView& v, uint64_t xxh3) {
           absl::MutexLock lock(&peer_mu_);
           auto it = dj->served.find(g);

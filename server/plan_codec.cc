@@ -1,6 +1,14 @@
 #include "server/plan_codec.h"
 
+#include <algorithm>
+#include <cstdint>
+
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "core/box.h"
+#include "core/dtype.h"
+#include "core/metadata.h"
 #include "core/status_macros.h"
 
 namespace ckptd {
@@ -122,6 +130,375 @@ ckpt::ReadRange FromMsg(const peer::v1::ReadMsg& m) {
   r.length = m.length();
   for (const auto& c : m.checks()) r.checks.push_back({c.tensor(), c.offset(), c.nbytes(), c.xxh3()});
   return r;
+}
+
+namespace {
+
+constexpr size_t kNcclIdBytes = 128;  // sizeof(ncclUniqueId)
+constexpr uint64_t kMaxFileOffset = static_cast<uint64_t>(INT64_MAX);  // off_t
+constexpr size_t kMaxFileNameBytes = 255;                             // NAME_MAX
+
+// A string from the peer as it appears in a message: escaped, at most 64
+// bytes of it.
+std::string Shown(absl::string_view s) {
+  constexpr size_t kMax = 64;
+  std::string out = absl::StrCat("'", absl::CHexEscape(s.substr(0, kMax)), "'");
+  if (s.size() > kMax) absl::StrAppend(&out, "... (", s.size(), " bytes)");
+  return out;
+}
+
+// Why a box from the wire is unusable ("" if it is not): offset and shape of
+// the same rank, offsets and extents >= 0, offset + extent within int64.
+std::string BoxProblem(const peer::v1::BoxMsg& m) {
+  if (m.offset_size() != m.shape_size()) {
+    return absl::StrCat("offset has ", m.offset_size(), " axes, shape ", m.shape_size());
+  }
+  for (int i = 0; i < m.shape_size(); ++i) {
+    const int64_t o = m.offset(i), n = m.shape(i);
+    if (o < 0 || n < 0 || o > INT64_MAX - n) {
+      return absl::StrCat("axis ", i, ": offset ", o, " and extent ", n,
+                          " are not a range of non-negative int64 indices");
+    }
+  }
+  return "";
+}
+
+ckpt::Box ToBox(const peer::v1::BoxMsg& m) { return FromMsg(m); }
+
+bool SameTarget(const ckpt::TargetTensor& a, const ckpt::TargetTensor& b) {
+  return a.name == b.name && a.dtype == b.dtype && a.global_shape == b.global_shape &&
+         a.box == b.box && a.flat_range.has_value() == b.flat_range.has_value() &&
+         (!a.flat_range || *a.flat_range == *b.flat_range);
+}
+
+std::string TargetString(const ckpt::TargetTensor& t) {
+  std::string s = absl::StrCat(Shown(t.name), " ", ckpt::DTypeName(t.dtype), " ",
+                               ckpt::BoxString(t.box), " of ", ckpt::ShapeString(t.global_shape));
+  if (t.flat_range) absl::StrAppend(&s, " flat [", t.flat_range->begin, ", ", t.flat_range->end, ")");
+  return s;
+}
+
+class PartChecker {
+ public:
+  PartChecker(const peer::v1::PlanPart& part, const PlanPartContext& ctx)
+      : part_(part), ctx_(ctx), limits_(ctx.limits) {}
+
+  absl::Status Check() {
+    CKPT_RETURN_IF_ERROR(CheckCounts());
+    if (part_.job_id() != ctx_.job_id) {
+      return Bad("job_id", absl::StrCat(Shown(part_.job_id()), " is not this job"));
+    }
+    if (!part_.nccl_id().empty() && part_.nccl_id().size() != kNcclIdBytes) {
+      return Bad("nccl_id", absl::StrCat(part_.nccl_id().size(), " bytes, not an ncclUniqueId (",
+                                         kNcclIdBytes, ")"));
+    }
+    CKPT_RETURN_IF_ERROR(CheckNodes());
+    CKPT_RETURN_IF_ERROR(CheckFiles());
+    CKPT_RETURN_IF_ERROR(CheckReads());
+    return CheckRanks();
+  }
+
+ private:
+  absl::Status Bad(absl::string_view field, absl::string_view why) const {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "job '", ctx_.job_id, "': plan part",
+        ctx_.sender.empty() ? std::string() : absl::StrCat(" from ", ctx_.sender), ": ", field,
+        ": ", why));
+  }
+
+  absl::Status CheckCounts() const {
+    struct Count {
+      const char* field;
+      uint64_t n, max;
+    };
+    for (const Count& c : {Count{"files", static_cast<uint64_t>(part_.files_size()), limits_.max_files},
+                           Count{"reads", static_cast<uint64_t>(part_.reads_size()), limits_.max_reads},
+                           Count{"nodes", static_cast<uint64_t>(part_.nodes_size()), limits_.max_nodes}}) {
+      if (c.n > c.max) return Bad(c.field, absl::StrCat(c.n, " entries, over the limit of ", c.max));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status CheckNodes() {
+    for (int n = 0; n < part_.nodes_size(); ++n) {
+      const std::string& a = part_.nodes(n);
+      const std::string f = absl::StrCat("nodes[", n, "]");
+      if (a.empty()) return Bad(f, "empty");
+      if (a.size() > limits_.max_node_bytes) {
+        return Bad(f, absl::StrCat(a.size(), " bytes, over the limit of ", limits_.max_node_bytes));
+      }
+      if (!nodes_.insert(a).second) return Bad(f, absl::StrCat(Shown(a), " appears twice"));
+    }
+    if (!nodes_.count(ctx_.node)) {
+      return Bad("nodes", absl::StrCat("this node ", Shown(ctx_.node), " is not among them"));
+    }
+    if (!ctx_.sender.empty() && !nodes_.count(ctx_.sender)) {
+      return Bad("nodes", absl::StrCat("the sender ", Shown(ctx_.sender), " is not among them"));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status CheckFiles() const {
+    std::set<absl::string_view> seen;
+    for (int i = 0; i < part_.files_size(); ++i) {
+      const std::string& name = part_.files(i);
+      const std::string f = absl::StrCat("files[", i, "]");
+      if (!ckpt::IsPlainFileName(name) || name.size() > kMaxFileNameBytes) {
+        return Bad(f, absl::StrCat(Shown(name), " is not a plain file name inside the checkpoint "
+                                                "directory"));
+      }
+      if (!seen.insert(name).second) return Bad(f, absl::StrCat(Shown(name), " appears twice"));
+    }
+    return absl::OkStatus();
+  }
+
+  bool IsNode(const std::string& a) const { return nodes_.count(a) > 0; }
+
+  absl::Status CheckReads() {
+    mine_.assign(static_cast<size_t>(part_.reads_size()), false);
+    for (int g = 0; g < part_.reads_size(); ++g) {
+      const peer::v1::ReadMsg& r = part_.reads(g);
+      const std::string f = absl::StrCat("reads[", g, "]");
+      if (r.file() >= static_cast<uint32_t>(part_.files_size())) {
+        return Bad(absl::StrCat(f, ".file"), absl::StrCat(r.file(), " is not an index into files (",
+                                                          part_.files_size(), " files)"));
+      }
+      if (r.length() > limits_.max_read_bytes) {
+        return Bad(absl::StrCat(f, ".length"),
+                   absl::StrCat(r.length(), " bytes, over the longest read this node takes (",
+                                limits_.max_read_bytes, " bytes: io_request_size)"));
+      }
+      if (r.offset() > kMaxFileOffset - r.length()) {
+        return Bad(absl::StrCat(f, ".offset"),
+                   absl::StrCat("offset ", r.offset(), " + length ", r.length(),
+                                " is past the largest file offset"));
+      }
+      if (g > 0) {
+        const peer::v1::ReadMsg& p = part_.reads(g - 1);
+        const std::string& pf = part_.files(static_cast<int>(p.file()));
+        const std::string& rf = part_.files(static_cast<int>(r.file()));
+        const bool after = p.file() == r.file()
+                               ? r.offset() > p.offset() && r.offset() >= p.offset() + p.length()
+                               : pf < rf;
+        if (!after) {
+          return Bad(f, absl::StrCat("[", r.offset(), ", +", r.length(), ") of ", Shown(rf),
+                                     " is not after reads[", g - 1, "] [", p.offset(), ", +",
+                                     p.length(), ") of ", Shown(pf),
+                                     " (reads are sorted by file name and offset, disjoint)"));
+        }
+      }
+      for (int k = 0; k < r.checks_size(); ++k) {
+        const peer::v1::CheckMsg& c = r.checks(k);
+        if (c.offset() < r.offset() || c.offset() - r.offset() > r.length() ||
+            c.nbytes() > r.length() - (c.offset() - r.offset())) {
+          return Bad(absl::StrCat(f, ".checks[", k, "]"),
+                     absl::StrCat("bytes [", c.offset(), ", +", c.nbytes(),
+                                  ") are not inside the read [", r.offset(), ", +", r.length(),
+                                  ")"));
+        }
+      }
+      if (!r.reader().empty() && !IsNode(r.reader())) {
+        return Bad(absl::StrCat(f, ".reader"),
+                   absl::StrCat(Shown(r.reader()), " is not a node of the job"));
+      }
+      bool needed_here = false;
+      std::set<absl::string_view> needers;
+      for (int k = 0; k < r.needed_by_size(); ++k) {
+        const std::string& n = r.needed_by(k);
+        const std::string nf = absl::StrCat(f, ".needed_by[", k, "]");
+        if (!IsNode(n)) return Bad(nf, absl::StrCat(Shown(n), " is not a node of the job"));
+        if (!needers.insert(n).second) return Bad(nf, absl::StrCat(Shown(n), " appears twice"));
+        needed_here = needed_here || n == ctx_.node;
+      }
+      if (needed_here && r.reader().empty()) {
+        return Bad(absl::StrCat(f, ".reader"), "empty, but this node needs the read");
+      }
+      mine_[g] = needed_here || r.reader() == ctx_.node;
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status CheckRanks() const {
+    if (static_cast<size_t>(part_.ranks_size()) != ctx_.ranks.size()) {
+      return Bad("ranks", absl::StrCat(part_.ranks_size(), " ranks, but this node serves ",
+                                       ctx_.ranks.size()));
+    }
+    for (int k = 0; k < part_.ranks_size(); ++k) {
+      CKPT_RETURN_IF_ERROR(CheckRank(k, part_.ranks(k), *ctx_.ranks[static_cast<size_t>(k)]));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status CheckRank(int k, const peer::v1::RankPlanMsg& m, const ckpt::RankTargets& want) const {
+    const std::string f = absl::StrCat("ranks[", k, "]");
+    if (m.rank() < 0 || m.rank() >= ctx_.world_size) {
+      return Bad(absl::StrCat(f, ".rank"),
+                 absl::StrCat(m.rank(), " is outside the job's world of ", ctx_.world_size, " ranks"));
+    }
+    if (m.rank() != want.rank) {
+      return Bad(absl::StrCat(f, ".rank"),
+                 absl::StrCat(m.rank(), ", but this node's rank ", k, " is ", want.rank));
+    }
+    if (static_cast<size_t>(m.targets_size()) != want.tensors.size()) {
+      return Bad(absl::StrCat(f, ".targets"),
+                 absl::StrCat(m.targets_size(), " targets, but rank ", want.rank, " asked for ",
+                              want.tensors.size()));
+    }
+    std::vector<ckpt::TargetTensor> targets;
+    targets.reserve(want.tensors.size());
+    for (int j = 0; j < m.targets_size(); ++j) {
+      const std::string tf = absl::StrCat(f, ".targets[", j, "]");
+      absl::StatusOr<ckpt::TargetTensor> t = ckptd::FromMsg(m.targets(j));
+      if (!t.ok()) return Bad(tf, t.status().message());
+      if (std::string p = BoxProblem(m.targets(j).box()); !p.empty()) {
+        return Bad(absl::StrCat(tf, ".box"), p);
+      }
+      if (absl::Status v = ckpt::ValidateTarget(m.rank(), *t); !v.ok()) return Bad(tf, v.message());
+      const ckpt::TargetTensor& w = want.tensors[static_cast<size_t>(j)];
+      if (!SameTarget(*t, w)) {
+        return Bad(tf, absl::StrCat(TargetString(*t), " is not the target rank ", want.rank,
+                                    " asked for: ", TargetString(w)));
+      }
+      targets.push_back(*std::move(t));
+    }
+    if (m.missing_keys_size() > m.targets_size()) {
+      return Bad(absl::StrCat(f, ".missing_keys"),
+                 absl::StrCat(m.missing_keys_size(), " keys for ", m.targets_size(), " targets"));
+    }
+    if (static_cast<uint64_t>(m.copies_size()) > limits_.max_copies_per_rank) {
+      return Bad(absl::StrCat(f, ".copies"), absl::StrCat(m.copies_size(), " copies, over the limit of ",
+                                                         limits_.max_copies_per_rank));
+    }
+    for (int i = 0; i < m.copies_size(); ++i) {
+      CKPT_RETURN_IF_ERROR(CheckCopy(absl::StrCat(f, ".copies[", i, "]"), m.copies(i), targets));
+    }
+    return absl::OkStatus();
+  }
+
+  absl::Status CheckCopy(const std::string& f, const peer::v1::CopyMsg& c,
+                         const std::vector<ckpt::TargetTensor>& targets) const {
+    if (c.target() >= targets.size()) {
+      return Bad(absl::StrCat(f, ".target"), absl::StrCat(c.target(), " is not an index into the rank's ",
+                                                         targets.size(), " targets"));
+    }
+    if (c.read() >= static_cast<uint32_t>(part_.reads_size())) {
+      return Bad(absl::StrCat(f, ".read"), absl::StrCat(c.read(), " is not an index into reads (",
+                                                       part_.reads_size(), " reads)"));
+    }
+    if (!mine_[c.read()]) {
+      return Bad(absl::StrCat(f, ".read"),
+                 absl::StrCat("read ", c.read(), " is neither read by this node nor needed by it"));
+    }
+    const ckpt::TargetTensor& t = targets[c.target()];
+    const peer::v1::LayoutMsg& src = c.src();
+    absl::StatusOr<ckpt::DType> dtype = ckpt::ParseDType(src.dtype());
+    if (!dtype.ok()) return Bad(absl::StrCat(f, ".src.dtype"), dtype.status().message());
+    if (!ckpt::CanConvert(*dtype, t.dtype)) {
+      return Bad(absl::StrCat(f, ".src.dtype"),
+                 absl::StrCat(ckpt::DTypeName(*dtype), " does not convert to the target's ",
+                              ckpt::DTypeName(t.dtype)));
+    }
+    if (std::string p = BoxProblem(src.box()); !p.empty()) return Bad(absl::StrCat(f, ".src.box"), p);
+    const ckpt::Box src_box = ToBox(src.box());
+    absl::StatusOr<int64_t> src_bytes =
+        ckpt::CheckedNumBytes(src_box.shape, ckpt::DTypeSize(*dtype));
+    if (!src_bytes.ok()) return Bad(absl::StrCat(f, ".src.box"), src_bytes.status().message());
+    const int64_t numel = ckpt::NumElements(src_box.shape);
+    if (src.flat_begin() < 0 || src.flat_begin() > src.flat_end() || src.flat_end() > numel) {
+      return Bad(absl::StrCat(f, ".src.flat_begin"),
+                 absl::StrCat("[", src.flat_begin(), ", ", src.flat_end(),
+                              ") is not a range inside the source box's ", numel, " elements"));
+    }
+    if (src.perm_size() > 0) {
+      std::vector<bool> seen(src_box.rank(), false);
+      bool ok = static_cast<size_t>(src.perm_size()) == src_box.rank();
+      for (int a : src.perm()) {
+        ok = ok && a >= 0 && static_cast<size_t>(a) < seen.size() && !seen[static_cast<size_t>(a)];
+        if (ok) seen[static_cast<size_t>(a)] = true;
+      }
+      if (!ok) return Bad(absl::StrCat(f, ".src.perm"), "not a permutation of the source box's axes");
+    }
+    if (std::string p = BoxProblem(c.region()); !p.empty()) return Bad(absl::StrCat(f, ".region"), p);
+    const ckpt::Box region = ToBox(c.region());
+    if (region.rank() != t.box.rank() || !ckpt::Contains(t.box, region)) {
+      return Bad(absl::StrCat(f, ".region"),
+                 absl::StrCat(ckpt::BoxString(region), " is not inside the target box ",
+                              ckpt::BoxString(t.box)));
+    }
+    if (region.rank() != src_box.rank() || !ckpt::Contains(src_box, region)) {
+      return Bad(absl::StrCat(f, ".region"),
+                 absl::StrCat(ckpt::BoxString(region), " is not inside the source box ",
+                              ckpt::BoxString(src_box)));
+    }
+    const int64_t region_numel = ckpt::NumElements(region.shape);  // <= the target box's
+    if (c.elements() < 0 || c.elements() > region_numel) {
+      return Bad(absl::StrCat(f, ".elements"),
+                 absl::StrCat(c.elements(), " is not a count of the region's ", region_numel,
+                              " elements"));
+    }
+    const peer::v1::ReadMsg& r = part_.reads(static_cast<int>(c.read()));
+    const uint64_t n = static_cast<uint64_t>(src.flat_end() - src.flat_begin()) *
+                       ckpt::DTypeSize(*dtype);  // <= *src_bytes
+    if (c.src_offset() < r.offset() || c.src_offset() - r.offset() > r.length() ||
+        n > r.length() - (c.src_offset() - r.offset())) {
+      return Bad(absl::StrCat(f, ".src_offset"),
+                 absl::StrCat("source bytes [", c.src_offset(), ", +", n,
+                              ") are not inside read ", c.read(), " [", r.offset(), ", +",
+                              r.length(), ")"));
+    }
+    return absl::OkStatus();
+  }
+
+  const peer::v1::PlanPart& part_;
+  const PlanPartContext& ctx_;
+  const PlanPartLimits& limits_;
+  std::set<absl::string_view> nodes_;  // views into part_.nodes()
+  std::vector<bool> mine_;             // per read: read or fetched by this node
+};
+
+}  // namespace
+
+absl::Status ValidatePlanPart(const peer::v1::PlanPart& part, const PlanPartContext& context) {
+  return PartChecker(part, context).Check();
+}
+
+absl::StatusOr<LocalPart> LocalPartOf(const peer::v1::PlanPart& part,
+                                      const PlanPartContext& context) {
+  CKPT_RETURN_IF_ERROR(ValidatePlanPart(part, context));
+  const std::string& me = context.node;
+  LocalPart out;
+  out.plan.files.assign(part.files().begin(), part.files().end());
+  out.reader.resize(static_cast<size_t>(part.reads_size()));
+  constexpr uint32_t kNone = UINT32_MAX;
+  std::vector<uint32_t> local_of(static_cast<size_t>(part.reads_size()), kNone);
+  for (int g = 0; g < part.reads_size(); ++g) {
+    const peer::v1::ReadMsg& rm = part.reads(g);
+    out.reader[static_cast<size_t>(g)] = rm.reader();
+    const bool needed_here =
+        std::find(rm.needed_by().begin(), rm.needed_by().end(), me) != rm.needed_by().end();
+    if (rm.reader() != me && !needed_here) continue;
+    const uint32_t gi = static_cast<uint32_t>(g);
+    local_of[gi] = static_cast<uint32_t>(out.plan.reads.size());
+    out.global_read.push_back(gi);
+    out.plan.reads.push_back(FromMsg(rm));
+    const std::string& file = out.plan.files[rm.file()];
+    out.global_index[{file, rm.offset()}] = gi;
+    if (rm.reader() != me) continue;
+    out.local_files.insert(file);
+    ServedRead sv;
+    sv.read = gi;
+    sv.length = rm.length();
+    for (const auto& n : rm.needed_by()) {
+      if (n != me) sv.needers.insert(n);
+    }
+    if (!sv.needers.empty()) out.served.push_back(std::move(sv));
+  }
+  for (const auto& rpm : part.ranks()) {
+    CKPT_ASSIGN_OR_RETURN(ckpt::RankPlan rp, FromMsg(rpm));
+    for (ckpt::CopyOp& c : rp.copies) c.read = local_of[c.read];  // validated: one of ours
+    out.plan.ranks.push_back(std::move(rp));
+  }
+  return out;
 }
 
 }  // namespace ckptd

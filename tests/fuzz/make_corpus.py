@@ -405,7 +405,7 @@ def plan_seeds(tmp):
         target(rp.targets.add(), "model.embed_tokens.weight", "BF16", [256, 64], [64 * rank, 0], [64, 64])
         target(rp.targets.add(), "lm_head.weight", "BF16", [256, 64], [0, 0], [256, 64],
                flat=(4096 * rank, 4096 * (rank + 1)))
-        c = rp.copies.add(target=0, read=2 + rank % 2, src_offset=4096 + 4096 * (rank - 2), elements=1024)
+        c = rp.copies.add(target=0, read=2, src_offset=4096 + 4096 * (rank - 2), elements=1024)
         box(c.src.box, [32, 0], [32, 64])
         c.src.flat_begin, c.src.flat_end, c.src.dtype = 0, 2048, "F32"
         box(c.region, [16 * rank, 0], [16, 64])
@@ -435,6 +435,28 @@ def plan_seeds(tmp):
     c.src.flat_end, c.src.dtype = 1, "I64"
     put("plan_codec", "scalar", q.SerializeToString())
     put("plan_codec", "empty", b"")
+
+    # One node: a flattened BF16 target filled from F32 (a cast) through two
+    # checksum blocks: ValidatePlanPart passes, the executor runs it.
+    c2 = pb.PlanPart(job_id="cast", format="native")
+    c2.files.append("0_1.safetensors")
+    c2.nodes.append("127.0.0.1:7071")
+    r = c2.reads.add(file=0, offset=64, length=128, reader="127.0.0.1:7071")
+    r.needed_by.append("127.0.0.1:7071")
+    for k in range(2):
+        r.checks.add(tensor="w", offset=64 + 64 * k, nbytes=64, xxh3=k)
+    rp = c2.ranks.add(rank=0)
+    target(rp.targets.add(), "w", "BF16", [8, 4], [0, 0], [8, 4], flat=(4, 28))
+    c = rp.copies.add(target=0, read=0, src_offset=64, elements=24)
+    box(c.src.box, [0, 0], [8, 4])
+    c.src.flat_begin, c.src.flat_end, c.src.dtype = 0, 32, "F32"
+    box(c.region, [0, 0], [8, 4])
+    put("plan_codec", "cast-flat-one-node", c2.SerializeToString())
+
+    # The first seed with a copy whose source bytes leave its read (refused:
+    # ranks[1].copies[0].src_offset).
+    p.ranks[1].copies[0].read = 3
+    put("plan_codec", "refused-copy-outside-read", p.SerializeToString())
 
 
 # ---------------------------------------------------------------------------
