@@ -3,7 +3,9 @@
 # packages, builds everything with Bazel (offline) and runs every test.
 # Then the sanitizer pass (Hardening III): the whole suite again under
 # --config=asan (clang-14, ASan + UBSan, -Werror=thread-safety in core/ and
-# server/), and a short run of every libFuzzer target (tests/fuzz/run.sh).
+# server/), the multi-threaded core and daemon-library tests under
+# --config=tsan (TSAN_TARGETS), and a short run of every libFuzzer target
+# (tests/fuzz/run.sh).
 # CKPTD_SANITIZERS=0 skips that pass (counted as skipped, never as passed).
 # Ends with "N passed, N failed" (test cases, from the JUnit XML files) and
 # exits non-zero if anything failed.
@@ -54,6 +56,16 @@ else
   bazel "${BAZEL_ARGS[@]}" test --config=asan //... 2>&1 | tail -n 40
   asan_rc=${PIPESTATUS[0]}
   ALSO+=(--also "asan=$(bazel "${BAZEL_ARGS[@]}" info --config=asan bazel-testlogs 2>/dev/null)=$asan_rc")
+  # ThreadSanitizer over the tests whose threads are ours (executor, cache,
+  # fd socket, arena pool, NCCL transfer scheduling, save and hardening
+  # paths), plus the canary that proves a race is reported. Not the tests
+  # that run gRPC servers: Debian's gRPC is not instrumented and hands work
+  # between its threads in ways TSan cannot see (README "Testing").
+  TSAN_TARGETS=(//tests/unit:all //tests/gpu:nccl_schedule_test //tests/gpu:pinned_arena_test
+                //tests/tsan:race_canary_test)
+  bazel "${BAZEL_ARGS[@]}" test --config=tsan "${TSAN_TARGETS[@]}" 2>&1 | tail -n 30
+  tsan_rc=${PIPESTATUS[0]}
+  ALSO+=(--also "tsan=$(bazel "${BAZEL_ARGS[@]}" info --config=tsan bazel-testlogs 2>/dev/null)=$tsan_rc")
   if [ -f tests/fuzz/run.sh ]; then
     if bash tests/fuzz/run.sh --runs "${CKPTD_FUZZ_RUNS:-20000}" 2>&1 | tail -n 40; then
       EXTRA+=(--extra "fuzzing pass (tests/fuzz/run.sh)=pass")
