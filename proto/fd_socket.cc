@@ -9,13 +9,17 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <optional>
 
 #include "absl/strings/ascii.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 
@@ -58,17 +62,181 @@ void RandomBytes(uint8_t* out, size_t n) {
   }
 }
 
-// Receives the daemon's reply. A daemon that refuses a connection before
-// reading its request closes it with the request unread, and the kernel then
-// reports ECONNRESET to the first receive even though the reply is queued:
-// the second one gets it.
-ssize_t ReceiveReply(int sock, char* buf, size_t cap, int* fd) {
-  ssize_t n = ReceiveMessage(sock, buf, cap, fd);
-  if (n < 0 && errno == ECONNRESET) n = ReceiveMessage(sock, buf, cap, fd, MSG_DONTWAIT);
-  return n;
+// At most 24 bytes of untrusted text for a message, escaped and quoted.
+std::string Quoted(absl::string_view s) {
+  constexpr size_t kShown = 24;
+  return absl::StrCat("'", absl::CEscape(s.substr(0, kShown)), s.size() > kShown ? "'..." : "'");
+}
+
+// `text` as a number of bytes: canonical decimal, 1..kMaxArenaBytes.
+absl::StatusOr<uint64_t> ParseByteCount(absl::string_view text) {
+  constexpr size_t kMaxDigits = 20;  // UINT64_MAX has 20
+  if (text.empty()) return absl::InvalidArgumentError("no number of bytes");
+  if (text.size() > kMaxDigits) {
+    return absl::InvalidArgumentError(absl::StrCat(Quoted(text), " (", text.size(),
+                                                   " characters) is longer than any number of bytes"));
+  }
+  uint64_t v = 0;
+  for (char c : text) {
+    if (c < '0' || c > '9') {
+      return absl::InvalidArgumentError(absl::StrCat(
+          Quoted(text), " is not a decimal number of bytes (digits only: no sign, space or other "
+                        "character)"));
+    }
+    const uint64_t d = static_cast<uint64_t>(c - '0');
+    if (v > (UINT64_MAX - d) / 10) {
+      return absl::InvalidArgumentError(absl::StrCat(Quoted(text), " does not fit in 64 bits"));
+    }
+    v = v * 10 + d;
+  }
+  if (text.size() > 1 && text[0] == '0') {
+    return absl::InvalidArgumentError(absl::StrCat(Quoted(text), " has a leading zero"));
+  }
+  if (v == 0) return absl::InvalidArgumentError("0 bytes (at least 1)");
+  if (v > kMaxArenaBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(v, " bytes is over the limit of ", kMaxArenaBytes, " (64 TiB)"));
+  }
+  return v;
+}
+
+// What no message may be: over-long, or carrying a NUL byte.
+absl::Status CheckMessage(absl::string_view message) {
+  if (message.size() > kMaxMessage - 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(message.size(), " bytes, over the limit of ", kMaxMessage - 1));
+  }
+  if (message.find('\0') != absl::string_view::npos) {
+    return absl::InvalidArgumentError(absl::StrCat(Quoted(message), " has a NUL byte"));
+  }
+  return absl::OkStatus();
+}
+
+// The status code named `name` (1..16), if it is one.
+std::optional<absl::StatusCode> CodeNamed(absl::string_view name) {
+  for (int c = 1; c <= 16; ++c) {
+    if (name == absl::StatusCodeToString(static_cast<absl::StatusCode>(c))) {
+      return static_cast<absl::StatusCode>(c);
+    }
+  }
+  return std::nullopt;
+}
+
+// Receives and parses the daemon's reply; *fd gets the fd it carried (-1
+// if none). UNAVAILABLE "<fd_socket>: <what>: ..." when there is no reply or
+// it is malformed; an "ERR ..." reply is returned as a value. A daemon that
+// refuses a connection before reading its request closes it with the
+// request unread, and the kernel then reports ECONNRESET to the first
+// receive even though the reply is queued: the second one gets it.
+absl::StatusOr<FdReply> AwaitReply(int sock, int* fd, absl::string_view fd_socket,
+                                   absl::string_view what) {
+  char buf[kMaxMessage];
+  bool truncated = false;
+  ssize_t n = ReceiveMessage(sock, buf, sizeof(buf), fd, 0, &truncated);
+  if (n < 0 && errno == ECONNRESET) {
+    n = ReceiveMessage(sock, buf, sizeof(buf), fd, MSG_DONTWAIT, &truncated);
+  }
+  if (n <= 0) return Errno("no reply from the daemon", fd_socket);
+  absl::StatusOr<FdReply> reply =
+      truncated ? absl::InvalidArgumentError(absl::StrCat(
+                      "malformed reply: longer than ", kMaxMessage - 1, " bytes or with several fds"))
+                : ParseFdReply(absl::string_view(buf, static_cast<size_t>(n)));
+  if (!reply.ok()) {
+    return absl::UnavailableError(absl::StrCat(fd_socket, ": ", what, ": ", reply.status().message()));
+  }
+  return reply;
 }
 
 }  // namespace
+
+absl::StatusOr<FdRequest> ParseFdRequest(absl::string_view message) {
+  const std::string expected =
+      absl::StrCat("expected a ", kTokenLen, "-character lowercase hex token and one fd, or ALLOC <bytes>");
+  if (absl::Status s = CheckMessage(message); !s.ok()) {
+    return absl::InvalidArgumentError(absl::StrCat(expected, ": ", s.message()));
+  }
+  FdRequest r;
+  absl::string_view rest = message;
+  if (absl::ConsumePrefix(&rest, "ALLOC ")) {
+    absl::StatusOr<uint64_t> bytes = ParseByteCount(rest);
+    if (!bytes.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("expected ALLOC <bytes>: ", bytes.status().message()));
+    }
+    r.kind = FdRequest::Kind::kAlloc;
+    r.bytes = *bytes;
+    return r;
+  }
+  if (absl::StartsWith(message, "ALLOC")) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("expected ALLOC <bytes> (one space, then the number): got ", Quoted(message)));
+  }
+  if (!IsToken(message)) {
+    return absl::InvalidArgumentError(absl::StrCat(expected, ": got ", Quoted(message)));
+  }
+  r.kind = FdRequest::Kind::kHandOver;
+  r.token = std::string(message);
+  return r;
+}
+
+std::string EncodeFdRequest(const FdRequest& request) {
+  if (request.kind == FdRequest::Kind::kAlloc) return absl::StrCat("ALLOC ", request.bytes);
+  return request.token;
+}
+
+absl::StatusOr<FdReply> ParseFdReply(absl::string_view message) {
+  auto bad = [](absl::string_view why) {
+    return absl::InvalidArgumentError(absl::StrCat("malformed reply: ", why));
+  };
+  if (absl::Status s = CheckMessage(message); !s.ok()) return bad(s.message());
+  FdReply r;
+  if (message == "OK") return r;
+  absl::string_view rest = message;
+  if (absl::ConsumePrefix(&rest, "OK ")) {
+    const size_t space = rest.find(' ');
+    const absl::string_view token = rest.substr(0, space);
+    if (space == absl::string_view::npos || !IsToken(token)) {
+      return bad(absl::StrCat("expected OK <", kTokenLen, "-character lowercase hex token> <bytes>, got ",
+                              Quoted(message)));
+    }
+    absl::StatusOr<uint64_t> bytes = ParseByteCount(rest.substr(space + 1));
+    if (!bytes.ok()) return bad(absl::StrCat("arena size: ", bytes.status().message()));
+    r.kind = FdReply::Kind::kGrant;
+    r.token = std::string(token);
+    r.bytes = *bytes;
+    return r;
+  }
+  if (absl::ConsumePrefix(&rest, "ERR ")) {
+    r.kind = FdReply::Kind::kError;
+    absl::StatusCode code = absl::StatusCode::kUnavailable;  // an older daemon's bare message
+    const size_t colon = rest.find(": ");
+    if (colon != absl::string_view::npos) {
+      if (std::optional<absl::StatusCode> c = CodeNamed(rest.substr(0, colon))) {
+        code = *c;
+        rest.remove_prefix(colon + 2);
+      }
+    }
+    r.error = absl::Status(code, rest);
+    return r;
+  }
+  return bad(absl::StrCat("expected OK, OK <token> <bytes> or ERR <reason>, got ", Quoted(message)));
+}
+
+std::string EncodeFdReply(const FdReply& reply) {
+  switch (reply.kind) {
+    case FdReply::Kind::kOk:
+      return "OK";
+    case FdReply::Kind::kGrant:
+      return absl::StrCat("OK ", reply.token, " ", reply.bytes);
+    case FdReply::Kind::kError:
+      break;
+  }
+  absl::StatusCode code = reply.error.code();
+  if (!CodeNamed(absl::StatusCodeToString(code))) code = absl::StatusCode::kUnknown;
+  std::string r = absl::StrCat("ERR ", absl::StatusCodeToString(code), ": ", reply.error.message());
+  if (r.size() > kMaxMessage - 1) r.resize(kMaxMessage - 1);
+  std::replace(r.begin(), r.end(), '\0', '?');
+  return r;
+}
 
 std::string FdSocketPath(const std::string& grpc_socket) { return grpc_socket + ".fd"; }
 
@@ -246,30 +414,18 @@ ssize_t ReceiveMessage(int sock, char* buf, size_t cap, int* fd, int flags, bool
 }
 
 std::string ErrorReply(const absl::Status& status) {
-  std::string r = absl::StrCat("ERR ", absl::StatusCodeToString(status.code()), ": ",
-                               status.message());
-  if (r.size() > kMaxMessage - 1) r.resize(kMaxMessage - 1);
-  return r;
+  FdReply r;
+  r.kind = FdReply::Kind::kError;
+  r.error = status;
+  return EncodeFdReply(r);
 }
 
 absl::Status ParseReply(absl::string_view reply, absl::string_view context) {
-  if (absl::StartsWith(reply, "OK")) return absl::OkStatus();
   if (reply.empty()) return absl::UnavailableError(absl::StrCat(context, ": no reply"));
-  absl::string_view rest = reply;
-  if (absl::StartsWith(rest, "ERR ")) rest.remove_prefix(4);
-  absl::StatusCode code = absl::StatusCode::kUnavailable;
-  const size_t colon = rest.find(": ");
-  if (colon != absl::string_view::npos) {
-    const absl::string_view name = rest.substr(0, colon);
-    for (int c = 1; c <= 16; ++c) {
-      if (name == absl::StatusCodeToString(static_cast<absl::StatusCode>(c))) {
-        code = static_cast<absl::StatusCode>(c);
-        rest.remove_prefix(colon + 2);
-        break;
-      }
-    }
-  }
-  return absl::Status(code, absl::StrCat(context, ": ", rest));
+  absl::StatusOr<FdReply> r = ParseFdReply(reply);
+  if (!r.ok()) return absl::UnavailableError(absl::StrCat(context, ": ", r.status().message()));
+  if (r->kind != FdReply::Kind::kError) return absl::OkStatus();
+  return absl::Status(r->error.code(), absl::StrCat(context, ": ", r->error.message()));
 }
 
 // After a failed send: the daemon may have refused the connection before
@@ -283,8 +439,11 @@ static absl::Status SendFailed(int sock, absl::string_view fd_socket, absl::stri
   if (n < 0 && errno == ECONNRESET) n = ReceiveMessage(sock, reply, sizeof(reply), &fd, MSG_DONTWAIT);
   if (n > 0) {
     if (fd >= 0) ::close(fd);
-    absl::Status st = ParseReply(reply, absl::StrCat(fd_socket, ": ", context));
-    if (!st.ok()) return st;
+    absl::StatusOr<FdReply> r = ParseFdReply(absl::string_view(reply, static_cast<size_t>(n)));
+    if (r.ok() && r->kind == FdReply::Kind::kError) {
+      return absl::Status(r->error.code(),
+                          absl::StrCat(fd_socket, ": ", context, ": ", r->error.message()));
+    }
   }
   return sent;
 }
@@ -296,17 +455,24 @@ absl::StatusOr<std::string> SendFd(const std::string& fd_socket, int fd, absl::D
     int fd;
     ~Closer() { ::close(fd); }
   } closer{*s};
-  std::string token = RandomToken();
-  if (!SendMessage(*s, token, fd)) return SendFailed(*s, fd_socket, "daemon refused the fd");
-  char reply[kMaxMessage];
-  int unused = -1;
-  if (ReceiveReply(*s, reply, sizeof(reply), &unused) <= 0) {
-    return Errno("no reply from the daemon", fd_socket);
+  FdRequest request;
+  request.token = RandomToken();
+  if (!SendMessage(*s, EncodeFdRequest(request), fd)) {
+    return SendFailed(*s, fd_socket, "daemon refused the fd");
   }
+  int unused = -1;
+  absl::StatusOr<FdReply> reply = AwaitReply(*s, &unused, fd_socket, "handing over the fd");
   if (unused >= 0) ::close(unused);
-  absl::Status st = ParseReply(reply, absl::StrCat(fd_socket, ": daemon refused the fd"));
-  if (!st.ok()) return st;
-  return token;
+  if (!reply.ok()) return reply.status();
+  if (reply->kind == FdReply::Kind::kError) {
+    return absl::Status(reply->error.code(), absl::StrCat(fd_socket, ": daemon refused the fd: ",
+                                                          reply->error.message()));
+  }
+  if (reply->kind != FdReply::Kind::kOk) {
+    return absl::UnavailableError(absl::StrCat(
+        fd_socket, ": handing over the fd: the daemon answered with an arena grant, not OK"));
+  }
+  return request.token;
 }
 
 absl::StatusOr<ArenaGrant> RequestArena(const std::string& fd_socket, uint64_t size,
@@ -320,22 +486,34 @@ absl::StatusOr<ArenaGrant> RequestArena(const std::string& fd_socket, uint64_t s
     if (g.fd >= 0) ::close(g.fd);
     return st;
   };
-  if (!SendMessage(g.lease, absl::StrCat("ALLOC ", size), -1)) {
+  const std::string what = absl::StrCat("the daemon did not lend an arena of ", size, " bytes");
+  FdRequest request;
+  request.kind = FdRequest::Kind::kAlloc;
+  request.bytes = size;
+  const std::string message = EncodeFdRequest(request);
+  if (absl::StatusOr<FdRequest> valid = ParseFdRequest(message); !valid.ok()) {
+    return fail(absl::InvalidArgumentError(
+        absl::StrCat(fd_socket, ": ", what, ": ", valid.status().message())));
+  }
+  if (!SendMessage(g.lease, message, -1)) {
     return fail(SendFailed(g.lease, fd_socket, "the daemon lent no arena"));
   }
-  char reply[kMaxMessage];
-  if (ReceiveReply(g.lease, reply, sizeof(reply), &g.fd) <= 0) {
-    return fail(Errno("no reply from the daemon", fd_socket));
+  absl::StatusOr<FdReply> reply = AwaitReply(g.lease, &g.fd, fd_socket, what);
+  if (!reply.ok()) return fail(reply.status());
+  if (reply->kind == FdReply::Kind::kError) {
+    return fail(absl::Status(reply->error.code(),
+                             absl::StrCat(fd_socket, ": ", what, ": ", reply->error.message())));
   }
-  char token[kTokenLen + 1] = {};
-  unsigned long long got = 0;
-  if (std::strncmp(reply, "OK ", 3) != 0 || g.fd < 0 ||
-      std::sscanf(reply + 3, "%32s %llu", token, &got) != 2 || !IsToken(token) || got < size) {
-    return fail(absl::UnavailableError(
-        absl::StrCat(fd_socket, ": the daemon did not lend an arena of ", size, " bytes: ", reply)));
+  if (reply->kind != FdReply::Kind::kGrant || g.fd < 0 || reply->bytes < size) {
+    return fail(absl::UnavailableError(absl::StrCat(
+        fd_socket, ": ", what, ": the reply ",
+        reply->kind != FdReply::Kind::kGrant
+            ? std::string("is not a grant")
+            : g.fd < 0 ? std::string("carries no fd")
+                       : absl::StrCat("grants only ", reply->bytes, " bytes"))));
   }
-  g.token = token;
-  g.size = got;
+  g.token = reply->token;
+  g.size = reply->bytes;
   return g;
 }
 

@@ -32,6 +32,14 @@
 // (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, ...); older daemons
 // sent a bare message, read as UNAVAILABLE.
 //
+// Both sides parse every message strictly, with the pure functions below
+// (ParseFdRequest, ParseFdReply): exactly these forms, nothing before or
+// after; <bytes> in canonical decimal (digits only: no sign, space or
+// leading zero; at most 20 digits, no overflow) from 1 to kMaxArenaBytes;
+// tokens exactly kTokenLen lowercase hex digits; no NUL byte; at most
+// kMaxMessage - 1 bytes. Anything else is INVALID_ARGUMENT saying what was
+// wrong (the daemon answers a request it cannot parse with that error).
+//
 // The daemon gives every connection a short deadline to send its request
 // (kRequestTimeout) and then closes it.
 #ifndef CKPTD_PROTO_FD_SOCKET_H_
@@ -54,8 +62,13 @@ namespace ckptd {
 inline constexpr size_t kTokenLen = 32;
 // How long the daemon waits for a connection's request.
 inline constexpr absl::Duration kRequestTimeout = absl::Seconds(2);
-// The longest message either side sends.
+// The longest message either side sends, plus one (a message is at most
+// kMaxMessage - 1 bytes: it fits a kMaxMessage buffer NUL-terminated).
 inline constexpr size_t kMaxMessage = 512;
+// The largest arena a client may ask for and the daemon may lend (64 TiB):
+// far above any machine's memory, and page-rounded sizes stay far from
+// overflowing off_t.
+inline constexpr uint64_t kMaxArenaBytes = uint64_t{1} << 46;
 
 // The fd socket that goes with a daemon's gRPC socket path.
 std::string FdSocketPath(const std::string& grpc_socket);
@@ -95,6 +108,55 @@ struct ArenaGrant {
 absl::StatusOr<ArenaGrant> RequestArena(const std::string& fd_socket, uint64_t size,
                                         absl::Duration timeout = absl::Seconds(10));
 
+// --- Messages as values (pure; both directions) --------------------------
+
+// A request, client -> daemon.
+struct FdRequest {
+  enum class Kind {
+    kHandOver,  // "<token>", with the fd it names as SCM_RIGHTS
+    kAlloc,     // "ALLOC <bytes>", no fd
+  };
+  Kind kind = Kind::kHandOver;
+  std::string token;   // kHandOver
+  uint64_t bytes = 0;  // kAlloc: 1..kMaxArenaBytes
+
+  bool operator==(const FdRequest& o) const {
+    return kind == o.kind && token == o.token && bytes == o.bytes;
+  }
+};
+// The request `message` (the bytes of one message, no terminator) stands
+// for. INVALID_ARGUMENT "expected a 32-character lowercase hex token and one
+// fd, or ALLOC <bytes>: <what is wrong>" (or "expected ALLOC <bytes>: ..."
+// for a malformed ALLOC) otherwise. Whether an fd came with it is the
+// caller's to check.
+absl::StatusOr<FdRequest> ParseFdRequest(absl::string_view message);
+// The message for a request ParseFdRequest accepts.
+std::string EncodeFdRequest(const FdRequest& request);
+
+// A reply, daemon -> client.
+struct FdReply {
+  enum class Kind {
+    kOk,     // "OK": the fd was taken
+    kGrant,  // "OK <token> <bytes>", with the arena's memfd as SCM_RIGHTS
+    kError,  // "ERR <CODE>: <message>" (or an older daemon's "ERR <message>")
+  };
+  Kind kind = Kind::kOk;
+  std::string token;   // kGrant
+  uint64_t bytes = 0;  // kGrant: 1..kMaxArenaBytes
+  // kError: never OK; UNAVAILABLE for an older daemon's bare message.
+  absl::Status error;
+
+  bool operator==(const FdReply& o) const {
+    return kind == o.kind && token == o.token && bytes == o.bytes && error == o.error;
+  }
+};
+// The reply `message` stands for; INVALID_ARGUMENT "malformed reply: <what
+// is wrong>" otherwise.
+absl::StatusOr<FdReply> ParseFdReply(absl::string_view message);
+// The message for `reply`; an error's message is cut to fit kMaxMessage
+// and its NUL bytes replaced, so the daemon can send any status.
+std::string EncodeFdReply(const FdReply& reply);
+
 // --- Messages (both sides) -----------------------------------------------
 
 // A connected SOCK_SEQPACKET socket to `path` with send/receive timeouts.
@@ -109,11 +171,12 @@ bool SendMessage(int sock, absl::string_view text, int fd, int flags = 0);
 ssize_t ReceiveMessage(int sock, char* buf, size_t cap, int* fd, int flags = 0,
                        bool* truncated = nullptr);
 
-// "ERR <CODE>: <message>" for a refusal.
+// "ERR <CODE>: <message>" for a refusal (EncodeFdReply of an error; an OK
+// status reads as UNKNOWN).
 std::string ErrorReply(const absl::Status& status);
-// The status a reply stands for: OK for "OK..."; the code and message of
-// "ERR <CODE>: <message>" (UNAVAILABLE for a bare "ERR <message>"),
-// prefixed with `context`.
+// The status a reply stands for (ParseFdReply), prefixed with `context`: OK
+// for "OK" and "OK <token> <bytes>"; the code and message of an "ERR ..."; a
+// malformed or empty reply is UNAVAILABLE saying so.
 absl::Status ParseReply(absl::string_view reply, absl::string_view context);
 
 }  // namespace ckptd

@@ -18,7 +18,10 @@ Arena::~Arena() {
 
 absl::StatusOr<ArenaLease> ArenaPool::Allocate(uint64_t size, uid_t uid) {
   if (size == 0) return absl::InvalidArgumentError("arena of 0 bytes");
-  if (size > (1ull << 46)) return absl::InvalidArgumentError(absl::StrCat("arena of ", size, " bytes"));
+  if (size > kMaxArenaBytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("arena of ", size, " bytes: over the limit of ", kMaxArenaBytes));
+  }
   const uint64_t want = (size + kGranule - 1) / kGranule * kGranule;
   std::shared_ptr<Arena> arena;
   {

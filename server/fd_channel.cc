@@ -12,7 +12,6 @@
 #include <cstdlib>
 #include <cstring>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 namespace ckptd {
@@ -320,19 +319,29 @@ void FdReceiver::Serve(uint64_t id) {
     ::close(c);
     return;
   }
-  const absl::string_view text(buf, static_cast<size_t>(n));
-  if (absl::StartsWith(text, "ALLOC ") && fd < 0 && !truncated) {
+  // The request, parsed strictly (proto/fd_socket.h): a token with one fd,
+  // or ALLOC <bytes> with none.
+  const std::string expected = absl::StrCat(
+      "expected a ", kTokenLen, "-character lowercase hex token and one fd, or ALLOC <bytes>");
+  absl::StatusOr<FdRequest> req =
+      truncated ? absl::InvalidArgumentError(absl::StrCat(
+                      expected, ": the message was longer than ", kMaxMessage - 1,
+                      " bytes or carried several fds"))
+                : ParseFdRequest(absl::string_view(buf, static_cast<size_t>(n)));
+  if (req.ok() && req->kind == FdRequest::Kind::kAlloc && fd >= 0) {
+    req = absl::InvalidArgumentError("expected ALLOC <bytes> without an fd");
+  } else if (req.ok() && req->kind == FdRequest::Kind::kHandOver && fd < 0) {
+    req = absl::InvalidArgumentError(absl::StrCat(expected, ": the token came without an fd"));
+  }
+  if (!req.ok()) {
+    if (fd >= 0) ::close(fd);
+    Reply(c, ErrorReply(req.status()));
+    ::close(c);
+    return;
+  }
+  if (req->kind == FdRequest::Kind::kAlloc) {
     if (arenas_ == nullptr) {
       Reply(c, ErrorReply(absl::UnavailableError("this daemon lends no arenas")));
-      ::close(c);
-      return;
-    }
-    char* end = nullptr;
-    errno = 0;
-    const unsigned long long size = std::strtoull(buf + 6, &end, 10);
-    if (errno != 0 || end == buf + 6 || *end != '\0' || buf[6] == '-' || buf[6] == '+' ||
-        buf[6] == ' ') {
-      Reply(c, ErrorReply(absl::InvalidArgumentError("expected ALLOC <bytes>")));
       ::close(c);
       return;
     }
@@ -348,22 +357,15 @@ void FdReceiver::Serve(uint64_t id) {
       }
       ++granting_;
     }
-    std::thread([this, c, size, uid = conn.uid] { Grant(c, size, uid); }).detach();
+    std::thread([this, c, size = req->bytes, uid = conn.uid] { Grant(c, size, uid); }).detach();
     return;  // the socket is Grant's now
   }
-  Reply(c, Hold(buf, n, fd, truncated, conn.uid));
+  Reply(c, Hold(req->token, fd, conn.uid));
   ::close(c);
 }
 
-std::string FdReceiver::Hold(const char* text, ssize_t n, int fd, bool truncated, uid_t uid) {
-  const absl::string_view token(text, static_cast<size_t>(n));
-  absl::Status st;
-  if (truncated || fd < 0 || !IsToken(token)) {
-    st = absl::InvalidArgumentError(absl::StrCat(
-        "expected a ", kTokenLen, "-character lowercase hex token and one fd, or ALLOC <bytes>"));
-  } else {
-    st = CheckSealedSegment(fd, "the fd");
-  }
+std::string FdReceiver::Hold(const std::string& token, int fd, uid_t uid) {
+  absl::Status st = CheckSealedSegment(fd, "the fd");
   if (st.ok()) {
     absl::MutexLock lock(&mu_);
     size_t& mine = held_per_uid_[uid];
@@ -375,15 +377,15 @@ std::string FdReceiver::Hold(const char* text, ssize_t n, int fd, bool truncated
           "too many fds of uid ", uid, " held and not yet named in a request (", mine,
           ", the limit per uid is ", limits_.max_held_per_uid, "; unused ones expire after ",
           absl::FormatDuration(ttl_), ")"));
-    } else if (!fds_.emplace(std::string(token), Held{fd, absl::Now() + ttl_, uid}).second) {
+    } else if (!fds_.emplace(token, Held{fd, absl::Now() + ttl_, uid}).second) {
       st = absl::InvalidArgumentError("duplicate token");
     } else {
       ++mine;
-      return "OK";
+      return EncodeFdReply(FdReply());  // "OK"
     }
     if (mine == 0) held_per_uid_.erase(uid);
   }
-  if (fd >= 0) ::close(fd);
+  ::close(fd);
   return ErrorReply(st);
 }
 
@@ -393,8 +395,11 @@ void FdReceiver::Grant(int c, uint64_t size, uid_t uid) {
   if (!lease.ok()) {
     Reply(c, ErrorReply(lease.status()));
   } else {
-    const bool sent = SendMessage(c, absl::StrCat("OK ", lease->token, " ", lease->size),
-                                  lease->fd, MSG_DONTWAIT);
+    FdReply grant;
+    grant.kind = FdReply::Kind::kGrant;
+    grant.token = lease->token;
+    grant.bytes = lease->size;
+    const bool sent = SendMessage(c, EncodeFdReply(grant), lease->fd, MSG_DONTWAIT);
     ::close(lease->fd);
     if (sent) {
       kept = true;

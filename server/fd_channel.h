@@ -111,8 +111,8 @@ class FdReceiver {
   // Reads the request of connection `id` and answers it (or hands it to a
   // Grant thread).
   void Serve(uint64_t id);
-  // Answers a token + fd request: the reply text.
-  std::string Hold(const char* text, ssize_t n, int fd, bool truncated, uid_t uid);
+  // Answers a token + fd request (the fd is Hold's): the reply text.
+  std::string Hold(const std::string& token, int fd, uid_t uid);
   // The client's lease socket `fd` closed (or we stop): the arena goes back.
   void EndLease(int fd, const std::string& token);
   // Lends an arena to the client on `c` (its own thread; see Serve).

@@ -360,6 +360,11 @@ def fd_socket_seeds():
     put("fd_socket", "err-legacy", "ERR too many pending fds")
     put("fd_socket", "token", token)
     put("fd_socket", "alloc", "ALLOC 4096")
+    # The size limits (kMaxArenaBytes is accepted, one more is not) and a
+    # sign the old strtoull/sscanf parsers let through.
+    put("fd_socket", "alloc-max", "ALLOC 70368744177664")
+    put("fd_socket", "alloc-negative", "ALLOC -5")
+    put("fd_socket", "ok-grant-over-max", "OK %s 70368744177665" % token)
 
 
 # ---------------------------------------------------------------------------

@@ -4,6 +4,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 #include <atomic>
@@ -13,7 +14,12 @@
 #include <set>
 #include <string>
 #include <thread>
+#include <tuple>
+#include <utility>
 #include <vector>
+
+#include "absl/strings/escaping.h"
+#include "absl/strings/str_cat.h"
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
@@ -163,6 +169,180 @@ TEST(Replies, CarryTheirCode) {
   EXPECT_LT(ErrorReply(absl::InternalError(std::string(5000, 'x'))).size(), kMaxMessage);
 }
 
+constexpr char kTok[] = "0123456789abcdef0123456789abcdef";
+
+// Every message is parsed strictly: the protocol's forms and nothing else.
+TEST(FdMessages, RequestsAreParsedStrictly) {
+  auto req = ParseFdRequest(kTok);
+  ASSERT_TRUE(req.ok()) << req.status();
+  EXPECT_EQ(req->kind, FdRequest::Kind::kHandOver);
+  EXPECT_EQ(req->token, kTok);
+  EXPECT_EQ(EncodeFdRequest(*req), kTok);
+  for (const auto& [text, bytes] : std::vector<std::pair<std::string, uint64_t>>{
+           {"ALLOC 1", 1}, {"ALLOC 4096", 4096}, {"ALLOC 70368744177664", kMaxArenaBytes}}) {
+    req = ParseFdRequest(text);
+    ASSERT_TRUE(req.ok()) << text << ": " << req.status();
+    EXPECT_EQ(req->kind, FdRequest::Kind::kAlloc);
+    EXPECT_EQ(req->bytes, bytes);
+    EXPECT_EQ(EncodeFdRequest(*req), text);
+  }
+  struct Bad {
+    std::string text;
+    const char* why;
+  };
+  for (const Bad& b : std::vector<Bad>{
+           {"ALLOC -5", "'-5' is not a decimal number of bytes (digits only: no sign"},
+           {"ALLOC +5", "'+5' is not a decimal number"},
+           {"ALLOC  5", "' 5' is not a decimal number"},
+           {"ALLOC 5x", "'5x' is not a decimal number"},
+           {"ALLOC 5 ", "'5 ' is not a decimal number"},
+           {"ALLOC 0x10", "is not a decimal number"},
+           {"ALLOC 18446744073709551616", "'18446744073709551616' does not fit in 64 bits"},
+           {"ALLOC 18446744073709551615", "over the limit of 70368744177664"},
+           {"ALLOC 70368744177665", "over the limit of 70368744177664"},
+           {"ALLOC 123456789012345678901", "(21 characters) is longer than any number of bytes"},
+           {"ALLOC 007", "'007' has a leading zero"},
+           {"ALLOC 0", "0 bytes (at least 1)"},
+           {"ALLOC ", "no number of bytes"},
+           {"ALLOC", "expected ALLOC <bytes> (one space"},
+           {"ALLOC\t5", "expected ALLOC <bytes> (one space"},
+           {"alloc 5", "expected a 32-character lowercase hex token and one fd, or ALLOC <bytes>"},
+           {"", "expected a 32-character"},
+           {" " + std::string(kTok), "got ' 0123456789abcdef0123456'..."},
+           {std::string(kTok) + "\n", "expected a 32-character"},
+           {std::string(kTok).substr(0, 31), "expected a 32-character"},
+           {"0123456789ABCDEF0123456789ABCDEF", "expected a 32-character"},
+           {std::string(kTok, 16) + std::string(1, '\0') + std::string(kTok, 15), "has a NUL byte"},
+           {std::string(600, 'a'), "600 bytes, over the limit of 511"},
+       }) {
+    req = ParseFdRequest(b.text);
+    EXPECT_EQ(req.status().code(), absl::StatusCode::kInvalidArgument) << absl::CHexEscape(b.text);
+    EXPECT_THAT(std::string(req.status().message()), HasSubstr(b.why)) << absl::CHexEscape(b.text);
+  }
+  // Client input quoted in a refusal is escaped and short.
+  req = ParseFdRequest("ALLOC \x01" + std::string(100, '9'));
+  EXPECT_THAT(std::string(req.status().message()), HasSubstr("'\\001999"));
+  EXPECT_LT(req.status().message().size(), 120u);
+}
+
+TEST(FdMessages, RepliesAreParsedStrictly) {
+  auto reply = ParseFdReply("OK");
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_EQ(reply->kind, FdReply::Kind::kOk);
+  EXPECT_EQ(EncodeFdReply(*reply), "OK");
+  const std::string grant = absl::StrCat("OK ", kTok, " 2097152");
+  reply = ParseFdReply(grant);
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_EQ(reply->kind, FdReply::Kind::kGrant);
+  EXPECT_EQ(reply->token, kTok);
+  EXPECT_EQ(reply->bytes, 2097152u);
+  EXPECT_EQ(EncodeFdReply(*reply), grant);
+  reply = ParseFdReply("ERR RESOURCE_EXHAUSTED: too many: really");
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_EQ(reply->kind, FdReply::Kind::kError);
+  EXPECT_EQ(reply->error, absl::ResourceExhaustedError("too many: really"));
+  reply = ParseFdReply("ERR too many pending fds");  // an older daemon's
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_EQ(reply->error, absl::UnavailableError("too many pending fds"));
+  EXPECT_EQ(EncodeFdReply(*reply), "ERR UNAVAILABLE: too many pending fds");
+
+  const std::string ok_tok = absl::StrCat("OK ", kTok, " ");
+  for (const auto& [text, why] : std::vector<std::pair<std::string, std::string>>{
+           {ok_tok + "-5", "'-5' is not a decimal number"},
+           {ok_tok + "+5", "'+5' is not a decimal number"},
+           {ok_tok + " 5", "' 5' is not a decimal number"},
+           {ok_tok + "5x", "'5x' is not a decimal number"},
+           {ok_tok + "18446744073709551616", "does not fit in 64 bits"},
+           {ok_tok + "99999999999999999999999", "longer than any number of bytes"},
+           {ok_tok, "arena size: no number of bytes"},
+           {ok_tok + "0", "0 bytes"},
+           {absl::StrCat("OK ", kTok), "expected OK <32-character lowercase hex token> <bytes>"},
+           {absl::StrCat("OK  ", kTok, " 5"), "expected OK <32-character"},
+           {"OK 0123456789ABCDEF0123456789ABCDEF 5", "expected OK <32-character"},
+           {"", "expected OK, OK <token> <bytes> or ERR <reason>"},
+           {"OKAY", "expected OK, OK <token> <bytes> or ERR <reason>, got 'OKAY'"},
+           {"OK\n", "expected OK, OK"},
+           {" OK", "expected OK, OK"},
+           {"ERR", "expected OK, OK"},
+           {std::string("OK\0", 3), "has a NUL byte"},
+           {"ERR " + std::string(600, 'x'), "604 bytes, over the limit of 511"},
+       }) {
+    reply = ParseFdReply(text);
+    EXPECT_EQ(reply.status().code(), absl::StatusCode::kInvalidArgument) << absl::CHexEscape(text);
+    EXPECT_THAT(std::string(reply.status().message()), HasSubstr("malformed reply: "));
+    EXPECT_THAT(std::string(reply.status().message()), HasSubstr(why)) << absl::CHexEscape(text);
+  }
+  // Any status fits one message and keeps its code; NUL bytes are replaced.
+  const std::string err = ErrorReply(absl::DataLossError(std::string("a\0b", 3) + std::string(900, 'z')));
+  EXPECT_EQ(err.size(), kMaxMessage - 1);
+  reply = ParseFdReply(err);
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_EQ(reply->error.code(), absl::StatusCode::kDataLoss);
+  EXPECT_THAT(std::string(reply->error.message()), ::testing::StartsWith("a?bzzz"));
+}
+
+// A daemon (here a fake one) whose grant is malformed: RequestArena refuses
+// it instead of reading "-5" as 2^64 - 5 bytes.
+TEST(FdMessages, TheClientRefusesMalformedGrants) {
+  char tmpl[] = "/tmp/ckptd-fd-XXXXXX";
+  ASSERT_NE(::mkdtemp(tmpl), nullptr);
+  const std::string path = std::string(tmpl) + "/fake.sock.fd";
+  const int listener = ::socket(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0);
+  ASSERT_GE(listener, 0);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  ASSERT_EQ(::bind(listener, reinterpret_cast<sockaddr*>(&addr), sizeof(addr)), 0);
+  ASSERT_EQ(::listen(listener, 4), 0);
+  // Answers one connection with `reply` (and a memfd), then waits for it to close.
+  auto answer = [&](const std::string& reply) {
+    return std::thread([listener, reply] {
+      const int c = ::accept4(listener, nullptr, nullptr, SOCK_CLOEXEC);
+      if (c < 0) return;
+      char buf[kMaxMessage];
+      int fd = -1;
+      (void)ReceiveMessage(c, buf, sizeof(buf), &fd);
+      const int memfd = MakeMemfd(1 << 20);
+      SendMessage(c, reply, memfd);
+      ::close(memfd);
+      (void)ReceiveMessage(c, buf, sizeof(buf), &fd);  // until the client closes
+      ::close(c);
+    });
+  };
+  const std::string ok_tok = absl::StrCat("OK ", kTok, " ");
+  for (const auto& [reply, code, why] : std::vector<std::tuple<std::string, absl::StatusCode, std::string>>{
+           {ok_tok + "-5", absl::StatusCode::kUnavailable, "malformed reply: arena size: '-5'"},
+           {ok_tok + "18446744073709551615", absl::StatusCode::kUnavailable, "over the limit"},
+           {ok_tok + "1048576x", absl::StatusCode::kUnavailable, "is not a decimal number"},
+           {"OK", absl::StatusCode::kUnavailable, "the reply is not a grant"},
+           {ok_tok + "2048", absl::StatusCode::kUnavailable, "the reply grants only 2048 bytes"},
+           {"ERR RESOURCE_EXHAUSTED: full", absl::StatusCode::kResourceExhausted, "bytes: full"},
+       }) {
+    std::thread daemon = answer(reply);
+    auto g = RequestArena(path, 4096, absl::Seconds(5));
+    daemon.join();
+    ASSERT_FALSE(g.ok()) << reply;
+    EXPECT_EQ(g.status().code(), code) << g.status();
+    EXPECT_THAT(std::string(g.status().message()),
+                HasSubstr("the daemon did not lend an arena of 4096 bytes"));
+    EXPECT_THAT(std::string(g.status().message()), HasSubstr(why)) << g.status();
+  }
+  std::thread daemon = answer(ok_tok + "1048576");
+  auto g = RequestArena(path, 4096, absl::Seconds(5));
+  ASSERT_TRUE(g.ok()) << g.status();
+  EXPECT_EQ(g->size, 1048576u);
+  EXPECT_EQ(g->token, kTok);
+  ::close(g->fd);
+  ::close(g->lease);
+  daemon.join();
+  // Sizes the protocol cannot carry are refused before anything is sent.
+  EXPECT_EQ(RequestArena(path, kMaxArenaBytes + 1).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(RequestArena(path, 0).status().code(), absl::StatusCode::kInvalidArgument);
+  ::close(listener);
+  ::unlink(path.c_str());
+  ::rmdir(tmpl);
+}
+
 TEST_F(FdSocketTest, UnsealedMemfdIsRefusedWithTheReason) {
   const int fd = MakeMemfd(1 << 20, true, 0);
   auto token = SendFd(path_, fd);
@@ -233,8 +413,16 @@ TEST_F(FdSocketTest, BadRequestsAreRefused) {
   EXPECT_THAT(send_raw(std::string(32, 'Z'), fd), HasSubstr("ERR INVALID_ARGUMENT: expected a 32-character"));
   EXPECT_THAT(send_raw(RandomToken(), -1), HasSubstr("ERR INVALID_ARGUMENT"));
   EXPECT_THAT(send_raw("ALLOC abc", -1), HasSubstr("ERR INVALID_ARGUMENT: expected ALLOC <bytes>"));
-  EXPECT_THAT(send_raw("ALLOC -5", -1), HasSubstr("ERR INVALID_ARGUMENT"));
   EXPECT_THAT(send_raw("ALLOC 0", -1), HasSubstr("ERR INVALID_ARGUMENT"));
+  for (const char* bad : {"ALLOC -5", "ALLOC +5", "ALLOC  5", "ALLOC 5x", "ALLOC 18446744073709551616"}) {
+    EXPECT_THAT(send_raw(bad, -1),
+                HasSubstr("ERR INVALID_ARGUMENT: expected ALLOC <bytes>: '"))
+        << bad;
+  }
+  EXPECT_THAT(send_raw("ALLOC 4096", fd), HasSubstr("ERR INVALID_ARGUMENT: expected ALLOC <bytes> without an fd"));
+  EXPECT_THAT(send_raw(std::string(kMaxMessage + 10, 'a'), -1),
+              HasSubstr("ERR INVALID_ARGUMENT: expected a 32-character lowercase hex token and one "
+                        "fd, or ALLOC <bytes>: the message was longer than 511 bytes"));
   const std::string token = RandomToken();
   EXPECT_EQ(send_raw(token, fd), "OK");
   EXPECT_THAT(send_raw(token, fd), HasSubstr("duplicate token"));

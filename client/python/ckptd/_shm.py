@@ -19,6 +19,7 @@ the connection (the lease). Requests then name ShmDestination.arena_token.
 import fcntl
 import mmap
 import os
+import re
 import secrets
 import socket as _socket
 import threading
@@ -30,6 +31,10 @@ from .errors import CkptdError
 
 ALIGN = 64
 TOKEN_LEN = 32
+MAX_ARENA_BYTES = 1 << 46  # kMaxArenaBytes
+# A grant, parsed as strictly as proto/fd_socket.h's ParseFdReply: a token of
+# lowercase hex, a canonical decimal size (no sign, space or leading zero).
+_GRANT = re.compile(rb"OK ([0-9a-f]{32}) ([1-9][0-9]{0,19})")
 
 
 def align(n, a=ALIGN):
@@ -115,8 +120,9 @@ def request_arena(fd_socket, size, timeout=10.0):
     except CkptdError:
         s.close()
         raise
-    parts = msg.decode("ascii", "replace").split()
-    if len(parts) != 3 or parts[0] != "OK" or len(fds) != 1 or int(parts[2]) < size:
+    grant = _GRANT.fullmatch(msg)
+    granted = int(grant.group(2)) if grant else 0
+    if grant is None or len(fds) != 1 or not size <= granted <= MAX_ARENA_BYTES:
         for fd in fds:
             os.close(fd)
         s.close()
@@ -124,7 +130,7 @@ def request_arena(fd_socket, size, timeout=10.0):
         raise CkptdError(code, f"{fd_socket}: the daemon did not lend an arena of {size} bytes: "
                          f"{msg.decode('ascii', 'replace') or 'no reply'}")
     s.settimeout(None)  # blocking again (also after _recv_reply's second try)
-    return fds[0], s, parts[1], int(parts[2])
+    return fds[0], s, grant.group(1).decode("ascii"), granted
 
 
 class Segment:
