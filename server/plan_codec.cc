@@ -142,7 +142,7 @@ constexpr size_t kMaxFileNameBytes = 255;                             // NAME_MA
 // bytes of it.
 std::string Shown(absl::string_view s) {
   constexpr size_t kMax = 64;
-  std::string out = absl::StrCat("'", absl::CHexEscape(s.substr(0, kMax)), "'");
+  std::string out = absl::StrCat("'", absl::CEscape(s.substr(0, kMax)), "'");
   if (s.size() > kMax) absl::StrAppend(&out, "... (", s.size(), " bytes)");
   return out;
 }
