@@ -41,7 +41,7 @@ if [ -x /usr/local/cuda/bin/nvcc ]; then
   fi
 else
   echo "cuda build skipped: /usr/local/cuda/bin/nvcc not found"
-  EXTRA+=(--extra "cuda build (no CUDA toolkit)=skip")
+  EXTRA+=(--extra "cuda build (no CUDA toolkit) [needs: nvcc]=skip")
 fi
 
 # bazel-testlogs follows the last build's configuration: name the directory.
@@ -49,7 +49,7 @@ TESTLOGS=$(bazel "${BAZEL_ARGS[@]}" info bazel-testlogs 2>/dev/null)
 
 ALSO=()
 if [ "${CKPTD_SANITIZERS:-1}" = "0" ]; then
-  EXTRA+=(--extra "sanitizer pass (CKPTD_SANITIZERS=0)=skip")
+  EXTRA+=(--extra "sanitizer pass (CKPTD_SANITIZERS=0) [needs: CKPTD_SANITIZERS unset]=skip")
 elif ! command -v clang-14 >/dev/null; then
   EXTRA+=(--extra "sanitizer pass (no clang-14)=fail")
 else
@@ -75,7 +75,10 @@ else
   fi
 fi
 
-/usr/bin/python3 tools/count_tests.py "$TESTLOGS" "$test_rc" "${ALSO[@]}" "${EXTRA[@]}"
+# In CI a skip whose prerequisite this machine has is a failure.
+STRICT=()
+if [ "${CI:-}" = "true" ]; then STRICT+=(--strict-skips); fi
+/usr/bin/python3 tools/count_tests.py "$TESTLOGS" "$test_rc" "${ALSO[@]}" "${EXTRA[@]}" "${STRICT[@]}"
 count_rc=$?
 if [ "$test_rc" -ne 0 ] || [ "$count_rc" -ne 0 ]; then exit 1; fi
 exit 0

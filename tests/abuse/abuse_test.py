@@ -599,7 +599,7 @@ class AbuseTest(unittest.TestCase):
         """None when peer.py can run as uid 65534, else ("skip"|"fail", why)."""
         if os.geteuid() != 0:
             return ("skip", f"the other-uid cases need root to switch to uid {OTHER_UID} with "
-                            f"setpriv (running as uid {os.geteuid()})")
+                            f"setpriv (running as uid {os.geteuid()}) [needs: root]")
         cls.peer_dir = os.path.join(cls.base, "peer")
         os.makedirs(cls.peer_dir)
         os.chmod(cls.peer_dir, 0o755)

@@ -129,7 +129,7 @@ TEST_F(DaemonNoGpu, BadDeviceTargetsAreInvalidArgument) {
 }
 
 TEST_F(DaemonNoGpu, ClientWithoutCudaRefusesCudaIpc) {
-  if (ckptd::ClientBuiltWithCuda()) GTEST_SKIP() << "client built with CUDA";
+  if (ckptd::ClientBuiltWithCuda()) GTEST_SKIP() << "client built with CUDA [needs: client built without CUDA]";
   ckptd::Client::Options o;
   o.socket = daemon_->socket();
   auto c = ckptd::Client::Connect(o);

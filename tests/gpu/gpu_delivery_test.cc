@@ -41,7 +41,7 @@ class GpuDelivery : public ::testing::Test {
  protected:
   void SetUp() override {
     std::string why;
-    if (!HaveGpu(&why)) GTEST_SKIP() << "SKIP: " << why;
+    if (!HaveGpu(&why)) GTEST_SKIP() << "SKIP: " << why << " [needs: gpu]";
     ckpt_ = tmp_.Sub("ckpt");
     ASSERT_TRUE(MakeCheckpoint(tmp_.Sub("src"), ckpt_).ok());
     layout_ = LoadLayout(3);

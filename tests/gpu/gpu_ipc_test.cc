@@ -32,7 +32,7 @@ class GpuIpc : public ::testing::Test {
  protected:
   void SetUp() override {
     std::string why;
-    if (!HaveGpu(&why)) GTEST_SKIP() << "SKIP: " << why;
+    if (!HaveGpu(&why)) GTEST_SKIP() << "SKIP: " << why << " [needs: gpu]";
     root_ = tmp_.Sub("root");
     ckpt_ = root_ + "/ckpt";
     ASSERT_TRUE(MakeCheckpoint(tmp_.Sub("src"), ckpt_).ok());

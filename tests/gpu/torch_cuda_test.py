@@ -27,9 +27,9 @@ from ckptd import _cuda
 
 WHY_NO_GPU = None
 if torch is None:
-    WHY_NO_GPU = "torch is not installed"
+    WHY_NO_GPU = "torch is not installed [needs: torch]"
 elif not torch.cuda.is_available():
-    WHY_NO_GPU = "torch has no usable CUDA device (CPU-only build or no GPU)"
+    WHY_NO_GPU = "torch has no usable CUDA device (CPU-only build or no GPU) [needs: gpu]"
 
 SAVE_WORLD, LOAD_WORLD = 4, 2
 
@@ -100,7 +100,7 @@ class TorchCudaDestinations(unittest.TestCase):
         with testlib.Daemon(root) as d:
             st = ckptd.status(socket=d.socket)
             if "no CUDA device" in st.get("gpu", "") or "without CUDA" in st.get("gpu", ""):
-                self.skipTest(f"SKIP: the daemon cannot use a GPU: {st.get('gpu')}")
+                self.skipTest(f"SKIP: the daemon cannot use a GPU: {st.get('gpu')} [needs: gpu]")
             ctx = mp.get_context("spawn")
             procs = [ctx.Process(target=save_worker, args=(r, d.socket, path))
                      for r in range(SAVE_WORLD)]

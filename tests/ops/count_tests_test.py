@@ -10,16 +10,16 @@ import testlib
 COUNT = os.path.abspath("tools/count_tests.py")
 
 
-def run(tree, *extra):
+def run(tree, *extra, flags=(), env=None):
     root = tempfile.mkdtemp(dir=os.environ.get("TEST_TMPDIR"))
     for target, xml in tree.items():
         os.makedirs(os.path.join(root, target))
         with open(os.path.join(root, target, "test.xml"), "w") as f:
             f.write(xml)
-    args = ["/usr/bin/python3", COUNT, root, "0"]
+    args = ["/usr/bin/python3", COUNT, root, "0", *flags]
     for e in extra:
         args += ["--extra", e]
-    return subprocess.run(args, capture_output=True, text=True, timeout=30)
+    return subprocess.run(args, capture_output=True, text=True, timeout=60, env=env)
 
 
 GTEST = """<?xml version="1.0"?><testsuites><testsuite name="S" tests="3">
@@ -51,6 +51,35 @@ class CountTests(unittest.TestCase):
         r = run({"t/a": bad, "t/b": "<not xml"}, "cuda build=fail")
         self.assertTrue(r.stdout.strip().endswith("0 passed, 3 failed"), r.stdout)
         self.assertEqual(r.returncode, 1)
+
+    def test_strict_skips_need_an_absent_prerequisite(self):
+        # --strict-skips (CI): a skip must say "[needs: NAME]" and NAME must
+        # be missing here. "CKPTD_SANITIZERS unset" is present unless the
+        # variable is 0, so the environment decides it for this test.
+        tagged = GTEST.replace('message="needs a GPU"',
+                               'message="no sanitizers [needs: CKPTD_SANITIZERS unset]"')
+        tagged = tagged.replace('<testcase name="DISABLED_off" status="notrun" result="suppressed" '
+                                'classname="S"/>', "")
+        env = {k: v for k, v in os.environ.items() if k != "CKPTD_SANITIZERS"}
+        absent = dict(env, CKPTD_SANITIZERS="0")
+        r = run({"t/a": tagged}, flags=["--strict-skips"], env=absent)
+        self.assertEqual(r.stdout.strip().splitlines()[-1], "1 passed, 0 failed", r.stdout)
+        self.assertEqual(r.returncode, 0, r.stdout)
+        r = run({"t/a": tagged}, flags=["--strict-skips"], env=env)
+        self.assertIn("skipped although its prerequisite 'CKPTD_SANITIZERS unset' is present",
+                      r.stdout)
+        self.assertTrue(r.stdout.strip().endswith("1 passed, 1 failed"), r.stdout)
+        self.assertEqual(r.returncode, 1)
+        # Untagged skips, disabled cases and unknown prerequisites fail.
+        r = run({"t/a": GTEST}, "cuda build [needs: warp drive]=skip", flags=["--strict-skips"],
+                env=absent)
+        self.assertIn("S.skip: a skip must name its prerequisite", r.stdout)
+        self.assertIn("S.DISABLED_off: a skip must name its prerequisite", r.stdout)
+        self.assertIn("unknown prerequisite 'warp drive'", r.stdout)
+        self.assertTrue(r.stdout.strip().endswith("1 passed, 3 failed"), r.stdout)
+        # Without --strict-skips the same tree only reports them.
+        r = run({"t/a": GTEST}, "cuda build [needs: warp drive]=skip", env=absent)
+        self.assertTrue(r.stdout.strip().endswith("1 passed, 0 failed"), r.stdout)
 
     def test_a_second_run_counts_with_its_label(self):
         # The sanitizer run (--also LABEL=TESTLOGS=RC): its cases add up, a

@@ -148,7 +148,7 @@ def load_worker(rank, sock, path, out_dir):
         json.dump(rep.as_dict(), f)
 
 
-@unittest.skipIf(torch is None, "torch is not installed")
+@unittest.skipIf(torch is None, "torch is not installed [needs: torch]")
 class TorchClientTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
