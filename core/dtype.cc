@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <limits>
 
 #include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
@@ -69,12 +70,35 @@ double LoadFloat(const uint8_t* p, DType d) {
   }
 }
 
+// `x` as a float rounded to odd: truncated toward zero, with the last
+// mantissa bit set when that lost anything. Rounding this float to a format
+// with at least two fewer mantissa bits (F16: 10, BF16: 7, against 23) gives
+// the correctly rounded result of `x` itself; rounding x to float to nearest
+// first would round twice (a double just above a half-way point between two
+// F16 values can land exactly on it in float, and the tie then goes to even).
+float RoundToOddFloat(double x) {
+  if (std::isnan(x)) return static_cast<float>(x);
+  constexpr double kMax = std::numeric_limits<float>::max();
+  if (std::fabs(x) > kMax) {
+    if (std::isinf(x)) return static_cast<float>(x);
+    return static_cast<float>(std::copysign(kMax, x));  // odd mantissa: rounds up past max
+  }
+  float f = static_cast<float>(x);
+  if (static_cast<double>(f) == x) return f;
+  if (std::fabs(static_cast<double>(f)) > std::fabs(x)) f = std::nextafter(f, 0.0f);
+  uint32_t bits;
+  std::memcpy(&bits, &f, 4);
+  bits |= 1u;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+
 void StoreFloat(uint8_t* p, DType d, double x) {
   switch (d) {
     case DType::kF64: std::memcpy(p, &x, 8); break;
     case DType::kF32: { float v = static_cast<float>(x); std::memcpy(p, &v, 4); break; }
-    case DType::kF16: { uint16_t v = FloatToF16(static_cast<float>(x)); std::memcpy(p, &v, 2); break; }
-    case DType::kBF16: { uint16_t v = FloatToBF16(static_cast<float>(x)); std::memcpy(p, &v, 2); break; }
+    case DType::kF16: { uint16_t v = FloatToF16(RoundToOddFloat(x)); std::memcpy(p, &v, 2); break; }
+    case DType::kBF16: { uint16_t v = FloatToBF16(RoundToOddFloat(x)); std::memcpy(p, &v, 2); break; }
     default: break;
   }
 }
