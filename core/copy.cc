@@ -568,6 +568,31 @@ int64_t CountRegion(const StoredLayout& src, const StoredLayout& dst, const Box&
   return n;
 }
 
+FlatSpan HeldSpan(const StoredLayout& src, const StoredLayout& dst, const Box& region) {
+  const size_t rank = region.rank();
+  if (rank == 0) {
+    if (CountRegion(src, dst, region) == 0) return {};
+    return {0, 1};
+  }
+  std::vector<int64_t> stride(rank);
+  StorageStrides(src, stride.data());
+  int64_t lo = INT64_MAX, hi = INT64_MIN;
+  // Flat indices grow with every coordinate, so a box's first and last
+  // stored elements are its two corners, whatever the storage order.
+  ForEachHeldPart(src, dst, region, [&](const Box& part) {
+    int64_t first = 0, last = 0;
+    for (size_t i = 0; i < rank; ++i) {
+      const int64_t o = part.offset[i] - src.box.offset[i];
+      first += o * stride[i];
+      last += (o + part.shape[i] - 1) * stride[i];
+    }
+    lo = std::min(lo, first);
+    hi = std::max(hi, last + 1);
+  });
+  if (lo >= hi) return {};
+  return {lo, hi};
+}
+
 FlatSpan RegionSpan(const StoredLayout& layout, const Box& region) {
   const size_t rank = region.rank();
   Shape first(rank), last(rank);

@@ -106,6 +106,14 @@ struct FlatSpan {
 };
 FlatSpan RegionSpan(const StoredLayout& layout, const Box& region);
 
+// The flat-index span of `src`'s stored elements (storage order) from the
+// first to the last element of `region` that both `src` and `dst` hold:
+// exactly what a copy of `region` from `src` into `dst` reads. Tighter than
+// RegionSpan(src, region) when `dst` (or `src`) holds a flat range: the
+// covering box of a flat range holds elements the copy never reads. Empty
+// if the copy reads nothing.
+FlatSpan HeldSpan(const StoredLayout& src, const StoredLayout& dst, const Box& region);
+
 }  // namespace ckpt
 
 #endif  // CKPTD_CORE_COPY_H_

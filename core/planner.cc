@@ -202,7 +202,7 @@ absl::StatusOr<LoadPlan> PlanLoad(const CheckpointMetadata& metadata,
         if (!region) continue;
         int64_t n = exact != nullptr ? t.num_elements() : CountRegion(src, dst, *region);
         if (n == 0) continue;
-        const FlatSpan span = RegionSpan(src, *region);
+        const FlatSpan span = HeldSpan(src, dst, *region);
         const size_t si = base + static_cast<size_t>(&s - tm.shards.data());
         if (shard_file[si] < 0) shard_file[si] = file_id(s.file);
         const uint32_t file = static_cast<uint32_t>(shard_file[si]);
