@@ -55,9 +55,29 @@ set -e
 echo "$err" | grep -q "1_5.safetensors" || fail "error does not name the file: $err"
 
 set +e
-"$CKPTCTL" frobnicate x >/dev/null 2>&1; rc=$?
+err=$("$CKPTCTL" lod x 2>&1 >/dev/null); rc=$?
 set -e
-[ $rc -ne 0 ] || fail "unknown command accepted"
+[ $rc -eq 2 ] || fail "unknown command accepted (exit $rc)"
+echo "$err" | grep -q "unknown command 'lod'; the commands are: status, inspect, shard, load" \
+  || fail "unknown command not named with the list of commands: $err"
+
+# No daemon behind --daemon: an error at once (not after the 10 s connect
+# timeout) naming the path, whether nothing is there, a file that is not a
+# socket, or a socket nobody listens on.
+S=$(mktemp -d /tmp/ckptctl-test.XXXXXX)  # short: Unix socket paths are limited to 107 bytes
+trap 'rm -rf "$S"' EXIT
+/usr/bin/python3 -c 'import socket, sys; s = socket.socket(socket.AF_UNIX); s.bind(sys.argv[1])' "$S/stale.sock"
+touch "$S/plain"
+for target in "$S/none.sock" "$S/plain" "$S/stale.sock"; do
+  start=$(date +%s%N)
+  set +e
+  err=$("$CKPTCTL" status --daemon "$target" 2>&1 >/dev/null); rc=$?
+  set -e
+  ms=$(( ($(date +%s%N) - start) / 1000000 ))
+  [ $rc -eq 1 ] || fail "status --daemon $target: exit $rc"
+  echo "$err" | grep -q "cannot connect to ckptd at $target" || fail "status error does not name $target: $err"
+  [ $ms -lt 5000 ] || fail "status --daemon $target took $ms ms to fail"
+done
 help=$("$CKPTCTL" --help 2>&1 || true)
 echo "$help" | grep -q "ckptctl merge" || fail "--help does not list merge"
 echo "ckptctl CLI test passed"
