@@ -47,6 +47,9 @@ ABSL_FLAG(std::vector<std::string>, skip_postfix, {},
           "merge: drop keys ending with any of these (comma-separated; may repeat)");
 ABSL_FLAG(int, shards, 1, "merge: number of output safetensors files");
 ABSL_FLAG(int, threads, 2, "I/O and copy threads");
+ABSL_FLAG(int, fill_byte, -1,
+          "load: fill the destination buffers with this byte (0-255) before loading, so an "
+          "element a load failed to write shows (-1: zero-filled)");
 ABSL_FLAG(bool, strict, false, "load: fail when a requested key is missing from the checkpoint");
 ABSL_FLAG(std::string, aoa, "",
           "load: file of AOA statements (rename, split, concat, transpose, cast, fused "
@@ -81,12 +84,13 @@ Usage:
       Cut the tensors of SRC per the layout and write a native checkpoint, as if
       each rank had saved its part (replicas written once).
   ckptctl load CKPT --layout L.json --out DIR [--unique_id N] [--json] [--strict]
-               [--aoa FILE] [--direct_io never|auto|always]
+               [--aoa FILE] [--direct_io never|auto|always] [--fill_byte B]
       Load every rank of the layout (resharding) and write DIR/rank{r}.safetensors,
       then report bytes read, missing and unexpected keys. --aoa applies the AOA
       statements of FILE (renames, splits, transposes, fused qkv, ...) on the way.
       --direct_io reads around the page cache (O_DIRECT): auto for reads whose
-      bytes are not in it, always for every read.
+      bytes are not in it, always for every read. --fill_byte fills the buffers
+      with byte B (0-255) first, so an element a load failed to write shows.
   ckptctl merge CKPT --out DIR [--prefix P] [--skip_postfix S,...] [--shards N]
       Merge a sharded checkpoint into HuggingFace safetensors files plus
       model.safetensors.index.json.
@@ -198,8 +202,14 @@ absl::Status Load(const std::string& dir) {
   CKPT_RETURN_IF_ERROR(Require(absl::GetFlag(FLAGS_layout), "layout", "load"));
   CKPT_RETURN_IF_ERROR(Require(absl::GetFlag(FLAGS_out), "out", "load"));
   CKPT_ASSIGN_OR_RETURN(Layout layout, ReadLayoutFile(absl::GetFlag(FLAGS_layout)));
+  const int fill = absl::GetFlag(FLAGS_fill_byte);
+  if (fill < -1 || fill > 255) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--fill_byte must be a byte value 0-255 (or -1: off), not ", fill));
+  }
   if (!absl::GetFlag(FLAGS_daemon).empty()) return LoadViaDaemon(dir, layout);
   OfflineLoadOptions lo;
+  if (fill >= 0) lo.fill_byte = static_cast<uint8_t>(fill);
   lo.unique_id = OptionalUid(absl::GetFlag(FLAGS_unique_id));
   lo.threads = absl::GetFlag(FLAGS_threads);
   lo.verify_checksums = absl::GetFlag(FLAGS_verify);
@@ -615,7 +625,8 @@ absl::Status LoadViaDaemon(const std::string& dir, const Layout& layout) {
       run.buffers.resize(rt.tensors.size());
       for (size_t t = 0; t < rt.tensors.size(); ++t) {
         const TargetTensor& tt = rt.tensors[t];
-        run.buffers[t].resize(tt.num_bytes());
+        run.buffers[t].resize(tt.num_bytes(),
+                              static_cast<uint8_t>(std::max(absl::GetFlag(FLAGS_fill_byte), 0)));
         spec.tensors.push_back({tt.name, tt.dtype, tt.global_shape, tt.box, tt.flat_range,
                                 run.buffers[t].data(), 0});
       }

@@ -60,7 +60,7 @@ absl::StatusOr<OfflineLoadResult> LoadOffline(const std::string& dir, const Layo
     std::atomic<size_t> next{0};
     auto work = [&] {
       for (size_t i; (i = next.fetch_add(1)) < allocs.size();) {
-        allocs[i].second->resize(allocs[i].first);
+        allocs[i].second->resize(allocs[i].first, options.fill_byte.value_or(0));
       }
     };
     std::vector<std::thread> helpers;

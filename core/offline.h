@@ -31,6 +31,11 @@ struct OfflineLoadOptions {
   // followed (OpenOptions::confine; off by default like there: the offline
   // tools follow symlinks, e.g. into a HuggingFace hub cache's blobs).
   bool confine = false;
+  // Fill every destination buffer with this byte before the load (the
+  // buffers are zero-filled otherwise): an element the load fails to write
+  // then shows as the fill value, not as a plausible 0. For tests and
+  // `ckptctl load --fill_byte`.
+  std::optional<uint8_t> fill_byte;
 };
 
 struct PhaseTimes {

@@ -75,7 +75,9 @@ class DaemonTest : public ::testing::Test {
     for (int r : ranks) {
       std::vector<std::string> argv = {Runfile("client/ckptctl"), "load", ckpt_, "--layout",
                                        layout_file_, "--out", out, "--daemon", d.socket(),
-                                       "--ranks", std::to_string(r), "--job-id", job, "--json"};
+                                       "--ranks", std::to_string(r), "--job-id", job, "--json",
+                                       // Poisoned buffers: an element never written shows.
+                                       "--fill_byte=165"};
       argv.insert(argv.end(), extra.begin(), extra.end());
       pids.push_back(Spawn(argv, tmp_.Sub("ckptctl-" + job + ".log")));
     }
