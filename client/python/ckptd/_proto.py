@@ -17,6 +17,7 @@ sys.modules under those names (without touching sys.path).
 import importlib.util
 import os
 import sys
+import threading
 
 from .errors import CkptdError
 
@@ -59,8 +60,24 @@ def _ours(mod):
     return d is not None and getattr(d, "package", None) == "ckptd.v1"
 
 
+_lock = threading.Lock()
+_loaded = None  # (ckpt_pb2, ckpt_pb2_grpc) once both are fully imported
+
+
 def load_stubs():
-    """Returns (ckpt_pb2, ckpt_pb2_grpc)."""
+    """Returns (ckpt_pb2, ckpt_pb2_grpc). Thread-safe: a module is registered in
+    sys.modules before its body runs, so threads making their first calls at
+    once must not see the other's half-imported stubs."""
+    global _loaded
+    if _loaded is not None:
+        return _loaded
+    with _lock:
+        if _loaded is None:
+            _loaded = _find_stubs()
+        return _loaded
+
+
+def _find_stubs():
     pb2 = sys.modules.get("ckpt_pb2")
     grpc_mod = sys.modules.get("ckpt_pb2_grpc")
     if pb2 is not None and grpc_mod is not None and _ours(pb2):
