@@ -96,6 +96,13 @@ struct DaemonConfig {
   // receiving a multi-node plan part and executing it, so tests can kill a
   // peer mid-load deterministically.
   absl::Duration testing_delay_part = absl::ZeroDuration();
+  // Testing only (flag --testing-delay-read-ms, not in YAML): pause before
+  // each planned read of a load job on this node (cut short when the job is
+  // aborted), so tests can act while a job is provably in flight.
+  absl::Duration testing_delay_read = absl::ZeroDuration();
+  // Testing only (flag --testing-fd-token-ttl-ms, not in YAML): fd tokens
+  // expire after this instead of barrier_timeout + 1 minute (zero: that).
+  absl::Duration testing_fd_token_ttl = absl::ZeroDuration();
   // Testing only (flag --testing-corrupt-served, not in YAML): flip one byte
   // of every read this node serves to peers, after its checksum was taken,
   // as a faulty link or a malicious peer would.

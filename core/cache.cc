@@ -3,6 +3,7 @@
 #include <sys/mman.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <vector>
@@ -286,7 +287,15 @@ absl::StatusOr<const RandomAccessFile*> CachingSource::Get(const std::string& fi
   if (directory_ == nullptr) {
     CKPT_ASSIGN_OR_RETURN(directory_, Directory::Open(dir_, options_.confine));
   }
-  CKPT_ASSIGN_OR_RETURN(auto f, directory_->OpenFile(file));
+  auto opened = directory_->OpenFile(file);
+  if (!opened.ok() && absl::IsNotFound(opened.status()) && stamps_.count(file) != 0) {
+    // It was there when the checkpoint was opened: it vanished during the
+    // load (renamed away or deleted), which is a change, not a bad request.
+    return absl::AbortedError(absl::StrCat(JoinPath(dir_, file),
+                                           ": file vanished since the checkpoint was opened"));
+  }
+  CKPT_RETURN_IF_ERROR(opened.status());
+  std::unique_ptr<RandomAccessFile> f = std::move(*opened);
   // The stamp of the descriptor the bytes will come from.
   CKPT_ASSIGN_OR_RETURN(FileStamp now, f->Stamp());
   auto want = stamps_.find(file);
@@ -326,6 +335,17 @@ absl::Status CachingSource::CheckUnchanged(const std::string& file, const Random
   if (want != stamps_.end() && want->second != *named) {
     return absl::AbortedError(absl::StrCat(f.path(), ": file changed during the load"));
   }
+  return absl::OkStatus();
+}
+
+absl::Status CachingSource::CheckOpenedFilesUnchanged() {
+  std::vector<std::pair<std::string, const RandomAccessFile*>> opened;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [name, f] : files_) opened.emplace_back(name, f.get());
+  }
+  std::sort(opened.begin(), opened.end());  // the same file named first every time
+  for (const auto& [name, f] : opened) CKPT_RETURN_IF_ERROR(CheckUnchanged(name, *f));
   return absl::OkStatus();
 }
 

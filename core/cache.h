@@ -131,8 +131,10 @@ class HostCache {
 // regular files only). Every file's identity is checked against `stamps`
 // (taken when the checkpoint's metadata was validated) when it is opened
 // (fstat of the descriptor read from) and after each read (the descriptor
-// and the name), so a file that changes, is replaced or vanishes fails the
-// load instead of delivering stale bytes. Misses are published to the cache
+// and the name), and once more for every file at the end of the load
+// (CheckOpenedFilesUnchanged), so a file that changes, is replaced or
+// vanishes at any point of the load fails it (ABORTED, naming the file)
+// instead of delivering stale bytes. Misses are published to the cache
 // only when their bytes were verified (see the top of this file): a Fetch
 // without a verify function or a fill begun without `verify` reads into
 // scratch memory and keeps nothing.
@@ -150,6 +152,11 @@ class CachingSource final : public RangeSource {
   absl::StatusOr<std::unique_ptr<Fill>> BeginFill(const std::string& file, uint64_t offset,
                                                   uint64_t n, bool verify,
                                                   std::optional<RangeView>* served) override;
+  // Every file this source opened, checked again (descriptor and name)
+  // against its stamp: call it once the plan has run, so a file changed
+  // after its last read but before the load ends fails the load too
+  // (ABORTED naming the file).
+  absl::Status CheckOpenedFilesUnchanged();
 
  private:
   class CacheFill;

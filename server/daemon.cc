@@ -163,10 +163,12 @@ absl::Status Daemon::Start() {
   CKPT_ASSIGN_OR_RETURN(auto tls, ReadPeerTls());
   UsePeerTls(std::move(tls));
   if (!config_.socket.empty()) {
+    // An fd token outlives the longest barrier wait of the load naming it.
+    const absl::Duration ttl = config_.testing_fd_token_ttl > absl::ZeroDuration()
+                                   ? config_.testing_fd_token_ttl
+                                   : config_.barrier_timeout + absl::Minutes(1);
     CKPT_ASSIGN_OR_RETURN(fd_receiver_, FdReceiver::Start(FdSocketPath(config_.socket),
-                                                          config_.socket_mode,
-                                                          config_.barrier_timeout +
-                                                              absl::Minutes(1),
+                                                          config_.socket_mode, ttl,
                                                           arenas_.get()));
   }
   return absl::OkStatus();
@@ -659,6 +661,26 @@ void Daemon::FailJob(Job& job, const absl::Status& status) {
   FailJobLocked(job, status);
 }
 
+std::vector<std::string> Daemon::AbortLoads(const std::string& why) {
+  std::vector<std::string> ids;
+  absl::MutexLock lock(&mu_);
+  std::vector<std::shared_ptr<Job>> loads;
+  for (const auto& [id, job] : jobs_) {
+    if (job->kind == JobKind::kLoad) loads.push_back(job);
+  }
+  for (const auto& job : loads) {
+    const absl::Status s = absl::UnavailableError(absl::StrCat("job '", job->id, "': ", why));
+    {
+      absl::MutexLock abort(&job->abort_mu);
+      job->aborted = true;
+      job->abort_status = s;
+    }
+    FailJobLocked(*job, s);  // every rank learns it now; the runner stops at its next read
+    ids.push_back(job->id);
+  }
+  return ids;
+}
+
 std::vector<std::shared_ptr<Daemon::RankSlot>> Daemon::SlotsOf(const Job& job) {
   absl::MutexLock lock(&mu_);
   std::vector<std::shared_ptr<RankSlot>> slots;
@@ -1140,7 +1162,8 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
     job->phase = "reading";
     job->total = plan->bytes_to_read;
   }
-  ckpt::CachingSource source(job->path, &cache_, (*opened)->stamps);
+  ckpt::CachingSource storage(job->path, &cache_, (*opened)->stamps);
+  GatedSource source(&storage, job.get(), config_.testing_delay_read);
   auto delivery = JobDelivery(slots, std::move(dests));
   if (!delivery.ok()) return fail_all(delivery.status());
   ckpt::ExecuteOptions eo;
@@ -1156,7 +1179,23 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
   eo.deadline = std::chrono::steady_clock::now() +
                 std::chrono::milliseconds(absl::ToInt64Milliseconds(config_.load_timeout));
   auto stats = ckpt::ExecutePlan(*plan, source, **delivery, eo);
-  if (!stats.ok()) return fail_all(stats.status());
+  // A file changed after its last read, before the load ends, fails it too
+  // (README: a file that changes or vanishes during a load fails that load).
+  if (stats.ok()) {
+    if (absl::Status c = storage.CheckOpenedFilesUnchanged(); !c.ok()) stats = c;
+  }
+  if (stats.ok()) {
+    if (absl::Status a = job->AbortStatus(); !a.ok()) stats = a;  // aborted as it finished
+  }
+  if (!stats.ok()) {
+    absl::Status s = stats.status();
+    if (absl::IsDeadlineExceeded(s)) {  // the executor's deadline: load_timeout
+      s = absl::DeadlineExceededError(absl::StrCat("job '", job->id, "': load_timeout ",
+                                                   absl::FormatDuration(config_.load_timeout),
+                                                   " ran out: ", s.message()));
+    }
+    return fail_all(s);
+  }
   bytes_read_total_ += stats->bytes_read;
 
   JobFigures fig;

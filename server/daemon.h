@@ -84,6 +84,11 @@ class Daemon {
   absl::StatusOr<v1::EvictResponse> Evict(const Caller& caller, const v1::EvictRequest& request);
   // Jobs: only the caller's own unless it is an admin.
   v1::StatusResponse Status(const Caller& caller = Caller());
+  // The drain ran out (SIGTERM + drain_timeout, main.cc): every load job
+  // still waiting or running fails now, each of its ranks with UNAVAILABLE
+  // "job '<id>': <why>"; a running job stops before its next read. Returns
+  // the ids of the jobs it failed.
+  std::vector<std::string> AbortLoads(const std::string& why);
 
   // The peer plane (server/peer_plane.cc). A caller of the peer service
   // passes when one of its certificate's names belongs to the peer set

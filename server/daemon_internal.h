@@ -13,6 +13,8 @@
 #include <string>
 #include <vector>
 
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "core/executor.h"
 #include "server/daemon.h"
 
@@ -52,6 +54,49 @@ struct Daemon::Job {
   std::string phase = "waiting for ranks";
   std::atomic<uint64_t> progress{0};
   std::atomic<uint64_t> total{0};
+  // Set once, by Daemon::AbortLoads (the drain ran out): the job's reads
+  // stop at the next one (GatedSource) and its ranks get `abort_status`.
+  absl::Mutex abort_mu;
+  bool aborted ABSL_GUARDED_BY(abort_mu) = false;
+  absl::Status abort_status ABSL_GUARDED_BY(abort_mu);
+  absl::Status AbortStatus() {
+    absl::MutexLock lock(&abort_mu);
+    return abort_status;
+  }
+};
+
+// The source a load job's plan runs on: `inner`, behind a gate that ends
+// the job once it is aborted (Daemon::AbortLoads) and, for tests only
+// (--testing-delay-read-ms), pauses before each read; the pause ends early
+// when the job is aborted.
+class GatedSource final : public ckpt::RangeSource {
+ public:
+  GatedSource(ckpt::RangeSource* inner, Daemon::Job* job, absl::Duration delay)
+      : inner_(inner), job_(job), delay_(delay) {}
+  absl::StatusOr<ckpt::RangeView> Fetch(
+      const std::string& file, uint64_t offset, uint64_t n, std::vector<uint8_t>& scratch,
+      const std::function<absl::Status(const uint8_t*)>& verify) override {
+    if (absl::Status s = Gate(); !s.ok()) return s;
+    return inner_->Fetch(file, offset, n, scratch, verify);
+  }
+  absl::StatusOr<std::unique_ptr<Fill>> BeginFill(const std::string& file, uint64_t offset,
+                                                  uint64_t n, bool verify,
+                                                  std::optional<ckpt::RangeView>* served) override {
+    if (absl::Status s = Gate(); !s.ok()) return s;
+    return inner_->BeginFill(file, offset, n, verify, served);
+  }
+
+ private:
+  absl::Status Gate() {
+    absl::MutexLock lock(&job_->abort_mu);
+    if (delay_ > absl::ZeroDuration()) {
+      job_->abort_mu.AwaitWithTimeout(absl::Condition(&job_->aborted), delay_);
+    }
+    return job_->aborted ? job_->abort_status : absl::OkStatus();
+  }
+  ckpt::RangeSource* const inner_;
+  Daemon::Job* const job_;
+  const absl::Duration delay_;
 };
 
 // Figures of a whole job (on this node) that every rank's result carries.

@@ -985,8 +985,13 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
     eo.skip_rank = [&](size_t i) { return slots[i]->cancelled(); };
     eo.deadline = std::chrono::steady_clock::now() +
                   std::chrono::milliseconds(absl::ToInt64Milliseconds(config_.load_timeout));
-    auto st = delivery.ok() ? ckpt::ExecutePlan(lp, source, **delivery, eo)
+    GatedSource gated(&source, job.get(), config_.testing_delay_read);
+    auto st = delivery.ok() ? ckpt::ExecutePlan(lp, gated, **delivery, eo)
                             : absl::StatusOr<ckpt::LoadStats>(delivery.status());
+    if (st.ok()) {
+      // A local file changed after its last read fails this node's part too.
+      if (absl::Status c = storage.CheckOpenedFilesUnchanged(); !c.ok()) st = c;
+    }
     received = source.received();
     if (nccl != nullptr && nccl->connect_failed()) {
       // Remembered: this node's next jobs with these peers stay on gRPC.

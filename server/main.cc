@@ -27,6 +27,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
 #include "config/config.h"
 #include "server/daemon.h"
 #include "server/metrics.h"
@@ -71,6 +73,10 @@ ABSL_FLAG(bool, testing_corrupt_served, false,
 ABSL_FLAG(std::string, io_request_size, "", "largest single read, e.g. 64MiB (overrides the config)");
 ABSL_FLAG(int, testing_delay_part_ms, 0,
           "testing only: pause before executing a multi-node plan part (fault injection)");
+ABSL_FLAG(int, testing_delay_read_ms, 0,
+          "testing only: pause before each planned read of a load job (keeps a job in flight)");
+ABSL_FLAG(int, testing_fd_token_ttl_ms, 0,
+          "testing only: fd tokens expire after this instead of barrier_timeout + 1 minute");
 
 namespace {
 
@@ -195,6 +201,8 @@ int main(int argc, char** argv) {
     config.io_request_size = *b;
   }
   config.testing_delay_part = absl::Milliseconds(absl::GetFlag(FLAGS_testing_delay_part_ms));
+  config.testing_delay_read = absl::Milliseconds(absl::GetFlag(FLAGS_testing_delay_read_ms));
+  config.testing_fd_token_ttl = absl::Milliseconds(absl::GetFlag(FLAGS_testing_fd_token_ttl_ms));
   config.testing_corrupt_served = absl::GetFlag(FLAGS_testing_corrupt_served);
   if (!absl::GetFlag(FLAGS_peer_tls_cert).empty()) config.peer_tls_cert = absl::GetFlag(FLAGS_peer_tls_cert);
   if (!absl::GetFlag(FLAGS_peer_tls_key).empty()) config.peer_tls_key = absl::GetFlag(FLAGS_peer_tls_key);
@@ -256,6 +264,11 @@ int main(int argc, char** argv) {
     if (!l.ok()) return Fail(std::string(l.status().message()));
     uds = std::move(*l);
   }
+  // The socket file this daemon made: removed at exit only if it is still
+  // this one (the listener closes at SIGTERM, so a successor may have
+  // claimed the path while this daemon drained).
+  struct stat own_socket {};
+  const bool have_socket = uds != nullptr && ::stat(config.socket.c_str(), &own_socket) == 0;
   const uid_t tcp_uid = config.tcp_uid;
   ckptd::CkptdService service(
       &daemon, [&uds, tcp_uid](const std::string& peer) -> std::optional<ckptd::Caller> {
@@ -350,7 +363,32 @@ int main(int argc, char** argv) {
     if (peer_server) peer_server->SetServing(false);
     const auto drain = std::chrono::system_clock::now() +
                        std::chrono::milliseconds(absl::ToInt64Milliseconds(config.drain_timeout));
-    server->Shutdown(drain);
+    // When the drain runs out, the loads still waiting or running fail with
+    // a clear UNAVAILABLE (their handlers return it within kDrainGrace) before
+    // gRPC cancels whatever call is left; without this a running job would
+    // read on to its end while its ranks got a bare CANCELLED.
+    constexpr auto kDrainGrace = std::chrono::seconds(2);
+    absl::Mutex drain_mu;
+    bool drained = false;
+    std::thread expiry([&] {
+      absl::MutexLock lock(&drain_mu);
+      drain_mu.AwaitWithDeadline(absl::Condition(&drained), absl::FromChrono(drain));
+      if (drained) return;
+      const std::vector<std::string> cut = daemon.AbortLoads(absl::StrCat(
+          "ckptd is shutting down: drain_timeout ", absl::FormatDuration(config.drain_timeout),
+          " ran out before the load finished (retry with a new job_id once ckptd is back)"));
+      if (!cut.empty()) {
+        spdlog::warn("drain_timeout {} ran out: failed {} load job(s) still waiting or running: {}",
+                     absl::FormatDuration(config.drain_timeout), cut.size(),
+                     absl::StrJoin(cut, ","));
+      }
+    });
+    server->Shutdown(drain + kDrainGrace);
+    {
+      absl::MutexLock lock(&drain_mu);
+      drained = true;
+    }
+    expiry.join();
     if (peer_server) peer_server->Shutdown(drain);
   });
   server->Wait();
@@ -358,7 +396,11 @@ int main(int argc, char** argv) {
   if (uds) uds->Stop();
   metrics.reset();
   daemon.Stop();
-  if (!config.socket.empty()) ::unlink(config.socket.c_str());
+  struct stat now_socket {};
+  if (have_socket && ::stat(config.socket.c_str(), &now_socket) == 0 &&
+      now_socket.st_ino == own_socket.st_ino && now_socket.st_dev == own_socket.st_dev) {
+    ::unlink(config.socket.c_str());
+  }
   spdlog::info("stopped");
   return 0;
 }

@@ -68,10 +68,7 @@ absl::StatusOr<std::unique_ptr<UdsListener>> UdsListener::Listen(const std::stri
   return l;
 }
 
-UdsListener::~UdsListener() {
-  Stop();
-  ::close(listen_fd_);
-}
+UdsListener::~UdsListener() { Stop(); }
 
 void UdsListener::Serve(grpc::Server* server) {
   thread_ = std::thread([this, server] { Run(server); });
@@ -80,6 +77,11 @@ void UdsListener::Serve(grpc::Server* server) {
 void UdsListener::Stop() {
   if (stop_.exchange(true)) return;
   if (thread_.joinable()) thread_.join();
+  // Closed, not just no longer accepted from: a client connecting now is
+  // refused at once (ECONNREFUSED: "is the daemon running?") instead of
+  // waiting in the backlog until its deadline, and connections queued in
+  // the backlog are reset.
+  ::close(listen_fd_);
 }
 
 size_t UdsListener::connections() const {

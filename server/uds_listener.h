@@ -43,7 +43,8 @@ class UdsListener {
   ~UdsListener();
   // Starts accepting; connections go to `server` (started, outliving this).
   void Serve(grpc::Server* server);
-  // Stops accepting (open connections stay with gRPC).
+  // Stops accepting and closes the listening socket, so new connections
+  // are refused (open connections stay with gRPC).
   void Stop();
   // The caller of a connection named by ServerContext::peer().
   std::optional<Caller> Lookup(const std::string& peer) const;
