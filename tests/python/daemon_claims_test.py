@@ -1,0 +1,698 @@
+"""README "The daemon" claims held by real processes (the test-honesty issue).
+
+Every case runs the real ckptd binary (testlib.Daemon: a socket in a fresh
+/tmp directory; it must exit 0 on SIGTERM at teardown unless the case is
+about how it exits), real clients (the Python client in threads of this
+process, or in child /usr/bin/python3 processes that get SIGKILLed), real
+files, the real /dev/shm and the daemon's /proc entries.
+
+Jobs are kept provably in flight with the daemon's testing-only
+--testing-delay-read-ms (a pause before each planned read; cut short when a
+job is aborted) on a 4-file checkpoint read in 16 reads (io_request_size
+16KiB, one I/O thread). Every wait is for a condition (a progress event of
+the Load stream, a Status field, a log line, /proc) under a deadline.
+
+  FileChangeTest  a data file appended to, truncated, renamed over or deleted
+                  during a load fails it with ABORTED naming the file on every
+                  rank: a file already read (only the end-of-load check can
+                  see it) and a file not yet opened; an unchanged copy loads
+                  byte-exact through the same slowed daemon (the control).
+  DrainTest       SIGTERM: the running load completes byte-exact, new requests
+                  (new connection, new call on an old one) are UNAVAILABLE, exit
+                  0; drain_timeout running out: UNAVAILABLE naming it on every
+                  rank, exit 0 within drain_timeout + 3 s.
+  KilledClientTest  a client process SIGKILLed mid-load (the daemon's lent
+                  staging arena, an arena it lent to a SharedArena, the
+                  client's own memfd passed by fd token) or while holding a
+                  lent arena: no /dev/shm entry, no daemon fd or memfd mapping
+                  left, no leased bytes; one killed at the barrier is dropped
+                  and the job completes for the ranks that come.
+  StatusCodeTest  ALREADY_EXISTS (rank registered twice), FAILED_PRECONDITION
+                  (job already running; a multi-node job on a daemon without
+                  peer_listen), DEADLINE_EXCEEDED within barrier_timeout and
+                  within load_timeout (+ margin), fd tokens single use and
+                  expiring.
+"""
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import unittest
+
+import numpy as np
+
+import ckptd
+from ckptd import _shm
+import testlib
+
+ROWS, COLS = 64, 256
+NAMES = [f"layers.{i}.w" for i in range(4)]
+SAVE_WORLD = 4                                  # data files of the checkpoint
+FILE_BYTES = len(NAMES) * (ROWS // SAVE_WORLD) * COLS * 4  # tensor bytes per data file
+TOTAL_BYTES = SAVE_WORLD * FILE_BYTES
+READ = "16KiB"                                  # io_request_size: 4 reads per data file
+LOAD_WORLD = 2                                  # a load rank holds half the columns
+RANK_BYTES = TOTAL_BYTES // LOAD_WORLD
+
+
+def slowed(delay_ms, *extra):
+    """Flags of a daemon whose load jobs take 16 x delay_ms (16 reads, one thread)."""
+    return ("--testing-delay-read-ms", str(delay_ms), "--io-threads", "1",
+            "--io-request-size", READ, *extra)
+
+
+def wait_for(what, fn, timeout=20.0, every=0.01):
+    """fn()'s first truthy value, polled until `timeout` s; else AssertionError."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = fn()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(every)
+
+
+def config_file(root, text):
+    fd, path = tempfile.mkstemp(suffix=".yaml", dir=root)
+    with os.fdopen(fd, "w") as f:
+        f.write(f"roots: [{root}]\n{text}")
+    return path
+
+
+_FULL = {}
+
+
+def full_tensors():
+    if not _FULL:
+        rng = np.random.default_rng(20)
+        for n in NAMES:
+            _FULL[n] = rng.standard_normal((ROWS, COLS)).astype(np.float32)
+    return _FULL
+
+
+def make_checkpoint(root):
+    """A native checkpoint saved by SAVE_WORLD ranks through a real daemon (one
+    data file per rank, split on rows); returns its directory."""
+    path = os.path.join(root, "src")
+    full = full_tensors()
+    rows = ROWS // SAVE_WORLD
+    errors = []
+
+    def save(d, r):
+        state = {n: ckptd.ShardedTensor(full[n][r * rows:(r + 1) * rows].copy(), (ROWS, COLS),
+                                        (r * rows, 0)) for n in NAMES}
+        try:
+            ckptd.save_state_dict(state, path, rank=r, world_size=SAVE_WORLD, unique_id=0,
+                                  job_id="claims-save", socket=d.socket, barrier_timeout=20)
+        except ckptd.CkptdError as e:
+            errors.append(e)
+
+    with testlib.Daemon(root) as d:
+        ts = [threading.Thread(target=save, args=(d, r)) for r in range(SAVE_WORLD)]
+        for t in ts:
+            t.start()
+        for t in ts:
+            t.join(60)
+    assert not errors, errors
+    assert len(data_files(path)) == SAVE_WORLD, os.listdir(path)
+    return path
+
+
+def data_files(path):
+    return sorted(f for f in os.listdir(path) if f.endswith(".safetensors"))
+
+
+class Rank(threading.Thread):
+    """One rank of a load job: the Python client (real socket, real shared
+    memory) in a thread; rank r of `world` holds columns [r*c, (r+1)*c)."""
+
+    def __init__(self, sock, path, job, rank, world=LOAD_WORLD, **kw):
+        super().__init__(daemon=True)
+        self.sock, self.path, self.job, self.rank, self.world, self.kw = \
+            sock, path, job, rank, world, kw
+        c = COLS // world
+        self.cols = (rank * c, (rank + 1) * c)
+        self.arrays = {n: np.full((ROWS, c), -1.0, np.float32) for n in NAMES}
+        self.progress = []  # (bytes_done, bytes_total) of the stream's progress events
+        self.report = self.error = self.ended = None
+        self.start()
+
+    def run(self):
+        state = {n: ckptd.ShardedTensor(a, (ROWS, COLS), (0, self.cols[0]))
+                 for n, a in self.arrays.items()}
+        try:
+            self.report = ckptd.load_state_dict(
+                state, self.path, rank=self.rank, world_size=self.world, job_id=self.job,
+                socket=self.sock, timeout=60, progress=self._event, **self.kw)
+        except ckptd.CkptdError as e:
+            self.error = e
+        finally:
+            self.ended = time.monotonic()
+
+    def _event(self, ev):
+        if ev.WhichOneof("event") == "progress":
+            self.progress.append((ev.bytes_done, ev.bytes_total))
+
+    def done(self):
+        return self.progress[-1][0] if self.progress else 0
+
+    def reading(self, at_least=1):
+        """True once a progress event showed >= at_least bytes read of a job not
+        yet done reading."""
+        return any(at_least <= d < t for d, t in self.progress)
+
+    def finish(self, timeout=60):
+        self.join(timeout)
+        assert not self.is_alive(), f"rank {self.rank} of job {self.job} still loading"
+        return self
+
+    def expected(self):
+        full = full_tensors()
+        return {n: full[n][:, self.cols[0]:self.cols[1]] for n in NAMES}
+
+
+def wait_reading(ranks, at_least=1, timeout=20.0):
+    wait_for(f"job {ranks[0].job} to be reading (>= {at_least} bytes read, not done)",
+             lambda: any(r.reading(at_least) for r in ranks), timeout)
+
+
+def assert_loaded(tc, r):
+    tc.assertIsNone(r.error, f"rank {r.rank} of {r.job}: {r.error}")
+    tc.assertEqual(r.report.bytes_delivered, RANK_BYTES, f"rank {r.rank}")
+    for n, want in r.expected().items():
+        np.testing.assert_array_equal(r.arrays[n], want, err_msg=f"rank {r.rank} {n}")
+
+
+def assert_failed(tc, r, code, *texts):
+    tc.assertIsNone(r.report, f"rank {r.rank} of {r.job} succeeded; expected {code}")
+    tc.assertIsNotNone(r.error, f"rank {r.rank} of {r.job} neither failed nor succeeded")
+    tc.assertEqual(r.error.code, code, f"rank {r.rank}: {r.error}")
+    for t in texts:
+        tc.assertIn(t, r.error.message, f"rank {r.rank}")
+
+
+def refused(path):
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(5)
+        try:
+            s.connect(path)
+        except ConnectionRefusedError:
+            return True
+        except FileNotFoundError:
+            return False  # gone: the daemon exited (not what is asked)
+    return False
+
+
+def status(sock):
+    with ckptd.Client(sock) as c:
+        return c.status()
+
+
+def jobs(sock):
+    return {j["job_id"]: j for j in status(sock).get("jobs", [])}
+
+
+# --- 1. a data file changing during a load ---------------------------------------------
+
+class FileChangeTest(unittest.TestCase):
+    """README: "a file that changes or vanishes during a load fails that load
+    (ABORTED)" (and Errors: ABORTED "a file changed during the load")."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.root = testlib.tmp_root()
+        cls.src = make_checkpoint(cls.root)
+        # 16 reads x 100 ms: a job is in flight for ~1.6 s.
+        cls.daemon = testlib.Daemon(cls.root, *slowed(100))
+
+    @classmethod
+    def tearDownClass(cls):
+        rc = cls.daemon.stop()
+        assert rc == 0, f"ckptd exited {rc} at teardown: {cls.daemon.read_log()[-3000:]}"
+
+    def change_during_load(self, change, which):
+        """Starts a 2-rank load of a fresh copy, changes one data file while the
+        job is provably in flight, and checks every rank fails ABORTED naming
+        it. which="read": the first file, after all its reads (only a check at
+        the end of the load can see it); "unopened": the last file, before the
+        job opened it."""
+        path = os.path.join(self.root, f"{change}-{which}")
+        shutil.copytree(self.src, path)
+        files = data_files(path)
+        target = files[0] if which == "read" else files[-1]
+        f = os.path.join(path, target)
+        job = f"change-{change}-{which}"
+        ranks = [Rank(self.daemon.socket, path, job, r) for r in range(LOAD_WORLD)]
+        # Reads go in file-name order on the one I/O thread: after FILE_BYTES
+        # the first file has been read whole; the last is opened at 3 x FILE_BYTES.
+        wait_reading(ranks, FILE_BYTES if which == "read" else 1)
+        if which == "unopened":
+            self.assertLess(max(r.done() for r in ranks), 3 * FILE_BYTES)
+        size = os.path.getsize(f)
+        if change == "append":
+            with open(f, "ab") as fh:
+                fh.write(b"\0" * 4096)
+        elif change == "truncate":
+            os.truncate(f, size // 2)
+        elif change == "rename":
+            # Same size, other bytes, a new inode renamed over the old name.
+            with open(f, "rb") as fh:
+                data = bytearray(fh.read())
+            for i in range(size - FILE_BYTES, size, 4):
+                data[i] ^= 0x40
+            with open(f + ".new", "wb") as fh:
+                fh.write(data)
+            os.replace(f + ".new", f)
+        elif change == "delete":
+            os.unlink(f)
+        # The change was made while the job ran: no rank had its answer yet
+        # and none had seen every byte read.
+        for r in ranks:
+            self.assertTrue(r.is_alive() and r.done() < TOTAL_BYTES,
+                            f"job {job} ended before the file changed; slow it more")
+        for r in ranks:
+            r.finish()
+            assert_failed(self, r, "ABORTED", target)
+        self.assertNotIn(job, jobs(self.daemon.socket))
+
+    def test_append_to_file_already_read(self):
+        self.change_during_load("append", "read")
+
+    def test_append_to_file_not_yet_opened(self):
+        self.change_during_load("append", "unopened")
+
+    def test_truncate_file_already_read(self):
+        self.change_during_load("truncate", "read")
+
+    def test_truncate_file_not_yet_opened(self):
+        self.change_during_load("truncate", "unopened")
+
+    def test_rename_over_file_already_read(self):
+        self.change_during_load("rename", "read")
+
+    def test_rename_over_file_not_yet_opened(self):
+        self.change_during_load("rename", "unopened")
+
+    def test_delete_file_already_read(self):
+        self.change_during_load("delete", "read")
+
+    def test_delete_file_not_yet_opened(self):
+        self.change_during_load("delete", "unopened")
+
+    def test_unchanged_copy_loads_byte_exact(self):
+        """The control: the same slowed daemon loads an untouched copy."""
+        path = os.path.join(self.root, "unchanged")
+        shutil.copytree(self.src, path)
+        ranks = [Rank(self.daemon.socket, path, "unchanged", r) for r in range(LOAD_WORLD)]
+        for r in ranks:
+            assert_loaded(self, r.finish())
+
+
+# --- 2. SIGTERM drains -----------------------------------------------------------------
+
+class DrainTest(unittest.TestCase):
+    """README: "SIGTERM stops accepting, waits up to drain_timeout for running
+    loads, and exits" (exit status 0; loads still running when drain_timeout
+    runs out fail with UNAVAILABLE naming it)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.root = testlib.tmp_root()
+        cls.src = make_checkpoint(cls.root)
+
+    def test_running_load_completes_new_requests_refused_exit_0(self):
+        with testlib.Daemon(self.root, *slowed(150)) as d:  # ~2.4 s per job
+            before = ckptd.Client(d.socket)  # a connection made before SIGTERM
+            before.status()
+            ranks = [Rank(d.socket, self.src, "drained", r) for r in range(LOAD_WORLD)]
+            wait_reading(ranks)
+            d.proc.send_signal(signal.SIGTERM)
+            wait_for("the drain to begin", lambda: "draining running loads" in d.read_log())
+            # New connections are refused at once (not left in the backlog).
+            wait_for("connections to be refused", lambda: refused(d.socket), timeout=5)
+            with self.assertRaises(ckptd.CkptdError) as new_client:
+                ckptd.Client(d.socket, connect_timeout=5)
+            self.assertEqual(new_client.exception.code, "UNAVAILABLE", new_client.exception)
+            # A new Load on a connection from before SIGTERM is refused too.
+            late = {n: np.zeros((ROWS, COLS), np.float32) for n in NAMES}
+            with self.assertRaises(ckptd.CkptdError) as new_call:
+                before.load_state_dict(late, self.src, rank=0, world_size=1, job_id="late",
+                                       timeout=10)
+            self.assertEqual(new_call.exception.code, "UNAVAILABLE", new_call.exception)
+            before.close()
+            # ... all while the job was still running.
+            for r in ranks:
+                self.assertTrue(r.is_alive(), "the drained job ended before the checks")
+            for r in ranks:
+                assert_loaded(self, r.finish())
+            self.assertEqual(d.proc.wait(30), 0, d.read_log()[-3000:])
+            self.assertIn("load job=drained", d.read_log())
+
+    def test_drain_timeout_fails_running_load_and_exits_in_time(self):
+        cfg = config_file(self.root, "drain_timeout: 1s\n")
+        with testlib.Daemon(self.root, "--config", cfg, *slowed(500)) as d:  # ~8 s per job
+            ranks = [Rank(d.socket, self.src, "cut", r) for r in range(LOAD_WORLD)]
+            wait_reading(ranks)
+            t0 = time.monotonic()
+            d.proc.send_signal(signal.SIGTERM)
+            try:
+                rc = d.proc.wait(1 + 3)
+            except subprocess.TimeoutExpired:
+                self.fail(f"ckptd still running 4 s after SIGTERM with drain_timeout 1s: "
+                          f"{d.read_log()[-2000:]}")
+            exited = time.monotonic() - t0
+            self.assertEqual(rc, 0, d.read_log()[-3000:])  # README: exits 0 either way
+            for r in ranks:
+                r.finish(10)
+                assert_failed(self, r, "UNAVAILABLE", "job 'cut'", "drain_timeout 1s")
+                # It waited for the drain, and no longer than it plus the margin.
+                self.assertGreater(r.ended - t0, 0.9)
+                self.assertLess(r.ended - t0, 1 + 3)
+            self.assertGreater(exited, 0.9)
+            self.assertIn("drain_timeout 1s ran out: failed 1 load job(s) still waiting or "
+                          "running: cut", d.read_log())
+
+
+# --- 3. clients SIGKILLed --------------------------------------------------------------
+
+CHILD = r"""
+import os, sys, time
+import numpy as np
+import ckptd
+mode, sock, path, job, name = sys.argv[1:6]
+rows, cols, names = %d, %d, %r
+nbytes = len(names) * rows * cols * 4
+if mode == "idle-arena":
+    arena = ckptd.SharedArena(nbytes, daemon=sock)
+    time.sleep(600)
+if mode == "staging":        # plain arrays: staged through an arena the daemon lends
+    state = {n: np.zeros((rows, cols), np.float32) for n in names}
+else:
+    arena = ckptd.SharedArena(nbytes, name=name, daemon=sock if mode == "lent-arena" else None)
+    state = {n: arena.empty((rows, cols), np.float32) for n in names}
+ckptd.load_state_dict(state, path, rank=0, world_size=1, job_id=job, socket=sock, timeout=120)
+time.sleep(600)
+""" % (ROWS, COLS, NAMES)
+
+
+def leased(client):
+    return int(client.status()["arena_leased_bytes"])
+
+
+def fd_links(pid):
+    out = {}
+    d = f"/proc/{pid}/fd"
+    for fd in os.listdir(d):
+        try:
+            out[int(fd)] = os.readlink(os.path.join(d, fd))
+        except OSError:
+            pass  # closed meanwhile
+    return out
+
+
+def maps(pid):
+    with open(f"/proc/{pid}/maps") as f:
+        return f.read()
+
+
+def memfd_maps(pid):
+    """The memfd mappings of `pid` (address range and name)."""
+    return {l for l in maps(pid).splitlines() if "/memfd:" in l}
+
+
+class KilledClientTest(unittest.TestCase):
+    """README: lent arenas are "given back when the client closes its lease or
+    dies"; a client's own memfd segment means "nothing is left in /dev/shm if
+    anyone dies"; "A client that leaves while waiting is dropped from the job
+    without affecting the others"."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.root = testlib.tmp_root()
+        cls.src = make_checkpoint(cls.root)
+        # arena_pool 0: an arena given back is unmapped and closed at once
+        # (none kept for the next client), so every fd and mapping must go.
+        cfg = config_file(cls.root, "arena_pool: 0\n")
+        cls.daemon = testlib.Daemon(cls.root, "--config", cfg, *slowed(100))
+        cls.pid = cls.daemon.proc.pid
+        cls.client = ckptd.Client(cls.daemon.socket)
+        cls.client.status()  # its connection is part of the baseline
+
+    @classmethod
+    def tearDownClass(cls):
+        cls.client.close()
+        rc = cls.daemon.stop()
+        assert rc == 0, f"ckptd exited {rc} at teardown: {cls.daemon.read_log()[-3000:]}"
+
+    def spawn(self, mode, job):
+        name = f"ckptd-claims-{mode}-{os.getpid()}"
+        env = dict(os.environ)
+        p = subprocess.Popen([sys.executable, "-c", CHILD, mode, self.daemon.socket, self.src,
+                              job, name], env=env, stdout=subprocess.DEVNULL)
+        self.addCleanup(lambda: (p.poll() is None and p.kill(), p.wait()))
+        return p, name
+
+    def kill_and_check(self, mode, in_flight):
+        sock, pid = self.daemon.socket, self.pid
+        wait_for("no lent arenas", lambda: leased(self.client) == 0)
+        fds0 = fd_links(pid)
+        memfds0 = memfd_maps(pid)
+        shm0 = set(os.listdir("/dev/shm"))
+        job = f"killed-{mode}"
+        p, name = self.spawn(mode, job)
+
+        def child(cond):
+            if p.poll() is not None:
+                raise AssertionError(f"the {mode} client exited {p.returncode}")
+            return cond()
+
+        if in_flight:
+            wait_for(f"job {job} reading",
+                     lambda: child(lambda: jobs(sock).get(job, {}).get("state") == "reading"))
+        # Its segment is mapped (a memfd).
+        wait_for(f"the {mode} client's segment", lambda: child(lambda: "/memfd:" in maps(p.pid)))
+        st = self.client.status()
+        lent = leased(self.client)
+        # What the client and the daemon hold now: memfds, nothing in /dev/shm.
+        cmaps, dmaps = maps(p.pid), maps(pid)
+        self.assertNotIn("/dev/shm/", cmaps)
+        self.assertNotIn("/dev/shm/", dmaps)
+        for who in (p.pid, pid):
+            self.assertFalse([l for l in fd_links(who).values() if l.startswith("/dev/shm/")])
+        if mode == "own-memfd":
+            self.assertEqual(lent, 0)
+            self.assertIn(f"/memfd:{name}", cmaps)
+            self.assertIn(f"/memfd:{name}", dmaps)  # the daemon mapped the client's segment
+        else:
+            self.assertGreater(lent, 0, st)
+            self.assertIn("/memfd:", cmaps)
+        # The daemon holds something of this client now (so "nothing left"
+        # below says something): its segment mapped, its connections open.
+        self.assertTrue(memfd_maps(pid) - memfds0, "the daemon maps no segment of the client")
+        self.assertTrue({fd for fd, l in fd_links(pid).items() if fds0.get(fd) != l},
+                        "the daemon holds no fd of the client")
+        p.send_signal(signal.SIGKILL)
+        self.assertEqual(p.wait(10), -signal.SIGKILL)
+
+        def released():
+            st = self.client.status()
+            extra = {fd: l for fd, l in fd_links(pid).items() if fds0.get(fd) != l}
+            left = memfd_maps(pid) - memfds0
+            lent = int(st["arena_leased_bytes"])
+            if st.get("jobs") or lent or extra or left:
+                self.last = (st.get("jobs"), lent, extra, left)
+                return False
+            return True
+
+        self.last = None
+        try:
+            wait_for(f"the daemon to let go of everything of the killed {mode} client", released)
+        except AssertionError as e:
+            raise AssertionError(f"{e}: jobs, leased bytes, extra fds, mappings left: "
+                                 f"{self.last}") from None
+        self.assertEqual(set(os.listdir("/dev/shm")) - shm0, set())
+        self.assertIsNone(self.daemon.proc.poll(), "ckptd died")
+
+    def test_killed_mid_load_staging_arena(self):
+        """Plain arrays: the client stages them in an arena the daemon lends
+        (its memfd passed to the client over the fd socket)."""
+        self.kill_and_check("staging", in_flight=True)
+
+    def test_killed_mid_load_into_lent_shared_arena(self):
+        """ckptd.SharedArena(n, daemon=socket): the lent arena is the destination."""
+        self.kill_and_check("lent-arena", in_flight=True)
+
+    def test_killed_mid_load_into_own_memfd(self):
+        """ckptd.SharedArena(n): the client's memfd, handed over by fd token."""
+        self.kill_and_check("own-memfd", in_flight=True)
+
+    def test_killed_while_holding_lent_arena(self):
+        self.kill_and_check("idle-arena", in_flight=False)
+
+    def test_killed_while_waiting_for_ranks_others_unaffected(self):
+        """A rank killed at the barrier is dropped; the job completes for the
+        ranks that register afterwards (the dead one's rank re-registered)."""
+        sock = self.daemon.socket
+        job = "killed-waiting"
+        p, _ = self.spawn_waiting(job)
+        wait_for("rank 0 registered", lambda: jobs(sock).get(job, {}).get("registered_ranks") == [0])
+        p.send_signal(signal.SIGKILL)
+        p.wait(10)
+        wait_for("the dead rank dropped", lambda: job not in jobs(sock))
+        ranks = [Rank(sock, self.src, job, r) for r in range(LOAD_WORLD)]
+        for r in ranks:
+            assert_loaded(self, r.finish())
+        wait_for("no lent arenas", lambda: leased(self.client) == 0)
+
+    def spawn_waiting(self, job):
+        """Rank 0 of a 2-rank job, in a child process, waiting at the barrier."""
+        code = ("import sys, numpy as np, ckptd\n"
+                f"s = {{n: ckptd.ShardedTensor(np.zeros(({ROWS}, {COLS // 2}), np.float32), "
+                f"({ROWS}, {COLS}), (0, 0)) for n in {NAMES!r}}}\n"
+                "ckptd.load_state_dict(s, sys.argv[2], rank=0, world_size=2, job_id=sys.argv[3],"
+                " socket=sys.argv[1], timeout=120)\n")
+        p = subprocess.Popen([sys.executable, "-c", code, self.daemon.socket, self.src, job])
+        self.addCleanup(lambda: (p.poll() is None and p.kill(), p.wait()))
+        return p, None
+
+
+class ClientThreadsTest(unittest.TestCase):
+    """Threads of one process making their first client calls at once (as the
+    rank threads above do): the lazily imported stubs must be whole for all."""
+
+    def test_first_calls_from_many_threads_at_once(self):
+        code = ("import sys, threading, ckptd\n"
+                "b, errors = threading.Barrier(8), []\n"
+                "def call():\n"
+                "    b.wait()\n"
+                "    try:\n"
+                "        with ckptd.Client(sys.argv[1]) as c:\n"
+                "            c.status()\n"
+                "    except Exception as e:\n"
+                "        errors.append(repr(e))\n"
+                "ts = [threading.Thread(target=call) for _ in range(8)]\n"
+                "for t in ts: t.start()\n"
+                "for t in ts: t.join()\n"
+                "print(errors)\n"
+                "sys.exit(1 if errors else 0)\n")
+        with testlib.Daemon(testlib.tmp_root()) as d:
+            for _ in range(3):
+                p = subprocess.run([sys.executable, "-c", code, d.socket], capture_output=True,
+                                   text=True, timeout=60)
+                self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+
+
+# --- 4. status codes -------------------------------------------------------------------
+
+class StatusCodeTest(unittest.TestCase):
+    """README "Errors use the standard codes": the ones no other test held."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.root = testlib.tmp_root()
+        cls.src = make_checkpoint(cls.root)
+
+    def load_one(self, sock, job, rank=0, world=1, **kw):
+        r = Rank(sock, self.src, job, rank, world=world, **kw)
+        return r.finish(30)
+
+    def test_rank_registered_twice_is_already_exists(self):
+        with testlib.Daemon(self.root) as d:
+            first = Rank(d.socket, self.src, "twice", 0)
+            wait_for("rank 0 registered",
+                     lambda: jobs(d.socket).get("twice", {}).get("registered_ranks") == [0])
+            again = self.load_one(d.socket, "twice", rank=0, world=LOAD_WORLD)
+            assert_failed(self, again, "ALREADY_EXISTS", "job 'twice' rank 0 is already registered")
+            # The refused duplicate did not disturb the job.
+            second = Rank(d.socket, self.src, "twice", 1)
+            assert_loaded(self, first.finish())
+            assert_loaded(self, second.finish())
+
+    def test_joining_a_running_job_is_failed_precondition(self):
+        with testlib.Daemon(self.root, *slowed(60)) as d:
+            running = Rank(d.socket, self.src, "running", 0, world=1)
+            # (A job's last rank runs it: its own stream gets no progress events.)
+            wait_for("job running reading",
+                     lambda: jobs(d.socket).get("running", {}).get("state") == "reading")
+            late = self.load_one(d.socket, "running", rank=0, world=1)
+            assert_failed(self, late, "FAILED_PRECONDITION", "job 'running' is already running")
+            self.assertTrue(running.is_alive(), "the running job ended before the late rank came")
+            r = running.finish()
+            self.assertIsNone(r.error, r.error)
+            self.assertEqual(r.report.bytes_delivered, TOTAL_BYTES)
+
+    def test_multi_node_job_without_peer_listen_is_failed_precondition(self):
+        with testlib.Daemon(self.root) as d:
+            r = self.load_one(d.socket, "two-nodes", rank=0, world=LOAD_WORLD, node_ranks=[0])
+            assert_failed(self, r, "FAILED_PRECONDITION", "no peer_listen configured")
+
+    def test_missing_ranks_fail_within_barrier_timeout(self):
+        with testlib.Daemon(self.root) as d:
+            t0 = time.monotonic()
+            r = self.load_one(d.socket, "alone", rank=0, world=LOAD_WORLD, barrier_timeout=0.5)
+            assert_failed(self, r, "DEADLINE_EXCEEDED", "ranks 1 never registered")
+            self.assertGreater(r.ended - t0, 0.45)
+            self.assertLess(r.ended - t0, 0.5 + 2)
+            self.assertNotIn("alone", jobs(d.socket))
+
+    def test_running_job_fails_within_load_timeout(self):
+        cfg = config_file(self.root, "load_timeout: 1s\n")
+        with testlib.Daemon(self.root, "--config", cfg, *slowed(300)) as d:  # ~5 s per job
+            ranks = [Rank(d.socket, self.src, "slow", r) for r in range(LOAD_WORLD)]
+            wait_for("both ranks registered", lambda: all(r.progress for r in ranks))
+            t0 = time.monotonic()
+            for r in ranks:
+                r.finish(10)
+                assert_failed(self, r, "DEADLINE_EXCEEDED", "job 'slow'", "load_timeout 1s")
+                self.assertLess(r.ended - t0, 1 + 2)
+
+    def test_fd_token_is_single_use(self):
+        with testlib.Daemon(self.root) as d:
+            with _shm.Segment(TOTAL_BYTES, "ckptd-claims-token") as seg:
+                token = _shm.send_fd(d.socket + ".fd", seg.fd)
+                codes = [self.raw_load(d.socket, f"token-{i}", token) for i in range(2)]
+            self.assertEqual(codes[0][0], "OK", codes[0])
+            self.assertEqual(codes[1][0], "INVALID_ARGUMENT", codes[1])
+            self.assertIn("is unknown or expired", codes[1][1])
+
+    def test_fd_token_expires(self):
+        # fd tokens expire after barrier_timeout + 1 minute; the testing-only
+        # flag shortens that so the expiry itself can be seen.
+        with testlib.Daemon(self.root, "--testing-fd-token-ttl-ms", "300") as d:
+            with _shm.Segment(TOTAL_BYTES, "ckptd-claims-expiring") as seg:
+                token = _shm.send_fd(d.socket + ".fd", seg.fd)
+                pid = d.proc.pid
+                held = lambda: any("/memfd:ckptd-claims-expiring" in l
+                                   for l in fd_links(pid).values())
+                self.assertTrue(held(), "the daemon should hold the fd under its token")
+                wait_for("the daemon to drop the expired fd", lambda: not held(), timeout=10)
+                code = self.raw_load(d.socket, "token-late", token)
+            self.assertEqual(code[0], "INVALID_ARGUMENT", code)
+            self.assertIn("is unknown or expired", code[1])
+
+    def raw_load(self, sock, job, token):
+        """(code, message) of a 1-rank Load of every tensor into the segment
+        named by fd `token`."""
+        with ckptd.Client(sock) as c:
+            pb2 = c.pb2
+            req = pb2.LoadRequest(job_id=job, rank=0, world_size=1, path=self.src)
+            req.shm.fd_token, req.shm.size = token, TOTAL_BYTES
+            for i, n in enumerate(NAMES):
+                req.targets.add(name=n, dtype="F32", global_shape=[ROWS, COLS], offset=[0, 0],
+                                shape=[ROWS, COLS], dest_offset=i * ROWS * COLS * 4)
+            try:
+                for ev in c.stub.Load(req, timeout=30):
+                    pass
+            except c._grpc.RpcError as e:
+                return e.code().name, e.details()
+            return "OK", ""
+
+
+if __name__ == "__main__":
+    testlib.main("daemon_claims_test")
