@@ -34,6 +34,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <mutex>
+#include <type_traits>
 #include <vector>
 
 #include "absl/synchronization/blocking_counter.h"
@@ -114,6 +115,24 @@ class Scope {
  private:
   bool annotate_;
 };
+
+// Mutex::Await* and CondVar::Wait* release `mu` while they wait and hold it
+// again on return: to TSan, an unlock and a lock around the call (the call
+// itself inside the lock's ignore window, where conditions are evaluated).
+template <typename Call>
+auto WaitReleasing(absl::Mutex* mu, Call call) {
+  __tsan_mutex_pre_unlock(mu, 0);
+  __tsan_mutex_post_unlock(mu, 0);
+  __tsan_mutex_pre_lock(mu, 0);
+  if constexpr (std::is_void_v<decltype(call())>) {
+    call();
+    __tsan_mutex_post_lock(mu, 0, 0);
+  } else {
+    const auto r = call();
+    __tsan_mutex_post_lock(mu, 0, 0);
+    return r;
+  }
+}
 
 #define SCOPE(...)                                  \
   Scope scope(__builtin_return_address(0));         \
@@ -204,72 +223,44 @@ bool Mutex::LockWhenWithDeadline(const Condition& cond, Time deadline) {
   return r;
 }
 
-// Await releases the mutex while it waits and holds it again on return: to
-// TSan, an unlock and a lock around the call.
-#define AWAIT_AROUND(call)                  \
-  __tsan_mutex_pre_unlock(this, 0);         \
-  __tsan_mutex_post_unlock(this, 0);        \
-  __tsan_mutex_pre_lock(this, 0);           \
-  auto r = call;                            \
-  __tsan_mutex_post_lock(this, 0, 0);       \
-  return r
-
 void Mutex::Await(const Condition& cond) {
   REAL(void (*)(Mutex*, const Condition&), "_ZN4absl7debian35Mutex5AwaitERKNS0_9ConditionE");
   SCOPE(this, cond);
-  __tsan_mutex_pre_unlock(this, 0);
-  __tsan_mutex_post_unlock(this, 0);
-  __tsan_mutex_pre_lock(this, 0);
-  real(this, cond);
-  __tsan_mutex_post_lock(this, 0, 0);
+  return WaitReleasing(this, [&] { return real(this, cond); });
 }
 
 bool Mutex::AwaitWithTimeout(const Condition& cond, Duration timeout) {
   REAL(bool (*)(Mutex*, const Condition&, Duration),
        "_ZN4absl7debian35Mutex16AwaitWithTimeoutERKNS0_9ConditionENS0_8DurationE");
   SCOPE(this, cond, timeout);
-  AWAIT_AROUND(real(this, cond, timeout));
+  return WaitReleasing(this, [&] { return real(this, cond, timeout); });
 }
 
 bool Mutex::AwaitWithDeadline(const Condition& cond, Time deadline) {
   REAL(bool (*)(Mutex*, const Condition&, Time),
        "_ZN4absl7debian35Mutex17AwaitWithDeadlineERKNS0_9ConditionENS0_4TimeE");
   SCOPE(this, cond, deadline);
-  AWAIT_AROUND(real(this, cond, deadline));
+  return WaitReleasing(this, [&] { return real(this, cond, deadline); });
 }
 
 void CondVar::Wait(Mutex* mu) {
   REAL(void (*)(CondVar*, Mutex*), "_ZN4absl7debian37CondVar4WaitEPNS0_5MutexE");
   SCOPE(this, mu);
-  __tsan_mutex_pre_unlock(mu, 0);
-  __tsan_mutex_post_unlock(mu, 0);
-  __tsan_mutex_pre_lock(mu, 0);
-  real(this, mu);
-  __tsan_mutex_post_lock(mu, 0, 0);
+  return WaitReleasing(mu, [&] { return real(this, mu); });
 }
 
 bool CondVar::WaitWithTimeout(Mutex* mu, Duration timeout) {
   REAL(bool (*)(CondVar*, Mutex*, Duration),
        "_ZN4absl7debian37CondVar15WaitWithTimeoutEPNS0_5MutexENS0_8DurationE");
   SCOPE(this, mu, timeout);
-  __tsan_mutex_pre_unlock(mu, 0);
-  __tsan_mutex_post_unlock(mu, 0);
-  __tsan_mutex_pre_lock(mu, 0);
-  const bool r = real(this, mu, timeout);
-  __tsan_mutex_post_lock(mu, 0, 0);
-  return r;
+  return WaitReleasing(mu, [&] { return real(this, mu, timeout); });
 }
 
 bool CondVar::WaitWithDeadline(Mutex* mu, Time deadline) {
   REAL(bool (*)(CondVar*, Mutex*, Time),
        "_ZN4absl7debian37CondVar16WaitWithDeadlineEPNS0_5MutexENS0_4TimeE");
   SCOPE(this, mu, deadline);
-  __tsan_mutex_pre_unlock(mu, 0);
-  __tsan_mutex_post_unlock(mu, 0);
-  __tsan_mutex_pre_lock(mu, 0);
-  const bool r = real(this, mu, deadline);
-  __tsan_mutex_post_lock(mu, 0, 0);
-  return r;
+  return WaitReleasing(mu, [&] { return real(this, mu, deadline); });
 }
 
 bool BlockingCounter::DecrementCount() {
