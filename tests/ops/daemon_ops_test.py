@@ -33,14 +33,7 @@ def free_port():
 
 
 def wait_for(what, fn, timeout=30.0, every=0.1):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = fn()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(every)
+    return testlib.wait_for(what, fn, timeout, every)
 
 
 def http_get(url, timeout=10):

@@ -68,14 +68,7 @@ def slowed(delay_ms, *extra):
 
 def wait_for(what, fn, timeout=20.0, every=0.01):
     """fn()'s first truthy value, polled until `timeout` s; else AssertionError."""
-    deadline = time.monotonic() + timeout
-    while True:
-        v = fn()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
-        time.sleep(every)
+    return testlib.wait_for(what, fn, timeout, every)
 
 
 def config_file(root, text):

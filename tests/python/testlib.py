@@ -113,6 +113,19 @@ _NP = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint1
        "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_}
 
 
+def wait_for(what, fn, timeout, every):
+    """fn()'s first truthy value, polled every `every` s until `timeout` s;
+    else AssertionError naming `what`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = fn()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g} s waiting for {what}")
+        time.sleep(every)
+
+
 def read_safetensors(path):
     """{name: (dtype name, array)}; BF16 comes back as uint16 bit patterns."""
     with open(path, "rb") as f:
