@@ -574,7 +574,7 @@ FlatSpan HeldSpan(const StoredLayout& src, const StoredLayout& dst, const Box& r
     if (CountRegion(src, dst, region) == 0) return {};
     return {0, 1};
   }
-  std::vector<int64_t> stride(rank);
+  Shape stride(rank);  // inline: no allocation per planned copy
   StorageStrides(src, stride.data());
   int64_t lo = INT64_MAX, hi = INT64_MIN;
   // Flat indices grow with every coordinate, so a box's first and last
