@@ -120,7 +120,7 @@ class RunWriter {
   absl::Status ReadPieces(const RandomAccessFile& file, bool verify, bool stream, bool direct,
                           LoadStats& stats, uint8_t* keep = nullptr);
   // Writes the runs of the prepared read from `data`, its bytes in memory.
-  void WriteAll(const uint8_t* data, bool stream);
+  absl::Status WriteAll(const uint8_t* data, bool stream);
   // Adds the prepared read's delivered bytes to `stats`.
   void Account(LoadStats& stats) const;
 
@@ -129,13 +129,26 @@ class RunWriter {
   struct Segment {
     uint64_t off = 0;
     uint64_t end = 0;
-    uint8_t* dst = nullptr;
+    uint8_t* dst = nullptr;  // in this process, or an address in `remote`
+    RemoteMemory* remote = nullptr;
     DType sdt = DType::kU8, ddt = DType::kU8;
+  };
+  // Writes to other processes queued by one Write call, per process.
+  struct RemoteBatch {
+    RemoteMemory* memory = nullptr;
+    std::vector<iovec> local, remote;
   };
 
   // Writes every run's part inside file bytes [start, stop), held at `data`.
   // Calls cover the read in increasing order.
-  void Write(const uint8_t* data, uint64_t start, uint64_t stop, bool stream);
+  absl::Status Write(const uint8_t* data, uint64_t start, uint64_t stop, bool stream);
+  // Queues `n` bytes at `from` for address `to` of `memory`; `from` must
+  // stay valid until FlushRemote.
+  void QueueRemote(RemoteMemory* memory, const uint8_t* from, uint8_t* to, size_t n);
+  // `n` bytes of the bounce buffer for a cast run to another process
+  // (queued writes are flushed first when it is full).
+  absl::StatusOr<uint8_t*> Bounce(size_t n);
+  absl::Status FlushRemote();
   absl::Status Hash(const uint8_t* data, uint64_t pos, uint64_t n);
 
   uint8_t* Scratch(bool direct);
@@ -158,6 +171,9 @@ class RunWriter {
   size_t check_pos_ = 0;          // next check not yet complete
   bool hashing_ = false;          // state_ holds a partial check
   std::vector<uint64_t> delivered_;  // per plan rank, this read
+  std::vector<RemoteBatch> batches_;
+  std::vector<uint8_t> bounce_;
+  size_t bounce_used_ = 0;
 };
 
 bool RunWriter::Prepare(const LoadPlan& plan, size_t i,
@@ -179,7 +195,13 @@ bool RunWriter::Prepare(const LoadPlan& plan, size_t i,
     const CopyOp& op = rp.copies[c];
     const TargetTensor& t = rp.targets[op.target];
     uint8_t* base = delivery.HostDestination(r, op.target);
-    if (base == nullptr) return false;
+    RemoteMemory* remote = nullptr;
+    if (base == nullptr) {
+      uint64_t address = 0;
+      remote = delivery.RemoteDestination(r, op.target, &address);
+      if (remote == nullptr) return false;
+      base = reinterpret_cast<uint8_t*>(static_cast<uintptr_t>(address));
+    }
     runs_.clear();
     if (!AppendCopyRuns(op.src, t.layout(), op.region, budget, &runs_)) return false;
     budget -= runs_.size();
@@ -191,6 +213,7 @@ bool RunWriter::Prepare(const LoadPlan& plan, size_t i,
       sg.off = op.src_offset + static_cast<uint64_t>(run.src) * ssz;
       sg.end = sg.off + static_cast<uint64_t>(run.len) * ssz;
       sg.dst = base + static_cast<uint64_t>(run.dst) * dsz;
+      sg.remote = remote;
       sg.sdt = op.src.dtype;
       sg.ddt = t.dtype;
       // A cast converts whole elements: pieces end on 64-byte file offsets,
@@ -210,34 +233,90 @@ bool RunWriter::Prepare(const LoadPlan& plan, size_t i,
   return true;
 }
 
-void RunWriter::Write(const uint8_t* data, uint64_t start, uint64_t stop, bool stream) {
+absl::Status RunWriter::Write(const uint8_t* data, uint64_t start, uint64_t stop,
+                              bool stream) {
   while (next_ < segs_.size() && segs_[next_].off < stop) active_.push_back(next_++);
   size_t keep = 0;
+  absl::Status status;
   for (uint32_t k : active_) {
     const Segment& sg = segs_[k];
     const uint64_t lo = std::max(sg.off, start), hi = std::min(sg.end, stop);
-    if (hi > lo) {
+    if (hi > lo && status.ok()) {
       const uint8_t* src = data + (lo - start);
       if (sg.sdt == sg.ddt) {
-        if (stream && hi - lo >= kStreamingMinRun) {
+        if (sg.remote != nullptr) {
+          QueueRemote(sg.remote, src, sg.dst + (lo - sg.off), hi - lo);
+        } else if (stream && hi - lo >= kStreamingMinRun) {
           StreamingCopy(sg.dst + (lo - sg.off), src, hi - lo);
         } else {
           std::memcpy(sg.dst + (lo - sg.off), src, hi - lo);
         }
       } else {
         const uint64_t ssz = DTypeSize(sg.sdt), dsz = DTypeSize(sg.ddt);
-        ConvertElements(src, sg.sdt, sg.dst + (lo - sg.off) / ssz * dsz, sg.ddt,
-                        (hi - lo) / ssz);
+        const uint64_t count = (hi - lo) / ssz;
+        uint8_t* to = sg.dst + (lo - sg.off) / ssz * dsz;
+        if (sg.remote != nullptr) {
+          absl::StatusOr<uint8_t*> b = Bounce(count * dsz);
+          if (b.ok()) {
+            ConvertElements(src, sg.sdt, *b, sg.ddt, count);
+            QueueRemote(sg.remote, *b, to, count * dsz);
+          } else {
+            status = b.status();
+          }
+        } else {
+          ConvertElements(src, sg.sdt, to, sg.ddt, count);
+        }
       }
     }
     if (sg.end > stop) active_[keep++] = k;
   }
   active_.resize(keep);
+  absl::Status flushed = FlushRemote();
+  return status.ok() ? flushed : status;
 }
 
-void RunWriter::WriteAll(const uint8_t* data, bool stream) {
-  Write(data, read_->offset, read_->offset + read_->length, stream);
+void RunWriter::QueueRemote(RemoteMemory* memory, const uint8_t* from, uint8_t* to, size_t n) {
+  RemoteBatch* batch = nullptr;
+  for (RemoteBatch& b : batches_) {
+    if (b.memory == memory) batch = &b;
+  }
+  for (size_t i = 0; batch == nullptr && i < batches_.size(); ++i) {
+    if (batches_[i].memory == nullptr) batch = &batches_[i];
+  }
+  if (batch == nullptr) batch = &batches_.emplace_back();
+  batch->memory = memory;
+  batch->local.push_back({const_cast<uint8_t*>(from), n});
+  batch->remote.push_back({to, n});
+}
+
+absl::StatusOr<uint8_t*> RunWriter::Bounce(size_t n) {
+  if (bounce_used_ + n > bounce_.size()) {
+    CKPT_RETURN_IF_ERROR(FlushRemote());
+    if (n > bounce_.size()) bounce_.resize(std::max<size_t>(n, 8 * piece_));
+  }
+  uint8_t* p = bounce_.data() + bounce_used_;
+  bounce_used_ += n;
+  return p;
+}
+
+absl::Status RunWriter::FlushRemote() {
+  absl::Status status;
+  for (RemoteBatch& b : batches_) {
+    if (b.memory == nullptr || b.local.empty()) continue;
+    absl::Status s = b.memory->Write(b.local.data(), b.remote.data(), b.local.size());
+    if (status.ok()) status = s;
+    b.memory = nullptr;
+    b.local.clear();
+    b.remote.clear();
+  }
+  bounce_used_ = 0;
+  return status;
+}
+
+absl::Status RunWriter::WriteAll(const uint8_t* data, bool stream) {
+  absl::Status s = Write(data, read_->offset, read_->offset + read_->length, stream);
   if (stream) StreamingFence();
+  return s;
 }
 
 absl::Status RunWriter::Hash(const uint8_t* data, uint64_t pos, uint64_t n) {
@@ -312,7 +391,8 @@ absl::Status RunWriter::ReadDirectPieces(const RandomAccessFile& file, bool veri
     if (verify) status = Hash(data, start, stop - start);
     if (!status.ok()) break;
     const auto t1 = Clock::now();
-    Write(data, start, stop, stream);
+    status = Write(data, start, stop, stream);
+    if (!status.ok()) break;
     *read_s += std::chrono::duration<double>(t1 - t0).count();
     *copy_s += std::chrono::duration<double>(Clock::now() - t1).count();
     start = stop;
@@ -350,7 +430,7 @@ absl::Status RunWriter::ReadPieces(const RandomAccessFile& file, bool verify, bo
     CKPT_RETURN_IF_ERROR(file.Read(start, stop - start, piece));
     if (verify) CKPT_RETURN_IF_ERROR(Hash(piece, start, stop - start));
     const auto t1 = Clock::now();
-    Write(piece, start, stop, stream);
+    CKPT_RETURN_IF_ERROR(Write(piece, start, stop, stream));
     const auto t2 = Clock::now();
     read_s += std::chrono::duration<double>(t1 - t0).count();
     copy_s += std::chrono::duration<double>(t2 - t1).count();
@@ -562,8 +642,8 @@ absl::StatusOr<LoadStats> ExecutePlan(const LoadPlan& plan, RangeSource& source,
         local.checksums_verified += verified;
         (view->from_storage ? local.bytes_read : local.bytes_from_cache) += rr.length;
         if (by_runs) {
-          writer.WriteAll(view->data, stream);
-          writer.Account(local);
+          s = writer.WriteAll(view->data, stream);
+          if (s.ok()) writer.Account(local);
         } else {
           for (const auto& [r, c] : by_read[i]) {
             if (skip_memo[r] == 2) continue;

@@ -29,6 +29,8 @@
 #ifndef CKPTD_CORE_EXECUTOR_H_
 #define CKPTD_CORE_EXECUTOR_H_
 
+#include <sys/uio.h>
+
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -124,6 +126,17 @@ class DirectorySource final : public RangeSource {
   absl::flat_hash_map<std::string, std::unique_ptr<RandomAccessFile>> files_ ABSL_GUARDED_BY(mu_);
 };
 
+// Memory of another process, written by address (core/process_memory.h).
+// Thread-safe.
+class RemoteMemory {
+ public:
+  virtual ~RemoteMemory() = default;
+  // Writes local[i] to remote[i] (iov_base there is an address in the other
+  // process), for every i < n: every byte, or an error naming the process.
+  virtual absl::Status Write(const struct iovec* local, const struct iovec* remote,
+                             size_t n) = 0;
+};
+
 // Where copies go. Implementations must be thread-safe across distinct
 // (rank, target) elements: copies never overlap in the destination.
 class Delivery {
@@ -141,6 +154,14 @@ class Delivery {
   // copies into it are plain CPU stores (the executor may then write it
   // run by run); null when Copy must be used.
   virtual uint8_t* HostDestination(size_t rank_index, uint32_t target) { return nullptr; }
+  // The memory of another process that copies into plan rank
+  // `rank_index`'s target `target` go to, the target's first byte at
+  // *address there (the executor then writes it run by run, in batches);
+  // null when the target is not there (HostDestination or Copy).
+  virtual RemoteMemory* RemoteDestination(size_t rank_index, uint32_t target,
+                                          uint64_t* address) {
+    return nullptr;
+  }
 };
 
 // Delivery into host memory: dests[i][j] is the buffer of plan.ranks[i]

@@ -1,5 +1,7 @@
 #include "core/offline.h"
 
+#include <unistd.h>
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -13,6 +15,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "core/aoa.h"
+#include "core/process_memory.h"
 #include "core/safetensors.h"
 #include "core/status_macros.h"
 #include "core/writer.h"
@@ -81,7 +84,20 @@ absl::StatusOr<OfflineLoadResult> LoadOffline(const std::string& dir, const Layo
   eo.verify_checksums = options.verify_checksums;
   eo.piece_bytes = options.piece_bytes;
   eo.direct_io = options.direct_io;
-  CKPT_ASSIGN_OR_RETURN(res.stats, ExecutePlan(res.plan, source, dests, eo));
+  if (options.via_process_memory) {
+    // The daemon's process_memory path, into this process's own buffers.
+    CKPT_ASSIGN_OR_RETURN(auto self, ProcessMemory::Open({::getpid(), "this process"}));
+    std::vector<RemoteRank> remote(dests.size());
+    std::shared_ptr<RemoteMemory> memory(std::move(self));
+    for (size_t r = 0; r < dests.size(); ++r) {
+      remote[r].memory = memory;
+      for (void* d : dests[r]) remote[r].targets.push_back({reinterpret_cast<uintptr_t>(d)});
+    }
+    ProcessDelivery delivery(std::make_unique<HostDelivery>(dests), std::move(remote));
+    CKPT_ASSIGN_OR_RETURN(res.stats, ExecutePlan(res.plan, source, delivery, eo));
+  } else {
+    CKPT_ASSIGN_OR_RETURN(res.stats, ExecutePlan(res.plan, source, dests, eo));
+  }
   res.times.load_seconds = Since(t0);
   return res;
 }

@@ -36,6 +36,10 @@ struct OfflineLoadOptions {
   // then shows as the fill value, not as a plausible 0. For tests and
   // `ckptctl load --fill_byte`.
   std::optional<uint8_t> fill_byte;
+  // Deliver through the daemon's process_memory path (process_vm_writev,
+  // core/process_memory.h) into this process's own buffers: the executor's
+  // remote runs, batches and bounce copies, checked offline (tests).
+  bool via_process_memory = false;
 };
 
 struct PhaseTimes {

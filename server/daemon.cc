@@ -13,6 +13,7 @@
 #include <chrono>
 #include <cstring>
 #include <deque>
+#include <limits>
 #include <thread>
 
 #include <grpcpp/grpcpp.h>
@@ -20,6 +21,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
 #include "core/aoa.h"
 #include "core/executor.h"
@@ -37,6 +39,17 @@ namespace {
 
 ckpt::Shape ToShape(const google::protobuf::RepeatedField<int64_t>& r) {
   return ckpt::Shape(r.begin(), r.end());
+}
+
+// Why a process_memory destination cannot be used. Where the kernel
+// refuses (another uid, no pidfd), FAILED_PRECONDITION before the job
+// registers: the client then falls back to shm (README "Transports").
+absl::Status ToProcessMemoryError(const absl::Status& s, const std::string& who) {
+  if (absl::IsPermissionDenied(s) || absl::IsFailedPrecondition(s)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "process_memory unavailable for ", who, ": ", s.message(), "; use shm"));
+  }
+  return s;
 }
 
 // A Delivery that never copies (prefetch only warms the cache).
@@ -619,11 +632,65 @@ absl::StatusOr<std::shared_ptr<Daemon::RankSlot>> Daemon::PrepareSlot(
     }
   } else if (req.has_cuda_ipc()) {
     CKPT_RETURN_IF_ERROR(PrepareDeviceSlot(req, who, *slot));
+  } else if (req.has_process_memory()) {
+    CKPT_RETURN_IF_ERROR(PrepareProcessSlot(caller, req, who, *slot));
   } else if (!req.has_stream()) {
     return absl::InvalidArgumentError(
-        absl::StrCat(who, ": no destination (shm, stream or cuda_ipc)"));
+        absl::StrCat(who, ": no destination (shm, process_memory, stream or cuda_ipc)"));
   }
   return slot;
+}
+
+absl::Status Daemon::PrepareProcessSlot(const Caller& caller, const v1::LoadRequest& req,
+                                        const std::string& who, RankSlot& slot) {
+  const v1::ProcessMemoryDestination& pm = req.process_memory();
+  if (caller.via != Caller::Via::kUnix || caller.pid <= 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        who, ": process_memory needs a caller on this daemon's Unix socket (its process is "
+             "known there); use shm or stream"));
+  }
+  if (pm.cookie().size() < 16 || pm.cookie().size() > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, ": process_memory cookie must be 16 to 64 bytes, not ",
+                     pm.cookie().size()));
+  }
+  // Targets: no address wraps, no two overlap (a client that overlapped
+  // them would only garble its own tensors, but it is a bug worth naming).
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  ckpt::RemoteRank remote;
+  for (int i = 0; i < req.targets_size(); ++i) {
+    const uint64_t at = req.targets(i).dest_offset();
+    const uint64_t n = slot.targets.tensors[i].num_bytes();
+    if (n > 0 && (at == 0 || at > std::numeric_limits<uint64_t>::max() - n)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          who, " tensor '", req.targets(i).name(), "': process_memory address ", at,
+          " cannot hold ", n, " bytes"));
+    }
+    if (n > 0) ranges.push_back({at, at + n});
+    remote.targets.push_back({at});
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 1; i < ranges.size(); ++i) {
+    if (ranges[i].first < ranges[i - 1].second) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: two targets overlap in the process's memory at address 0x%x", who,
+          ranges[i].first));
+    }
+  }
+  auto memory = ckpt::ProcessMemory::Open(
+      {caller.pid, absl::StrCat(who, " (pid ", caller.pid, ")")});
+  if (!memory.ok()) return ToProcessMemoryError(memory.status(), who);
+  std::string seen(pm.cookie().size(), '\0');
+  absl::Status read = (*memory)->Read(pm.cookie_address(), seen.data(), seen.size());
+  if (!read.ok()) return ToProcessMemoryError(read, who);
+  if (seen != pm.cookie()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        who, ": process_memory: the cookie at the given address of pid ", caller.pid,
+        " does not match the request (is the caller the process that connected?)"));
+  }
+  remote.memory = std::shared_ptr<ckpt::ProcessMemory>(std::move(*memory));
+  slot.process = std::move(remote);
+  return absl::OkStatus();
 }
 
 void Daemon::FailJobLocked(Job& job, const absl::Status& status) {
@@ -697,6 +764,7 @@ std::vector<void*> PrepareDestinations(Daemon::RankSlot& s, const ckpt::RankPlan
     return dests;
   }
   if (s.device) return dests;  // device buffers: Daemon::JobDelivery
+  if (s.process) return std::vector<void*>(plan.targets.size(), nullptr);  // JobDelivery
   // Only targets the checkpoint has get a buffer (their bytes were checked
   // against limits.max_stream_bytes when the rank registered).
   const std::set<std::string> missing(plan.missing_keys.begin(), plan.missing_keys.end());

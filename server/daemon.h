@@ -252,7 +252,14 @@ class Daemon {
   // targets and opens its buffers; the delivery of a job's ranks.
   absl::Status PrepareDeviceSlot(const v1::LoadRequest& request, const std::string& who,
                                  RankSlot& slot);
+  // process_memory destinations: checks the caller's targets and cookie,
+  // opens its process (core/process_memory.h).
+  absl::Status PrepareProcessSlot(const Caller& caller, const v1::LoadRequest& request,
+                                  const std::string& who, RankSlot& slot);
   absl::StatusOr<std::unique_ptr<ckpt::Delivery>> JobDelivery(
+      const std::vector<std::shared_ptr<RankSlot>>& slots, std::vector<std::vector<void*>> dests);
+  // JobDelivery without process_memory ranks: host or device.
+  absl::StatusOr<std::unique_ptr<ckpt::Delivery>> JobDeliveryOf(
       const std::vector<std::shared_ptr<RankSlot>>& slots, std::vector<std::vector<void*>> dests);
   // Adds `slot` to its job (created on first use); returns the job and
   // whether this caller completed the barrier and must run the job.

@@ -29,6 +29,24 @@ absl::Status Daemon::PrepareDeviceSlot(const v1::LoadRequest& req, const std::st
 
 absl::StatusOr<std::unique_ptr<ckpt::Delivery>> Daemon::JobDelivery(
     const std::vector<std::shared_ptr<RankSlot>>& slots, std::vector<std::vector<void*>> dests) {
+  bool any_process = false;
+  for (const auto& s : slots) any_process |= s->process.has_value();
+  if (any_process) {
+    // Ranks whose tensors are in their own process memory wrap the rest.
+    std::vector<ckpt::RemoteRank> remote(slots.size());
+    for (size_t i = 0; i < slots.size(); ++i) {
+      if (slots[i]->process) remote[i] = *slots[i]->process;
+    }
+    auto inner = JobDeliveryOf(slots, std::move(dests));
+    if (!inner.ok()) return inner.status();
+    return std::unique_ptr<ckpt::Delivery>(
+        new ckpt::ProcessDelivery(*std::move(inner), std::move(remote)));
+  }
+  return JobDeliveryOf(slots, std::move(dests));
+}
+
+absl::StatusOr<std::unique_ptr<ckpt::Delivery>> Daemon::JobDeliveryOf(
+    const std::vector<std::shared_ptr<RankSlot>>& slots, std::vector<std::vector<void*>> dests) {
   bool any_device = false;
   for (const auto& s : slots) any_device |= s->device != nullptr;
   if (!any_device) return std::unique_ptr<ckpt::Delivery>(new ckpt::HostDelivery(std::move(dests)));

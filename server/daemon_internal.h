@@ -16,6 +16,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "core/executor.h"
+#include "core/process_memory.h"
 #include "server/daemon.h"
 
 namespace ckptd {
@@ -32,6 +33,7 @@ struct Daemon::RankSlot {
   std::unique_ptr<MappedSegment> segment;              // shm destination
   std::vector<std::vector<uint8_t>> stream_buffers;    // stream destination
   std::shared_ptr<const gpu::DeviceBuffers> device;    // cuda_ipc destination
+  std::optional<ckpt::RemoteRank> process;             // process_memory destination
   std::function<bool()> cancelled;
   absl::Time registered;
   std::chrono::steady_clock::time_point start;

@@ -396,12 +396,18 @@ nbytes = len(names) * rows * cols * 4
 if mode == "idle-arena":
     arena = ckptd.SharedArena(nbytes, daemon=sock)
     time.sleep(600)
+transport = "auto"
 if mode == "staging":        # plain arrays: staged through an arena the daemon lends
     state = {n: np.zeros((rows, cols), np.float32) for n in names}
+    transport = "shm"
+elif mode == "process-memory":  # plain arrays written by the daemon (process_vm_writev)
+    state = {n: np.zeros((rows, cols), np.float32) for n in names}
+    transport = "process_memory"
 else:
     arena = ckptd.SharedArena(nbytes, name=name, daemon=sock if mode == "lent-arena" else None)
     state = {n: arena.empty((rows, cols), np.float32) for n in names}
-ckptd.load_state_dict(state, path, rank=0, world_size=1, job_id=job, socket=sock, timeout=120)
+ckptd.load_state_dict(state, path, rank=0, world_size=1, job_id=job, socket=sock, timeout=120,
+                      transport=transport)
 time.sleep(600)
 """ % (ROWS, COLS, NAMES)
 
@@ -480,8 +486,13 @@ class KilledClientTest(unittest.TestCase):
         if in_flight:
             wait_for(f"job {job} reading",
                      lambda: child(lambda: jobs(sock).get(job, {}).get("state") == "reading"))
-        # Its segment is mapped (a memfd).
-        wait_for(f"the {mode} client's segment", lambda: child(lambda: "/memfd:" in maps(p.pid)))
+        if mode == "process-memory":
+            # No segment: the daemon holds a pidfd on the client instead.
+            wait_for("the daemon's pidfd on the client", lambda: child(
+                lambda: "anon_inode:[pidfd]" in fd_links(pid).values()))
+        else:  # its segment is mapped (a memfd)
+            wait_for(f"the {mode} client's segment",
+                     lambda: child(lambda: "/memfd:" in maps(p.pid)))
         st = self.client.status()
         lent = leased(self.client)
         # What the client and the daemon hold now: memfds, nothing in /dev/shm.
@@ -490,7 +501,10 @@ class KilledClientTest(unittest.TestCase):
         self.assertNotIn("/dev/shm/", dmaps)
         for who in (p.pid, pid):
             self.assertFalse([l for l in fd_links(who).values() if l.startswith("/dev/shm/")])
-        if mode == "own-memfd":
+        if mode == "process-memory":
+            self.assertEqual(lent, 0)
+            self.assertNotIn("/memfd:", cmaps)
+        elif mode == "own-memfd":
             self.assertEqual(lent, 0)
             self.assertIn(f"/memfd:{name}", cmaps)
             self.assertIn(f"/memfd:{name}", dmaps)  # the daemon mapped the client's segment
@@ -499,7 +513,8 @@ class KilledClientTest(unittest.TestCase):
             self.assertIn("/memfd:", cmaps)
         # The daemon holds something of this client now (so "nothing left"
         # below says something): its segment mapped, its connections open.
-        self.assertTrue(memfd_maps(pid) - memfds0, "the daemon maps no segment of the client")
+        if mode != "process-memory":
+            self.assertTrue(memfd_maps(pid) - memfds0, "the daemon maps no segment of the client")
         self.assertTrue({fd for fd, l in fd_links(pid).items() if fds0.get(fd) != l},
                         "the daemon holds no fd of the client")
         p.send_signal(signal.SIGKILL)
@@ -528,6 +543,11 @@ class KilledClientTest(unittest.TestCase):
         """Plain arrays: the client stages them in an arena the daemon lends
         (its memfd passed to the client over the fd socket)."""
         self.kill_and_check("staging", in_flight=True)
+
+    def test_killed_mid_load_process_memory(self):
+        """Plain arrays written by the daemon itself (process_vm_writev): the
+        daemon lets go of its pidfd and the job; the daemon does not crash."""
+        self.kill_and_check("process-memory", in_flight=True)
 
     def test_killed_mid_load_into_lent_shared_arena(self):
         """ckptd.SharedArena(n, daemon=socket): the lent arena is the destination."""

@@ -86,7 +86,9 @@ class NumpyClientTest(unittest.TestCase):
         self.assertEqual(r.missing_keys, [])
         self.assertEqual(r.unexpected_keys, [])
         self.assertEqual(r.format, "huggingface-safetensors")
-        self.assertFalse(r.zero_copy)
+        # Same uid as the daemon: "auto" lets the daemon write the arrays.
+        self.assertEqual(r.transport, "process_memory")
+        self.assertTrue(r.zero_copy)
         total = sum(a.nbytes for _, a in self.ref.values())
         self.assertEqual(r.bytes_delivered, total)
         for name, (dt, a) in self.ref.items():
@@ -187,13 +189,17 @@ class NumpyClientTest(unittest.TestCase):
         self.assertTrue(r.zero_copy)
         np.testing.assert_array_equal(w, self.full("model.layers.0.mlp.up_proj.weight"))
         np.testing.assert_array_equal(b, self.full("model.layers.0.input_layernorm.weight"))
-        # A tensor outside the arena: the usual copy path.
-        sd["model.norm.weight"] = np.zeros(64, np.float32)
-        w[:] = 0
-        r = ckptd.load_state_dict(sd, self.tp2, socket=self.sock)
-        self.assertFalse(r.zero_copy)
-        np.testing.assert_array_equal(w, self.full("model.layers.0.mlp.up_proj.weight"))
-        np.testing.assert_array_equal(sd["model.norm.weight"], self.full("model.norm.weight"))
+        self.assertEqual(r.transport, "shm")
+        # A tensor outside the arena: the daemon writes them all in place
+        # (process_memory), or stages them in a segment (shm: one copy more).
+        for transport in ("auto", "shm"):
+            sd["model.norm.weight"] = np.zeros(64, np.float32)
+            w[:] = 0
+            r = ckptd.load_state_dict(sd, self.tp2, socket=self.sock, transport=transport)
+            self.assertEqual(r.transport, "process_memory" if transport == "auto" else "shm")
+            self.assertEqual(r.zero_copy, transport == "auto")
+            np.testing.assert_array_equal(w, self.full("model.layers.0.mlp.up_proj.weight"))
+            np.testing.assert_array_equal(sd["model.norm.weight"], self.full("model.norm.weight"))
 
     def test_arena_borrowed_from_the_daemon(self):
         arena = ckptd.SharedArena(5000, daemon=self.sock)
@@ -268,6 +274,82 @@ class NumpyClientTest(unittest.TestCase):
             ckptd.load_state_dict(sd, self.tp2, socket=d.socket)
             np.testing.assert_array_equal(sd["model.norm.weight"], self.full("model.norm.weight"))
             hold.close()
+
+    def test_process_memory_checks_before_writing(self):
+        """process_memory: the daemon writes only into the process the kernel
+        names for the connection, after reading back the cookie the request
+        names; a target address not mapped (or read-only) in the caller fails
+        the load with INVALID_ARGUMENT naming process_vm_writev, the daemon
+        lives on, and the same request with real addresses then loads."""
+        import ctypes
+        import mmap
+        import grpc
+        name = "model.norm.weight"
+        cookie = os.urandom(16)
+        held = ctypes.create_string_buffer(cookie, len(cookie))
+        ro = mmap.mmap(-1, 4096, prot=mmap.PROT_READ)
+        ro_addr = np.frombuffer(ro, np.uint8).ctypes.data
+        dst = np.full(64, -7.0, np.float32)
+        with ckptd.Client(self.sock) as c:
+            def load(job, sent_cookie, address):
+                req = c.pb2.LoadRequest(job_id=job, rank=0, world_size=1,
+                                        path=os.path.abspath(self.tp2))
+                req.targets.add(name=name, dtype="F32", global_shape=[64], offset=[0],
+                                shape=[64], dest_offset=address)
+                req.process_memory.cookie = sent_cookie
+                req.process_memory.cookie_address = ctypes.addressof(held)
+                try:
+                    for _ in c.stub.Load(req, timeout=30):
+                        pass
+                except grpc.RpcError as e:
+                    return e.code().name, e.details()
+                return "OK", ""
+
+            code, msg = load("pm-cookie", os.urandom(16), dst.ctypes.data)
+            self.assertEqual(code, "FAILED_PRECONDITION", msg)
+            self.assertIn("cookie", msg)
+            self.assertTrue((dst == -7.0).all())
+            code, msg = load("pm-unmapped", cookie, 0x1000)  # below mmap_min_addr
+            self.assertEqual(code, "INVALID_ARGUMENT", msg)
+            self.assertIn("process_vm_writev", msg)
+            self.assertIn(f"pid {os.getpid()}", msg)
+            code, msg = load("pm-read-only", cookie, ro_addr)
+            self.assertEqual(code, "INVALID_ARGUMENT", msg)
+            self.assertIn("process_vm_writev", msg)
+            self.assertIsNone(self.daemon.proc.poll(), "ckptd died")
+            code, msg = load("pm-good", cookie, dst.ctypes.data)
+            self.assertEqual(code, "OK", msg)
+            np.testing.assert_array_equal(dst, self.full(name))
+        ro.close()
+
+    def test_process_memory_reshards_casts_and_transposes(self):
+        """The daemon's writes into this process: a column split of a row-split
+        checkpoint (many runs), a cast, tied weights (overlapping tensors: "auto"
+        stages them over shm instead) and poisoned destinations."""
+        full = self.full("model.layers.0.mlp.up_proj.weight")
+        rows, cols = full.shape
+        half = cols // 2
+        for r in range(2):
+            part = np.full((rows, half), np.nan, np.float32)
+            as64 = np.full((rows, half), np.nan, np.float64)
+            sd = {"model.layers.0.mlp.up_proj.weight":
+                  ckptd.ShardedTensor(part, (rows, cols), (0, r * half))}
+            rep = ckptd.load_state_dict(sd, self.tp2, socket=self.sock,
+                                        transport="process_memory")
+            self.assertEqual(rep.transport, "process_memory")
+            np.testing.assert_array_equal(part, full[:, r * half:(r + 1) * half])
+            sd = {"model.layers.0.mlp.up_proj.weight":
+                  ckptd.ShardedTensor(as64, (rows, cols), (0, r * half))}
+            ckptd.load_state_dict(sd, self.tp2, socket=self.sock, transport="process_memory")
+            np.testing.assert_array_equal(as64, full[:, r * half:(r + 1) * half].astype(np.float64))
+        tied = np.full(64, np.nan, np.float32)
+        sd = {"model.norm.weight": tied, "model.layers.0.input_layernorm.weight": tied}
+        rep = ckptd.load_state_dict(sd, self.tp2, socket=self.sock)
+        self.assertEqual(rep.transport, "shm")  # overlapping tensors: not process_memory
+        with self.assertRaises(ckptd.CkptdError) as cm:
+            ckptd.load_state_dict(sd, self.tp2, socket=self.sock, transport="process_memory")
+        self.assertEqual(cm.exception.code, "INVALID_ARGUMENT")
+        self.assertIn("overlap", cm.exception.message)
 
     def test_stream_transport(self):
         sd = {"model.layers.0.mlp.down_proj.weight": np.zeros((64, 128), np.float32),

@@ -228,6 +228,9 @@ TEST_P(ReshardProperty, ShardThenLoadIsExact) {
     // Poisoned destinations: an element the load never writes cannot pass
     // as a 0 the expected tensor happens to hold.
     lo.fill_byte = static_cast<uint8_t>(g.Int(1, 255));
+    // The daemon's process_memory delivery (process_vm_writev into this
+    // process): remote runs, cast bounces, copies that go element-wise.
+    lo.via_process_memory = g.Coin(0.3);
     auto res = LoadOffline(dst, load, lo);
     ASSERT_TRUE(res.ok()) << "seed " << seed << ": " << res.status() << "\n" << LayoutToJson(load);
     EXPECT_TRUE(res->plan.missing_keys.empty());

@@ -1,4 +1,5 @@
 """The ckptd client: connection, load/save of state dicts, admin calls."""
+import ctypes
 import dataclasses
 import itertools
 import json
@@ -134,7 +135,8 @@ class LoadReport:
     unique_id: int = 0
     format: str = ""
     local_fast_path: bool = False
-    zero_copy: bool = False        # filled in place in a SharedArena
+    zero_copy: bool = False        # the daemon wrote the tensors themselves (no copy here)
+    transport: str = ""            # the transport that carried the bytes (see load_state_dict)
     timings: dict = dataclasses.field(default_factory=dict)
 
     def as_dict(self):
@@ -334,6 +336,20 @@ class Client:
                     if not _cuda.fallback_ok(err):
                         raise
                     # Refused before the job registered: the same job id goes over shm.
+            elif (not self.tcp and self.socket not in _PROCESS_MEMORY_REFUSED
+                  and _arena_placement(entries)[0] is None and _process_memory_fits(entries)):
+                try:
+                    return self.load_state_dict(
+                        state_dict, path, rank=rank, world_size=world_size, job_id=job_id,
+                        unique_id=unique_id, timeout=timeout, strict=strict,
+                        node_ranks=node_ranks, barrier_timeout=barrier_timeout, verify=verify,
+                        transport="process_memory", progress=progress, aoa=aoa)
+                except CkptdError as err:
+                    if not _process_memory_refused(err):
+                        raise
+                    # The daemon may not write this process (another uid):
+                    # remember it, and the same job id goes over shm.
+                    _PROCESS_MEMORY_REFUSED.add(self.socket)
         for e in entries:
             if e.array is not None and not e.array.flags.writeable:
                 raise CkptdError("INVALID_ARGUMENT", f"'{e.key}': the numpy array is read-only")
@@ -365,6 +381,25 @@ class Client:
                     self._name_segment(req.shm, seg.fd, seg.size, seg.token)
                 timings["client_send_fd_s"] = time.perf_counter() - t1
                 req.targets.extend(self._targets(entries, offsets))
+            elif transport == "process_memory":
+                if self.tcp:
+                    raise CkptdError("INVALID_ARGUMENT", "transport='process_memory' needs the "
+                                     "daemon of this node (its Unix socket)")
+                offsets = []
+                for e in entries:
+                    addr, contiguous = e.address()
+                    if addr is None or not contiguous:
+                        raise CkptdError("INVALID_ARGUMENT", f"'{e.key}': transport='process_memory'"
+                                         " needs contiguous CPU tensors or arrays")
+                    offsets.append(addr)
+                # The daemon reads this cookie from our memory before it
+                # writes anything: proof that the connection's pid is us.
+                cookie = os.urandom(16)
+                cookie_buf = ctypes.create_string_buffer(cookie, len(cookie))
+                req.process_memory.cookie = cookie
+                req.process_memory.cookie_address = ctypes.addressof(cookie_buf)
+                req.targets.extend(self._targets(entries, offsets))
+                report.zero_copy = True  # the daemon writes the tensors themselves
             elif transport == "cuda_ipc":
                 if self.tcp:
                     raise CkptdError("INVALID_ARGUMENT", "transport='cuda_ipc' needs the daemon of "
@@ -387,8 +422,8 @@ class Client:
                 req.targets.extend(self._targets(entries, offsets))
                 req.stream.SetInParent()
             else:
-                raise CkptdError("INVALID_ARGUMENT", "transport must be 'auto', 'shm', 'stream' or "
-                                 f"'cuda_ipc', not {transport!r}")
+                raise CkptdError("INVALID_ARGUMENT", "transport must be 'auto', 'process_memory', "
+                                 f"'shm', 'stream' or 'cuda_ipc', not {transport!r}")
             timings["client_prepare_s"] = time.perf_counter() - t0
 
             t1 = time.perf_counter()
@@ -432,6 +467,7 @@ class Client:
         finally:
             if seg is not None:
                 seg.close()
+        report.transport = transport
         report.missing_keys = list(result.missing_keys)
         report.unexpected_keys = list(result.unexpected_keys)
         report.renamed_keys = dict(result.renamed_keys)
@@ -535,6 +571,30 @@ def _no_arena(err):
     return err.code in ("RESOURCE_EXHAUSTED", "UNAVAILABLE")
 
 
+# Daemons (by socket) that refused process_memory: this process uses shm there.
+_PROCESS_MEMORY_REFUSED = set()
+
+
+def _process_memory_fits(entries):
+    """Whether every entry is contiguous CPU memory and no two overlap (tied
+    weights sharing storage go over shm, where each gets its own copy)."""
+    spans = []
+    for e in entries:
+        addr, contiguous = e.address()
+        if addr is None or not contiguous:
+            return False
+        if e.nbytes:
+            spans.append((addr, addr + e.nbytes))
+    spans.sort()
+    return all(spans[i][0] >= spans[i - 1][1] for i in range(1, len(spans)))
+
+
+def _process_memory_refused(err):
+    """Whether a process_memory failure means "not permitted here" (refused
+    before the job registered), so transport="auto" may use shm."""
+    return err.code == "FAILED_PRECONDITION" and "process_memory" in err.message
+
+
 def _arena_placement(entries):
     """(arena, offsets) when every entry is contiguous in one SharedArena."""
     if not entries:
@@ -594,14 +654,20 @@ def load_state_dict(state_dict, path, *, rank=None, world_size=None, job_id=None
       transformations on load"): the statements as one string or a list of
       lines; every rank passes the same.
 
-    The daemon writes into a memfd segment shared with this process, and the
-    values are copied from there into the tensors; tensors allocated in a
-    SharedArena are filled in place with no copy at all.
-    transport: "auto" (default): "cuda_ipc" when every tensor is a contiguous
-      torch CUDA tensor, else "shm"; "cuda_ipc": the daemon (built with CUDA)
-      copies straight into the tensors' device memory (exported with CUDA IPC);
-      "auto" falls back to "shm" when that path is unavailable. "stream": the
-      bytes come back in the gRPC stream (also over TCP).
+    transport: how the bytes reach the tensors (report.transport says which
+      did). "auto" (default) tries, in order:
+      "cuda_ipc" when every tensor is a contiguous torch CUDA tensor: the
+        daemon (built with CUDA) copies straight into their device memory;
+      "shm" into a SharedArena when every tensor lies in one: filled in place;
+      "process_memory" when every tensor is contiguous CPU memory and none
+        overlaps another: the daemon writes the tensors themselves with
+        process_vm_writev (one copy, no segment). The kernel allows it when
+        the daemon runs as this process's uid (or has CAP_SYS_PTRACE);
+      "shm": the daemon writes a memfd segment shared with this process and
+        the values are copied from there into the tensors.
+      "auto" moves on to "shm" when the daemon refuses cuda_ipc or
+      process_memory before the load starts. "stream": the bytes come back in
+      the gRPC stream (also over TCP).
 
     Returns a LoadReport. Raises CkptdError.
     """
