@@ -16,41 +16,17 @@ torch.save items:
 The full values of every tensor go to OUT_DIR/expected/<name>.npy (bf16 as uint16 bits).
 
 Under Python 3.11, importing torch.distributed._shard fails on a dataclass field default
-in sharded_tensor/metadata.py; a meta-path finder rewrites that one line at import time
-(system files stay untouched, nothing is written to __pycache__).
+in sharded_tensor/metadata.py; torch13_dcp.py (next to this file) installs a meta-path
+finder that rewrites that one line at import time (system files stay untouched).
 """
-import importlib.abc
-import importlib.machinery
 import io
 import json
 import os
 import sys
 
 sys.dont_write_bytecode = True
-
-_PATCHED = "torch.distributed._shard.sharded_tensor.metadata"
-
-
-class _PatchLoader(importlib.machinery.SourceFileLoader):
-    def get_code(self, fullname):
-        src = self.get_data(self.path).decode("utf-8")
-        src = src.replace("field(default=TensorProperties())",
-                          "field(default_factory=TensorProperties)")
-        return compile(src, self.path, "exec", dont_inherit=True)
-
-
-class _PatchFinder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path, target=None):
-        if fullname != _PATCHED:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.origin is None:
-            return None
-        spec.loader = _PatchLoader(fullname, spec.origin)
-        return spec
-
-
-sys.meta_path.insert(0, _PatchFinder())
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import torch13_dcp  # noqa: E402,F401  (the import patch: before torch.distributed._shard)
 
 import numpy as np  # noqa: E402
 import torch  # noqa: E402
