@@ -67,7 +67,9 @@ ABSL_FLAG(std::vector<std::string>, daemon, {},
 ABSL_FLAG(std::string, job_id, "", "load --daemon: job id (default: ckptctl-<pid>)");
 ABSL_FLAG(std::vector<std::string>, ranks, {},
           "load --daemon: run only these ranks of the layout in this process (default all)");
-ABSL_FLAG(std::string, transport, "shm", "load --daemon: shm (shared memory) or stream (gRPC)");
+ABSL_FLAG(std::string, transport, "auto",
+          "load --daemon: auto, process_memory (the daemon writes this process's buffers), "
+          "shm (shared memory) or stream (gRPC)");
 ABSL_FLAG(int, barrier_timeout_ms, 0, "load --daemon: barrier deadline (0: daemon default)");
 ABSL_FLAG(std::vector<std::string>, tensors, {}, "prefetch: only these tensors");
 
@@ -100,7 +102,7 @@ Usage:
 
 Online (through a running ckptd; --daemon SOCKET, default /run/ckptd/ckptd.sock):
   ckptctl load CKPT --layout L.json --out DIR --daemon S1[,S2...] [--ranks R,...]
-               [--job_id ID] [--transport shm|stream] [--json] [--strict]
+               [--job_id ID] [--transport auto|process_memory|shm|stream] [--json] [--strict]
       The same load, as one client per rank (threads of this process), each
       registering with its node's daemon; ranks are spread over the sockets in
       contiguous blocks. Writes DIR/rank{r}.safetensors and the job's report.
@@ -566,8 +568,9 @@ absl::Status LoadViaDaemon(const std::string& dir, const Layout& layout) {
   std::string job = absl::GetFlag(FLAGS_job_id);
   if (job.empty()) job = absl::StrCat("ckptctl-", ::getpid());
   const std::string transport = absl::GetFlag(FLAGS_transport);
-  if (transport != "shm" && transport != "stream") {
-    return absl::InvalidArgumentError("--transport must be shm or stream");
+  if (transport != "auto" && transport != "process_memory" && transport != "shm" &&
+      transport != "stream") {
+    return absl::InvalidArgumentError("--transport must be auto, process_memory, shm or stream");
   }
   std::string aoa;  // AOA statements: every rank sends them
   if (!absl::GetFlag(FLAGS_aoa).empty()) {
@@ -614,7 +617,7 @@ absl::Status LoadViaDaemon(const std::string& dir, const Layout& layout) {
       spec.strict = absl::GetFlag(FLAGS_strict);
       spec.skip_verify = !absl::GetFlag(FLAGS_verify);
       spec.aoa = aoa;
-      spec.transport = transport == "shm" ? ckptd::Transport::kShm : ckptd::Transport::kStream;
+      spec.transport = *ckptd::ParseTransport(transport);  // checked above
       if (absl::GetFlag(FLAGS_barrier_timeout_ms) > 0) {
         spec.barrier_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_barrier_timeout_ms));
       }
@@ -696,8 +699,12 @@ absl::Status LoadViaDaemon(const std::string& dir, const Layout& layout) {
                         {"total_s", res.timings().total_s()},
                         {"bytes_from_peers", res.bytes_from_peers()},
                         {"bytes_to_peers", res.bytes_to_peers()},
+                        {"transport", ckptd::TransportName(run.report->transport)},
                         {"client_s", run.report->client_seconds}});
   }
+  // The transport the ranks used ("auto" picks per rank; they agree on one node).
+  std::string used_transport = transport;
+  if (!runs.empty()) used_transport = ckptd::TransportName(runs[0].report->transport);
   uint64_t bytes_read = 0, bytes_cache = 0, bytes_peers = 0;
   nlohmann::json per_daemon = nlohmann::json::array();
   for (const auto& [d, b] : read_per_daemon) {
@@ -713,7 +720,7 @@ absl::Status LoadViaDaemon(const std::string& dir, const Layout& layout) {
     std::cout << nlohmann::json{{"checkpoint", dir},
                                 {"job_id", job},
                                 {"via", "daemon"},
-                                {"transport", transport},
+                                {"transport", used_transport},
                                 {"bytes_read", bytes_read},
                                 {"bytes_from_cache", bytes_cache},
                                 {"bytes_from_peers", bytes_peers},

@@ -3,11 +3,15 @@
 #include <sys/mman.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <array>
 #include <chrono>
 #include <cstring>
+#include <random>
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/cuda/device_export.h"
 #include "core/status_macros.h"
@@ -228,8 +232,91 @@ absl::StatusOr<v1::StatusResponse> Client::Status() {
   return resp;
 }
 
+const char* TransportName(Transport t) {
+  switch (t) {
+    case Transport::kAuto:
+      return "auto";
+    case Transport::kProcessMemory:
+      return "process_memory";
+    case Transport::kShm:
+      return "shm";
+    case Transport::kStream:
+      return "stream";
+    case Transport::kCudaIpc:
+      return "cuda_ipc";
+  }
+  return "?";
+}
+
+absl::StatusOr<Transport> ParseTransport(const std::string& name) {
+  for (Transport t : {Transport::kAuto, Transport::kProcessMemory, Transport::kShm,
+                      Transport::kStream, Transport::kCudaIpc}) {
+    if (name == TransportName(t)) return t;
+  }
+  return absl::InvalidArgumentError(absl::StrCat(
+      "transport '", name, "' is not one of auto, process_memory, shm, stream, cuda_ipc"));
+}
+
+namespace {
+
+// Whether every tensor has its own buffer and none overlaps another (tied
+// weights sharing memory go through a segment, one slot each).
+bool ProcessMemoryFits(const LoadSpec& spec) {
+  std::vector<std::pair<uintptr_t, uintptr_t>> spans;
+  for (const TensorSpec& t : spec.tensors) {
+    if (t.buffer == nullptr) return false;
+    const uintptr_t at = reinterpret_cast<uintptr_t>(t.buffer);
+    if (t.num_bytes() > 0) spans.push_back({at, at + t.num_bytes()});
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i) {
+    if (spans[i].first < spans[i - 1].second) return false;
+  }
+  return true;
+}
+
+#ifndef MADV_POPULATE_WRITE
+#define MADV_POPULATE_WRITE 23  // Linux 5.14
+#endif
+
+// Faults the buffers' pages in (writable) before the daemon writes them:
+// process_vm_writev into pages never touched faults them one by one under
+// this process's mmap lock, the daemon's I/O threads queueing on it; one
+// madvise per buffer maps them at first-touch speed (a page-table walk for
+// buffers already in memory). Contents are unchanged. Best effort.
+void Populate(const LoadSpec& spec) {
+  const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  for (const TensorSpec& t : spec.tensors) {
+    if (t.num_bytes() < page) continue;
+    const uintptr_t at = reinterpret_cast<uintptr_t>(t.buffer);
+    const uintptr_t start = at - at % page;
+    if (::madvise(reinterpret_cast<void*>(start), at + t.num_bytes() - start,
+                  MADV_POPULATE_WRITE) != 0) {
+      return;  // EINVAL: an older kernel or a special mapping
+    }
+  }
+}
+
+// The daemon may not write this process (refused before the job registered).
+bool ProcessMemoryRefused(const absl::Status& s) {
+  return absl::IsFailedPrecondition(s) && absl::StrContains(s.message(), "process_memory");
+}
+
+}  // namespace
+
 absl::StatusOr<LoadReport> Client::Load(const LoadSpec& spec,
                                         const std::function<void(const v1::LoadEvent&)>& progress) {
+  if (spec.transport == Transport::kAuto) {
+    if (!rep_->options.tcp && ProcessMemoryFits(spec)) {
+      LoadSpec pm = spec;
+      pm.transport = Transport::kProcessMemory;
+      absl::StatusOr<LoadReport> r = Load(pm, progress);
+      if (r.ok() || !ProcessMemoryRefused(r.status())) return r;
+    }
+    LoadSpec shm = spec;
+    shm.transport = Transport::kShm;
+    return Load(shm, progress);
+  }
   const auto t0 = std::chrono::steady_clock::now();
   v1::LoadRequest req;
   req.set_job_id(spec.job_id);
@@ -257,8 +344,31 @@ absl::StatusOr<LoadReport> Client::Load(const LoadSpec& spec,
                                           rep_->options.socket, rep_->options.connect_timeout,
                                           &own, &offsets));
   }
+  // kProcessMemory: the daemon reads this cookie back from our memory
+  // before it writes anything (the connection's pid is this process).
+  std::array<uint8_t, 16> cookie{};
+  if (spec.transport == Transport::kProcessMemory) {
+    if (rep_->options.tcp) {
+      return absl::InvalidArgumentError(
+          "Load: Transport::kProcessMemory needs the daemon's Unix socket");
+    }
+    for (size_t i = 0; i < spec.tensors.size(); ++i) {
+      if (spec.tensors[i].buffer == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "Load: tensor '", spec.tensors[i].name, "' has no buffer (Transport::kProcessMemory)"));
+      }
+      offsets[i] = reinterpret_cast<uintptr_t>(spec.tensors[i].buffer);
+    }
+    Populate(spec);
+    std::random_device rd;
+    for (auto& b : cookie) b = static_cast<uint8_t>(rd());
+    req.mutable_process_memory()->set_cookie(cookie.data(), cookie.size());
+    req.mutable_process_memory()->set_cookie_address(reinterpret_cast<uintptr_t>(cookie.data()));
+  }
   AddTargets(spec.tensors, offsets, req.mutable_targets());
-  if (spec.transport == Transport::kCudaIpc) {
+  if (spec.transport == Transport::kProcessMemory) {
+    // Set above.
+  } else if (spec.transport == Transport::kCudaIpc) {
     std::vector<const void*> ptrs;
     std::vector<uint64_t> sizes;
     std::vector<std::string> names;
@@ -308,6 +418,7 @@ absl::StatusOr<LoadReport> Client::Load(const LoadSpec& spec,
   }
   report.client_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  report.transport = spec.transport;
   return report;
 }
 

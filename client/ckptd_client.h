@@ -83,9 +83,21 @@ struct TensorSpec {
   uint64_t num_bytes() const;
 };
 
-// kCudaIpc: the daemon copies straight into device memory (a ckptd and
-// client built with --config=cuda, on a node with GPUs).
-enum class Transport { kShm, kStream, kCudaIpc };
+// How the bytes reach the tensors (README "Transports"):
+//  kAuto (default): kProcessMemory when every tensor has its own `buffer`,
+//    none overlaps another and the daemon is on a Unix socket; kShm when the
+//    daemon refuses it (another uid) or otherwise.
+//  kProcessMemory: the daemon writes the buffers themselves with
+//    process_vm_writev (one copy, no segment; the kernel allows it when the
+//    daemon runs as this process's uid or has CAP_SYS_PTRACE).
+//  kShm: a shared segment (spec.arena, or one made here and copied out).
+//  kStream: the bytes come back in the gRPC stream (also over TCP).
+//  kCudaIpc: the daemon copies straight into device memory (a ckptd and
+//    client built with --config=cuda, on a node with GPUs).
+enum class Transport { kAuto, kProcessMemory, kShm, kStream, kCudaIpc };
+// "auto", "process_memory", "shm", "stream", "cuda_ipc" (as in the Python client).
+const char* TransportName(Transport t);
+absl::StatusOr<Transport> ParseTransport(const std::string& name);
 
 struct LoadSpec {
   std::string job_id;
@@ -95,7 +107,7 @@ struct LoadSpec {
   std::optional<int64_t> unique_id;
   std::vector<TensorSpec> tensors;
   std::vector<int> node_ranks;  // ranks of this job on this daemon; empty: all
-  Transport transport = Transport::kShm;
+  Transport transport = Transport::kAuto;
   ShmArena* arena = nullptr;  // optional: tensors with null buffers live here
   absl::Duration barrier_timeout = absl::ZeroDuration();  // zero: daemon default
   bool strict = false;
@@ -124,6 +136,7 @@ struct SaveSpec {
 struct LoadReport {
   v1::LoadResult result;
   double client_seconds = 0;
+  Transport transport = Transport::kShm;  // the one that carried the bytes
 };
 
 class Client {

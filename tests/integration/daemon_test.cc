@@ -243,6 +243,43 @@ class BadRequests : public DaemonTest {
   int counter_ = 0;
 };
 
+// Transport::kAuto (the default) on the daemon's uid: the daemon writes
+// the plain buffer itself (process_vm_writev), the same bytes the stream
+// and shm transports deliver, every element written (poisoned buffers);
+// a buffer shared by two tensors (tied weights) goes over shm instead.
+TEST_F(BadRequests, AutoWritesPlainBuffersInPlace) {
+  DaemonProcess d(root_);
+  ASSERT_TRUE(d.Ready()) << Slurp(d.log());
+  auto client = Connect(d);
+  std::vector<float> via_stream, via_shm, in_place;
+  auto s = Spec(via_stream);
+  s.transport = ckptd::Transport::kStream;
+  ASSERT_TRUE(client->Load(s).ok());
+  s = Spec(via_shm);
+  s.transport = ckptd::Transport::kShm;
+  ASSERT_TRUE(client->Load(s).ok());
+  s = Spec(in_place);
+  std::fill(in_place.begin(), in_place.end(), std::nanf(""));
+  auto r = client->Load(s);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->transport, ckptd::Transport::kProcessMemory);
+  EXPECT_EQ(r->result.bytes_delivered(), in_place.size() * sizeof(float));
+  EXPECT_EQ(std::memcmp(in_place.data(), via_stream.data(), in_place.size() * sizeof(float)), 0);
+  EXPECT_EQ(std::memcmp(via_shm.data(), via_stream.data(), via_shm.size() * sizeof(float)), 0);
+  // Tied: two tensors in one buffer.
+  s = Spec(in_place);
+  s.tensors.push_back(s.tensors[0]);
+  s.tensors[1].name = "layers.1.w";
+  s.job_id += "-tied";
+  r = client->Load(s);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->transport, ckptd::Transport::kShm);
+  s.transport = ckptd::Transport::kProcessMemory;
+  s.job_id += "-forced";
+  EXPECT_EQ(client->Load(s).status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(d.Alive());
+}
+
 TEST_F(BadRequests, EachGetsTheRightCodeAndMessage) {
   DaemonProcess d(root_);
   std::vector<float> buf;
@@ -313,9 +350,11 @@ TEST_F(BadRequests, DaemonLendsArenasReusesThemAndChecksTokens) {
     }
     return client->Status()->arena_leased_bytes() == n;
   };
-  // A plain buffer: the client stages it through a borrowed arena.
+  // A plain buffer over shm: the client stages it through a borrowed arena.
   std::vector<float> want;
-  ASSERT_TRUE(LoadOne(Spec(want), d).ok());
+  auto staged = Spec(want);
+  staged.transport = ckptd::Transport::kShm;
+  ASSERT_TRUE(LoadOne(staged, d).ok());
   EXPECT_TRUE(leased_becomes(0));
   EXPECT_EQ(client->Status()->arena_free_bytes(), 2u << 20);
 

@@ -392,6 +392,9 @@ class Client:
                         raise CkptdError("INVALID_ARGUMENT", f"'{e.key}': transport='process_memory'"
                                          " needs contiguous CPU tensors or arrays")
                     offsets.append(addr)
+                t1 = time.perf_counter()
+                _populate(entries, offsets)
+                timings["client_populate_s"] = time.perf_counter() - t1
                 # The daemon reads this cookie from our memory before it
                 # writes anything: proof that the connection's pid is us.
                 cookie = os.urandom(16)
@@ -569,6 +572,33 @@ def _layout(entries):
 def _no_arena(err):
     """Whether a refused arena request should fall back to a local memfd."""
     return err.code in ("RESOURCE_EXHAUSTED", "UNAVAILABLE")
+
+
+_MADV_POPULATE_WRITE = 23  # Linux 5.14
+_PAGE = os.sysconf("SC_PAGE_SIZE")
+_libc = None
+
+
+def _populate(entries, addresses):
+    """Faults the tensors' pages in (writable) before the daemon writes them.
+
+    process_vm_writev into pages never touched faults them in one at a time
+    under this process's mmap lock, with the daemon's I/O threads queueing
+    on it (0.2-0.5 GB/s measured); one madvise(MADV_POPULATE_WRITE) per tensor
+    maps them at first-touch speed, and costs a page-table walk for tensors
+    already in memory. Contents are unchanged. Best effort: a kernel or mapping
+    without it leaves the faults to the daemon's writes."""
+    global _libc
+    if _libc is None:
+        _libc = ctypes.CDLL(None, use_errno=True)
+        _libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    for e, addr in zip(entries, addresses):
+        if e.nbytes < _PAGE:
+            continue
+        start = addr - addr % _PAGE
+        end = addr + e.nbytes
+        if _libc.madvise(start, end - start, _MADV_POPULATE_WRITE) != 0:
+            return  # EINVAL (old kernel, special mapping): stop trying
 
 
 # Daemons (by socket) that refused process_memory: this process uses shm there.
