@@ -36,7 +36,11 @@ class HostCache::BlockPool final : public HostAllocator {
     }
     // (MADV_HUGEPAGE measured worse on the dev VM: with THP defrag
     // "madvise" the first touch stalls in compaction, 0.6 vs 1.8-2.7 GB/s.)
-    void* p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    // MAP_POPULATE: every page is written by the fill anyway; faulting them
+    // in here, in one pass in the kernel, beats faulting them one by one
+    // under the fill's pread (512 MiB: 0.34 vs 0.41-0.57 s on the dev VM).
+    void* p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
     if (p == MAP_FAILED) return nullptr;
     return static_cast<uint8_t*>(p);
   }
@@ -44,6 +48,10 @@ class HostCache::BlockPool final : public HostAllocator {
     absl::MutexLock lock(&mu_);
     free_.emplace(n, p);
     free_bytes_ += n;
+  }
+  bool HasRecycled(uint64_t n) const override {
+    absl::MutexLock lock(&mu_);
+    return free_.count(n) > 0;
   }
   // Unmaps free blocks until at most `keep` bytes are left, not counting
   // one block of `spare` bytes (about to be reused) if there is one.
@@ -399,8 +407,16 @@ absl::StatusOr<std::unique_ptr<RangeSource::Fill>> CachingSource::BeginFill(
     return nullptr;
   }
   // Unverified bytes are never kept: no reservation (which could evict
-  // verified entries) for them.
-  auto pending = verify ? cache_->Reserve(n) : nullptr;
+  // verified entries) for them. Nor, with defer_fresh_memory, bytes that
+  // would wait for fresh memory while the page cache holds them.
+  bool keep_them = verify;
+  if (keep_them && options_.defer_fresh_memory && !cache_->HasRecycled(n) &&
+      p.file->Cached(offset, n)) {
+    keep_them = false;
+    absl::MutexLock lock(&mu_);
+    deferred_.emplace_back(file, offset);
+  }
+  auto pending = keep_them ? cache_->Reserve(n) : nullptr;
   uint8_t* keep = pending ? cache_->PendingData(pending) : nullptr;
   auto fill = std::make_unique<CacheFill>(this, file, p.path, offset, std::move(pending));
   fill->file = p.file;
@@ -429,6 +445,11 @@ absl::StatusOr<RangeView> CachingSource::Fetch(
   RangeView v = cache_->Publish(std::move(pending), p.path, *p.stamp, offset);
   v.from_storage = true;
   return v;
+}
+
+std::vector<std::pair<std::string, uint64_t>> CachingSource::Deferred() const {
+  absl::MutexLock lock(&mu_);
+  return deferred_;
 }
 
 }  // namespace ckpt

@@ -59,6 +59,9 @@ class HostAllocator {
   // Returns `n` bytes, or nullptr when out of memory.
   virtual uint8_t* Allocate(uint64_t n) = 0;
   virtual void Free(uint8_t* p, uint64_t n) = 0;
+  // Whether Allocate(n) would now return memory already faulted in (a block
+  // used before). Allocators that fault memory in ahead say true.
+  virtual bool HasRecycled(uint64_t n) const { return true; }
 };
 
 class HostCache {
@@ -80,6 +83,9 @@ class HostCache {
   // Fill the buffer, then Publish it (or drop it to give the room back).
   struct Pending;
   std::shared_ptr<Pending> Reserve(uint64_t n);
+  // Whether an entry of `n` bytes would get memory already faulted in (see
+  // HostAllocator::HasRecycled and SourceOptions::defer_fresh_memory).
+  bool HasRecycled(uint64_t n) const { return allocator_->HasRecycled(n); }
   uint8_t* PendingData(const std::shared_ptr<Pending>& p);
   RangeView Publish(std::shared_ptr<Pending> p, const std::string& path, const FileStamp& stamp,
                     uint64_t offset);
@@ -157,6 +163,9 @@ class CachingSource final : public RangeSource {
   // after its last read but before the load ends fails the load too
   // (ABORTED naming the file).
   absl::Status CheckOpenedFilesUnchanged();
+  // Reads delivered without being kept (SourceOptions::defer_fresh_memory),
+  // as (file, offset), in no particular order.
+  std::vector<std::pair<std::string, uint64_t>> Deferred() const;
 
  private:
   class CacheFill;
@@ -176,9 +185,10 @@ class CachingSource final : public RangeSource {
   HostCache* const cache_;
   const std::map<std::string, FileStamp> stamps_;
   const SourceOptions options_;
-  absl::Mutex mu_;
+  mutable absl::Mutex mu_;
   std::shared_ptr<const Directory> directory_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, std::unique_ptr<RandomAccessFile>> files_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::pair<std::string, uint64_t>> deferred_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace ckpt

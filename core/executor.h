@@ -102,6 +102,14 @@ struct SourceOptions {
   // On by default here (CachingSource is the daemon's); the offline tools
   // pass their checkpoint's choice (Checkpoint::confine).
   bool confine = true;
+  // CachingSource only: a read missing from the cache whose entry would need
+  // memory never used before (no recycled block of its size, see
+  // HostCache::HasRecycled), and whose bytes are in the page cache, is
+  // delivered from the read pieces and not kept. First-touch page faults
+  // (the slowest thing on a VM, slower than reading the page cache) then
+  // stay off the load's path; the caller fills the cache afterwards from
+  // CachingSource::Deferred() (the daemon does, on a background thread).
+  bool defer_fresh_memory = false;
 };
 
 // Reads files of one checkpoint directory with pread; opens each file once

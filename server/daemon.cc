@@ -167,7 +167,8 @@ Daemon::Daemon(DaemonConfig config)
       started_(absl::Now()),
       gpu_(gpu::CreateGpuRuntime(GpuOptionsOf(config_))),
       cache_(config_.cache_budget, gpu_->host_allocator()),
-      arenas_(std::make_unique<ArenaPool>(config_.arena_pool, config_.arena_limit)) {}
+      arenas_(std::make_unique<ArenaPool>(config_.arena_pool, config_.arena_limit)),
+      filler_(std::make_unique<CacheFiller>(&cache_)) {}
 
 Daemon::~Daemon() { Stop(); }
 
@@ -189,6 +190,7 @@ absl::Status Daemon::Start() {
 
 void Daemon::Stop() {
   if (fd_receiver_) fd_receiver_->Stop();
+  filler_->Stop();
 }
 
 const std::string* Daemon::RootOf(const std::string& real, std::string* real_root) const {
@@ -1194,6 +1196,12 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
     FailJob(*job, s);
   };
   auto t0 = std::chrono::steady_clock::now();
+  // The previous load's background fill of this checkpoint first: what the
+  // cache serves does not depend on timing (server/cache_filler.h).
+  if (!filler_->Wait(job->path, config_.load_timeout)) {
+    spdlog::warn("job {}: the cache fill of {} did not finish in time; loading anyway", job->id,
+                 job->path);
+  }
   auto opened = OpenCached(job->path, job->unique_id);
   if (!opened.ok()) return fail_all(opened.status());
   const double list_s = Seconds(t0);
@@ -1230,7 +1238,9 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
     job->phase = "reading";
     job->total = plan->bytes_to_read;
   }
-  ckpt::CachingSource storage(job->path, &cache_, (*opened)->stamps);
+  ckpt::SourceOptions storage_options;
+  storage_options.defer_fresh_memory = true;  // filled afterwards by filler_
+  ckpt::CachingSource storage(job->path, &cache_, (*opened)->stamps, storage_options);
   GatedSource source(&storage, job.get(), config_.testing_delay_read);
   auto delivery = JobDelivery(slots, std::move(dests));
   if (!delivery.ok()) return fail_all(delivery.status());
@@ -1265,6 +1275,17 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
     return fail_all(s);
   }
   bytes_read_total_ += stats->bytes_read;
+  // Reads delivered without being kept (no warm memory for them): filled
+  // into the cache in the background, before this checkpoint's next load.
+  if (auto deferred = storage.Deferred(); !deferred.empty()) {
+    const std::set<std::pair<std::string, uint64_t>> d(deferred.begin(), deferred.end());
+    ckpt::LoadPlan fill;
+    fill.files = plan->files;
+    for (const ckpt::ReadRange& rr : plan->reads) {
+      if (d.count({plan->files[rr.file], rr.offset})) fill.reads.push_back(rr);
+    }
+    filler_->Submit(job->path, (*opened)->stamps, std::move(fill));
+  }
 
   JobFigures fig;
   fig.stats = &*stats;
@@ -1351,6 +1372,12 @@ absl::StatusOr<v1::EvictResponse> Daemon::Evict(const Caller& caller,
   // Dropping cached data slows everyone's next load: admins, or who may save there.
   if (!IsAdmin(caller)) CKPT_RETURN_IF_ERROR(CheckAccess(caller, dir, Access::kSave));
   const std::string prefix = dir == "/" ? dir : dir + "/";
+  // A background fill of these checkpoints ends first: nothing is put back
+  // behind the eviction.
+  if (!filler_->Wait(prefix, absl::Minutes(1))) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "Evict ", dir, ": a background cache fill there did not finish within 1 minute"));
+  }
   auto [bytes, entries] = cache_.EvictPrefix(prefix);
   DropCachedMetadata(dir);
   spdlog::info("evict path={} freed={}B entries={}", dir, bytes, entries);

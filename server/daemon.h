@@ -32,6 +32,7 @@
 
 #include "proto/peer.grpc.pb.h"
 #include "server/arena_pool.h"
+#include "server/cache_filler.h"
 #include "server/caller.h"
 #include "server/cuda/gpu.h"
 #include "server/fd_channel.h"
@@ -291,6 +292,8 @@ class Daemon {
   std::unique_ptr<gpu::GpuRuntime> gpu_;
   ckpt::HostCache cache_;
   std::unique_ptr<ArenaPool> arenas_;  // before fd_receiver_, which lends from it
+  // Fills cache_ with what loads delivered without keeping (after cache_).
+  std::unique_ptr<CacheFiller> filler_;
   std::unique_ptr<FdReceiver> fd_receiver_;
 
   absl::Mutex meta_mu_;

@@ -1,0 +1,139 @@
+#include "server/cache_filler.h"
+
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <atomic>
+#include <chrono>
+#include <utility>
+
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/match.h"
+#include "core/executor.h"
+
+namespace ckptd {
+namespace {
+
+// A fill plan has no ranks: nothing is ever delivered.
+class NoCopies final : public ckpt::Delivery {
+ public:
+  absl::StatusOr<int64_t> Copy(size_t, const ckpt::RankPlan&, const ckpt::CopyOp&,
+                               const uint8_t*) override {
+    return absl::InternalError("cache fill: a copy in a plan without ranks");
+  }
+};
+
+// Ends the fill at its next read once the filler stops.
+class StoppableSource final : public ckpt::RangeSource {
+ public:
+  StoppableSource(ckpt::RangeSource* inner, const std::atomic<bool>* stop)
+      : inner_(inner), stop_(stop) {}
+  absl::StatusOr<ckpt::RangeView> Fetch(
+      const std::string& file, uint64_t offset, uint64_t n, std::vector<uint8_t>& scratch,
+      const std::function<absl::Status(const uint8_t*)>& verify) override {
+    if (Stopped()) return absl::CancelledError("ckptd is stopping");
+    return inner_->Fetch(file, offset, n, scratch, verify);
+  }
+  absl::StatusOr<std::unique_ptr<Fill>> BeginFill(const std::string& file, uint64_t offset,
+                                                  uint64_t n, bool verify,
+                                                  std::optional<ckpt::RangeView>* served) override {
+    if (Stopped()) return absl::CancelledError("ckptd is stopping");
+    return inner_->BeginFill(file, offset, n, verify, served);
+  }
+
+ private:
+  bool Stopped() const { return stop_->load(); }
+  ckpt::RangeSource* const inner_;
+  const std::atomic<bool>* const stop_;
+};
+
+}  // namespace
+
+CacheFiller::CacheFiller(ckpt::HostCache* cache) : cache_(cache) {
+  thread_ = std::thread([this] { Run(); });
+}
+
+CacheFiller::~CacheFiller() { Stop(); }
+
+void CacheFiller::Submit(std::string dir, std::map<std::string, ckpt::FileStamp> stamps,
+                         ckpt::LoadPlan plan) {
+  plan.ranks.clear();
+  absl::MutexLock lock(&mu_);
+  if (stopping_ || plan.reads.empty()) return;
+  queue_.push_back({std::move(dir), std::move(stamps), std::move(plan)});
+}
+
+bool CacheFiller::Busy(const std::string& prefix) const {
+  auto under = [&](const std::string& dir) {
+    return !dir.empty() && (dir == prefix || absl::StartsWith(dir + "/", prefix));
+  };
+  if (under(running_)) return true;
+  for (const Task& t : queue_) {
+    if (under(t.dir)) return true;
+  }
+  return false;
+}
+
+bool CacheFiller::Wait(const std::string& prefix, absl::Duration timeout) {
+  absl::MutexLock lock(&mu_);
+  auto idle = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || !Busy(prefix); };
+  return mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
+}
+
+void CacheFiller::Stop() {
+  {
+    absl::MutexLock lock(&mu_);
+    stopping_ = true;
+    stop_ = true;
+    queue_.clear();
+  }
+  if (thread_.joinable()) thread_.join();
+}
+
+CacheFiller::Stats CacheFiller::stats() const {
+  absl::MutexLock lock(&mu_);
+  return stats_;
+}
+
+void CacheFiller::Run() {
+  // Lowest CPU priority: loads win whenever both want a core.
+  ::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 19);
+  while (true) {
+    Task task;
+    {
+      absl::MutexLock lock(&mu_);
+      auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || !queue_.empty(); };
+      mu_.Await(absl::Condition(&ready));
+      if (stopping_) return;
+      task = std::move(queue_.front());
+      queue_.pop_front();
+      running_ = task.dir;
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    ckpt::CachingSource cached(task.dir, cache_, task.stamps);
+    StoppableSource source(&cached, &stop_);
+    NoCopies none;
+    ckpt::ExecuteOptions eo;
+    eo.threads = 1;
+    eo.verify_checksums = true;  // only verified bytes are cached
+    auto stats = ckpt::ExecutePlan(task.plan, source, none, eo);
+    const double secs =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    absl::MutexLock lock(&mu_);
+    running_.clear();
+    if (stats.ok()) {
+      ++stats_.fills;
+      stats_.bytes += stats->bytes_read;
+      spdlog::info("cache fill path={} read={}B reads={} in {:.3f}s", task.dir, stats->bytes_read,
+                   task.plan.reads.size(), secs);
+    } else {
+      // A file changed or vanished since the load: its next load reads it.
+      ++stats_.failed;
+      spdlog::warn("cache fill path={} failed: {}", task.dir, stats.status().ToString());
+    }
+  }
+}
+
+}  // namespace ckptd

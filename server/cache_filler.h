@@ -1,0 +1,73 @@
+// Fills the data cache in the background with reads a load delivered
+// without keeping (SourceOptions::defer_fresh_memory): the first load after
+// start does not wait for fresh memory to be faulted in; this thread, at the
+// lowest CPU priority, reads those ranges again (from the page cache),
+// verifies them and publishes them, so the next load is a warm one.
+//
+// A load or an eviction of a checkpoint first waits for that checkpoint's
+// fills (Wait), so what a load finds in the cache does not depend on timing:
+// a second load right after the first is served from memory, and an evicted
+// checkpoint is not refilled behind the eviction's back.
+#ifndef CKPTD_SERVER_CACHE_FILLER_H_
+#define CKPTD_SERVER_CACHE_FILLER_H_
+
+#include <atomic>
+#include <deque>
+#include <map>
+#include <memory>
+#include <string>
+#include <thread>
+
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "core/cache.h"
+#include "core/planner.h"
+
+namespace ckptd {
+
+class CacheFiller {
+ public:
+  explicit CacheFiller(ckpt::HostCache* cache);
+  ~CacheFiller();  // Stop()
+  CacheFiller(const CacheFiller&) = delete;
+  CacheFiller& operator=(const CacheFiller&) = delete;
+
+  // Queues the reads of `plan` (its ranks are ignored) of checkpoint `dir`,
+  // files at `stamps`, for filling. Nothing happens after Stop().
+  void Submit(std::string dir, std::map<std::string, ckpt::FileStamp> stamps, ckpt::LoadPlan plan);
+  // Waits until no fill of a checkpoint whose directory is `prefix` or
+  // under it (prefix ending in '/') is queued or running, at most `timeout`.
+  // False on timeout.
+  bool Wait(const std::string& prefix, absl::Duration timeout);
+  // Drops queued fills, stops the running one at its next read, joins.
+  void Stop();
+
+  struct Stats {
+    uint64_t fills = 0;
+    uint64_t bytes = 0;
+    uint64_t failed = 0;
+  };
+  Stats stats() const;
+
+ private:
+  struct Task {
+    std::string dir;
+    std::map<std::string, ckpt::FileStamp> stamps;
+    ckpt::LoadPlan plan;
+  };
+  void Run();
+  bool Busy(const std::string& prefix) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+
+  ckpt::HostCache* const cache_;
+  mutable absl::Mutex mu_;
+  std::deque<Task> queue_ ABSL_GUARDED_BY(mu_);
+  std::string running_ ABSL_GUARDED_BY(mu_);  // dir of the fill running now; "" if none
+  bool stopping_ ABSL_GUARDED_BY(mu_) = false;
+  std::atomic<bool> stop_{false};  // stopping_, read by the running fill
+  Stats stats_ ABSL_GUARDED_BY(mu_);
+  std::thread thread_;
+};
+
+}  // namespace ckptd
+
+#endif  // CKPTD_SERVER_CACHE_FILLER_H_
