@@ -90,6 +90,14 @@ struct Daemon::DistJob {
 
 namespace {
 
+// Codes a node's part fails with when another node failed first: its
+// fetches refused (ABORTED "... failed its part"), cut or never answered.
+bool EchoOfAnotherFailure(int code) {
+  const auto c = static_cast<absl::StatusCode>(code);
+  return c == absl::StatusCode::kAborted || c == absl::StatusCode::kUnavailable ||
+         c == absl::StatusCode::kCancelled;
+}
+
 absl::Status FromGrpc(const grpc::Status& s, absl::string_view who) {
   if (s.ok()) return absl::OkStatus();
   return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
@@ -484,10 +492,13 @@ absl::StatusOr<peer::v1::CompleteResponse> Daemon::AwaitOutcome(
     std::vector<std::string> missing;
     {
       absl::MutexLock lock(&peer_mu_);
+      // Concluded once every node reported, or one failed for a reason of
+      // its own (not only because another node failed first: then the
+      // cause is on its way and every rank should get it, not an echo).
       auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) {
         if (dj->completes.size() == dj->nodes.size()) return true;
         for (const auto& [n, c] : dj->completes) {
-          if (!c.ok()) return true;
+          if (!c.ok() && !EchoOfAnotherFailure(c.error_code())) return true;
         }
         return false;
       };
@@ -497,7 +508,8 @@ absl::StatusOr<peer::v1::CompleteResponse> Daemon::AwaitOutcome(
       uint64_t read = 0;
       for (const auto& [n, c] : dj->completes) {
         read += c.bytes_read();
-        if (!c.ok() && out.ok()) {
+        if (!c.ok() && (out.ok() || (EchoOfAnotherFailure(out.error_code()) &&
+                                     !EchoOfAnotherFailure(c.error_code())))) {
           out.set_ok(false);
           out.set_error(absl::StrCat("node ", n, ": ", c.error()));
           out.set_error_code(c.error_code());
@@ -1060,7 +1072,14 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
                                              outcome->error()));
     if (final_status.ok()) final_status = absl::AbortedError(outcome->error());
   }
-  if (!exec.ok()) final_status = exec;
+  // This node's own failure, unless it only echoes another node's (its
+  // fetches refused or cut because that node failed) and the outcome names
+  // the cause.
+  const bool outcome_names_cause =
+      !final_status.ok() && !EchoOfAnotherFailure(static_cast<int>(final_status.code()));
+  if (!exec.ok() && !(EchoOfAnotherFailure(static_cast<int>(exec.code())) && outcome_names_cause)) {
+    final_status = exec;
+  }
   if (!final_status.ok()) {
     spdlog::warn("multi-node job={} failed on {}: {}", job->id, me, final_status.ToString());
     return fail_all(final_status);
