@@ -409,7 +409,13 @@ absl::StatusOr<LoadReport> Client::Load(const LoadSpec& spec,
     }
     if (progress) progress(ev);
   }
-  CKPT_RETURN_IF_ERROR(FromGrpc(reader->Finish(), "Load"));
+  const grpc::Status finished = reader->Finish();
+  // The daemon sends the result last, after every byte was delivered, and
+  // then only ends the call: a connection lost after it (ckptd exiting
+  // right after a drained job) loses nothing.
+  if (!(have_result && finished.error_code() == grpc::StatusCode::UNAVAILABLE)) {
+    CKPT_RETURN_IF_ERROR(FromGrpc(finished, "Load"));
+  }
   if (!have_result) return absl::DataLossError("Load: the daemon ended the stream without a result");
   if (own) {
     for (size_t i = 0; i < spec.tensors.size(); ++i) {

@@ -9,6 +9,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstring>
 #include <iostream>
 #include <thread>
@@ -121,6 +122,12 @@ absl::Status ClaimSocket(const std::string& path) {
   }
   ::unlink(path.c_str());
   return absl::OkStatus();
+}
+
+// Loads that ended so far, either way (for the drain's linger).
+int64_t LoadsEnded(ckptd::Daemon& daemon) {
+  const auto st = daemon.Status(ckptd::Caller{});
+  return static_cast<int64_t>(st.loads_succeeded() + st.loads_failed());
 }
 
 }  // namespace
@@ -342,6 +349,10 @@ int main(int argc, char** argv) {
   sd_notifyf(0, "READY=1\nSTATUS=serving on %s\nMAINPID=%lu", config.socket.c_str(),
              static_cast<unsigned long>(::getpid()));
 
+  std::atomic<int64_t> loads_at_drain{-1};
+  auto draining_loads_done = [&] {
+    return loads_at_drain >= 0 && LoadsEnded(daemon) != loads_at_drain;
+  };
   std::thread signals([&] {
     int sig = 0;
     while (sigwait(&sigs, &sig) == 0 && sig == SIGHUP) {
@@ -356,6 +367,7 @@ int main(int argc, char** argv) {
     }
     spdlog::info("signal {}: draining running loads (up to {})", sig,
                  absl::FormatDuration(config.drain_timeout));
+    loads_at_drain = LoadsEnded(daemon);
     sd_notify(0, "STOPPING=1\nSTATUS=draining running loads");
     server->GetHealthCheckService()->SetServingStatus(false);
     if (uds) uds->Stop();  // no new connections; open ones drain
@@ -393,6 +405,11 @@ int main(int argc, char** argv) {
   });
   server->Wait();
   signals.join();
+  // Loads that finished during the drain: their clients may still be
+  // reading the final result and status. The connections stay open a
+  // moment (gRPC has told the clients to go away), so no client writes into
+  // a closed socket and loses what it had not read yet.
+  if (draining_loads_done()) std::this_thread::sleep_for(std::chrono::milliseconds(500));
   if (uds) uds->Stop();
   metrics.reset();
   daemon.Stop();

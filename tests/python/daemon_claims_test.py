@@ -342,19 +342,12 @@ class DrainTest(unittest.TestCase):
             # ... all while the job was still running.
             for r in ranks:
                 self.assertTrue(r.is_alive(), "the drained job ended before the checks")
-            # Known open bug: when ckptd exits right after the drained job, a
-            # rank's final LoadResult can be lost in gRPC's shutdown (the
-            # client sees UNAVAILABLE "Broken pipe"; about 1 run in 6 here).
-            # Until that is fixed the job's completion is checked on the
-            # daemon's side (its log line with every rank's bytes delivered),
-            # and a rank that got its result must hold exact data.
+            # Every rank gets its result although ckptd exits right after the
+            # job (it keeps the connections open a moment, and a client that
+            # has the result does not fail on a connection lost after it).
             for r in ranks:
                 r.finish()
-                if r.error is None:
-                    assert_loaded(self, r)
-                else:
-                    self.assertEqual(r.error.code, "UNAVAILABLE", r.error)
-                    self.assertIn("Broken pipe", str(r.error))
+                assert_loaded(self, r)
             self.assertEqual(d.proc.wait(30), 0, d.read_log()[-3000:])
             self.assertRegex(d.read_log(),
                              rf"load job=drained .* delivered={RANK_BYTES * LOAD_WORLD}B ")
