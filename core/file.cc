@@ -124,7 +124,9 @@ class PosixFile final : public RandomAccessFile {
   bool Cached(uint64_t offset, uint64_t n) const override {
 #ifdef RWF_NOWAIT
     // A buffered read with RWF_NOWAIT fails with EAGAIN unless the page is
-    // in the page cache: probe the first, middle and last page.
+    // in the page cache: probe the first, middle and last page. (The kernel
+    // starts readahead of a page it did not find: a probe of an uncached
+    // range reads a little of it in.)
     char byte;
     for (uint64_t at : {offset, offset + n / 2, offset + (n > 0 ? n - 1 : 0)}) {
       if (at >= size_) continue;
