@@ -1462,5 +1462,54 @@ def unblock_fifos(d):
                 pass
 
 
+class OtherUidDaemonTest(unittest.TestCase):
+    """README "Transports": a daemon running as another uid may not write this
+    process's memory. It refuses process_memory with FAILED_PRECONDITION before
+    the job registers, and transport="auto" then loads the same job over shm."""
+
+    def test_auto_falls_back_to_shm(self):
+        setpriv = shutil.which("setpriv") or "/usr/bin/setpriv"
+        if os.geteuid() != 0 or not os.path.exists(setpriv):
+            self.skipTest(f"runs ckptd as uid {OTHER_UID} with setpriv [needs: root]")
+        base = tempfile.mkdtemp(prefix="ckptd-uid-", dir="/tmp")
+        self.addCleanup(shutil.rmtree, base, True)
+        os.chmod(base, 0o755)
+        root = os.path.join(base, "root")
+        hf = os.path.join(root, "tiny-model")
+        shutil.copytree(os.path.join(EXAMPLES, "tiny-model"), hf)
+        for d, _, files in os.walk(root):
+            os.chmod(d, 0o755)
+            for f in files:
+                os.chmod(os.path.join(d, f), 0o644)
+        run = os.path.join(base, "run")
+        os.mkdir(run)
+        os.chown(run, OTHER_UID, OTHER_UID)
+        sock = os.path.join(run, "ckptd.sock")
+        log = open(os.path.join(base, "ckptd.log"), "wb")
+        self.addCleanup(log.close)
+        p = subprocess.Popen([setpriv, "--reuid", str(OTHER_UID), "--regid", str(OTHER_UID), "--clear-groups",
+                              os.path.abspath(testlib.CKPTD), "--socket", sock, "--root", root],
+                             stdout=log, stderr=subprocess.STDOUT)
+
+        def stop():
+            if p.poll() is None:
+                p.terminate()
+            self.assertEqual(p.wait(30), 0)
+        self.addCleanup(stop)
+        testlib.wait_for(f"ckptd as uid {OTHER_UID}", lambda: p.poll() is None and
+                         os.path.exists(sock) and os.path.exists(sock + ".fd"), 20, 0.05)
+        ref = testlib.read_safetensors(os.path.join(hf, "model.safetensors"))
+        name = "model.norm.weight"
+        want = ref[name][1]
+        got = np.full(want.shape, np.nan, want.dtype)
+        r = ckptd.load_state_dict({name: got}, hf, socket=sock)
+        self.assertEqual(r.transport, "shm")
+        np.testing.assert_array_equal(got, want)
+        with self.assertRaises(ckptd.CkptdError) as cm:
+            ckptd.load_state_dict({name: got}, hf, socket=sock, transport="process_memory")
+        self.assertEqual(cm.exception.code, "FAILED_PRECONDITION")
+        self.assertIn("process_memory", cm.exception.message)
+
+
 if __name__ == "__main__":
     testlib.main("abuse_test")

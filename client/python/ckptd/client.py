@@ -324,32 +324,26 @@ class Client:
         rank, world_size, node_ranks = resolve_ranks(rank, world_size, node_ranks)
         job_id = resolve_job_id(job_id, "load", world_size)
         if transport == "auto":
-            transport = "shm"
+            # See "Transports" in the README: the first that applies; a
+            # refusal before the job registered sends the same job id over shm.
+            transport, first, refused = "shm", None, None
             if entries and all(_cuda.is_cuda_entry(e) for e in entries):
-                try:
-                    return self.load_state_dict(
-                        state_dict, path, rank=rank, world_size=world_size, job_id=job_id,
-                        unique_id=unique_id, timeout=timeout, strict=strict,
-                        node_ranks=node_ranks, barrier_timeout=barrier_timeout, verify=verify,
-                        transport="cuda_ipc", progress=progress, aoa=aoa)
-                except CkptdError as err:
-                    if not _cuda.fallback_ok(err):
-                        raise
-                    # Refused before the job registered: the same job id goes over shm.
+                first, refused = "cuda_ipc", _cuda.fallback_ok
             elif (not self.tcp and self.socket not in _PROCESS_MEMORY_REFUSED
                   and _arena_placement(entries)[0] is None and _process_memory_fits(entries)):
+                first, refused = "process_memory", _process_memory_refused
+            if first is not None:
                 try:
                     return self.load_state_dict(
                         state_dict, path, rank=rank, world_size=world_size, job_id=job_id,
                         unique_id=unique_id, timeout=timeout, strict=strict,
                         node_ranks=node_ranks, barrier_timeout=barrier_timeout, verify=verify,
-                        transport="process_memory", progress=progress, aoa=aoa)
+                        transport=first, progress=progress, aoa=aoa)
                 except CkptdError as err:
-                    if not _process_memory_refused(err):
+                    if not refused(err):
                         raise
-                    # The daemon may not write this process (another uid):
-                    # remember it, and the same job id goes over shm.
-                    _PROCESS_MEMORY_REFUSED.add(self.socket)
+                    if first == "process_memory":  # another uid: remember it
+                        _PROCESS_MEMORY_REFUSED.add(self.socket)
         for e in entries:
             if e.array is not None and not e.array.flags.writeable:
                 raise CkptdError("INVALID_ARGUMENT", f"'{e.key}': the numpy array is read-only")
