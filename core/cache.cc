@@ -410,8 +410,8 @@ absl::StatusOr<std::unique_ptr<RangeSource::Fill>> CachingSource::BeginFill(
   // verified entries) for them. Nor, with defer_fresh_memory, bytes that
   // would wait for fresh memory while the page cache holds them.
   bool keep_them = verify;
-  if (keep_them && options_.defer_fresh_memory && !cache_->HasRecycled(n) &&
-      p.file->Cached(offset, n)) {
+  if (keep_them && options_.defer_fresh_memory && cache_->CanHold(n) &&
+      !cache_->HasRecycled(n) && p.file->Cached(offset, n)) {
     keep_them = false;
     absl::MutexLock lock(&mu_);
     deferred_.emplace_back(file, offset);

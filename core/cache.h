@@ -86,6 +86,8 @@ class HostCache {
   // Whether an entry of `n` bytes would get memory already faulted in (see
   // HostAllocator::HasRecycled and SourceOptions::defer_fresh_memory).
   bool HasRecycled(uint64_t n) const { return allocator_->HasRecycled(n); }
+  // Whether an entry of `n` bytes could be kept at all (within the budget).
+  bool CanHold(uint64_t n) const { return n > 0 && n <= budget_; }
   uint8_t* PendingData(const std::shared_ptr<Pending>& p);
   RangeView Publish(std::shared_ptr<Pending> p, const std::string& path, const FileStamp& stamp,
                     uint64_t offset);

@@ -125,13 +125,15 @@ absl::Status ProcessMemory::Write(const iovec* local, const iovec* remote, size_
     // A process that exited gets nothing more (its pid may name another
     // process soon); like a client that left, it does not fail the others'
     // load: its bytes have nowhere to go (see header).
-    if (!Alive()) return absl::OkStatus();
+    if (Stopped()) return absl::OkStatus();
     ssize_t put;
     do {
       put = ::process_vm_writev(options_.pid, local + at, k, remote + at, k, 0);
     } while (put < 0 && errno == EINTR);
-    if (put < 0 && errno == ESRCH) return absl::OkStatus();
-    if (put < 0) return Errno(errno, options_.who, "process_vm_writev");
+    const int err = put < 0 ? errno : 0;  // before Stopped() calls anything
+    if (put < 0 && err == ESRCH) return absl::OkStatus();
+    if ((put < 0 || static_cast<size_t>(put) != want) && Stopped()) return absl::OkStatus();
+    if (put < 0) return Errno(err, options_.who, "process_vm_writev");
     if (static_cast<size_t>(put) != want) {
       // Transfers stop at the first iovec that faults: name it.
       size_t done = static_cast<size_t>(put), i = at;

@@ -21,6 +21,7 @@
 #include <sys/uio.h>
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -47,10 +48,14 @@ class ProcessMemory final : public RemoteMemory {
   // to check a cookie the process placed there. PERMISSION_DENIED when the
   // kernel does not let this process access it (another uid).
   absl::Status Read(uint64_t address, void* out, size_t n) const;
-  // Writes nothing, and succeeds, once the process has exited: a rank that
-  // left must not fail its job's other ranks (the daemon learns of the
-  // departure from its connection). Any other failure is an error.
+  // Writes nothing, and succeeds, once the process has exited or `stop`
+  // (StopWhen) says its client left: a rank that left must not fail its
+  // job's other ranks, even when it unmapped its tensors first. Any other
+  // failure is an error.
   absl::Status Write(const struct iovec* local, const struct iovec* remote, size_t n) override;
+  // After `stop` returns true (the client cancelled or left), Write writes
+  // nothing more and succeeds. Call before the writes start.
+  void StopWhen(std::function<bool()> stop) { stop_ = std::move(stop); }
   pid_t pid() const { return options_.pid; }
   const std::string& who() const { return options_.who; }
   // Whether the process is still running (its pidfd not yet readable).
@@ -58,8 +63,10 @@ class ProcessMemory final : public RemoteMemory {
 
  private:
   ProcessMemory(Options options, int pidfd) : options_(std::move(options)), pidfd_(pidfd) {}
+  bool Stopped() const { return !Alive() || (stop_ && stop_()); }
   const Options options_;
   const int pidfd_;
+  std::function<bool()> stop_;
 };
 
 // Where one target of a rank is, in a process's memory.

@@ -4,9 +4,11 @@
 #include "server/metrics.h"
 
 #include <fcntl.h>
+#include <linux/capability.h>
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -44,6 +46,14 @@ ckpt::Shape ToShape(const google::protobuf::RepeatedField<int64_t>& r) {
 // Why a process_memory destination cannot be used. Where the kernel
 // refuses (another uid, no pidfd), FAILED_PRECONDITION before the job
 // registers: the client then falls back to shm (README "Transports").
+// Whether this process holds CAP_SYS_PTRACE in its effective set.
+bool HasCapSysPtrace() {
+  __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
+  __user_cap_data_struct data[_LINUX_CAPABILITY_U32S_3] = {};
+  if (::syscall(SYS_capget, &header, data) != 0) return true;  // unknown: assume the worst
+  return (data[CAP_SYS_PTRACE / 32].effective & (1u << (CAP_SYS_PTRACE % 32))) != 0;
+}
+
 absl::Status ToProcessMemoryError(const absl::Status& s, const std::string& who) {
   if (absl::IsPermissionDenied(s) || absl::IsFailedPrecondition(s)) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -651,6 +661,18 @@ absl::Status Daemon::PrepareProcessSlot(const Caller& caller, const v1::LoadRequ
         who, ": process_memory needs a caller on this daemon's Unix socket (its process is "
              "known there); use shm or stream"));
   }
+  // Only into processes of the daemon's own uid: the kernel's ptrace check,
+  // made again on every write, then also stops the writes at a process that
+  // exec'd a setuid program or a pid taken over by another user. A daemon
+  // with CAP_SYS_PTRACE passes that check for anyone, so as a non-root
+  // user it must not hold it (root serves only root callers here).
+  const uid_t self = ::geteuid();
+  if (caller.uid != self || (self != 0 && HasCapSysPtrace())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        who, ": process_memory: ckptd (uid ", self, ") writes only into processes of its own uid",
+        self != 0 && caller.uid == self ? " and without CAP_SYS_PTRACE" : "",
+        "; this caller is uid ", caller.uid, "; use shm"));
+  }
   if (pm.cookie().size() < 16 || pm.cookie().size() > 64) {
     return absl::InvalidArgumentError(
         absl::StrCat(who, ": process_memory cookie must be 16 to 64 bytes, not ",
@@ -690,7 +712,8 @@ absl::Status Daemon::PrepareProcessSlot(const Caller& caller, const v1::LoadRequ
         who, ": process_memory: the cookie at the given address of pid ", caller.pid,
         " does not match the request (is the caller the process that connected?)"));
   }
-  remote.memory = std::shared_ptr<ckpt::ProcessMemory>(std::move(*memory));
+  slot.process_memory = std::shared_ptr<ckpt::ProcessMemory>(std::move(*memory));
+  remote.memory = slot.process_memory;
   slot.process = std::move(remote);
   return absl::OkStatus();
 }
@@ -957,6 +980,8 @@ absl::Status Daemon::Load(const Caller& caller, const v1::LoadRequest& request,
   if (!prepared.ok()) return fail(prepared.status());
   std::shared_ptr<RankSlot> slot = *prepared;
   slot->cancelled = cancelled;
+  // Nothing more is written into a client that cancelled or went away.
+  if (slot->process_memory) slot->process_memory->StopWhen(cancelled);
   slot->registered = absl::Now();
   slot->start = std::chrono::steady_clock::now();
 
@@ -1198,7 +1223,7 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
   auto t0 = std::chrono::steady_clock::now();
   // The previous load's background fill of this checkpoint first: what the
   // cache serves does not depend on timing (server/cache_filler.h).
-  if (!filler_->Wait(job->path, config_.load_timeout)) {
+  if (!filler_->Wait(job->path + "/", config_.load_timeout)) {
     spdlog::warn("job {}: the cache fill of {} did not finish in time; loading anyway", job->id,
                  job->path);
   }
@@ -1281,8 +1306,12 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
     const std::set<std::pair<std::string, uint64_t>> d(deferred.begin(), deferred.end());
     ckpt::LoadPlan fill;
     fill.files = plan->files;
+    uint64_t bytes = 0;  // no more than the cache can hold (it would evict its own fill)
     for (const ckpt::ReadRange& rr : plan->reads) {
-      if (d.count({plan->files[rr.file], rr.offset})) fill.reads.push_back(rr);
+      if (!d.count({plan->files[rr.file], rr.offset})) continue;
+      if (bytes + rr.length > config_.cache_budget) break;
+      bytes += rr.length;
+      fill.reads.push_back(rr);
     }
     filler_->Submit(job->path, (*opened)->stamps, std::move(fill));
   }

@@ -34,6 +34,7 @@ struct Daemon::RankSlot {
   std::vector<std::vector<uint8_t>> stream_buffers;    // stream destination
   std::shared_ptr<const gpu::DeviceBuffers> device;    // cuda_ipc destination
   std::optional<ckpt::RemoteRank> process;             // process_memory destination
+  std::shared_ptr<ckpt::ProcessMemory> process_memory;  // the same memory, typed
   std::function<bool()> cancelled;
   absl::Time registered;
   std::chrono::steady_clock::time_point start;
