@@ -8,7 +8,11 @@
 # corpus (new inputs never land in tests/fuzz/corpus/), with its dictionary
 # when it has one and per-target -max_len, -rss_limit_mb=512 and -timeout=5:
 #   --runs N      stop after N executions per target (default 20000: CI)
-#   --minutes N   fuzz each target for N minutes instead
+#   --minutes N   fuzz each target for N minutes instead. A long run bounds each
+#                 input with -malloc_limit_mb=512 and the whole process with
+#                 -rss_limit_mb=2048: libFuzzer's own per-input tables grow with
+#                 the corpus (past 512 MB under ASan after ~2,000 AOA inputs),
+#                 which is not the parser's memory
 #   --keep        keep the scratch directories (the grown corpora) and say where
 # Targets default to all of them. Prints, per target, the executions and the
 # coverage (libFuzzer's final "cov:" edges and "ft:" features) and the result.
@@ -71,13 +75,13 @@ for t in "${targets[@]}"; do
   mkdir -p "$s/corpus" "$s/artifacts"
   cp tests/fuzz/corpus/"$t"/* "$s/corpus/"
   seeds=$(ls "$s/corpus" | wc -l)
-  args=(-rss_limit_mb=512 -timeout=5 -max_len="${MAX_LEN[$t]}" -print_final_stats=1
+  args=(-timeout=5 -max_len="${MAX_LEN[$t]}" -print_final_stats=1
         -artifact_prefix="$s/artifacts/")
   [ -f "tests/fuzz/dict/$t.dict" ] && args+=(-dict="$PWD/tests/fuzz/dict/$t.dict")
   if [ -n "$minutes" ]; then
-    args+=(-max_total_time=$((minutes * 60)))
+    args+=(-max_total_time=$((minutes * 60)) -malloc_limit_mb=512 -rss_limit_mb=2048)
   else
-    args+=(-runs="$runs")
+    args+=(-runs="$runs" -rss_limit_mb=512)
   fi
   echo
   echo "== $t: $seeds seeds, ${args[*]}"
