@@ -3,43 +3,16 @@
     import torch13_dcp                      # before importing torch.distributed._shard
     import torch.distributed._shard.checkpoint as dcp
 
-Under Python 3.11, importing torch.distributed._shard fails on a dataclass field default
-in sharded_tensor/metadata.py (`field(default=TensorProperties())`: a mutable default). A
-meta-path finder rewrites that one line at import time: system files stay untouched and
-nothing is written to __pycache__ for the patched module. Importing this module installs
-the finder once (importing it again does nothing). Used by tests/foreign/dcp_gen.py and
-bench/user_load_bench.py.
+The patch lives in the Python client (client/python/ckptd/_dcp_compat.py, which
+ckptd.torch uses); this loads that file by path, so a test helper needs neither
+the package's dependencies nor PYTHONPATH.
 """
-import importlib.abc
-import importlib.machinery
-import sys
+import importlib.util
+import os
 
-PATCHED = "torch.distributed._shard.sharded_tensor.metadata"
-
-
-class _PatchLoader(importlib.machinery.SourceFileLoader):
-    def get_code(self, fullname):
-        src = self.get_data(self.path).decode("utf-8")
-        src = src.replace("field(default=TensorProperties())",
-                          "field(default_factory=TensorProperties)")
-        return compile(src, self.path, "exec", dont_inherit=True)
-
-
-class _PatchFinder(importlib.abc.MetaPathFinder):
-    def find_spec(self, fullname, path, target=None):
-        if fullname != PATCHED:
-            return None
-        spec = importlib.machinery.PathFinder.find_spec(fullname, path)
-        if spec is None or spec.origin is None:
-            return None
-        spec.loader = _PatchLoader(fullname, spec.origin)
-        return spec
-
-
-def install():
-    """Puts the finder first on sys.meta_path (once)."""
-    if not any(isinstance(f, _PatchFinder) for f in sys.meta_path):
-        sys.meta_path.insert(0, _PatchFinder())
-
-
-install()
+_HERE = os.path.dirname(os.path.abspath(__file__))
+_PATH = os.path.join(_HERE, "..", "..", "client", "python", "ckptd", "_dcp_compat.py")
+_spec = importlib.util.spec_from_file_location("_ckptd_dcp_compat", _PATH)
+_mod = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_mod)
+_mod.install()

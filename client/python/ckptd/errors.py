@@ -18,6 +18,10 @@ class CkptdError(Exception):
         self.grpc_code = grpc_code
         super().__init__(f"{self.message} [{self.code}]")
 
+    def __reduce__(self):
+        # Picklable as itself: PyTorch DCP sends a rank's exception to the others.
+        return (CkptdError, (self.code, self.message, self.grpc_code))
+
 
 def from_rpc_error(err, what, target=None, timeout=None):
     """A CkptdError for a grpc.RpcError raised by call `what`."""

@@ -1,0 +1,296 @@
+"""ckptd.torch.DaemonStorageReader under PyTorch DCP's own load_state_dict (Debian's
+torch 1.13), against a real ckptd daemon.
+
+The checkpoints: real DCP checkpoints written by torch itself (dcp_gen.py: 2 gloo
+ranks, ShardedTensors split on dim 0, plain tensors, a non-tensor item), a ckptd
+checkpoint saved through the daemon and a HuggingFace safetensors file written here
+by hand. Every value is compared exactly with the full tensors dcp_gen.py saved as
+.npy (or the arrays written here), never with another ckptd load; destination
+tensors start poisoned (NaN or a sentinel) so an element not written shows.
+"""
+import json
+import os
+import shutil
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import unittest
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+try:
+    import torch
+    import torch.multiprocessing as mp
+    import torch13_dcp  # noqa: F401  (the Python 3.11 import patch for torch 1.13)
+    import torch.distributed as dist
+    import torch.distributed._shard.checkpoint as dcp
+    from torch.distributed._shard.sharded_tensor import (Shard, ShardMetadata,
+                                                         init_from_local_shards)
+except ImportError:
+    torch = None
+
+import ckptd
+import testlib
+
+if torch is not None:
+    from ckptd.torch import DaemonStorageReader
+
+WORLD = 2
+POISON_INT = -7777777
+
+
+def expected(gen_dir, name):
+    a = np.load(os.path.join(gen_dir, "expected", name + ".npy"))
+    if a.dtype == np.uint16:  # bf16 bits
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    return torch.from_numpy(a)
+
+
+def poisoned(shape, dtype):
+    if dtype.is_floating_point:
+        return torch.full(shape, float("nan"), dtype=dtype)
+    return torch.full(shape, POISON_INT, dtype=dtype)
+
+
+def same(a, b):
+    """Bit-exact equality (bf16 and f16 through their bits; NaN never equals)."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    if a.dtype in (torch.bfloat16, torch.float16):
+        return torch.equal(a.view(torch.int16), b.view(torch.int16)) and not a.isnan().any()
+    return torch.equal(a, b)
+
+
+def cols(n, rank):
+    per = -(-n // WORLD)
+    start = min(per * rank, n)
+    return start, min(per * (rank + 1), n) - start
+
+
+def sharded_last_dim(full, rank, dtype):
+    """A torch ShardedTensor of `full`'s shape split on its last dim over WORLD ranks,
+    this rank's shard poisoned."""
+    d = full.dim() - 1
+    mds = []
+    for r in range(WORLD):
+        s, n = cols(full.shape[d], r)
+        mds.append(ShardMetadata(shard_offsets=[0] * d + [s],
+                                 shard_sizes=list(full.shape[:d]) + [n], placement=f"rank:{r}/cpu"))
+    local = poisoned(mds[rank].shard_sizes, dtype)
+    return init_from_local_shards([Shard(tensor=local, metadata=mds[rank])], list(full.shape))
+
+
+def load_worker(rank, gen_dir, path, sock, init_file, out_dir):
+    """Rank `rank` of a 2-rank gloo job: DCP's load_state_dict with a DaemonStorageReader,
+    split on the last dim (the checkpoint is split on dim 0), then checks every value."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=WORLD)
+    w, wb, emb = (expected(gen_dir, n) for n in ("layers.0.w", "layers.0.w_bf16", "emb.i64"))
+    sd = {
+        "layers.0.w": sharded_last_dim(w, rank, torch.float32),
+        "layers.0.w_bf16": sharded_last_dim(wb, rank, torch.bfloat16),
+        "emb.i64": poisoned(emb.shape, torch.int64),           # whole, on every rank
+        "bias": poisoned((5,), torch.float32),
+        "norm.f16": poisoned((4, 6), torch.float32),           # stored F16: ckptd casts
+        "extra_state": {"lr": -1.0},                           # a bytes item
+    }
+    reader = DaemonStorageReader(path, socket=sock)
+    dcp.load_state_dict(sd, storage_reader=reader)
+    bad = []
+    for name, full in (("layers.0.w", w), ("layers.0.w_bf16", wb)):
+        shard = sd[name].local_shards()[0]
+        off, size = shard.metadata.shard_offsets, shard.metadata.shard_sizes
+        want = full[tuple(slice(o, o + s) for o, s in zip(off, size))]
+        if not same(shard.tensor, want.contiguous()):
+            bad.append(name)
+    if not same(sd["emb.i64"], emb):
+        bad.append("emb.i64")
+    if not same(sd["bias"], expected(gen_dir, "bias")):
+        bad.append("bias")
+    if not same(sd["norm.f16"], expected(gen_dir, "norm.f16").float()):
+        bad.append("norm.f16")
+    if sd["extra_state"] != {"lr": 0.25, "note": "not a tensor"}:
+        bad.append(f"extra_state={sd['extra_state']!r}")
+    rep = reader.last_report
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"bad": bad, "job_id": rep.job_id, "rank": rank,
+                   "bytes_read": rep.bytes_read, "transport": rep.transport}, f)
+    dist.destroy_process_group()
+
+
+def two_shards_worker(rank, gen_dir, path, sock, init_file, out_dir):
+    """Rank 0 holds two shards of layers.0.w (rows 0-1 and 2-3), rank 1 rows 4-6."""
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=WORLD)
+    rows = [(0, 2, 0), (2, 2, 0), (4, 3, 1)]
+    mds = [ShardMetadata(shard_offsets=[s, 0], shard_sizes=[n, 5], placement=f"rank:{r}/cpu")
+           for s, n, r in rows]
+    local = [Shard(tensor=poisoned(m.shard_sizes, torch.float32), metadata=m)
+             for m, (_, _, r) in zip(mds, rows) if r == rank]
+    sd = {"layers.0.w": init_from_local_shards(local, [7, 5])}
+    t0 = time.monotonic()
+    try:
+        dcp.load_state_dict(sd, storage_reader=DaemonStorageReader(path, socket=sock))
+        err = None
+    except BaseException as e:  # noqa: B902 (torch 1.13's CheckpointException)
+        err = str(e)
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"error": err, "seconds": time.monotonic() - t0}, f)
+    dist.destroy_process_group()
+
+
+def write_safetensors(path, tensors):
+    """A HuggingFace safetensors file, by hand: {name: numpy array}."""
+    header, blobs, off = {}, [], 0
+    names = {np.dtype(np.float32): "F32", np.dtype(np.int64): "I64"}
+    for k, a in tensors.items():
+        b = np.ascontiguousarray(a).tobytes()
+        header[k] = {"dtype": names[a.dtype], "shape": list(a.shape), "data_offsets": [off, off + len(b)]}
+        blobs.append(b)
+        off += len(b)
+    h = json.dumps(header).encode()
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
+
+
+@unittest.skipIf(torch is None, "torch is not installed [needs: torch]")
+class DaemonStorageReaderTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.root = testlib.tmp_root()
+        cls.gen = os.path.join(cls.root, "gen")
+        subprocess.run([sys.executable, os.path.join(HERE, "dcp_gen.py"), cls.gen], check=True,
+                       stdout=subprocess.DEVNULL)
+        cls.daemon = testlib.Daemon(cls.root)
+        cls.sock = cls.daemon.socket
+
+    @classmethod
+    def tearDownClass(cls):
+        rc = cls.daemon.stop()
+        assert rc == 0, f"ckptd exited {rc}: {cls.daemon.read_log()[-2000:]}"
+
+    def bytes_read(self):
+        return int(ckptd.status(socket=self.sock)["bytes_read_total"])
+
+    def spawn_load(self, path, worker=load_worker):
+        out = tempfile.mkdtemp(prefix="out-", dir=os.environ.get("TEST_TMPDIR"))
+        init = os.path.join(out, "pg-init")
+        mp.start_processes(worker, args=(self.gen, path, self.sock, init, out),
+                           nprocs=WORLD, join=True, start_method="spawn")
+        reps = []
+        for r in range(WORLD):
+            with open(os.path.join(out, f"rank{r}.json")) as f:
+                reps.append(json.load(f))
+        return reps
+
+    def test_two_gloo_ranks_reshard_a_dcp_checkpoint_reading_each_byte_once(self):
+        path = os.path.join(self.root, "ckpt-cold")  # a copy no other case loaded
+        shutil.copytree(os.path.join(self.gen, "ckpt"), path)
+        info = ckptd.inspect(path, socket=self.sock)
+        self.assertEqual(info.format, "pytorch-dcp")
+        before = self.bytes_read()
+        reps = self.spawn_load(path)
+        for rep in reps:
+            self.assertEqual(rep["bad"], [], rep)
+        self.assertEqual(reps[0]["job_id"], reps[1]["job_id"])  # one ckptd job
+        self.assertTrue(reps[0]["job_id"].startswith("dcp-"), reps[0]["job_id"])
+        # Both ranks together need every byte of the tensors they load (all but
+        # "step"): the node read each once.
+        cold = self.bytes_read() - before
+        self.assertEqual(cold, sum(t.bytes for n, t in info.tensors.items() if n != "step"))
+        # A restart: served from the daemon's cache, nothing read from storage.
+        reps = self.spawn_load(path)
+        for rep in reps:
+            self.assertEqual(rep["bad"], [], rep)
+            self.assertEqual(rep["bytes_read"], 0, rep)
+        self.assertEqual(self.bytes_read() - before, cold)
+
+    def test_two_local_shards_of_one_tensor_fail_every_rank_before_the_daemon(self):
+        reps = self.spawn_load(os.path.join(self.gen, "ckpt"), two_shards_worker)
+        for rep in reps:  # rank 0's refusal reaches rank 1 through DCP's plan step
+            self.assertIn("'layers.0.w': this rank holds more than one shard", rep["error"] or "")
+            self.assertIn("[INVALID_ARGUMENT]", rep["error"])
+            self.assertLess(rep["seconds"], 30)  # nobody waited at the daemon's barrier
+
+    def test_no_dist_loads_every_format_ckptd_reads(self):
+        # DCP, one file per rank (items at offsets).
+        sd = {"layers.0.w": poisoned((7, 5), torch.float32),
+              "emb.i64": poisoned((8, 3), torch.int64)}
+        dcp.load_state_dict(sd, storage_reader=DaemonStorageReader(
+            os.path.join(self.gen, "ckpt1"), socket=self.sock), no_dist=True)
+        self.assertTrue(same(sd["layers.0.w"], expected(self.gen, "layers.0.w")))
+        self.assertTrue(same(sd["emb.i64"], expected(self.gen, "emb.i64")))
+        # ckptd's own format, saved through the daemon.
+        rng = np.random.default_rng(7)
+        a = rng.standard_normal((6, 10)).astype(np.float32)
+        native = os.path.join(self.root, "native")
+        ckptd.save_state_dict({"w": a}, native, rank=0, world_size=1, socket=self.sock)
+        sd = {"w": poisoned((6, 10), torch.float32)}
+        reader = DaemonStorageReader(native, socket=self.sock)
+        dcp.load_state_dict(sd, storage_reader=reader, no_dist=True)
+        self.assertTrue(same(sd["w"], torch.from_numpy(a)))
+        self.assertEqual(reader.last_report.missing_keys, [])
+        # HuggingFace safetensors.
+        hf = os.path.join(self.root, "hf")
+        os.makedirs(hf)
+        b = np.arange(12, dtype=np.int64).reshape(3, 4) * 1000003
+        write_safetensors(os.path.join(hf, "model.safetensors"), {"emb": b, "w": a})
+        sd = {"emb": poisoned((3, 4), torch.int64), "w": poisoned((6, 10), torch.float64)}
+        dcp.load_state_dict(sd, storage_reader=DaemonStorageReader(hf, socket=self.sock),
+                            no_dist=True)
+        self.assertTrue(same(sd["emb"], torch.from_numpy(b)))
+        self.assertTrue(same(sd["w"], torch.from_numpy(a).double()))  # F32 -> F64 cast
+
+    def test_non_contiguous_destination_is_filled_through_a_copy(self):
+        base = poisoned((5, 7), torch.float32)
+        sd = {"layers.0.w": base.t()}  # [7, 5], strides (1, 7)
+        dcp.load_state_dict(sd, storage_reader=DaemonStorageReader(
+            os.path.join(self.gen, "ckpt"), socket=self.sock), no_dist=True)
+        self.assertTrue(same(base.t().contiguous(), expected(self.gen, "layers.0.w")))
+
+    def test_a_tensor_the_checkpoint_lacks_fails_naming_it(self):
+        sd = {"bias": poisoned((5,), torch.float32), "nope": torch.zeros(3)}
+        # DCP's planner finds it (torch 1.13's CheckpointException is a BaseException).
+        with self.assertRaises(BaseException) as cm:
+            dcp.load_state_dict(sd, storage_reader=DaemonStorageReader(
+                os.path.join(self.gen, "ckpt"), socket=self.sock), no_dist=True)
+        self.assertIn("KeyError: 'nope'", str(cm.exception))
+        self.assertTrue(torch.isnan(sd["bias"]).all())  # nothing was loaded
+
+    def test_metadata_pickle_with_code_is_refused_not_run(self):
+        bad = os.path.join(self.root, "evil")
+        os.makedirs(bad)
+        for f in os.listdir(os.path.join(self.gen, "ckpt")):
+            if f != ".metadata":
+                shutil.copy(os.path.join(self.gen, "ckpt", f), os.path.join(bad, f))
+        marker = os.path.join(self.root, "pwned")
+        # A pickle that would call os.system when unpickled by plain pickle.load.
+        payload = (b"\x80\x02cos\nsystem\nq\x00X" + struct.pack("<I", len("touch " + marker))
+                   + ("touch " + marker).encode() + b"\x85R.")
+        # ckptd itself reads the real metadata (its safe reader refuses the pickle),
+        # so write the evil one where only the client's bytes-entry pass looks.
+        with open(os.path.join(self.gen, "ckpt", ".metadata"), "rb") as f:
+            good = f.read()
+        with open(os.path.join(bad, ".metadata"), "wb") as f:
+            f.write(payload)
+        reader = DaemonStorageReader(bad, socket=self.sock)
+        with self.assertRaises(ckptd.CkptdError):
+            reader.read_metadata()
+        self.assertFalse(os.path.exists(marker))
+        # And the client's own unpickler, fed the same bytes directly.
+        from ckptd.torch import _MetadataUnpickler
+        import io
+        with self.assertRaises(ckptd.CkptdError) as cm:
+            _MetadataUnpickler(io.BytesIO(payload)).load()
+        self.assertIn("os.system", str(cm.exception))
+        self.assertFalse(os.path.exists(marker))
+        self.assertIsNotNone(_MetadataUnpickler(io.BytesIO(good)).load())
+
+
+if __name__ == "__main__":
+    testlib.main("dcp_reader_test")
