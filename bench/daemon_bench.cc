@@ -516,7 +516,7 @@ DaemonProc RunCase3(const std::string& self, const std::string& work, const std:
   // Limits, measured again before every repetition below (the host is
   // shared and noisy); the table uses the medians.
   // (Buffers of 512 MiB: large against the caches, small against this VM's
-  // host-backed memory; see README.)
+  // host-backed memory; see docs/benchmarks.md.)
   MemcpyProbe memcpy_probe(std::min<uint64_t>(deliver, 512ull << 20));
   const uint64_t pread_size = std::min<uint64_t>(unique, 512ull << 20);
   Buffer pread_dst(pread_size);

@@ -240,7 +240,7 @@ int Main(int argc, char** argv) {
   // What `ckptctl load` runs: LoadOffline, fresh buffers (faulted in during
   // the load). The arena is released first: on this VM guest memory that the
   // host has not backed yet (or took back through free page reporting) costs
-  // ~12 us per 4 KiB page on first touch (0.35 GB/s, see README), so
+  // ~12 us per 4 KiB page on first touch (0.35 GB/s, see docs/benchmarks.md), so
   // LoadOffline gets the pages just freed, which fault in at the ordinary rate.
   const uint64_t arena_bytes = arena.size();
   arena = Buffer();

@@ -53,7 +53,7 @@ ABSL_FLAG(int, fill_byte, -1,
 ABSL_FLAG(bool, strict, false, "load: fail when a requested key is missing from the checkpoint");
 ABSL_FLAG(std::string, aoa, "",
           "load: file of AOA statements (rename, split, concat, transpose, cast, fused "
-          "layouts) applied while loading; see README");
+          "layouts) applied while loading; see docs/aoa.md");
 ABSL_FLAG(bool, verify, true, "verify shard checksums recorded in the metadata");
 ABSL_FLAG(std::string, direct_io, "never",
           "load (offline): never, auto (bypass the page cache for reads not already in it) or "
@@ -76,12 +76,14 @@ ABSL_FLAG(std::vector<std::string>, tensors, {}, "prefetch: only these tensors")
 namespace ckpt {
 namespace {
 
-constexpr char kUsage[] = R"(ckptctl — inspect, reshard and convert checkpoints (offline; no daemon needed)
+constexpr char kUsage[] = R"(ckptctl — inspect, reshard, merge and convert checkpoints (offline: no daemon
+needed), load through running ckptd daemons, and show or steer a daemon
 
 Usage:
   ckptctl inspect CKPT [--json] [--unique_id N]
       Tensors, dtypes, global shapes, shards, files and bytes of a checkpoint
-      (native ckptd format or a HuggingFace safetensors directory).
+      (native ckptd format, a HuggingFace safetensors directory, PaddlePaddle
+      flex_checkpoint or PyTorch DCP).
   ckptctl shard SRC --layout L.json --out DIR [--unique_id N] [--src_unique_id M]
       Cut the tensors of SRC per the layout and write a native checkpoint, as if
       each rank had saved its part (replicas written once).
@@ -115,7 +117,9 @@ Online (through a running ckptd; --daemon SOCKET, default /run/ckptd/ckptd.sock)
 
 Flags may also be written with dashes (--unique-id, --skip-postfix, ...).
 Exit status: 0 on success; 1 with a one-line error on stderr on failure;
-2 on a usage error.)";
+2 on a usage error.
+
+Reference (every flag, layout files, examples): docs/ckptctl.md)";
 
 std::optional<int64_t> OptionalUid(int64_t v) {
   return v >= 0 ? std::optional<int64_t>(v) : std::nullopt;

@@ -83,7 +83,7 @@ struct TensorSpec {
   uint64_t num_bytes() const;
 };
 
-// How the bytes reach the tensors (README "Transports"):
+// How the bytes reach the tensors (docs/grpc-api.md, "Transports"):
 //  kAuto (default): kProcessMemory when every tensor has its own `buffer`,
 //    none overlaps another and the daemon is on a Unix socket; kShm when the
 //    daemon refuses it (another uid) or otherwise.

@@ -1,6 +1,6 @@
 // ckptd's configuration: YAML (yaml-cpp) with a default for every key.
 // Unknown keys and bad values are errors that name the key. See
-// config/ckptd.yaml for the documented example and README "Configuration".
+// config/ckptd.yaml for the documented example and docs/configuration.md.
 #ifndef CKPTD_CONFIG_CONFIG_H_
 #define CKPTD_CONFIG_CONFIG_H_
 
@@ -13,7 +13,7 @@
 
 namespace ckptd {
 
-// Who may use a checkpoint root (README "Security"). A caller may read
+// Who may use a checkpoint root (docs/security.md). A caller may read
 // (Inspect, Load, Prefetch) when its uid is in read_uids or save_uids, or
 // one of its groups in read_gids or save_gids; it may save (Save, Evict)
 // when its uid is in save_uids or a group in save_gids. Roots without an
@@ -25,7 +25,7 @@ struct RootAccess {
 };
 
 // Caps on what one request, one uid and all clients together may make the
-// daemon hold (README "Security", "Limits"). Going over one is
+// daemon hold (docs/security.md, "Limits"). Going over one is
 // RESOURCE_EXHAUSTED or INVALID_ARGUMENT naming the limit and the value.
 struct Limits {
   uint64_t max_targets_per_request = 262144;
@@ -81,7 +81,7 @@ struct DaemonConfig {
   std::vector<std::string> peers;
   std::string peer_dns;
   absl::Duration peer_timeout = absl::Seconds(60);  // joins, transfers, completion
-  // Mutual TLS on the peer plane (README "Security"): this node's certificate
+  // Mutual TLS on the peer plane (docs/security.md): this node's certificate
   // and key (PEM) and the CA that signs every peer's. A peer's identity is the
   // names (DNS/IP SANs) of its certificate. Plaintext only on a loopback
   // peer_listen or with peer_insecure: true.

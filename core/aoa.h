@@ -13,7 +13,7 @@
 //   a -> _                      # drop a
 //   _ -> b                      # keep the model's own b (not loaded)
 //
-// See README "Tensor transformations on load (AOA)" for the full language.
+// See docs/aoa.md for the full language.
 //
 // Nothing is ever transformed in memory. Resolution works on boxes: it turns
 // the checkpoint's metadata into a *virtual* CheckpointMetadata whose tensors

@@ -4,7 +4,7 @@
 // shape/offset, local shape, dtype, flattened range, replica id, file per
 // shard, flat_mapping) plus the byte range of each shard in its file and an
 // optional XXH3-64 checksum. The native `{unique_id}.metadata` file is this
-// model as JSON (see README "File format"); other formats (HuggingFace
+// model as JSON (see docs/file-format.md); other formats (HuggingFace
 // safetensors, later Paddle and PyTorch DCP) are converted into it.
 #ifndef CKPTD_CORE_METADATA_H_
 #define CKPTD_CORE_METADATA_H_

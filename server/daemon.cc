@@ -45,7 +45,7 @@ ckpt::Shape ToShape(const google::protobuf::RepeatedField<int64_t>& r) {
 
 // Why a process_memory destination cannot be used. Where the kernel
 // refuses (another uid, no pidfd), FAILED_PRECONDITION before the job
-// registers: the client then falls back to shm (README "Transports").
+// registers: the client then falls back to shm (docs/grpc-api.md, "Transports").
 // Whether this process holds CAP_SYS_PTRACE in its effective set.
 bool HasCapSysPtrace() {
   __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
@@ -236,7 +236,7 @@ absl::StatusOr<std::string> Daemon::ResolvePath(const std::string& path) const {
       absl::StrJoin(config_.roots, ", "), ")"));
 }
 
-// --- Callers: access and limits (README "Security") ------------------------
+// --- Callers: access and limits (docs/security.md) --------------------------
 
 bool Daemon::IsAdmin(const Caller& caller) const {
   if (caller.via == Caller::Via::kSelf) return true;
@@ -1283,7 +1283,7 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
                 std::chrono::milliseconds(absl::ToInt64Milliseconds(config_.load_timeout));
   auto stats = ckpt::ExecutePlan(*plan, source, **delivery, eo);
   // A file changed after its last read, before the load ends, fails it too
-  // (README: a file that changes or vanishes during a load fails that load).
+  // (docs/daemon.md: a file that changes or vanishes during a load fails that load).
   if (stats.ok()) {
     if (absl::Status c = storage.CheckOpenedFilesUnchanged(); !c.ok()) stats = c;
   }

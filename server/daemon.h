@@ -68,7 +68,7 @@ class Daemon {
   void Stop();
 
   // Every call names its caller (caller.h): access to roots, job ids,
-  // tokens and limits are decided by it (README "Security").
+  // tokens and limits are decided by it (docs/security.md).
   absl::StatusOr<v1::InspectResponse> Inspect(const Caller& caller,
                                               const v1::InspectRequest& request);
   // Runs one rank's Load. `send` writes an event to the client (false when

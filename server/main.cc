@@ -91,7 +91,7 @@ Usage:
 
 Training ranks connect with the C++/Python clients or `ckptctl load --daemon PATH`.
 Callers are identified by the kernel (uid/groups of the Unix-socket peer) and
-checked against each root's access rule (README "Security"). --tcp needs
+checked against each root's access rule (docs/security.md). --tcp needs
 mutual TLS (--tcp-tls-cert/--tcp-tls-key/--tcp-tls-ca) or --insecure-tcp.
 The peer service (--peer-listen) needs mutual TLS (--peer-tls-cert/--peer-tls-key/
 --peer-tls-ca) unless it listens on loopback or --peer-insecure is given.

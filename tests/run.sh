@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The project's test command (README "Run the tests"): installs the Debian
+# The project's test command (README "Set-up", docs/testing.md): installs the Debian
 # packages, builds everything with Bazel (offline) and runs every test.
 # Then the sanitizer pass (Hardening III): the whole suite again under
 # --config=asan (clang-14, ASan + UBSan, -Werror=thread-safety in core/ and
@@ -60,7 +60,7 @@ else
   # fd socket, arena pool, NCCL transfer scheduling, save and hardening
   # paths), plus the canary that proves a race is reported. Not the tests
   # that run gRPC servers: Debian's gRPC is not instrumented and hands work
-  # between its threads in ways TSan cannot see (README "Testing").
+  # between its threads in ways TSan cannot see (docs/testing.md).
   TSAN_TARGETS=(//tests/unit:all //tests/gpu:nccl_schedule_test //tests/gpu:pinned_arena_test
                 //tests/tsan:race_canary_test)
   bazel "${BAZEL_ARGS[@]}" test --config=tsan "${TSAN_TARGETS[@]}" 2>&1 | tail -n 30

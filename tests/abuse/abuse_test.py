@@ -1463,7 +1463,7 @@ def unblock_fifos(d):
 
 
 class OtherUidDaemonTest(unittest.TestCase):
-    """README "Transports": a daemon running as another uid may not write this
+    """docs/grpc-api.md "Transports": a daemon running as another uid may not write this
     process's memory. It refuses process_memory with FAILED_PRECONDITION before
     the job registers, and transport="auto" then loads the same job over shm."""
 

@@ -16,7 +16,7 @@ Sources:
     pickles them) and tests/foreign/dcp_gen.py (real PyTorch DCP checkpoints
     saved by Debian's torch 1.13): metadata pickles, numpy data pickles,
     torch.save zip items and their data.pkl;
-  - config/ckptd.yaml, tests/cli/aoa_cli_test.sh's AOA config, README forms;
+  - config/ckptd.yaml, tests/cli/aoa_cli_test.sh's AOA config, forms from docs/;
   - plan parts encoded with protoc's Python code for proto/peer.proto.
 Every seed is small (the largest few KiB). DCP values are random, so a rerun
 changes those bytes; the structure stays.
@@ -91,6 +91,7 @@ def safetensors_seeds(native, pd):
 # ---------------------------------------------------------------------------
 # metadata_json: native {uid}.metadata files.
 
+# The metadata example of docs/file-format.md (once in the README).
 README_EXAMPLE = {
     "format": "ckptd.checkpoint", "version": 1, "unique_id": 1, "checksum_block": 67108864,
     "tensors": {"w": {"dtype": "F32", "global_shape": [4, 8], "shards": [

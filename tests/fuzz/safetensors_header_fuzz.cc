@@ -6,7 +6,7 @@
 // and ReadSafetensorsHeader over a file of that size whose first bytes are
 // the length field and the JSON (the rest zeros, never materialised).
 //
-// Properties (README "File format"): both entry points agree; a header that
+// Properties (docs/file-format.md): both entry points agree; a header that
 // parses has tensors that tile [data_start, file_size) exactly, each holding
 // prod(shape) * itemsize bytes.
 #include <algorithm>

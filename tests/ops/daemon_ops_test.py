@@ -131,7 +131,7 @@ class OpsTest(unittest.TestCase):
             self.assertGreater(r1["bytes_read"], 0)
             self.assertEqual(m1[("ckptd_delivered_bytes_total", ())], r1["bytes_delivered"])
             # The first load after start may leave the cache to the background
-            # fill (README "The daemon": no load waits for fresh cache memory).
+            # fill (docs/daemon.md, "The data cache": no load waits for fresh cache memory).
             wait_for("the cache filled", lambda: parse_metrics(d.scrape())[
                 ("ckptd_cache_bytes", ())] > 0)
             m1 = parse_metrics(d.scrape())

@@ -295,7 +295,7 @@ class ManifestsTest(unittest.TestCase):
         (ckptd,) = [c for c in all_containers if c["name"] == "ckptd"]
         trainers = [c for c in spec["containers"] if c["name"] != "ckptd"]
         self.assertTrue(trainers)
-        # process_memory (README "Transports"): one PID namespace, one uid.
+        # process_memory (docs/grpc-api.md, "Transports"): one PID namespace, one uid.
         self.assertIs(spec.get("shareProcessNamespace"), True)
         pod_uid = spec.get("securityContext", {}).get("runAsUser")
         uids = {c.get("securityContext", {}).get("runAsUser", pod_uid) for c in [ckptd] + trainers}

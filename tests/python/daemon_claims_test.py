@@ -1,4 +1,4 @@
-"""README "The daemon" claims held by real processes (the test-honesty issue).
+"""docs/daemon.md claims held by real processes (the test-honesty issue).
 
 Every case runs the real ckptd binary (testlib.Daemon: a socket in a fresh
 /tmp directory; it must exit 0 on SIGTERM at teardown unless the case is
@@ -214,7 +214,7 @@ def jobs(sock):
 # --- 1. a data file changing during a load ---------------------------------------------
 
 class FileChangeTest(unittest.TestCase):
-    """README: "a file that changes or vanishes during a load fails that load
+    """docs/daemon.md: "a file that changes or vanishes during a load fails that load
     (ABORTED)" (and Errors: ABORTED "a file changed during the load")."""
 
     @classmethod
@@ -310,7 +310,7 @@ class FileChangeTest(unittest.TestCase):
 # --- 2. SIGTERM drains -----------------------------------------------------------------
 
 class DrainTest(unittest.TestCase):
-    """README: "SIGTERM stops accepting, waits up to drain_timeout for running
+    """docs/daemon.md: "SIGTERM stops accepting, waits up to drain_timeout for running
     loads, and exits" (exit status 0; loads still running when drain_timeout
     runs out fail with UNAVAILABLE naming it)."""
 
@@ -365,7 +365,7 @@ class DrainTest(unittest.TestCase):
                 self.fail(f"ckptd still running 4 s after SIGTERM with drain_timeout 1s: "
                           f"{d.read_log()[-2000:]}")
             exited = time.monotonic() - t0
-            self.assertEqual(rc, 0, d.read_log()[-3000:])  # README: exits 0 either way
+            self.assertEqual(rc, 0, d.read_log()[-3000:])  # docs/daemon.md: exits 0 either way
             for r in ranks:
                 r.finish(10)
                 assert_failed(self, r, "UNAVAILABLE", "job 'cut'", "drain_timeout 1s")
@@ -431,7 +431,7 @@ def memfd_maps(pid):
 
 
 class KilledClientTest(unittest.TestCase):
-    """README: lent arenas are "given back when the client closes its lease or
+    """docs/daemon.md: lent arenas are "given back when the client closes its lease or
     dies"; a client's own memfd segment means "nothing is left in /dev/shm if
     anyone dies"; "A client that leaves while waiting is dropped from the job
     without affecting the others"."""
@@ -609,7 +609,7 @@ class ClientThreadsTest(unittest.TestCase):
 # --- 4. status codes -------------------------------------------------------------------
 
 class StatusCodeTest(unittest.TestCase):
-    """README "Errors use the standard codes": the ones no other test held."""
+    """docs/grpc-api.md "Errors use the standard codes": the ones no other test held."""
 
     @classmethod
     def setUpClass(cls):

@@ -581,7 +581,7 @@ class EnvironmentTest(unittest.TestCase):
 
 
 class StubSearchTest(unittest.TestCase):
-    """Where `import ckptd` finds the generated stubs (README "Python client")."""
+    """Where `import ckptd` finds the generated stubs (docs/python-client.md)."""
 
     def run_probe(self, pythonpath, env_extra=None):
         env = {k: v for k, v in os.environ.items() if k != "CKPTD_PROTO_DIR"}

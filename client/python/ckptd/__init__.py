@@ -3,7 +3,7 @@
     import ckptd
     report = ckptd.load_state_dict(model.state_dict(), "/data/ckpt/step1000")
 
-See README "Python client".
+See docs/python-client.md.
 """
 from ._shm import SharedArena
 from ._tensors import ShardedTensor, dtype_name

@@ -324,7 +324,7 @@ class Client:
         rank, world_size, node_ranks = resolve_ranks(rank, world_size, node_ranks)
         job_id = resolve_job_id(job_id, "load", world_size)
         if transport == "auto":
-            # See "Transports" in the README: the first that applies; a
+            # See "Transports" in docs/grpc-api.md: the first that applies; a
             # refusal before the job registered sends the same job id over shm.
             transport, first, refused = "shm", None, None
             if entries and all(_cuda.is_cuda_entry(e) for e in entries):
@@ -679,9 +679,9 @@ def load_state_dict(state_dict, path, *, rank=None, world_size=None, job_id=None
     timeout: seconds for the whole call (waiting for the other ranks included).
     strict: missing keys fail the load (CkptdError NOT_FOUND).
     Keys missing from the checkpoint are reported and left untouched.
-    aoa: tensor transformations applied while resharding (README "Tensor
-      transformations on load"): the statements as one string or a list of
-      lines; every rank passes the same.
+    aoa: tensor transformations applied while resharding (docs/aoa.md):
+      the statements as one string or a list of lines; every rank passes the
+      same.
 
     transport: how the bytes reach the tensors (report.transport says which
       did). "auto" (default) tries, in order:
