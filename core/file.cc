@@ -534,6 +534,25 @@ absl::Status AtomicFileWriter::Append(const void* data, size_t n) {
   return absl::OkStatus();
 }
 
+absl::Status AtomicFileWriter::WriteAt(uint64_t offset, const void* data, size_t n) {
+  if (offset > written_ || n > written_ - offset) {
+    return absl::InternalError(absl::StrCat(JoinPath(dir_->path(), tmp_), ": WriteAt ", offset,
+                                            "+", n, " past the ", written_, " bytes written"));
+  }
+  const char* p = static_cast<const char*>(data);
+  while (n > 0) {
+    ssize_t w = ::pwrite(fd_, p, n, static_cast<off_t>(offset));
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      return ErrnoError(errno, "pwrite", JoinPath(dir_->path(), tmp_));
+    }
+    p += w;
+    n -= static_cast<size_t>(w);
+    offset += static_cast<uint64_t>(w);
+  }
+  return absl::OkStatus();
+}
+
 absl::Status AtomicFileWriter::Commit(bool sync) {
   const std::string tmp_path = JoinPath(dir_->path(), tmp_);
   if (sync && ::fsync(fd_) != 0) return ErrnoError(errno, "fsync", tmp_path);

@@ -161,6 +161,9 @@ class AtomicFileWriter {
 
   absl::Status Append(const void* data, size_t n);
   absl::Status Append(absl::string_view s) { return Append(s.data(), s.size()); }
+  // Overwrites bytes already appended (a header field known only after the
+  // data behind it was written, such as a zip entry's CRC-32).
+  absl::Status WriteAt(uint64_t offset, const void* data, size_t n);
   uint64_t bytes_written() const { return written_; }
   const std::string& path() const { return path_; }
   // fsync(file) (when `sync`), close, rename into place, fsync(directory)

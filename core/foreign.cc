@@ -103,20 +103,23 @@ pickle::Options MakeNumpyOptions() {
   return o;
 }
 
+// torch's legacy typed-storage classes (what torch.save names in a tensor's
+// persistent id), by the dtype they hold.
+constexpr std::pair<const char*, DType> kTorchStorages[] = {
+    {"DoubleStorage", DType::kF64}, {"FloatStorage", DType::kF32},
+    {"HalfStorage", DType::kF16},   {"BFloat16Storage", DType::kBF16},
+    {"LongStorage", DType::kI64},   {"IntStorage", DType::kI32},
+    {"ShortStorage", DType::kI16},  {"CharStorage", DType::kI8},
+    {"ByteStorage", DType::kU8},    {"BoolStorage", DType::kBool},
+};
+
 pickle::Options MakeTorchTensorOptions() {
   pickle::Options o;
   o.allow_persistent_id = true;
   auto& g = o.globals;
   g.push_back({"torch._utils", "_rebuild_tensor_v2", GlobalRole::kFunction, kTagTorchRebuildV2});
   g.push_back({"torch._utils", "_rebuild_tensor_v3", GlobalRole::kFunction, kTagTorchRebuildV3});
-  const std::pair<const char*, DType> kStorages[] = {
-      {"DoubleStorage", DType::kF64}, {"FloatStorage", DType::kF32},
-      {"HalfStorage", DType::kF16},   {"BFloat16Storage", DType::kBF16},
-      {"LongStorage", DType::kI64},   {"IntStorage", DType::kI32},
-      {"ShortStorage", DType::kI16},  {"CharStorage", DType::kI8},
-      {"ByteStorage", DType::kU8},    {"BoolStorage", DType::kBool},
-  };
-  for (const auto& [name, d] : kStorages) {
+  for (const auto& [name, d] : kTorchStorages) {
     g.push_back({"torch", name, GlobalRole::kConstant, kTagTorchStorage + static_cast<int>(d)});
   }
   g.push_back({"torch", "UntypedStorage", GlobalRole::kConstant, kTagTorchUntypedStorage});
@@ -135,6 +138,13 @@ const pickle::Options& NumpyPickleOptions() {
   static const pickle::Options* o = new pickle::Options(MakeNumpyOptions());
   return *o;
 }
+const char* TorchStorageName(DType d) {
+  for (const auto& [name, dt] : kTorchStorages) {
+    if (dt == d) return name;
+  }
+  return nullptr;
+}
+
 const pickle::Options& TorchTensorPickleOptions() {
   static const pickle::Options* o = new pickle::Options(MakeTorchTensorOptions());
   return *o;

@@ -64,6 +64,11 @@ const pickle::Options& MetadataPickleOptions();    // Paddle + torch metadata
 const pickle::Options& NumpyPickleOptions();       // Paddle .distcp data files
 const pickle::Options& TorchTensorPickleOptions(); // torch.save's data.pkl
 
+// The torch class ("FloatStorage", ...) torch.save names for a tensor of
+// dtype `d`; nullptr for dtypes torch has no legacy storage class for
+// (unsigned 16/32/64-bit, float8).
+const char* TorchStorageName(DType d);
+
 // Whether the first bytes of a file are a pickle (PROTO opcode 0x80).
 bool LooksPickled(absl::string_view head);
 

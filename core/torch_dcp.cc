@@ -1,6 +1,7 @@
 #include "core/torch_dcp.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -10,6 +11,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/foreign.h"
 #include "core/status_macros.h"
+#include "zlib.h"
 
 namespace ckpt {
 namespace {
@@ -447,6 +449,262 @@ absl::StatusOr<CheckpointMetadata> TorchDcpToModel(const Document& doc, const Di
     m.tensors[*name] = std::move(t);
   }
   return m;
+}
+
+// --- Writing ------------------------------------------------------------------
+
+namespace {
+
+constexpr uint64_t kDcpAlign = 64;               // items and tensor data start aligned
+constexpr uint64_t kDcpStagingBytes = 8ull << 20;  // private copy, CRC'd then written
+constexpr uint16_t kZipVersion = 45;             // 4.5: zip64
+constexpr uint16_t kDosDate = (0 << 9) | (1 << 5) | 1;  // 1980-01-01
+
+void Put(std::string* s, uint64_t v, int n) {
+  for (int i = 0; i < n; ++i) s->push_back(static_cast<char>((v >> (8 * i)) & 0xff));
+}
+
+// A pickle int: BININT1, BININT or an 8-byte LONG1.
+void PickleInt(std::string* p, int64_t v) {
+  if (v >= 0 && v < 256) {
+    p->push_back('K');
+    Put(p, static_cast<uint64_t>(v), 1);
+  } else if (v >= INT32_MIN && v <= INT32_MAX) {
+    p->push_back('J');
+    Put(p, static_cast<uint64_t>(static_cast<uint32_t>(static_cast<int32_t>(v))), 4);
+  } else {
+    p->append("\x8a\x08", 2);
+    Put(p, static_cast<uint64_t>(v), 8);
+  }
+}
+
+void PickleText(std::string* p, absl::string_view t) {
+  p->push_back('X');  // BINUNICODE
+  Put(p, t.size(), 4);
+  p->append(t.data(), t.size());
+}
+
+void PickleTuple(std::string* p, const Shape& v) {
+  p->push_back('(');
+  for (int64_t x : v) PickleInt(p, x);
+  p->push_back('t');
+}
+
+// A local file header; `zip64` entries carry their sizes in a zip64 extra
+// field, followed by an "FB" padding field that aligns the data to kDcpAlign
+// (archive_at: where the archive starts in the file, itself aligned).
+std::string LocalHeader(absl::string_view name, uint32_t crc, uint64_t size, bool zip64,
+                        uint64_t header_at) {
+  std::string h;
+  Put(&h, kLocalSig, 4);
+  Put(&h, zip64 ? kZipVersion : 20, 2);
+  Put(&h, 0, 2);  // flags
+  Put(&h, 0, 2);  // stored
+  Put(&h, 0, 2);  // time
+  Put(&h, kDosDate, 2);
+  Put(&h, crc, 4);
+  Put(&h, zip64 ? 0xffffffffu : size, 4);
+  Put(&h, zip64 ? 0xffffffffu : size, 4);
+  Put(&h, name.size(), 2);
+  std::string extra;
+  if (zip64) {
+    Put(&extra, 0x0001, 2);
+    Put(&extra, 16, 2);
+    Put(&extra, size, 8);
+    Put(&extra, size, 8);
+    const uint64_t before = header_at + 30 + name.size() + extra.size() + 4;
+    const uint64_t pad = (kDcpAlign - before % kDcpAlign) % kDcpAlign;
+    Put(&extra, 0x4246, 2);  // "FB": torch's padding field
+    Put(&extra, pad, 2);
+    extra.append(pad, 'Z');
+  }
+  Put(&h, extra.size(), 2);
+  h.append(name.data(), name.size());
+  h += extra;
+  return h;
+}
+
+struct CentralEntry {
+  std::string name;
+  uint32_t crc = 0;
+  uint64_t size = 0;
+  uint64_t header_offset = 0;  // relative to the archive
+  bool zip64 = false;
+};
+
+std::string CentralHeader(const CentralEntry& e) {
+  std::string h;
+  Put(&h, kCentralSig, 4);
+  Put(&h, kZipVersion, 2);  // made by
+  Put(&h, e.zip64 ? kZipVersion : 20, 2);
+  Put(&h, 0, 2);
+  Put(&h, 0, 2);
+  Put(&h, 0, 2);
+  Put(&h, kDosDate, 2);
+  Put(&h, e.crc, 4);
+  Put(&h, e.zip64 ? 0xffffffffu : e.size, 4);
+  Put(&h, e.zip64 ? 0xffffffffu : e.size, 4);
+  Put(&h, e.name.size(), 2);
+  Put(&h, e.zip64 ? 28 : 0, 2);  // extra
+  Put(&h, 0, 2);                 // comment
+  Put(&h, 0, 2);                 // disk
+  Put(&h, 0, 2);                 // internal attributes
+  Put(&h, 0, 4);                 // external attributes
+  Put(&h, e.zip64 ? 0xffffffffu : e.header_offset, 4);
+  h += e.name;
+  if (e.zip64) {
+    Put(&h, 0x0001, 2);
+    Put(&h, 24, 2);
+    Put(&h, e.size, 8);
+    Put(&h, e.size, 8);
+    Put(&h, e.header_offset, 8);
+  }
+  return h;
+}
+
+// The central directory and the (zip64) end records of an archive whose
+// central directory starts at `cd_at` (relative to the archive).
+std::string ArchiveTail(const std::vector<CentralEntry>& entries, uint64_t cd_at) {
+  std::string t;
+  for (const CentralEntry& e : entries) t += CentralHeader(e);
+  const uint64_t cd_size = t.size();
+  const uint64_t z64_at = cd_at + cd_size;
+  Put(&t, kZip64EocdSig, 4);
+  Put(&t, 44, 8);
+  Put(&t, kZipVersion, 2);
+  Put(&t, kZipVersion, 2);
+  Put(&t, 0, 4);
+  Put(&t, 0, 4);
+  Put(&t, entries.size(), 8);
+  Put(&t, entries.size(), 8);
+  Put(&t, cd_size, 8);
+  Put(&t, cd_at, 8);
+  Put(&t, kZip64LocatorSig, 4);
+  Put(&t, 0, 4);
+  Put(&t, z64_at, 8);
+  Put(&t, 1, 4);
+  Put(&t, kEocdSig, 4);
+  Put(&t, 0, 2);
+  Put(&t, 0, 2);
+  Put(&t, entries.size(), 2);
+  Put(&t, entries.size(), 2);
+  Put(&t, std::min<uint64_t>(cd_size, 0xffffffffu), 4);
+  Put(&t, 0xffffffffu, 4);  // see the zip64 record
+  Put(&t, 0, 2);
+  return t;
+}
+
+uint32_t Crc32(uint32_t crc, const void* p, uint64_t n) {
+  return static_cast<uint32_t>(crc32_z(crc, static_cast<const Bytef*>(p), n));
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> TorchTensorPickle(DType dtype, const Shape& shape) {
+  const char* storage = TorchStorageName(dtype);
+  if (storage == nullptr) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("torch.save has no storage class for dtype ", DTypeName(dtype)));
+  }
+  CKPT_ASSIGN_OR_RETURN(int64_t nbytes, CheckedNumBytes(shape, DTypeSize(dtype)));
+  const int64_t numel = nbytes / static_cast<int64_t>(DTypeSize(dtype));
+  Shape stride(shape.size());
+  int64_t s = 1;
+  for (size_t d = shape.size(); d-- > 0;) {
+    stride[d] = s;
+    s *= std::max<int64_t>(shape[d], 1);
+  }
+  std::string p("\x80\x02", 2);  // PROTO 2
+  p += "ctorch._utils\n_rebuild_tensor_v2\n";
+  p += "((";
+  PickleText(&p, "storage");
+  p += absl::StrCat("ctorch\n", storage, "\n");
+  PickleText(&p, "0");
+  PickleText(&p, "cpu");
+  PickleInt(&p, numel);
+  p += "tQ";  // TUPLE, BINPERSID
+  PickleInt(&p, 0);  // storage offset
+  PickleTuple(&p, shape);
+  PickleTuple(&p, stride);
+  p += "\x89";  // NEWFALSE: requires_grad
+  p += "ccollections\nOrderedDict\n)R";  // backward hooks: OrderedDict()
+  p += "tR.";
+  return p;
+}
+
+absl::StatusOr<std::vector<DcpItemWritten>> WriteDcpDataFile(
+    std::shared_ptr<const Directory> dir, const std::string& name,
+    const std::vector<DcpItemToWrite>& items) {
+  CKPT_ASSIGN_OR_RETURN(auto w, AtomicFileWriter::CreateIn(std::move(dir), name));
+  const std::string path = w->path();
+  std::vector<DcpItemWritten> out;
+  std::vector<uint8_t> staging;
+  auto align = [&]() -> absl::Status {
+    const uint64_t pad = (kDcpAlign - w->bytes_written() % kDcpAlign) % kDcpAlign;
+    static const char kZeros[kDcpAlign] = {};
+    return pad ? w->Append(kZeros, pad) : absl::OkStatus();
+  };
+  // Appends `n` bytes of `src` through the private staging copy; returns the CRC-32.
+  auto copy = [&](const uint8_t* src, uint64_t n, const std::string& what) -> absl::StatusOr<uint32_t> {
+    if (n > 0 && src == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": '", what, "' has no data"));
+    }
+    staging.resize(std::min(n, kDcpStagingBytes));
+    uint32_t crc = Crc32(0, nullptr, 0);
+    for (uint64_t at = 0; at < n;) {
+      const uint64_t m = std::min(kDcpStagingBytes, n - at);
+      std::memcpy(staging.data(), src + at, m);
+      crc = Crc32(crc, staging.data(), m);
+      CKPT_RETURN_IF_ERROR(w->Append(staging.data(), m));
+      at += m;
+    }
+    return crc;
+  };
+  for (const DcpItemToWrite& it : items) {
+    CKPT_RETURN_IF_ERROR(align());
+    DcpItemWritten done;
+    done.offset = w->bytes_written();
+    const uint8_t* src = static_cast<const uint8_t*>(it.data);
+    if (it.raw) {
+      CKPT_RETURN_IF_ERROR(copy(src, it.nbytes, it.name).status());
+      done.length = it.nbytes;
+      out.push_back(done);
+      continue;
+    }
+    auto expect = CheckedNumBytes(it.shape, DTypeSize(it.dtype));
+    if (!expect.ok() || static_cast<uint64_t>(*expect) != it.nbytes) {
+      return absl::InvalidArgumentError(absl::StrCat(path, ": tensor '", it.name, "' of shape ",
+                                                     ShapeString(it.shape), " with ", it.nbytes,
+                                                     " bytes"));
+    }
+    auto pkl = TorchTensorPickle(it.dtype, it.shape);
+    if (!pkl.ok()) return Annotate(pkl.status(), absl::StrCat(path, ": tensor '", it.name, "'"));
+    const uint64_t a = done.offset;  // archive start
+    std::vector<CentralEntry> cd;
+    auto add_small = [&](const std::string& entry, absl::string_view bytes) -> absl::Status {
+      CentralEntry e{entry, Crc32(0, bytes.data(), bytes.size()), bytes.size(),
+                     w->bytes_written() - a, false};
+      CKPT_RETURN_IF_ERROR(w->Append(LocalHeader(entry, e.crc, e.size, false, 0)));
+      CKPT_RETURN_IF_ERROR(w->Append(bytes));
+      cd.push_back(std::move(e));
+      return absl::OkStatus();
+    };
+    CKPT_RETURN_IF_ERROR(add_small("archive/data.pkl", *pkl));
+    CentralEntry data{"archive/data/0", 0, it.nbytes, w->bytes_written() - a, true};
+    const uint64_t header_at = w->bytes_written();
+    CKPT_RETURN_IF_ERROR(w->Append(LocalHeader(data.name, 0, it.nbytes, true, header_at)));
+    CKPT_ASSIGN_OR_RETURN(data.crc, copy(src, it.nbytes, it.name));
+    uint8_t crc_le[4];
+    for (int i = 0; i < 4; ++i) crc_le[i] = static_cast<uint8_t>(data.crc >> (8 * i));
+    CKPT_RETURN_IF_ERROR(w->WriteAt(header_at + 14, crc_le, 4));  // the local header's CRC
+    cd.push_back(std::move(data));
+    CKPT_RETURN_IF_ERROR(add_small("archive/version", "3\n"));
+    CKPT_RETURN_IF_ERROR(w->Append(ArchiveTail(cd, w->bytes_written() - a)));
+    done.length = w->bytes_written() - a;
+    out.push_back(done);
+  }
+  CKPT_RETURN_IF_ERROR(w->Commit());
+  return out;
 }
 
 }  // namespace ckpt

@@ -21,6 +21,7 @@
 
 #include <cstdint>
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -72,6 +73,42 @@ absl::StatusOr<TorchSavedTensor> ReadTorchSaveTensor(const RandomAccessFile& fil
 absl::StatusOr<CheckpointMetadata> TorchDcpToModel(
     const pickle::Document& doc, const Directory& dir, std::vector<std::string>* skipped,
     std::map<std::string, FileStamp>* stamps = nullptr);
+
+// --- Writing DCP data files (ckptd.torch.DaemonStorageWriter) -------------
+
+// One item of a DCP data file.
+struct DcpItemToWrite {
+  std::string name;           // for errors
+  DType dtype = DType::kF32;  // tensor items
+  Shape shape;                // tensor items: row-major contiguous at `data`
+  const void* data = nullptr;
+  uint64_t nbytes = 0;
+  bool raw = false;  // a bytes entry: its bytes (already torch.save'd) as they are
+};
+
+// Where an item landed: bytes [offset, offset + length) of the file, what
+// DCP's _StorageInfo records.
+struct DcpItemWritten {
+  uint64_t offset = 0;
+  uint64_t length = 0;
+};
+
+// Writes data file `name` of `dir` as torch's FileSystemWriter lays one out:
+// the items one after another, each tensor as a whole torch.save archive (a
+// zip of archive/data.pkl, archive/data/0 and archive/version, stored, the
+// data entry zip64 and 64-byte aligned, as torch.load and ReadTorchSaveTensor
+// read), each raw item as is. Every item starts 64-byte aligned. Bytes are
+// copied into a private staging buffer, then CRC-32'd and written, so the
+// archive is consistent even if `data` changes meanwhile. Temp name, fsync,
+// rename, directory fsync. INVALID_ARGUMENT for a dtype torch cannot store
+// (unsigned 16/32/64-bit, float8) or a size that does not match the shape.
+absl::StatusOr<std::vector<DcpItemWritten>> WriteDcpDataFile(
+    std::shared_ptr<const Directory> dir, const std::string& name,
+    const std::vector<DcpItemToWrite>& items);
+
+// data.pkl of a torch.save archive holding one contiguous tensor of `dtype`
+// and `shape` whose storage is the archive's data/0 (exposed for tests).
+absl::StatusOr<std::string> TorchTensorPickle(DType dtype, const Shape& shape);
 
 }  // namespace ckpt
 

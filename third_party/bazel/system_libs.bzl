@@ -35,6 +35,7 @@ _PACKAGES = {
     "benchmark": ["benchmark"],
     "spdlog": ["spdlog"],
     "xxhash": ["libxxhash"],
+    "zlib": ["zlib"],  # crc32 of the zip entries in DCP data files
     "uring": ["liburing"],
     "nlohmann_json": ["nlohmann_json"],
     "simdjson": ["simdjson"],
