@@ -17,6 +17,7 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
@@ -29,6 +30,7 @@
 #include "core/offline.h"
 #include "core/status_macros.h"
 #include "core/writer.h"
+#include "ckptd_version.h"
 #include "client/ckptd_client.h"
 #include "core/safetensors.h"
 
@@ -115,6 +117,7 @@ Online (through a running ckptd; --daemon SOCKET, default /run/ckptd/ckptd.sock)
   ckptctl evict CKPT [--daemon S]
       Drop a checkpoint's cached data and metadata from the daemon.
 
+ckptctl --version prints ckptctl's version and the ckptd API level it needs.
 Flags may also be written with dashes (--unique-id, --skip-postfix, ...).
 Exit status: 0 on success; 1 with a one-line error on stderr on failure;
 2 on a usage error.
@@ -500,6 +503,7 @@ absl::Status Status() {
       files.push_back({{"path", f.path()}, {"bytes", f.bytes()}, {"entries", f.entries()}});
     }
     std::cout << nlohmann::json{{"version", s.version()},
+                                {"api_level", s.api_level()},
                                 {"uptime_s", s.uptime_s()},
                                 {"jobs", jobs},
                                 {"cache", {{"budget_bytes", s.cache_budget_bytes()},
@@ -785,6 +789,14 @@ std::vector<std::string> NormalizeArgs(int argc, char** argv) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(ckpt::kUsage);
+  {
+    absl::FlagsUsageConfig usage;  // --version: VERSION's version and API level
+    usage.version_string = [] {
+      return absl::StrCat("ckptctl ", ckptd::kVersion, " (ckptd api level ", ckptd::kApiLevel,
+                          ")\n");
+    };
+    absl::SetFlagsUsageConfig(usage);
+  }
   std::vector<std::string> norm = ckpt::NormalizeArgs(argc, argv);
   std::vector<char*> nargv;
   for (auto& s : norm) nargv.push_back(s.data());

@@ -6,13 +6,16 @@
 #include <algorithm>
 #include <array>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 
 #include <grpcpp/grpcpp.h>
 
 #include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "ckptd_version.h"
 #include "client/cuda/device_export.h"
 #include "core/status_macros.h"
 #include "proto/ckpt.grpc.pb.h"
@@ -164,10 +167,51 @@ struct Client::Rep {
   Options options;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::Ckptd::Stub> stub;
+  v1::VersionResponse daemon_version;
 };
 
 Client::Client(std::unique_ptr<Rep> rep) : rep_(std::move(rep)) {}
 Client::~Client() = default;
+
+const v1::VersionResponse& Client::daemon_version() const { return rep_->daemon_version; }
+
+namespace {
+
+// This client's API level: VERSION's, or $CKPTD_TESTING_API_LEVEL (tests of
+// the mismatch error only).
+unsigned ClientApiLevel() {
+  const char* env = std::getenv("CKPTD_TESTING_API_LEVEL");
+  unsigned level = 0;
+  if (env != nullptr && *env != '\0' && absl::SimpleAtoi(env, &level) && level > 0) return level;
+  return kApiLevel;
+}
+
+// Asks the daemon its version (once per Client) and refuses one older than
+// this client. UNIMPLEMENTED: a daemon from before the Version RPC, level 1.
+absl::Status CheckDaemonVersion(v1::Ckptd::Stub& stub, const Client::Options& options,
+                                v1::VersionResponse* out) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline(options.connect_timeout));
+  const grpc::Status s = stub.Version(&ctx, v1::VersionRequest(), out);
+  if (s.error_code() == grpc::StatusCode::UNIMPLEMENTED) {
+    out->Clear();
+    out->set_version("a ckptd from before the Version RPC");
+    out->set_api_level(1);
+  } else if (!s.ok()) {
+    out->Clear();  // unknown: the calls that follow meet the same problem and report it
+    return absl::OkStatus();
+  }
+  if (out->api_level() == 0) out->set_api_level(1);
+  const unsigned mine = ClientApiLevel();
+  if (mine <= out->api_level()) return absl::OkStatus();
+  const std::string daemon =
+      out->release().empty() ? out->version() : absl::StrCat("ckptd ", out->release());
+  return absl::FailedPreconditionError(absl::StrCat(
+      "ckptd client ", kVersion, " (api ", mine, ") is newer than the daemon at ", options.socket,
+      " (", daemon, ", api ", out->api_level(), "); upgrade the daemon"));
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const Options& options) {
   auto rep = std::make_unique<Rep>();
@@ -184,6 +228,7 @@ absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const Options& options) 
                                                " (is the daemon running?)"));
   }
   rep->stub = v1::Ckptd::NewStub(rep->channel);
+  CKPT_RETURN_IF_ERROR(CheckDaemonVersion(*rep->stub, options, &rep->daemon_version));
   return std::unique_ptr<Client>(new Client(std::move(rep)));
 }
 

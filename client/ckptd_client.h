@@ -149,8 +149,18 @@ class Client {
     absl::Duration admin_timeout = absl::Minutes(10);  // Inspect/Status/Evict/Prefetch
   };
 
+  // Connects and asks the daemon its version once (the Version RPC): a
+  // daemon whose API level is below this client's (VERSION) is refused with
+  // FAILED_PRECONDITION naming both versions. A daemon from before the
+  // Version RPC counts as API level 1. Other errors of that call are left to
+  // the calls that follow.
+  // Testing only: $CKPTD_TESTING_API_LEVEL replaces this client's API level.
   static absl::StatusOr<std::unique_ptr<Client>> Connect(const Options& options);
   ~Client();
+
+  // What the daemon answered at Connect (api_level 0 and empty strings when
+  // it could not tell; api_level 1 for a daemon from before the Version RPC).
+  const v1::VersionResponse& daemon_version() const;
 
   absl::StatusOr<v1::InspectResponse> Inspect(const std::string& path,
                                               std::optional<int64_t> unique_id = std::nullopt);

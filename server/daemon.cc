@@ -1,5 +1,6 @@
 #include "server/daemon.h"
 #include "server/daemon_internal.h"
+#include "ckptd_version.h"
 #include "proto/fd_socket.h"
 #include "server/metrics.h"
 
@@ -1416,9 +1417,21 @@ absl::StatusOr<v1::EvictResponse> Daemon::Evict(const Caller& caller,
   return resp;
 }
 
+v1::VersionResponse Daemon::Version() {
+  v1::VersionResponse resp;
+  resp.set_version(absl::StrCat("ckptd ", kVersion, " (api ckptd.v1)"));
+  resp.set_api_level(kApiLevel);
+  resp.set_release(kVersion);
+  return resp;
+}
+
 v1::StatusResponse Daemon::Status(const Caller& caller) {
   v1::StatusResponse resp;
-  resp.set_version("ckptd 0.1 (api ckptd.v1)");
+  {
+    v1::VersionResponse v = Version();
+    resp.set_version(v.version());
+    resp.set_api_level(v.api_level());
+  }
   resp.set_uptime_s(absl::ToDoubleSeconds(absl::Now() - started_));
   const bool admin = IsAdmin(caller);
   {

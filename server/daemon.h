@@ -85,6 +85,8 @@ class Daemon {
   absl::StatusOr<v1::EvictResponse> Evict(const Caller& caller, const v1::EvictRequest& request);
   // Jobs: only the caller's own unless it is an admin.
   v1::StatusResponse Status(const Caller& caller = Caller());
+  // The version and API level of this build (VERSION): any caller may ask.
+  static v1::VersionResponse Version();
   // The drain ran out (SIGTERM + drain_timeout, main.cc): every load job
   // still waiting or running fails now, each of its ranks with UNAVAILABLE
   // "job '<id>': <why>"; a running job stops before its next read. Returns

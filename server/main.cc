@@ -24,12 +24,14 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/str_split.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
+#include "ckptd_version.h"
 #include "config/config.h"
 #include "server/daemon.h"
 #include "server/metrics.h"
@@ -134,6 +136,14 @@ int64_t LoadsEnded(ckptd::Daemon& daemon) {
 
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
+  {
+    absl::FlagsUsageConfig usage;  // --version: VERSION's version and API level
+    usage.version_string = [] {
+      return absl::StrCat("ckptd ", ckptd::kVersion, " (api ckptd.v1, level ", ckptd::kApiLevel,
+                          ")\n");
+    };
+    absl::SetFlagsUsageConfig(usage);
+  }
   // Accept dashed flag names (--check-config) as well as underscores.
   std::vector<std::string> args;
   for (int i = 0; i < argc; ++i) {

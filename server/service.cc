@@ -103,4 +103,12 @@ grpc::Status CkptdService::Status(grpc::ServerContext* ctx, const v1::StatusRequ
   });
 }
 
+grpc::Status CkptdService::Version(grpc::ServerContext* ctx, const v1::VersionRequest*,
+                                   v1::VersionResponse* resp) {
+  return Guard("Version", ctx, [&](const Caller&) {
+    *resp = Daemon::Version();
+    return absl::OkStatus();
+  });
+}
+
 }  // namespace ckptd

@@ -43,6 +43,8 @@ class CkptdService final : public v1::Ckptd::Service {
                      v1::EvictResponse* resp) override;
   grpc::Status Status(grpc::ServerContext* ctx, const v1::StatusRequest* req,
                       v1::StatusResponse* resp) override;
+  grpc::Status Version(grpc::ServerContext* ctx, const v1::VersionRequest* req,
+                       v1::VersionResponse* resp) override;
 
  private:
   // Runs `body` with the caller of `ctx`, catching every exception.
