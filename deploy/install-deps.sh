@@ -26,9 +26,12 @@ BUILD_PACKAGES=(
 # Tests: Python client tests, manifest checks (python3-yaml), the systemd unit
 # check (systemd-analyze), the metrics checks (promtool and the Prometheus
 # server, from the prometheus package), the peer-plane tests' certificates
-# (openssl).
+# (openssl), and `pip install client/python` into a venv, offline
+# (python3-venv, python3-pip, python3-setuptools, python3-wheel; the stubs it
+# generates need protobuf-compiler and protobuf-compiler-grpc, above).
 TEST_PACKAGES=(
   python3-numpy python3-grpcio python3-protobuf python3-torch
+  python3-venv python3-pip python3-setuptools python3-wheel
   python3-yaml systemd prometheus openssl
 )
 # What ckptd and ckptctl load at run time (tests/ops checks this list against

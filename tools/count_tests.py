@@ -48,6 +48,10 @@ def _gpu_listed():
 
 PREREQUISITES = {
     "torch": lambda: _python_has("torch"),
+    # A venv with pip, setuptools and wheel (tests/python/install_test.py):
+    # Debian's python3-venv, python3-pip, python3-setuptools, python3-wheel.
+    "python3-venv": lambda: all(_python_has(m) for m in ("ensurepip", "pip", "setuptools",
+                                                         "wheel")),
     "gpu": _gpu_listed,
     "nvcc": lambda: os.path.exists("/usr/local/cuda/bin/nvcc") or shutil.which("nvcc") is not None,
     "root": lambda: os.geteuid() == 0,

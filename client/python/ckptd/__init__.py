@@ -11,6 +11,7 @@ from .client import (CheckpointInfo, Client, LoadReport, SaveReport, ShardInfo, 
                      default_socket, evict, find_ckptctl, inspect, load_state_dict, merge,
                      prefetch, save_state_dict, status)
 from .errors import CkptdError
+from ._version import __version__  # VERSION at the top of the source tree
 
 __all__ = [
     "CheckpointInfo", "CkptdError", "Client", "LoadReport", "SaveReport", "ShardInfo",

@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 
-from . import _cuda, _proto
+from . import _cuda, _proto, _version
 from ._shm import Segment, align, find_arena, fd_socket_path, send_fd
 from ._tensors import flatten
 from .errors import CkptdError, from_rpc_error
@@ -198,6 +198,58 @@ def _message_dict(msg):
 
 # --- the client -----------------------------------------------------------------
 
+def client_api_level():
+    """This client's API level (VERSION), or $CKPTD_TESTING_API_LEVEL: that
+    variable is for tests of the version check only."""
+    v = os.environ.get("CKPTD_TESTING_API_LEVEL", "")
+    return int(v) if v.isdigit() and int(v) > 0 else _version.API_LEVEL
+
+
+class _VersionCheckedStub:
+    """A Client's gRPC stub: before its first RPC it asks the daemon its
+    version once (the Version RPC) and refuses a daemon whose API level is
+    below this client's with FAILED_PRECONDITION naming both. A daemon from
+    before the Version RPC (UNIMPLEMENTED) counts as level 1. Any other error
+    of that call is left to the RPC that follows, and the daemon is asked
+    again before the next one."""
+
+    def __init__(self, stub, pb2, grpc, target, timeout):
+        self._stub, self._pb2, self._grpc = stub, pb2, grpc
+        self._target, self._timeout = target, timeout
+        self._lock = threading.Lock()
+        self._daemon = None  # (description, api_level) once checked
+        self._refused = None  # the mismatch message, once found
+
+    def __getattr__(self, name):  # the RPC methods (Load, Status, ...)
+        if self._daemon is None:
+            self.check_version()
+        return getattr(self._stub, name)
+
+    def check_version(self):
+        """(daemon description, its API level), or None when the daemon did
+        not answer; raises CkptdError(FAILED_PRECONDITION) for an older daemon."""
+        with self._lock:
+            if self._refused is not None:
+                raise CkptdError("FAILED_PRECONDITION", self._refused)
+            if self._daemon is not None:
+                return self._daemon
+            try:
+                r = self._stub.Version(self._pb2.VersionRequest(), timeout=self._timeout)
+                daemon = (f"ckptd {r.release}" if r.release else r.version, r.api_level or 1)
+            except self._grpc.RpcError as e:
+                if e.code() != self._grpc.StatusCode.UNIMPLEMENTED:
+                    return None
+                daemon = ("a ckptd from before the Version RPC", 1)
+            mine = client_api_level()
+            if mine > daemon[1]:
+                self._refused = (f"ckptd client {_version.__version__} (api {mine}) is newer than "
+                                 f"the daemon at {self._target} ({daemon[0]}, api {daemon[1]}); "
+                                 "upgrade the daemon")
+                raise CkptdError("FAILED_PRECONDITION", self._refused)
+            self._daemon = daemon
+            return daemon
+
+
 class Client:
     """A connection to one ckptd daemon.
 
@@ -207,6 +259,9 @@ class Client:
     when no daemon listens there. connect_timeout bounds connecting to the
     Unix socket and handing over the shm fd. tls=(ca, cert, key), three PEM
     file paths, connects over TCP with mutual TLS (a daemon with tcp_tls_*).
+    Before its first call the client asks the daemon its version, once: a
+    daemon older than this client's API level is refused with
+    CkptdError(FAILED_PRECONDITION) ("... upgrade the daemon").
     """
 
     def __init__(self, socket=None, *, tcp=False, connect_timeout=10.0, tls=None):
@@ -236,7 +291,8 @@ class Client:
             self._channel = grpc.secure_channel(target, creds, options=options)
         else:
             self._channel = grpc.insecure_channel(target, options=options)
-        self.stub = pb2_grpc.CkptdStub(self._channel)
+        self.stub = _VersionCheckedStub(pb2_grpc.CkptdStub(self._channel), self.pb2, grpc,
+                                        self.socket, connect_timeout or 10.0)
 
     def close(self):
         self._channel.close()
