@@ -23,7 +23,10 @@ namespace {
 // unbounded): names an [a:b] array macro expands to, and steps spent
 // matching one pattern against one tensor name.
 constexpr int64_t kMaxArray = 1 << 16;
-constexpr int64_t kMaxMatchSteps = 100'000;  // per tensor name
+// Pattern matching steps one statement may take over all the names it is
+// matched against: this many, or kMatchStepsPerName per name if more.
+constexpr int64_t kMaxMatchSteps = 100'000;
+constexpr int64_t kMatchStepsPerName = 256;
 std::vector<std::string> ExpandArray(const std::string& text);
 }  // namespace
 
@@ -754,12 +757,16 @@ class Resolver {
       } else {
         const std::vector<PatternTok> toks = Tokenize(pattern);
         std::vector<std::pair<std::string, Captures>> matches;
-        int64_t budget = kMaxMatchSteps;
+        // One budget for the whole statement, not per name: a pattern that
+        // backtracks (many '*') against every one of many names must not
+        // multiply its cost by the number of names.
+        const int64_t names = static_cast<int64_t>(on_model ? model_.size() : available.size());
+        const int64_t limit = std::max(kMaxMatchSteps, kMatchStepsPerName * names);
+        int64_t budget = limit;
         bool exhausted = false;
         auto try_name = [&](const std::string& name) {
           if (exhausted) return;
           Captures cap;
-          budget = kMaxMatchSteps;
           if (MatchFrom(toks, 0, name, 0, cap, budget)) matches.emplace_back(name, std::move(cap));
           exhausted = budget <= 0;
         };
@@ -769,9 +776,9 @@ class Resolver {
           for (const std::string& name : available) try_name(name);
         }
         if (exhausted) {
-          return Err(st, absl::StrCat("'", pattern, "' takes more than ", kMaxMatchSteps,
-                                      " steps to match against one tensor name (too many "
-                                      "'*' or macros)"));
+          return Err(st, absl::StrCat("'", pattern, "' takes more than ", limit,
+                                      " steps to match against the ", names,
+                                      " tensor names (too many '*' or macros)"));
         }
         if (matches.empty() && !on_model) {
           return Err(st, absl::StrCat("'", pattern, "' matches no tensor of the checkpoint ",
