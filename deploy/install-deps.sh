@@ -16,7 +16,7 @@ BUILD_PACKAGES=(
   bazel-bootstrap build-essential pkg-config git
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libyaml-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev
-  nlohmann-json3-dev libsimdjson-dev libspdlog-dev libfmt-dev libxxhash-dev liburing-dev
+  nlohmann-json3-dev libsimdjson-dev libspdlog-dev libfmt-dev libxxhash-dev liburing-dev zlib1g-dev
   prometheus-cpp-dev libsystemd-dev
   python3
   clang-14 libclang-rt-14-dev llvm-14

@@ -29,7 +29,9 @@
 #include "core/aoa.h"
 #include "core/executor.h"
 #include "core/file.h"
+#include "core/foreign.h"
 #include "core/status_macros.h"
+#include "core/torch_dcp.h"
 #include "core/writer.h"
 
 namespace ckptd {
@@ -39,6 +41,9 @@ using ckpt::DType;
 using ckpt::TargetTensor;
 
 namespace {
+
+// SaveRequest.format of a PyTorch DCP checkpoint (ckptd.torch.DaemonStorageWriter).
+constexpr char kDcpFormat[] = "pytorch-dcp";
 
 ckpt::Shape ToShape(const google::protobuf::RepeatedField<int64_t>& r) {
   return ckpt::Shape(r.begin(), r.end());
@@ -1058,6 +1063,24 @@ absl::StatusOr<v1::SaveResponse> Daemon::Save(const Caller& caller, const v1::Sa
     return fail(absl::InvalidArgumentError(absl::StrCat("Save: bad directory name '", leaf, "'")));
   }
   const std::string dir = ckpt::JoinPath(*parent, leaf);
+  const bool dcp = request.format() == kDcpFormat;
+  if (!dcp && !request.format().empty() && request.format() != "ckptd") {
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        "Save: unknown format '", request.format(), "' (\"ckptd\" or \"", kDcpFormat, "\")")));
+  }
+  if (!request.dcp_metadata().empty() || !request.raw_targets().empty()) {
+    if (!dcp) {
+      return fail(absl::InvalidArgumentError(
+          "Save: dcp_metadata and raw_targets are for format \"pytorch-dcp\" only"));
+    }
+  }
+  if (!request.dcp_metadata().empty()) {
+    auto committed = CommitDcp(caller, request, *parent, dir);
+    if (!committed.ok()) return fail(committed.status());
+    v1::SaveResponse resp = *committed;
+    resp.set_seconds(Seconds(t0));
+    return resp;
+  }
   const std::string who = absl::StrCat("save job '", request.job_id(), "' rank ", request.rank());
   auto bytes = CheckRequestLimits(who, request.targets(), request.world_size(),
                                   request.node_ranks_size(), request.barrier_timeout_ms());
@@ -1072,7 +1095,14 @@ absl::StatusOr<v1::SaveResponse> Daemon::Save(const Caller& caller, const v1::Sa
     }
     if (absl::Status a = CheckAccess(caller, dir, Access::kSave); !a.ok()) return fail(a);
     // Early answer for the ranks; RunSaveJob checks again under the directory lock.
-    auto exists = ckpt::VersionExists(dir, request.unique_id());
+    auto exists = dcp ? absl::StatusOr<bool>(::faccessat(AT_FDCWD, (dir + "/.metadata").c_str(),
+                                                         F_OK, AT_SYMLINK_NOFOLLOW) == 0)
+                      : ckpt::VersionExists(dir, request.unique_id());
+    if (dcp && !request.overwrite() && exists.ok() && *exists) {
+      return fail(absl::AlreadyExistsError(absl::StrCat(
+          "Save: ", dir, " already holds a PyTorch DCP checkpoint (.metadata); save elsewhere "
+          "or set overwrite")));
+    }
     if (!request.overwrite() && exists.ok() && *exists) {
       return fail(absl::AlreadyExistsError(absl::StrCat(
           "Save: version ", request.unique_id(), " already exists in ", dir, " (",
@@ -1121,12 +1151,20 @@ void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
   auto plan = ckpt::PlanSave(ranks, job->world_size, job->unique_id.value_or(0));
   if (!plan.ok()) return fail_all(plan.status());
   bool overwrite = slots.front()->save_request.overwrite();
+  const std::string format = slots.front()->save_request.format();
   for (const auto& s : slots) {
     if (s->save_request.overwrite() != overwrite) {
       return fail_all(absl::InvalidArgumentError(absl::StrCat(
           "save job '", job->id, "': ranks disagree on overwrite (all must set it or none)")));
     }
+    if (s->save_request.format() != format) {
+      return fail_all(absl::InvalidArgumentError(absl::StrCat(
+          "save job '", job->id, "': ranks ", slots.front()->targets.rank, " and ",
+          s->targets.rank, " send different formats ('", format, "', '",
+          s->save_request.format(), "')")));
+    }
   }
+  const bool dcp = format == kDcpFormat;
   if (absl::Status s = ckpt::MakeDirs(job->path); !s.ok()) return fail_all(s);
   // One writer per directory; the files go into the directory that is locked
   // (opened without following a symlink), the version checked under the lock.
@@ -1134,7 +1172,9 @@ void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
   if (!lock.ok()) {
     return fail_all(ckpt::Annotate(lock.status(), absl::StrCat("save job '", job->id, "'")));
   }
-  if (absl::Status s = ckpt::PrepareSave(*lock->directory(), plan->unique_id, overwrite); !s.ok()) {
+  if (absl::Status s = dcp ? PrepareDcpSave(*lock->directory(), overwrite)
+                            : ckpt::PrepareSave(*lock->directory(), plan->unique_id, overwrite);
+      !s.ok()) {
     return fail_all(s);
   }
   // Where each rank's copy of a shard lives: (rank, name) -> bytes.
@@ -1145,6 +1185,7 @@ void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
           s->segment->data() + s->save_request.targets(t).dest_offset();
     }
   }
+  if (dcp) return WriteDcpSave(job, slots, *plan, lock->directory(), where, t0);
   std::vector<std::pair<std::string, ckpt::ShardMeta>> written;
   std::map<int, std::set<std::string>> files_of_rank;
   uint64_t bytes = 0;
@@ -1192,6 +1233,143 @@ void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
   if (it != jobs_.end() && it->second == job) jobs_.erase(it);
   spdlog::info("save job={} path={} ranks={} written={}B in {:.3f}s", job->id, job->path,
                slots.size(), bytes, Seconds(t0));
+}
+
+absl::Status Daemon::PrepareDcpSave(const ckpt::Directory& dir, bool overwrite) {
+  CKPT_ASSIGN_OR_RETURN(bool exists, dir.Exists(".metadata"));
+  if (!exists) return absl::OkStatus();
+  if (!overwrite) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        dir.path(), " already holds a PyTorch DCP checkpoint (.metadata); save elsewhere or set "
+        "overwrite"));
+  }
+  // The old checkpoint stops existing first: a save that dies midway leaves
+  // no .metadata over new data files.
+  if (::unlinkat(dir.fd(), ".metadata", 0) != 0 && errno != ENOENT) {
+    return absl::InternalError(absl::StrCat(dir.path(), "/.metadata: cannot remove it to "
+                                            "overwrite: ", std::strerror(errno)));
+  }
+  return dir.Sync();
+}
+
+void Daemon::WriteDcpSave(const std::shared_ptr<Job>& job,
+                          const std::vector<std::shared_ptr<RankSlot>>& slots,
+                          const ckpt::SavePlan& plan,
+                          std::shared_ptr<const ckpt::Directory> dir,
+                          const std::map<std::pair<int, std::string>, const uint8_t*>& where,
+                          std::chrono::steady_clock::time_point t0) {
+  std::set<std::string> raw;
+  for (const auto& s : slots) {
+    for (const auto& name : s->save_request.raw_targets()) raw.insert(name);
+  }
+  std::map<int, std::vector<v1::SavedItem>> items_of_rank;
+  uint64_t bytes = 0;
+  for (int r = 0; r < job->world_size; ++r) {
+    if (!job->expected.count(r) || plan.writes[r].empty()) continue;
+    std::vector<ckpt::DcpItemToWrite> items;
+    for (const TargetTensor& t : plan.writes[r]) {
+      const std::string what = absl::StrCat("save job '", job->id, "' rank ", r, " tensor '",
+                                            t.name, "'");
+      if (t.flat_range) {
+        return FailJob(*job, absl::InvalidArgumentError(absl::StrCat(
+                                 what, ": a flat range cannot be saved as PyTorch DCP (its "
+                                 "chunks are boxes)")));
+      }
+      ckpt::DcpItemToWrite w;
+      w.name = t.name;
+      w.dtype = t.dtype;
+      w.shape = t.box.shape;
+      w.data = where.at({r, t.name});
+      w.nbytes = t.num_bytes();
+      w.raw = raw.count(t.name) > 0;
+      if (w.raw && (t.dtype != ckpt::DType::kU8 || t.global_shape.size() != 1 ||
+                    t.box.shape != t.global_shape)) {
+        return FailJob(*job, absl::InvalidArgumentError(absl::StrCat(
+                                 what, ": a raw target must be a whole 1-D U8 tensor")));
+      }
+      items.push_back(std::move(w));
+    }
+    const std::string file = absl::StrCat("__", r, "_", plan.unique_id, ".distcp");
+    auto written = ckpt::WriteDcpDataFile(dir, file, items);
+    if (!written.ok()) return FailJob(*job, written.status());
+    for (size_t i = 0; i < items.size(); ++i) {
+      v1::SavedItem it;
+      it.set_name(items[i].name);
+      it.set_file(file);
+      it.set_offset((*written)[i].offset);
+      it.set_length((*written)[i].length);
+      items_of_rank[r].push_back(std::move(it));
+      bytes += items[i].nbytes;
+    }
+  }
+  absl::MutexLock jobs_lock(&mu_);
+  for (const auto& s : slots) {
+    v1::SaveResponse& resp = s->save_result;
+    for (const auto& it : items_of_rank[s->targets.rank]) {
+      if (resp.files_size() == 0) resp.add_files(it.file());
+      *resp.add_items() = it;
+    }
+    resp.set_bytes_written(bytes);
+    s->done = true;
+  }
+  job->state = Job::State::kFinished;
+  auto it = jobs_.find(job->id);
+  if (it != jobs_.end() && it->second == job) jobs_.erase(it);
+  spdlog::info("save job={} path={} format={} ranks={} written={}B in {:.3f}s (not committed "
+               "until its .metadata)", job->id, job->path, kDcpFormat, slots.size(), bytes,
+               Seconds(t0));
+}
+
+absl::StatusOr<v1::SaveResponse> Daemon::CommitDcp(const Caller& caller,
+                                                   const v1::SaveRequest& request,
+                                                   const std::string& parent,
+                                                   const std::string& dir) {
+  const std::string what = absl::StrCat("commit of ", dir);
+  if (request.targets_size() > 0 || request.world_size() > 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": a dcp_metadata request carries no targets (world_size 1)"));
+  }
+  if (request.dcp_metadata().size() > config_.limits.max_metadata_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        what, ": dcp_metadata of ", request.dcp_metadata().size(), " bytes is over "
+        "limits.max_metadata_bytes (", config_.limits.max_metadata_bytes, ")"));
+  }
+  struct stat lst;
+  if (::lstat(dir.c_str(), &lst) != 0 || !S_ISDIR(lst.st_mode)) {
+    return absl::NotFoundError(absl::StrCat(what, ": no such directory (save the data first)"));
+  }
+  CKPT_RETURN_IF_ERROR(CheckAccess(caller, parent, Access::kSave));
+  CKPT_RETURN_IF_ERROR(CheckAccess(caller, dir, Access::kSave));
+  auto lock = ckpt::LockDirectory(dir, 0);
+  if (!lock.ok()) return ckpt::Annotate(lock.status(), what);
+  const ckpt::Directory& d = *lock->directory();
+  CKPT_ASSIGN_OR_RETURN(bool exists, d.Exists(".metadata"));
+  if (exists && !request.overwrite()) {
+    return absl::AlreadyExistsError(absl::StrCat(
+        what, ": .metadata already exists; set overwrite to replace the checkpoint"));
+  }
+  // Read the checkpoint back through the new metadata before it exists for
+  // anyone: every item located and parsed, every tensor covered.
+  ckpt::Checkpoint c;
+  c.dir = dir;
+  c.confine = true;
+  if (absl::Status s = ckpt::OpenPickledCheckpoint(&c, d, ".metadata", request.dcp_metadata());
+      !s.ok()) {
+    return ckpt::Annotate(s, absl::StrCat(what, ": the DCP metadata does not describe the files "
+                                          "there"));
+  }
+  if (c.format != ckpt::CheckpointFormat::kTorchDcp) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, ": dcp_metadata is not a PyTorch DCP Metadata"));
+  }
+  CKPT_RETURN_IF_ERROR(
+      ckpt::WriteFileAtomicIn(lock->directory(), ".metadata", request.dcp_metadata()));
+  DropCachedMetadata(dir);
+  spdlog::info("save commit path={} format={} tensors={} bytes={}", dir, kDcpFormat,
+               c.metadata.tensors.size(), request.dcp_metadata().size());
+  v1::SaveResponse resp;
+  resp.set_metadata_file(".metadata");
+  return resp;
 }
 
 void Daemon::RunJob(const std::shared_ptr<Job>& job) {

@@ -10,6 +10,7 @@
 #define CKPTD_SERVER_DAEMON_H_
 
 #include <atomic>
+#include <chrono>
 #include <functional>
 #include <map>
 #include <memory>
@@ -27,6 +28,7 @@
 #include "core/checkpoint.h"
 #include "core/executor.h"
 #include "core/planner.h"
+#include "core/writer.h"
 #include "proto/ckpt.pb.h"
 #include <grpcpp/security/server_credentials.h>
 
@@ -281,6 +283,17 @@ class Daemon {
   // Runs `run` (RunJob, RunSaveJob) failing the job on any exception.
   void RunGuarded(const std::shared_ptr<Job>& job, void (Daemon::*run)(const std::shared_ptr<Job>&));
   void RunSaveJob(const std::shared_ptr<Job>& job);
+  // PyTorch DCP saves (SaveRequest.format "pytorch-dcp"): the version check
+  // under the directory lock, the data files of a job, and the commit of
+  // its `.metadata` (SaveRequest.dcp_metadata).
+  static absl::Status PrepareDcpSave(const ckpt::Directory& dir, bool overwrite);
+  void WriteDcpSave(const std::shared_ptr<Job>& job,
+                    const std::vector<std::shared_ptr<RankSlot>>& slots, const ckpt::SavePlan& plan,
+                    std::shared_ptr<const ckpt::Directory> dir,
+                    const std::map<std::pair<int, std::string>, const uint8_t*>& where,
+                    std::chrono::steady_clock::time_point t0) ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<v1::SaveResponse> CommitDcp(const Caller& caller, const v1::SaveRequest& request,
+                                             const std::string& parent, const std::string& dir);
   void FailJobLocked(Job& job, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailJob(Job& job, const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
   // The job's registered slots, ascending rank.

@@ -144,10 +144,21 @@ class LoadReport:
 
 
 @dataclasses.dataclass
+class SavedItem:
+    """Where a saved tensor went (format="pytorch-dcp"): bytes [offset, offset + length)
+    of `file` in the checkpoint directory."""
+    name: str
+    file: str
+    offset: int
+    length: int
+
+
+@dataclasses.dataclass
 class SaveReport:
     job_id: str = ""
     unique_id: int = 0
     files: list = dataclasses.field(default_factory=list)  # data files holding this rank's shards
+    items: list = dataclasses.field(default_factory=list)  # SavedItem, format="pytorch-dcp" only
     metadata_file: str = ""
     bytes_written: int = 0  # by the whole job
     skipped_keys: list = dataclasses.field(default_factory=list)
@@ -540,8 +551,10 @@ class Client:
 
     def save_state_dict(self, state_dict, path, *, rank=None, world_size=None, unique_id=None,
                         job_id=None, timeout=600.0, node_ranks=None, barrier_timeout=None,
-                        overwrite=False):
-        """See ckptd.save_state_dict."""
+                        overwrite=False, format=None, raw_keys=()):
+        """See ckptd.save_state_dict. format="pytorch-dcp" (with raw_keys, the keys of
+        whole 1-D uint8 arrays written as they are) is ckptd.torch.DaemonStorageWriter's:
+        data files only, committed by commit_dcp_metadata."""
         t0 = time.perf_counter()
         if self.tcp:
             raise CkptdError("INVALID_ARGUMENT", "save_state_dict needs the daemon's Unix socket")
@@ -553,7 +566,8 @@ class Client:
             unique_id = next_unique_id(path)
         req = self.pb2.SaveRequest(job_id=job_id, rank=rank, world_size=world_size, path=path,
                                    unique_id=int(unique_id), node_ranks=node_ranks,
-                                   overwrite=bool(overwrite))
+                                   overwrite=bool(overwrite), format=format or "",
+                                   raw_targets=list(raw_keys))
         if barrier_timeout is not None:
             req.barrier_timeout_ms = max(1, int(barrier_timeout * 1000))
         for e in entries:
@@ -585,10 +599,21 @@ class Client:
             if seg is not None:
                 seg.close()
         report.files = list(r.files)
+        report.items = [SavedItem(i.name, i.file, i.offset, i.length) for i in r.items]
         report.metadata_file = r.metadata_file
         report.bytes_written = r.bytes_written
         report.timings = {"daemon_s": r.seconds, **timings, "total_s": time.perf_counter() - t0}
         return report
+
+
+    def commit_dcp_metadata(self, path, metadata, *, overwrite=False, timeout=600.0):
+        """Commits a PyTorch DCP checkpoint whose data files a format="pytorch-dcp" save
+        wrote into `path`: `metadata` is its pickled DCP Metadata, which the daemon
+        checks against the files before writing it as `.metadata` (atomic, durable)."""
+        req = self.pb2.SaveRequest(job_id=f"dcp-commit-{os.getpid()}", rank=0, world_size=1,
+                                   path=_abs(path), format="pytorch-dcp",
+                                   dcp_metadata=bytes(metadata), overwrite=bool(overwrite))
+        return self._call("Save", self.stub.Save, req, timeout).metadata_file
 
 
 def _abs(path):
@@ -762,6 +787,12 @@ def load_state_dict(state_dict, path, *, rank=None, world_size=None, job_id=None
                                  strict=strict, node_ranks=node_ranks,
                                  barrier_timeout=barrier_timeout, verify=verify,
                                  transport=transport, progress=progress, aoa=aoa)
+
+
+def commit_dcp_metadata(path, metadata, *, overwrite=False, socket=None, timeout=600.0):
+    """See Client.commit_dcp_metadata (ckptd.torch.DaemonStorageWriter's commit)."""
+    with Client(socket) as c:
+        return c.commit_dcp_metadata(path, metadata, overwrite=overwrite, timeout=timeout)
 
 
 def save_state_dict(state_dict, path, *, rank=None, world_size=None, unique_id=None, job_id=None,

@@ -57,8 +57,12 @@ try:
     from torch.distributed.checkpoint.metadata import TensorProperties as _TensorProperties
 except ImportError:
     from torch.distributed._shard.sharded_tensor.metadata import TensorProperties as _TensorProperties
+try:
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+except ImportError:
+    from torch.distributed._shard.checkpoint.filesystem import _StorageInfo
 
-__all__ = ["DaemonStorageReader"]
+__all__ = ["DaemonStorageReader", "DaemonStorageWriter"]
 
 # ckptd dtype names -> torch dtypes (only those this torch has).
 _TORCH_DTYPES = {
@@ -80,6 +84,30 @@ def _enum_member(cls, name):
         return cls.__members__[name]
     raise CkptdError("DATA_LOSS", f"the DCP metadata asks for attribute {name!r} of {cls!r}, "
                      "which is not an enum member")
+
+
+def _node(socket):
+    """Names the daemon a rank talks to: its host and socket."""
+    return f"{_socket.gethostname()}:{socket}"
+
+
+def _assign_job(plans, key):
+    """The coordinator's part for a reader or writer: one ckptd job id for every rank,
+    ckptd ranks numbered over the plans whose storage_data[key] is true (ranks with
+    nothing to move stay out of the job), and node_ranks when the ranks talk to more
+    than one daemon (a multi-node job)."""
+    job_id = f"dcp-{uuid.uuid4().hex}"
+    members = [i for i, p in enumerate(plans) if p.storage_data[key]]
+    rank_of = {i: r for r, i in enumerate(members)}
+    nodes = [plans[i].storage_data["node"] for i in members]
+    out = []
+    for i, p in enumerate(plans):
+        sd = {"job_id": job_id, "world_size": len(members), "rank": rank_of.get(i)}
+        if i in rank_of and len(set(nodes)) > 1:
+            node = p.storage_data["node"]
+            sd["node_ranks"] = [r for r, n in enumerate(nodes) if n == node]
+        out.append(dataclasses.replace(p, storage_data=sd))
+    return out
 
 
 class _MetadataUnpickler(pickle.Unpickler):
@@ -194,22 +222,11 @@ class DaemonStorageReader(_st.StorageReader):
                     f"'{fqn}': this rank holds more than one shard of it; ckptd loads one box "
                     "per tensor per rank (use one local shard per tensor)")
             seen[fqn] = item.dest_index
-        node = f"{_socket.gethostname()}:{self.socket}"
-        return dataclasses.replace(plan, storage_data={"node": node, "tensors": bool(seen)})
+        return dataclasses.replace(plan, storage_data={"node": _node(self.socket),
+                                                       "tensors": bool(seen)})
 
     def prepare_global_plan(self, plans):
-        job_id = f"dcp-{uuid.uuid4().hex}"
-        readers = [i for i, p in enumerate(plans) if p.storage_data["tensors"]]
-        rank_of = {i: r for r, i in enumerate(readers)}
-        nodes = [plans[i].storage_data["node"] for i in readers]
-        out = []
-        for i, p in enumerate(plans):
-            sd = {"job_id": job_id, "world_size": len(readers), "rank": rank_of.get(i)}
-            if i in rank_of and len(set(nodes)) > 1:  # several daemons: a multi-node job
-                node = p.storage_data["node"]
-                sd["node_ranks"] = [r for r, n in enumerate(nodes) if n == node]
-            out.append(dataclasses.replace(p, storage_data=sd))
-        return out
+        return _assign_job(plans, "tensors")
 
     def read_data(self, plan, planner):
         sd = plan.storage_data
@@ -280,3 +297,116 @@ class DaemonStorageReader(_st.StorageReader):
             raise CkptdError("DATA_LOSS", f"{path}: bytes entry '{index.fqn}' is truncated "
                              f"({len(data)} of {where.length} bytes at offset {where.offset})")
         return data
+
+
+class DaemonStorageWriter(_st.StorageWriter):
+    """A DCP StorageWriter whose writes the node's ckptd does.
+
+    The checkpoint it produces is a PyTorch DCP checkpoint: DCP's own FileSystemReader
+    reads it, and so does ckptd (DaemonStorageReader, ckptd.load_state_dict, ckptctl).
+    Every rank's write items become the targets of one ckptd save job: the daemon
+    writes each rank's data file (`__{rank}_0.distcp`, every tensor a torch.save
+    archive; written to a temp name, fsynced, renamed, the directory fsynced) and says
+    where each item went. The coordinator then hands the pickled DCP Metadata to the
+    daemon, which reads the whole checkpoint back through it (every item located and
+    parsed, every tensor covered) before writing `.metadata`, atomically and durably:
+    the commit point. A save that fails or dies before that leaves no `.metadata`
+    (with `overwrite`, the old one is removed first), so no half checkpoint is visible.
+
+    path: the output directory (created), inside one of the daemon's roots.
+    socket: the daemon's Unix socket (default $CKPTD_SOCKET, else /run/ckptd/ckptd.sock).
+    overwrite: replace a checkpoint already in `path` (else ALREADY_EXISTS).
+    timeout, barrier_timeout: as for ckptd.save_state_dict.
+
+    Tensors must be on the CPU (a GPU tensor is copied to the host first). After a
+    save, `last_report` holds this rank's ckptd.SaveReport.
+    """
+
+    def __init__(self, path, socket=None, *, overwrite=False, timeout=600.0,
+                 barrier_timeout=None):
+        super().__init__()
+        self.path = os.path.abspath(os.fspath(path))
+        self.socket = os.path.abspath(socket or _client.default_socket())
+        self.overwrite = bool(overwrite)
+        self.timeout = timeout
+        self.barrier_timeout = barrier_timeout
+        self.last_report = None
+
+    def reset(self, checkpoint_id=None):
+        if checkpoint_id is not None:
+            self.path = os.path.abspath(os.fspath(checkpoint_id))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id):
+        return False
+
+    def init(self, is_coordinator):  # torch 1.13
+        pass
+
+    def set_up_storage_writer(self, is_coordinator, *args, **kwargs):  # torch >= 2.0
+        pass
+
+    def storage_meta(self):  # torch >= 2.4 asks; nothing to add
+        return None
+
+    def prepare_local_plan(self, plan):
+        seen = {}
+        for item in plan.items:
+            fqn = item.index.fqn
+            if fqn in seen:
+                raise CkptdError(
+                    "INVALID_ARGUMENT",
+                    f"'{fqn}': this rank writes more than one item of it; ckptd saves one box "
+                    "per tensor per rank (use one local shard per tensor)")
+            seen[fqn] = item
+        return dataclasses.replace(plan, storage_data={"node": _node(self.socket),
+                                                       "items": bool(seen)})
+
+    def prepare_global_plan(self, plans):
+        return _assign_job(plans, "items")
+
+    def write_data(self, plan, planner):
+        import numpy as np
+        sd = plan.storage_data
+        state, raw = {}, []
+        for item in plan.items:
+            fqn = item.index.fqn
+            data = planner.resolve_data(item)
+            if item.type == _pl.WriteItemType.BYTE_IO:
+                blob = np.frombuffer(data.getbuffer(), dtype=np.uint8)
+                state[fqn] = ShardedTensor(blob, (blob.size,), (0,))
+                raw.append(fqn)
+                continue
+            t = data.detach()
+            if t.device.type != "cpu":
+                t = t.cpu()
+            td = item.tensor_data
+            state[fqn] = ShardedTensor(t.contiguous(), tuple(td.size), tuple(td.chunk.offsets))
+        results = []
+        if sd["rank"] is not None:
+            with _client.Client(self.socket) as c:
+                self.last_report = c.save_state_dict(
+                    state, self.path, rank=sd["rank"], world_size=sd["world_size"],
+                    node_ranks=sd.get("node_ranks", []), job_id=sd["job_id"], unique_id=0,
+                    timeout=self.timeout, barrier_timeout=self.barrier_timeout,
+                    overwrite=self.overwrite, format="pytorch-dcp", raw_keys=raw)
+            where = {it.name: it for it in self.last_report.items}
+            for item in plan.items:
+                it = where.get(item.index.fqn)
+                if it is None:
+                    continue  # a replica another rank wrote (its result names the same index)
+                results.append(_st.WriteResult(
+                    index=item.index, size_in_bytes=it.length,
+                    storage_data=_StorageInfo(it.file, it.offset, it.length)))
+        fut = torch.futures.Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata, results):
+        storage = {}
+        for per_rank in results:
+            for wr in per_rank:
+                storage[wr.index] = wr.storage_data
+        metadata.storage_data = storage
+        _client.commit_dcp_metadata(self.path, pickle.dumps(metadata), overwrite=self.overwrite,
+                                    socket=self.socket, timeout=min(self.timeout, 600.0))

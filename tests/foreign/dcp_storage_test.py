@@ -1,5 +1,5 @@
-"""ckptd.torch.DaemonStorageReader under PyTorch DCP's own load_state_dict (Debian's
-torch 1.13), against a real ckptd daemon.
+"""ckptd.torch.DaemonStorageReader and DaemonStorageWriter under PyTorch DCP's own
+load_state_dict / save_state_dict (Debian's torch 1.13), against a real ckptd daemon.
 
 The checkpoints: real DCP checkpoints written by torch itself (dcp_gen.py: 2 gloo
 ranks, ShardedTensors split on dim 0, plain tensors, a non-tensor item), a ckptd
@@ -37,7 +37,7 @@ import ckptd
 import testlib
 
 if torch is not None:
-    from ckptd.torch import DaemonStorageReader
+    from ckptd.torch import DaemonStorageReader, DaemonStorageWriter
 
 WORLD = 2
 POISON_INT = -7777777
@@ -141,6 +141,55 @@ def two_shards_worker(rank, gen_dir, path, sock, init_file, out_dir):
         err = str(e)
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"error": err, "seconds": time.monotonic() - t0}, f)
+    dist.destroy_process_group()
+
+
+def reference():
+    """What the writer tests save: {name: full tensor}, the same in every process."""
+    g = torch.Generator().manual_seed(99)
+    return {
+        "w": torch.randn(9, 6, generator=g),                             # split on dim 0
+        "w_bf16": torch.randn(4, 10, generator=g).to(torch.bfloat16),    # split on dim 1
+        "emb": torch.arange(5 * 3, dtype=torch.int64).reshape(5, 3) * 999983,  # replicated
+        "scale": torch.tensor(2.5, dtype=torch.float64),                 # 0-d, replicated
+    }
+
+
+def rows_of(n, rank):
+    return cols(n, rank)
+
+
+def save_worker(rank, path, sock, init_file, out_dir, overwrite, bump):
+    """Rank `rank` of 2 saves reference() (+ bump) with DCP's save_state_dict through
+    a DaemonStorageWriter: ShardedTensors, replicated plain tensors, a bytes item."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
+                            world_size=WORLD)
+    ref = {k: (v + bump if v.is_floating_point() else v + int(bump)) for k, v in reference().items()}
+    sd = {}
+    for name, dim in (("w", 0), ("w_bf16", 1)):
+        full = ref[name]
+        mds = []
+        for r in range(WORLD):
+            s, n = cols(full.shape[dim], r)
+            off, size = [0, 0], list(full.shape)
+            off[dim], size[dim] = s, n
+            mds.append(ShardMetadata(shard_offsets=off, shard_sizes=size, placement=f"rank:{r}/cpu"))
+        md = mds[rank]
+        local = full[tuple(slice(o, o + z) for o, z in zip(md.shard_offsets, md.shard_sizes))]
+        sd[name] = init_from_local_shards([Shard(tensor=local.clone(), metadata=md)],
+                                          list(full.shape))
+    sd["emb"], sd["scale"] = ref["emb"].clone(), ref["scale"].clone()
+    sd["extra"] = {"step": 1000 + int(bump), "names": ["a", "b"]}
+    writer = DaemonStorageWriter(path, socket=sock, overwrite=overwrite)
+    err = None
+    try:
+        dcp.save_state_dict(sd, storage_writer=writer)
+    except BaseException as e:  # noqa: B902 (torch 1.13's CheckpointException)
+        err = str(e)
+    rep = writer.last_report
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump({"error": err, "items": [i.name for i in rep.items] if rep else None}, f)
     dist.destroy_process_group()
 
 
@@ -292,5 +341,93 @@ class DaemonStorageReaderTest(unittest.TestCase):
         self.assertIsNotNone(_MetadataUnpickler(io.BytesIO(good)).load())
 
 
+@unittest.skipIf(torch is None, "torch is not installed [needs: torch]")
+class DaemonStorageWriterTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.root = testlib.tmp_root()
+        cls.daemon = testlib.Daemon(cls.root)
+        cls.sock = cls.daemon.socket
+
+    @classmethod
+    def tearDownClass(cls):
+        rc = cls.daemon.stop()
+        assert rc == 0, f"ckptd exited {rc}: {cls.daemon.read_log()[-2000:]}"
+
+    def save(self, path, overwrite=False, bump=0.0):
+        out = tempfile.mkdtemp(prefix="out-", dir=os.environ.get("TEST_TMPDIR"))
+        mp.start_processes(save_worker, args=(path, self.sock, os.path.join(out, "pg"), out,
+                                              overwrite, bump),
+                           nprocs=WORLD, join=True, start_method="spawn")
+        reps = []
+        for r in range(WORLD):
+            with open(os.path.join(out, f"rank{r}.json")) as f:
+                reps.append(json.load(f))
+        return reps
+
+    def load_with(self, path, reader):
+        """Loads every saved value whole (no_dist) with `reader`; returns the state dict."""
+        sd = {"w": poisoned((9, 6), torch.float32), "w_bf16": poisoned((4, 10), torch.bfloat16),
+              "emb": poisoned((5, 3), torch.int64), "scale": poisoned((), torch.float64),
+              "extra": None}
+        dcp.load_state_dict(sd, storage_reader=reader, no_dist=True)
+        return sd
+
+    def check(self, sd, bump=0.0):
+        for k, v in reference().items():
+            want = v + bump if v.is_floating_point() else v + int(bump)
+            self.assertTrue(same(sd[k], want), k)
+        self.assertEqual(sd["extra"], {"step": 1000 + int(bump), "names": ["a", "b"]})
+
+    def test_two_ranks_save_and_both_dcp_and_ckptd_read_it_back(self):
+        path = os.path.join(self.root, "saved")
+        reps = self.save(path)
+        for rep in reps:
+            self.assertIsNone(rep["error"], rep)
+        # Each rank wrote its own shard; DCP's planner put the replicated values
+        # and the bytes item on one rank only.
+        self.assertEqual(sorted(reps[0]["items"] + reps[1]["items"]),
+                         sorted(["w", "w", "w_bf16", "w_bf16", "emb", "scale", "extra"]))
+        self.assertEqual(sorted(f for f in os.listdir(path) if not f.startswith(".")),
+                         ["__0_0.distcp", "__1_0.distcp"])
+        # PyTorch's own reader (torch.load on every item).
+        self.check(self.load_with(path, dcp.FileSystemReader(path)))
+        # ckptd: inspect, and DaemonStorageReader.
+        info = ckptd.inspect(path, socket=self.sock)
+        self.assertEqual(info.format, "pytorch-dcp")
+        self.assertEqual(sorted(info.tensors), ["emb", "scale", "w", "w_bf16"])
+        self.assertEqual(info.tensors["w_bf16"].dtype, "BF16")
+        self.check(self.load_with(path, DaemonStorageReader(path, socket=self.sock)))
+        # Saving again without overwrite: ALREADY_EXISTS on every rank, files untouched.
+        reps = self.save(path, bump=1.0)
+        for rep in reps:
+            self.assertIn("already holds a PyTorch DCP checkpoint", rep["error"] or "")
+        self.check(self.load_with(path, dcp.FileSystemReader(path)))
+        # With overwrite: the new values, for both readers.
+        for rep in self.save(path, overwrite=True, bump=1.0):
+            self.assertIsNone(rep["error"], rep)
+        self.check(self.load_with(path, dcp.FileSystemReader(path)), bump=1.0)
+        self.check(self.load_with(path, DaemonStorageReader(path, socket=self.sock)), bump=1.0)
+
+    def test_commit_refuses_metadata_that_does_not_match_the_files(self):
+        path = os.path.join(self.root, "mismatch")
+        for rep in self.save(path):
+            self.assertIsNone(rep["error"], rep)
+        md = dcp.FileSystemReader(path).read_metadata()
+        os.unlink(os.path.join(path, ".metadata"))  # as before the commit
+        # Every item shifted by one byte: no longer a torch.save archive.
+        for k, v in list(md.storage_data.items()):
+            md.storage_data[k] = type(v)(v.relative_path, v.offset + 1, v.length)
+        import pickle
+        with self.assertRaises(ckptd.CkptdError) as cm:
+            ckptd.commit_dcp_metadata(path, pickle.dumps(md), socket=self.sock)
+        self.assertIn("does not describe the files there", cm.exception.message)
+        self.assertFalse(os.path.exists(os.path.join(path, ".metadata")))
+        # Not a pickle at all.
+        with self.assertRaises(ckptd.CkptdError):
+            ckptd.commit_dcp_metadata(path, b"{}", socket=self.sock)
+        self.assertFalse(os.path.exists(os.path.join(path, ".metadata")))
+
+
 if __name__ == "__main__":
-    testlib.main("dcp_reader_test")
+    testlib.main("dcp_storage_test")
