@@ -295,6 +295,15 @@ class DaemonStorageReaderTest(unittest.TestCase):
         self.assertTrue(same(sd["emb"], torch.from_numpy(b)))
         self.assertTrue(same(sd["w"], torch.from_numpy(a).double()))  # F32 -> F64 cast
 
+    def test_a_tensor_of_another_shape_fails_naming_it(self):
+        sd = {"bias": poisoned((6,), torch.float32)}  # the checkpoint's bias is [5]
+        with self.assertRaises(BaseException) as cm:
+            dcp.load_state_dict(sd, storage_reader=DaemonStorageReader(
+                os.path.join(self.gen, "ckpt"), socket=self.sock), no_dist=True)
+        self.assertIn("'bias': this rank's tensor of shape (6,)", str(cm.exception))
+        self.assertIn("does not fit the checkpoint's (5,)", str(cm.exception))
+        self.assertTrue(torch.isnan(sd["bias"]).all())  # nothing was loaded
+
     def test_non_contiguous_destination_is_filled_through_a_copy(self):
         base = poisoned((5, 7), torch.float32)
         sd = {"layers.0.w": base.t()}  # [7, 5], strides (1, 7)

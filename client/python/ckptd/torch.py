@@ -236,6 +236,15 @@ class DaemonStorageReader(_st.StorageReader):
                 planner.load_bytes(item, io.BytesIO(self._read_bytes(item.storage_index)))
                 continue
             fqn = item.storage_index.fqn
+            lookup = getattr(planner, "lookup_tensor", None)  # DCP's default planners
+            whole = lookup(item.dest_index) if lookup is not None else None
+            if whole is not None and tuple(whole.shape) != tuple(item.lengths):
+                # DCP would fill only the overlap and leave the rest as it was.
+                raise CkptdError(
+                    "INVALID_ARGUMENT",
+                    f"'{fqn}': this rank's tensor of shape {tuple(whole.shape)} (at offset "
+                    f"{tuple(item.dest_index.offset or ())}) does not fit the checkpoint's "
+                    f"{tuple(self._info.tensors[fqn].global_shape)}")
             dest = planner.resolve_tensor(item).detach()
             if tuple(dest.shape) != tuple(item.lengths):
                 raise CkptdError("INVALID_ARGUMENT", f"'{fqn}': the planner resolved a tensor "
