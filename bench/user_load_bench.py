@@ -214,9 +214,9 @@ class Rank:
         dests = None
         if not fresh:
             dests = self.arena_tensors if op == "arena" else self.touched
-            if op in ("dcp", "ckptd", "arena"):
+            if op in ("dcp", "dcpd", "ckptd", "arena"):
                 self.poison(dests)
-        sd = self.sharded(dests) if op == "dcp" and not fresh else None
+        sd = self.sharded(dests) if op in ("dcp", "dcpd") and not fresh else None
         out = {}
         dist.barrier()
         t0 = time.monotonic()
@@ -232,6 +232,13 @@ class Rank:
             if sd is None:
                 sd = self.sharded(dests)
             self.dcp.load_state_dict(sd, self.dcp.FileSystemReader(self.cfg["ckpt"]))
+        elif op == "dcpd":  # the drop-in: DCP's own call, ckptd's reader
+            from ckptd.torch import DaemonStorageReader
+            reader = DaemonStorageReader(self.cfg["ckpt"], socket=self.cfg["socket"])
+            self.dcp.load_state_dict(sd, reader)
+            rep = reader.last_report
+            out = {"transport": rep.transport, "bytes_read": rep.bytes_read,
+                   "bytes_from_cache": rep.bytes_from_cache, "timings": dict(rep.timings)}
         elif op in ("ckptd", "arena"):
             rep = self.ckptd.load_state_dict(self.ckptd_state(dests), self.cfg["ckpt"],
                                              rank=self.rank, world_size=self.n,
@@ -245,7 +252,7 @@ class Rank:
         else:
             raise RuntimeError(f"unknown op {op!r}")
         t1 = time.monotonic()
-        if op in ("dcp", "ckptd", "arena"):
+        if op in ("dcp", "dcpd", "ckptd", "arena"):
             self.verify(dests, cmd["what"])
         if fresh:
             self.poison(dests)  # freed memory never carries a right answer into a later case
@@ -455,6 +462,10 @@ def main():
                                                      fresh=kind == "fresh"))
                 add(f"ckptd {kind} warm", ranks.run("ckptd", f"ckptd-{kind}-warm",
                                                      fresh=kind == "fresh"))
+            # The drop-in: DCP's load_state_dict with ckptd.torch.DaemonStorageReader.
+            evict()
+            add("dcpd touched cold", ranks.run("dcpd", "dcp-daemon-reader-touched-cold"))
+            add("dcpd touched warm", ranks.run("dcpd", "dcp-daemon-reader-touched-warm"))
             ranks.run("arena_open", "arena-open")
             evict()
             add("arena cold", ranks.run("arena", "arena-cold"))
@@ -511,7 +522,11 @@ def main():
     print(f"limits: first touch {touch:.2f} GB/s ({a.ranks} processes; after idle: "
           f"{med_gbps('touch unbacked'):.2f}), memcpy {memcpy:.2f} GB/s "
           f"({a.ranks} processes); transports: " +
-          ", ".join(f"{k}={transport(k)}" for k in res if k.startswith(("ckptd", "arena"))))
+          ", ".join(f"{k}={transport(k)}" for k in res if k.startswith(("ckptd", "arena", "dcpd"))))
+    for key in ("dcpd touched cold", "dcpd touched warm"):
+        print(f"DCP load_state_dict + DaemonStorageReader, touched, {key.split()[-1]}: "
+              f"{med_s(key):.3f} s ({med_gbps(key):.2f} GB/s, {med_s('dcp touched') / med_s(key):.1f}x "
+              "DCP's FileSystemReader)")
     for key in ("ckptd fresh cold", "ckptd fresh warm", "ckptd touched cold",
                 "ckptd touched warm", "ckptd fresh first", "ckptd touched first", "arena warm"):
         print(f"  {key:<20} client copy-out {timing(key, 'client_copy_out_s'):.3f} s, daemon "
@@ -545,6 +560,10 @@ def main():
         "<=1.30x", lambda r: r <= 1.3)
     row(f"7 ckptd-fresh-1st-after-start[{t('ckptd fresh first')}]", med_s("ckptd fresh first"),
         "s", med_s("ckptd fresh cold"), "later cold, fresh", "<=1.30x", lambda r: r <= 1.3)
+    row(f"7 dcp-daemon-reader-touched-warm[{t('dcpd touched warm')}]",
+        med_gbps("dcpd touched warm"), "GB/s", dcp_t, "DCP touched")
+    row(f"7 dcp-daemon-reader-touched-cold[{t('dcpd touched cold')}]",
+        med_gbps("dcpd touched cold"), "GB/s", dcp_t, "DCP touched")
     row(f"7 ckptd-lent-arena-warm[{t('arena warm')}]", med_gbps("arena warm"), "GB/s", memcpy,
         f"memcpy {n}proc")
     row(f"7 ckptd-lent-arena-cold[{t('arena cold')}]", med_gbps("arena cold"), "GB/s", dcp_t,
