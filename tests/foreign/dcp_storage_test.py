@@ -159,7 +159,7 @@ def rows_of(n, rank):
     return cols(n, rank)
 
 
-def save_worker(rank, path, sock, init_file, out_dir, overwrite, bump):
+def save_worker(rank, path, sock, overwrite, bump, init_file, out_dir):
     """Rank `rank` of 2 saves reference() (+ bump) with DCP's save_state_dict through
     a DaemonStorageWriter: ShardedTensors, replicated plain tensors, a bytes item."""
     torch.set_num_threads(1)
@@ -207,35 +207,32 @@ def write_safetensors(path, tensors):
         f.write(struct.pack("<Q", len(h)) + h + b"".join(blobs))
 
 
+def spawn(worker, *args):
+    """Runs worker(rank, *args, init_file, out_dir) in WORLD spawned processes; returns
+    what each rank wrote to out_dir/rank{r}.json."""
+    out = tempfile.mkdtemp(prefix="out-", dir=os.environ.get("TEST_TMPDIR"))
+    mp.start_processes(worker, args=(*args, os.path.join(out, "pg-init"), out),
+                       nprocs=WORLD, join=True, start_method="spawn")
+    reps = []
+    for r in range(WORLD):
+        with open(os.path.join(out, f"rank{r}.json")) as f:
+            reps.append(json.load(f))
+    return reps
+
+
 @unittest.skipIf(torch is None, "torch is not installed [needs: torch]")
-class DaemonStorageReaderTest(unittest.TestCase):
+class DaemonStorageReaderTest(testlib.DaemonTestCase):
     @classmethod
-    def setUpClass(cls):
-        cls.root = testlib.tmp_root()
-        cls.gen = os.path.join(cls.root, "gen")
+    def prepare(cls, root):
+        cls.gen = os.path.join(root, "gen")
         subprocess.run([sys.executable, os.path.join(HERE, "dcp_gen.py"), cls.gen], check=True,
                        stdout=subprocess.DEVNULL)
-        cls.daemon = testlib.Daemon(cls.root)
-        cls.sock = cls.daemon.socket
-
-    @classmethod
-    def tearDownClass(cls):
-        rc = cls.daemon.stop()
-        assert rc == 0, f"ckptd exited {rc}: {cls.daemon.read_log()[-2000:]}"
 
     def bytes_read(self):
         return int(ckptd.status(socket=self.sock)["bytes_read_total"])
 
     def spawn_load(self, path, worker=load_worker):
-        out = tempfile.mkdtemp(prefix="out-", dir=os.environ.get("TEST_TMPDIR"))
-        init = os.path.join(out, "pg-init")
-        mp.start_processes(worker, args=(self.gen, path, self.sock, init, out),
-                           nprocs=WORLD, join=True, start_method="spawn")
-        reps = []
-        for r in range(WORLD):
-            with open(os.path.join(out, f"rank{r}.json")) as f:
-                reps.append(json.load(f))
-        return reps
+        return spawn(worker, self.gen, path, self.sock)
 
     def test_two_gloo_ranks_reshard_a_dcp_checkpoint_reading_each_byte_once(self):
         path = os.path.join(self.root, "ckpt-cold")  # a copy no other case loaded
@@ -351,28 +348,9 @@ class DaemonStorageReaderTest(unittest.TestCase):
 
 
 @unittest.skipIf(torch is None, "torch is not installed [needs: torch]")
-class DaemonStorageWriterTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.root = testlib.tmp_root()
-        cls.daemon = testlib.Daemon(cls.root)
-        cls.sock = cls.daemon.socket
-
-    @classmethod
-    def tearDownClass(cls):
-        rc = cls.daemon.stop()
-        assert rc == 0, f"ckptd exited {rc}: {cls.daemon.read_log()[-2000:]}"
-
+class DaemonStorageWriterTest(testlib.DaemonTestCase):
     def save(self, path, overwrite=False, bump=0.0):
-        out = tempfile.mkdtemp(prefix="out-", dir=os.environ.get("TEST_TMPDIR"))
-        mp.start_processes(save_worker, args=(path, self.sock, os.path.join(out, "pg"), out,
-                                              overwrite, bump),
-                           nprocs=WORLD, join=True, start_method="spawn")
-        reps = []
-        for r in range(WORLD):
-            with open(os.path.join(out, f"rank{r}.json")) as f:
-                reps.append(json.load(f))
-        return reps
+        return spawn(save_worker, path, self.sock, overwrite, bump)
 
     def load_with(self, path, reader):
         """Loads every saved value whole (no_dist) with `reader`; returns the state dict."""

@@ -100,17 +100,7 @@ class OldDaemon:
         shutil.rmtree(self.dir, ignore_errors=True)
 
 
-class ApiVersionTest(unittest.TestCase):
-    @classmethod
-    def setUpClass(cls):
-        cls.root = testlib.tmp_root()
-        cls.daemon = testlib.Daemon(cls.root)
-        cls.sock = cls.daemon.socket
-
-    @classmethod
-    def tearDownClass(cls):
-        rc = cls.daemon.stop()
-        assert rc == 0, f"ckptd exited {rc}"
+class ApiVersionTest(testlib.DaemonTestCase):
 
     def test_package_version_is_VERSION(self):
         self.assertEqual(ckptd.__version__, VERSION)

@@ -106,6 +106,28 @@ class Daemon:
                                  f"{self.read_log()[-3000:]}")
 
 
+class DaemonTestCase(unittest.TestCase):
+    """A test class sharing one real daemon: cls.root (a fresh checkpoint root, filled
+    by the class's `prepare(root)` before the daemon starts), cls.daemon, cls.sock. The
+    daemon must exit 0 at teardown."""
+
+    @classmethod
+    def prepare(cls, root):
+        pass
+
+    @classmethod
+    def setUpClass(cls):
+        cls.root = tmp_root()
+        cls.prepare(cls.root)
+        cls.daemon = Daemon(cls.root)
+        cls.sock = cls.daemon.socket
+
+    @classmethod
+    def tearDownClass(cls):
+        rc = cls.daemon.stop()
+        assert rc == 0, f"ckptd exited {rc} at teardown: {cls.daemon.read_log()[-2000:]}"
+
+
 # --- an independent safetensors reader (numpy only) -----------------------------
 
 _NP = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
