@@ -61,6 +61,22 @@ inline int WaitExit(pid_t pid, std::chrono::milliseconds timeout = std::chrono::
   return -1;
 }
 
+// Polls `done` every 10 ms until it holds or `timeout` passes; on expiry
+// the failure names `what` and the time waited (use with ASSERT_TRUE).
+template <typename Cond>
+::testing::AssertionResult Await(Cond done, const std::string& what,
+                                 std::chrono::milliseconds timeout = std::chrono::seconds(10)) {
+  const auto end = std::chrono::steady_clock::now() + timeout;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() >= end) {
+      return ::testing::AssertionFailure()
+             << "timed out after " << timeout.count() << " ms waiting for " << what;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  return ::testing::AssertionSuccess();
+}
+
 class DaemonProcess {
  public:
   explicit DaemonProcess(const std::string& root, std::vector<std::string> extra = {}) {
