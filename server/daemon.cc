@@ -18,6 +18,7 @@
 #include <deque>
 #include <limits>
 #include <thread>
+#include <tuple>
 
 #include <grpcpp/grpcpp.h>
 #include <spdlog/spdlog.h>
@@ -622,7 +623,7 @@ absl::StatusOr<std::shared_ptr<Daemon::RankSlot>> Daemon::PrepareSlot(
     // anything is mapped; only the bytes up to the end of the last target are.
     absl::Status bad;
     uint64_t needed = 0;
-    std::vector<std::pair<uint64_t, uint64_t>> ranges;
+    std::vector<std::tuple<uint64_t, uint64_t, int>> ranges;  // [begin, end), target
     for (int i = 0; i < req.targets_size() && bad.ok(); ++i) {
       const uint64_t off = req.targets(i).dest_offset();
       const uint64_t n = slot->targets.tensors[i].num_bytes();
@@ -631,14 +632,18 @@ absl::StatusOr<std::shared_ptr<Daemon::RankSlot>> Daemon::PrepareSlot(
             who, " tensor '", req.targets(i).name(), "' needs segment bytes [", off, ", ", off + n,
             ") but the segment is ", size, " bytes (segment too small)"));
       }
-      if (n > 0) ranges.push_back({off, off + n});
+      if (n > 0) ranges.push_back({off, off + n, i});
       needed = std::max(needed, off + n);
     }
     std::sort(ranges.begin(), ranges.end());
     for (size_t i = 1; i < ranges.size() && bad.ok(); ++i) {
-      if (ranges[i].first < ranges[i - 1].second) {
+      const auto& [begin, end, t] = ranges[i];
+      const auto& [prev_begin, prev_end, prev] = ranges[i - 1];
+      if (begin < prev_end) {
         bad = absl::InvalidArgumentError(absl::StrCat(
-            who, ": two targets overlap in the segment at byte ", ranges[i].first));
+            who, ": two targets overlap in the segment at byte ", begin, ": tensor '",
+            req.targets(prev).name(), "' [", prev_begin, ", ", prev_end, ") and tensor '",
+            req.targets(t).name(), "' [", begin, ", ", end, ")"));
       }
     }
     if (!bad.ok()) {
@@ -875,7 +880,10 @@ absl::StatusOr<std::pair<std::shared_ptr<Daemon::Job>, bool>> Daemon::Register(
     } else if (job->path != key.path) {
       mismatch = absl::StrCat("checkpoint ", key.path, " vs ", job->path);
     } else if (job->unique_id != key.unique_id) {
-      mismatch = "unique_id";
+      auto version = [](const std::optional<int64_t>& u) {
+        return u ? absl::StrCat(*u) : std::string("unset (the newest)");
+      };
+      mismatch = absl::StrCat("unique_id ", version(key.unique_id), " vs ", version(job->unique_id));
     } else if (job->world_size != key.world_size) {
       mismatch = absl::StrCat("world_size ", key.world_size, " vs ", job->world_size);
     }

@@ -712,5 +712,306 @@ class StatusCodeTest(unittest.TestCase):
             return "OK", ""
 
 
+# --- 5. requests refused before the barrier --------------------------------------------
+
+def raw_load(sock, path, job, rank, world, targets, shm=None, barrier_ms=60000, timeout=20):
+    """One raw Load call: (code, message, events). `targets`: (name, dtype,
+    global_shape, offset, shape, dest_offset) tuples; `shm`: (fd_token, size).
+    The gRPC deadline (`timeout`) is far below the barrier deadline, so a call
+    that waited at the barrier comes back DEADLINE_EXCEEDED, not the refusal."""
+    events = []
+    with ckptd.Client(sock) as c:
+        req = c.pb2.LoadRequest(job_id=job, rank=rank, world_size=world, path=path,
+                                barrier_timeout_ms=barrier_ms)
+        for name, dtype, gshape, offset, shape, dest in targets:
+            req.targets.add(name=name, dtype=dtype, global_shape=gshape, offset=offset,
+                            shape=shape, dest_offset=dest)
+        if shm is not None:
+            req.shm.fd_token, req.shm.size = shm
+        else:
+            req.stream.SetInParent()
+        try:
+            for ev in c.stub.Load(req, timeout=timeout):
+                events.append(ev)
+        except c._grpc.RpcError as e:
+            return e.code().name, e.details(), events
+        return "OK", "", events
+
+
+def whole(name, i=0, dtype="F32", gshape=(ROWS, COLS), offset=(0, 0), shape=(ROWS, COLS)):
+    return (name, dtype, list(gshape), list(offset), list(shape), i * ROWS * COLS * 4)
+
+
+class BeforeBarrierTest(unittest.TestCase):
+    """docs/daemon.md "What one load does", step 1: bad targets are refused at once
+    with INVALID_ARGUMENT naming the rank and tensor; the rank never registers, so it
+    does not wait for the others (here rank 1 of 2 never comes)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.root = testlib.tmp_root()
+        cls.src = make_checkpoint(cls.root)
+        cls.daemon = testlib.Daemon(cls.root)
+
+    @classmethod
+    def tearDownClass(cls):
+        rc = cls.daemon.stop()
+        assert rc == 0, f"ckptd exited {rc} at teardown: {cls.daemon.read_log()[-3000:]}"
+
+    def refused_at_once(self, job, targets, *texts, shm=None):
+        sock = self.daemon.socket
+        code, msg, events = raw_load(sock, self.src, job, 0, LOAD_WORLD, targets, shm=shm)
+        self.assertEqual(code, "INVALID_ARGUMENT", msg)
+        for t in (f"job '{job}'", "rank 0") + texts:
+            self.assertIn(t, msg)
+        # Refused before it registered: no "registered rank" event, no job.
+        self.assertEqual([e.WhichOneof("event") for e in events], [])
+        self.assertNotIn(job, jobs(sock))
+        # The job id is still free: a good job under it runs (rank 0 was never
+        # registered, else this rank 0 would be ALREADY_EXISTS).
+        ranks = [Rank(sock, self.src, job, r) for r in range(LOAD_WORLD)]
+        for r in ranks:
+            assert_loaded(self, r.finish())
+
+    def test_box_outside_global_shape(self):
+        self.refused_at_once("early-box", [whole(NAMES[0]), whole(NAMES[1], 1, offset=(1, 0))],
+                             f"job 'early-box': rank 0 tensor '{NAMES[1]}': box "
+                             f"({ROWS},{COLS})@(1,0) lies outside the global shape [{ROWS},{COLS}]")
+
+    def test_unknown_dtype(self):
+        self.refused_at_once("early-dtype", [whole(NAMES[0]), whole(NAMES[2], 1, dtype="F33")],
+                             f"rank 0 tensor '{NAMES[2]}'", "F33")
+
+    def test_segment_too_small(self):
+        with _shm.Segment(ROWS * COLS * 4, "ckptd-claims-small") as seg:
+            token = _shm.send_fd(self.daemon.socket + ".fd", seg.fd)
+            self.refused_at_once("early-small", [whole(NAMES[0]), whole(NAMES[3], 1)],
+                                 f"rank 0 tensor '{NAMES[3]}'", "(segment too small)",
+                                 shm=(token, ROWS * COLS * 4))
+
+    def test_overlapping_destinations(self):
+        size = 2 * ROWS * COLS * 4
+        with _shm.Segment(size, "ckptd-claims-overlap") as seg:
+            token = _shm.send_fd(self.daemon.socket + ".fd", seg.fd)
+            t1 = whole(NAMES[1], 0)
+            t1 = t1[:5] + (ROWS * COLS * 2,)  # halfway into NAMES[0]'s bytes
+            self.refused_at_once("early-overlap", [whole(NAMES[0], 0), t1],
+                                 "job 'early-overlap' rank 0: two targets overlap in the "
+                                 f"segment at byte {ROWS * COLS * 2}: tensor '{NAMES[0]}' "
+                                 f"[0, {ROWS * COLS * 4}) and tensor '{NAMES[1]}' "
+                                 f"[{ROWS * COLS * 2}, {ROWS * COLS * 6})", shm=(token, size))
+
+    def test_control_good_rank_waits_at_the_barrier(self):
+        """The control: the same call with good targets registers and waits (its
+        first event says so) until its barrier deadline names the missing rank."""
+        code, msg, events = raw_load(self.daemon.socket, self.src, "early-good", 0, LOAD_WORLD,
+                                     [whole(NAMES[0])], barrier_ms=300)
+        self.assertEqual(code, "DEADLINE_EXCEEDED", msg)
+        self.assertIn("ranks 1 never registered", msg)
+        self.assertEqual([e.progress for e in events][:1],
+                         ["registered rank 0 (1 of 2 ranks of job 'early-good')"])
+
+
+# --- 6. the metadata cache -------------------------------------------------------------
+
+def save_values(sock, path, values, unique_id=0, job="claims-resave", overwrite=False):
+    """Saves `values` ({name: (ROWS, COLS) array}) as version `unique_id` of `path` over
+    SAVE_WORLD ranks, split on rows as make_checkpoint does (same files, same sizes)."""
+    rows = ROWS // SAVE_WORLD
+    errors = []
+
+    def save(r):
+        state = {n: ckptd.ShardedTensor(values[n][r * rows:(r + 1) * rows].copy(), (ROWS, COLS),
+                                        (r * rows, 0)) for n in NAMES}
+        try:
+            with ckptd.Client(sock) as c:
+                c.save_state_dict(state, path, rank=r, world_size=SAVE_WORLD, unique_id=unique_id,
+                                  job_id=job, overwrite=overwrite, barrier_timeout=20)
+        except ckptd.CkptdError as e:
+            errors.append(e)
+
+    ts = [threading.Thread(target=save, args=(r,)) for r in range(SAVE_WORLD)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(60)
+    assert not errors, errors
+
+
+def load_whole(sock, path, job):
+    """{name: array} of a 1-rank load of every tensor of `path`."""
+    out = {n: np.full((ROWS, COLS), -1.0, np.float32) for n in NAMES}
+    ckptd.load_state_dict(out, path, rank=0, world_size=1, job_id=job, socket=sock, timeout=60)
+    return out
+
+
+class MetadataCacheTest(unittest.TestCase):
+    """docs/daemon.md "What one load does", step 3: metadata from the metadata cache
+    when no file changed (directory, metadata and data files compared by
+    device/inode/size/mtime/ctime). Seen from outside: Status
+    `metadata_cache_entries`, and the log line "metadata of DIR changed on disk;
+    reopening" that a cached entry found stale writes (it is written for nothing else)."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.root = testlib.tmp_root()
+        cls.src = make_checkpoint(cls.root)
+        rng = np.random.default_rng(21)
+        cls.other = {n: rng.standard_normal((ROWS, COLS)).astype(np.float32) for n in NAMES}
+        # The same layout with other values, saved elsewhere by another daemon.
+        cls.src2 = os.path.join(cls.root, "src2")
+        with testlib.Daemon(cls.root) as d:
+            save_values(d.socket, cls.src2, cls.other)
+        assert os.listdir(cls.src2) and sorted(os.listdir(cls.src2)) == sorted(os.listdir(cls.src))
+
+    def setUp(self):
+        self.daemon = testlib.Daemon(self.root)
+        self.addCleanup(self.stop)
+
+    def stop(self):
+        rc = self.daemon.stop()
+        self.assertEqual(rc, 0, self.daemon.read_log()[-3000:])
+
+    def entries(self):
+        return int(status(self.daemon.socket)["metadata_cache_entries"])
+
+    def reopened(self, path):
+        return self.daemon.read_log().count(
+            f"metadata of {os.path.realpath(path)} changed on disk; reopening")
+
+    def inspect(self, path):
+        with ckptd.Client(self.daemon.socket) as c:
+            return c.inspect(path)
+
+    def cached_copy(self, name):
+        """A copy of src, inspected twice and loaded once through the daemon: one
+        cache entry, opened once and reused (never found stale)."""
+        path = os.path.join(self.root, name)
+        shutil.copytree(self.src, path)
+        self.assertEqual(self.entries(), 0)
+        first = self.inspect(path)
+        self.assertEqual(self.entries(), 1)
+        self.assertEqual(self.inspect(path), first)
+        got = load_whole(self.daemon.socket, path, f"{name}-1")
+        for n in NAMES:
+            np.testing.assert_array_equal(got[n], full_tensors()[n], err_msg=n)
+        self.assertEqual(self.entries(), 1)
+        self.assertEqual(self.reopened(path), 0)
+        return path, first
+
+    def test_unchanged_checkpoint_reuses_cached_metadata(self):
+        path, first = self.cached_copy("unchanged")
+        self.assertEqual(first.unique_id, 0)
+        self.assertEqual(sorted(first.tensors), NAMES)
+        # A second checkpoint is a second entry; the first stays cached.
+        self.inspect(self.src)
+        self.assertEqual(self.entries(), 2)
+        self.inspect(path)
+        self.assertEqual(self.reopened(path), 0)
+        self.assertEqual(self.reopened(self.src), 0)
+
+    def test_files_rewritten_in_place_invalidate(self):
+        """Every file of the checkpoint rewritten in place with other values: same
+        names, same sizes, same inodes, mtime put back; only ctime tells. The load
+        sees the new values."""
+        path, first = self.cached_copy("rewritten")
+        files = [f for f in sorted(os.listdir(self.src2)) if not f.startswith(".")]
+        self.assertEqual(len(files), SAVE_WORLD + 1, files)  # data files and the metadata
+        for f in files:
+            before = os.stat(os.path.join(path, f))
+            shutil.copyfile(os.path.join(self.src2, f), os.path.join(path, f))
+            os.utime(os.path.join(path, f), ns=(before.st_atime_ns, before.st_mtime_ns))
+            after = os.stat(os.path.join(path, f))
+            self.assertEqual((after.st_ino, after.st_size, after.st_mtime_ns),
+                             (before.st_ino, before.st_size, before.st_mtime_ns), f)
+        got = load_whole(self.daemon.socket, path, "rewritten-2")
+        for n in NAMES:
+            np.testing.assert_array_equal(got[n], self.other[n], err_msg=n)
+        self.assertEqual(self.reopened(path), 1)
+        self.assertEqual(self.entries(), 1)
+        # Cached again: the next open reuses it.
+        self.inspect(path)
+        self.assertEqual(self.reopened(path), 1)
+
+    def test_new_version_written_by_another_daemon_invalidates(self):
+        """Version 1 saved into the directory by another daemon (this one is not told):
+        Inspect names it the newest, and a load without unique_id reads it."""
+        path, first = self.cached_copy("versioned")
+        self.assertEqual((first.unique_id, first.versions), (0, [0]))
+        with testlib.Daemon(self.root) as other:
+            save_values(other.socket, path, self.other, unique_id=1)
+        info = self.inspect(path)
+        self.assertEqual((info.unique_id, info.versions), (1, [0, 1]))
+        self.assertEqual(self.reopened(path), 1)
+        got = load_whole(self.daemon.socket, path, "versioned-2")
+        for n in NAMES:
+            np.testing.assert_array_equal(got[n], self.other[n], err_msg=n)
+        self.assertEqual(self.reopened(path), 1)
+        self.assertEqual(self.entries(), 1)
+
+
+# --- 7. ranks of one job disagreeing ---------------------------------------------------
+
+class DisagreeingRanksTest(unittest.TestCase):
+    """docs/grpc-api.md Errors: INVALID_ARGUMENT for a rank disagreeing with its job.
+    Path, unique_id and world_size are compared when the rank registers: it alone is
+    refused, naming both values, and the job goes on; aoa_config is compared when the
+    job runs: every rank fails, naming both ranks."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.root = testlib.tmp_root()
+        cls.src = make_checkpoint(cls.root)
+        cls.copy = os.path.join(cls.root, "copy")
+        shutil.copytree(cls.src, cls.copy)
+        cls.daemon = testlib.Daemon(cls.root)
+
+    @classmethod
+    def tearDownClass(cls):
+        rc = cls.daemon.stop()
+        assert rc == 0, f"ckptd exited {rc} at teardown: {cls.daemon.read_log()[-3000:]}"
+
+    def late_rank_refused(self, job, message, path=None, world=LOAD_WORLD, **kw):
+        sock = self.daemon.socket
+        first = Rank(sock, self.src, job, 0)
+        wait_for("rank 0 registered",
+                 lambda: jobs(sock).get(job, {}).get("registered_ranks") == [0])
+        bad = Rank(sock, path or self.src, job, 1, world=world, **kw).finish(30)
+        assert_failed(self, bad, "INVALID_ARGUMENT")
+        self.assertEqual(bad.error.message, message)
+        # The job is undisturbed: rank 0 still waits; a good rank 1 completes it.
+        self.assertEqual(jobs(sock)[job]["registered_ranks"], [0])
+        good = Rank(sock, self.src, job, 1)
+        assert_loaded(self, first.finish())
+        assert_loaded(self, good.finish())
+
+    def test_other_path(self):
+        self.late_rank_refused(
+            "other-path", "job 'other-path' rank 1 disagrees with the ranks already registered: "
+            f"checkpoint {os.path.realpath(self.copy)} vs {os.path.realpath(self.src)}",
+            path=self.copy)
+
+    def test_other_unique_id(self):
+        self.late_rank_refused(
+            "other-version", "job 'other-version' rank 1 disagrees with the ranks already "
+            "registered: unique_id 0 vs unset (the newest)", unique_id=0)
+
+    def test_other_world_size(self):
+        self.late_rank_refused(
+            "other-world", "job 'other-world' rank 1 disagrees with the ranks already "
+            "registered: world_size 4 vs 2", world=4)
+
+    def test_other_aoa_config_fails_every_rank(self):
+        sock = self.daemon.socket
+        ranks = [Rank(sock, self.src, "other-aoa", 0),
+                 Rank(sock, self.src, "other-aoa", 1, aoa=[f"{NAMES[0]} -> {NAMES[0]}"])]
+        for r in ranks:
+            r.finish()
+            assert_failed(self, r, "INVALID_ARGUMENT")
+            self.assertEqual(r.error.message,
+                             "job 'other-aoa': ranks 0 and 1 send different aoa_config")
+        self.assertNotIn("other-aoa", jobs(sock))
+
+
 if __name__ == "__main__":
     testlib.main("daemon_claims_test")
