@@ -344,6 +344,12 @@ class DaemonStorageReaderTest(testlib.DaemonTestCase):
             _MetadataUnpickler(io.BytesIO(payload)).load()
         self.assertIn("os.system", str(cm.exception))
         self.assertFalse(os.path.exists(marker))
+        # A torch class outside DCP's metadata modules is refused too.
+        st = b"\x80\x02ctorch.distributed._shard.sharded_tensor.api\nShardedTensor\n."
+        with self.assertRaises(ckptd.CkptdError) as cm:
+            _MetadataUnpickler(io.BytesIO(st)).load()
+        self.assertIn("torch.distributed._shard.sharded_tensor.api.ShardedTensor",
+                      str(cm.exception))
         self.assertIsNotNone(_MetadataUnpickler(io.BytesIO(good)).load())
 
 

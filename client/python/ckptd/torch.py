@@ -115,7 +115,11 @@ class _MetadataUnpickler(pickle.Unpickler):
     torch.Size, torch's dtype / layout / memory-format constants, the layout lookup
     torch pickles layouts with, enum members and OrderedDict only."""
 
+    # Classes of torch.distributed.checkpoint.metadata / .filesystem and their
+    # torch 1.13 places (torch.distributed._shard.checkpoint.*, and
+    # sharded_tensor.metadata for TensorProperties), nothing else of torch.
     _MODULES = ("torch.distributed.checkpoint.", "torch.distributed._shard.")
+    _LEAVES = ("metadata", "filesystem")
 
     def find_class(self, module, name):
         if (module, name) in (("collections", "OrderedDict"), ("torch.serialization", "_get_layout")):
@@ -127,7 +131,7 @@ class _MetadataUnpickler(pickle.Unpickler):
             if obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout,
                                                      torch.memory_format)):
                 return obj
-        elif module.startswith(self._MODULES):
+        elif module.startswith(self._MODULES) and module.rsplit(".", 1)[1] in self._LEAVES:
             obj = super().find_class(module, name)
             if isinstance(obj, type):
                 return obj
@@ -202,7 +206,7 @@ class DaemonStorageReader(_st.StorageReader):
     def init(self, metadata, is_coordinator):  # torch 1.13
         self._metadata = metadata
 
-    def set_up_storage_reader(self, metadata, is_coordinator):  # torch >= 2.0
+    def set_up_storage_reader(self, metadata, is_coordinator, *args, **kwargs):  # torch >= 2.0
         self._metadata = metadata
 
     def prepare_local_plan(self, plan):
