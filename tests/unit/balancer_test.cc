@@ -1,0 +1,163 @@
+// The multi-node balancer's rules (core/balancer.h, docs/multi-node.md) on
+// hand-built plans with exact expected assignments: every needed read is
+// read once by one node (unneeded ones by none); a read a node needs and can
+// read locally is read by such a node; otherwise by a node that can read its
+// file; among candidates the fewest bytes so far (ties: lowest index), with
+// the most constrained and then the largest reads placed first.
+#include "core/balancer.h"
+
+#include <numeric>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+
+namespace ckpt {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::HasSubstr;
+
+struct Read {
+  uint32_t file;
+  uint64_t length;
+  std::vector<int> ranks;  // the ranks that copy from it
+};
+
+// A plan over `files` with `reads` (consecutive in each file) and
+// `num_ranks` ranks; only what AssignReads looks at is filled in.
+LoadPlan MakePlan(std::vector<std::string> files, const std::vector<Read>& reads, int num_ranks) {
+  LoadPlan p;
+  p.files = std::move(files);
+  p.ranks.resize(num_ranks);
+  for (int r = 0; r < num_ranks; ++r) p.ranks[r].rank = r;
+  std::vector<uint64_t> end(p.files.size(), 0);
+  for (size_t i = 0; i < reads.size(); ++i) {
+    ReadRange rr;
+    rr.file = reads[i].file;
+    rr.offset = end[rr.file];
+    rr.length = reads[i].length;
+    end[rr.file] += rr.length;
+    p.reads.push_back(rr);
+    for (int r : reads[i].ranks) {
+      CopyOp c;
+      c.read = static_cast<uint32_t>(i);
+      p.ranks[r].copies.push_back(c);
+    }
+    p.bytes_to_read += rr.length;
+  }
+  return p;
+}
+
+uint64_t Sum(const std::vector<uint64_t>& v) { return std::accumulate(v.begin(), v.end(), 0ull); }
+
+// Every needed read has exactly one reader, an unneeded one none, and the
+// bytes per node add up to the needed bytes: each needed byte read once.
+TEST(Balancer, EveryNeededReadOnceUnneededNever) {
+  // Ranks 0,1 on node 0, ranks 2,3 on node 1; shared storage.
+  LoadPlan p = MakePlan({"0.safetensors", "1.safetensors"},
+                        {{0, 100, {0, 2}}, {0, 50, {}}, {1, 70, {1, 3}}, {1, 30, {3}}}, 4);
+  auto a = AssignReads(p, {0, 0, 1, 1}, {{"0.safetensors", "1.safetensors"},
+                                         {"0.safetensors", "1.safetensors"}});
+  ASSERT_TRUE(a.ok()) << a.status();
+  // The 30 (only node 1 needs it: one candidate) first -> node 1; then
+  // 100 -> node 0 (0 < 30); 70 -> node 1 (30 < 100).
+  EXPECT_THAT(a->reader, ElementsAre(0, -1, 1, 1));
+  EXPECT_THAT(a->needed_by[0], ElementsAre(0, 1));
+  EXPECT_TRUE(a->needed_by[1].empty());
+  EXPECT_THAT(a->needed_by[2], ElementsAre(0, 1));
+  EXPECT_THAT(a->needed_by[3], ElementsAre(1));
+  EXPECT_THAT(a->bytes_per_node, ElementsAre(100, 100));
+  EXPECT_EQ(Sum(a->bytes_per_node), 200u);  // the unneeded 50 are not read
+}
+
+// Node-local storage: a read goes to a node that needs it and has its file,
+// however much that node reads already and however idle the others are.
+TEST(Balancer, LocalStorageFirst) {
+  // Node 0 sees everything (say, a shared mount), node 1 only its own file.
+  // Node 1's ranks need both of node 1's reads; node 0 needs nothing.
+  LoadPlan p = MakePlan({"a", "b"}, {{1, 1000, {1}}, {1, 100, {1}}, {0, 10, {0}}}, 2);
+  auto a = AssignReads(p, {0, 1}, {{"a", "b"}, {"b"}});
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_THAT(a->reader, ElementsAre(1, 1, 0));
+  EXPECT_THAT(a->bytes_per_node, ElementsAre(10, 1100));
+}
+
+// A read no needing node can read goes to a node that can read its file
+// (the least loaded of them), after the local reads are placed.
+TEST(Balancer, RemoteReadGoesToALeastLoadedNodeWithTheFile) {
+  // Node 0 needs reads of file "c" which only nodes 1 and 2 have; node 1
+  // already reads 500 bytes of its own "b" locally.
+  LoadPlan p = MakePlan({"b", "c"}, {{0, 500, {1}}, {1, 300, {0}}, {1, 200, {0}}}, 2);
+  // Three nodes: rank 0 on node 0, rank 1 on node 1; node 2 has no ranks.
+  auto a = AssignReads(p, {0, 1}, {{}, {"b", "c"}, {"c"}});
+  ASSERT_TRUE(a.ok()) << a.status();
+  // 500 -> node 1 (local); then 300 -> node 2 (0 < 500); 200 -> node 2
+  // (300 < 500).
+  EXPECT_THAT(a->reader, ElementsAre(1, 2, 2));
+  EXPECT_THAT(a->bytes_per_node, ElementsAre(0, 500, 500));
+}
+
+// Shared storage: every node a candidate; larger reads first, each to the
+// node with the fewest bytes so far, ties to the lowest node index.
+TEST(Balancer, SharedStorageBalancedByBytesLargestFirst) {
+  // Both nodes need every read; reads in file order 100..500 bytes.
+  LoadPlan p = MakePlan({"f"},
+                        {{0, 100, {0, 1}}, {0, 200, {0, 1}}, {0, 300, {0, 1}},
+                         {0, 400, {0, 1}}, {0, 500, {0, 1}}},
+                        2);
+  auto a = AssignReads(p, {0, 1}, {{"f"}, {"f"}});
+  ASSERT_TRUE(a.ok()) << a.status();
+  // 500 -> 0; 400 -> 1; 300 -> 1 (400 < 500); 200 -> 0 (500 < 700);
+  // 100 -> 0 (700 = 700: the lower index).
+  EXPECT_THAT(a->reader, ElementsAre(0, 0, 1, 1, 0));
+  EXPECT_THAT(a->bytes_per_node, ElementsAre(800, 700));
+}
+
+// A read with fewer candidates is placed before larger ones with more, so
+// the flexible reads even out what the constrained one forces.
+TEST(Balancer, FewestCandidatesFirst) {
+  // "x" only node 0 can read; "y" both. Both nodes need every read.
+  LoadPlan p = MakePlan({"x", "y"}, {{0, 100, {0, 1}}, {1, 1000, {0, 1}}, {1, 1000, {0, 1}}}, 2);
+  auto a = AssignReads(p, {0, 1}, {{"x", "y"}, {"y"}});
+  ASSERT_TRUE(a.ok()) << a.status();
+  // 100 -> 0 (its only candidate); 1000 -> 1 (0 < 100); 1000 -> 0.
+  EXPECT_THAT(a->reader, ElementsAre(0, 1, 0));
+  EXPECT_THAT(a->bytes_per_node, ElementsAre(1100, 1000));
+}
+
+// The same inputs give the same assignment.
+TEST(Balancer, Deterministic) {
+  LoadPlan p = MakePlan({"f", "g"},
+                        {{0, 7, {0, 3}}, {0, 7, {1}}, {1, 7, {2, 3}}, {1, 9, {0, 1, 2, 3}}}, 4);
+  const std::vector<std::set<std::string>> readable = {{"f", "g"}, {"f", "g"}, {"g"}};
+  auto a = AssignReads(p, {0, 1, 2, 2}, readable);
+  auto b = AssignReads(p, {0, 1, 2, 2}, readable);
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(a->reader, b->reader);
+  EXPECT_EQ(a->bytes_per_node, b->bytes_per_node);
+  // The three 7s have one candidate each (f: node 0 of needers 0 and 2,
+  // node 1; g: node 2) and go first, in read order; then the 9 (needers
+  // 0, 1, 2 all have "g") to node 0 (7 = 7 = 7: the lowest index).
+  EXPECT_THAT(a->reader, ElementsAre(0, 1, 2, 0));
+  EXPECT_THAT(a->bytes_per_node, ElementsAre(16, 7, 7));
+}
+
+// A needed file no node can read is an error naming it; an unneeded one is
+// no error.
+TEST(Balancer, UnreadableNeededFileIsNamed) {
+  LoadPlan p = MakePlan({"here", "gone"}, {{0, 10, {0}}, {1, 10, {1}}}, 2);
+  auto a = AssignReads(p, {0, 1}, {{"here"}, {"here"}});
+  ASSERT_FALSE(a.ok());
+  EXPECT_EQ(a.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(a.status().message()), HasSubstr("data file 'gone'"));
+  p = MakePlan({"here", "gone"}, {{0, 10, {0}}, {1, 10, {}}}, 2);
+  a = AssignReads(p, {0, 1}, {{"here"}, {"here"}});
+  ASSERT_TRUE(a.ok()) << a.status();
+  EXPECT_THAT(a->reader, ElementsAre(0, -1));
+}
+
+}  // namespace
+}  // namespace ckpt
