@@ -430,6 +430,8 @@ void PrintStatus(const ckptd::v1::StatusResponse& s) {
        absl::StrCat("evictions ", s.cache_evictions()),
        lookups > 0 ? absl::StrCat("hit rate ", static_cast<int>(100 * s.cache_hits() / lookups), "%")
                    : std::string("no lookups yet")},
+      {"fill", absl::StrCat(s.cache_fills(), " background fills, ", HumanBytes(s.cache_fill_bytes())),
+       absl::StrCat(s.cache_fills_failed(), " failed"), ""},
       {"loads", absl::StrCat(s.loads_started(), " started, ", s.loads_succeeded(), " ok, ",
                              s.loads_failed(), " failed"),
        absl::StrCat("read ", HumanBytes(s.bytes_read_total()), " from storage"),
@@ -512,6 +514,9 @@ absl::Status Status() {
                                            {"hits", s.cache_hits()},
                                            {"misses", s.cache_misses()},
                                            {"evictions", s.cache_evictions()},
+                                           {"fills", s.cache_fills()},
+                                           {"fill_bytes", s.cache_fill_bytes()},
+                                           {"fills_failed", s.cache_fills_failed()},
                                            {"files", files}}},
                                 {"loads", {{"started", s.loads_started()},
                                            {"succeeded", s.loads_succeeded()},

@@ -1645,6 +1645,10 @@ v1::StatusResponse Daemon::Status(const Caller& caller) {
   resp.set_cache_hits(cs.hits);
   resp.set_cache_misses(cs.misses);
   resp.set_cache_evictions(cs.evictions);
+  const CacheFiller::Stats fill = filler_->stats();
+  resp.set_cache_fills(fill.fills);
+  resp.set_cache_fill_bytes(fill.bytes);
+  resp.set_cache_fills_failed(fill.failed);
   std::map<std::string, bool> readable;  // checkpoint directory -> caller may read it
   for (const auto& [path, be] : cache_.Files()) {
     if (!admin) {

@@ -230,6 +230,15 @@ class StatusCollector final : public prometheus::Collectable {
                       s.arena_reused()));
     out.push_back(One("ckptd_cache_budget_bytes", "Data cache budget (cache_budget)", G,
                       s.cache_budget_bytes()));
+    out.push_back(One("ckptd_cache_fills_total",
+                      "Background cache fills done (reads a load delivered without keeping)", C,
+                      s.cache_fills()));
+    out.push_back(One("ckptd_cache_fill_bytes_total",
+                      "Bytes the background cache fill read again and published", C,
+                      s.cache_fill_bytes()));
+    out.push_back(One("ckptd_cache_fills_failed_total",
+                      "Background cache fills that failed (a file changed, a read error)", C,
+                      s.cache_fills_failed()));
     out.push_back(One("ckptd_cache_entries", "Byte ranges held in the data cache", G,
                       s.cache_entries()));
     out.push_back(One("ckptd_cache_hits_total", "Data cache lookups served from memory", C,

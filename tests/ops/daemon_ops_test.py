@@ -137,6 +137,15 @@ class OpsTest(unittest.TestCase):
             m1 = parse_metrics(d.scrape())
             self.assertGreater(m1[("ckptd_cache_bytes", ())], 0)
             self.assertGreater(m1[("ckptd_cache_entries", ())], 0)
+            # Whatever the fill published is what the cache holds (the load kept
+            # nothing itself when it deferred, everything when it did not).
+            self.assertEqual(m1[("ckptd_cache_fills_failed_total", ())], 0)
+            if m1[("ckptd_cache_fills_total", ())] > 0:
+                self.assertEqual(m1[("ckptd_cache_fills_total", ())], 1)
+                self.assertEqual(m1[("ckptd_cache_fill_bytes_total", ())],
+                                 m1[("ckptd_cache_bytes", ())])
+            else:
+                self.assertEqual(m1[("ckptd_cache_fill_bytes_total", ())], 0)
             self.assertGreater(m1[("ckptd_cache_misses_total", ())], 0)
             for phase in ("list", "plan", "read", "copy", "total"):
                 self.assertEqual(m1[("ckptd_load_phase_duration_seconds_count",
