@@ -1438,6 +1438,87 @@ class AbuseTest(unittest.TestCase):
             self.assertRpc(rpc, "DATA_LOSS", (fname, name, "checksum"),
                            what=f"normal load #{attempt + 1} after the skip_verify job")
 
+    # === 15. what another uid gets from the file system and the arena pool ============
+
+    def test_17_directory_mode_bits_deny_another_uid(self):
+        """docs/security.md "What each uid may do": on top of the access rule a caller
+        needs r-x on the checkpoint directory (its mode bits for the caller's uid and
+        groups). uid 65534 may read the shared root; a root-owned checkpoint there
+        with mode 0700 or 0711 is PERMISSION_DENIED for Load and Inspect, the same
+        checkpoint at 0755 loads."""
+        self.need_other_uid()
+        n = "model.norm.weight"
+        dt, a = self.ref[n]
+        tgt = {"name": n, "dtype": dt, "global_shape": list(a.shape), "offset": [0],
+               "shape": list(a.shape)}
+        dirs = {}
+        for mode in (0o700, 0o711, 0o755):
+            d = os.path.join(self.shared, f"mode-{mode:o}-{os.getpid()}-{self.counter}")
+            shutil.copytree(self.shared_tp2, d)
+            os.chmod(d, mode)
+            self.cleanups.append(lambda d=d: shutil.rmtree(d, ignore_errors=True))
+            dirs[mode] = d
+        job = f"peer-mode-{os.getpid()}-{self.counter}"
+        calls = []
+        for mode, d in dirs.items():
+            calls.append({"rpc": "Load", "request": {
+                "job_id": f"{job}-{mode:o}", "rank": 0, "world_size": 1, "path": d,
+                "targets": [tgt], "stream": {}}})
+            calls.append({"rpc": "Inspect", "request": {"path": d}})
+        out = self.peer_calls(calls)
+        for i, (mode, d) in enumerate(dirs.items()):
+            load, inspect = out[2 * i], out[2 * i + 1]
+            if mode == 0o755:
+                self.assertRpc(load, "OK", what=f"uid 65534 loading a {mode:o} directory")
+                self.assertRpc(inspect, "OK", what=f"uid 65534 inspecting a {mode:o} directory")
+                continue
+            for what, rpc in (("Load", load), ("Inspect", inspect)):
+                self.assertRpc(rpc, "PERMISSION_DENIED", f"uid {OTHER_UID} (pid ",
+                               f"may not read {d} (its mode bits do not allow it)",
+                               what=f"uid 65534 {what} of a {mode:o} directory")
+        # Root (exempt from the mode bits) still reads the 0700 one.
+        req = self.load_req(dirs[0o700], [target(n, dt, a.shape)])
+        req.stream.SetInParent()
+        self.assertRpc(raw_load(self.stub, req), "OK", what="root loading the 0700 directory")
+
+    def test_18_recycled_arena_goes_only_to_the_same_uid(self):
+        """docs/grpc-api.md "The fd socket protocol": a given-back arena is handed to the
+        next client of the same user asking for the same size, and holds what its last
+        user left. Root fills an arena with 0xA5 and gives it back; uid 65534 asking
+        for the same size gets a fresh one (all zero); root asking again gets its own
+        back (0xA5: recycling does happen)."""
+        self.need_other_uid()
+        size = 14 << 20  # 7 granules: no size the alongside load borrows
+        reply, fd, token, got, lease = alloc(self.fd_socket, size)
+        self.assertIsNotNone(fd, reply)
+        self.assertEqual(got, size, reply)
+        with mmap.mmap(fd, size) as mm:
+            mm[:] = b"\xa5" * size
+        os.close(fd)
+        lease.close()  # given back
+
+        n = "model.norm.weight"
+        dt, a = self.ref[n]
+
+        def given_back():  # its token is no longer leased
+            req = self.load_req(self.tp2, [target(n, dt, a.shape)])
+            req.shm.arena_token, req.shm.size = token, size
+            rpc = raw_load(self.stub, req)
+            return rpc.code == "NOT_FOUND" and "is not leased" in rpc.details
+
+        testlib.wait_for("root's arena given back", given_back, 20, 0.05)
+        (peer,) = self.peer_calls([{"alloc": "a", "size": size}])
+        self.assertRpc(peer, "OK", what="ALLOC as uid 65534")
+        self.assertEqual((peer.value["bytes"], peer.value["nonzero"]), (size, 0),
+                         "uid 65534 got an arena holding root's bytes")
+        reply, fd, token2, got, lease = alloc(self.fd_socket, size)
+        self.assertIsNotNone(fd, reply)
+        self.cleanups.append(lease.close)
+        with mmap.mmap(fd, size, prot=mmap.PROT_READ) as mm:
+            self.assertEqual(mm[:].count(b"\xa5"), size, "root did not get its arena back")
+        os.close(fd)
+        self.assertNotEqual(token2, token)  # a new token for the recycled arena
+
 
 def file_tensors(path):
     """name -> (begin, end) file offsets of each tensor's bytes (numpy-free

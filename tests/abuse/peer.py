@@ -14,6 +14,10 @@ SPEC (calls): {"socket": S, "calls": [CALL, ...]} where CALL is
   {"memfd": NAME, "size": N}                 a sealed memfd of N bytes sent on
                                              the fd socket; "${NAME}" in later
                                              requests is its token
+  {"alloc": NAME, "size": N}                 "ALLOC N" on the fd socket: the lease is
+                                             kept open to the end; the result adds
+                                             "bytes" (the arena's size) and "nonzero"
+                                             (its bytes that are not 0 as received)
   {"rpc": "Load"|"Save"|"Status"|"Inspect", "request": {...}, "timeout": s}
 and each result is {"code": "OK"|CODE, "details": str, ...} (Status adds
 "job_ids", Load adds "events").
@@ -25,6 +29,7 @@ SPEC (flood): {"socket": S, "count": N, "channels": C, "limit": L,
 """
 import fcntl
 import json
+import mmap
 import os
 import socket
 import sys
@@ -58,6 +63,26 @@ def send_fd(fd_socket, fd):
     return token
 
 
+def alloc(fd_socket, size):
+    """(connection (the lease), the arena's size, its bytes that are not 0)."""
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+    s.settimeout(10)
+    s.connect(fd_socket)
+    s.send(f"ALLOC {int(size)}".encode())
+    msg, fds, _, _ = socket.recv_fds(s, 512, 1)
+    parts = msg.decode("ascii", "replace").split()
+    if len(parts) != 3 or parts[0] != "OK" or len(fds) != 1:
+        for f in fds:
+            os.close(f)
+        s.close()
+        raise RuntimeError(f"ALLOC refused: {msg!r}")
+    n = int(parts[2])
+    with mmap.mmap(fds[0], n, prot=mmap.PROT_READ) as mm:
+        nonzero = n - mm[:].count(0)
+    os.close(fds[0])
+    return s, n, nonzero
+
+
 def substitute(obj, env):
     text = json.dumps(obj)
     for k, v in env.items():
@@ -77,7 +102,7 @@ def do_calls(spec):
     sock = spec["socket"]
     channel = grpc.insecure_channel("unix:" + sock)
     stub = ckpt_pb2_grpc.CkptdStub(channel)
-    env, results, keep = {}, [], []
+    env, results, keep, keep_socks = {}, [], [], []
     for call in spec["calls"]:
         if "memfd" in call:
             try:
@@ -85,6 +110,14 @@ def do_calls(spec):
                 keep.append(fd)
                 env[call["memfd"]] = send_fd(sock + ".fd", fd)
                 results.append({"code": "OK", "details": ""})
+            except (OSError, RuntimeError) as e:
+                results.append({"code": "CLIENT_ERROR", "details": str(e)})
+            continue
+        if "alloc" in call:
+            try:
+                lease, n, nonzero = alloc(sock + ".fd", int(call["size"]))
+                keep_socks.append(lease)
+                results.append({"code": "OK", "details": "", "bytes": n, "nonzero": nonzero})
             except (OSError, RuntimeError) as e:
                 results.append({"code": "CLIENT_ERROR", "details": str(e)})
             continue
@@ -109,6 +142,8 @@ def do_calls(spec):
     channel.close()
     for fd in keep:
         os.close(fd)
+    for s in keep_socks:
+        s.close()
     print(json.dumps(results), flush=True)
 
 
