@@ -32,6 +32,17 @@ the Load stream, a Status field, a log line, /proc) under a deadline.
                   peer_listen), DEADLINE_EXCEEDED within barrier_timeout and
                   within load_timeout (+ margin), fd tokens single use and
                   expiring.
+  BeforeBarrierTest  bad targets (box outside the global shape, unknown dtype,
+                  segment too small, overlapping destinations) refused with
+                  INVALID_ARGUMENT before the rank registers (rank 1 of 2 never
+                  comes; the job id stays free); a good rank waits (the control).
+  MetadataCacheTest  Inspect and Load of an unchanged checkpoint reuse one cached
+                  entry; files rewritten in place (size, inode, mtime kept) and a
+                  new version saved by another daemon are seen (Status
+                  metadata_cache_entries, the "reopening" log line, the values).
+  DisagreeingRanksTest  path, unique_id, world_size (at registration: the rank alone
+                  is refused, naming both values) and aoa_config (when the job
+                  runs: every rank fails, naming two ranks).
 """
 import os
 import shutil
