@@ -135,6 +135,7 @@ TEST_F(DaemonTest, DirectIoLoadsAreByteExact) {
 
 TEST_F(DaemonTest, EvictionAndInvalidationOnFileChange) {
   DaemonProcess d(root_);
+  ASSERT_TRUE(d.Ready()) << Slurp(d.log());
   auto client = Connect(d);
   auto pre = client->Prefetch(ckpt_);
   ASSERT_TRUE(pre.ok()) << pre.status();
@@ -159,6 +160,7 @@ TEST_F(DaemonTest, EvictionAndInvalidationOnFileChange) {
 
 TEST_F(DaemonTest, MissingRankGetsBarrierError) {
   DaemonProcess d(root_, {"--barrier-timeout", "700ms"});
+  ASSERT_TRUE(d.Ready()) << Slurp(d.log());
   auto codes = RunRanks(d, "partial", tmp_.Sub("p"), {0, 1, 2, 3, 4, 5, 6});
   EXPECT_THAT(codes, ::testing::Each(1));
   std::string log = Slurp(tmp_.Sub("ckptctl-partial.log"));
@@ -169,6 +171,7 @@ TEST_F(DaemonTest, MissingRankGetsBarrierError) {
 
 TEST_F(DaemonTest, KilledClientLeavesDaemonServing) {
   DaemonProcess d(root_);
+  ASSERT_TRUE(d.Ready()) << Slurp(d.log());
   // Rank 0 of a 8-rank job registers and waits; kill it.
   pid_t p = Spawn({Runfile("client/ckptctl"), "load", ckpt_, "--layout", layout_file_, "--out",
                    tmp_.Sub("k"), "--daemon", d.socket(), "--ranks", "0", "--job-id", "killed"},
@@ -260,6 +263,7 @@ TEST_F(BadRequests, AutoWritesPlainBuffersInPlace) {
 
 TEST_F(BadRequests, EachGetsTheRightCodeAndMessage) {
   DaemonProcess d(root_);
+  ASSERT_TRUE(d.Ready()) << Slurp(d.log());
   std::vector<float> buf;
   // A good request works (and loads the right rows).
   ASSERT_TRUE(LoadOne(Spec(buf), d).ok());
@@ -442,6 +446,7 @@ namespace {
 // load back with another layout.
 TEST_F(DaemonTest, SaveThroughDaemonThenLoad) {
   DaemonProcess d(root_);
+  ASSERT_TRUE(d.Ready()) << Slurp(d.log());
   Layout save = MakeLayout(4, 0, true);
   // Each rank's shard bytes, cut from the full tensors in memory (oracle).
   std::vector<std::vector<std::vector<uint8_t>>> cut(4);
