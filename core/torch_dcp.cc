@@ -612,7 +612,12 @@ absl::StatusOr<std::string> TorchTensorPickle(DType dtype, const Shape& shape) {
   int64_t s = 1;
   for (size_t d = shape.size(); d-- > 0;) {
     stride[d] = s;
-    s *= std::max<int64_t>(shape[d], 1);
+    // An empty tensor's other dimensions can be anything CheckedNumBytes let
+    // through (its product is 0): the strides must still not overflow.
+    if (__builtin_mul_overflow(s, std::max<int64_t>(shape[d], 1), &s)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("the strides of shape ", ShapeString(shape), " overflow"));
+    }
   }
   std::string p("\x80\x02", 2);  // PROTO 2
   p += "ctorch._utils\n_rebuild_tensor_v2\n";
@@ -689,7 +694,12 @@ absl::StatusOr<std::vector<DcpItemWritten>> WriteDcpDataFile(
       cd.push_back(std::move(e));
       return absl::OkStatus();
     };
+    // The small entries first: their local headers then sit at offsets under
+    // 4 GiB (the central directory records those in 4 bytes), whatever the
+    // tensor's size. data.pkl leads: torch.load takes the archive's name from
+    // the first entry.
     CKPT_RETURN_IF_ERROR(add_small("archive/data.pkl", *pkl));
+    CKPT_RETURN_IF_ERROR(add_small("archive/version", "3\n"));
     CentralEntry data{"archive/data/0", 0, it.nbytes, w->bytes_written() - a, true};
     const uint64_t header_at = w->bytes_written();
     CKPT_RETURN_IF_ERROR(w->Append(LocalHeader(data.name, 0, it.nbytes, true, header_at)));
@@ -698,7 +708,6 @@ absl::StatusOr<std::vector<DcpItemWritten>> WriteDcpDataFile(
     for (int i = 0; i < 4; ++i) crc_le[i] = static_cast<uint8_t>(data.crc >> (8 * i));
     CKPT_RETURN_IF_ERROR(w->WriteAt(header_at + 14, crc_le, 4));  // the local header's CRC
     cd.push_back(std::move(data));
-    CKPT_RETURN_IF_ERROR(add_small("archive/version", "3\n"));
     CKPT_RETURN_IF_ERROR(w->Append(ArchiveTail(cd, w->bytes_written() - a)));
     done.length = w->bytes_written() - a;
     out.push_back(done);

@@ -45,6 +45,10 @@ namespace {
 
 // SaveRequest.format of a PyTorch DCP checkpoint (ckptd.torch.DaemonStorageWriter).
 constexpr char kDcpFormat[] = "pytorch-dcp";
+// Names the save job whose DCP data files a directory holds until its commit:
+// the commit must come from that job, so two saves racing into one directory
+// fail instead of committing one's metadata over the other's files.
+constexpr char kDcpPending[] = ".ckptd-dcp-pending";
 
 ckpt::Shape ToShape(const google::protobuf::RepeatedField<int64_t>& r) {
   return ckpt::Shape(r.begin(), r.end());
@@ -1272,6 +1276,9 @@ void Daemon::WriteDcpSave(const std::shared_ptr<Job>& job,
   }
   std::map<int, std::vector<v1::SavedItem>> items_of_rank;
   uint64_t bytes = 0;
+  if (absl::Status s = ckpt::WriteFileAtomicIn(dir, kDcpPending, job->id); !s.ok()) {
+    return FailJob(*job, s);
+  }
   for (int r = 0; r < job->world_size; ++r) {
     if (!job->expected.count(r) || plan.writes[r].empty()) continue;
     std::vector<ckpt::DcpItemToWrite> items;
@@ -1356,6 +1363,23 @@ absl::StatusOr<v1::SaveResponse> Daemon::CommitDcp(const Caller& caller,
     return absl::AlreadyExistsError(absl::StrCat(
         what, ": .metadata already exists; set overwrite to replace the checkpoint"));
   }
+  // Only the save job that wrote the data files there last may commit them.
+  std::string pending;
+  {
+    auto f = d.OpenFile(kDcpPending);
+    if (!f.ok()) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          what, ": no pytorch-dcp save wrote data files there since the last commit"));
+    }
+    const uint64_t n = std::min<uint64_t>((*f)->size(), 4096);
+    pending.resize(n);
+    CKPT_RETURN_IF_ERROR((*f)->Read(0, n, pending.data()));
+  }
+  if (pending != request.job_id()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        what, ": its data files were last written by save job '", pending, "', not by '",
+        request.job_id(), "' (another save into the same directory replaced them); save again"));
+  }
   // Read the checkpoint back through the new metadata before it exists for
   // anyone: every item located and parsed, every tensor covered.
   ckpt::Checkpoint c;
@@ -1372,6 +1396,10 @@ absl::StatusOr<v1::SaveResponse> Daemon::CommitDcp(const Caller& caller,
   }
   CKPT_RETURN_IF_ERROR(
       ckpt::WriteFileAtomicIn(lock->directory(), ".metadata", request.dcp_metadata()));
+  if (::unlinkat(d.fd(), kDcpPending, 0) != 0 && errno != ENOENT) {
+    spdlog::warn("{}: cannot remove {}: {}", dir, kDcpPending, std::strerror(errno));
+  }
+  CKPT_RETURN_IF_ERROR(d.Sync());
   DropCachedMetadata(dir);
   spdlog::info("save commit path={} format={} tensors={} bytes={}", dir, kDcpFormat,
                c.metadata.tensors.size(), request.dcp_metadata().size());

@@ -8,6 +8,7 @@ by hand. Every value is compared exactly with the full tensors dcp_gen.py saved 
 .npy (or the arrays written here), never with another ckptd load; destination
 tensors start poisoned (NaN or a sentinel) so an element not written shows.
 """
+import collections
 import json
 import os
 import shutil
@@ -142,6 +143,16 @@ def two_shards_worker(rank, gen_dir, path, sock, init_file, out_dir):
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"error": err, "seconds": time.monotonic() - t0}, f)
     dist.destroy_process_group()
+
+
+class Evil:
+    """Unpickling it runs `touch MARKER` (what a malicious bytes entry can hold)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
 
 
 def reference():
@@ -292,6 +303,47 @@ class DaemonStorageReaderTest(testlib.DaemonTestCase):
         self.assertTrue(same(sd["emb"], torch.from_numpy(b)))
         self.assertTrue(same(sd["w"], torch.from_numpy(a).double()))  # F32 -> F64 cast
 
+    def test_a_bytes_entry_that_would_run_code_is_refused(self):
+        path = os.path.join(self.root, "evil-bytes")
+        marker = os.path.join(self.root, "ran")
+        sd = {"w": torch.arange(6, dtype=torch.float32), "evil": Evil(marker),
+              "counts": collections.Counter("aab")}
+        dcp.save_state_dict(sd, dcp.FileSystemWriter(path), no_dist=True)
+        self.assertFalse(os.path.exists(marker))
+        load = {"w": poisoned((6,), torch.float32), "evil": None}
+        with self.assertRaises(BaseException) as cm:
+            dcp.load_state_dict(load, storage_reader=DaemonStorageReader(path, socket=self.sock),
+                                no_dist=True)
+        self.assertIn("bytes entry 'evil' holds objects other than plain values and tensors",
+                      str(cm.exception))
+        self.assertIn("allow_pickle=True", str(cm.exception))
+        self.assertFalse(os.path.exists(marker))
+        # allow_pickle=True trusts the checkpoint, as DCP's own reader does (shown with a
+        # harmless object weights_only refuses).
+        load = {"w": poisoned((6,), torch.float32), "counts": None}
+        dcp.load_state_dict(load, storage_reader=DaemonStorageReader(
+            path, socket=self.sock, allow_pickle=True), no_dist=True)
+        self.assertEqual(load["counts"], collections.Counter("aab"))
+        self.assertTrue(same(load["w"], torch.arange(6, dtype=torch.float32)))
+
+    def test_entries_outside_the_checkpoint_directory_are_refused(self):
+        from ckptd.torch import _read_plain_file
+        d = os.path.join(self.gen, "ckpt")
+        for name in ("../gen/ckpt/.metadata", "/etc/passwd", "..", ""):
+            with self.assertRaises(ckptd.CkptdError, msg=name) as cm:
+                _read_plain_file(d, name, 0, 1, "bytes entry 'x'", 1 << 20)
+            self.assertIn("is not a file name in the checkpoint directory", cm.exception.message)
+        os.symlink(".metadata", os.path.join(self.root, "link"))
+        with self.assertRaises(ckptd.CkptdError):  # no symlinks
+            _read_plain_file(self.root, "link", 0, 1, "x", 1 << 20)
+        os.mkfifo(os.path.join(self.root, "fifo"))
+        with self.assertRaises(ckptd.CkptdError) as cm:  # no FIFO (nothing hangs)
+            _read_plain_file(self.root, "fifo", 0, 1, "x", 1 << 20)
+        self.assertIn("not a regular file", cm.exception.message)
+        with self.assertRaises(ckptd.CkptdError) as cm:  # a range past the end
+            _read_plain_file(d, ".metadata", 0, 1 << 40, "x", 1 << 50)
+        self.assertIn("outside the file", cm.exception.message)
+
     def test_a_tensor_of_another_shape_fails_naming_it(self):
         sd = {"bias": poisoned((6,), torch.float32)}  # the checkpoint's bias is [5]
         with self.assertRaises(BaseException) as cm:
@@ -344,6 +396,17 @@ class DaemonStorageReaderTest(testlib.DaemonTestCase):
             _MetadataUnpickler(io.BytesIO(payload)).load()
         self.assertIn("os.system", str(cm.exception))
         self.assertFalse(os.path.exists(marker))
+        # Protocol 4 follows dotted names from an allowed module to anything: refused.
+        def global4(module, name):
+            m, n = module.encode(), name.encode()
+            return b"\x80\x04\x8c" + bytes([len(m)]) + m + b"\x8c" + bytes([len(n)]) + n + b"\x93."
+        for module, name in (("torch.distributed._shard.checkpoint.filesystem",
+                              "torch.cuda._memory_viz.subprocess.Popen"),
+                             ("torch.distributed._shard.checkpoint.metadata", "torch.Tensor"),
+                             ("torch.distributed._shard.checkpoint.metadata", "Metadata.__init__")):
+            with self.assertRaises(ckptd.CkptdError, msg=name) as cm:
+                _MetadataUnpickler(io.BytesIO(global4(module, name))).load()
+            self.assertIn(f"{module}.{name}", str(cm.exception))
         # A torch class outside DCP's metadata modules is refused too.
         st = b"\x80\x02ctorch.distributed._shard.sharded_tensor.api\nShardedTensor\n."
         with self.assertRaises(ckptd.CkptdError) as cm:
@@ -412,14 +475,32 @@ class DaemonStorageWriterTest(testlib.DaemonTestCase):
         for k, v in list(md.storage_data.items()):
             md.storage_data[k] = type(v)(v.relative_path, v.offset + 1, v.length)
         import pickle
+        blob = pickle.dumps(md)
+        pending = os.path.join(path, ".ckptd-dcp-pending")
+        self.assertFalse(os.path.exists(pending))  # the commit removed it
+        # No save wrote data files since the last commit: refused.
         with self.assertRaises(ckptd.CkptdError) as cm:
-            ckptd.commit_dcp_metadata(path, pickle.dumps(md), socket=self.sock)
+            ckptd.commit_dcp_metadata(path, blob, "job-a", socket=self.sock)
+        self.assertEqual(cm.exception.code, "FAILED_PRECONDITION")
+        self.assertIn("no pytorch-dcp save wrote data files there", cm.exception.message)
+        # Job a's files were replaced by job b's (as when two saves race): a's commit
+        # is refused, naming both.
+        with open(pending, "w") as f:
+            f.write("job-b")
+        with self.assertRaises(ckptd.CkptdError) as cm:
+            ckptd.commit_dcp_metadata(path, blob, "job-a", socket=self.sock)
+        self.assertEqual(cm.exception.code, "FAILED_PRECONDITION")
+        self.assertIn("last written by save job 'job-b', not by 'job-a'", cm.exception.message)
+        # The right job, but metadata that does not match the files.
+        with self.assertRaises(ckptd.CkptdError) as cm:
+            ckptd.commit_dcp_metadata(path, blob, "job-b", socket=self.sock)
         self.assertIn("does not describe the files there", cm.exception.message)
         self.assertFalse(os.path.exists(os.path.join(path, ".metadata")))
         # Not a pickle at all.
         with self.assertRaises(ckptd.CkptdError):
-            ckptd.commit_dcp_metadata(path, b"{}", socket=self.sock)
+            ckptd.commit_dcp_metadata(path, b"{}", "job-b", socket=self.sock)
         self.assertFalse(os.path.exists(os.path.join(path, ".metadata")))
+        self.assertTrue(os.path.exists(pending))  # still job b's to commit
 
 
 if __name__ == "__main__":

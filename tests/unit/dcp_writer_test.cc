@@ -76,6 +76,10 @@ TEST(DcpWriter, TensorsAndRawItemsReadBackExactly) {
     ASSERT_TRUE(entries.ok()) << entries.status();
     ASSERT_EQ(entries->size(), 3u);
     EXPECT_EQ((*entries)[0].name, "archive/data.pkl");  // torch.load finds the archive by it
+    // The data entry last: the small entries' headers stay below 4 GiB, which
+    // their 4-byte central-directory offsets can hold, for any tensor size.
+    EXPECT_EQ((*entries)[2].name, "archive/data/0");
+    EXPECT_LT((*entries)[1].header_offset, (*entries)[2].header_offset);
     const std::string arch = bytes.substr(w.offset, w.length);
     // Central directory CRCs: walk the records (46-byte headers) from the first.
     const size_t cd = arch.find(std::string("\x50\x4b\x01\x02", 4));
@@ -120,6 +124,13 @@ TEST(DcpWriter, DtypesTorchCannotStoreAreRefusedNamingTheTensor) {
   // Nothing is left behind under either name.
   EXPECT_FALSE((*dir)->Exists("x.distcp").value_or(true));
   EXPECT_FALSE((*dir)->Exists("y.distcp").value_or(true));
+}
+
+TEST(DcpWriter, StridesThatWouldOverflowAreRefused) {
+  // Empty (a 0 dimension), so CheckedNumBytes accepts it; its strides do not fit.
+  auto p = TorchTensorPickle(DType::kF32, {0, int64_t{1} << 62, int64_t{1} << 62});
+  ASSERT_FALSE(p.ok());
+  EXPECT_NE(p.status().message().find("overflow"), std::string::npos) << p.status();
 }
 
 TEST(DcpWriter, LargeIntsInThePickleUseLongs) {

@@ -606,11 +606,12 @@ class Client:
         return report
 
 
-    def commit_dcp_metadata(self, path, metadata, *, overwrite=False, timeout=600.0):
-        """Commits a PyTorch DCP checkpoint whose data files a format="pytorch-dcp" save
-        wrote into `path`: `metadata` is its pickled DCP Metadata, which the daemon
-        checks against the files before writing it as `.metadata` (atomic, durable)."""
-        req = self.pb2.SaveRequest(job_id=f"dcp-commit-{os.getpid()}", rank=0, world_size=1,
+    def commit_dcp_metadata(self, path, metadata, job_id, *, overwrite=False, timeout=600.0):
+        """Commits a PyTorch DCP checkpoint whose data files the format="pytorch-dcp" save
+        job `job_id` wrote into `path`: `metadata` is its pickled DCP Metadata, which the
+        daemon checks against the files before writing it as `.metadata` (atomic,
+        durable). FAILED_PRECONDITION if another save wrote there since."""
+        req = self.pb2.SaveRequest(job_id=job_id, rank=0, world_size=1,
                                    path=_abs(path), format="pytorch-dcp",
                                    dcp_metadata=bytes(metadata), overwrite=bool(overwrite))
         return self._call("Save", self.stub.Save, req, timeout).metadata_file
@@ -789,10 +790,11 @@ def load_state_dict(state_dict, path, *, rank=None, world_size=None, job_id=None
                                  transport=transport, progress=progress, aoa=aoa)
 
 
-def commit_dcp_metadata(path, metadata, *, overwrite=False, socket=None, timeout=600.0):
+def commit_dcp_metadata(path, metadata, job_id, *, overwrite=False, socket=None, timeout=600.0):
     """See Client.commit_dcp_metadata (ckptd.torch.DaemonStorageWriter's commit)."""
     with Client(socket) as c:
-        return c.commit_dcp_metadata(path, metadata, overwrite=overwrite, timeout=timeout)
+        return c.commit_dcp_metadata(path, metadata, job_id, overwrite=overwrite,
+                                     timeout=timeout)
 
 
 def save_state_dict(state_dict, path, *, rank=None, world_size=None, unique_id=None, job_id=None,

@@ -34,6 +34,7 @@ import io
 import os
 import pickle
 import socket as _socket
+import stat
 import uuid
 
 import torch
@@ -111,32 +112,119 @@ def _assign_job(plans, key):
 
 
 class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles a DCP `.metadata`: classes of torch.distributed's checkpoint modules,
-    torch.Size, torch's dtype / layout / memory-format constants, the layout lookup
-    torch pickles layouts with, enum members and OrderedDict only."""
+    """Unpickles a DCP `.metadata` with an exact allow-list, the one ckptd's own reader
+    uses (core/foreign.cc): DCP's metadata classes by (module, name), torch.Size, torch's
+    dtype / layout / memory-format constants, the layout lookup torch pickles layouts
+    with, enum members, OrderedDict and pathlib paths. Nothing else resolves: no dotted
+    names (protocol 4 would follow them to any attribute), no functions."""
 
-    # Classes of torch.distributed.checkpoint.metadata / .filesystem and their
-    # torch 1.13 places (torch.distributed._shard.checkpoint.*, and
-    # sharded_tensor.metadata for TensorProperties), nothing else of torch.
-    _MODULES = ("torch.distributed.checkpoint.", "torch.distributed._shard.")
-    _LEAVES = ("metadata", "filesystem")
+    _DCP_MODULES = ("torch.distributed.checkpoint.metadata",
+                    "torch.distributed._shard.checkpoint.metadata",
+                    "torch.distributed.checkpoint.filesystem",
+                    "torch.distributed._shard.checkpoint.filesystem",
+                    "torch.distributed._shard.sharded_tensor.metadata")
+    _DCP_NAMES = ("Metadata", "TensorStorageMetadata", "BytesStorageMetadata",
+                  "ChunkStorageMetadata", "MetadataIndex", "TensorProperties",
+                  "MEM_FORMAT_ENCODING", "StorageMeta", "_StorageInfo")
+    _OTHERS = {("collections", "OrderedDict"), ("torch.serialization", "_get_layout"),
+               ("pathlib", "PosixPath"), ("pathlib", "PurePosixPath"), ("pathlib", "Path")}
 
     def find_class(self, module, name):
-        if (module, name) in (("collections", "OrderedDict"), ("torch.serialization", "_get_layout")):
-            return super().find_class(module, name)  # _get_layout: a layout by its name
-        if (module, name) == ("builtins", "getattr"):
-            return _enum_member  # how Python 3.11 pickles an enum member
-        if module == "torch":
-            obj = getattr(torch, name, None)
-            if obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout,
-                                                     torch.memory_format)):
-                return obj
-        elif module.startswith(self._MODULES) and module.rsplit(".", 1)[1] in self._LEAVES:
-            obj = super().find_class(module, name)
-            if isinstance(obj, type):
-                return obj
+        if "." not in name:
+            if (module, name) == ("builtins", "getattr"):
+                return _enum_member  # how Python 3.11 pickles an enum member
+            if (module, name) in self._OTHERS:
+                return super().find_class(module, name)
+            if module == "torch":
+                obj = getattr(torch, name, None)
+                if obj is torch.Size or isinstance(obj, (torch.dtype, torch.layout,
+                                                         torch.memory_format)):
+                    return obj
+            elif module in self._DCP_MODULES and name in self._DCP_NAMES:
+                obj = super().find_class(module, name)
+                if isinstance(obj, type) and obj.__module__ == module:
+                    return obj
         raise CkptdError("DATA_LOSS", f"the DCP metadata refers to {module}.{name}, which is "
                          "not a checkpoint metadata class")
+
+
+# What a bytes entry's torch.save pickle may name: torch.load runs exactly these, all
+# harmless (tensors, storages, containers, numbers, dtypes, numpy scalars). torch 1.13's
+# own weights_only=True cannot be used instead: it refuses every float.
+_PLAIN_GLOBALS = {
+    ("collections", "OrderedDict"), ("torch._utils", "_rebuild_tensor_v2"),
+    ("torch._utils", "_rebuild_tensor_v3"), ("torch._utils", "_rebuild_parameter"),
+    ("torch", "Size"), ("torch", "UntypedStorage"), ("builtins", "set"),
+    ("builtins", "frozenset"), ("builtins", "complex"), ("_codecs", "encode"),
+    ("numpy.core.multiarray", "scalar"), ("numpy", "dtype"),
+}
+
+
+class _PlainPickleChecker(pickle.Unpickler):
+    """Walks a pickle without building anything real: a global outside
+    _PLAIN_GLOBALS (or torch's storage classes and dtypes) raises."""
+
+    def find_class(self, module, name):
+        ok = (module, name) in _PLAIN_GLOBALS or (
+            module == "torch" and "." not in name and
+            (name.endswith("Storage") or isinstance(getattr(torch, name, None), torch.dtype)))
+        if not ok:
+            raise pickle.UnpicklingError(f"refers to {module}.{name}")
+        return _inert
+
+    def persistent_load(self, pid):
+        return None
+
+
+def _inert(*args, **kwargs):
+    return None
+
+
+def _check_plain_save(data):
+    """Raises unless `data` (a torch.save archive) only holds plain values and tensors."""
+    import zipfile
+    with zipfile.ZipFile(io.BytesIO(data)) as z:
+        pkls = [n for n in z.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
+        if len(pkls) != 1:
+            raise pickle.UnpicklingError("not a torch.save archive (no <name>/data.pkl)")
+        _PlainPickleChecker(io.BytesIO(z.read(pkls[0]))).load()
+
+
+# Largest DCP .metadata the client reads (the daemon has limits.max_metadata_bytes).
+_MAX_METADATA_BYTES = 256 << 20
+
+
+def _read_plain_file(dir_path, name, offset, length, what, limit):
+    """Bytes [offset, offset + length) of file `name` in `dir_path`: a plain name (no
+    '/', not '.' or '..'), no symlink, a regular file (no FIFO to hang on), the range
+    inside the file and at most `limit` bytes."""
+    if not isinstance(name, str) or not name or "/" in name or name in (".", "..") or "\0" in name:
+        raise CkptdError("DATA_LOSS", f"{dir_path}: {what}: {name!r} is not a file name in "
+                         "the checkpoint directory")
+    path = os.path.join(dir_path, name)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError as e:
+        raise CkptdError("NOT_FOUND", f"{path}: {what}: {e.strerror}") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise CkptdError("DATA_LOSS", f"{path}: {what}: not a regular file")
+        if length is None:
+            offset, length = 0, st.st_size
+        if offset < 0 or length < 0 or offset + length > st.st_size:
+            raise CkptdError("DATA_LOSS", f"{path}: {what}: bytes [{offset}, {offset + length}) "
+                             f"are outside the file's {st.st_size}")
+        if length > limit:
+            raise CkptdError("RESOURCE_EXHAUSTED", f"{path}: {what}: {length} bytes, more than "
+                             f"the {limit} allowed")
+        data = os.pread(fd, length, offset)
+        if len(data) != length:
+            raise CkptdError("DATA_LOSS", f"{path}: {what}: read {len(data)} of {length} bytes "
+                             "(the file shrank)")
+        return data
+    finally:
+        os.close(fd)
 
 
 class DaemonStorageReader(_st.StorageReader):
@@ -146,14 +234,21 @@ class DaemonStorageReader(_st.StorageReader):
     socket: the daemon's Unix socket (default $CKPTD_SOCKET, else /run/ckptd/ckptd.sock).
     unique_id: checkpoint version (ckptd's own format); default the newest.
     timeout, barrier_timeout, verify, transport, aoa: as for ckptd.load_state_dict.
+    allow_pickle: DCP loads a checkpoint's bytes entries (non-tensor values) with
+      torch.load, full pickle. By default an entry whose pickle names anything but plain
+      values, containers, tensors, dtypes and numpy scalars fails the load, naming it;
+      True lets any pickle through, as DCP's own reader does (only for checkpoints you
+      trust).
 
     After a load, `last_report` holds this rank's ckptd.LoadReport (None on ranks that
     read no tensor).
     """
 
     def __init__(self, path, socket=None, *, unique_id=None, timeout=600.0,
-                 barrier_timeout=None, verify=True, transport="auto", aoa=None):
+                 barrier_timeout=None, verify=True, transport="auto", aoa=None,
+                 allow_pickle=False):
         super().__init__()
+        self.allow_pickle = bool(allow_pickle)
         self.path = os.path.abspath(os.fspath(path))
         self.socket = os.path.abspath(socket or _client.default_socket())
         self.unique_id = unique_id
@@ -282,9 +377,10 @@ class DaemonStorageReader(_st.StorageReader):
         """The checkpoint's own DCP Metadata (for its bytes entries), unpickled with
         only DCP's metadata classes allowed (DCP's own reader runs any pickle)."""
         path = os.path.join(self.path, ".metadata")
+        raw = _read_plain_file(self.path, ".metadata", 0, None, "DCP metadata",
+                               _MAX_METADATA_BYTES)
         try:
-            with open(path, "rb") as f:
-                md = _MetadataUnpickler(f).load()
+            md = _MetadataUnpickler(io.BytesIO(raw)).load()
         except CkptdError as e:
             raise CkptdError(e.code, f"{path}: {e.message}") from None
         except Exception as e:  # a corrupt pickle raises nearly anything
@@ -295,20 +391,26 @@ class DaemonStorageReader(_st.StorageReader):
         return md
 
     def _read_bytes(self, index):
+        """A bytes entry's bytes, checked: DCP's planner torch.load()s them with full
+        pickle, so unless allow_pickle their pickle may name only harmless globals
+        (_PLAIN_GLOBALS: nothing in them can run code)."""
         where = self._bytes[index]
+        what = f"bytes entry '{index.fqn}'"
         if getattr(where, "transform_descriptors", None):
-            raise CkptdError("UNIMPLEMENTED", f"'{index.fqn}': bytes entry stored with "
-                             f"transforms {where.transform_descriptors}")
-        path = os.path.join(self.path, where.relative_path)
-        try:
-            with open(path, "rb") as f:
-                f.seek(where.offset)
-                data = f.read(where.length)
-        except OSError as e:
-            raise CkptdError("NOT_FOUND", f"{path}: bytes entry '{index.fqn}': {e}") from None
-        if len(data) != where.length:
-            raise CkptdError("DATA_LOSS", f"{path}: bytes entry '{index.fqn}' is truncated "
-                             f"({len(data)} of {where.length} bytes at offset {where.offset})")
+            raise CkptdError("UNIMPLEMENTED", f"{self.path}: {what} is stored with transforms "
+                             f"{where.transform_descriptors}")
+        data = _read_plain_file(self.path, where.relative_path, int(where.offset),
+                                int(where.length), what, _MAX_METADATA_BYTES)
+        if not self.allow_pickle:
+            try:
+                _check_plain_save(data)
+            except Exception as e:  # noqa: BLE001 (a corrupt entry raises nearly anything)
+                raise CkptdError(
+                    "FAILED_PRECONDITION",
+                    f"{self.path}: {what} holds objects other than plain values and tensors, "
+                    "which loading would run as code; pass allow_pickle=True to "
+                    f"DaemonStorageReader if you trust this checkpoint ({type(e).__name__}: "
+                    f"{str(e)[:200]})") from None
         return data
 
 
@@ -344,6 +446,7 @@ class DaemonStorageWriter(_st.StorageWriter):
         self.timeout = timeout
         self.barrier_timeout = barrier_timeout
         self.last_report = None
+        self._job_id = None
 
     def reset(self, checkpoint_id=None):
         if checkpoint_id is not None:
@@ -376,7 +479,9 @@ class DaemonStorageWriter(_st.StorageWriter):
                                                        "items": bool(seen)})
 
     def prepare_global_plan(self, plans):
-        return _assign_job(plans, "items")
+        plans = _assign_job(plans, "items")
+        self._job_id = plans[0].storage_data["job_id"]  # the coordinator commits it
+        return plans
 
     def write_data(self, plan, planner):
         import numpy as np
@@ -421,5 +526,6 @@ class DaemonStorageWriter(_st.StorageWriter):
             for wr in per_rank:
                 storage[wr.index] = wr.storage_data
         metadata.storage_data = storage
-        _client.commit_dcp_metadata(self.path, pickle.dumps(metadata), overwrite=self.overwrite,
-                                    socket=self.socket, timeout=min(self.timeout, 600.0))
+        _client.commit_dcp_metadata(self.path, pickle.dumps(metadata), self._job_id,
+                                    overwrite=self.overwrite, socket=self.socket,
+                                    timeout=min(self.timeout, 600.0))
