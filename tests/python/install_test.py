@@ -166,6 +166,23 @@ class InstallTest(unittest.TestCase):
         for name, (_, a) in ref.items():
             np.testing.assert_array_equal(got[name], a, err_msg=name)
 
+    def test_client_suites_pass_against_the_installed_package(self):
+        # The numpy and torch client suites, run by the venv's python with only the
+        # test helpers on PYTHONPATH: every `import ckptd` in them (and in the rank
+        # processes they spawn) is the installed package.
+        here = os.path.dirname(os.path.abspath(__file__))
+        top = os.path.dirname(os.path.dirname(here))  # the runfiles root (testlib.runfile)
+        env = dict(self.env, PYTHONPATH=here, CKPTD_BIN=os.path.abspath(testlib.CKPTD),
+                   CKPTCTL=os.path.abspath(testlib.CKPTCTL))
+        env.pop("XML_OUTPUT_FILE", None)
+        where = run([self.python, "-c", "import ckptd; print(ckptd.__file__)"], env=env, cwd=top)
+        self.assertTrue(where.strip().startswith(os.path.join(self.venv, "lib")), where)
+        out = run([self.python, "-m", "unittest", "-v", "numpy_client_test.NumpyClientTest",
+                   "torch_client_test.TorchClientTest"], env=env, cwd=top)
+        self.assertRegex(out, r"\nOK\n")
+        self.assertNotRegex(out, r"\.\.\. skipped")
+        self.assertRegex(out, r"Ran (2\d|3\d) tests")
+
     def test_wheel_carries_stubs_and_version(self):
         wheels = os.path.join(self.tmp, "wheels")
         run([self.pip, "wheel", "--no-build-isolation", "--no-deps", "--no-index", "-w", wheels,
