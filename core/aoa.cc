@@ -416,6 +416,9 @@ struct Captures {
 // backtracking exponential.
 bool MatchFrom(const std::vector<PatternTok>& toks, size_t ti, absl::string_view s, size_t si,
                Captures& cap, int64_t& budget) {
+  // Backtracks in place: a capture is pushed (or a slot set) before trying
+  // the rest and taken back if that fails, so a step costs O(1) captures,
+  // not a copy of all of them.
   if (--budget <= 0) return false;
   if (ti == toks.size()) return si == s.size();
   const PatternTok& t = toks[ti];
@@ -429,26 +432,22 @@ bool MatchFrom(const std::vector<PatternTok>& toks, size_t ti, absl::string_view
       size_t e = si;
       while (e < s.size() && std::isdigit(static_cast<unsigned char>(s[e]))) ++e;
       for (size_t end = e; end > si; --end) {
-        std::string v(s.substr(si, end - si));
-        if (slot && *slot != v) continue;
-        Captures c = cap;
-        if (!c.layer && t.kind == PatternTok::kLayer) c.layer = v;
-        if (!c.expert && t.kind == PatternTok::kExpert) c.expert = v;
-        if (MatchFrom(toks, ti + 1, s, end, c, budget)) {
-          cap = std::move(c);
-          return true;
+        const absl::string_view v = s.substr(si, end - si);
+        if (slot) {  // bound earlier in the pattern: must be the same digits
+          if (*slot == v && MatchFrom(toks, ti + 1, s, end, cap, budget)) return true;
+          continue;
         }
+        slot = std::string(v);
+        if (MatchFrom(toks, ti + 1, s, end, cap, budget)) return true;
+        slot.reset();
       }
       return false;
     }
     case PatternTok::kStar:
       for (size_t end = s.size(); end > si; --end) {  // greedy, at least one character
-        Captures c = cap;
-        c.stars.emplace_back(s.substr(si, end - si));
-        if (MatchFrom(toks, ti + 1, s, end, c, budget)) {
-          cap = std::move(c);
-          return true;
-        }
+        cap.stars.emplace_back(s.substr(si, end - si));
+        if (MatchFrom(toks, ti + 1, s, end, cap, budget)) return true;
+        cap.stars.pop_back();
       }
       return false;
   }
