@@ -27,6 +27,13 @@ constexpr int64_t kMaxArray = 1 << 16;
 // matched against: this many, or kMatchStepsPerName per name if more.
 constexpr int64_t kMaxMatchSteps = 100'000;
 constexpr int64_t kMatchStepsPerName = 256;
+// The tensor names one program may define, over all its statements: this
+// many per checkpoint or model tensor, plus kExtraNames. Statements whose '*'
+// patterns match the names earlier statements define multiply the names
+// (each `* -> x.*` doubles them), so a short program could otherwise ask for
+// millions of virtual tensors.
+constexpr int64_t kNamesPerTensor = 8;
+constexpr int64_t kExtraNames = 4096;
 std::vector<std::string> ExpandArray(const std::string& text);
 }  // namespace
 
@@ -714,6 +721,9 @@ class Resolver {
   absl::Status Expand() {
     std::set<std::string> available;
     for (const auto& [name, t] : ckpt_.tensors) available.insert(name);
+    const int64_t max_names =
+        kNamesPerTensor * static_cast<int64_t>(ckpt_.tensors.size() + model_.size()) + kExtraNames;
+    int64_t defined = 0;  // target names of the statements so far
     for (const AoaStatement& st : program_.statements) {
       std::vector<Source> srcs;
       std::vector<std::string> tgts;
@@ -783,6 +793,14 @@ class Resolver {
           return Err(st, absl::StrCat("'", pattern, "' matches no tensor of the checkpoint ",
                                       "(nor any name an earlier statement feeds)"));
         }
+        const int64_t adds = static_cast<int64_t>(matches.size()) * static_cast<int64_t>(tgts.size());
+        if (defined + adds > max_names) {
+          return Err(st, absl::StrCat(
+              "'", pattern, "' matches ", matches.size(), " names, which would make the program define ",
+              defined + adds, " tensor names; the limit is ", max_names, " (", kNamesPerTensor,
+              " per checkpoint or model tensor, plus ", kExtraNames,
+              "): statements whose '*' matches what earlier ones define multiply the names"));
+        }
         std::sort(matches.begin(), matches.end(),
                   [](const auto& a, const auto& b) { return NaturalLess(a.first, b.first); });
         for (const auto& [name, cap] : matches) {
@@ -799,6 +817,7 @@ class Resolver {
         }
       }
       for (Concrete& c : out) {
+        defined += static_cast<int64_t>(c.targets.size());
         for (const std::string& t : c.targets) available.insert(t);
         explicit_.push_back(std::move(c));
       }

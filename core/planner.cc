@@ -236,13 +236,11 @@ absl::StatusOr<LoadPlan> PlanLoad(const CheckpointMetadata& metadata,
   // half-filled tensor as success.
   {
     for (size_t ri = 0; ri < ranks.size(); ++ri) {
+      const absl::flat_hash_set<std::string> missing(plan.ranks[ri].missing_keys.begin(),
+                                                     plan.ranks[ri].missing_keys.end());
       for (size_t ti = 0; ti < ranks[ri].tensors.size(); ++ti) {
         const TargetTensor& t = ranks[ri].tensors[ti];
-        if (filled[ri][ti] == 0 && std::find(plan.ranks[ri].missing_keys.begin(),
-                                             plan.ranks[ri].missing_keys.end(),
-                                             t.name) != plan.ranks[ri].missing_keys.end()) {
-          continue;
-        }
+        if (filled[ri][ti] == 0 && missing.count(t.name)) continue;
         if (filled[ri][ti] != t.num_elements()) {
           return absl::DataLossError(absl::StrCat(
               "rank ", ranks[ri].rank, " tensor '", t.name, "': the checkpoint's shards cover ",
