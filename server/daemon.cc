@@ -50,6 +50,12 @@ constexpr char kDcpFormat[] = "pytorch-dcp";
 // fail instead of committing one's metadata over the other's files.
 constexpr char kDcpPending[] = ".ckptd-dcp-pending";
 
+// ALREADY_EXISTS text for a DCP save into a directory holding a committed one.
+std::string DcpCheckpointExists(const std::string& dir) {
+  return absl::StrCat(dir, " already holds a PyTorch DCP checkpoint (.metadata); save elsewhere "
+                      "or set overwrite");
+}
+
 ckpt::Shape ToShape(const google::protobuf::RepeatedField<int64_t>& r) {
   return ckpt::Shape(r.begin(), r.end());
 }
@@ -1110,15 +1116,12 @@ absl::StatusOr<v1::SaveResponse> Daemon::Save(const Caller& caller, const v1::Sa
     auto exists = dcp ? absl::StatusOr<bool>(::faccessat(AT_FDCWD, (dir + "/.metadata").c_str(),
                                                          F_OK, AT_SYMLINK_NOFOLLOW) == 0)
                       : ckpt::VersionExists(dir, request.unique_id());
-    if (dcp && !request.overwrite() && exists.ok() && *exists) {
-      return fail(absl::AlreadyExistsError(absl::StrCat(
-          "Save: ", dir, " already holds a PyTorch DCP checkpoint (.metadata); save elsewhere "
-          "or set overwrite")));
-    }
     if (!request.overwrite() && exists.ok() && *exists) {
-      return fail(absl::AlreadyExistsError(absl::StrCat(
-          "Save: version ", request.unique_id(), " already exists in ", dir, " (",
-          request.unique_id(), ".metadata); choose another unique_id or set overwrite")));
+      return fail(absl::AlreadyExistsError(
+          dcp ? absl::StrCat("Save: ", DcpCheckpointExists(dir))
+              : absl::StrCat("Save: version ", request.unique_id(), " already exists in ", dir,
+                             " (", request.unique_id(),
+                             ".metadata); choose another unique_id or set overwrite")));
     }
   }
   auto reservation = Reserve(caller, who, *bytes, 0);
@@ -1232,29 +1235,33 @@ void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
     return fail_all(s);
   }
   DropCachedMetadata(job->path);  // new files under a cached directory
-  absl::MutexLock jobs_lock(&mu_);
-  for (const auto& s : slots) {
-    v1::SaveResponse& r = s->save_result;
-    for (const auto& f : files_of_rank[s->targets.rank]) r.add_files(f);
+  FinishSaveJob(job, slots, [&](RankSlot& s) {
+    v1::SaveResponse& r = s.save_result;
+    for (const auto& f : files_of_rank[s.targets.rank]) r.add_files(f);
     r.set_bytes_written(bytes);
     r.set_metadata_file(absl::StrCat(job->unique_id.value_or(0), ".metadata"));
+  });
+  spdlog::info("save job={} path={} ranks={} written={}B in {:.3f}s", job->id, job->path,
+               slots.size(), bytes, Seconds(t0));
+}
+
+void Daemon::FinishSaveJob(const std::shared_ptr<Job>& job,
+                           const std::vector<std::shared_ptr<RankSlot>>& slots,
+                           const std::function<void(RankSlot&)>& answer) {
+  absl::MutexLock jobs_lock(&mu_);
+  for (const auto& s : slots) {
+    answer(*s);
     s->done = true;
   }
   job->state = Job::State::kFinished;
   auto it = jobs_.find(job->id);
   if (it != jobs_.end() && it->second == job) jobs_.erase(it);
-  spdlog::info("save job={} path={} ranks={} written={}B in {:.3f}s", job->id, job->path,
-               slots.size(), bytes, Seconds(t0));
 }
 
 absl::Status Daemon::PrepareDcpSave(const ckpt::Directory& dir, bool overwrite) {
   CKPT_ASSIGN_OR_RETURN(bool exists, dir.Exists(".metadata"));
   if (!exists) return absl::OkStatus();
-  if (!overwrite) {
-    return absl::AlreadyExistsError(absl::StrCat(
-        dir.path(), " already holds a PyTorch DCP checkpoint (.metadata); save elsewhere or set "
-        "overwrite"));
-  }
+  if (!overwrite) return absl::AlreadyExistsError(DcpCheckpointExists(dir.path()));
   // The old checkpoint stops existing first: a save that dies midway leaves
   // no .metadata over new data files.
   if (::unlinkat(dir.fd(), ".metadata", 0) != 0 && errno != ENOENT) {
@@ -1317,19 +1324,14 @@ void Daemon::WriteDcpSave(const std::shared_ptr<Job>& job,
       bytes += items[i].nbytes;
     }
   }
-  absl::MutexLock jobs_lock(&mu_);
-  for (const auto& s : slots) {
-    v1::SaveResponse& resp = s->save_result;
-    for (const auto& it : items_of_rank[s->targets.rank]) {
+  FinishSaveJob(job, slots, [&](RankSlot& s) {
+    v1::SaveResponse& resp = s.save_result;
+    for (const auto& it : items_of_rank[s.targets.rank]) {
       if (resp.files_size() == 0) resp.add_files(it.file());
       *resp.add_items() = it;
     }
     resp.set_bytes_written(bytes);
-    s->done = true;
-  }
-  job->state = Job::State::kFinished;
-  auto it = jobs_.find(job->id);
-  if (it != jobs_.end() && it->second == job) jobs_.erase(it);
+  });
   spdlog::info("save job={} path={} format={} ranks={} written={}B in {:.3f}s (not committed "
                "until its .metadata)", job->id, job->path, kDcpFormat, slots.size(), bytes,
                Seconds(t0));

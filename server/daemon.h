@@ -287,6 +287,11 @@ class Daemon {
   // under the directory lock, the data files of a job, and the commit of
   // its `.metadata` (SaveRequest.dcp_metadata).
   static absl::Status PrepareDcpSave(const ckpt::Directory& dir, bool overwrite);
+  // A save job is done: under mu_, `answer` fills each rank's SaveResponse,
+  // the ranks are released and the job leaves the registry.
+  void FinishSaveJob(const std::shared_ptr<Job>& job,
+                     const std::vector<std::shared_ptr<RankSlot>>& slots,
+                     const std::function<void(RankSlot&)>& answer) ABSL_LOCKS_EXCLUDED(mu_);
   void WriteDcpSave(const std::shared_ptr<Job>& job,
                     const std::vector<std::shared_ptr<RankSlot>>& slots, const ckpt::SavePlan& plan,
                     std::shared_ptr<const ckpt::Directory> dir,
