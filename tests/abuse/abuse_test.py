@@ -422,7 +422,8 @@ class AbuseTest(unittest.TestCase):
         cls.root = os.path.join(cls.base, "private")   # default access rule
         cls.shared = os.path.join(cls.base, "shared")  # uid 65534 may read
         cls.outside = os.path.join(cls.base, "outside")  # no root at all
-        for d in (cls.root, cls.shared, cls.outside):
+        cls.savable = os.path.join(cls.base, "savable")  # uid 65534 may save (access rule)
+        for d in (cls.root, cls.shared, cls.outside, cls.savable):
             os.makedirs(d)
             os.chmod(d, 0o755)
         cls.hf = os.path.join(cls.root, "hf")
@@ -442,13 +443,15 @@ class AbuseTest(unittest.TestCase):
             for f in files:
                 os.chmod(os.path.join(dirpath, f), 0o644)
         cls.config = os.path.join(cls.base, "ckptd.yaml")
-        write_config(cls.config, [cls.root, cls.shared], extra=(
+        write_config(cls.config, [cls.root, cls.shared, cls.savable], extra=(
             "limits:\n"
             f"  max_ranks_per_uid: {MAX_RANKS_PER_UID}\n"
             f"  max_jobs_per_uid: {MAX_JOBS_PER_UID}\n"
             "access:\n"
             f"  - root: {json.dumps(cls.shared)}\n"
-            f"    read_uids: [{OTHER_UID}]\n"))
+            f"    read_uids: [{OTHER_UID}]\n"
+            f"  - root: {json.dumps(cls.savable)}\n"
+            f"    save_uids: [{OTHER_UID}]\n"))
         cls.daemon = Daemon(cls.config)
         cls.restarts = []
         cls.other_uid_problem = cls.probe_other_uid()
@@ -1518,6 +1521,60 @@ class AbuseTest(unittest.TestCase):
         os.close(fd)
         self.assertNotEqual(token2, token)  # a new token for the recycled arena
 
+
+    def test_19_directory_mode_bits_deny_another_uid_saving(self):
+        """docs/security.md "What each uid may do": saving needs w-x, for the caller's
+        uid and groups, on the directory that receives the files and on its parent
+        (where a new one is made), on top of the access rule. uid 65534 may save under
+        the savable root by its access entry, but a new directory under the root-owned
+        root (0755), a new one inside a root-owned 0755 directory, and an existing
+        root-owned 0755 checkpoint directory inside its own are PERMISSION_DENIED naming
+        the directory, and nothing is created; its own directory takes the save, and
+        the files there hold its bytes."""
+        self.need_other_uid()
+        tag = f"{os.getpid()}-{self.counter}"
+        mine = os.path.join(self.savable, f"owned-{tag}")
+        os.makedirs(mine)
+        os.chown(mine, OTHER_UID, OTHER_UID)
+        os.chmod(mine, 0o755)
+        roots_dir = os.path.join(self.savable, f"roots-{tag}")  # root's, 0755
+        theirs = os.path.join(mine, "theirs")  # root's, 0755, in uid 65534's directory
+        for d in (roots_dir, theirs):
+            os.makedirs(d)
+            os.chmod(d, 0o755)
+        for d in (mine, roots_dir):
+            self.cleanups.append(lambda d=d: shutil.rmtree(d, ignore_errors=True))
+        w = np.arange(64, dtype=np.float32)
+
+        def save(i, path):
+            return [{"memfd": f"m{i}", "size": 4096, "fill": w.tobytes().hex()},
+                    {"rpc": "Save", "request": {
+                        "job_id": f"peer-save-mode-{tag}-{i}", "rank": 0, "world_size": 1,
+                        "unique_id": 0, "path": path,
+                        "targets": [{"name": "w", "dtype": "F32", "global_shape": [64],
+                                     "offset": [0], "shape": [64]}],
+                        "shm": {"fd_token": f"${{m{i}}}", "size": 4096}}}]
+        refused = {os.path.join(self.savable, f"new-{tag}"): self.savable,
+                   os.path.join(roots_dir, "ckpt"): roots_dir,
+                   theirs: theirs}
+        calls = []
+        for i, path in enumerate(refused):
+            calls += save(i, path)
+        calls += save(len(refused), os.path.join(mine, "ckpt"))
+        out = self.peer_calls(calls)[1::2]
+        for rpc, (path, named) in zip(out, refused.items()):
+            self.assertRpc(rpc, "PERMISSION_DENIED", f"uid {OTHER_UID} (pid ",
+                           f"may not write {named} (its mode bits do not allow it)",
+                           what=f"uid 65534 saving {path}")
+        self.assertFalse(os.path.exists(os.path.join(self.savable, f"new-{tag}")),
+                         "a refused save created its directory")
+        self.assertEqual(os.listdir(roots_dir), [], "a refused save left files")
+        self.assertEqual(os.listdir(theirs), [], "a refused save left files")
+        self.assertRpc(out[-1], "OK", what="uid 65534 saving into a directory it owns")
+        sd = {"w": np.full(64, np.nan, np.float32)}
+        ckptd.load_state_dict(sd, os.path.join(mine, "ckpt"), socket=self.daemon.socket,
+                              timeout=60)
+        np.testing.assert_array_equal(sd["w"], w)
 
 def file_tensors(path):
     """name -> (begin, end) file offsets of each tensor's bytes (numpy-free

@@ -11,8 +11,9 @@ not import the ckptd package.
                                   "DONE {json}"
 
 SPEC (calls): {"socket": S, "calls": [CALL, ...]} where CALL is
-  {"memfd": NAME, "size": N}                 a sealed memfd of N bytes sent on
-                                             the fd socket; "${NAME}" in later
+  {"memfd": NAME, "size": N, "fill": HEX}    a sealed memfd of N bytes sent on
+                                             the fd socket ("fill": its first bytes,
+                                             optional); "${NAME}" in later
                                              requests is its token
   {"alloc": NAME, "size": N}                 "ALLOC N" on the fd socket: the lease is
                                              kept open to the end; the result adds
@@ -43,9 +44,11 @@ import ckpt_pb2
 import ckpt_pb2_grpc
 
 
-def sealed_memfd(size):
+def sealed_memfd(size, fill=b""):
     fd = os.memfd_create("abuse-peer", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
+    if fill:
+        os.pwrite(fd, fill[:size], 0)
     fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
     return fd
 
@@ -106,7 +109,7 @@ def do_calls(spec):
     for call in spec["calls"]:
         if "memfd" in call:
             try:
-                fd = sealed_memfd(int(call["size"]))
+                fd = sealed_memfd(int(call["size"]), bytes.fromhex(call.get("fill", "")))
                 keep.append(fd)
                 env[call["memfd"]] = send_fd(sock + ".fd", fd)
                 results.append({"code": "OK", "details": ""})
