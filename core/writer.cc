@@ -131,20 +131,24 @@ absl::StatusOr<SavePlan> PlanSave(const std::vector<RankTargets>& ranks, int wor
   return plan;
 }
 
-absl::Status PrepareSave(const Directory& dir, int64_t unique_id, bool overwrite) {
-  const std::string name = absl::StrCat(unique_id, ".metadata");
-  CKPT_ASSIGN_OR_RETURN(bool exists, dir.Exists(name));
+absl::Status PrepareCommitFile(const Directory& dir, const std::string& commit_file,
+                               const std::string& exists_message, bool overwrite) {
+  CKPT_ASSIGN_OR_RETURN(bool exists, dir.Exists(commit_file));
   if (!exists) return absl::OkStatus();
-  if (!overwrite) {
-    return absl::AlreadyExistsError(absl::StrCat(dir.path(), ": version ", unique_id,
-                                                 " already exists (", name, ")"));
-  }
-  if (::unlinkat(dir.fd(), name.c_str(), 0) != 0 && errno != ENOENT) {
-    return absl::InternalError(absl::StrCat(JoinPath(dir.path(), name),
-                                            ": cannot remove it to overwrite the version: ",
+  if (!overwrite) return absl::AlreadyExistsError(exists_message);
+  if (::unlinkat(dir.fd(), commit_file.c_str(), 0) != 0 && errno != ENOENT) {
+    return absl::InternalError(absl::StrCat(JoinPath(dir.path(), commit_file),
+                                            ": cannot remove it to overwrite the checkpoint: ",
                                             std::strerror(errno)));
   }
   return dir.Sync();
+}
+
+absl::Status PrepareSave(const Directory& dir, int64_t unique_id, bool overwrite) {
+  const std::string name = absl::StrCat(unique_id, ".metadata");
+  return PrepareCommitFile(
+      dir, name, absl::StrCat(dir.path(), ": version ", unique_id, " already exists (", name, ")"),
+      overwrite);
 }
 
 absl::StatusOr<std::vector<std::pair<std::string, ShardMeta>>> WriteRankFile(

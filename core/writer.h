@@ -65,6 +65,13 @@ absl::StatusOr<SavePlan> PlanSave(const std::vector<RankTargets>& ranks, int wor
 // over new data files. Call it with the directory locked (LockDirectory).
 absl::Status PrepareSave(const Directory& dir, int64_t unique_id, bool overwrite = false);
 
+// What PrepareSave does, for any format whose checkpoint exists once its
+// `commit_file` does (ckptd's `{uid}.metadata`, DCP's `.metadata`): when it
+// exists, ALREADY_EXISTS with `exists_message` unless `overwrite`; with
+// `overwrite` it is removed and the directory fsynced first.
+absl::Status PrepareCommitFile(const Directory& dir, const std::string& commit_file,
+                               const std::string& exists_message, bool overwrite);
+
 // Writes rank `rank`'s data file. `data[i]` holds plan.writes[rank][i]
 // (num_bytes() bytes). Returns the shard metadata of what was written.
 absl::StatusOr<std::vector<std::pair<std::string, ShardMeta>>> WriteRankFile(

@@ -1187,8 +1187,12 @@ void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
   if (!lock.ok()) {
     return fail_all(ckpt::Annotate(lock.status(), absl::StrCat("save job '", job->id, "'")));
   }
-  if (absl::Status s = dcp ? PrepareDcpSave(*lock->directory(), overwrite)
-                            : ckpt::PrepareSave(*lock->directory(), plan->unique_id, overwrite);
+  // The old checkpoint stops existing first: a save that dies midway leaves
+  // no commit file over new data files.
+  if (absl::Status s =
+          dcp ? ckpt::PrepareCommitFile(*lock->directory(), ".metadata",
+                                        DcpCheckpointExists(lock->directory()->path()), overwrite)
+              : ckpt::PrepareSave(*lock->directory(), plan->unique_id, overwrite);
       !s.ok()) {
     return fail_all(s);
   }
@@ -1256,19 +1260,6 @@ void Daemon::FinishSaveJob(const std::shared_ptr<Job>& job,
   job->state = Job::State::kFinished;
   auto it = jobs_.find(job->id);
   if (it != jobs_.end() && it->second == job) jobs_.erase(it);
-}
-
-absl::Status Daemon::PrepareDcpSave(const ckpt::Directory& dir, bool overwrite) {
-  CKPT_ASSIGN_OR_RETURN(bool exists, dir.Exists(".metadata"));
-  if (!exists) return absl::OkStatus();
-  if (!overwrite) return absl::AlreadyExistsError(DcpCheckpointExists(dir.path()));
-  // The old checkpoint stops existing first: a save that dies midway leaves
-  // no .metadata over new data files.
-  if (::unlinkat(dir.fd(), ".metadata", 0) != 0 && errno != ENOENT) {
-    return absl::InternalError(absl::StrCat(dir.path(), "/.metadata: cannot remove it to "
-                                            "overwrite: ", std::strerror(errno)));
-  }
-  return dir.Sync();
 }
 
 void Daemon::WriteDcpSave(const std::shared_ptr<Job>& job,

@@ -129,6 +129,12 @@ class Daemon {
   peer::v1::PingResponse PeerPing(const PeerCaller& caller, const peer::v1::PingRequest& request);
 
   const DaemonConfig& config() const { return config_; }
+  // This node's peer address once the peer server has bound it: main calls
+  // it once, right after PeerServer::Start, before anything else reads
+  // config().peer_listen (a "host:0" peer_listen becomes "host:N", the
+  // node's identity in plans and the peer set). Until then peer calls are
+  // refused (UNAVAILABLE).
+  void SetPeerListen(const std::string& bound);
 
   struct RankSlot;  // public for the helpers in daemon_internal.h
   struct Job;
@@ -283,10 +289,8 @@ class Daemon {
   // Runs `run` (RunJob, RunSaveJob) failing the job on any exception.
   void RunGuarded(const std::shared_ptr<Job>& job, void (Daemon::*run)(const std::shared_ptr<Job>&));
   void RunSaveJob(const std::shared_ptr<Job>& job);
-  // PyTorch DCP saves (SaveRequest.format "pytorch-dcp"): the version check
-  // under the directory lock, the data files of a job, and the commit of
-  // its `.metadata` (SaveRequest.dcp_metadata).
-  static absl::Status PrepareDcpSave(const ckpt::Directory& dir, bool overwrite);
+  // PyTorch DCP saves (SaveRequest.format "pytorch-dcp"): the data files of
+  // a job, and the commit of its `.metadata` (SaveRequest.dcp_metadata).
   // A save job is done: under mu_, `answer` fills each rank's SaveResponse,
   // the ranks are released and the job leaves the registry.
   void FinishSaveJob(const std::shared_ptr<Job>& job,
@@ -304,7 +308,9 @@ class Daemon {
   // The job's registered slots, ascending rank.
   std::vector<std::shared_ptr<RankSlot>> SlotsOf(const Job& job) ABSL_LOCKS_EXCLUDED(mu_);
 
-  const DaemonConfig config_;
+  // Const but for peer_listen, set once by SetPeerListen before it is read.
+  DaemonConfig config_;
+  std::atomic<bool> peer_listen_bound_{false};
   // config_.direct_io, parsed once (ValidateConfig checked it).
   const ckpt::DirectIo direct_io_;
   const absl::Time started_;
