@@ -227,7 +227,38 @@ def _read_plain_file(dir_path, name, offset, length, what, limit):
         os.close(fd)
 
 
-class DaemonStorageReader(_st.StorageReader):
+class _DaemonStorage:
+    """What DaemonStorageReader and DaemonStorageWriter share: where the checkpoint
+    is, which daemon does the work, the deadlines, and ckptd's one-box-per-tensor rule."""
+
+    def _setup(self, path, socket, timeout, barrier_timeout):
+        self.path = os.path.abspath(os.fspath(path))
+        self.socket = os.path.abspath(socket or _client.default_socket())
+        self.timeout = timeout
+        self.barrier_timeout = barrier_timeout
+        self.last_report = None
+
+    def _set_checkpoint_id(self, checkpoint_id):
+        if checkpoint_id is not None:
+            self.path = os.path.abspath(os.fspath(checkpoint_id))
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id):
+        return False  # only used when DCP picks a storage itself: never pick this one
+
+    @staticmethod
+    def _one_box(seen, fqn, key, does):
+        """Records `key` (what this rank holds of `fqn`), refusing a second one:
+        ckptd moves one box per tensor per rank."""
+        if fqn in seen and seen[fqn] != key:
+            raise CkptdError(
+                "INVALID_ARGUMENT",
+                f"'{fqn}': this rank {does} more than one shard of it; ckptd moves one box "
+                "per tensor per rank (use one local shard per tensor)")
+        seen[fqn] = key
+
+
+class DaemonStorageReader(_DaemonStorage, _st.StorageReader):
     """A DCP StorageReader whose reads the node's ckptd does.
 
     path: the checkpoint directory, inside one of the daemon's roots.
@@ -248,16 +279,12 @@ class DaemonStorageReader(_st.StorageReader):
                  barrier_timeout=None, verify=True, transport="auto", aoa=None,
                  allow_pickle=False):
         super().__init__()
+        self._setup(path, socket, timeout, barrier_timeout)
         self.allow_pickle = bool(allow_pickle)
-        self.path = os.path.abspath(os.fspath(path))
-        self.socket = os.path.abspath(socket or _client.default_socket())
         self.unique_id = unique_id
-        self.timeout = timeout
-        self.barrier_timeout = barrier_timeout
         self.verify = verify
         self.transport = transport
         self.aoa = aoa
-        self.last_report = None
         self._info = None      # ckptd.CheckpointInfo of the checkpoint read_metadata saw
         self._metadata = None  # the DCP Metadata read_metadata returned
         self._bytes = {}       # MetadataIndex -> storage info of a DCP bytes entry
@@ -265,14 +292,9 @@ class DaemonStorageReader(_st.StorageReader):
     # --- DCP's StorageReader protocol (torch 1.13 and 2.x names) ------------------
 
     def reset(self, checkpoint_id=None):
-        if checkpoint_id is not None:
-            self.path = os.path.abspath(os.fspath(checkpoint_id))
+        self._set_checkpoint_id(checkpoint_id)
         self._info = self._metadata = None
         self._bytes = {}
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id):
-        return False  # only used when DCP picks a reader itself: never pick this one
 
     def read_metadata(self):
         with _client.Client(self.socket) as c:
@@ -286,7 +308,7 @@ class DaemonStorageReader(_st.StorageReader):
                 chunks=[_md.ChunkStorageMetadata(offsets=torch.Size([0] * len(size)), sizes=size)])
         planner_data = None
         if info.format == "pytorch-dcp":
-            own = self._dcp_metadata(info)
+            own = self._dcp_metadata()
             planner_data = own.planner_data
             for fqn, md in own.state_dict_metadata.items():
                 if isinstance(md, _md.BytesStorageMetadata) and fqn not in sd_md:
@@ -315,12 +337,7 @@ class DaemonStorageReader(_st.StorageReader):
             fqn = item.storage_index.fqn
             if fqn not in self._info.tensors:
                 raise CkptdError("NOT_FOUND", f"{self.path}: the checkpoint has no tensor '{fqn}'")
-            if fqn in seen and seen[fqn] != item.dest_index:
-                raise CkptdError(
-                    "INVALID_ARGUMENT",
-                    f"'{fqn}': this rank holds more than one shard of it; ckptd loads one box "
-                    "per tensor per rank (use one local shard per tensor)")
-            seen[fqn] = item.dest_index
+            self._one_box(seen, fqn, item.dest_index, "holds")
         return dataclasses.replace(plan, storage_data={"node": _node(self.socket),
                                                        "tensors": bool(seen)})
 
@@ -373,7 +390,7 @@ class DaemonStorageReader(_st.StorageReader):
 
     # --- helpers ------------------------------------------------------------------
 
-    def _dcp_metadata(self, info):
+    def _dcp_metadata(self):
         """The checkpoint's own DCP Metadata (for its bytes entries), unpickled with
         only DCP's metadata classes allowed (DCP's own reader runs any pickle)."""
         path = os.path.join(self.path, ".metadata")
@@ -414,7 +431,7 @@ class DaemonStorageReader(_st.StorageReader):
         return data
 
 
-class DaemonStorageWriter(_st.StorageWriter):
+class DaemonStorageWriter(_DaemonStorage, _st.StorageWriter):
     """A DCP StorageWriter whose writes the node's ckptd does.
 
     The checkpoint it produces is a PyTorch DCP checkpoint: DCP's own FileSystemReader
@@ -440,21 +457,12 @@ class DaemonStorageWriter(_st.StorageWriter):
     def __init__(self, path, socket=None, *, overwrite=False, timeout=600.0,
                  barrier_timeout=None):
         super().__init__()
-        self.path = os.path.abspath(os.fspath(path))
-        self.socket = os.path.abspath(socket or _client.default_socket())
+        self._setup(path, socket, timeout, barrier_timeout)
         self.overwrite = bool(overwrite)
-        self.timeout = timeout
-        self.barrier_timeout = barrier_timeout
-        self.last_report = None
         self._job_id = None
 
     def reset(self, checkpoint_id=None):
-        if checkpoint_id is not None:
-            self.path = os.path.abspath(os.fspath(checkpoint_id))
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id):
-        return False
+        self._set_checkpoint_id(checkpoint_id)
 
     def init(self, is_coordinator):  # torch 1.13
         pass
@@ -468,13 +476,7 @@ class DaemonStorageWriter(_st.StorageWriter):
     def prepare_local_plan(self, plan):
         seen = {}
         for item in plan.items:
-            fqn = item.index.fqn
-            if fqn in seen:
-                raise CkptdError(
-                    "INVALID_ARGUMENT",
-                    f"'{fqn}': this rank writes more than one item of it; ckptd saves one box "
-                    "per tensor per rank (use one local shard per tensor)")
-            seen[fqn] = item
+            self._one_box(seen, item.index.fqn, item.index, "writes")
         return dataclasses.replace(plan, storage_data={"node": _node(self.socket),
                                                        "items": bool(seen)})
 
