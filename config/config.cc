@@ -26,7 +26,7 @@ const std::set<std::string>& KnownKeys() {
       "tcp_tls_cert",  "tcp_tls_key",     "tcp_tls_ca",      "insecure_tcp",
       "tcp_uid",       "admin_uids",      "access",          "limits",
       "peer_tls_cert", "peer_tls_key",    "peer_tls_ca",     "peer_insecure",
-      "nccl_connect_timeout"};
+      "nccl_connect_timeout", "port_file"};
   return *keys;
 }
 
@@ -155,7 +155,24 @@ absl::Status ParseAccess(const YAML::Node& v, const std::string& source,
 
 }  // namespace
 
+bool IsUnixAddress(const std::string& address) { return absl::StartsWith(address, "unix:"); }
+
+int PortOf(const std::string& address) {
+  if (IsUnixAddress(address)) return -1;
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos) return -1;
+  if (address[0] != '[' && address.find(':') != colon) return -1;  // bare v6
+  if (address[0] == '[' && address.find(']') != colon - 1) return -1;
+  int port = -1;
+  if (!absl::SimpleAtoi(absl::string_view(address).substr(colon + 1), &port) || port < 0 ||
+      port > 65535) {
+    return -1;
+  }
+  return port;
+}
+
 std::string HostOf(const std::string& address) {
+  if (IsUnixAddress(address)) return address;  // a path has no host:port
   if (!address.empty() && address[0] == '[') {
     const size_t close = address.find(']');
     return close == std::string::npos ? address : address.substr(1, close - 1);
@@ -166,6 +183,7 @@ std::string HostOf(const std::string& address) {
 }
 
 bool IsLoopbackAddress(const std::string& address) {
+  if (IsUnixAddress(address)) return true;
   const std::string host = HostOf(address);
   return host == "localhost" || host == "::1" || absl::StartsWith(host, "127.");
 }
@@ -313,6 +331,8 @@ absl::StatusOr<DaemonConfig> ParseConfig(const std::string& yaml, const std::str
          : key == "peer_timeout"   ? c.peer_timeout
          : key == "nccl_connect_timeout" ? c.nccl_connect_timeout
                                    : c.drain_timeout) = *d;
+      } else if (key == "port_file") {
+        c.port_file = s;
       } else if (key == "peer_listen") {
         c.peer_listen = s;
       } else if (key == "peer_dns") {
@@ -373,14 +393,50 @@ absl::Status ValidateConfig(const DaemonConfig& c) {
     return absl::InvalidArgumentError(absl::StrCat(
         "config: 'direct_io' is '", c.direct_io, "', not one of never, auto, always"));
   }
+  auto bad_unix = [](const std::string& a) {
+    return IsUnixAddress(a) && (a.size() < 6 || a[5] != '/');
+  };
   for (const std::string& p : c.peers) {
+    if (bad_unix(p)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config: peer '", p, "' must be unix:/absolute/path (or host:port)"));
+    }
+    if (IsUnixAddress(p)) continue;
     if (p.rfind(':') == std::string::npos) {
       return absl::InvalidArgumentError(absl::StrCat("config: peer '", p, "' must be host:port"));
     }
+    if (PortOf(p) == 0) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config: peer '", p, "' has port 0: a peer must be named by the port it listens on "
+          "(port 0 is only for this daemon's own 'peer_listen'; read the port it bound from "
+          "'port_file' or its log and give that to the other daemons)"));
+    }
+  }
+  if (!c.peer_dns.empty() && PortOf(c.peer_dns) == 0) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config: 'peer_dns' ", c.peer_dns, " has port 0: it must name the port every node listens on"));
   }
   if ((!c.peers.empty() || !c.peer_dns.empty()) && c.peer_listen.empty()) {
     return absl::InvalidArgumentError(
         "config: 'peers'/'peer_dns' need 'peer_listen' (this daemon's own peer address)");
+  }
+  if (!c.peer_listen.empty() && bad_unix(c.peer_listen)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config: 'peer_listen' ", c.peer_listen, " must be unix:/absolute/path (or host:port)"));
+  }
+  if (!c.peer_listen.empty() && !c.peer_dns.empty() &&
+      (IsUnixAddress(c.peer_listen) || PortOf(c.peer_listen) == 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config: 'peer_listen' ", c.peer_listen, " cannot be combined with 'peer_dns' ",
+        c.peer_dns, ": the DNS name gives every node's address as ip:port with its port, so this "
+        "node must listen on a fixed TCP port (not port 0, not a Unix socket)"));
+  }
+  if (!c.peer_listen.empty() && IsUnixAddress(c.peer_listen) &&
+      (!c.peer_tls_cert.empty() || !c.peer_tls_key.empty() || !c.peer_tls_ca.empty())) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config: 'peer_listen' ", c.peer_listen, " is a Unix socket: peer TLS identifies nodes by "
+        "the host names of their certificates, which a socket path has not; a Unix socket peer "
+        "plane is plaintext, guarded by the socket file's mode (0600): drop 'peer_tls_*'"));
   }
   if (!c.peer_listen.empty()) {
     const bool tls = !c.peer_tls_cert.empty() || !c.peer_tls_key.empty() || !c.peer_tls_ca.empty();
@@ -468,6 +524,7 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   out << YAML::Key << "log_level" << YAML::Value << c.log_level;
   out << YAML::Key << "log_format" << YAML::Value << c.log_format;
   out << YAML::Key << "metrics_address" << YAML::Value << c.metrics_address;
+  out << YAML::Key << "port_file" << YAML::Value << c.port_file;
   out << YAML::Key << "peer_listen" << YAML::Value << c.peer_listen;
   out << YAML::Key << "peers" << YAML::Value << c.peers;
   out << YAML::Key << "peer_dns" << YAML::Value << c.peer_dns;

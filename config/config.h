@@ -74,9 +74,20 @@ struct DaemonConfig {
   std::string log_format = "text";  // text, or json (one JSON object per line)
   // Prometheus metrics over HTTP ("host:port", GET /metrics); empty: off.
   std::string metrics_address;
+  // Where the daemon writes the ports it bound, once every listener is up
+  // (JSON {"tcp":N,"peer":N,"peer_address":"host:N","metrics":N}, only the
+  // listeners configured; written atomically, removed at exit). With port 0
+  // in tcp_address, peer_listen or metrics_address the kernel picks the
+  // port; this file (or the "... listening on host:port" log lines) says
+  // which. Empty: no file.
+  std::string port_file;
   // Multi-node: this daemon's peer service address ("host:port"; empty: off),
   // the other daemons (static list; may include this one), or one DNS name
   // "name:port" resolving to all of them (a Kubernetes headless service).
+  // peer_listen may be "host:0" (the bound port becomes this node's address;
+  // not with peer_dns) or "unix:/abs/path" (daemons on one machine: a
+  // socket file of mode 0600, plaintext, no peer_dns / peer TLS); `peers`
+  // entries name real ports (no port 0) or "unix:/abs/path".
   std::string peer_listen;
   std::vector<std::string> peers;
   std::string peer_dns;
@@ -125,8 +136,14 @@ std::string ConfigToYaml(const DaemonConfig& config);
 
 // The host part of "host:port" ("[v6]:port" gives "v6"; no port: all of it).
 std::string HostOf(const std::string& address);
-// Whether "host:port" is a loopback address (localhost, 127.0.0.0/8, ::1).
+// Whether "host:port" is a loopback address (localhost, 127.0.0.0/8, ::1),
+// or a Unix socket ("unix:/path": local to this machine).
 bool IsLoopbackAddress(const std::string& address);
+// Whether `address` is a gRPC Unix socket address "unix:PATH".
+bool IsUnixAddress(const std::string& address);
+// The port of "host:port" ("[v6]:port"); -1 when there is none or it is not
+// a number in 0..65535 (and for Unix socket addresses).
+int PortOf(const std::string& address);
 
 }  // namespace ckptd
 

@@ -917,6 +917,11 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
     }
     dj->part_known = true;
   }
+  if (!dj->coordinator && exec.ok()) {
+    // Observable for operators and tests: this node holds its part now.
+    spdlog::info("multi-node job={}: plan part received from coordinator {} ({} reads here)",
+                 job->id, coordinator, lp.reads.size());
+  }
   // 3. Execute.
   if (config_.testing_delay_part > absl::ZeroDuration()) {
     absl::SleepFor(config_.testing_delay_part);  // fault injection for tests only

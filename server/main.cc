@@ -3,6 +3,7 @@
 //   ckptd --socket /run/ckptd/ckptd.sock --root /data/checkpoints
 //   ckptd --config /etc/ckptd/ckptd.yaml
 //   ckptd --check-config /etc/ckptd/ckptd.yaml
+#include <fcntl.h>
 #include <signal.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
@@ -18,6 +19,7 @@
 #include <grpcpp/health_check_service_interface.h>
 #include <grpcpp/resource_quota.h>
 #include <grpcpp/security/server_credentials.h>
+#include <nlohmann/json.hpp>
 #include <spdlog/spdlog.h>
 #include <systemd/sd-daemon.h>
 
@@ -46,7 +48,9 @@ ABSL_FLAG(std::string, check_config, "", "validate a config file and exit");
 ABSL_FLAG(std::string, socket, "", "Unix socket for the gRPC API (overrides the config)");
 ABSL_FLAG(std::vector<std::string>, root, {},
           "checkpoint root(s) served, comma-separated (overrides the config)");
-ABSL_FLAG(std::string, tcp, "", "also listen on host:port (overrides the config; needs mutual TLS or --insecure_tcp)");
+ABSL_FLAG(std::string, tcp, "",
+          "also listen on host:port (overrides the config; needs mutual TLS or --insecure_tcp; "
+          "port 0: the kernel picks one, see --port-file)");
 ABSL_FLAG(std::string, tcp_tls_cert, "", "PEM certificate of this daemon for --tcp");
 ABSL_FLAG(std::string, tcp_tls_key, "", "PEM private key for --tcp");
 ABSL_FLAG(std::string, tcp_tls_ca, "", "PEM CA that signs the client certificates --tcp requires");
@@ -59,9 +63,15 @@ ABSL_FLAG(std::string, log_level, "", "trace|debug|info|warn|error (overrides th
 ABSL_FLAG(std::string, log_format, "", "text|json (overrides the config)");
 ABSL_FLAG(std::string, metrics_address, "",
           "serve Prometheus metrics on host:port /metrics (overrides the config)");
+ABSL_FLAG(std::string, port_file, "",
+          "write the ports bound (JSON {\"tcp\":N,\"peer\":N,\"peer_address\":\"host:N\","
+          "\"metrics\":N}) to this file once every listener is up (overrides the config)");
 ABSL_FLAG(bool, print_config, false, "print the effective config and exit");
-ABSL_FLAG(std::string, peer_listen, "", "multi-node: this daemon's peer address host:port");
-ABSL_FLAG(std::vector<std::string>, peers, {}, "multi-node: the other daemons, host:port,...");
+ABSL_FLAG(std::string, peer_listen, "",
+          "multi-node: this daemon's peer address host:port (port 0: the kernel picks one), or "
+          "unix:/abs/path (daemons on one machine)");
+ABSL_FLAG(std::vector<std::string>, peers, {},
+          "multi-node: the other daemons, host:port or unix:/abs/path,...");
 ABSL_FLAG(std::string, peer_dns, "", "multi-node: DNS name:port resolving to all daemons");
 ABSL_FLAG(std::string, peer_timeout, "", "multi-node: e.g. 60s (overrides the config)");
 ABSL_FLAG(std::string, peer_tls_cert, "", "multi-node: PEM certificate of this node (its names are its identity)");
@@ -96,7 +106,12 @@ Callers are identified by the kernel (uid/groups of the Unix-socket peer) and
 checked against each root's access rule (docs/security.md). --tcp needs
 mutual TLS (--tcp-tls-cert/--tcp-tls-key/--tcp-tls-ca) or --insecure-tcp.
 The peer service (--peer-listen) needs mutual TLS (--peer-tls-cert/--peer-tls-key/
---peer-tls-ca) unless it listens on loopback or --peer-insecure is given.
+--peer-tls-ca) unless it listens on loopback (or a unix:/path socket, mode 0600)
+or --peer-insecure is given.
+Port 0 in --tcp, --peer-listen or --metrics-address: the kernel picks a free port;
+each listener logs "<tcp|peer> service listening on HOST:PORT" (metrics:
+"metrics on http://HOST:PORT/metrics") and --port-file PATH gets them all as
+JSON, written atomically once every listener is up (docs/configuration.md).
 SIGTERM/SIGINT: stop accepting, drain running loads (drain_timeout), exit.
 SIGHUP: reload the peer TLS files without dropping running jobs.)";
 
@@ -123,6 +138,44 @@ absl::Status ClaimSocket(const std::string& path) {
         absl::StrCat(path, " is in use by a running daemon"));
   }
   ::unlink(path.c_str());
+  return absl::OkStatus();
+}
+
+// Writes `text` to `path` so that a reader sees all of it or nothing: a
+// temporary file beside it, fsync, rename, fsync of the directory.
+absl::Status WriteFileAtomically(const std::string& path, const std::string& text) {
+  const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
+  auto fail = [&](const char* what) {
+    const int err = errno;
+    ::unlink(tmp.c_str());
+    return absl::UnavailableError(
+        absl::StrCat("port_file ", path, ": ", what, ": ", std::strerror(err)));
+  };
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) return fail("cannot create");
+  size_t done = 0;
+  while (done < text.size()) {
+    const ssize_t w = ::write(fd, text.data() + done, text.size() - done);
+    if (w < 0 && errno == EINTR) continue;
+    if (w <= 0) {
+      ::close(fd);
+      return fail("write");
+    }
+    done += static_cast<size_t>(w);
+  }
+  if (::fsync(fd) != 0) {
+    ::close(fd);
+    return fail("fsync");
+  }
+  ::close(fd);
+  if (::rename(tmp.c_str(), path.c_str()) != 0) return fail("rename");
+  const size_t slash = path.rfind('/');
+  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
+  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dfd >= 0) {
+    ::fsync(dfd);
+    ::close(dfd);
+  }
   return absl::OkStatus();
 }
 
@@ -209,6 +262,7 @@ int main(int argc, char** argv) {
   if (!absl::GetFlag(FLAGS_metrics_address).empty()) {
     config.metrics_address = absl::GetFlag(FLAGS_metrics_address);
   }
+  if (!absl::GetFlag(FLAGS_port_file).empty()) config.port_file = absl::GetFlag(FLAGS_port_file);
   if (!absl::GetFlag(FLAGS_peer_listen).empty()) config.peer_listen = absl::GetFlag(FLAGS_peer_listen);
   if (!absl::GetFlag(FLAGS_peers).empty()) config.peers = absl::GetFlag(FLAGS_peers);
   if (!absl::GetFlag(FLAGS_peer_dns).empty()) config.peer_dns = absl::GetFlag(FLAGS_peer_dns);
@@ -251,9 +305,17 @@ int main(int argc, char** argv) {
   pthread_sigmask(SIG_BLOCK, &sigs, nullptr);
   signal(SIGPIPE, SIG_IGN);
 
+  // A port file from an earlier run must not be read as this one's.
+  if (!config.port_file.empty()) ::unlink(config.port_file.c_str());
   ckptd::Daemon daemon(config);
   if (!config.socket.empty()) {
     if (absl::Status s = ClaimSocket(config.socket); !s.ok()) return Fail(std::string(s.message()));
+  }
+  if (ckptd::IsUnixAddress(config.peer_listen)) {
+    // gRPC would remove whatever is at the path: refuse a live daemon's socket.
+    if (absl::Status s = ClaimSocket(config.peer_listen.substr(5)); !s.ok()) {
+      return Fail(absl::StrCat("peer_listen: ", s.message()));
+    }
   }
   if (absl::Status s = daemon.Start(); !s.ok()) return Fail(std::string(s.message()));
   grpc::EnableDefaultHealthCheckService(true);  // every server below has grpc.health.v1
@@ -265,11 +327,14 @@ int main(int argc, char** argv) {
     auto ps = ckptd::PeerServer::Start(&daemon, &peer_service);
     if (!ps.ok()) return Fail(std::string(ps.status().message()));
     peer_server = std::move(*ps);
+    // "host:0" is now "host:N": this node's address everywhere from here on.
+    config.peer_listen = peer_server->bound_address();
+    daemon.SetPeerListen(config.peer_listen);
     if (config.peer_tls_cert.empty() && !ckptd::IsLoopbackAddress(config.peer_listen)) {
       spdlog::warn("peer service on {} WITHOUT TLS (peer_insecure: true): whoever reaches it can "
                    "join jobs and read or alter their bytes", config.peer_listen);
     }
-    spdlog::info("peer service on {} (peers: {}{}; {})", config.peer_listen,
+    spdlog::info("peer service listening on {} (peers: {}{}; {})", config.peer_listen,
                  absl::StrJoin(config.peers, ","),
                  config.peer_dns.empty() ? "" : " dns " + config.peer_dns,
                  config.peer_tls_cert.empty() ? "plaintext" : "mutual TLS");
@@ -334,9 +399,16 @@ int main(int argc, char** argv) {
   builder.SetResourceQuota(quota);
   builder.RegisterService(&service);
   std::unique_ptr<grpc::Server> server = builder.BuildAndStart();
-  if (!server) {
+  if (!server || (!config.tcp_address.empty() && tcp_port <= 0)) {
+    if (server) server->Shutdown(std::chrono::system_clock::now());
     return Fail(absl::StrCat("cannot start the gRPC server",
                              config.tcp_address.empty() ? "" : " on " + config.tcp_address));
+  }
+  if (!config.tcp_address.empty()) {
+    // "host:0" is now "host:N".
+    config.tcp_address = absl::StrCat(
+        config.tcp_address.substr(0, config.tcp_address.rfind(':')), ":", tcp_port);
+    spdlog::info("tcp service listening on {}", config.tcp_address);
   }
   if (uds) uds->Serve(server.get());
   std::unique_ptr<ckptd::MetricsServer> metrics;
@@ -352,6 +424,23 @@ int main(int argc, char** argv) {
     spdlog::info("metrics on http://{}:{}/metrics", host, metrics->port());
   }
   server->GetHealthCheckService()->SetServingStatus(true);
+  if (!config.port_file.empty()) {
+    nlohmann::ordered_json ports = nlohmann::ordered_json::object();
+    if (!config.tcp_address.empty()) ports["tcp"] = tcp_port;
+    if (peer_server) {
+      const int peer_port = ckptd::PortOf(config.peer_listen);
+      if (peer_port > 0) ports["peer"] = peer_port;
+      ports["peer_address"] = config.peer_listen;
+    }
+    if (metrics) ports["metrics"] = metrics->port();
+    const std::string json =
+        ports.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) + "\n";
+    if (absl::Status s = WriteFileAtomically(config.port_file, json); !s.ok()) {
+      server->Shutdown(std::chrono::system_clock::now());
+      if (peer_server) peer_server->Shutdown(std::chrono::system_clock::now());
+      return Fail(std::string(s.message()));
+    }
+  }
   spdlog::info("serving on {}{} roots={} cache_budget={}B io_threads={}", config.socket,
                config.tcp_address.empty() ? "" : " and tcp " + config.tcp_address,
                absl::StrJoin(config.roots, ","), config.cache_budget, config.io_threads);
@@ -428,6 +517,7 @@ int main(int argc, char** argv) {
       now_socket.st_ino == own_socket.st_ino && now_socket.st_dev == own_socket.st_dev) {
     ::unlink(config.socket.c_str());
   }
+  if (!config.port_file.empty()) ::unlink(config.port_file.c_str());
   spdlog::info("stopped");
   return 0;
 }

@@ -104,7 +104,19 @@ std::shared_ptr<const Daemon::PeerSet> Daemon::CurrentPeerSet(bool refresh) cons
 
 std::vector<std::string> Daemon::PeerAddresses() const { return CurrentPeerSet()->others; }
 
+void Daemon::SetPeerListen(const std::string& bound) {
+  config_.peer_listen = bound;
+  {
+    absl::MutexLock lock(&peer_set_mu_);
+    peer_set_ = nullptr;  // none yet; were there one, it named the unbound address
+  }
+  peer_listen_bound_.store(true, std::memory_order_release);
+}
+
 absl::StatusOr<PeerCaller> Daemon::AuthorizePeer(PeerCaller caller) const {
+  if (!peer_listen_bound_.load(std::memory_order_acquire)) {
+    return absl::UnavailableError("peer service: starting (its address is not set yet)");
+  }
   const bool tls = !config_.peer_tls_ca.empty();
   if (!caller.verified) {
     if (tls) {

@@ -1,5 +1,10 @@
 #include "server/peer_server.h"
 
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
+
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
@@ -7,28 +12,47 @@
 namespace ckptd {
 
 absl::StatusOr<std::unique_ptr<grpc::Server>> PeerServer::Build(
-    const std::optional<Daemon::PeerTlsFiles>& files) {
+    const std::optional<Daemon::PeerTlsFiles>& files, std::string* bound) {
   const DaemonConfig& c = daemon_->config();
   grpc::ServerBuilder pb;
-  pb.AddListeningPort(c.peer_listen, Daemon::PeerServerCredentials(files));
+  int port = 0;
+  pb.AddListeningPort(c.peer_listen, Daemon::PeerServerCredentials(files), &port);
   pb.SetMaxReceiveMessageSize(256 << 20);
   pb.SetMaxSendMessageSize(256 << 20);
   pb.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 1);  // the next server, on rotation
   pb.RegisterService(service_);
+  // A Unix socket is created owner-only (no window with a wider mode): the
+  // plaintext peer plane on one machine is guarded by the file's mode.
+  const bool unix_socket = IsUnixAddress(c.peer_listen);
+  const mode_t old_umask = unix_socket ? ::umask(0177) : 0;
   std::unique_ptr<grpc::Server> s = pb.BuildAndStart();
-  if (s == nullptr) {
+  if (unix_socket) {
+    ::umask(old_umask);
+    if (s != nullptr && ::chmod(c.peer_listen.c_str() + 5, 0600) != 0) {
+      const int err = errno;
+      s->Shutdown(std::chrono::system_clock::now());
+      return absl::UnavailableError(absl::StrCat("cannot make ", c.peer_listen, " owner-only: ",
+                                                 std::strerror(err)));
+    }
+  }
+  if (s == nullptr || (!unix_socket && port <= 0)) {
     return absl::UnavailableError(absl::StrCat(
         "cannot listen for peers on ", c.peer_listen,
         c.peer_tls_cert.empty() ? "" : " (or the peer TLS certificate/key is unusable)"));
   }
   s->GetHealthCheckService()->SetServingStatus(true);
+  if (bound != nullptr) {
+    *bound = unix_socket
+                 ? c.peer_listen
+                 : absl::StrCat(c.peer_listen.substr(0, c.peer_listen.rfind(':')), ":", port);
+  }
   return s;
 }
 
 absl::StatusOr<std::unique_ptr<PeerServer>> PeerServer::Start(Daemon* daemon,
                                                               PeerService* service) {
   std::unique_ptr<PeerServer> p(new PeerServer(daemon, service));
-  auto s = p->Build(daemon->peer_tls());
+  auto s = p->Build(daemon->peer_tls(), &p->bound_);
   if (!s.ok()) return s.status();
   absl::MutexLock lock(&p->mu_);
   p->current_ = std::move(*s);

@@ -31,6 +31,11 @@ class PeerServer {
   static absl::StatusOr<std::unique_ptr<PeerServer>> Start(Daemon* daemon, PeerService* service);
   ~PeerServer();
 
+  // The address it listens on: peer_listen with the port the kernel picked
+  // for "host:0" (main hands it to Daemon::SetPeerListen). A "unix:/path"
+  // peer_listen is a socket file of mode 0600.
+  const std::string& bound_address() const { return bound_; }
+
   absl::Status Rotate(const std::optional<Daemon::PeerTlsFiles>& files);
   // The standard health service's answer (Kubernetes probes the peer port).
   void SetServing(bool serving);
@@ -39,10 +44,13 @@ class PeerServer {
 
  private:
   PeerServer(Daemon* daemon, PeerService* service) : daemon_(daemon), service_(service) {}
-  absl::StatusOr<std::unique_ptr<grpc::Server>> Build(const std::optional<Daemon::PeerTlsFiles>& files);
+  // `bound`, if given, gets the address it listens on.
+  absl::StatusOr<std::unique_ptr<grpc::Server>> Build(const std::optional<Daemon::PeerTlsFiles>& files,
+                                                      std::string* bound = nullptr);
 
   Daemon* const daemon_;
   PeerService* const service_;
+  std::string bound_;
   absl::Mutex mu_;
   std::unique_ptr<grpc::Server> current_ ABSL_GUARDED_BY(mu_);
   std::vector<std::thread> retiring_ ABSL_GUARDED_BY(mu_);

@@ -3,7 +3,6 @@ insecure_tcp is set; with TLS a client must present a certificate signed by the
 configured CA, and then acts as tcp_uid (nobody), which may not read a root
 whose default rule admits only the daemon's uid and the socket's group."""
 import os
-import socket
 import subprocess
 import tempfile
 import time
@@ -14,12 +13,6 @@ import ckptd
 from ckptd.errors import CkptdError
 
 CKPTD = os.path.abspath(testlib.CKPTD)
-
-
-def free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def openssl(*args, cwd):
@@ -56,7 +49,7 @@ class TcpTest(unittest.TestCase):
     def test_plaintext_tcp_refused_at_start_up(self):
         sock = os.path.join(tempfile.mkdtemp(dir="/tmp"), "s.sock")
         r = subprocess.run([CKPTD, "--socket", sock, "--root", self.root,
-                            "--tcp", f"127.0.0.1:{free_port()}"],
+                            "--tcp", "127.0.0.1:0"],
                            capture_output=True, text=True, timeout=30)
         self.assertNotEqual(r.returncode, 0)
         self.assertIn("tcp_tls_cert", r.stderr)
@@ -65,34 +58,28 @@ class TcpTest(unittest.TestCase):
     def test_half_tls_config_refused(self):
         sock = os.path.join(tempfile.mkdtemp(dir="/tmp"), "s.sock")
         r = subprocess.run([CKPTD, "--socket", sock, "--root", self.root,
-                            "--tcp", f"127.0.0.1:{free_port()}", "--tcp-tls-cert", self.p("server.pem")],
+                            "--tcp", "127.0.0.1:0", "--tcp-tls-cert", self.p("server.pem")],
                            capture_output=True, text=True, timeout=30)
         self.assertNotEqual(r.returncode, 0)
         self.assertIn("tcp_tls_ca", r.stderr)
 
     def test_insecure_tcp_explicit_starts_with_a_warning(self):
-        port = free_port()
-        with testlib.Daemon(self.root, "--tcp", f"127.0.0.1:{port}", "--insecure-tcp") as d:
+        # Port 0: the daemon binds one and reports it (no free-port race).
+        with testlib.Daemon(self.root, "--tcp", "127.0.0.1:0", "--insecure-tcp") as d:
+            port = d.ports()["tcp"]
+            self.assertIn(f"tcp service listening on 127.0.0.1:{port}", d.read_log())
             with ckptd.Client(f"127.0.0.1:{port}", tcp=True) as c:
                 c.status()
             self.assertIn("WITHOUT TLS", d.read_log())
 
     def test_mutual_tls(self):
-        port = free_port()
-        target = f"127.0.0.1:{port}"
-        with testlib.Daemon(self.root, "--tcp", target, "--tcp-tls-cert", self.p("server.pem"),
+        with testlib.Daemon(self.root, "--tcp", "127.0.0.1:0", "--tcp-tls-cert", self.p("server.pem"),
                             "--tcp-tls-key", self.p("server.key"), "--tcp-tls-ca", self.p("ca.pem")) as d:
-            deadline = time.monotonic() + 10
-            while True:  # the TCP port comes up with the daemon; retry briefly
-                try:
-                    with ckptd.Client(target, tcp=True, tls=(self.p("ca.pem"), self.p("client.pem"),
-                                                             self.p("client.key"))) as c:
-                        st = c.status()
-                    break
-                except CkptdError:
-                    if time.monotonic() > deadline:
-                        raise
-                    time.sleep(0.1)
+            # The port file is written once the TCP listener is up.
+            target = f"127.0.0.1:{d.ports()['tcp']}"
+            with ckptd.Client(target, tcp=True, tls=(self.p("ca.pem"), self.p("client.pem"),
+                                                     self.p("client.key"))) as c:
+                st = c.status()
             self.assertTrue(st is not None)
             # A TCP caller acts as tcp_uid (65534): the private root is not its to read.
             with ckptd.Client(target, tcp=True, tls=(self.p("ca.pem"), self.p("client.pem"),

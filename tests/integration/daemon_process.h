@@ -84,7 +84,9 @@ class DaemonProcess {
     dir_ = mkdtemp(tmpl);
     socket_ = dir_ + "/ckptd.sock";
     log_ = dir_ + "/ckptd.log";
-    std::vector<std::string> argv = {Runfile("server/ckptd"), "--socket", socket_, "--root", root};
+    port_file_ = dir_ + "/ports.json";
+    std::vector<std::string> argv = {Runfile("server/ckptd"), "--socket", socket_, "--root", root,
+                                     "--port-file", port_file_};
     argv.insert(argv.end(), extra.begin(), extra.end());
     pid_ = Spawn(argv, log_);
     for (int i = 0; i < 1000 && !Ready(); ++i) std::this_thread::sleep_for(std::chrono::milliseconds(5));
@@ -124,6 +126,28 @@ class DaemonProcess {
     exit_code_ = WaitExit(pid_, std::chrono::seconds(30));
     pid_ = -1;
   }
+  // The port the daemon reports for `key` ("tcp", "peer", "metrics": its
+  // listeners with port 0 get one from the kernel) in its port file, written
+  // once every listener is up; -1 if it is not there within `timeout` or the
+  // daemon exited first (the caller prints log()).
+  int ReportedPort(const std::string& key,
+                   std::chrono::milliseconds timeout = std::chrono::seconds(20)) const {
+    const auto end = std::chrono::steady_clock::now() + timeout;
+    while (std::chrono::steady_clock::now() < end) {
+      std::ifstream in(port_file_);  // written atomically (rename): whole or absent
+      if (in) {
+        std::stringstream text;
+        text << in.rdbuf();
+        const std::string t = text.str();
+        const std::string k = "\"" + key + "\":";
+        const size_t at = t.find(k);
+        return at == std::string::npos ? -1 : std::atoi(t.c_str() + at + k.size());
+      }
+      if (!Alive()) return -1;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    return -1;
+  }
   bool Alive() const { return pid_ > 0 && ::kill(pid_, 0) == 0 && waitpid(pid_, nullptr, WNOHANG) == 0; }
   pid_t pid() const { return pid_; }
   const std::string& socket() const { return socket_; }
@@ -131,7 +155,7 @@ class DaemonProcess {
   const std::string& dir() const { return dir_; }
 
  private:
-  std::string dir_, socket_, log_;
+  std::string dir_, socket_, log_, port_file_;
   pid_t pid_ = -1;
   int exit_code_ = -1;
 };

@@ -67,17 +67,52 @@ class MultiNode : public ::testing::TestWithParam<bool> {
     return roots;
   }
 
-  // Starts `n` daemons; `roots[i]` is node i's root.
+  // Starts `n` daemons; `roots[i]` is node i's root. Every node's peers
+  // list names every node, so all addresses are chosen before the first
+  // starts. Plaintext: Unix sockets (unix:/tmp/..., nothing to race for).
+  // Mutual TLS identifies nodes by the IP their certificate names, so those
+  // runs need TCP: free ports, and if one was taken meanwhile (a node says
+  // "cannot listen for peers"), every node again on new ports.
   void StartNodes(const std::vector<std::string>& roots, std::vector<std::string> extra = {}) {
-    ports_.clear();
-    for (size_t i = 0; i < roots.size(); ++i) ports_.push_back(FreePort());
-    std::string peers;
-    for (int p : ports_) peers += (peers.empty() ? "" : ",") + ("127.0.0.1:" + std::to_string(p));
-    for (size_t i = 0; i < roots.size(); ++i) StartNode(i, roots[i], peers, extra);
+    for (int attempt = 0;; ++attempt) {
+      nodes_.clear();
+      addrs_.clear();
+      for (size_t i = 0; i < roots.size(); ++i) {
+        addrs_.push_back(GetParam() ? "127.0.0.1:" + std::to_string(FreePort())
+                                    : "unix:" + SocketDir() + "/node" + std::to_string(i) + ".peer");
+      }
+      std::string peers;
+      for (const std::string& a : addrs_) peers += (peers.empty() ? "" : ",") + a;
+      bool port_taken = false;
+      for (size_t i = 0; i < roots.size() && !port_taken; ++i) {
+        port_taken = !StartNode(i, roots[i], peers, extra, /*may_retry=*/GetParam() && attempt < 3);
+      }
+      if (!port_taken) return;
+    }
   }
-  void StartNode(size_t i, const std::string& root, const std::string& peers,
-                 std::vector<std::string> extra) {
-    std::vector<std::string> args = {"--peer-listen", "127.0.0.1:" + std::to_string(ports_[i]),
+  // A fresh /tmp directory for the peer sockets (a Unix socket path must
+  // stay under 108 bytes: not under TEST_TMPDIR).
+  const std::string& SocketDir() {
+    if (socket_dir_.empty()) {
+      char tmpl[] = "/tmp/ckptd-mn-XXXXXX";
+      socket_dir_ = ::mkdtemp(tmpl);
+    }
+    return socket_dir_;
+  }
+  void TearDown() override {
+    nodes_.clear();
+    if (!socket_dir_.empty()) fs::remove_all(socket_dir_);
+  }
+  std::string AllAddrs() const {
+    std::string peers;
+    for (const std::string& a : addrs_) peers += (peers.empty() ? "" : ",") + a;
+    return peers;
+  }
+  // False only when `may_retry` and the node could not listen on its port
+  // (taken since FreePort chose it): the caller starts over.
+  bool StartNode(size_t i, const std::string& root, const std::string& peers,
+                 std::vector<std::string> extra, bool may_retry = false) {
+    std::vector<std::string> args = {"--peer-listen", addrs_[i],
                                      "--peers", peers, "--peer-timeout", "4s",
                                      "--io-request-size", "64KiB"};
     if (GetParam()) {
@@ -87,7 +122,13 @@ class MultiNode : public ::testing::TestWithParam<bool> {
     args.insert(args.end(), extra.begin(), extra.end());
     if (nodes_.size() <= i) nodes_.resize(i + 1);
     nodes_[i] = std::make_unique<DaemonProcess>(root, args);
-    ASSERT_TRUE(nodes_[i]->Ready()) << Slurp(nodes_[i]->log());
+    if (may_retry && !nodes_[i]->Ready() &&
+        Slurp(nodes_[i]->log()).find("cannot listen for peers on") != std::string::npos) {
+      nodes_[i]->Stop();  // exited already: nothing to wait for
+      return false;
+    }
+    EXPECT_TRUE(nodes_[i]->Ready()) << Slurp(nodes_[i]->log());
+    return true;
   }
 
   std::string Sockets() const {
@@ -130,7 +171,8 @@ class MultiNode : public ::testing::TestWithParam<bool> {
   testing::TempDir tmp_;
   testing::CertFiles tls_;
   FullModel full_;  // the model's full tensors: the oracle
-  std::vector<int> ports_;
+  std::vector<std::string> addrs_;  // node i's peer address
+  std::string socket_dir_;
   std::vector<std::unique_ptr<DaemonProcess>> nodes_;
 };
 
@@ -212,13 +254,16 @@ TEST_P(MultiNode, PeerKilledMidLoadThenRetrySucceeds) {
       [&] { return Slurp(nodes_[0]->log()).find("coordinator job=killed") != std::string::npos; },
       "the coordinator (node 0) to log the plan of job 'killed'"))
       << Slurp(tmp_.Sub("killed.log")) << Slurp(nodes_[0]->log());
-  // Let node 2's Join reply (its part) arrive: node 2 shows no sign of
-  // having it (no log line, no Status phase change before its 1.5 s pause),
-  // so there is no condition to await here. A kill that still came before
-  // the reply fails the job the same way (the rest fetch from a dead peer).
-  std::this_thread::sleep_for(std::chrono::milliseconds(200));
-  const std::string peers = "127.0.0.1:" + std::to_string(ports_[0]) + ",127.0.0.1:" +
-                            std::to_string(ports_[1]) + ",127.0.0.1:" + std::to_string(ports_[2]);
+  // Node 2 logs when its Join reply (its part of the plan) has arrived;
+  // it is killed only then, inside its 1.5 s pause before executing it.
+  ASSERT_TRUE(Await(
+      [&] {
+        return Slurp(nodes_[2]->log()).find("multi-node job=killed: plan part received") !=
+               std::string::npos;
+      },
+      "node 2 to log that it received its part of job 'killed'"))
+      << Slurp(nodes_[2]->log());
+  const std::string peers = AllAddrs();
   nodes_[2]->Kill();  // SIGKILL: no draining
   std::vector<int> codes;
   for (pid_t p : pids) codes.push_back(WaitExit(p, std::chrono::seconds(30)));
@@ -226,7 +271,7 @@ TEST_P(MultiNode, PeerKilledMidLoadThenRetrySucceeds) {
   EXPECT_THAT(codes, ::testing::Each(::testing::Ne(0)));
   EXPECT_LT(took, 15.0);  // peer_timeout 4s, plus slack
   const std::string log = Slurp(tmp_.Sub("killed.log"));
-  EXPECT_THAT(log, HasSubstr(std::to_string(ports_[2])));  // names the dead peer
+  EXPECT_THAT(log, HasSubstr(addrs_[2]));  // names the dead peer
   EXPECT_FALSE(fs::exists(tmp_.Sub("out-killed/rank0.safetensors")));
   // Bring node 2 back and retry.
   StartNode(2, roots[2], peers, {});

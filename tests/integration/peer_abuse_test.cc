@@ -119,6 +119,22 @@ class PeerAbuse : public ::testing::Test {
     ASSERT_TRUE(nodes_[i]->Ready()) << Slurp(nodes_[i]->log());
   }
 
+  // Daemon A alone, on peer port 0: the kernel picks its port (no free-port
+  // race) and A reports it; its peer set is the others of Peers().
+  void StartAlone() {
+    std::vector<std::string> args = {"--peer-listen", "127.0.0.1:0", "--peers",
+                                     Addr(ports_[1]) + "," + X() + ",127.0.0.2:" +
+                                         std::to_string(ports_[3]),
+                                     "--peer-timeout", "4s", "--io-request-size", "64KiB",
+                                     "--peer-tls-cert", node_.cert, "--peer-tls-key", node_.key,
+                                     "--peer-tls-ca", node_.ca};
+    nodes_[0] = std::make_unique<DaemonProcess>(tmp_.Sub("node0"), args);
+    ASSERT_TRUE(nodes_[0]->Ready()) << Slurp(nodes_[0]->log());
+    ports_[0] = nodes_[0]->ReportedPort("peer");
+    ASSERT_GT(ports_[0], 0) << "daemon A reported no peer port; its log:\n"
+                            << Slurp(nodes_[0]->log());
+  }
+
   // Daemons A and B, each on its own copy of the node certificate (`live`),
   // which a test replaces in place before a SIGHUP.
   void StartWithOwnCertFiles(CertFiles live[2], const std::vector<std::string>& extra) {
@@ -222,7 +238,7 @@ class PeerAbuse : public ::testing::Test {
 // A valid certificate whose name is not a peer: PERMISSION_DENIED naming it.
 // On every RPC, and the daemon keeps serving.
 TEST_F(PeerAbuse, StrangersAreTurnedAwayOnEveryRpc) {
-  Start(0);
+  StartAlone();
   const Layout load = MakeLayout(2, 1, false);
   struct Stranger {
     const char* what;
@@ -294,7 +310,7 @@ TEST_F(PeerAbuse, StrangersAreTurnedAwayOnEveryRpc) {
 // is not a node of the job cannot complete it.
 TEST_F(PeerAbuse, MemberFetchingAReadThreeTimesNeverCrashesTheServer) {
   GiveAllFilesToA();
-  Start(0);
+  StartAlone();
   const Layout load = MakeLayout(2, 1, false);
   const std::string lf = WriteLayout(load, "load2.json");
   pid_t rank0 = StartRank(0, lf, "fetch3");
@@ -363,7 +379,7 @@ TEST_F(PeerAbuse, MemberFetchingAReadThreeTimesNeverCrashesTheServer) {
 // name: PERMISSION_DENIED, and the job fails for its ranks with that name.
 TEST_F(PeerAbuse, JoinWithoutRanksOrForAnotherNodeFailsTheJob) {
   GiveAllFilesToA();
-  Start(0);
+  StartAlone();
   const Layout load = MakeLayout(2, 1, false);
   const std::string lf = WriteLayout(load, "load2.json");
   struct Case {

@@ -62,14 +62,14 @@ def ckptctl(*args, check=True):
 
 
 class MetricsDaemon(testlib.Daemon):
-    """ckptd with metrics on a free loopback port (port 0: ckptd logs the one
-    it got)."""
+    """ckptd with metrics on a free loopback port (port 0: ckptd reports the
+    one it got in its port file and its log)."""
 
     def __init__(self, root, *extra):
         super().__init__(root, "--metrics-address", "127.0.0.1:0", *extra)
-        log = wait_for("the metrics line", lambda: re.search(
-            r"metrics on http://127\.0\.0\.1:(\d+)/metrics", self.read_log()), timeout=10)
-        self.metrics_port = int(log.group(1))
+        self.metrics_port = self.ports()["metrics"]
+        assert f"metrics on http://127.0.0.1:{self.metrics_port}/metrics" in self.read_log(), \
+            self.read_log()
         self.url = f"http://127.0.0.1:{self.metrics_port}/metrics"
 
     def scrape(self):
@@ -233,18 +233,23 @@ class OpsTest(unittest.TestCase):
         self.assertIn("metrics_address", r.stderr)
 
     def test_peer_health_metrics_and_grpc_health_on_peer_port(self):
-        p1, p2 = free_port(), free_port()
-        peers = f"127.0.0.1:{p1},127.0.0.1:{p2}"
-        with MetricsDaemon(self.root, "--peer-listen", f"127.0.0.1:{p1}", "--peers", peers) as a:
+        # a's peer port is TCP (port 0: the kernel picks it, the port file says
+        # which), where Kubernetes would probe it; b, started later, is a Unix
+        # socket, so a can name it before it exists.
+        b_addr = "unix:" + os.path.join(tempfile.mkdtemp(prefix="ckptd-p-", dir="/tmp"), "b.peer")
+        with MetricsDaemon(self.root, "--peer-listen", "127.0.0.1:0", "--peers", b_addr) as a:
+            a_addr = a.ports()["peer_address"]
+            self.assertEqual(a_addr, f"127.0.0.1:{a.ports()['peer']}")
+            self.assertIn(f"peer service listening on {a_addr}", a.read_log())
             m = parse_metrics(a.scrape())
             self.assertEqual(m[("ckptd_peers", ())], 1)
-            self.assertEqual(m[("ckptd_peer_up", (("peer", f"127.0.0.1:{p2}"),))], 0)
-            self.assertEqual(grpc_health(f"127.0.0.1:{p1}"), "SERVING")
-            with testlib.Daemon(self.root, "--peer-listen", f"127.0.0.1:{p2}", "--peers", peers):
+            self.assertEqual(m[("ckptd_peer_up", (("peer", b_addr),))], 0)
+            self.assertEqual(grpc_health(a_addr), "SERVING")
+            with testlib.Daemon(self.root, "--peer-listen", b_addr, "--peers", f"{a_addr},{b_addr}"):
                 wait_for("the peer to be up", lambda: parse_metrics(a.scrape()).get(
-                    ("ckptd_peer_up", (("peer", f"127.0.0.1:{p2}"),))) == 1)
+                    ("ckptd_peer_up", (("peer", b_addr),))) == 1)
                 m = parse_metrics(a.scrape())
-                self.assertGreater(m[("ckptd_peer_rtt_seconds", (("peer", f"127.0.0.1:{p2}"),))], 0)
+                self.assertGreater(m[("ckptd_peer_rtt_seconds", (("peer", b_addr),))], 0)
             # Peer health is cached a few seconds (Status and every scrape
             # share one parallel round of pings): the stopped peer shows
             # DOWN within that.
@@ -254,7 +259,7 @@ class OpsTest(unittest.TestCase):
             self.assertLess(time.monotonic() - t0, 6)
             out = ckptctl("status", "--daemon", a.socket).stdout
             self.assertRegex(out, r"peers: 0 of 1 reachable, this daemon is 127\.0\.0\.1:\d+")
-            self.assertRegex(out, rf"127\.0\.0\.1:{p2}\s+DOWN")
+            self.assertRegex(out, rf"{re.escape(b_addr)}\s+DOWN")
             rc, msg = promtool_check(a.scrape())
             self.assertEqual((rc, msg), (0, ""))
 
@@ -269,9 +274,8 @@ class OpsTest(unittest.TestCase):
             s.listen(16)
             silent.append(s)
         try:
-            me = free_port()
             peers = ",".join(f"127.0.0.1:{s.getsockname()[1]}" for s in silent)
-            with testlib.Daemon(self.root, "--peer-listen", f"127.0.0.1:{me}", "--peers", peers) as d:
+            with testlib.Daemon(self.root, "--peer-listen", "127.0.0.1:0", "--peers", peers) as d:
                 t0 = time.monotonic()
                 out = ckptctl("status", "--daemon", d.socket).stdout
                 first = time.monotonic() - t0
@@ -287,10 +291,15 @@ class OpsTest(unittest.TestCase):
                 s.close()
 
     def test_multi_node_load_counts_peer_bytes(self):
-        p1, p2 = free_port(), free_port()
-        peers = f"127.0.0.1:{p1},127.0.0.1:{p2}"
-        with MetricsDaemon(self.root, "--peer-listen", f"127.0.0.1:{p1}", "--peers", peers) as a, \
-                MetricsDaemon(self.root, "--peer-listen", f"127.0.0.1:{p2}", "--peers", peers) as b:
+        # Two daemons that must know each other's address before either
+        # starts: Unix socket peer addresses (nothing here is about TCP).
+        d = tempfile.mkdtemp(prefix="ckptd-p-", dir="/tmp")
+        p1, p2 = f"unix:{d}/a.peer", f"unix:{d}/b.peer"
+        peers = f"{p1},{p2}"
+        with MetricsDaemon(self.root, "--peer-listen", p1, "--peers", peers) as a, \
+                MetricsDaemon(self.root, "--peer-listen", p2, "--peers", peers) as b:
+            for sock in (p1, p2):  # owner-only socket files
+                self.assertEqual(os.stat(sock[len("unix:"):]).st_mode & 0o777, 0o600, sock)
             r = ckptctl("load", self.ckpt, "--layout", LAYOUT_TP4, "--out",
                         tempfile.mkdtemp(dir=self.out), "--daemon", f"{a.socket},{b.socket}",
                         "--json")
@@ -299,7 +308,7 @@ class OpsTest(unittest.TestCase):
             for m in (ma, mb):
                 self.assertEqual(m[("ckptd_load_jobs_total", (("result", "ok"),))], 1)
                 self.assertEqual(m[("ckptd_loads_succeeded_total", ())], 2)  # 2 ranks each
-                self.assertEqual(m[("ckptd_peer_up", (("peer", f"127.0.0.1:{p2 if m is ma else p1}"),))], 1)
+                self.assertEqual(m[("ckptd_peer_up", (("peer", p2 if m is ma else p1),))], 1)
             received = (ma[("ckptd_peer_received_bytes_total", ())] +
                         mb[("ckptd_peer_received_bytes_total", ())])
             sent = ma[("ckptd_peer_sent_bytes_total", ())] + mb[("ckptd_peer_sent_bytes_total", ())]
@@ -433,6 +442,49 @@ class OpsTest(unittest.TestCase):
 
     # --- the peer plane's configuration ------------------------------------------------
 
+    def test_port_zero_and_unix_peer_addresses_that_cannot_work_are_refused(self):
+        def run(*args):
+            return subprocess.run([CKPTD, "--root", self.root, *args, "--print-config"],
+                                  capture_output=True, text=True, timeout=30)
+        # Port 0 is for this daemon's own listeners only.
+        r = run("--peer-listen", "127.0.0.1:0", "--peers", "127.0.0.1:7071,127.0.0.1:0")
+        self.assertEqual(r.returncode, 1)
+        self.assertIn("peer '127.0.0.1:0' has port 0", r.stderr)
+        r = run("--peer-listen", "127.0.0.1:0", "--peer-dns", "ckptd:7071")
+        self.assertEqual(r.returncode, 1)
+        self.assertIn("cannot be combined with 'peer_dns'", r.stderr)
+        r = run("--peer-listen", "127.0.0.1:0", "--peers", "127.0.0.1:7071", "--port-file",
+                "/tmp/p.json")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        self.assertIn("port_file: /tmp/p.json", r.stdout)
+        # A Unix socket peer plane: local (no TLS needed), an absolute path, no peer TLS.
+        r = run("--peer-listen", "unix:/tmp/x.peer", "--peers", "unix:/tmp/x.peer,unix:/tmp/y.peer")
+        self.assertEqual(r.returncode, 0, r.stderr)
+        r = run("--peer-listen", "unix:x.peer")
+        self.assertEqual(r.returncode, 1)
+        self.assertIn("must be unix:/absolute/path", r.stderr)
+        r = run("--peer-listen", "unix:/tmp/x.peer", "--peer-tls-cert", "/a", "--peer-tls-key", "/b",
+                "--peer-tls-ca", "/c")
+        self.assertEqual(r.returncode, 1)
+        self.assertIn("is a Unix socket: peer TLS", r.stderr)
+
+    def test_port_file_reports_every_port_zero_listener(self):
+        with testlib.Daemon(self.root, "--tcp", "127.0.0.1:0", "--insecure-tcp", "--peer-listen",
+                            "127.0.0.1:0", "--metrics-address", "127.0.0.1:0") as d:
+            ports = d.ports()
+            self.assertEqual(set(ports), {"tcp", "peer", "peer_address", "metrics"})
+            self.assertTrue(all(ports[k] > 0 for k in ("tcp", "peer", "metrics")), ports)
+            log = d.read_log()
+            self.assertIn(f"tcp service listening on 127.0.0.1:{ports['tcp']}", log)
+            self.assertIn(f"peer service listening on 127.0.0.1:{ports['peer']}", log)
+            self.assertIn(f"metrics on http://127.0.0.1:{ports['metrics']}/metrics", log)
+            # The bound peer address is this node's identity (Status).
+            self.assertIn(f"this daemon is 127.0.0.1:{ports['peer']}",
+                          ckptctl("status", "--daemon", d.socket).stdout)
+            self.assertEqual(grpc_health(f"127.0.0.1:{ports['peer']}"), "SERVING")
+            port_file = d.port_file
+        self.assertFalse(os.path.exists(port_file), "removed at exit")
+
     def test_peer_plane_needs_mutual_tls_off_loopback(self):
         def run(*args):
             return subprocess.run([CKPTD, "--root", self.root, *args, "--print-config"],
@@ -496,12 +548,10 @@ class OpsTest(unittest.TestCase):
         cfg = os.path.join(self.root, "drain.yaml")
         with open(cfg, "w") as f:
             f.write(f"roots: [{self.root}]\ndrain_timeout: 6s\nbarrier_timeout: 60s\n")
-        port = free_port()
-        with testlib.Daemon(self.root, "--config", cfg, "--peer-listen",
-                            f"127.0.0.1:{port}") as d:
-            # The peer listener comes up just after the socket the helper waits for.
-            wait_for("the peer port to serve",
-                     lambda: grpc_health(f"127.0.0.1:{port}") == "SERVING", timeout=10)
+        with testlib.Daemon(self.root, "--config", cfg, "--peer-listen", "127.0.0.1:0") as d:
+            # The port file is written once every listener is up.
+            port = d.ports()["peer"]
+            self.assertEqual(grpc_health(f"127.0.0.1:{port}"), "SERVING")
             # Rank 0 of a 4-rank job waits at the barrier: a load in flight.
             waiter = subprocess.Popen(
                 [CKPTCTL, "load", self.ckpt, "--layout", LAYOUT_TP4, "--out",

@@ -65,14 +65,37 @@ class Daemon:
         self.log = os.path.join(_log_dir(), f"ckptd-{os.getpid()}-{len(_LOGS)}.log")
         _LOGS.append(self.log)
         self.root = root
+        # The ports it bound (port 0 in --tcp/--peer-listen/--metrics-address):
+        # see ports().
+        self.port_file = os.path.join(self.dir, "ports.json")
         with open(self.log, "wb") as log:
             self.proc = subprocess.Popen(
-                [os.path.abspath(CKPTD), "--socket", self.socket, "--root", root, *extra],
+                [os.path.abspath(CKPTD), "--socket", self.socket, "--root", root,
+                 "--port-file", self.port_file, *extra],
                 stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 20
         while not (os.path.exists(self.socket) and os.path.exists(self.socket + ".fd")):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 raise RuntimeError(f"ckptd did not start: {self.read_log()}")
+            time.sleep(0.01)
+
+    def ports(self, timeout=20):
+        """The daemon's port file ({"tcp": N, "peer": N, "peer_address": ...,
+        "metrics": N}, the listeners it has), once it is written (every
+        listener up); AssertionError with the daemon's log if it is not
+        within `timeout` s or the daemon exits first."""
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                with open(self.port_file) as f:
+                    return json.load(f)  # written atomically: whole or absent
+            except FileNotFoundError:
+                pass
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                why = (f"exited {self.proc.returncode}" if self.proc.poll() is not None
+                       else f"not within {timeout:g} s")
+                raise AssertionError(f"ckptd wrote no port file {self.port_file} ({why}); "
+                                     f"its log:\n{self.read_log()[-3000:]}")
             time.sleep(0.01)
 
     def read_log(self):
