@@ -108,31 +108,43 @@ class PeerAbuse : public ::testing::Test {
   }
 
   // Daemon i (0: A, 1: B) on node i's disk, with mutual TLS from `certs`.
+  // A listens on peer port 0 (the kernel picks it, A reports it: no race)
+  // and names the others of Peers(); B, started after A, listens on the
+  // free port A's peer set names and names A's real port. If B cannot
+  // listen there (taken since it was chosen), A and B start again on a new
+  // one.
   void Start(int i, std::vector<std::string> extra = {}, const CertFiles* certs = nullptr) {
     const CertFiles& c = certs ? *certs : node_;
-    std::vector<std::string> args = {"--peer-listen", Addr(ports_[i]), "--peers", Peers(),
-                                     "--peer-timeout", "4s", "--io-request-size", "64KiB",
-                                     "--peer-tls-cert", c.cert, "--peer-tls-key", c.key,
-                                     "--peer-tls-ca", c.ca};
-    args.insert(args.end(), extra.begin(), extra.end());
-    nodes_[i] = std::make_unique<DaemonProcess>(tmp_.Sub("node" + std::to_string(i)), args);
-    ASSERT_TRUE(nodes_[i]->Ready()) << Slurp(nodes_[i]->log());
-  }
-
-  // Daemon A alone, on peer port 0: the kernel picks its port (no free-port
-  // race) and A reports it; its peer set is the others of Peers().
-  void StartAlone() {
-    std::vector<std::string> args = {"--peer-listen", "127.0.0.1:0", "--peers",
-                                     Addr(ports_[1]) + "," + X() + ",127.0.0.2:" +
-                                         std::to_string(ports_[3]),
-                                     "--peer-timeout", "4s", "--io-request-size", "64KiB",
-                                     "--peer-tls-cert", node_.cert, "--peer-tls-key", node_.key,
-                                     "--peer-tls-ca", node_.ca};
-    nodes_[0] = std::make_unique<DaemonProcess>(tmp_.Sub("node0"), args);
-    ASSERT_TRUE(nodes_[0]->Ready()) << Slurp(nodes_[0]->log());
-    ports_[0] = nodes_[0]->ReportedPort("peer");
-    ASSERT_GT(ports_[0], 0) << "daemon A reported no peer port; its log:\n"
-                            << Slurp(nodes_[0]->log());
+    if (i == 0) {
+      a_extra_ = extra;
+      a_certs_ = certs;
+    }
+    for (int attempt = 0;; ++attempt) {
+      const std::string others =
+          Addr(ports_[1]) + "," + X() + ",127.0.0.2:" + std::to_string(ports_[3]);
+      std::vector<std::string> args = {"--peer-listen", i == 0 ? "127.0.0.1:0" : Addr(ports_[i]),
+                                       "--peers", i == 0 ? others : Peers(),
+                                       "--peer-timeout", "4s", "--io-request-size", "64KiB",
+                                       "--peer-tls-cert", c.cert, "--peer-tls-key", c.key,
+                                       "--peer-tls-ca", c.ca};
+      args.insert(args.end(), extra.begin(), extra.end());
+      nodes_[i] = std::make_unique<DaemonProcess>(tmp_.Sub("node" + std::to_string(i)), args);
+      if (i == 1 && attempt < 3 && nodes_[0] && !nodes_[1]->Ready() &&
+          Slurp(nodes_[1]->log()).find("cannot listen for peers on") != std::string::npos) {
+        nodes_[1]->Stop();  // exited already
+        ports_[1] = testing::FreePort();
+        nodes_[0].reset();
+        Start(0, a_extra_, a_certs_);
+        continue;
+      }
+      ASSERT_TRUE(nodes_[i]->Ready()) << Slurp(nodes_[i]->log());
+      if (i == 0) {
+        ports_[0] = nodes_[0]->ReportedPort("peer");
+        ASSERT_GT(ports_[0], 0) << "daemon A reported no peer port; its log:\n"
+                                << Slurp(nodes_[0]->log());
+      }
+      return;
+    }
   }
 
   // Daemons A and B, each on its own copy of the node certificate (`live`),
@@ -231,6 +243,8 @@ class PeerAbuse : public ::testing::Test {
   std::string certs_;
   CertFiles node_, intruder_, elsewhere_, foreign_;
   int ports_[4] = {};
+  std::vector<std::string> a_extra_;  // A's start, again if B's port was taken
+  const CertFiles* a_certs_ = nullptr;
   std::unique_ptr<DaemonProcess> nodes_[2];
 };
 
@@ -238,7 +252,7 @@ class PeerAbuse : public ::testing::Test {
 // A valid certificate whose name is not a peer: PERMISSION_DENIED naming it.
 // On every RPC, and the daemon keeps serving.
 TEST_F(PeerAbuse, StrangersAreTurnedAwayOnEveryRpc) {
-  StartAlone();
+  Start(0);
   const Layout load = MakeLayout(2, 1, false);
   struct Stranger {
     const char* what;
@@ -310,7 +324,7 @@ TEST_F(PeerAbuse, StrangersAreTurnedAwayOnEveryRpc) {
 // is not a node of the job cannot complete it.
 TEST_F(PeerAbuse, MemberFetchingAReadThreeTimesNeverCrashesTheServer) {
   GiveAllFilesToA();
-  StartAlone();
+  Start(0);
   const Layout load = MakeLayout(2, 1, false);
   const std::string lf = WriteLayout(load, "load2.json");
   pid_t rank0 = StartRank(0, lf, "fetch3");
@@ -379,7 +393,7 @@ TEST_F(PeerAbuse, MemberFetchingAReadThreeTimesNeverCrashesTheServer) {
 // name: PERMISSION_DENIED, and the job fails for its ranks with that name.
 TEST_F(PeerAbuse, JoinWithoutRanksOrForAnotherNodeFailsTheJob) {
   GiveAllFilesToA();
-  StartAlone();
+  Start(0);
   const Layout load = MakeLayout(2, 1, false);
   const std::string lf = WriteLayout(load, "load2.json");
   struct Case {
