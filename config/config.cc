@@ -26,7 +26,7 @@ const std::set<std::string>& KnownKeys() {
       "tcp_tls_cert",  "tcp_tls_key",     "tcp_tls_ca",      "insecure_tcp",
       "tcp_uid",       "admin_uids",      "access",          "limits",
       "peer_tls_cert", "peer_tls_key",    "peer_tls_ca",     "peer_insecure",
-      "nccl_connect_timeout", "port_file"};
+      "nccl_connect_timeout", "port_file", "memory_limit"};
   return *keys;
 }
 
@@ -241,6 +241,7 @@ absl::StatusOr<DaemonConfig> ParseConfig(const std::string& yaml, const std::str
             absl::StrCat(source, ": unknown key '", key, "' (known: ",
                          absl::StrJoin(KnownKeys(), ", "), ")"));
       }
+      c.set_keys.insert(key);
       if (key == "peers") {
         c.peers.clear();
         if (v.IsSequence()) {
@@ -265,6 +266,9 @@ absl::StatusOr<DaemonConfig> ParseConfig(const std::string& yaml, const std::str
       }
       if (key == "limits") {
         if (absl::Status st = ParseLimits(v, source, &c.limits); !st.ok()) return st;
+        if (v.IsMap()) {
+          for (const auto& l : v) c.set_keys.insert("limits." + l.first.as<std::string>());
+        }
         continue;
       }
       if (key == "access") {
@@ -316,6 +320,12 @@ absl::StatusOr<DaemonConfig> ParseConfig(const std::string& yaml, const std::str
       } else if (key == "direct_io") {
         if (!IsDirectIoMode(s)) return Bad(source, key, "must be never, auto or always");
         c.direct_io = s;
+      } else if (key == "memory_limit") {
+        if (s != "auto" && s != "off") {
+          auto b = ParseBytes(s);
+          if (!b.ok() || *b == 0) return Bad(source, key, "must be auto, off or a size such as 8GiB");
+        }
+        c.memory_limit = s;
       } else if (key == "io_threads") {
         int n;
         if (!absl::SimpleAtoi(s, &n) || n < 1 || n > 256) {
@@ -517,6 +527,7 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   out << YAML::Key << "arena_limit" << YAML::Value << c.arena_limit;
   out << YAML::Key << "io_threads" << YAML::Value << c.io_threads;
   out << YAML::Key << "direct_io" << YAML::Value << c.direct_io;
+  out << YAML::Key << "memory_limit" << YAML::Value << c.memory_limit;
   out << YAML::Key << "io_request_size" << YAML::Value << c.io_request_size;
   out << YAML::Key << "barrier_timeout" << YAML::Value << absl::FormatDuration(c.barrier_timeout);
   out << YAML::Key << "load_timeout" << YAML::Value << absl::FormatDuration(c.load_timeout);

@@ -5,6 +5,7 @@
 #define CKPTD_CONFIG_CONFIG_H_
 
 #include <cstdint>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -62,6 +63,11 @@ struct DaemonConfig {
   // ones kept mapped for the next client, and all leased ones together.
   uint64_t arena_pool = 4ull << 30;
   uint64_t arena_limit = 64ull << 30;
+  // The memory the daemon may use, which cache_budget + arena_limit +
+  // limits.max_stream_bytes + working room must fit (server/memory_budget.h):
+  // "auto" (the cgroup's memory limit, or the machine's memory when that is
+  // less), "off" (no check), or a size ("8GiB").
+  std::string memory_limit = "auto";
   int io_threads = 2;
   // Reads around the page cache (O_DIRECT): never, auto (reads whose bytes
   // are not in the page cache: the data cache keeps them), always.
@@ -118,6 +124,9 @@ struct DaemonConfig {
   // of every read this node serves to peers, after its checksum was taken,
   // as a faulty link or a malicious peer would.
   bool testing_corrupt_served = false;
+  // The keys the operator set (in the YAML file or by a flag), "limits.x"
+  // for limits: budgets not in it may be fitted to the memory limit.
+  std::set<std::string> set_keys;
 };
 
 // Parses YAML text; `source` names it in errors.

@@ -36,6 +36,7 @@
 #include "ckptd_version.h"
 #include "config/config.h"
 #include "server/daemon.h"
+#include "server/memory_budget.h"
 #include "server/metrics.h"
 #include "server/peer_server.h"
 #include "server/peer_service.h"
@@ -56,6 +57,9 @@ ABSL_FLAG(std::string, tcp_tls_key, "", "PEM private key for --tcp");
 ABSL_FLAG(std::string, tcp_tls_ca, "", "PEM CA that signs the client certificates --tcp requires");
 ABSL_FLAG(bool, insecure_tcp, false, "serve --tcp without TLS (anyone who can reach it acts as tcp_uid)");
 ABSL_FLAG(std::string, cache_budget, "", "data cache budget, e.g. 8GiB (overrides the config)");
+ABSL_FLAG(std::string, memory_limit, "",
+          "the memory the budgets must fit: auto (the cgroup's limit or the machine's memory), off, "
+          "or a size (overrides the config)");
 ABSL_FLAG(int, io_threads, 0, "I/O threads (overrides the config)");
 ABSL_FLAG(std::string, direct_io, "", "never|auto|always: O_DIRECT reads (overrides the config)");
 ABSL_FLAG(std::string, barrier_timeout, "", "e.g. 120s (overrides the config)");
@@ -187,6 +191,21 @@ int64_t LoadsEnded(ckptd::Daemon& daemon) {
 
 }  // namespace
 
+// Fits the budgets to the memory limit (config.memory_limit); `notes` says
+// what was changed.
+absl::Status FitBudgets(ckptd::DaemonConfig* config, std::vector<std::string>* notes) {
+  std::optional<ckptd::MemoryLimit> limit;
+  if (config->memory_limit == "auto") {
+    limit = ckptd::ProcessMemoryLimit();
+  } else if (config->memory_limit != "off") {
+    auto b = ckptd::ParseBytes(config->memory_limit);
+    if (!b.ok()) return absl::InvalidArgumentError(absl::StrCat("memory_limit: ", b.status().message()));
+    limit = ckptd::MemoryLimit{*b, "memory_limit"};
+  }
+  if (!limit) return absl::OkStatus();
+  return ckptd::FitMemoryBudgets(config, *limit, notes);
+}
+
 int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);
   {
@@ -218,6 +237,9 @@ int main(int argc, char** argv) {
     auto c = ckptd::LoadConfigFile(absl::GetFlag(FLAGS_check_config));
     absl::Status s = c.ok() ? ckptd::ValidateConfig(*c) : c.status();
     if (!s.ok()) return Fail(std::string(s.message()));
+    std::vector<std::string> notes;
+    if (absl::Status f = FitBudgets(&*c, &notes); !f.ok()) return Fail(std::string(f.message()));
+    for (const std::string& n : notes) std::cout << n << "\n";
     // The TLS files must be readable PEM now, not only at start.
     const std::pair<const std::string*, const char*> pems[] = {
         {&c->tcp_tls_cert, "tcp_tls_cert"},   {&c->tcp_tls_key, "tcp_tls_key"},
@@ -249,6 +271,11 @@ int main(int argc, char** argv) {
     auto b = ckptd::ParseBytes(absl::GetFlag(FLAGS_cache_budget));
     if (!b.ok()) return Fail(absl::StrCat("--cache_budget: ", b.status().message()));
     config.cache_budget = *b;
+    config.set_keys.insert("cache_budget");
+  }
+  if (!absl::GetFlag(FLAGS_memory_limit).empty()) {
+    config.memory_limit = absl::GetFlag(FLAGS_memory_limit);
+    config.set_keys.insert("memory_limit");
   }
   if (absl::GetFlag(FLAGS_io_threads) > 0) config.io_threads = absl::GetFlag(FLAGS_io_threads);
   if (!absl::GetFlag(FLAGS_direct_io).empty()) config.direct_io = absl::GetFlag(FLAGS_direct_io);
@@ -290,11 +317,16 @@ int main(int argc, char** argv) {
     config.peer_timeout = *d;
   }
   if (absl::Status s = ckptd::ValidateConfig(config); !s.ok()) return Fail(std::string(s.message()));
+  std::vector<std::string> budget_notes;
+  if (absl::Status s = FitBudgets(&config, &budget_notes); !s.ok()) {
+    return Fail(std::string(s.message()));
+  }
   if (absl::GetFlag(FLAGS_print_config)) {
     std::cout << ckptd::ConfigToYaml(config);
     return 0;
   }
   ckptd::SetUpLogging(config.log_level, config.log_format);
+  for (const std::string& n : budget_notes) spdlog::info("{}", n);
 
   // Signals are handled by one thread with sigwait; block them everywhere.
   sigset_t sigs;

@@ -440,6 +440,27 @@ class OpsTest(unittest.TestCase):
         self.assertEqual(r.returncode, 1)
         self.assertIn("key 'log_format': must be text or json", r.stderr)
 
+    # --- memory budgets (docs/operations.md, "Memory") --------------------------------
+
+    def test_memory_budgets_must_fit_the_memory_limit(self):
+        """Budgets the operator set that do not fit memory_limit stop the daemon at
+        start-up (exit 1, each budget named, no socket left); budgets left at their
+        defaults shrink to fit instead, say so in the log, and the daemon serves."""
+        sock = os.path.join(tempfile.mkdtemp(prefix="ckptd-mem-", dir="/tmp"), "d.sock")
+        r = subprocess.run([CKPTD, "--root", self.root, "--socket", sock, "--cache-budget", "3GiB",
+                            "--memory-limit", "2GiB"], capture_output=True, text=True, timeout=30)
+        self.assertEqual(r.returncode, 1, r.stderr)
+        self.assertIn("the memory budgets do not fit the memory this daemon may use: "
+                      "cache_budget 3 GiB (set) + arena_limit 64 GiB (default)", r.stderr)
+        self.assertIn("> 2 GiB (memory_limit)", r.stderr)
+        self.assertFalse(os.path.exists(sock), "a daemon that refused to start left its socket")
+        with testlib.Daemon(self.root, "--memory-limit", "2GiB") as d:
+            self.load(d, job="small")
+            log = d.read_log()
+        self.assertRegex(log, r"arena_limit not set: \d+ MiB instead of its default 64 GiB to fit "
+                              r"2 GiB \(memory_limit\)")
+        self.assertIn("load job=small", log)
+
     # --- the peer plane's configuration ------------------------------------------------
 
     def test_port_zero_and_unix_peer_addresses_that_cannot_work_are_refused(self):

@@ -154,6 +154,33 @@ class ManifestsTest(unittest.TestCase):
         self.assertNotEqual(r.returncode, 0)
         self.assertIn("log_format", r.stderr)
 
+    def test_memory_budgets_fit_each_container_limit(self):
+        """issue 21 "Operations": ckptd refuses to start when the budgets it was
+        given exceed its memory limit. Each shipped config, checked against its
+        own container's limit, passes with every budget as written (no default
+        had to shrink); the DaemonSet's with arena_limit back at its old 64 GiB
+        default set explicitly is refused naming it."""
+        ds = self.doc("DaemonSet", "ckptd")
+        (c,) = [c for c in ds["spec"]["template"]["spec"]["containers"] if c["name"] == "ckptd"]
+        cm = self.doc("ConfigMap", "ckptd-config")["data"]["ckptd.yaml"]
+        side = {d["kind"]: d for d in load_docs("sidecar-pod.yaml")}
+        spec = side["Pod"]["spec"]
+        (sc,) = [x for x in spec.get("initContainers", []) + spec["containers"]
+                 if x["name"] == "ckptd"]
+        for what, text, container in (("DaemonSet", cm, c),
+                                      ("sidecar", side["ConfigMap"]["data"]["ckptd.yaml"], sc)):
+            limit = int(parse_bytes(container["resources"]["limits"]["memory"]))
+            path = write_tmp(text + f"memory_limit: {limit}\n")
+            r = run_ckptd("--check-config", path)
+            self.assertEqual(r.returncode, 0, f"{what}: {r.stderr}")
+            self.assertNotIn("not set:", r.stdout, f"{what}: a budget had to shrink: {r.stdout}")
+        big = write_tmp(cm.replace("arena_limit: 4GiB", "arena_limit: 64GiB") +
+                        f"memory_limit: {int(parse_bytes(c['resources']['limits']['memory']))}\n")
+        r = run_ckptd("--check-config", big)
+        self.assertEqual(r.returncode, 1)
+        self.assertIn("arena_limit 64 GiB (set)", r.stderr)
+        self.assertIn("> 24 GiB (memory_limit)", r.stderr)
+
     def test_daemonset(self):
         ds = self.doc("DaemonSet", "ckptd")
         self.assertEqual(ds["apiVersion"], "apps/v1")
