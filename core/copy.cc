@@ -232,11 +232,25 @@ void ForEachStridedRun(const StoredLayout& src, const StoredLayout& dst, const B
                   [&](const Box& part) { WalkStridedRuns(src, dst, part, emit); });
 }
 
+// Element loads and stores through memcpy: stored tensors need not be
+// aligned to their element size (safetensors does not require it, and a
+// plan may place a shard at any byte), and a misaligned T* is undefined
+// behaviour. The compiler turns each into one plain move.
+template <typename T>
+inline T LoadAt(const uint8_t* p) {
+  T v;
+  std::memcpy(&v, p, sizeof(T));
+  return v;
+}
+template <typename T>
+inline void StoreAt(uint8_t* p, T v) {
+  std::memcpy(p, &v, sizeof(T));
+}
+
 template <typename T>
 void Gather(const uint8_t* s, int64_t step, uint8_t* d, int64_t n) {
-  const T* sp = reinterpret_cast<const T*>(s);
-  T* dp = reinterpret_cast<T*>(d);
-  for (int64_t i = 0; i < n; ++i) dp[i] = sp[i * step];
+  const int64_t stride = step * static_cast<int64_t>(sizeof(T));
+  for (int64_t i = 0; i < n; ++i) StoreAt<T>(d + i * sizeof(T), LoadAt<T>(s + i * stride));
 }
 
 // Copies `n` elements `step` apart in `s` into contiguous `d` (same dtype).
@@ -263,16 +277,15 @@ constexpr int64_t kTile = 64;
 template <typename T>
 void TransposeTiles(const uint8_t* s8, int64_t s_row, uint8_t* d8, int64_t d_row, int64_t ni,
                     int64_t nj) {
-  const T* s = reinterpret_cast<const T*>(s8);
-  T* d = reinterpret_cast<T*>(d8);
+  constexpr int64_t kSize = sizeof(T);
   for (int64_t i0 = 0; i0 < ni; i0 += kTile) {
     const int64_t ie = std::min(ni, i0 + kTile);
     for (int64_t j0 = 0; j0 < nj; j0 += kTile) {
       const int64_t je = std::min(nj, j0 + kTile);
       for (int64_t i = i0; i < ie; ++i) {
-        T* dp = d + i * d_row;
-        const T* sp = s + i;
-        for (int64_t j = j0; j < je; ++j) dp[j] = sp[j * s_row];
+        uint8_t* dp = d8 + i * d_row * kSize;
+        const uint8_t* sp = s8 + i * kSize;
+        for (int64_t j = j0; j < je; ++j) StoreAt<T>(dp + j * kSize, LoadAt<T>(sp + j * s_row * kSize));
       }
     }
   }
