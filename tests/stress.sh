@@ -10,11 +10,12 @@
 #   --cpu N    stress-ng CPU workers kept running the whole time (default 2,
 #              one per core here); 0 runs without load
 #   target     Bazel test targets (default //...)
-# Prints, per run, its duration and "N passed, N failed, N skipped"
-# (tools/count_tests.py), the failed targets with the first lines of their
-# logs (copied to $STRESS_OUT, default /tmp/ckptd-stress, as
-# run<k>-<target>.log), and at the end "K of N runs green"; exits 1 if any run
-# had a failure. Needs stress-ng (Debian package stress-ng).
+# Prints, per run, its duration and Bazel's summary; a run is green when
+# Bazel passed it and none of the JUnit files it wrote records a failure or
+# an error. The failed targets are listed with the first lines of their logs
+# (copied to $STRESS_OUT, default /tmp/ckptd-stress, as run<k>-<target>.log);
+# at the end "K of N runs green"; exits 1 if any run had a failure. Needs
+# stress-ng (Debian package stress-ng).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 
@@ -49,23 +50,32 @@ testlogs="$(bazel info bazel-testlogs 2>/dev/null)"
 
 green=0
 for k in $(seq 1 "$runs"); do
+  marker="$out/run$k.start"
+  touch "$marker"
   t0=$(date +%s)
   bazel test --nocache_test_results "${targets[@]}" > "$out/run$k.txt" 2>&1
   rc=$?
   took=$(( $(date +%s) - t0 ))
-  summary="$(/usr/bin/python3 tools/count_tests.py "$testlogs" 0 2>/dev/null | tail -n 1)"
-  echo "== run $k of $runs: bazel exit $rc, ${took} s: $summary"
-  if [ "$rc" -eq 0 ]; then
+  # This run's results only: the JUnit files written since it started (the
+  # testlogs directory also holds older runs, e.g. run_1_of_4 directories).
+  bad="$(find "$testlogs" -name test.xml -newer "$marker" -print0 |
+         xargs -0 -r grep -lE '(failures|errors)="[1-9]' | sed "s|^$testlogs/||; s|/test.xml$||")"
+  files=$(find "$testlogs" -name test.xml -newer "$marker" | wc -l)
+  echo "== run $k of $runs: bazel exit $rc, ${took} s, $files result files: $(grep -E '^Executed ' "$out/run$k.txt" | tail -n 1)"
+  for t in $(grep -E '^//[^ ]+ +(FAILED|TIMEOUT|NO STATUS|FLAKY)' "$out/run$k.txt" | awk '{print $1}'); do
+    rel="${t#//}"; bad="$bad"$'\n'"${rel/://}"
+  done
+  bad="$(echo "$bad" | sed '/^$/d' | sort -u)"
+  if [ "$rc" -eq 0 ] && [ -z "$bad" ]; then
     green=$((green + 1))
     continue
   fi
-  for t in $(grep -E '^//[^ ]+ +(FAILED|TIMEOUT|NO STATUS)' "$out/run$k.txt" | awk '{print $1}'); do
-    rel="${t#//}"; rel="${rel/://}"
+  for rel in $bad; do
     log="$testlogs/$rel/test.log"
     name="run$k-$(echo "$rel" | tr '/' '_').log"
     [ -f "$log" ] && cp "$log" "$out/$name"
-    echo "   FAILED $t (log: $out/$name)"
-    grep -m 5 -E 'FAIL|Failure|Error|error:' "$log" 2>/dev/null | cut -c1-200 | sed 's/^/     /'
+    echo "   FAILED //$rel (log: $out/$name)"
+    grep -m 5 -E 'FAIL|Failure|Error|error:|timed out' "$log" 2>/dev/null | cut -c1-200 | sed 's/^/     /'
   done
 done
 echo "$green of $runs runs green"
