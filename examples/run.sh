@@ -15,7 +15,7 @@ rm -rf "$OUT"
 mkdir -p "$OUT"
 
 echo "== the bundled HuggingFace checkpoint"
-$CKPTCTL inspect examples/tiny-model | head -n 8
+$CKPTCTL inspect examples/tiny-model | sed -n 1,8p  # sed reads it all: no SIGPIPE under pipefail
 echo
 echo "== save it as 2 tensor-parallel ranks (native ckptd format) into $OUT/tp2"
 $CKPTCTL shard examples/tiny-model --layout examples/layout-tp2.json --out "$OUT/tp2" --unique-id 1

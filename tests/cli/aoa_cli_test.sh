@@ -37,15 +37,15 @@ err=$("$CKPTCTL" load "$EXAMPLE_DIR/tiny-model" --layout "$T/layout.json" --out 
 set -e
 [ $rc -eq 1 ] || fail "bad config: exit $rc"
 [ "$(echo "$err" | wc -l)" -eq 1 ] || fail "error is not one line: $err"
-echo "$err" | grep -q "bad.txt:2:3: expected ',' or '->'" || fail "parse error does not point at line 2 column 3: $err"
+echo "$err" | grep "bad.txt:2:3: expected ',' or '->'" >/dev/null || fail "parse error does not point at line 2 column 3: $err"
 printf 'model.norm.weight -> layers.0.up\n' > "$T/bad2.txt"
 set +e
 err=$("$CKPTCTL" load "$EXAMPLE_DIR/tiny-model" --layout "$T/layout.json" --out "$T/o4" --aoa "$T/bad2.txt" 2>&1 >/dev/null); rc=$?
 set -e
 [ $rc -eq 1 ] || fail "shape mismatch: exit $rc"
-echo "$err" | grep -q "bad2.txt:1 (\`model.norm.weight -> layers.0.up\`): shape mismatch" || fail "shape error: $err"
+echo "$err" | grep "bad2.txt:1 (\`model.norm.weight -> layers.0.up\`): shape mismatch" >/dev/null || fail "shape error: $err"
 set +e
 err=$("$CKPTCTL" load "$EXAMPLE_DIR/tiny-model" --layout "$T/layout.json" --out "$T/o5" --aoa "$T/missing.txt" 2>&1 >/dev/null); rc=$?
 set -e
-[ $rc -eq 1 ] && echo "$err" | grep -q "missing.txt" || fail "missing config file: $err"
+[ $rc -eq 1 ] && echo "$err" | grep "missing.txt" >/dev/null || fail "missing config file: $err"
 echo "ckptctl --aoa test passed"

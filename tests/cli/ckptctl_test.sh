@@ -11,7 +11,7 @@ fail() { echo "FAIL: $*" >&2; exit 1; }
 
 # inspect (text and JSON)
 out=$("$CKPTCTL" inspect "$EXAMPLE_DIR/tiny-model")
-echo "$out" | grep -q "huggingface-safetensors" || fail "inspect text"
+echo "$out" | grep "huggingface-safetensors" >/dev/null || fail "inspect text"
 "$CKPTCTL" inspect "$EXAMPLE_DIR/tiny-model" --json > "$T/inspect.json"
 /usr/bin/python3 -c "import json,sys; j=json.load(open('$T/inspect.json')); assert j['format']=='huggingface-safetensors' and len(j['tensors'])==18, j['format']"
 
@@ -30,7 +30,7 @@ done
 set +e
 err=$("$CKPTCTL" load "$T/tp2" --layout "$EXAMPLE_DIR/layout-tp4-dim0.json" --out "$T/o-dio" --direct-io sometimes 2>&1 >/dev/null); rc=$?
 set -e
-[ $rc -ne 0 ] && echo "$err" | grep -q "'sometimes' is not one of never, auto, always" || fail "bad --direct-io: $err"
+[ $rc -ne 0 ] && echo "$err" | grep "'sometimes' is not one of never, auto, always" >/dev/null || fail "bad --direct-io: $err"
 
 # merge back into HF shards and compare every tensor with the original
 "$CKPTCTL" merge "$T/tp2" --out "$T/merged" --shards 3 --skip-postfix .nothing
@@ -43,7 +43,7 @@ err=$("$CKPTCTL" load "$T/nonexistent" --layout "$EXAMPLE_DIR/layout-tp2.json" -
 set -e
 [ $rc -ne 0 ] || fail "load of a missing checkpoint succeeded"
 [ "$(echo "$err" | wc -l)" -eq 1 ] || fail "error is not one line: $err"
-echo "$err" | grep -q "nonexistent" || fail "error does not name the path: $err"
+echo "$err" | grep "nonexistent" >/dev/null || fail "error does not name the path: $err"
 [ ! -e "$T/o2" ] || fail "output written on error"
 
 cp -r "$T/tp2" "$T/bad"
@@ -52,13 +52,13 @@ set +e
 err=$("$CKPTCTL" load "$T/bad" --layout "$EXAMPLE_DIR/layout-tp2.json" --out "$T/o3" 2>&1 >/dev/null); rc=$?
 set -e
 [ $rc -ne 0 ] || fail "corrupt header accepted"
-echo "$err" | grep -q "1_5.safetensors" || fail "error does not name the file: $err"
+echo "$err" | grep "1_5.safetensors" >/dev/null || fail "error does not name the file: $err"
 
 set +e
 err=$("$CKPTCTL" lod x 2>&1 >/dev/null); rc=$?
 set -e
 [ $rc -eq 2 ] || fail "unknown command accepted (exit $rc)"
-echo "$err" | grep -q "unknown command 'lod'; the commands are: status, inspect, shard, load" \
+echo "$err" | grep "unknown command 'lod'; the commands are: status, inspect, shard, load" >/dev/null \
   || fail "unknown command not named with the list of commands: $err"
 
 # No daemon behind --daemon: an error at once (not after the 10 s connect
@@ -75,9 +75,9 @@ for target in "$S/none.sock" "$S/plain" "$S/stale.sock"; do
   set -e
   ms=$(( ($(date +%s%N) - start) / 1000000 ))
   [ $rc -eq 1 ] || fail "status --daemon $target: exit $rc"
-  echo "$err" | grep -q "cannot connect to ckptd at $target" || fail "status error does not name $target: $err"
+  echo "$err" | grep "cannot connect to ckptd at $target" >/dev/null || fail "status error does not name $target: $err"
   [ $ms -lt 5000 ] || fail "status --daemon $target took $ms ms to fail"
 done
 help=$("$CKPTCTL" --help 2>&1 || true)
-echo "$help" | grep -q "ckptctl merge" || fail "--help does not list merge"
+echo "$help" | grep "ckptctl merge" >/dev/null || fail "--help does not list merge"
 echo "ckptctl CLI test passed"

@@ -17,7 +17,7 @@ py "$GEN" "$T/dcp"
 D="$T/dcp"
 
 for c in ckpt ckpt1; do
-  "$CKPTCTL" inspect "$D/$c" | grep -q "format: *pytorch-dcp" || fail "inspect $c: format"
+  "$CKPTCTL" inspect "$D/$c" | grep "format: *pytorch-dcp" >/dev/null || fail "inspect $c: format"
   "$CKPTCTL" inspect "$D/$c" --json | py -c "
 import json, sys
 j = json.load(sys.stdin)
@@ -47,9 +47,9 @@ err=$("$CKPTCTL" inspect "$D/strided" 2>&1 >/dev/null); rc=$?
 set -e
 [ $rc -eq 1 ] || fail "strided tensor accepted (rc $rc)"
 [ "$(echo "$err" | wc -l)" -eq 1 ] || fail "error is not one line: $err"
-echo "$err" | grep -q "strides \[1,4\]" || fail "error does not name the strides: $err"
-echo "$err" | grep -q "__0_0.distcp" || fail "error does not name the file: $err"
-echo "$err" | grep -q "UNIMPLEMENTED" || fail "wrong code: $err"
+echo "$err" | grep "strides \[1,4\]" >/dev/null || fail "error does not name the strides: $err"
+echo "$err" | grep "__0_0.distcp" >/dev/null || fail "error does not name the file: $err"
+echo "$err" | grep "UNIMPLEMENTED" >/dev/null || fail "wrong code: $err"
 
 # DCP has no versions.
 set +e
@@ -65,7 +65,7 @@ assert r['source_format'] == 'pytorch-dcp' and r['skipped_items'] == ['extra_sta
 assert r['tensors'] == 6 and r['files'] == 9, r
 "
 [ -f "$T/native/4.metadata" ] || fail "convert wrote no 4.metadata"
-"$CKPTCTL" inspect "$T/native" | grep -q "format: *ckptd" || fail "converted format"
+"$CKPTCTL" inspect "$T/native" | grep "format: *ckptd" >/dev/null || fail "converted format"
 "$CKPTCTL" load "$T/native" --layout "$D/layout.json" --out "$T/out_native" >/dev/null
 py "$CHECK" "$D/expected" "$D/layout.json" "$T/out_native"
 

@@ -54,8 +54,8 @@ err=$("$CKPTCTL" load "$P/pd2" --layout "$P/pd4/layout.json" --out "$T/o2" 2>&1 
 set -e
 [ $rc -eq 1 ] || fail "protocol-2 array accepted (rc $rc)"
 [ "$(echo "$err" | wc -l)" -eq 1 ] || fail "error is not one line: $err"
-echo "$err" | grep -q "0_0.distcp" || fail "error does not name the file: $err"
-echo "$err" | grep -q "protocol 2" || fail "error does not say why: $err"
+echo "$err" | grep "0_0.distcp" >/dev/null || fail "error does not name the file: $err"
+echo "$err" | grep "protocol 2" >/dev/null || fail "error does not say why: $err"
 
 # convert: the split pieces are joined back into one whole shard.
 "$CKPTCTL" convert "$P/pdold" --out "$T/native_old" --json > "$T/convert_old.json"
