@@ -34,6 +34,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "ckptd_version.h"
+#include "core/file.h"
 #include "config/config.h"
 #include "server/daemon.h"
 #include "server/memory_budget.h"
@@ -142,44 +143,6 @@ absl::Status ClaimSocket(const std::string& path) {
         absl::StrCat(path, " is in use by a running daemon"));
   }
   ::unlink(path.c_str());
-  return absl::OkStatus();
-}
-
-// Writes `text` to `path` so that a reader sees all of it or nothing: a
-// temporary file beside it, fsync, rename, fsync of the directory.
-absl::Status WriteFileAtomically(const std::string& path, const std::string& text) {
-  const std::string tmp = absl::StrCat(path, ".tmp.", ::getpid());
-  auto fail = [&](const char* what) {
-    const int err = errno;
-    ::unlink(tmp.c_str());
-    return absl::UnavailableError(
-        absl::StrCat("port_file ", path, ": ", what, ": ", std::strerror(err)));
-  };
-  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-  if (fd < 0) return fail("cannot create");
-  size_t done = 0;
-  while (done < text.size()) {
-    const ssize_t w = ::write(fd, text.data() + done, text.size() - done);
-    if (w < 0 && errno == EINTR) continue;
-    if (w <= 0) {
-      ::close(fd);
-      return fail("write");
-    }
-    done += static_cast<size_t>(w);
-  }
-  if (::fsync(fd) != 0) {
-    ::close(fd);
-    return fail("fsync");
-  }
-  ::close(fd);
-  if (::rename(tmp.c_str(), path.c_str()) != 0) return fail("rename");
-  const size_t slash = path.rfind('/');
-  const std::string dir = slash == std::string::npos ? "." : slash == 0 ? "/" : path.substr(0, slash);
-  const int dfd = ::open(dir.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-  if (dfd >= 0) {
-    ::fsync(dfd);
-    ::close(dfd);
-  }
   return absl::OkStatus();
 }
 
@@ -467,10 +430,10 @@ int main(int argc, char** argv) {
     if (metrics) ports["metrics"] = metrics->port();
     const std::string json =
         ports.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace) + "\n";
-    if (absl::Status s = WriteFileAtomically(config.port_file, json); !s.ok()) {
+    if (absl::Status s = ckpt::WriteFileAtomic(config.port_file, json); !s.ok()) {
       server->Shutdown(std::chrono::system_clock::now());
       if (peer_server) peer_server->Shutdown(std::chrono::system_clock::now());
-      return Fail(std::string(s.message()));
+      return Fail(absl::StrCat("port_file: ", s.message()));
     }
   }
   spdlog::info("serving on {}{} roots={} cache_budget={}B io_threads={}", config.socket,

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <fstream>
-#include <sstream>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -20,12 +19,22 @@ constexpr uint64_t kMinBudget = 64 * kMiB;
 // large is no limit.
 constexpr uint64_t kNoLimit = 1ull << 62;
 
-std::optional<std::string> ReadSmall(const std::string& path) {
+// Up to 64 KiB of a /proc or /sys file (they report a size of 0 or 4096 to
+// stat, so a size-checked reader such as ckpt::ReadSmallFile cannot be used).
+std::optional<std::string> ReadKernelFile(const std::string& path) {
   std::ifstream f(path);
   if (!f) return std::nullopt;
-  std::string s;
-  std::getline(f, s);
-  return std::string(absl::StripAsciiWhitespace(s));
+  std::string s(64 << 10, '\0');
+  f.read(s.data(), static_cast<std::streamsize>(s.size()));
+  s.resize(static_cast<size_t>(f.gcount()));
+  return s;
+}
+
+// The first line of a one-value kernel file, trimmed.
+std::optional<std::string> ReadSmall(const std::string& path) {
+  std::optional<std::string> s = ReadKernelFile(path);
+  if (!s) return std::nullopt;
+  return std::string(absl::StripAsciiWhitespace(s->substr(0, s->find('\n'))));
 }
 
 // The limit in `file` under `dir` and each of dir's ancestors up to `top`:
@@ -91,12 +100,7 @@ std::optional<MemoryLimit> PhysicalMemory(const std::string& meminfo) {
 }
 
 std::optional<MemoryLimit> ProcessMemoryLimit() {
-  auto slurp = [](const char* path) {
-    std::ifstream f(path);
-    std::stringstream ss;
-    ss << f.rdbuf();
-    return ss.str();
-  };
+  auto slurp = [](const char* path) { return ReadKernelFile(path).value_or(""); };
   std::optional<MemoryLimit> cg = CgroupMemoryLimit(slurp("/proc/self/cgroup"), "/sys/fs/cgroup");
   std::optional<MemoryLimit> ram = PhysicalMemory(slurp("/proc/meminfo"));
   if (cg && (!ram || cg->bytes <= ram->bytes)) return cg;
@@ -139,11 +143,14 @@ absl::Status FitMemoryBudgets(DaemonConfig* config, const MemoryLimit& limit,
   // arena_limit (a cap on what clients may lease, its default 64 GiB) gives
   // way first when that is enough.
   const uint64_t excess = fixed + scalable - limit.bytes;
+  auto note_fitted = [&](absl::string_view key, uint64_t fitted, uint64_t from) {
+    notes->push_back(absl::StrCat(key, " not set: ", Gib(fitted), " instead of its default ",
+                                  Gib(from), " to fit ", Gib(limit.bytes), " (", limit.source,
+                                  ")"));
+  };
   if (!budgets[1].set && config->arena_limit >= excess + kMinBudget + kMiB) {
     const uint64_t fitted = (config->arena_limit - excess) & ~(kMiB - 1);
-    notes->push_back(absl::StrCat("arena_limit not set: ", Gib(fitted), " instead of its default ",
-                                  Gib(config->arena_limit), " to fit ", Gib(limit.bytes), " (",
-                                  limit.source, ")"));
+    note_fitted("arena_limit", fitted, config->arena_limit);
     config->arena_limit = fitted;
     scalable = 0;
   }
@@ -157,9 +164,7 @@ absl::Status FitMemoryBudgets(DaemonConfig* config, const MemoryLimit& limit,
     if (fitted < kMinBudget) {
       return refuse(absl::StrCat(", and ", b.key, " would be left with less than ", Gib(kMinBudget)));
     }
-    notes->push_back(absl::StrCat(b.key, " not set: ", Gib(fitted), " instead of its default ",
-                                  Gib(*b.value), " to fit ", Gib(limit.bytes), " (", limit.source,
-                                  ")"));
+    note_fitted(b.key, fitted, *b.value);
     *b.value = fitted;
   }
   if (!config->set_keys.count("arena_pool") && config->arena_pool > config->arena_limit) {
