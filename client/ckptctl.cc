@@ -111,7 +111,8 @@ Online (through a running ckptd; --daemon SOCKET, default /run/ckptd/ckptd.sock)
       registering with its node's daemon; ranks are spread over the sockets in
       contiguous blocks. Writes DIR/rank{r}.safetensors and the job's report.
   ckptctl status [--daemon S] [--json]
-      Jobs, cache contents and bytes, memory budget, totals, uptime.
+      Jobs, asynchronous saves in flight, cache contents and bytes, memory
+      budget, totals, uptime.
   ckptctl prefetch CKPT [--daemon S] [--tensors a,b] [--unique_id N]
       Read a checkpoint into the daemon's data cache ahead of a job.
   ckptctl evict CKPT [--daemon S]
@@ -436,6 +437,10 @@ void PrintStatus(const ckptd::v1::StatusResponse& s) {
                              s.loads_failed(), " failed"),
        absl::StrCat("read ", HumanBytes(s.bytes_read_total()), " from storage"),
        absl::StrCat("delivered ", HumanBytes(s.bytes_delivered_total()))},
+      {"saves", absl::StrCat("staged ", HumanBytes(s.save_staged_bytes()), " of ",
+                             HumanBytes(s.save_buffer_bytes()), " (save_buffer)"),
+       absl::StrCat(s.saves_durable(), " durable, ", s.saves_failed(), " failed"),
+       absl::StrCat("persisted ", HumanBytes(s.save_bytes_persisted_total()))},
   };
   std::printf("\n");
   PrintTable(summary);
@@ -449,6 +454,20 @@ void PrintStatus(const ckptd::v1::StatusResponse& s) {
       rows.push_back({j.job_id(), j.state(),
                       absl::StrCat(j.registered_ranks_size(), "/", here, " (world ", j.world_size(), ")"),
                       RankRanges({j.waiting_for().begin(), j.waiting_for().end()}), j.path()});
+    }
+    PrintTable(rows);
+  }
+
+  if (s.saves_size() > 0) {
+    std::printf("\nasynchronous saves: %d\n", s.saves_size());
+    std::vector<std::vector<std::string>> rows = {
+        {"JOB", "STATE", "VERSION", "PERSISTED", "AGE", "CHECKPOINT"}};
+    for (const auto& v : s.saves()) {
+      rows.push_back({v.job_id(), v.error().empty() ? v.state() : v.state() + ": " + v.error(),
+                      absl::StrCat(v.unique_id()),
+                      absl::StrCat(HumanBytes(v.bytes_persisted()), " of ",
+                                   HumanBytes(v.bytes_staged())),
+                      HumanDuration(v.age_s()), v.path()});
     }
     PrintTable(rows);
   }

@@ -474,7 +474,53 @@ absl::StatusOr<LoadReport> Client::Load(const LoadSpec& spec,
 }
 
 absl::StatusOr<v1::SaveResponse> Client::Save(const SaveSpec& spec) {
+  return SaveCall(spec, false);
+}
+
+absl::StatusOr<SaveFuture> Client::SaveAsync(const SaveSpec& spec) {
+  CKPT_ASSIGN_OR_RETURN(v1::SaveResponse staged, SaveCall(spec, true));
+  return SaveFuture(this, spec.job_id, spec.rank, std::move(staged));
+}
+
+absl::StatusOr<v1::SaveResponse> Client::AwaitSave(const std::string& job_id, int rank,
+                                                   absl::Duration timeout) {
+  v1::AwaitSaveRequest req;
+  req.set_job_id(job_id);
+  req.set_rank(rank);
+  req.set_timeout_ms(static_cast<uint32_t>(
+      std::clamp<int64_t>(absl::ToInt64Milliseconds(timeout), 0, 3'600'000)));
+  grpc::ClientContext ctx;
+  ctx.set_deadline(Deadline(timeout + absl::Seconds(30)));
+  v1::SaveResponse resp;
+  CKPT_RETURN_IF_ERROR(FromGrpc(rep_->stub->AwaitSave(&ctx, req, &resp), "AwaitSave"));
+  return resp;
+}
+
+absl::StatusOr<v1::SaveResponse> SaveFuture::Wait(absl::Duration timeout) {
+  const absl::Time deadline = absl::Now() + timeout;
+  while (!final_) {
+    const absl::Duration slice = std::min(absl::Seconds(10), std::max(absl::ZeroDuration(), deadline - absl::Now()));
+    absl::StatusOr<v1::SaveResponse> r = client_->AwaitSave(job_id_, rank_, slice);
+    if (r.ok() || !absl::IsDeadlineExceeded(r.status())) {
+      final_ = std::move(r);
+    } else if (absl::Now() >= deadline) {
+      return r.status();
+    }
+  }
+  return *final_;
+}
+
+bool SaveFuture::Done() {
+  if (final_) return true;
+  absl::StatusOr<v1::SaveResponse> r = client_->AwaitSave(job_id_, rank_, absl::ZeroDuration());
+  if (!r.ok() && absl::IsDeadlineExceeded(r.status())) return false;
+  final_ = std::move(r);
+  return true;
+}
+
+absl::StatusOr<v1::SaveResponse> Client::SaveCall(const SaveSpec& spec, bool async) {
   v1::SaveRequest req;
+  req.set_async_save(async);
   req.set_job_id(spec.job_id);
   req.set_rank(spec.rank);
   req.set_world_size(spec.world_size);
@@ -496,6 +542,9 @@ absl::StatusOr<v1::SaveResponse> Client::Save(const SaveSpec& spec) {
     for (size_t i = 0; i < spec.tensors.size(); ++i) {
       std::memcpy(own->data() + offsets[i], spec.tensors[i].buffer, spec.tensors[i].num_bytes());
     }
+    // This copy is the save's own (dropped right after the call, never
+    // written again): the daemon may keep it instead of copying it.
+    req.set_handed_over(async);
   }
   AddTargets(spec.tensors, offsets, req.mutable_targets());
   CKPT_RETURN_IF_ERROR(NameSegment(*arena, rep_->options, req.mutable_shm()));

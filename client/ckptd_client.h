@@ -133,6 +133,31 @@ struct SaveSpec {
   bool overwrite = false;
 };
 
+class Client;
+
+// The outcome of Client::SaveAsync: the daemon held a copy of the rank's
+// bytes when SaveAsync returned (staged(), persisted false); Wait gives the
+// final answer once the version is durable, or the error that failed it.
+// The Client must outlive it.
+class SaveFuture {
+ public:
+  SaveFuture(Client* client, std::string job_id, int rank, v1::SaveResponse staged)
+      : client_(client), job_id_(std::move(job_id)), rank_(rank), staged_(std::move(staged)) {}
+  const v1::SaveResponse& staged() const { return staged_; }
+  const std::string& job_id() const { return job_id_; }
+  // Waits up to `timeout` (DEADLINE_EXCEEDED while still persisting).
+  absl::StatusOr<v1::SaveResponse> Wait(absl::Duration timeout = absl::InfiniteDuration());
+  // Whether the save has finished (durable or failed), without waiting.
+  bool Done();
+
+ private:
+  Client* client_;
+  std::string job_id_;
+  int rank_;
+  v1::SaveResponse staged_;
+  std::optional<absl::StatusOr<v1::SaveResponse>> final_;
+};
+
 struct LoadReport {
   v1::LoadResult result;
   double client_seconds = 0;
@@ -171,6 +196,15 @@ class Client {
   // Hands this rank's shards to the daemon, which writes the checkpoint once
   // every rank of the job has done so.
   absl::StatusOr<v1::SaveResponse> Save(const SaveSpec& spec);
+  // Save with async_save: returns once the daemon holds a copy of this
+  // rank's bytes (and the job's other ranks have handed theirs over); the
+  // tensors may change from then on. The daemon writes the version in the
+  // background; the future's Wait reports when it is durable.
+  absl::StatusOr<SaveFuture> SaveAsync(const SaveSpec& spec);
+  // AwaitSave: the final answer of asynchronous save `job_id` for `rank`,
+  // waiting up to `timeout` (DEADLINE_EXCEEDED while it is still persisting).
+  absl::StatusOr<v1::SaveResponse> AwaitSave(const std::string& job_id, int rank,
+                                             absl::Duration timeout);
   absl::StatusOr<v1::PrefetchResponse> Prefetch(const std::string& path,
                                                 std::optional<int64_t> unique_id = std::nullopt,
                                                 const std::vector<std::string>& tensors = {});
@@ -180,6 +214,7 @@ class Client {
  private:
   struct Rep;
   explicit Client(std::unique_ptr<Rep> rep);
+  absl::StatusOr<v1::SaveResponse> SaveCall(const SaveSpec& spec, bool async);
   std::unique_ptr<Rep> rep_;
 };
 

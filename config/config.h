@@ -63,8 +63,12 @@ struct DaemonConfig {
   // ones kept mapped for the next client, and all leased ones together.
   uint64_t arena_pool = 4ull << 30;
   uint64_t arena_limit = 64ull << 30;
+  // Asynchronous saves (docs/saving.md): the bytes of saves handed over but
+  // not yet durable that the daemon may hold, all jobs together. A save
+  // beyond it waits for earlier persists to finish (back-pressure).
+  uint64_t save_buffer = 8ull << 30;
   // The memory the daemon may use, which cache_budget + arena_limit +
-  // limits.max_stream_bytes + working room must fit (server/memory_budget.h):
+  // save_buffer + limits.max_stream_bytes + working room must fit (server/memory_budget.h):
   // "auto" (the cgroup's memory limit, or the machine's memory when that is
   // less), "off" (no check), or a size ("8GiB").
   std::string memory_limit = "auto";
@@ -117,6 +121,10 @@ struct DaemonConfig {
   // each planned read of a load job on this node (cut short when the job is
   // aborted), so tests can act while a job is provably in flight.
   absl::Duration testing_delay_read = absl::ZeroDuration();
+  // Testing only (flag --testing-delay-persist-ms, not in YAML): pause before
+  // each file an asynchronous save persists (data files, then the metadata),
+  // so tests can kill the daemon at a known point of a persist.
+  absl::Duration testing_delay_persist = absl::ZeroDuration();
   // Testing only (flag --testing-fd-token-ttl-ms, not in YAML): fd tokens
   // expire after this instead of barrier_timeout + 1 minute (zero: that).
   absl::Duration testing_fd_token_ttl = absl::ZeroDuration();

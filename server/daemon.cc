@@ -218,6 +218,11 @@ absl::Status Daemon::Start() {
 void Daemon::Stop() {
   if (fd_receiver_) fd_receiver_->Stop();
   filler_->Stop();
+  {
+    absl::MutexLock lock(&save_mu_);
+    persist_stop_ = true;
+  }
+  if (persist_thread_.joinable()) persist_thread_.join();
 }
 
 const std::string* Daemon::RootOf(const std::string& real, std::string* real_root) const {
@@ -1104,6 +1109,11 @@ absl::StatusOr<v1::SaveResponse> Daemon::Save(const Caller& caller, const v1::Sa
                                   request.node_ranks_size(), request.barrier_timeout_ms());
   if (!bytes.ok()) return fail(bytes.status());
   if (absl::Status a = CheckAccess(caller, *parent, Access::kSave); !a.ok()) return fail(a);
+  if (request.async_save() && dcp) {
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        who, ": async_save is for the native format (PyTorch DCP's own async_save stages on the "
+             "client side and calls ckptd.torch.DaemonStorageWriter from a thread)")));
+  }
   struct stat lst;
   if (::lstat(dir.c_str(), &lst) == 0) {
     if (!S_ISDIR(lst.st_mode)) {
@@ -1137,6 +1147,26 @@ absl::StatusOr<v1::SaveResponse> Daemon::Save(const Caller& caller, const v1::Sa
   auto prepared = PrepareSlot(caller, as_load);
   if (!prepared.ok()) return fail(prepared.status());
   std::shared_ptr<RankSlot> slot = *prepared;
+  if (request.async_save()) {
+    // The rank's bytes must outlive its call: save_buffer room first (the
+    // call waits here while earlier persists hold it), then the daemon's own
+    // copy unless the client handed its segment over for good.
+    const absl::Duration wait = request.barrier_timeout_ms() > 0
+                                    ? absl::Milliseconds(request.barrier_timeout_ms())
+                                    : config_.barrier_timeout;
+    auto charge = ChargeSaveBuffer(who, *bytes, absl::Now() + wait, cancelled, &slot->buffer_wait_s);
+    if (!charge.ok()) return fail(charge.status());
+    slot->save_charge = std::move(*charge);
+    if (!request.handed_over()) {
+      std::vector<std::pair<uint64_t, uint64_t>> ranges;
+      for (int t = 0; t < request.targets_size(); ++t) {
+        ranges.emplace_back(request.targets(t).dest_offset(), slot->targets.tensors[t].num_bytes());
+      }
+      auto copy = MappedSegment::CopyOf(*slot->segment, ranges, who);
+      if (!copy.ok()) return fail(copy.status());
+      slot->segment = std::move(*copy);
+    }
+  }
   slot->save_request = request;
   slot->cancelled = cancelled;
   slot->registered = absl::Now();
@@ -1154,6 +1184,7 @@ absl::StatusOr<v1::SaveResponse> Daemon::Save(const Caller& caller, const v1::Sa
   absl::MutexLock lock(&mu_);
   v1::SaveResponse resp = slot->save_result;
   resp.set_seconds(Seconds(t0));
+  if (request.async_save()) save_stall_us_ += static_cast<uint64_t>(resp.seconds() * 1e6);
   return resp;
 }
 
@@ -1166,11 +1197,16 @@ void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
   auto plan = ckpt::PlanSave(ranks, job->world_size, job->unique_id.value_or(0));
   if (!plan.ok()) return fail_all(plan.status());
   bool overwrite = slots.front()->save_request.overwrite();
+  const bool async = slots.front()->save_request.async_save();
   const std::string format = slots.front()->save_request.format();
   for (const auto& s : slots) {
     if (s->save_request.overwrite() != overwrite) {
       return fail_all(absl::InvalidArgumentError(absl::StrCat(
           "save job '", job->id, "': ranks disagree on overwrite (all must set it or none)")));
+    }
+    if (s->save_request.async_save() != async) {
+      return fail_all(absl::InvalidArgumentError(absl::StrCat(
+          "save job '", job->id, "': ranks disagree on async_save (all must set it or none)")));
     }
     if (s->save_request.format() != format) {
       return fail_all(absl::InvalidArgumentError(absl::StrCat(
@@ -1180,6 +1216,7 @@ void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
     }
   }
   const bool dcp = format == kDcpFormat;
+  if (async) return StartAsyncSave(job, slots, *std::move(plan));
   if (absl::Status s = ckpt::MakeDirs(job->path); !s.ok()) return fail_all(s);
   // One writer per directory; the files go into the directory that is locked
   // (opened without following a symlink), the version checked under the lock.
@@ -1205,48 +1242,19 @@ void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
     }
   }
   if (dcp) return WriteDcpSave(job, slots, *plan, lock->directory(), where, t0);
-  std::vector<std::pair<std::string, ckpt::ShardMeta>> written;
-  std::map<int, std::set<std::string>> files_of_rank;
-  uint64_t bytes = 0;
-  for (int r = 0; r < job->world_size; ++r) {
-    if (!job->expected.count(r)) continue;
-    std::vector<const void*> data;
-    for (const TargetTensor& t : plan->writes[r]) data.push_back(where.at({r, t.name}));
-    auto shards = ckpt::WriteRankFile(lock->directory(), *plan, r, data);
-    if (!shards.ok()) return fail_all(shards.status());
-    for (auto& sh : *shards) {
-      bytes += sh.second.nbytes;
-      written.push_back(std::move(sh));
-    }
-  }
-  // Every rank learns which files hold the shards it handed over.
-  for (const auto& [name, meta] : written) {
-    for (const auto& s : slots) {
-      for (const TargetTensor& t : s->targets.tensors) {
-        if (t.name == name && t.box == meta.box && t.flat_range == meta.flat_range) {
-          files_of_rank[s->targets.rank].insert(meta.file);
-        }
-      }
-    }
-  }
-  std::map<std::string, std::vector<std::string>> flat_mapping;
-  for (const auto& s : slots) {
-    for (const auto& [k, v] : s->save_request.flat_mapping()) {
-      flat_mapping[k] = std::vector<std::string>(v.parts().begin(), v.parts().end());
-    }
-  }
-  if (absl::Status s = ckpt::FinishSave(lock->directory(), *plan, written, flat_mapping); !s.ok()) {
-    return fail_all(s);
-  }
+  const NativeSave save = NativeSaveOf(*job, slots, *std::move(plan));
+  auto saved = WriteNativeSave(save, lock->directory(), nullptr, nullptr);
+  if (!saved.ok()) return fail_all(saved.status());
   DropCachedMetadata(job->path);  // new files under a cached directory
   FinishSaveJob(job, slots, [&](RankSlot& s) {
     v1::SaveResponse& r = s.save_result;
-    for (const auto& f : files_of_rank[s.targets.rank]) r.add_files(f);
-    r.set_bytes_written(bytes);
-    r.set_metadata_file(absl::StrCat(job->unique_id.value_or(0), ".metadata"));
+    for (const auto& f : saved->files_of_rank[s.targets.rank]) r.add_files(f);
+    r.set_bytes_written(saved->bytes);
+    r.set_metadata_file(absl::StrCat(save.plan.unique_id, ".metadata"));
+    r.set_persisted(true);
   });
   spdlog::info("save job={} path={} ranks={} written={}B in {:.3f}s", job->id, job->path,
-               slots.size(), bytes, Seconds(t0));
+               slots.size(), saved->bytes, Seconds(t0));
 }
 
 void Daemon::FinishSaveJob(const std::shared_ptr<Job>& job,
@@ -1429,6 +1437,9 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
     FailJob(*job, s);
   };
   auto t0 = std::chrono::steady_clock::now();
+  // A version still being persisted (asynchronous save) is not visible yet:
+  // wait for it, so a load right after a save finds it (in memory).
+  AwaitPersistsInto(job->path, absl::Now() + config_.load_timeout);
   // The previous load's background fill of this checkpoint first: what the
   // cache serves does not depend on timing (server/cache_filler.h).
   if (!filler_->Wait(job->path + "/", config_.load_timeout)) {
@@ -1670,6 +1681,7 @@ v1::StatusResponse Daemon::Status(const Caller& caller) {
   resp.set_cache_fills(fill.fills);
   resp.set_cache_fill_bytes(fill.bytes);
   resp.set_cache_fills_failed(fill.failed);
+  FillSaveStatus(caller, &resp);
   std::map<std::string, bool> readable;  // checkpoint directory -> caller may read it
   for (const auto& [path, be] : cache_.Files()) {
     if (!admin) {

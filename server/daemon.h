@@ -11,12 +11,14 @@
 
 #include <atomic>
 #include <chrono>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
 #include <optional>
 #include <set>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -49,6 +51,12 @@ class MappedSegment {
                                                             const std::string& what);
   // An arena this daemon lent (already mapped); holds it while alive.
   static std::unique_ptr<MappedSegment> Borrow(std::shared_ptr<Arena> arena);
+  // Private memory of `size` bytes (anonymous, populated) holding a copy of
+  // `src`'s bytes [offset, offset + length) for each of `ranges`, at the same
+  // offsets (the daemon's own copy of an asynchronous save's bytes).
+  static absl::StatusOr<std::unique_ptr<MappedSegment>> CopyOf(
+      const MappedSegment& src, const std::vector<std::pair<uint64_t, uint64_t>>& ranges,
+      const std::string& what);
   ~MappedSegment();
   uint8_t* data() const { return data_; }
   uint64_t size() const { return size_; }
@@ -82,6 +90,17 @@ class Daemon {
   // format once for all of them.
   absl::StatusOr<v1::SaveResponse> Save(const Caller& caller, const v1::SaveRequest& request,
                                         const std::function<bool()>& cancelled);
+  // The outcome of asynchronous save job `request.job_id()` for one of its
+  // ranks, waiting up to request.timeout_ms() for it to become durable
+  // (DEADLINE_EXCEEDED while it is still persisting). Only the job's owner
+  // (or an admin) may ask.
+  absl::StatusOr<v1::SaveResponse> AwaitSave(const Caller& caller,
+                                             const v1::AwaitSaveRequest& request,
+                                             const std::function<bool()>& cancelled);
+  // SIGTERM (main.cc): waits up to `timeout` for the asynchronous saves still
+  // persisting; returns the ids of those that did not finish (Stop then
+  // abandons them: their versions never become visible).
+  std::vector<std::string> AwaitPersists(absl::Duration timeout);
   absl::StatusOr<v1::PrefetchResponse> Prefetch(const Caller& caller,
                                                 const v1::PrefetchRequest& request);
   absl::StatusOr<v1::EvictResponse> Evict(const Caller& caller, const v1::EvictRequest& request);
@@ -138,6 +157,10 @@ class Daemon {
 
   struct RankSlot;  // public for the helpers in daemon_internal.h
   struct Job;
+  struct PendingSave;
+  // save_buffer bytes held for one rank of an asynchronous save; given back
+  // when destroyed.
+  class SaveBufferCharge;
 
   enum class Access { kRead, kSave };
   bool IsAdmin(const Caller& caller) const;
@@ -303,6 +326,53 @@ class Daemon {
                     std::chrono::steady_clock::time_point t0) ABSL_LOCKS_EXCLUDED(mu_);
   absl::StatusOr<v1::SaveResponse> CommitDcp(const Caller& caller, const v1::SaveRequest& request,
                                              const std::string& parent, const std::string& dir);
+  // Native saves (daemon_save.cc). What writing one version needs, taken
+  // from the job's ranks, and what it wrote.
+  struct NativeSave {
+    std::string id, path;
+    int world_size = 0;
+    std::set<int> expected;
+    ckpt::SavePlan plan;
+    bool overwrite = false;
+    // Where each rank's copy of a shard lives: (rank, name) -> bytes.
+    std::map<std::pair<int, std::string>, const uint8_t*> where;
+    std::map<std::string, std::vector<std::string>> flat_mapping;
+    std::vector<ckpt::RankTargets> ranks;
+  };
+  struct NativeSaved {
+    std::map<int, std::set<std::string>> files_of_rank;
+    std::vector<std::string> files;
+    uint64_t bytes = 0;
+  };
+  static NativeSave NativeSaveOf(const Job& job, const std::vector<std::shared_ptr<RankSlot>>& slots,
+                                 ckpt::SavePlan plan);
+  // Writes the data files and then the metadata of `save` into `dir` (locked
+  // by the caller, PrepareSave done). `persisted` (optional) counts the data
+  // bytes written; `between` runs before each file and may stop the write.
+  absl::StatusOr<NativeSaved> WriteNativeSave(const NativeSave& save,
+                                              std::shared_ptr<const ckpt::Directory> dir,
+                                              std::atomic<uint64_t>* persisted,
+                                              const std::function<absl::Status()>& between);
+  // Reserves save_buffer room for `bytes`, waiting for earlier persists while
+  // it is full (until `deadline` or the caller leaves); *waited_s says how
+  // long. RESOURCE_EXHAUSTED when `bytes` alone exceed save_buffer.
+  absl::StatusOr<std::unique_ptr<SaveBufferCharge>> ChargeSaveBuffer(
+      const std::string& who, uint64_t bytes, absl::Time deadline,
+      const std::function<bool()>& cancelled, double* waited_s) ABSL_LOCKS_EXCLUDED(save_mu_);
+  // An asynchronous save job's ranks are all in and its plan holds: their
+  // bytes move into a PendingSave queued for the persist thread, and every
+  // rank gets its first answer (persisted false).
+  void StartAsyncSave(const std::shared_ptr<Job>& job,
+                      const std::vector<std::shared_ptr<RankSlot>>& slots, ckpt::SavePlan plan);
+  void PersistLoop();
+  void Persist(PendingSave& save);
+  // Puts the files of a version just made durable into the data cache (read
+  // back from the page cache), so loading it right away reads no storage.
+  void PublishSaved(const std::string& dir, const std::vector<std::string>& files);
+  // Waits (at most until `deadline`) while an asynchronous save into `dir`
+  // is persisting: a load of a version just saved waits for it to appear.
+  void AwaitPersistsInto(const std::string& dir, absl::Time deadline) ABSL_LOCKS_EXCLUDED(save_mu_);
+  void FillSaveStatus(const Caller& caller, v1::StatusResponse* resp) ABSL_LOCKS_EXCLUDED(save_mu_);
   void FailJobLocked(Job& job, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailJob(Job& job, const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
   // The job's registered slots, ascending rank.
@@ -346,6 +416,17 @@ class Daemon {
   absl::Mutex health_mu_;
   std::vector<v1::PeerHealth> health_ ABSL_GUARDED_BY(health_mu_);
   absl::Time health_at_ ABSL_GUARDED_BY(health_mu_) = absl::InfinitePast();
+
+  // Asynchronous saves: by job id, those persisting and those finished in
+  // the last minutes (AwaitSave, Status); the persist thread's queue.
+  absl::Mutex save_mu_;
+  std::map<std::string, std::shared_ptr<PendingSave>> saves_ ABSL_GUARDED_BY(save_mu_);
+  std::deque<std::shared_ptr<PendingSave>> persist_queue_ ABSL_GUARDED_BY(save_mu_);
+  uint64_t save_staged_ ABSL_GUARDED_BY(save_mu_) = 0;  // save_buffer bytes charged
+  bool persist_stop_ ABSL_GUARDED_BY(save_mu_) = false;
+  std::thread persist_thread_;  // started by the first asynchronous save
+  std::atomic<uint64_t> saves_durable_{0}, saves_failed_{0}, save_bytes_persisted_{0};
+  std::atomic<uint64_t> save_stall_us_{0}, save_persist_us_{0};
 
   std::atomic<uint64_t> loads_started_{0}, loads_succeeded_{0}, loads_failed_{0};
   std::atomic<uint64_t> bytes_read_total_{0}, bytes_delivered_total_{0};

@@ -25,6 +25,19 @@ inline double Seconds(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
+class Daemon::SaveBufferCharge {
+ public:
+  SaveBufferCharge(Daemon* d, uint64_t bytes) : d_(d), bytes_(bytes) {}
+  SaveBufferCharge(const SaveBufferCharge&) = delete;
+  SaveBufferCharge& operator=(const SaveBufferCharge&) = delete;
+  ~SaveBufferCharge();
+  uint64_t bytes() const { return bytes_; }
+
+ private:
+  Daemon* d_;
+  uint64_t bytes_;
+};
+
 struct Daemon::RankSlot {
   v1::LoadRequest request;
   v1::SaveRequest save_request;  // Save jobs
@@ -38,6 +51,10 @@ struct Daemon::RankSlot {
   std::function<bool()> cancelled;
   absl::Time registered;
   std::chrono::steady_clock::time_point start;
+  // Asynchronous saves: the save_buffer room this rank's bytes hold, and how
+  // long the call waited for it.
+  std::unique_ptr<Daemon::SaveBufferCharge> save_charge;
+  double buffer_wait_s = 0;
   bool done = false;  // guarded by Daemon::mu_
   absl::Status status;
   v1::LoadResult result;
@@ -66,6 +83,28 @@ struct Daemon::Job {
     absl::MutexLock lock(&abort_mu);
     return abort_status;
   }
+};
+
+// An asynchronous save between its ranks' answer and its end: the bytes it
+// holds, the plan, and (under Daemon::save_mu_) how it stands.
+struct Daemon::PendingSave {
+  NativeSave save;
+  uid_t owner = 0;
+  int64_t unique_id = 0;
+  // The ranks' bytes (their own segments, or the daemon's copies of lent
+  // arenas) and the save_buffer room they hold, released once persisted.
+  std::vector<std::unique_ptr<MappedSegment>> held;
+  std::vector<std::unique_ptr<SaveBufferCharge>> charges;
+  uint64_t bytes_staged = 0;
+  std::atomic<uint64_t> bytes_persisted{0};
+  absl::Time staged_at;
+  std::chrono::steady_clock::time_point staged_clock;
+  std::map<int, v1::SaveResponse> first_answers;  // per rank, for the final ones
+  enum class State { kPersisting, kDurable, kFailed };
+  State state = State::kPersisting;       // guarded by save_mu_
+  absl::Status status;                    // guarded by save_mu_
+  std::map<int, v1::SaveResponse> final;  // guarded by save_mu_
+  absl::Time finished;                    // guarded by save_mu_
 };
 
 // The source a load job's plan runs on: `inner`, behind a gate that ends

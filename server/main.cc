@@ -58,6 +58,9 @@ ABSL_FLAG(std::string, tcp_tls_key, "", "PEM private key for --tcp");
 ABSL_FLAG(std::string, tcp_tls_ca, "", "PEM CA that signs the client certificates --tcp requires");
 ABSL_FLAG(bool, insecure_tcp, false, "serve --tcp without TLS (anyone who can reach it acts as tcp_uid)");
 ABSL_FLAG(std::string, cache_budget, "", "data cache budget, e.g. 8GiB (overrides the config)");
+ABSL_FLAG(std::string, save_buffer, "",
+          "bytes of asynchronous saves not yet durable the daemon may hold, e.g. 8GiB (overrides "
+          "the config)");
 ABSL_FLAG(std::string, memory_limit, "",
           "the memory the budgets must fit: auto (the cgroup's limit or the machine's memory), off, "
           "or a size (overrides the config)");
@@ -93,6 +96,8 @@ ABSL_FLAG(int, testing_delay_part_ms, 0,
           "testing only: pause before executing a multi-node plan part (fault injection)");
 ABSL_FLAG(int, testing_delay_read_ms, 0,
           "testing only: pause before each planned read of a load job (keeps a job in flight)");
+ABSL_FLAG(int, testing_delay_persist_ms, 0,
+          "testing only: pause before each file an asynchronous save persists");
 ABSL_FLAG(int, testing_fd_token_ttl_ms, 0,
           "testing only: fd tokens expire after this instead of barrier_timeout + 1 minute");
 
@@ -117,7 +122,8 @@ Port 0 in --tcp, --peer-listen or --metrics-address: the kernel picks a free por
 each listener logs "<tcp|peer> service listening on HOST:PORT" (metrics:
 "metrics on http://HOST:PORT/metrics") and --port-file PATH gets them all as
 JSON, written atomically once every listener is up (docs/configuration.md).
-SIGTERM/SIGINT: stop accepting, drain running loads (drain_timeout), exit.
+SIGTERM/SIGINT: stop accepting, drain running loads and asynchronous saves
+(drain_timeout), exit.
 SIGHUP: reload the peer TLS files without dropping running jobs.)";
 
 int Fail(const std::string& msg) {
@@ -236,6 +242,12 @@ int main(int argc, char** argv) {
     config.cache_budget = *b;
     config.set_keys.insert("cache_budget");
   }
+  if (!absl::GetFlag(FLAGS_save_buffer).empty()) {
+    auto b = ckptd::ParseBytes(absl::GetFlag(FLAGS_save_buffer));
+    if (!b.ok()) return Fail(absl::StrCat("--save_buffer: ", b.status().message()));
+    config.save_buffer = *b;
+    config.set_keys.insert("save_buffer");
+  }
   if (!absl::GetFlag(FLAGS_memory_limit).empty()) {
     config.memory_limit = absl::GetFlag(FLAGS_memory_limit);
     config.set_keys.insert("memory_limit");
@@ -263,6 +275,8 @@ int main(int argc, char** argv) {
   }
   config.testing_delay_part = absl::Milliseconds(absl::GetFlag(FLAGS_testing_delay_part_ms));
   config.testing_delay_read = absl::Milliseconds(absl::GetFlag(FLAGS_testing_delay_read_ms));
+  config.testing_delay_persist =
+      absl::Milliseconds(absl::GetFlag(FLAGS_testing_delay_persist_ms));
   config.testing_fd_token_ttl = absl::Milliseconds(absl::GetFlag(FLAGS_testing_fd_token_ttl_ms));
   config.testing_corrupt_served = absl::GetFlag(FLAGS_testing_corrupt_served);
   if (!absl::GetFlag(FLAGS_peer_tls_cert).empty()) config.peer_tls_cert = absl::GetFlag(FLAGS_peer_tls_cert);
@@ -444,6 +458,7 @@ int main(int argc, char** argv) {
              static_cast<unsigned long>(::getpid()));
 
   std::atomic<int64_t> loads_at_drain{-1};
+  absl::Time drain_until = absl::Now();  // set by the signal thread, read after it ends
   auto draining_loads_done = [&] {
     return loads_at_drain >= 0 && LoadsEnded(daemon) != loads_at_drain;
   };
@@ -462,6 +477,7 @@ int main(int argc, char** argv) {
     spdlog::info("signal {}: draining running loads (up to {})", sig,
                  absl::FormatDuration(config.drain_timeout));
     loads_at_drain = LoadsEnded(daemon);
+    drain_until = absl::Now() + config.drain_timeout;
     sd_notify(0, "STOPPING=1\nSTATUS=draining running loads");
     server->GetHealthCheckService()->SetServingStatus(false);
     if (uds) uds->Stop();  // no new connections; open ones drain
@@ -505,6 +521,16 @@ int main(int argc, char** argv) {
   // a closed socket and loses what it had not read yet.
   if (draining_loads_done()) std::this_thread::sleep_for(std::chrono::milliseconds(500));
   if (uds) uds->Stop();
+  // Asynchronous saves still persisting get the rest of the drain; those
+  // that do not finish are abandoned (their versions never appear).
+  const std::vector<std::string> abandoned =
+      daemon.AwaitPersists(std::max(absl::ZeroDuration(), drain_until - absl::Now()));
+  if (!abandoned.empty()) {
+    spdlog::warn("drain_timeout {} ran out: abandoned {} save job(s) still persisting (their "
+                 "versions are not visible): {}",
+                 absl::FormatDuration(config.drain_timeout), abandoned.size(),
+                 absl::StrJoin(abandoned, ", "));
+  }
   metrics.reset();
   daemon.Stop();
   struct stat now_socket {};

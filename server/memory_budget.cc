@@ -119,6 +119,7 @@ absl::Status FitMemoryBudgets(DaemonConfig* config, const MemoryLimit& limit,
   Budget budgets[] = {
       {"cache_budget", &config->cache_budget, config->set_keys.count("cache_budget") > 0},
       {"arena_limit", &config->arena_limit, config->set_keys.count("arena_limit") > 0},
+      {"save_buffer", &config->save_buffer, config->set_keys.count("save_buffer") > 0},
       {"limits.max_stream_bytes", &config->limits.max_stream_bytes,
        config->set_keys.count("limits.max_stream_bytes") > 0},
   };

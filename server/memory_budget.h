@@ -1,7 +1,7 @@
 // The daemon's memory budgets against the memory it may use (issue 21,
 // "Operations"): at start-up the budgets that make up most of its memory
-// (cache_budget, arena_limit, limits.max_stream_bytes, plus working room)
-// must fit the memory limit of its cgroup (and the machine's memory). Keys
+// (cache_budget, arena_limit, save_buffer, limits.max_stream_bytes, plus
+// working room) must fit the memory limit of its cgroup (and the machine's memory). Keys
 // the operator set are checked as they are, and start-up is refused naming
 // them; keys left at their defaults shrink to fit.
 #ifndef CKPTD_SERVER_MEMORY_BUDGET_H_
@@ -41,7 +41,7 @@ std::optional<MemoryLimit> ProcessMemoryLimit();
 // 1 GiB, or an eighth of the limit when that is less.
 uint64_t WorkingRoom(uint64_t limit);
 
-// Checks cache_budget + arena_limit + limits.max_stream_bytes + WorkingRoom
+// Checks cache_budget + arena_limit + save_buffer + limits.max_stream_bytes + WorkingRoom
 // against `limit`. `set_keys` are the keys the operator set (config.set_keys);
 // those are never changed: if they alone do not fit, FAILED_PRECONDITION
 // naming each budget, its value and whether it was set, the total and the

@@ -239,6 +239,25 @@ class StatusCollector final : public prometheus::Collectable {
     out.push_back(One("ckptd_cache_fills_failed_total",
                       "Background cache fills that failed (a file changed, a read error)", C,
                       s.cache_fills_failed()));
+    out.push_back(One("ckptd_save_staged_bytes",
+                      "Bytes of asynchronous saves held until they are durable (save_buffer)", G,
+                      s.save_staged_bytes()));
+    out.push_back(One("ckptd_save_buffer_bytes", "The save_buffer budget", G,
+                      s.save_buffer_bytes()));
+    out.push_back(One("ckptd_saves_durable_total", "Asynchronous saves made durable", C,
+                      s.saves_durable()));
+    out.push_back(One("ckptd_saves_failed_total",
+                      "Asynchronous saves whose background persist failed (not visible)", C,
+                      s.saves_failed()));
+    out.push_back(One("ckptd_save_persisted_bytes_total",
+                      "Bytes asynchronous saves wrote in the background", C,
+                      s.save_bytes_persisted_total()));
+    out.push_back(One("ckptd_save_persist_seconds_total",
+                      "Seconds the background persists took (throughput: bytes / seconds)", C,
+                      s.save_persist_seconds_total()));
+    out.push_back(One("ckptd_save_stall_seconds_total",
+                      "Seconds asynchronous Save calls held their ranks, until answered", C,
+                      s.save_stall_seconds_total()));
     out.push_back(One("ckptd_cache_entries", "Byte ranges held in the data cache", G,
                       s.cache_entries()));
     out.push_back(One("ckptd_cache_hits_total", "Data cache lookups served from memory", C,

@@ -74,6 +74,16 @@ grpc::Status CkptdService::Save(grpc::ServerContext* ctx, const v1::SaveRequest*
   });
 }
 
+grpc::Status CkptdService::AwaitSave(grpc::ServerContext* ctx, const v1::AwaitSaveRequest* req,
+                                     v1::SaveResponse* resp) {
+  return Guard("AwaitSave", ctx, [&](const Caller& c) -> absl::Status {
+    auto r = daemon_->AwaitSave(c, *req, [ctx] { return ctx->IsCancelled(); });
+    if (!r.ok()) return r.status();
+    *resp = std::move(*r);
+    return absl::OkStatus();
+  });
+}
+
 grpc::Status CkptdService::Prefetch(grpc::ServerContext* ctx, const v1::PrefetchRequest* req,
                                     v1::PrefetchResponse* resp) {
   return Guard("Prefetch", ctx, [&](const Caller& c) -> absl::Status {

@@ -37,6 +37,8 @@ class CkptdService final : public v1::Ckptd::Service {
                     grpc::ServerWriter<v1::LoadEvent>* writer) override;
   grpc::Status Save(grpc::ServerContext* ctx, const v1::SaveRequest* req,
                     v1::SaveResponse* resp) override;
+  grpc::Status AwaitSave(grpc::ServerContext* ctx, const v1::AwaitSaveRequest* req,
+                         v1::SaveResponse* resp) override;
   grpc::Status Prefetch(grpc::ServerContext* ctx, const v1::PrefetchRequest* req,
                         v1::PrefetchResponse* resp) override;
   grpc::Status Evict(grpc::ServerContext* ctx, const v1::EvictRequest* req,

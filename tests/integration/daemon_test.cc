@@ -507,5 +507,75 @@ TEST_F(DaemonTest, SaveThroughDaemonThenLoad) {
   EXPECT_EQ(r.status().code(), absl::StatusCode::kPermissionDenied) << r.status();
 }
 
+// Client::SaveAsync: four ranks hand their bytes over and overwrite them at
+// once; the future's Wait reports the version durable, and it holds the
+// bytes as they were at the call (checked against the oracle).
+TEST_F(DaemonTest, SaveAsyncThenChangeTheBuffers) {
+  DaemonProcess d(root_, {"--testing-delay-persist-ms", "100"});
+  ASSERT_TRUE(d.Ready()) << Slurp(d.log());
+  Layout save = MakeLayout(4, 0, true);
+  std::vector<std::vector<std::vector<uint8_t>>> cut(4);
+  for (int r = 0; r < 4; ++r) {
+    for (const TargetTensor& tt : save.ranks[r].tensors) cut[r].push_back(OracleBytes(tt, full_));
+  }
+  std::vector<std::thread> threads;
+  std::vector<absl::StatusOr<ckptd::v1::SaveResponse>> staged(4, absl::UnknownError(""));
+  std::vector<absl::StatusOr<ckptd::v1::SaveResponse>> final(4, absl::UnknownError(""));
+  for (int r = 0; r < 4; ++r) {
+    threads.emplace_back([&, r] {
+      ckptd::SaveSpec spec;
+      spec.job_id = "async1";
+      spec.rank = r;
+      spec.world_size = 4;
+      spec.path = root_ + "/saved-async";
+      spec.unique_id = 3;
+      for (size_t t = 0; t < save.ranks[r].tensors.size(); ++t) {
+        const TargetTensor& tt = save.ranks[r].tensors[t];
+        spec.tensors.push_back({tt.name, tt.dtype, tt.global_shape, tt.box, tt.flat_range,
+                                cut[r][t].data(), 0});
+      }
+      ckptd::Client::Options o;
+      o.socket = d.socket();
+      auto c = ckptd::Client::Connect(o);
+      if (!c.ok()) {
+        staged[r] = c.status();
+        return;
+      }
+      auto f = (*c)->SaveAsync(spec);
+      if (!f.ok()) {
+        staged[r] = f.status();
+        return;
+      }
+      staged[r] = f->staged();
+      for (auto& buf : cut[r]) std::fill(buf.begin(), buf.end(), uint8_t{0xAB});  // training goes on
+      final[r] = f->Wait(absl::Seconds(60));
+      if (final[r].ok() && !f->Done()) final[r] = absl::InternalError("Done() false after Wait");
+    });
+  }
+  for (auto& t : threads) t.join();
+  for (int r = 0; r < 4; ++r) {
+    ASSERT_TRUE(staged[r].ok()) << staged[r].status();
+    EXPECT_FALSE(staged[r]->persisted());
+    ASSERT_TRUE(final[r].ok()) << final[r].status();
+    EXPECT_TRUE(final[r]->persisted());
+    EXPECT_GT(final[r]->persist_s(), 0.1);
+  }
+  EXPECT_EQ(final[0]->metadata_file(), "3.metadata");
+  Layout whole;
+  whole.world_size = 1;
+  whole.ranks = {{0, {}}};
+  for (const Model& m : Tensors()) {
+    whole.ranks[0].tensors.push_back(T(m.name, m.dtype, m.shape, Shape(m.shape.size(), 0), m.shape));
+  }
+  OfflineLoadOptions lo;
+  lo.fill_byte = kPoison;
+  auto back = LoadOffline(root_ + "/saved-async", whole, lo);
+  ASSERT_TRUE(back.ok()) << back.status();
+  for (size_t t = 0; t < Tensors().size(); ++t) {
+    const auto& got = back->buffers[0].tensors[t];
+    EXPECT_TRUE(MatchesOracle(got.data(), got.size(), whole.ranks[0].tensors[t], full_));
+  }
+}
+
 }  // namespace
 }  // namespace ckpt

@@ -83,20 +83,23 @@ TEST(PhysicalMemory, ReadsMemTotal) {
   EXPECT_FALSE(PhysicalMemory("").has_value());
 }
 
+// save_buffer keeps its default (8 GiB) unless `save` is given.
 DaemonConfig Config(uint64_t cache, uint64_t arena, uint64_t stream,
-                    std::set<std::string> set_keys) {
+                    std::set<std::string> set_keys, uint64_t save = 0) {
   DaemonConfig c;
   c.cache_budget = cache;
   c.arena_limit = arena;
   c.limits.max_stream_bytes = stream;
+  if (save > 0) c.save_buffer = save;
   c.set_keys = std::move(set_keys);
   return c;
 }
 
 TEST(FitMemoryBudgets, FittingBudgetsStayAsTheyAre) {
-  DaemonConfig c = Config(16 * kGiB, 4 * kGiB, 2 * kGiB, {"cache_budget", "arena_limit"});
+  DaemonConfig c = Config(16 * kGiB, 4 * kGiB, 2 * kGiB,
+                          {"cache_budget", "arena_limit", "save_buffer"}, 1 * kGiB);
   std::vector<std::string> notes;
-  ASSERT_TRUE(FitMemoryBudgets(&c, {24 * kGiB, "test"}, &notes).ok());  // 22 + 1 room
+  ASSERT_TRUE(FitMemoryBudgets(&c, {24 * kGiB, "test"}, &notes).ok());  // 23 + 1 room
   EXPECT_EQ(c.cache_budget, 16 * kGiB);
   EXPECT_EQ(c.arena_limit, 4 * kGiB);
   EXPECT_TRUE(notes.empty());
@@ -110,23 +113,25 @@ TEST(FitMemoryBudgets, SetKeysThatDoNotFitAreRefusedByName) {
   absl::Status s = FitMemoryBudgets(&c, {24 * kGiB, "/sys/fs/cgroup/pod/memory.max"}, &notes);
   EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
   EXPECT_THAT(std::string(s.message()),
-              HasSubstr("cache_budget 16 GiB (set) + arena_limit 64 GiB (set) + "
-                        "limits.max_stream_bytes 4 GiB (default) + 1 GiB working room = 85 GiB > "
-                        "24 GiB (/sys/fs/cgroup/pod/memory.max)"));
+              HasSubstr("cache_budget 16 GiB (set) + arena_limit 64 GiB (set) + save_buffer 8 GiB "
+                        "(default) + limits.max_stream_bytes 4 GiB (default) + 1 GiB working room "
+                        "= 93 GiB > 24 GiB (/sys/fs/cgroup/pod/memory.max)"));
   EXPECT_EQ(c.arena_limit, 64 * kGiB);  // unchanged
 }
 
 TEST(FitMemoryBudgets, DefaultArenaLimitGivesWayFirst) {
-  // The shipped DaemonSet: cache_budget 16 GiB set, a 24 GiB limit.
-  DaemonConfig c = Config(16 * kGiB, 64 * kGiB, 4 * kGiB, {"cache_budget"});
+  // cache_budget 16 GiB and save_buffer 2 GiB set, a 24 GiB limit.
+  DaemonConfig c = Config(16 * kGiB, 64 * kGiB, 4 * kGiB, {"cache_budget", "save_buffer"},
+                          2 * kGiB);
   std::vector<std::string> notes;
   ASSERT_TRUE(FitMemoryBudgets(&c, {24 * kGiB, "test"}, &notes).ok());
   EXPECT_EQ(c.cache_budget, 16 * kGiB);  // set: kept
+  EXPECT_EQ(c.save_buffer, 2 * kGiB);    // set: kept
   EXPECT_EQ(c.limits.max_stream_bytes, 4 * kGiB);  // not needed
-  EXPECT_EQ(c.arena_limit, 3 * kGiB);  // 24 - 16 - 4 - 1 working room
-  EXPECT_EQ(c.arena_pool, 3 * kGiB);   // no more than arena_limit
+  EXPECT_EQ(c.arena_limit, 1 * kGiB);  // 24 - 16 - 2 - 4 - 1 working room
+  EXPECT_EQ(c.arena_pool, 1 * kGiB);   // no more than arena_limit
   ASSERT_EQ(notes.size(), 2u);
-  EXPECT_EQ(notes[0], "arena_limit not set: 3 GiB instead of its default 64 GiB to fit 24 GiB (test)");
+  EXPECT_EQ(notes[0], "arena_limit not set: 1 GiB instead of its default 64 GiB to fit 24 GiB (test)");
 }
 
 TEST(FitMemoryBudgets, DefaultsShrinkAlikeWhenArenaLimitIsNotEnough) {
@@ -134,13 +139,17 @@ TEST(FitMemoryBudgets, DefaultsShrinkAlikeWhenArenaLimitIsNotEnough) {
   std::vector<std::string> notes;
   ASSERT_TRUE(FitMemoryBudgets(&c, {24 * kGiB, "test"}, &notes).ok());
   EXPECT_EQ(c.cache_budget, 20 * kGiB);  // set: kept
-  // 24 - 20 - 1 = 3 GiB left for arena_limit (64) and max_stream_bytes (4).
-  EXPECT_LE(c.arena_limit + c.limits.max_stream_bytes, 3 * kGiB);
-  EXPECT_GT(c.arena_limit + c.limits.max_stream_bytes, 3 * kGiB - (2ull << 20));
+  // 24 - 20 - 1 = 3 GiB left for arena_limit (64), save_buffer (8) and
+  // max_stream_bytes (4), shared in proportion.
+  const uint64_t scaled = c.arena_limit + c.save_buffer + c.limits.max_stream_bytes;
+  EXPECT_LE(scaled, 3 * kGiB);
+  EXPECT_GT(scaled, 3 * kGiB - (3ull << 20));
   EXPECT_NEAR(static_cast<double>(c.arena_limit) / c.limits.max_stream_bytes, 16.0, 0.1);
+  EXPECT_NEAR(static_cast<double>(c.save_buffer) / c.limits.max_stream_bytes, 2.0, 0.05);
   EXPECT_LE(c.arena_pool, c.arena_limit);
-  ASSERT_EQ(notes.size(), 3u);
-  EXPECT_THAT(notes[1], HasSubstr("limits.max_stream_bytes not set: "));
+  ASSERT_EQ(notes.size(), 4u);
+  EXPECT_THAT(notes[1], HasSubstr("save_buffer not set: "));
+  EXPECT_THAT(notes[2], HasSubstr("limits.max_stream_bytes not set: "));
 }
 
 TEST(FitMemoryBudgets, NothingLeftForTheDefaultsIsRefused) {
@@ -152,7 +161,8 @@ TEST(FitMemoryBudgets, NothingLeftForTheDefaultsIsRefused) {
   // A small machine: the working room is an eighth of the limit.
   DaemonConfig small = Config(4ull << 30, 64 * kGiB, 4 * kGiB, {});
   ASSERT_TRUE(FitMemoryBudgets(&small, {2 * kGiB, "test"}, &notes).ok());
-  EXPECT_LE(small.cache_budget + small.arena_limit + small.limits.max_stream_bytes,
+  EXPECT_LE(small.cache_budget + small.arena_limit + small.save_buffer +
+                small.limits.max_stream_bytes,
             2 * kGiB - 256 * (1ull << 20));
 }
 

@@ -7,14 +7,16 @@ See docs/python-client.md.
 """
 from ._shm import SharedArena
 from ._tensors import ShardedTensor, dtype_name
-from .client import (CheckpointInfo, Client, LoadReport, SaveReport, SavedItem, ShardInfo,
+from .client import (CheckpointInfo, Client, LoadReport, SaveFuture, SaveReport, SavedItem,
+                     ShardInfo,
                      TensorInfo, commit_dcp_metadata, default_socket, evict, find_ckptctl,
                      inspect, load_state_dict, merge, prefetch, save_state_dict, status)
 from .errors import CkptdError
 from ._version import __version__  # VERSION at the top of the source tree
 
 __all__ = [
-    "CheckpointInfo", "CkptdError", "Client", "LoadReport", "SaveReport", "SavedItem",
+    "CheckpointInfo", "CkptdError", "Client", "LoadReport", "SaveFuture", "SaveReport",
+    "SavedItem",
     "ShardInfo", "ShardedTensor", "SharedArena", "TensorInfo", "commit_dcp_metadata",
     "default_socket", "dtype_name", "evict",
     "find_ckptctl", "inspect", "load_state_dict", "merge", "prefetch", "save_state_dict",

@@ -164,9 +164,91 @@ class SaveReport:
     skipped_keys: list = dataclasses.field(default_factory=list)
     zero_copy: bool = False
     timings: dict = dataclasses.field(default_factory=dict)
+    # False in the report an async_save=True call returns (the daemon holds the
+    # bytes, the version is not durable yet); True once it is (SaveFuture.result).
+    persisted: bool = True
+    stall_s: float = 0.0        # how long the call held the caller (async saves)
+    buffer_wait_s: float = 0.0  # of which waiting for save_buffer room
+    persist_s: float = 0.0      # the daemon's background write (files, fsyncs, metadata)
+    bytes_staged: int = 0       # bytes the daemon held for the job
 
     def as_dict(self):
         return dataclasses.asdict(self)
+
+
+class SaveFuture:
+    """The outcome of save_state_dict(..., async_save=True).
+
+    The call returned once the daemon held a copy of this rank's bytes: the
+    tensors may change from then on. The daemon writes the version in the
+    background, even if this process exits; the version becomes visible only
+    once it is durable. result() waits for that and returns the SaveReport
+    (files, bytes_written, persist_s), or raises the CkptdError that failed
+    it; timeout=None waits as long as it takes.
+    """
+
+    def __init__(self, socket, report, rank):
+        self._socket = socket
+        self._rank = rank
+        self._lock = threading.Lock()
+        self._report = None
+        self._error = None
+        self.staged = report  # the report of the call itself (persisted False)
+
+    def _poll(self, wait):
+        """One AwaitSave of at most `wait` seconds; True once finished."""
+        with self._lock:
+            if self._report is not None or self._error is not None:
+                return True
+            with Client(self._socket) as c:
+                req = c.pb2.AwaitSaveRequest(job_id=self.staged.job_id, rank=self._rank,
+                                             timeout_ms=max(0, int(wait * 1000)))
+                try:
+                    r = c._call("AwaitSave", c.stub.AwaitSave, req, wait + 30.0)
+                except CkptdError as err:
+                    if err.code == "DEADLINE_EXCEEDED":
+                        return False
+                    self._error = err
+                    return True
+            rep = dataclasses.replace(self.staged)
+            rep.files = list(r.files)
+            rep.bytes_written = r.bytes_written
+            rep.persisted = r.persisted
+            rep.persist_s = r.persist_s
+            rep.timings = {**rep.timings, "persist_s": r.persist_s,
+                           "staged_to_durable_s": r.seconds}
+            self._report = rep
+            return True
+
+    def done(self):
+        """Whether the save has finished (durable or failed); does not wait."""
+        return self._poll(0.0)
+
+    def result(self, timeout=None):
+        """The final SaveReport (persisted True). Raises the save's CkptdError, or
+        CkptdError DEADLINE_EXCEEDED if it is still persisting after `timeout` s."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = 10.0 if deadline is None else max(0.0, min(10.0, deadline - time.monotonic()))
+            if self._poll(left):
+                break
+            if deadline is not None and time.monotonic() >= deadline:
+                raise CkptdError("DEADLINE_EXCEEDED",
+                                 f"save job '{self.staged.job_id}' is still persisting after "
+                                 f"{timeout} s")
+        if self._error is not None:
+            raise self._error
+        return self._report
+
+    def exception(self, timeout=None):
+        """The CkptdError that failed the save, or None once it is durable."""
+        try:
+            self.result(timeout)
+        except CkptdError as err:
+            if self._error is err:
+                return err
+            raise
+        return None
 
 
 @dataclasses.dataclass
@@ -551,7 +633,7 @@ class Client:
 
     def save_state_dict(self, state_dict, path, *, rank=None, world_size=None, unique_id=None,
                         job_id=None, timeout=600.0, node_ranks=None, barrier_timeout=None,
-                        overwrite=False, format=None, raw_keys=()):
+                        overwrite=False, format=None, raw_keys=(), async_save=False):
         """See ckptd.save_state_dict. format="pytorch-dcp" (with raw_keys, the keys of
         whole 1-D uint8 arrays written as they are) is ckptd.torch.DaemonStorageWriter's:
         data files only, committed by commit_dcp_metadata."""
@@ -567,7 +649,7 @@ class Client:
         req = self.pb2.SaveRequest(job_id=job_id, rank=rank, world_size=world_size, path=path,
                                    unique_id=int(unique_id), node_ranks=node_ranks,
                                    overwrite=bool(overwrite), format=format or "",
-                                   raw_targets=list(raw_keys))
+                                   raw_targets=list(raw_keys), async_save=bool(async_save))
         if barrier_timeout is not None:
             req.barrier_timeout_ms = max(1, int(barrier_timeout * 1000))
         for e in entries:
@@ -587,6 +669,9 @@ class Client:
                 fd, size, token = seg.fd, seg.size, seg.token
                 for e, off in zip(entries, offsets):
                     e.copy_to(seg.u8[off:off + e.nbytes])
+                # This copy is the save's own: the daemon may keep it (this
+                # process closes it right after the call and never writes it again).
+                req.handed_over = bool(async_save)
             req.targets.extend(self._targets(entries, offsets))
             timings["client_prepare_s"] = time.perf_counter() - t0
             t1 = time.perf_counter()
@@ -603,6 +688,12 @@ class Client:
         report.metadata_file = r.metadata_file
         report.bytes_written = r.bytes_written
         report.timings = {"daemon_s": r.seconds, **timings, "total_s": time.perf_counter() - t0}
+        report.persisted = r.persisted
+        report.buffer_wait_s = r.buffer_wait_s
+        report.bytes_staged = r.bytes_staged
+        report.stall_s = report.timings["total_s"]
+        if async_save:
+            return SaveFuture(self.socket, report, rank)
         return report
 
 
@@ -799,7 +890,7 @@ def commit_dcp_metadata(path, metadata, job_id, *, overwrite=False, socket=None,
 
 def save_state_dict(state_dict, path, *, rank=None, world_size=None, unique_id=None, job_id=None,
                     socket=None, timeout=600.0, node_ranks=None, barrier_timeout=None,
-                    overwrite=False):
+                    overwrite=False, async_save=False):
     """Saves `state_dict` (as for load_state_dict) as version `unique_id` of `path`.
 
     Every rank of the job calls it with its own part; when all have, the
@@ -809,12 +900,20 @@ def save_state_dict(state_dict, path, *, rank=None, world_size=None, unique_id=N
     computed by each rank from the directory listing. An existing version is
     ALREADY_EXISTS unless `overwrite` (every rank must pass the same).
     Returns a SaveReport. Raises CkptdError.
+
+    async_save=True (every rank must pass the same) returns a SaveFuture as soon
+    as the daemon holds a copy of every rank's bytes: training may change the
+    tensors from then on while the daemon writes the version in the background
+    (report.stall_s: how long the call held this rank). The version becomes
+    visible only once durable; SaveFuture.result() waits for that. Staged bytes
+    count against the daemon's save_buffer; when it is full the call waits for
+    earlier saves (report.buffer_wait_s). See docs/saving.md.
     """
     with Client(socket) as c:
         return c.save_state_dict(state_dict, path, rank=rank, world_size=world_size,
                                  unique_id=unique_id, job_id=job_id, timeout=timeout,
                                  node_ranks=node_ranks, barrier_timeout=barrier_timeout,
-                                 overwrite=overwrite)
+                                 overwrite=overwrite, async_save=async_save)
 
 
 def inspect(path, *, unique_id=None, socket=None, timeout=60.0):

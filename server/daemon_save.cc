@@ -1,0 +1,444 @@
+// Native saves, and asynchronous saves (SaveRequest.async_save): the job's
+// ranks hand their bytes over, get their answer once the daemon holds a
+// consistent copy, and one persist thread writes the versions in the
+// background, in the order their jobs completed. docs/saving.md tells the
+// rules; the code follows them:
+//  - staged bytes count against save_buffer, charged per rank before any
+//    copy; a rank waits (bounded by its barrier timeout) while it is full;
+//  - a version is written as any native save is (core/writer.h: data files
+//    under temporary names, fsynced, renamed; the metadata last), so a
+//    daemon killed at any point leaves no part of it visible;
+//  - the persist thread runs at a low CPU and I/O priority: loads win;
+//  - once durable, the version's files are put into the data cache, and a
+//    load of a directory with a save still persisting waits for it.
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/str_cat.h"
+#include "core/file.h"
+#include "core/status_macros.h"
+#include "core/writer.h"
+#include "server/daemon.h"
+#include "server/daemon_internal.h"
+
+namespace ckptd {
+
+using ckpt::TargetTensor;
+
+namespace {
+// Finished asynchronous saves stay for AwaitSave and Status this long (and
+// at most this many).
+constexpr absl::Duration kKeepFinished = absl::Minutes(10);
+constexpr size_t kMaxFinished = 256;
+
+// The persist thread yields to loads: CPU nice 10, best-effort I/O at the
+// lowest level (ioprio_set has no glibc wrapper).
+void LowerPriority() {
+  const pid_t tid = static_cast<pid_t>(::syscall(SYS_gettid));
+  ::setpriority(PRIO_PROCESS, static_cast<id_t>(tid), 10);
+  constexpr int kWhoProcess = 1, kClassBestEffort = 2, kClassShift = 13;
+  ::syscall(SYS_ioprio_set, kWhoProcess, tid, (kClassBestEffort << kClassShift) | 7);
+}
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<MappedSegment>> MappedSegment::CopyOf(
+    const MappedSegment& src, const std::vector<std::pair<uint64_t, uint64_t>>& ranges,
+    const std::string& what) {
+  uint64_t size = 0;
+  for (const auto& [offset, n] : ranges) {
+    if (offset > src.size() || n > src.size() - offset) {
+      return absl::InvalidArgumentError(absl::StrCat(what, ": bytes [", offset, ", ", offset + n,
+                                                     ") lie outside its ", src.size(),
+                                                     "-byte segment"));
+    }
+    size = std::max(size, offset + n);
+  }
+  if (size == 0) return std::unique_ptr<MappedSegment>(new MappedSegment(nullptr, 0));
+  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
+                   -1, 0);
+  if (p == MAP_FAILED) {
+    return absl::ResourceExhaustedError(absl::StrCat(what, ": no memory for a ", size,
+                                                     "-byte copy of its bytes: ",
+                                                     std::strerror(errno)));
+  }
+  auto* dst = static_cast<uint8_t*>(p);
+  for (const auto& [offset, n] : ranges) std::memcpy(dst + offset, src.data() + offset, n);
+  return std::unique_ptr<MappedSegment>(new MappedSegment(dst, size));
+}
+
+Daemon::SaveBufferCharge::~SaveBufferCharge() {
+  absl::MutexLock lock(&d_->save_mu_);
+  d_->save_staged_ -= bytes_;
+}
+
+absl::StatusOr<std::unique_ptr<Daemon::SaveBufferCharge>> Daemon::ChargeSaveBuffer(
+    const std::string& who, uint64_t bytes, absl::Time deadline,
+    const std::function<bool()>& cancelled, double* waited_s) {
+  if (bytes > config_.save_buffer) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        who, ": ", bytes, " bytes to stage exceed save_buffer (", config_.save_buffer,
+        " bytes); raise save_buffer or save without async_save"));
+  }
+  const absl::Time t0 = absl::Now();
+  absl::MutexLock lock(&save_mu_);
+  auto fits = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(save_mu_) {
+    return save_staged_ + bytes <= config_.save_buffer;
+  };
+  while (!fits()) {
+    if (persist_stop_) return absl::UnavailableError(absl::StrCat(who, ": the daemon is stopping"));
+    if (cancelled && cancelled()) {
+      return absl::CancelledError(absl::StrCat(who, ": the client left while waiting for save_buffer"));
+    }
+    if (absl::Now() >= deadline) {
+      return absl::DeadlineExceededError(absl::StrCat(
+          who, ": save_buffer stayed full (", save_staged_, " of ", config_.save_buffer,
+          " bytes held by saves still persisting, ", bytes, " needed) for ",
+          absl::FormatDuration(absl::Now() - t0)));
+    }
+    save_mu_.AwaitWithDeadline(absl::Condition(&fits),
+                               std::min(deadline, absl::Now() + absl::Milliseconds(200)));
+  }
+  save_staged_ += bytes;
+  *waited_s = absl::ToDoubleSeconds(absl::Now() - t0);
+  return std::make_unique<SaveBufferCharge>(this, bytes);
+}
+
+Daemon::NativeSave Daemon::NativeSaveOf(const Job& job,
+                                        const std::vector<std::shared_ptr<RankSlot>>& slots,
+                                        ckpt::SavePlan plan) {
+  NativeSave save;
+  save.id = job.id;
+  save.path = job.path;
+  save.world_size = job.world_size;
+  save.expected = job.expected;
+  save.plan = std::move(plan);
+  save.overwrite = slots.front()->save_request.overwrite();
+  for (const auto& s : slots) {
+    save.ranks.push_back(s->targets);
+    for (int t = 0; t < s->save_request.targets_size(); ++t) {
+      save.where[{s->targets.rank, s->targets.tensors[t].name}] =
+          s->segment->data() + s->save_request.targets(t).dest_offset();
+    }
+    for (const auto& [k, v] : s->save_request.flat_mapping()) {
+      save.flat_mapping[k] = std::vector<std::string>(v.parts().begin(), v.parts().end());
+    }
+  }
+  return save;
+}
+
+absl::StatusOr<Daemon::NativeSaved> Daemon::WriteNativeSave(
+    const NativeSave& save, std::shared_ptr<const ckpt::Directory> dir,
+    std::atomic<uint64_t>* persisted, const std::function<absl::Status()>& between) {
+  NativeSaved out;
+  std::vector<std::pair<std::string, ckpt::ShardMeta>> written;
+  for (int r = 0; r < save.world_size; ++r) {
+    if (!save.expected.count(r)) continue;
+    if (between) CKPT_RETURN_IF_ERROR(between());
+    std::vector<const void*> data;
+    for (const TargetTensor& t : save.plan.writes[r]) data.push_back(save.where.at({r, t.name}));
+    CKPT_ASSIGN_OR_RETURN(auto shards, ckpt::WriteRankFile(dir, save.plan, r, data));
+    std::set<std::string> files;
+    for (auto& sh : shards) {
+      out.bytes += sh.second.nbytes;
+      if (persisted) *persisted += sh.second.nbytes;
+      files.insert(sh.second.file);
+      written.push_back(std::move(sh));
+    }
+    out.files.insert(out.files.end(), files.begin(), files.end());
+  }
+  // Every rank learns which files hold the shards it handed over.
+  for (const auto& [name, meta] : written) {
+    for (const ckpt::RankTargets& rank : save.ranks) {
+      for (const TargetTensor& t : rank.tensors) {
+        if (t.name == name && t.box == meta.box && t.flat_range == meta.flat_range) {
+          out.files_of_rank[rank.rank].insert(meta.file);
+        }
+      }
+    }
+  }
+  if (between) CKPT_RETURN_IF_ERROR(between());
+  CKPT_RETURN_IF_ERROR(ckpt::FinishSave(dir, save.plan, written, save.flat_mapping));
+  return out;
+}
+
+void Daemon::StartAsyncSave(const std::shared_ptr<Job>& job,
+                            const std::vector<std::shared_ptr<RankSlot>>& slots,
+                            ckpt::SavePlan plan) {
+  auto pending = std::make_shared<PendingSave>();
+  pending->save = NativeSaveOf(*job, slots, std::move(plan));
+  pending->owner = job->owner;
+  pending->unique_id = pending->save.plan.unique_id;
+  pending->staged_at = absl::Now();
+  pending->staged_clock = std::chrono::steady_clock::now();
+  absl::Status refused;  // decided under save_mu_, reported after (FailJob takes mu_)
+  std::vector<std::shared_ptr<PendingSave>> forgotten;
+  {
+    absl::MutexLock lock(&save_mu_);
+    if (persist_stop_) {
+      refused = absl::UnavailableError(
+          absl::StrCat("save job '", job->id, "': the daemon is stopping"));
+    }
+    for (const auto& [id, other] : saves_) {
+      if (!refused.ok() || other->state != PendingSave::State::kPersisting) continue;
+      if (id == job->id) {
+        refused = absl::AlreadyExistsError(absl::StrCat(
+            "save job '", job->id, "': an asynchronous save job of that id is still persisting"));
+      } else if (other->save.path == job->path && other->unique_id == pending->unique_id) {
+        refused = absl::AlreadyExistsError(absl::StrCat(
+            "save job '", job->id, "': version ", pending->unique_id, " of ", job->path,
+            " is being saved by job '", id, "' (still persisting); choose another unique_id"));
+      }
+    }
+    if (refused.ok()) {
+      for (const auto& s : slots) {
+        pending->bytes_staged += s->save_charge ? s->save_charge->bytes() : 0;
+        pending->held.push_back(std::move(s->segment));
+        if (s->save_charge) pending->charges.push_back(std::move(s->save_charge));
+        v1::SaveResponse& r = pending->first_answers[s->targets.rank];
+        r.set_persisted(false);
+        r.set_buffer_wait_s(s->buffer_wait_s);
+        r.set_metadata_file(absl::StrCat(pending->unique_id, ".metadata"));
+      }
+      for (auto& [rank, r] : pending->first_answers) r.set_bytes_staged(pending->bytes_staged);
+      // Forget finished saves past their time (the oldest first when too many).
+      std::vector<std::pair<absl::Time, std::string>> finished;
+      for (const auto& [id, other] : saves_) {
+        if (other->state != PendingSave::State::kPersisting) finished.push_back({other->finished, id});
+      }
+      std::sort(finished.begin(), finished.end());
+      for (size_t i = 0; i < finished.size(); ++i) {
+        if (finished[i].first < absl::Now() - kKeepFinished || finished.size() - i > kMaxFinished) {
+          auto it = saves_.find(finished[i].second);
+          forgotten.push_back(std::move(it->second));  // destroyed after save_mu_ is released
+          saves_.erase(it);
+        }
+      }
+      if (auto it = saves_.find(job->id); it != saves_.end()) forgotten.push_back(it->second);
+      saves_[job->id] = pending;
+      persist_queue_.push_back(pending);
+      if (!persist_thread_.joinable()) persist_thread_ = std::thread([this] { PersistLoop(); });
+    }
+  }
+  if (!refused.ok()) return FailJob(*job, refused);
+  FinishSaveJob(job, slots,
+                [&](RankSlot& s) { s.save_result = pending->first_answers.at(s.targets.rank); });
+  spdlog::info("save job={} path={} version={} ranks={}: {}B staged, persisting in the background",
+               job->id, job->path, pending->unique_id, slots.size(), pending->bytes_staged);
+}
+
+void Daemon::PersistLoop() {
+  LowerPriority();
+  while (true) {
+    std::shared_ptr<PendingSave> next;
+    std::deque<std::shared_ptr<PendingSave>> abandoned;
+    {
+      absl::MutexLock lock(&save_mu_);
+      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(save_mu_) {
+        return persist_stop_ || !persist_queue_.empty();
+      };
+      save_mu_.Await(absl::Condition(&ready));
+      if (persist_stop_) {
+        // Saves not begun are abandoned untouched (no directory, lock or
+        // old metadata touched): their versions never appear.
+        for (const auto& p : persist_queue_) {
+          p->state = PendingSave::State::kFailed;
+          p->status = absl::UnavailableError(absl::StrCat(
+              "save job '", p->save.id, "': the daemon stopped before its version was written"));
+          p->finished = absl::Now();
+          ++saves_failed_;
+          spdlog::warn("save job={} path={} version={}: abandoned at stop, not written", p->save.id,
+                       p->save.path, p->unique_id);
+        }
+        abandoned.swap(persist_queue_);
+      } else {
+        next = persist_queue_.front();
+        persist_queue_.pop_front();
+      }
+    }
+    if (next == nullptr) {
+      for (const auto& p : abandoned) {  // memory and save_buffer back (outside save_mu_)
+        p->held.clear();
+        p->charges.clear();
+      }
+      return;
+    }
+    Persist(*next);
+  }
+}
+
+void Daemon::Persist(PendingSave& p) {
+  const NativeSave& save = p.save;
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string what = absl::StrCat("save job '", save.id, "'");
+  auto between = [&]() -> absl::Status {
+    if (config_.testing_delay_persist > absl::ZeroDuration()) {
+      absl::SleepFor(config_.testing_delay_persist);
+    }
+    absl::MutexLock lock(&save_mu_);
+    if (persist_stop_) {
+      return absl::UnavailableError(
+          "the daemon stopped before the version was durable (it was not written)");
+    }
+    return absl::OkStatus();
+  };
+  auto run = [&]() -> absl::StatusOr<NativeSaved> {
+    CKPT_RETURN_IF_ERROR(ckpt::MakeDirs(save.path));
+    // Another writer of the directory (a synchronous save, ckptctl shard)
+    // may hold its lock a while: wait for it, within reason.
+    CKPT_ASSIGN_OR_RETURN(auto lock, ckpt::LockDirectory(save.path, 60'000));
+    CKPT_RETURN_IF_ERROR(ckpt::PrepareSave(*lock.directory(), save.plan.unique_id, save.overwrite));
+    return WriteNativeSave(save, lock.directory(), &p.bytes_persisted, between);
+  };
+  absl::StatusOr<NativeSaved> saved = run();
+  const double persist_s = Seconds(t0);
+  if (saved.ok()) {
+    DropCachedMetadata(save.path);
+    PublishSaved(save.path, saved->files);
+  }
+  const double total_s = Seconds(p.staged_clock);
+  {
+    absl::MutexLock lock(&save_mu_);
+    p.finished = absl::Now();
+    if (saved.ok()) {
+      p.state = PendingSave::State::kDurable;
+      for (auto& [rank, first] : p.first_answers) {
+        v1::SaveResponse r = first;
+        for (const auto& f : saved->files_of_rank[rank]) r.add_files(f);
+        r.set_bytes_written(saved->bytes);
+        r.set_persisted(true);
+        r.set_persist_s(persist_s);
+        r.set_seconds(total_s);
+        p.final[rank] = std::move(r);
+      }
+    } else {
+      p.state = PendingSave::State::kFailed;
+      p.status = ckpt::Annotate(saved.status(), what);
+    }
+  }
+  // The bytes are no longer needed: give the memory and save_buffer back.
+  p.held.clear();
+  p.charges.clear();
+  save_persist_us_ += static_cast<uint64_t>(persist_s * 1e6);
+  if (saved.ok()) {
+    ++saves_durable_;
+    save_bytes_persisted_ += saved->bytes;
+    spdlog::info("save job={} path={} version={}: durable, {}B in {:.3f}s ({:.3f}s after staging)",
+                 save.id, save.path, p.unique_id, saved->bytes, persist_s, total_s);
+  } else {
+    ++saves_failed_;
+    spdlog::warn("save job={} path={} version={}: persist failed, the version is not visible: {}",
+                 save.id, save.path, p.unique_id, p.status.ToString());
+  }
+}
+
+void Daemon::PublishSaved(const std::string& dir, const std::vector<std::string>& files) {
+  for (const std::string& name : files) {
+    const std::string path = ckpt::JoinPath(dir, name);
+    auto f = ckpt::OpenFile(path);
+    if (!f.ok()) continue;
+    auto before = (*f)->Stamp();
+    const uint64_t n = (*f)->size();
+    if (!before.ok() || !cache_.CanHold(n)) continue;
+    auto pending = cache_.Reserve(n);
+    if (pending == nullptr) continue;
+    if (!(*f)->Read(0, n, cache_.PendingData(pending)).ok()) continue;
+    // Published only when the file is still the one just written.
+    auto after = ckpt::StatFile(path);
+    if (!after.ok() || !(*after == *before)) continue;
+    cache_.Publish(std::move(pending), path, *before, 0);
+  }
+}
+
+void Daemon::AwaitPersistsInto(const std::string& dir, absl::Time deadline) {
+  absl::MutexLock lock(&save_mu_);
+  auto idle = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(save_mu_) {
+    for (const auto& [id, p] : saves_) {
+      if (p->state == PendingSave::State::kPersisting && p->save.path == dir) return false;
+    }
+    return true;
+  };
+  save_mu_.AwaitWithDeadline(absl::Condition(&idle), deadline);
+}
+
+absl::StatusOr<v1::SaveResponse> Daemon::AwaitSave(const Caller& caller,
+                                                   const v1::AwaitSaveRequest& request,
+                                                   const std::function<bool()>& cancelled) {
+  const std::string what = absl::StrCat("save job '", request.job_id(), "'");
+  const absl::Time deadline = absl::Now() + absl::Milliseconds(request.timeout_ms());
+  absl::MutexLock lock(&save_mu_);
+  auto it = saves_.find(request.job_id());
+  if (it == saves_.end() || (it->second->owner != caller.uid && !IsAdmin(caller))) {
+    return absl::NotFoundError(absl::StrCat(
+        "no asynchronous ", what, " of ", caller.Describe(),
+        " (finished ones are kept for ", absl::FormatDuration(kKeepFinished), ")"));
+  }
+  std::shared_ptr<PendingSave> p = it->second;
+  if (!p->first_answers.count(request.rank())) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " has no rank ", request.rank(), " on this daemon"));
+  }
+  auto finished = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(save_mu_) {
+    return p->state != PendingSave::State::kPersisting;
+  };
+  while (!finished() && absl::Now() < deadline && !(cancelled && cancelled())) {
+    save_mu_.AwaitWithDeadline(absl::Condition(&finished),
+                               std::min(deadline, absl::Now() + absl::Milliseconds(200)));
+  }
+  if (p->state == PendingSave::State::kFailed) return p->status;
+  if (p->state == PendingSave::State::kDurable) return p->final.at(request.rank());
+  return absl::DeadlineExceededError(absl::StrCat(
+      what, " is still persisting (", p->bytes_persisted.load(), " of ", p->bytes_staged,
+      " bytes written; the version becomes visible once durable)"));
+}
+
+std::vector<std::string> Daemon::AwaitPersists(absl::Duration timeout) {
+  absl::MutexLock lock(&save_mu_);
+  auto idle = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(save_mu_) {
+    for (const auto& [id, p] : saves_) {
+      if (p->state == PendingSave::State::kPersisting) return false;
+    }
+    return true;
+  };
+  save_mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
+  std::vector<std::string> left;
+  for (const auto& [id, p] : saves_) {
+    if (p->state == PendingSave::State::kPersisting) left.push_back(id);
+  }
+  return left;
+}
+
+void Daemon::FillSaveStatus(const Caller& caller, v1::StatusResponse* resp) {
+  const bool admin = IsAdmin(caller);
+  absl::MutexLock lock(&save_mu_);
+  resp->set_save_buffer_bytes(config_.save_buffer);
+  resp->set_save_staged_bytes(save_staged_);
+  for (const auto& [id, p] : saves_) {
+    if (!admin && p->owner != caller.uid) continue;
+    v1::SaveStatus* s = resp->add_saves();
+    s->set_job_id(id);
+    s->set_path(p->save.path);
+    s->set_unique_id(p->unique_id);
+    s->set_state(p->state == PendingSave::State::kPersisting ? "persisting"
+                 : p->state == PendingSave::State::kDurable  ? "durable"
+                                                             : "failed");
+    s->set_bytes_staged(p->bytes_staged);
+    s->set_bytes_persisted(p->bytes_persisted.load());
+    s->set_age_s(absl::ToDoubleSeconds(absl::Now() - p->staged_at));
+    if (!p->status.ok()) s->set_error(std::string(p->status.message()));
+    s->set_owner_uid(p->owner);
+  }
+  resp->set_saves_durable(saves_durable_);
+  resp->set_saves_failed(saves_failed_);
+  resp->set_save_bytes_persisted_total(save_bytes_persisted_);
+  resp->set_save_persist_seconds_total(static_cast<double>(save_persist_us_) / 1e6);
+  resp->set_save_stall_seconds_total(static_cast<double>(save_stall_us_) / 1e6);
+}
+
+}  // namespace ckptd

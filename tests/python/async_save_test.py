@@ -1,0 +1,291 @@
+"""Asynchronous saves (issue 21, docs/saving.md) with the real daemon and real
+rank processes or threads: the call returns once the daemon holds the bytes,
+the tensors may change at once, the version appears only once durable, a load
+right after reads no storage, save_buffer back-pressure, a client that exits
+after the call, SIGKILL of the daemon at several points of a persist, SIGTERM.
+
+Values are checked against the arrays the test made (never against the
+daemon's own output); the files are also read with testlib's independent
+safetensors reader. --testing-delay-persist-ms (a pause before each file a
+persist writes) keeps a persist in flight long enough to act during it."""
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+import unittest
+
+import numpy as np
+
+import ckptd
+import testlib
+
+G = (64, 1024)  # float32: 256 KiB per tensor
+
+
+def split_rows(full, r, world):
+    rows = full.shape[0] // world
+    return full[r * rows:(r + 1) * rows].copy(), (r * rows, 0)
+
+
+def make_state(seed):
+    rng = np.random.default_rng(seed)
+    return {"w": rng.standard_normal(G, dtype=np.float32),
+            "v": rng.standard_normal(G, dtype=np.float32),
+            "step": np.array([seed], dtype=np.int64)}
+
+
+def rank_sd(full, r, world):
+    """Rank r's part: w and v split by rows, step replicated."""
+    sd = {}
+    for k in ("w", "v"):
+        part, off = split_rows(full[k], r, world)
+        sd[k] = ckptd.ShardedTensor(part, G, off)
+    sd["step"] = full["step"].copy()
+    return sd
+
+
+def run_ranks(world, fn):
+    results, errors = [None] * world, []
+
+    def go(r):
+        try:
+            results[r] = fn(r)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append(e)
+
+    threads = [threading.Thread(target=go, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    if errors:
+        raise errors[0]
+    return results
+
+
+def load_whole(sock, path, unique_id=None):
+    """Loads w, v and step whole (one rank, so resharded from the saved split)."""
+    out = {"w": np.full(G, np.nan, np.float32), "v": np.full(G, np.nan, np.float32),
+           "step": np.zeros(1, np.int64)}
+    rep = ckptd.load_state_dict(out, path, unique_id=unique_id, socket=sock, strict=True)
+    return out, rep
+
+
+def assert_same(test, got, want):
+    for k in want:
+        np.testing.assert_array_equal(got[k], want[k], err_msg=k)
+
+
+def save_status(sock, job_id):
+    for s in ckptd.status(socket=sock).get("saves", []):
+        if s["job_id"] == job_id:
+            return s
+    return None
+
+
+class AsyncSaveTest(unittest.TestCase):
+    def setUp(self):
+        self.root = testlib.tmp_root()
+
+    def test_caller_may_change_tensors_once_the_call_returned(self):
+        with testlib.Daemon(self.root, "--testing-delay-persist-ms", "200") as d:
+            out = os.path.join(self.root, "ckpt")
+            full = make_state(1)
+            sds = [rank_sd(full, r, 2) for r in range(2)]
+            futs = run_ranks(2, lambda r: ckptd.save_state_dict(
+                sds[r], out, rank=r, world_size=2, job_id="a1", socket=d.socket,
+                async_save=True))
+            # Training goes on: every tensor changes while the daemon persists.
+            for sd in sds:
+                for k in ("w", "v"):
+                    sd[k].data[...] = -1
+                sd["step"][...] = 99
+            self.assertFalse(os.path.exists(os.path.join(out, "0.metadata")),
+                             "the version is visible before it is durable")
+            for f in futs:
+                self.assertIsInstance(f, ckptd.SaveFuture)
+                self.assertFalse(f.staged.persisted)
+                self.assertGreater(f.staged.stall_s, 0)
+                self.assertEqual(f.staged.bytes_staged, 2 * full["w"].nbytes + 16)  # both ranks
+            reps = [f.result(timeout=60) for f in futs]
+            for rep in reps:
+                self.assertTrue(rep.persisted)
+                self.assertGreater(rep.persist_s, 0.2)  # at least one testing pause
+                self.assertEqual(rep.bytes_written, 2 * full["w"].nbytes + 8)
+                self.assertTrue(rep.files)
+            self.assertTrue(futs[0].done())
+            self.assertIsNone(futs[1].exception())
+            got, _ = load_whole(d.socket, out)
+            assert_same(self, got, full)
+            # The files themselves, read without ckptd: rank 0's rows of w.
+            files = {}
+            for name in sorted(os.listdir(out)):
+                if name.endswith(".safetensors"):
+                    files.update(testlib.read_safetensors(os.path.join(out, name)))
+            self.assertTrue(any(np.array_equal(a, full["w"][:32]) for _, a in files.values()))
+
+    def test_load_right_after_the_call_waits_and_reads_no_storage(self):
+        with testlib.Daemon(self.root, "--testing-delay-persist-ms", "300") as d:
+            out = os.path.join(self.root, "ckpt")
+            full = make_state(2)
+            futs = run_ranks(2, lambda r: ckptd.save_state_dict(
+                rank_sd(full, r, 2), out, rank=r, world_size=2, job_id="a2", socket=d.socket,
+                async_save=True))
+            self.assertFalse(futs[0].done(), "the persist ended before the load began")
+            self.assertEqual(save_status(d.socket, "a2")["state"], "persisting")
+            got, rep = load_whole(d.socket, out)  # waits for the version to be durable
+            assert_same(self, got, full)
+            self.assertEqual(rep.unique_id, 0)
+            self.assertEqual(rep.bytes_read, 0, "the just-saved version was read from storage")
+            self.assertGreater(rep.bytes_from_cache, 0)
+            self.assertTrue(futs[0].done())
+            st = save_status(d.socket, "a2")
+            self.assertEqual((st["state"], int(st["bytes_persisted"])),
+                             ("durable", 2 * full["w"].nbytes + 8))
+
+    def test_full_save_buffer_makes_the_caller_wait(self):
+        one = 2 * full_bytes() + 8  # one world-1 save of make_state
+        with testlib.Daemon(self.root, "--testing-delay-persist-ms", "400",
+                            "--save_buffer", str(one + one // 2)) as d:
+            out = os.path.join(self.root, "ckpt")
+            a = ckptd.save_state_dict(make_state(3), out, world_size=1, rank=0, job_id="b1",
+                                      unique_id=0, socket=d.socket, async_save=True)
+            self.assertLess(a.staged.buffer_wait_s, 0.2)
+            t0 = time.monotonic()
+            b = ckptd.save_state_dict(make_state(4), out, world_size=1, rank=0, job_id="b2",
+                                      unique_id=1, socket=d.socket, async_save=True)
+            # b needed a's room: it waited for a's persist (3 files x 400 ms).
+            self.assertGreater(b.staged.buffer_wait_s, 0.5)
+            self.assertGreater(time.monotonic() - t0, 0.5)
+            self.assertTrue(a.done())
+            b.result(timeout=60)
+            assert_same(self, load_whole(d.socket, out, 0)[0], make_state(3))
+            assert_same(self, load_whole(d.socket, out, 1)[0], make_state(4))
+            # A save larger than the whole buffer is refused, naming it.
+            big = {"x": np.zeros(2 * one, np.uint8)}
+            with self.assertRaises(ckptd.CkptdError) as cm:
+                ckptd.save_state_dict(big, out, world_size=1, rank=0, job_id="b3", unique_id=2,
+                                      socket=d.socket, async_save=True)
+            self.assertEqual(cm.exception.code, "RESOURCE_EXHAUSTED")
+            self.assertIn("save_buffer", str(cm.exception))
+            self.assertEqual(int(ckptd.status(socket=d.socket)["save_staged_bytes"]), 0)
+
+    def test_version_completes_after_the_client_exits(self):
+        with testlib.Daemon(self.root, "--testing-delay-persist-ms", "300") as d:
+            out = os.path.join(self.root, "ckpt")
+            script = textwrap.dedent(f"""
+                import os, sys
+                sys.path[:0] = {sys.path!r}
+                import ckptd, async_save_test as t
+                f = ckptd.save_state_dict(t.make_state(5), {out!r}, rank=0, world_size=1,
+                                          job_id="c1", socket={d.socket!r}, async_save=True)
+                assert not f.staged.persisted
+                os._exit(0)  # gone before the version is durable
+            """)
+            subprocess.run([sys.executable, "-c", script], check=True, timeout=60,
+                           cwd=os.path.dirname(os.path.abspath(__file__)))
+            self.assertFalse(os.path.exists(os.path.join(out, "0.metadata")))
+            testlib.wait_for("version 0 to appear", lambda: os.path.exists(
+                os.path.join(out, "0.metadata")), 30, 0.05)
+            assert_same(self, load_whole(d.socket, out)[0], make_state(5))
+
+    def test_sigkill_during_persist_leaves_the_previous_version(self):
+        # Points of a world-2 persist (2 data files, then the metadata, each
+        # after a 500 ms pause): before any file, after the first data file,
+        # after both data files (the metadata not yet written).
+        # Rank 0's file: its rows of w and v (one tensor's bytes) and step
+        # (8 bytes, written once by the replica with the fewest bytes: rank 0).
+        per_file = full_bytes()
+        for point, persisted in (("before any file", 0), ("after one data file", per_file + 8),
+                                 ("before the metadata", 2 * per_file + 8)):
+            with self.subTest(point=point):
+                root = testlib.tmp_root()
+                out = os.path.join(root, "ckpt")
+                old = make_state(6)
+                d = testlib.Daemon(root, "--testing-delay-persist-ms", "500")
+                try:
+                    ckptd.save_state_dict(old, out, rank=0, world_size=1, job_id="v0",
+                                          socket=d.socket)
+                    new = make_state(7)
+                    run_ranks(2, lambda r: ckptd.save_state_dict(
+                        rank_sd(new, r, 2), out, rank=r, world_size=2, job_id="v1",
+                        socket=d.socket, async_save=True))
+
+                    def reached():
+                        s = save_status(d.socket, "v1")
+                        return s is not None and int(s["bytes_persisted"]) >= persisted
+                    testlib.wait_for(f"persist {point}", reached, 30, 0.02)
+                    d.proc.send_signal(signal.SIGKILL)
+                    d.proc.wait(30)
+                finally:
+                    d.stop()
+                self.assertFalse(os.path.exists(os.path.join(out, "1.metadata")), point)
+                with testlib.Daemon(root) as d2:
+                    info = ckptd.inspect(out, socket=d2.socket)
+                    self.assertEqual(info.versions, [0], point)
+                    assert_same(self, load_whole(d2.socket, out)[0], old)
+
+    def test_sigterm_waits_for_persists(self):
+        d = testlib.Daemon(self.root, "--testing-delay-persist-ms", "300")
+        out = os.path.join(self.root, "ckpt")
+        ckptd.save_state_dict(make_state(8), out, rank=0, world_size=1, job_id="t1",
+                              socket=d.socket, async_save=True)
+        d.proc.send_signal(signal.SIGTERM)
+        self.assertEqual(d.proc.wait(30), 0, d.read_log()[-3000:])
+        d.stop()
+        self.assertTrue(os.path.exists(os.path.join(out, "0.metadata")), d.read_log()[-3000:])
+        with testlib.Daemon(self.root) as d2:
+            assert_same(self, load_whole(d2.socket, out)[0], make_state(8))
+
+    def test_drain_timeout_abandons_a_persist_and_says_so(self):
+        cfg = os.path.join(self.root, "ckptd.yaml")
+        with open(cfg, "w") as f:
+            f.write("drain_timeout: 200ms\n")
+        d = testlib.Daemon(self.root, "--config", cfg, "--testing-delay-persist-ms", "1000")
+        out = os.path.join(self.root, "ckpt")
+        ckptd.save_state_dict(make_state(9), out, rank=0, world_size=1, job_id="t2",
+                              socket=d.socket, async_save=True)
+        d.proc.send_signal(signal.SIGTERM)
+        self.assertEqual(d.proc.wait(30), 0, d.read_log()[-3000:])
+        d.stop()
+        self.assertRegex(d.read_log(), r"abandoned 1 save job\(s\) still persisting .*: t2")
+        self.assertFalse(os.path.exists(os.path.join(out, "0.metadata")))
+
+    def test_status_ckptctl_and_errors(self):
+        with testlib.Daemon(self.root, "--testing-delay-persist-ms", "300") as d:
+            out = os.path.join(self.root, "ckpt")
+            f = ckptd.save_state_dict(make_state(10), out, rank=0, world_size=1, job_id="s1",
+                                      socket=d.socket, async_save=True)
+            r = subprocess.run([testlib.CKPTCTL, "status", "--daemon", d.socket],
+                               capture_output=True, text=True, timeout=30)
+            self.assertEqual(r.returncode, 0, r.stderr)
+            self.assertIn("asynchronous saves: 1", r.stdout)
+            self.assertRegex(r.stdout, r"s1 +persisting +0 ")
+            # The same version again while it persists: refused, naming the job.
+            with self.assertRaises(ckptd.CkptdError) as cm:
+                ckptd.save_state_dict(make_state(11), out, rank=0, world_size=1, unique_id=0,
+                                      job_id="s2", socket=d.socket, async_save=True)
+            self.assertEqual(cm.exception.code, "ALREADY_EXISTS")
+            self.assertIn("'s1' (still persisting)", str(cm.exception))
+            f.result(timeout=60)
+            st = ckptd.status(socket=d.socket)
+            self.assertEqual(int(st["saves_durable"]), 1)
+            self.assertGreater(float(st["save_stall_seconds_total"]), 0)
+            # AwaitSave of a job nobody ran.
+            with ckptd.Client(d.socket) as c:
+                with self.assertRaises(ckptd.CkptdError) as cm:
+                    c._call("AwaitSave", c.stub.AwaitSave,
+                            c.pb2.AwaitSaveRequest(job_id="nope", rank=0), 10)
+            self.assertEqual(cm.exception.code, "NOT_FOUND")
+            self.assertIn("'nope'", str(cm.exception))
+
+
+def full_bytes():
+    return int(np.prod(G)) * 4
+
+
+if __name__ == "__main__":
+    testlib.main("async_save_test")
