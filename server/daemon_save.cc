@@ -303,6 +303,19 @@ void Daemon::Persist(PendingSave& p) {
     PublishSaved(save.path, saved->files);
   }
   const double total_s = Seconds(p.staged_clock);
+  // The bytes are no longer needed: the memory and save_buffer go back
+  // before anyone can see the save finished.
+  p.held.clear();
+  p.charges.clear();
+  // The counters move before the outcome is visible (a caller that saw it
+  // finished sees them counted).
+  save_persist_us_ += static_cast<uint64_t>(persist_s * 1e6);
+  if (saved.ok()) {
+    ++saves_durable_;
+    save_bytes_persisted_ += saved->bytes;
+  } else {
+    ++saves_failed_;
+  }
   {
     absl::MutexLock lock(&save_mu_);
     p.finished = absl::Now();
@@ -322,17 +335,10 @@ void Daemon::Persist(PendingSave& p) {
       p.status = ckpt::Annotate(saved.status(), what);
     }
   }
-  // The bytes are no longer needed: give the memory and save_buffer back.
-  p.held.clear();
-  p.charges.clear();
-  save_persist_us_ += static_cast<uint64_t>(persist_s * 1e6);
   if (saved.ok()) {
-    ++saves_durable_;
-    save_bytes_persisted_ += saved->bytes;
     spdlog::info("save job={} path={} version={}: durable, {}B in {:.3f}s ({:.3f}s after staging)",
                  save.id, save.path, p.unique_id, saved->bytes, persist_s, total_s);
   } else {
-    ++saves_failed_;
     spdlog::warn("save job={} path={} version={}: persist failed, the version is not visible: {}",
                  save.id, save.path, p.unique_id, p.status.ToString());
   }

@@ -101,7 +101,7 @@ class AsyncSaveTest(unittest.TestCase):
             # Training goes on: every tensor changes while the daemon persists.
             for sd in sds:
                 for k in ("w", "v"):
-                    sd[k].data[...] = -1
+                    sd[k].local[...] = -1
                 sd["step"][...] = 99
             self.assertFalse(os.path.exists(os.path.join(out, "0.metadata")),
                              "the version is visible before it is durable")
@@ -253,6 +253,32 @@ class AsyncSaveTest(unittest.TestCase):
         d.stop()
         self.assertRegex(d.read_log(), r"abandoned 1 save job\(s\) still persisting .*: t2")
         self.assertFalse(os.path.exists(os.path.join(out, "0.metadata")))
+
+    def test_failed_persist_is_never_visible(self):
+        if os.geteuid() == 0:
+            self.skipTest("runs as root: a read-only directory does not stop root's writes "
+                          "[needs: non-root]")
+        with testlib.Daemon(self.root, "--testing-delay-persist-ms", "400") as d:
+            out = os.path.join(self.root, "ckpt")
+            ckptd.save_state_dict(make_state(12), out, rank=0, world_size=1, job_id="f0",
+                                  socket=d.socket)
+            f = ckptd.save_state_dict(make_state(13), out, rank=0, world_size=1, job_id="f1",
+                                      socket=d.socket, async_save=True)
+            os.chmod(out, 0o555)  # the persist's files cannot be created
+            try:
+                err = f.exception(timeout=60)
+            finally:
+                os.chmod(out, 0o755)
+            self.assertIsNotNone(err)
+            self.assertIn("save job 'f1'", str(err))
+            self.assertIn(out, str(err))
+            self.assertIn("ermission denied", str(err))
+            self.assertEqual(ckptd.inspect(out, socket=d.socket).versions, [0])
+            self.assertFalse(os.path.exists(os.path.join(out, "1.metadata")))
+            st = ckptd.status(socket=d.socket)
+            self.assertEqual(int(st["saves_failed"]), 1)
+            self.assertEqual(save_status(d.socket, "f1")["state"], "failed")
+            assert_same(self, load_whole(d.socket, out)[0], make_state(12))
 
     def test_status_ckptctl_and_errors(self):
         with testlib.Daemon(self.root, "--testing-delay-persist-ms", "300") as d:
