@@ -55,8 +55,6 @@ PREREQUISITES = {
     "gpu": _gpu_listed,
     "nvcc": lambda: os.path.exists("/usr/local/cuda/bin/nvcc") or shutil.which("nvcc") is not None,
     "root": lambda: os.geteuid() == 0,
-    # Tests that need file permissions to hold (a read-only directory), which root ignores.
-    "non-root": lambda: os.geteuid() != 0,
     "clang-14": lambda: shutil.which("clang-14") is not None,
     # Skipped only by a --config=cuda build of the client; a build has it or not.
     "client built without CUDA": lambda: False,
