@@ -204,11 +204,13 @@ def main():
         collect("start-up")
         run("sync")  # warm-up: the daemon's arenas and the files' first creation
         res = {k: [] for k in ("memcpy", "stall", "persist", "sync", "dcp", "write")}
+        calls = []
         for i in range(reps):
             res["memcpy"].append(max(o["t"] for o in run("memcpy")))
             res["sync"].append(max(o["t"] for o in run("sync")))
             outs = run("async", last=(i == reps - 1))
             res["stall"].append(max(o["stall_s"] for o in outs))
+            calls.append(outs[0]["call"])
             res["persist"].append(outs[0]["persist_s"])
             res["dcp"].append(max(o["t"] for o in run("dcp", rep=i)))
             res["write"].append(write_fsync(os.path.join(work, "write-probe"), job_bytes))
@@ -233,6 +235,8 @@ def main():
     print(f"save_bench: {a.ranks} ranks x {mib} MiB, {reps} rep(s), medians:")
     for k in ("memcpy", "stall", "sync", "persist", "dcp", "write"):
         print(f"  {k:<8} {med[k]:8.3f} s   (all: {', '.join(f'{x:.3f}' for x in res[k])})")
+    print("  rank 0's async calls (s): " + "; ".join(
+        ", ".join(f"{k} {v:.3f}" for k, v in c.items()) for c in calls))
     rows = []
 
     def row(name, figure, unit, limit, limit_what, target="-", ok=None):

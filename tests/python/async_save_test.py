@@ -256,6 +256,32 @@ class AsyncSaveTest(unittest.TestCase):
         self.assertRegex(d.read_log(), r"abandoned 1 save job\(s\) still persisting .*: t2")
         self.assertFalse(os.path.exists(os.path.join(out, "0.metadata")))
 
+    def test_back_to_back_saves_keep_their_own_bytes(self):
+        """The client keeps its staging segments mapped between saves and reuses
+        one only once the save that used it is durable: four saves in a row,
+        none waited for, each version holds its own values."""
+        with testlib.Daemon(self.root, "--testing-delay-persist-ms", "100") as d:
+            out = os.path.join(self.root, "ckpt")
+            sd = make_state(20)
+            futs, want = [], []
+            for v in range(4):
+                for k in ("w", "v"):
+                    sd[k] += 1.0  # a training step
+                want.append({k: a.copy() for k, a in sd.items()})
+                futs.append(ckptd.save_state_dict(sd, out, rank=0, world_size=1,
+                                                  job_id=f"bb{v}", unique_id=v,
+                                                  socket=d.socket, async_save=True))
+            for f in futs:
+                self.assertTrue(f.result(timeout=60).persisted)
+            for v in range(4):
+                assert_same(self, load_whole(d.socket, out, v)[0], want[v])
+            # The next save reuses a kept segment (every earlier one is durable).
+            again = ckptd.save_state_dict(sd, out, rank=0, world_size=1, job_id="bb4",
+                                          unique_id=4, socket=d.socket)
+            self.assertTrue(again.persisted)
+            assert_same(self, load_whole(d.socket, out, 4)[0], sd)
+            ckptd.release_staging()
+
     def test_failed_persist_is_never_visible(self):
         with testlib.Daemon(self.root, "--testing-delay-persist-ms", "200") as d:
             out = os.path.join(self.root, "ckpt")

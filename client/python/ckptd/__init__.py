@@ -10,7 +10,8 @@ from ._tensors import ShardedTensor, dtype_name
 from .client import (CheckpointInfo, Client, LoadReport, SaveFuture, SaveReport, SavedItem,
                      ShardInfo,
                      TensorInfo, commit_dcp_metadata, default_socket, evict, find_ckptctl,
-                     inspect, load_state_dict, merge, prefetch, save_state_dict, status)
+                     inspect, load_state_dict, merge, prefetch, release_staging,
+                     save_state_dict, status)
 from .errors import CkptdError
 from ._version import __version__  # VERSION at the top of the source tree
 
@@ -19,6 +20,7 @@ __all__ = [
     "SavedItem",
     "ShardInfo", "ShardedTensor", "SharedArena", "TensorInfo", "commit_dcp_metadata",
     "default_socket", "dtype_name", "evict",
-    "find_ckptctl", "inspect", "load_state_dict", "merge", "prefetch", "save_state_dict",
+    "find_ckptctl", "inspect", "load_state_dict", "merge", "prefetch", "release_staging",
+    "save_state_dict",
     "status",
 ]

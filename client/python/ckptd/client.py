@@ -70,6 +70,84 @@ def resolve_ranks(rank=None, world_size=None, node_ranks=None):
 _counters = {}
 _counters_lock = threading.Lock()
 
+# Staging segments of save_state_dict, kept mapped between saves of this
+# process: mapping a fresh segment (page tables for every page) costs as much
+# as copying the state dict into it, and a training loop saves the same sizes
+# again and again. Per (pid, socket, size) at most _KEEP_STAGING of them; one
+# is reused once the save that used it is durable (its SaveFuture done, or a
+# synchronous save returned). release_staging() closes them.
+_KEEP_STAGING = 2
+_staging_cache = {}  # (pid, socket, size) -> [[Segment, SaveFuture or None, in_use], ...]
+_staging_lock = threading.Lock()
+
+
+def _borrow_staging(client, size, name):
+    """(segment, slot): a kept segment free for reuse, a new kept one, or (when
+    _KEEP_STAGING are busy) a new one with slot None that the caller closes."""
+    key = (os.getpid(), client.socket, size)
+    with _staging_lock:
+        slots = _staging_cache.setdefault(key, [])
+        busy = [sl for sl in slots if not sl[2] and sl[1] is not None]
+    for sl in busy:  # poll outside the lock (an RPC each)
+        try:
+            if sl[1].done():
+                sl[1] = None
+        except CkptdError:
+            sl[1] = None  # the daemon forgot it (restarted): the bytes are not needed
+    with _staging_lock:
+        for sl in list(slots):
+            if not sl[2] and sl[1] is None:
+                if not _lease_alive(sl[0]):  # the daemon restarted: its arenas are gone
+                    slots.remove(sl)
+                    sl[0].close()
+                    continue
+                sl[2] = True
+                return sl[0], sl
+        keep = len(slots) < _KEEP_STAGING
+    seg = client._staging(size, name)
+    if not keep:
+        return seg, None
+    sl = [seg, None, True]
+    with _staging_lock:
+        slots.append(sl)
+    return seg, sl
+
+
+def _lease_alive(seg):
+    """Whether a lent segment's lease connection is still open (a daemon that
+    restarted closed it and no longer knows the arena); True for own memfds."""
+    lease = getattr(seg, "_lease", None)
+    if lease is None:
+        return seg.fd >= 0
+    try:
+        return lease.recv(1, _socket.MSG_PEEK | _socket.MSG_DONTWAIT) != b""
+    except BlockingIOError:
+        return True  # nothing to read: open
+    except OSError:
+        return False
+
+
+def _return_staging(sl, future, failed):
+    with _staging_lock:
+        for key, slots in list(_staging_cache.items()):
+            if sl in slots:
+                if failed:  # e.g. the daemon restarted and no longer knows the arena
+                    slots.remove(sl)
+                    sl[0].close()
+                else:
+                    sl[1], sl[2] = future, False
+                return
+
+
+def release_staging():
+    """Closes the staging segments save_state_dict keeps between saves (those of
+    saves still persisting stay with the daemon until they are durable)."""
+    with _staging_lock:
+        for slots in _staging_cache.values():
+            for sl in slots:
+                sl[0].close()
+        _staging_cache.clear()
+
 
 def base_job_id(world_size):
     """A job id every rank of the job derives alike from its environment.
@@ -657,7 +735,8 @@ class Client:
                 req.flat_mapping[e.key].parts.extend(e.path)
         report = SaveReport(job_id=job_id, unique_id=int(unique_id), skipped_keys=skipped)
         timings = {}
-        seg = None
+        seg = slot = None
+        future = None
         try:
             arena, offsets = _arena_placement(entries)
             if arena is not None:
@@ -665,12 +744,13 @@ class Client:
                 report.zero_copy = True
             else:
                 offsets, size = _layout(entries)
-                seg = self._staging(size, f"ckptd-save-{rank}")
+                seg, slot = _borrow_staging(self, size, f"ckptd-save-{rank}")
                 fd, size, token = seg.fd, seg.size, seg.token
                 for e, off in zip(entries, offsets):
                     e.copy_to(seg.u8[off:off + e.nbytes])
-                # This copy is the save's own: the daemon may keep it (this
-                # process closes it right after the call and never writes it again).
+                # This copy is the save's own: the daemon may keep it instead of
+                # copying it (nothing here writes it again before the save is
+                # durable: _borrow_staging reuses it only then).
                 req.handed_over = bool(async_save)
             req.targets.extend(self._targets(entries, offsets))
             timings["client_prepare_s"] = time.perf_counter() - t0
@@ -680,8 +760,17 @@ class Client:
             t1 = time.perf_counter()
             r = self._call("Save", self.stub.Save, req, timeout)
             timings["client_rpc_s"] = time.perf_counter() - t1
+            if async_save:
+                future = SaveFuture(self.socket, report, rank)
+        except BaseException:
+            if slot is not None:
+                _return_staging(slot, None, failed=True)
+                slot = seg = None
+            raise
         finally:
-            if seg is not None:
+            if slot is not None:
+                _return_staging(slot, future, failed=False)
+            elif seg is not None:
                 seg.close()
         report.files = list(r.files)
         report.items = [SavedItem(i.name, i.file, i.offset, i.length) for i in r.items]
@@ -692,8 +781,8 @@ class Client:
         report.buffer_wait_s = r.buffer_wait_s
         report.bytes_staged = r.bytes_staged
         report.stall_s = report.timings["total_s"]
-        if async_save:
-            return SaveFuture(self.socket, report, rank)
+        if future is not None:
+            return future
         return report
 
 
