@@ -1356,6 +1356,10 @@ absl::StatusOr<v1::SaveResponse> Daemon::CommitDcp(const Caller& caller,
   }
   CKPT_RETURN_IF_ERROR(CheckAccess(caller, parent, Access::kSave));
   CKPT_RETURN_IF_ERROR(CheckAccess(caller, dir, Access::kSave));
+  // A commit reads the whole checkpoint's metadata back: it counts as one of
+  // the caller's calls in flight, its metadata bytes against its share.
+  CKPT_ASSIGN_OR_RETURN(auto reservation,
+                        Reserve(caller, what, request.dcp_metadata().size(), 0));
   auto lock = ckpt::LockDirectory(dir, 0);
   if (!lock.ok()) return ckpt::Annotate(lock.status(), what);
   const ckpt::Directory& d = *lock->directory();

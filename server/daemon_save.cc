@@ -185,6 +185,18 @@ void Daemon::StartAsyncSave(const std::shared_ptr<Job>& job,
       refused = absl::UnavailableError(
           absl::StrCat("save job '", job->id, "': the daemon is stopping"));
     }
+    // Saves persisting count among the owner's jobs (limits.max_jobs_per_uid):
+    // each holds its ranks' segments mapped until it is durable.
+    uint64_t owned = 0;
+    for (const auto& [id, other] : saves_) {
+      owned += other->owner == job->owner && other->state == PendingSave::State::kPersisting;
+    }
+    if (refused.ok() && owned >= config_.limits.max_jobs_per_uid) {
+      refused = absl::ResourceExhaustedError(absl::StrCat(
+          "save job '", job->id, "': uid ", job->owner, " already has ", owned,
+          " asynchronous saves persisting (limits.max_jobs_per_uid ",
+          config_.limits.max_jobs_per_uid, "); wait for one (SaveFuture.result)"));
+    }
     for (const auto& [id, other] : saves_) {
       if (!refused.ok() || other->state != PendingSave::State::kPersisting) continue;
       if (id == job->id) {
