@@ -442,32 +442,65 @@ TEST(DaemonConfig, CheckConfigAndBadStartup) {
 namespace ckpt {
 namespace {
 
+// Rank r's SaveSpec for the 4-rank layout `save`, its shards' bytes in cut[r].
+ckptd::SaveSpec SaveSpecOf(const Layout& save, int r,
+                           std::vector<std::vector<std::vector<uint8_t>>>& cut,
+                           const std::string& job, const std::string& path, int64_t uid) {
+  ckptd::SaveSpec spec;
+  spec.job_id = job;
+  spec.rank = r;
+  spec.world_size = 4;
+  spec.path = path;
+  spec.unique_id = uid;
+  for (size_t t = 0; t < save.ranks[r].tensors.size(); ++t) {
+    const TargetTensor& tt = save.ranks[r].tensors[t];
+    spec.tensors.push_back({tt.name, tt.dtype, tt.global_shape, tt.box, tt.flat_range,
+                            cut[r][t].data(), 0});
+  }
+  return spec;
+}
+
+// The checkpoint in `path`, read back whole (one rank owning every tensor)
+// and checked element by element against the full tensors.
+void ExpectWholeMatchesOracle(const std::string& path, const FullModel& full) {
+  Layout whole;
+  whole.world_size = 1;
+  whole.ranks = {{0, {}}};
+  for (const Model& m : Tensors()) {
+    whole.ranks[0].tensors.push_back(T(m.name, m.dtype, m.shape, Shape(m.shape.size(), 0), m.shape));
+  }
+  OfflineLoadOptions lo;
+  lo.fill_byte = kPoison;
+  auto back = LoadOffline(path, whole, lo);
+  ASSERT_TRUE(back.ok()) << back.status();
+  for (size_t t = 0; t < Tensors().size(); ++t) {
+    const auto& got = back->buffers[0].tensors[t];
+    EXPECT_TRUE(MatchesOracle(got.data(), got.size(), whole.ranks[0].tensors[t], full));
+  }
+}
+
+// Each rank's shard bytes, cut from the full tensors in memory (oracle).
+std::vector<std::vector<std::vector<uint8_t>>> CutShards(const Layout& save,
+                                                         const FullModel& full) {
+  std::vector<std::vector<std::vector<uint8_t>>> cut(save.ranks.size());
+  for (size_t r = 0; r < save.ranks.size(); ++r) {
+    for (const TargetTensor& tt : save.ranks[r].tensors) cut[r].push_back(OracleBytes(tt, full));
+  }
+  return cut;
+}
+
 // Four ranks save through the daemon (replicated bias written once), then
 // load back with another layout.
 TEST_F(DaemonTest, SaveThroughDaemonThenLoad) {
   DaemonProcess d(root_);
   ASSERT_TRUE(d.Ready()) << Slurp(d.log());
   Layout save = MakeLayout(4, 0, true);
-  // Each rank's shard bytes, cut from the full tensors in memory (oracle).
-  std::vector<std::vector<std::vector<uint8_t>>> cut(4);
-  for (int r = 0; r < 4; ++r) {
-    for (const TargetTensor& tt : save.ranks[r].tensors) cut[r].push_back(OracleBytes(tt, full_));
-  }
+  auto cut = CutShards(save, full_);
   std::vector<std::thread> threads;
   std::vector<absl::StatusOr<ckptd::v1::SaveResponse>> results(4, absl::UnknownError(""));
   for (int r = 0; r < 4; ++r) {
     threads.emplace_back([&, r] {
-      ckptd::SaveSpec spec;
-      spec.job_id = "save1";
-      spec.rank = r;
-      spec.world_size = 4;
-      spec.path = root_ + "/saved";
-      spec.unique_id = 7;
-      for (size_t t = 0; t < save.ranks[r].tensors.size(); ++t) {
-        const TargetTensor& tt = save.ranks[r].tensors[t];
-        spec.tensors.push_back({tt.name, tt.dtype, tt.global_shape, tt.box, tt.flat_range,
-                                cut[r][t].data(), 0});
-      }
+      ckptd::SaveSpec spec = SaveSpecOf(save, r, cut, "save1", root_ + "/saved", 7);
       ckptd::Client::Options o;
       o.socket = d.socket();
       auto c = ckptd::Client::Connect(o);
@@ -482,22 +515,7 @@ TEST_F(DaemonTest, SaveThroughDaemonThenLoad) {
   ASSERT_TRUE(ck.ok()) << ck.status();
   EXPECT_EQ(ck->metadata.tensors.at("layers.0.bias").shards.size(), 1u);
   EXPECT_EQ(*ck->unique_id, 7);
-  // Read back whole (one rank owning every tensor) and checked element by
-  // element against the full tensors written.
-  Layout whole;
-  whole.world_size = 1;
-  whole.ranks = {{0, {}}};
-  for (const Model& m : Tensors()) {
-    whole.ranks[0].tensors.push_back(T(m.name, m.dtype, m.shape, Shape(m.shape.size(), 0), m.shape));
-  }
-  OfflineLoadOptions lo;
-  lo.fill_byte = kPoison;
-  auto back = LoadOffline(root_ + "/saved", whole, lo);
-  ASSERT_TRUE(back.ok()) << back.status();
-  for (size_t t = 0; t < Tensors().size(); ++t) {
-    const auto& got = back->buffers[0].tensors[t];
-    EXPECT_TRUE(MatchesOracle(got.data(), got.size(), whole.ranks[0].tensors[t], full_));
-  }
+  ExpectWholeMatchesOracle(root_ + "/saved", full_);
   // Saving outside the roots is refused.
   ckptd::SaveSpec bad;
   bad.job_id = "save2";
@@ -514,26 +532,13 @@ TEST_F(DaemonTest, SaveAsyncThenChangeTheBuffers) {
   DaemonProcess d(root_, {"--testing-delay-persist-ms", "100"});
   ASSERT_TRUE(d.Ready()) << Slurp(d.log());
   Layout save = MakeLayout(4, 0, true);
-  std::vector<std::vector<std::vector<uint8_t>>> cut(4);
-  for (int r = 0; r < 4; ++r) {
-    for (const TargetTensor& tt : save.ranks[r].tensors) cut[r].push_back(OracleBytes(tt, full_));
-  }
+  auto cut = CutShards(save, full_);
   std::vector<std::thread> threads;
   std::vector<absl::StatusOr<ckptd::v1::SaveResponse>> staged(4, absl::UnknownError(""));
   std::vector<absl::StatusOr<ckptd::v1::SaveResponse>> final(4, absl::UnknownError(""));
   for (int r = 0; r < 4; ++r) {
     threads.emplace_back([&, r] {
-      ckptd::SaveSpec spec;
-      spec.job_id = "async1";
-      spec.rank = r;
-      spec.world_size = 4;
-      spec.path = root_ + "/saved-async";
-      spec.unique_id = 3;
-      for (size_t t = 0; t < save.ranks[r].tensors.size(); ++t) {
-        const TargetTensor& tt = save.ranks[r].tensors[t];
-        spec.tensors.push_back({tt.name, tt.dtype, tt.global_shape, tt.box, tt.flat_range,
-                                cut[r][t].data(), 0});
-      }
+      ckptd::SaveSpec spec = SaveSpecOf(save, r, cut, "async1", root_ + "/saved-async", 3);
       ckptd::Client::Options o;
       o.socket = d.socket();
       auto c = ckptd::Client::Connect(o);
@@ -561,20 +566,7 @@ TEST_F(DaemonTest, SaveAsyncThenChangeTheBuffers) {
     EXPECT_GT(final[r]->persist_s(), 0.1);
   }
   EXPECT_EQ(final[0]->metadata_file(), "3.metadata");
-  Layout whole;
-  whole.world_size = 1;
-  whole.ranks = {{0, {}}};
-  for (const Model& m : Tensors()) {
-    whole.ranks[0].tensors.push_back(T(m.name, m.dtype, m.shape, Shape(m.shape.size(), 0), m.shape));
-  }
-  OfflineLoadOptions lo;
-  lo.fill_byte = kPoison;
-  auto back = LoadOffline(root_ + "/saved-async", whole, lo);
-  ASSERT_TRUE(back.ok()) << back.status();
-  for (size_t t = 0; t < Tensors().size(); ++t) {
-    const auto& got = back->buffers[0].tensors[t];
-    EXPECT_TRUE(MatchesOracle(got.data(), got.size(), whole.ranks[0].tensors[t], full_));
-  }
+  ExpectWholeMatchesOracle(root_ + "/saved-async", full_);
 }
 
 }  // namespace

@@ -13,7 +13,6 @@ import signal
 import subprocess
 import sys
 import textwrap
-import threading
 import time
 import unittest
 
@@ -47,23 +46,7 @@ def rank_sd(full, r, world):
     return sd
 
 
-def run_ranks(world, fn):
-    results, errors = [None] * world, []
-
-    def go(r):
-        try:
-            results[r] = fn(r)
-        except BaseException as e:  # noqa: BLE001 - re-raised below
-            errors.append(e)
-
-    threads = [threading.Thread(target=go, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0]
-    return results
+run_ranks = testlib.run_ranks
 
 
 def load_whole(sock, path, unique_id=None):
@@ -230,14 +213,20 @@ class AsyncSaveTest(unittest.TestCase):
                     self.assertEqual(info.versions, [0], point)
                     assert_same(self, load_whole(d2.socket, out)[0], old)
 
-    def test_sigterm_waits_for_persists(self):
-        d = testlib.Daemon(self.root, "--testing-delay-persist-ms", "300")
+    def save_then_sigterm(self, seed, job, *flags):
+        """An asynchronous save, SIGTERM right after the call; the daemon must
+        exit 0. Returns (its log, the checkpoint directory)."""
+        d = testlib.Daemon(self.root, *flags)
         out = os.path.join(self.root, "ckpt")
-        ckptd.save_state_dict(make_state(8), out, rank=0, world_size=1, job_id="t1",
+        ckptd.save_state_dict(make_state(seed), out, rank=0, world_size=1, job_id=job,
                               socket=d.socket, async_save=True)
         d.proc.send_signal(signal.SIGTERM)
         self.assertEqual(d.proc.wait(30), 0, d.read_log()[-3000:])
         d.stop()
+        return d, out
+
+    def test_sigterm_waits_for_persists(self):
+        d, out = self.save_then_sigterm(8, "t1", "--testing-delay-persist-ms", "300")
         self.assertTrue(os.path.exists(os.path.join(out, "0.metadata")), d.read_log()[-3000:])
         with testlib.Daemon(self.root) as d2:
             assert_same(self, load_whole(d2.socket, out)[0], make_state(8))
@@ -246,13 +235,8 @@ class AsyncSaveTest(unittest.TestCase):
         cfg = os.path.join(self.root, "ckptd.yaml")
         with open(cfg, "w") as f:
             f.write("drain_timeout: 200ms\n")
-        d = testlib.Daemon(self.root, "--config", cfg, "--testing-delay-persist-ms", "1000")
-        out = os.path.join(self.root, "ckpt")
-        ckptd.save_state_dict(make_state(9), out, rank=0, world_size=1, job_id="t2",
-                              socket=d.socket, async_save=True)
-        d.proc.send_signal(signal.SIGTERM)
-        self.assertEqual(d.proc.wait(30), 0, d.read_log()[-3000:])
-        d.stop()
+        d, out = self.save_then_sigterm(9, "t2", "--config", cfg,
+                                        "--testing-delay-persist-ms", "1000")
         self.assertRegex(d.read_log(), r"abandoned 1 save job\(s\) still persisting .*: t2")
         self.assertFalse(os.path.exists(os.path.join(out, "0.metadata")))
 

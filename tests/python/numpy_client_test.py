@@ -6,7 +6,6 @@ import os
 import shutil
 import socket as pysocket
 import subprocess
-import threading
 import time
 import unittest
 
@@ -28,24 +27,7 @@ def split(global_shape, dim, world, r):
     return tuple(off), tuple(shp)
 
 
-def run_ranks(world, fn):
-    """Runs fn(rank) on `world` threads (ranks of one job); returns the results."""
-    results, errors = [None] * world, []
-
-    def go(r):
-        try:
-            results[r] = fn(r)
-        except BaseException as e:  # noqa: BLE001 - reported below
-            errors.append((r, e))
-
-    threads = [threading.Thread(target=go, args=(r,)) for r in range(world)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join(120)
-    if errors:
-        raise errors[0][1]
-    return results
+run_ranks = testlib.run_ranks
 
 
 class NumpyClientTest(unittest.TestCase):

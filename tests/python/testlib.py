@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import unittest
 import xml.etree.ElementTree as ET
@@ -156,6 +157,27 @@ class DaemonTestCase(unittest.TestCase):
 _NP = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": np.uint16,
        "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U64": np.uint64,
        "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_}
+
+
+def run_ranks(world, fn, timeout=120):
+    """Runs fn(rank) on `world` threads (the ranks of one job); returns their
+    results in rank order, or raises the first rank's exception."""
+    results, errors = [None] * world, []
+
+    def go(r):
+        try:
+            results[r] = fn(r)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errors.append((r, e))
+
+    threads = [threading.Thread(target=go, args=(r,)) for r in range(world)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout)
+    if errors:
+        raise sorted(errors, key=lambda x: x[0])[0][1]
+    return results
 
 
 def wait_for(what, fn, timeout, every):
