@@ -131,6 +131,22 @@ class AsyncSaveTest(unittest.TestCase):
             self.assertEqual((st["state"], int(st["bytes_persisted"])),
                              ("durable", 2 * full["w"].nbytes + 8))
 
+    def test_loads_of_other_checkpoints_do_not_wait_for_a_persist(self):
+        """The persist thread is the daemon's own: a load of another checkpoint
+        runs while a persist is in flight (here 3 files x 1.5 s)."""
+        with testlib.Daemon(self.root, "--testing-delay-persist-ms", "1500") as d:
+            other = os.path.join(self.root, "other")
+            ckptd.save_state_dict(make_state(30), other, rank=0, world_size=1, job_id="o0",
+                                  socket=d.socket)
+            f = ckptd.save_state_dict(make_state(31), os.path.join(self.root, "ckpt"), rank=0,
+                                      world_size=1, job_id="o1", socket=d.socket,
+                                      async_save=True)
+            got, _ = load_whole(d.socket, other)
+            # Still persisting once the load is done: the load did not wait for it.
+            self.assertFalse(f.done(), "the load of another checkpoint waited for the persist")
+            assert_same(self, got, make_state(30))
+            f.result(timeout=60)
+
     def test_full_save_buffer_makes_the_caller_wait(self):
         one = 2 * full_bytes() + 8  # one world-1 save of make_state
         with testlib.Daemon(self.root, "--testing-delay-persist-ms", "400",
