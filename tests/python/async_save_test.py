@@ -282,6 +282,23 @@ class AsyncSaveTest(unittest.TestCase):
             assert_same(self, load_whole(d.socket, out, 4)[0], sd)
             ckptd.release_staging()
 
+    def test_versions_without_unique_id_while_one_persists(self):
+        """unique_id=None takes one more than the newest version listed or saved
+        by this process: a save right after an asynchronous one (not listed yet)
+        gets the next version instead of ALREADY_EXISTS."""
+        with testlib.Daemon(self.root, "--testing-delay-persist-ms", "300") as d:
+            out = os.path.join(self.root, "ckpt")
+            futs = [ckptd.save_state_dict(make_state(40 + i), out, rank=0, world_size=1,
+                                          socket=d.socket, job_id=f"n{i}", async_save=True)
+                    for i in range(3)]
+            self.assertEqual([f.staged.unique_id for f in futs], [0, 1, 2])
+            self.assertFalse(futs[0].done())
+            for f in futs:
+                f.result(timeout=60)
+            self.assertEqual(ckptd.inspect(out, socket=d.socket).versions, [0, 1, 2])
+            for i in range(3):
+                assert_same(self, load_whole(d.socket, out, i)[0], make_state(40 + i))
+
     def test_failed_persist_is_never_visible(self):
         with testlib.Daemon(self.root, "--testing-delay-persist-ms", "200") as d:
             out = os.path.join(self.root, "ckpt")

@@ -723,7 +723,7 @@ class Client:
         job_id = resolve_job_id(job_id, "save", world_size)
         path = _abs(path)
         if unique_id is None:
-            unique_id = next_unique_id(path)
+            unique_id = next_unique_id(path, rank)
         req = self.pb2.SaveRequest(job_id=job_id, rank=rank, world_size=world_size, path=path,
                                    unique_id=int(unique_id), node_ranks=node_ranks,
                                    overwrite=bool(overwrite), format=format or "",
@@ -733,6 +733,8 @@ class Client:
         for e in entries:
             if len(e.path) > 1:
                 req.flat_mapping[e.key].parts.extend(e.path)
+        if not format:
+            _note_saved_uid(path, rank, unique_id)  # tried: the next save takes the one after
         report = SaveReport(job_id=job_id, unique_id=int(unique_id), skipped_keys=skipped)
         timings = {}
         seg = slot = None
@@ -906,13 +908,34 @@ def _arena_placement(entries):
 _METADATA_RE = re.compile(r"^(\d{1,18})\.metadata$")
 
 
-def next_unique_id(path):
-    """One more than the newest version in checkpoint directory `path` (0 if none)."""
+# The versions this process saved per checkpoint directory: an asynchronous
+# save's version is not listed until it is durable, so the next save without a
+# unique_id must not take it again. Every rank makes the same calls, so every
+# rank skips the same versions (kept per rank: ranks may be threads of one
+# process).
+_saved_uids = {}  # (pid, abs path, rank) -> highest unique_id saved there
+_saved_uids_lock = threading.Lock()
+
+
+def _note_saved_uid(path, rank, unique_id):
+    key = (os.getpid(), path, rank)
+    with _saved_uids_lock:
+        _saved_uids[key] = max(_saved_uids.get(key, -1), int(unique_id))
+
+
+def next_unique_id(path, rank=None):
+    """One more than the newest version in checkpoint directory `path`, or than
+    the newest this process saved there as `rank` (still persisting ones
+    included); 0 if none."""
     try:
         names = os.listdir(path)
     except OSError:
-        return 0
+        names = []
     ids = [int(m.group(1)) for m in map(_METADATA_RE.match, names) if m]
+    with _saved_uids_lock:
+        mine = _saved_uids.get((os.getpid(), path, rank))
+    if mine is not None:
+        ids.append(mine)
     return max(ids) + 1 if ids else 0
 
 
