@@ -933,8 +933,7 @@ absl::Status Daemon::AwaitSlot(const std::shared_ptr<Job>& job,
                                uint32_t barrier_timeout_ms,
                                const std::function<bool(const v1::LoadEvent&)>& send,
                                const std::function<bool()>& cancelled) {
-  const absl::Duration barrier = barrier_timeout_ms > 0 ? absl::Milliseconds(barrier_timeout_ms)
-                                                        : config_.barrier_timeout;
+  const absl::Duration barrier = BarrierTimeout(barrier_timeout_ms);
   const absl::Time deadline = slot->registered + barrier;
   std::string last_phase;
   uint64_t last_progress = 0;
@@ -1151,10 +1150,9 @@ absl::StatusOr<v1::SaveResponse> Daemon::Save(const Caller& caller, const v1::Sa
     // The rank's bytes must outlive its call: save_buffer room first (the
     // call waits here while earlier persists hold it), then the daemon's own
     // copy unless the client handed its segment over for good.
-    const absl::Duration wait = request.barrier_timeout_ms() > 0
-                                    ? absl::Milliseconds(request.barrier_timeout_ms())
-                                    : config_.barrier_timeout;
-    auto charge = ChargeSaveBuffer(who, *bytes, absl::Now() + wait, cancelled, &slot->buffer_wait_s);
+    auto charge = ChargeSaveBuffer(who, *bytes,
+                                   absl::Now() + BarrierTimeout(request.barrier_timeout_ms()),
+                                   cancelled, &slot->buffer_wait_s);
     if (!charge.ok()) return fail(charge.status());
     slot->save_charge = std::move(*charge);
     if (!request.handed_over()) {
@@ -1233,16 +1231,8 @@ void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
       !s.ok()) {
     return fail_all(s);
   }
-  // Where each rank's copy of a shard lives: (rank, name) -> bytes.
-  std::map<std::pair<int, std::string>, const uint8_t*> where;
-  for (const auto& s : slots) {
-    for (int t = 0; t < s->save_request.targets_size(); ++t) {
-      where[{s->targets.rank, s->targets.tensors[t].name}] =
-          s->segment->data() + s->save_request.targets(t).dest_offset();
-    }
-  }
-  if (dcp) return WriteDcpSave(job, slots, *plan, lock->directory(), where, t0);
   const NativeSave save = NativeSaveOf(*job, slots, *std::move(plan));
+  if (dcp) return WriteDcpSave(job, slots, save.plan, lock->directory(), save.where, t0);
   auto saved = WriteNativeSave(save, lock->directory(), nullptr, nullptr);
   if (!saved.ok()) return fail_all(saved.status());
   DropCachedMetadata(job->path);  // new files under a cached directory

@@ -308,6 +308,11 @@ class Daemon {
                          int rank, uint32_t barrier_timeout_ms,
                          const std::function<bool(const v1::LoadEvent&)>& send,
                          const std::function<bool()>& cancelled);
+  // A request's barrier_timeout_ms, or the configured barrier_timeout when 0.
+  absl::Duration BarrierTimeout(uint32_t barrier_timeout_ms) const {
+    return barrier_timeout_ms > 0 ? absl::Milliseconds(barrier_timeout_ms)
+                                  : config_.barrier_timeout;
+  }
   void RunJob(const std::shared_ptr<Job>& job);
   // Runs `run` (RunJob, RunSaveJob) failing the job on any exception.
   void RunGuarded(const std::shared_ptr<Job>& job, void (Daemon::*run)(const std::shared_ptr<Job>&));
@@ -372,6 +377,9 @@ class Daemon {
   // Waits (at most until `deadline`) while an asynchronous save into `dir`
   // is persisting: a load of a version just saved waits for it to appear.
   void AwaitPersistsInto(const std::string& dir, absl::Time deadline) ABSL_LOCKS_EXCLUDED(save_mu_);
+  // The ids of the asynchronous saves still persisting (into `dir` if given).
+  std::vector<std::string> PersistingLocked(const std::string* dir = nullptr) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(save_mu_);
   void FillSaveStatus(const Caller& caller, v1::StatusResponse* resp) ABSL_LOCKS_EXCLUDED(save_mu_);
   void FailJobLocked(Job& job, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void FailJob(Job& job, const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);

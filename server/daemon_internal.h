@@ -3,6 +3,7 @@
 #ifndef CKPTD_SERVER_DAEMON_INTERNAL_H_
 #define CKPTD_SERVER_DAEMON_INTERNAL_H_
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <functional>
@@ -23,6 +24,20 @@ namespace ckptd {
 
 inline double Seconds(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+// With `mu` held: waits until `cond` holds, `deadline` passes or
+// `cancelled()` (polled every 100 ms) says the caller went away. Returns
+// whether `cond` holds.
+inline bool AwaitOrCancel(absl::Mutex* mu, const absl::Condition& cond, absl::Time deadline,
+                          const std::function<bool()>& cancelled)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(*mu) {
+  while (!cond.Eval()) {
+    const absl::Time now = absl::Now();
+    if (now >= deadline || (cancelled && cancelled())) return false;
+    mu->AwaitWithDeadline(cond, std::min(deadline, now + absl::Milliseconds(100)));
+  }
+  return true;
 }
 
 class Daemon::SaveBufferCharge {
@@ -90,15 +105,13 @@ struct Daemon::Job {
 struct Daemon::PendingSave {
   NativeSave save;
   uid_t owner = 0;
-  int64_t unique_id = 0;
   // The ranks' bytes (their own segments, or the daemon's copies of lent
   // arenas) and the save_buffer room they hold, released once persisted.
   std::vector<std::unique_ptr<MappedSegment>> held;
   std::vector<std::unique_ptr<SaveBufferCharge>> charges;
   uint64_t bytes_staged = 0;
   std::atomic<uint64_t> bytes_persisted{0};
-  absl::Time staged_at;
-  std::chrono::steady_clock::time_point staged_clock;
+  std::chrono::steady_clock::time_point staged;
   std::map<int, v1::SaveResponse> first_answers;  // per rank, for the final ones
   enum class State { kPersisting, kDurable, kFailed };
   State state = State::kPersisting;       // guarded by save_mu_

@@ -109,19 +109,6 @@ std::chrono::system_clock::time_point ToChrono(absl::Time t) {
          std::chrono::microseconds(absl::ToUnixMicros(t));
 }
 
-// With `mu` held: waits until `cond` holds, `deadline` passes or
-// `cancelled()` (polled every 100 ms) says the caller went away. Returns
-// whether `cond` holds.
-bool AwaitOrCancel(absl::Mutex* mu, const absl::Condition& cond, absl::Time deadline,
-                   const std::function<bool()>& cancelled) ABSL_EXCLUSIVE_LOCKS_REQUIRED(*mu) {
-  while (!cond.Eval()) {
-    const absl::Time now = absl::Now();
-    if (now >= deadline || (cancelled && cancelled())) return false;
-    mu->AwaitWithDeadline(cond, std::min(deadline, now + absl::Milliseconds(100)));
-  }
-  return true;
-}
-
 // Why a wait ended without its condition.
 absl::Status WaitFailed(const std::function<bool()>& cancelled, const std::string& what) {
   if (cancelled && cancelled()) return absl::CancelledError(absl::StrCat(what, ": the caller went away"));

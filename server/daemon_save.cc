@@ -91,19 +91,19 @@ absl::StatusOr<std::unique_ptr<Daemon::SaveBufferCharge>> Daemon::ChargeSaveBuff
   auto fits = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(save_mu_) {
     return save_staged_ + bytes <= config_.save_buffer;
   };
-  while (!fits()) {
+  auto fits_or_stopping = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(save_mu_) {
+    return fits() || persist_stop_;
+  };
+  AwaitOrCancel(&save_mu_, absl::Condition(&fits_or_stopping), deadline, cancelled);
+  if (!fits()) {
     if (persist_stop_) return absl::UnavailableError(absl::StrCat(who, ": the daemon is stopping"));
     if (cancelled && cancelled()) {
       return absl::CancelledError(absl::StrCat(who, ": the client left while waiting for save_buffer"));
     }
-    if (absl::Now() >= deadline) {
-      return absl::DeadlineExceededError(absl::StrCat(
-          who, ": save_buffer stayed full (", save_staged_, " of ", config_.save_buffer,
-          " bytes held by saves still persisting, ", bytes, " needed) for ",
-          absl::FormatDuration(absl::Now() - t0)));
-    }
-    save_mu_.AwaitWithDeadline(absl::Condition(&fits),
-                               std::min(deadline, absl::Now() + absl::Milliseconds(200)));
+    return absl::DeadlineExceededError(absl::StrCat(
+        who, ": save_buffer stayed full (", save_staged_, " of ", config_.save_buffer,
+        " bytes held by saves still persisting, ", bytes, " needed) for ",
+        absl::FormatDuration(absl::Now() - t0)));
   }
   save_staged_ += bytes;
   *waited_s = absl::ToDoubleSeconds(absl::Now() - t0);
@@ -174,9 +174,8 @@ void Daemon::StartAsyncSave(const std::shared_ptr<Job>& job,
   auto pending = std::make_shared<PendingSave>();
   pending->save = NativeSaveOf(*job, slots, std::move(plan));
   pending->owner = job->owner;
-  pending->unique_id = pending->save.plan.unique_id;
-  pending->staged_at = absl::Now();
-  pending->staged_clock = std::chrono::steady_clock::now();
+  pending->staged = std::chrono::steady_clock::now();
+  const int64_t version = pending->save.plan.unique_id;
   absl::Status refused;  // decided under save_mu_, reported after (FailJob takes mu_)
   std::vector<std::shared_ptr<PendingSave>> forgotten;
   {
@@ -202,9 +201,9 @@ void Daemon::StartAsyncSave(const std::shared_ptr<Job>& job,
       if (id == job->id) {
         refused = absl::AlreadyExistsError(absl::StrCat(
             "save job '", job->id, "': an asynchronous save job of that id is still persisting"));
-      } else if (other->save.path == job->path && other->unique_id == pending->unique_id) {
+      } else if (other->save.path == job->path && other->save.plan.unique_id == version) {
         refused = absl::AlreadyExistsError(absl::StrCat(
-            "save job '", job->id, "': version ", pending->unique_id, " of ", job->path,
+            "save job '", job->id, "': version ", version, " of ", job->path,
             " is being saved by job '", id, "' (still persisting); choose another unique_id"));
       }
     }
@@ -216,7 +215,7 @@ void Daemon::StartAsyncSave(const std::shared_ptr<Job>& job,
         v1::SaveResponse& r = pending->first_answers[s->targets.rank];
         r.set_persisted(false);
         r.set_buffer_wait_s(s->buffer_wait_s);
-        r.set_metadata_file(absl::StrCat(pending->unique_id, ".metadata"));
+        r.set_metadata_file(absl::StrCat(version, ".metadata"));
       }
       for (auto& [rank, r] : pending->first_answers) r.set_bytes_staged(pending->bytes_staged);
       // Forget finished saves past their time (the oldest first when too many).
@@ -242,7 +241,7 @@ void Daemon::StartAsyncSave(const std::shared_ptr<Job>& job,
   FinishSaveJob(job, slots,
                 [&](RankSlot& s) { s.save_result = pending->first_answers.at(s.targets.rank); });
   spdlog::info("save job={} path={} version={} ranks={}: {}B staged, persisting in the background",
-               job->id, job->path, pending->unique_id, slots.size(), pending->bytes_staged);
+               job->id, job->path, version, slots.size(), pending->bytes_staged);
 }
 
 void Daemon::PersistLoop() {
@@ -266,7 +265,7 @@ void Daemon::PersistLoop() {
           p->finished = absl::Now();
           ++saves_failed_;
           spdlog::warn("save job={} path={} version={}: abandoned at stop, not written", p->save.id,
-                       p->save.path, p->unique_id);
+                       p->save.path, p->save.plan.unique_id);
         }
         abandoned.swap(persist_queue_);
       } else {
@@ -314,7 +313,7 @@ void Daemon::Persist(PendingSave& p) {
     DropCachedMetadata(save.path);
     PublishSaved(save.path, saved->files);
   }
-  const double total_s = Seconds(p.staged_clock);
+  const double total_s = Seconds(p.staged);
   // The bytes are no longer needed: the memory and save_buffer go back
   // before anyone can see the save finished.
   p.held.clear();
@@ -349,10 +348,10 @@ void Daemon::Persist(PendingSave& p) {
   }
   if (saved.ok()) {
     spdlog::info("save job={} path={} version={}: durable, {}B in {:.3f}s ({:.3f}s after staging)",
-                 save.id, save.path, p.unique_id, saved->bytes, persist_s, total_s);
+                 save.id, save.path, save.plan.unique_id, saved->bytes, persist_s, total_s);
   } else {
     spdlog::warn("save job={} path={} version={}: persist failed, the version is not visible: {}",
-                 save.id, save.path, p.unique_id, p.status.ToString());
+                 save.id, save.path, save.plan.unique_id, p.status.ToString());
   }
 }
 
@@ -374,14 +373,19 @@ void Daemon::PublishSaved(const std::string& dir, const std::vector<std::string>
   }
 }
 
+std::vector<std::string> Daemon::PersistingLocked(const std::string* dir) const {
+  std::vector<std::string> ids;
+  for (const auto& [id, p] : saves_) {
+    if (p->state == PendingSave::State::kPersisting && (dir == nullptr || p->save.path == *dir)) {
+      ids.push_back(id);
+    }
+  }
+  return ids;
+}
+
 void Daemon::AwaitPersistsInto(const std::string& dir, absl::Time deadline) {
   absl::MutexLock lock(&save_mu_);
-  auto idle = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(save_mu_) {
-    for (const auto& [id, p] : saves_) {
-      if (p->state == PendingSave::State::kPersisting && p->save.path == dir) return false;
-    }
-    return true;
-  };
+  auto idle = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(save_mu_) { return PersistingLocked(&dir).empty(); };
   save_mu_.AwaitWithDeadline(absl::Condition(&idle), deadline);
 }
 
@@ -405,10 +409,7 @@ absl::StatusOr<v1::SaveResponse> Daemon::AwaitSave(const Caller& caller,
   auto finished = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(save_mu_) {
     return p->state != PendingSave::State::kPersisting;
   };
-  while (!finished() && absl::Now() < deadline && !(cancelled && cancelled())) {
-    save_mu_.AwaitWithDeadline(absl::Condition(&finished),
-                               std::min(deadline, absl::Now() + absl::Milliseconds(200)));
-  }
+  AwaitOrCancel(&save_mu_, absl::Condition(&finished), deadline, cancelled);
   if (p->state == PendingSave::State::kFailed) return p->status;
   if (p->state == PendingSave::State::kDurable) return p->final.at(request.rank());
   return absl::DeadlineExceededError(absl::StrCat(
@@ -418,18 +419,9 @@ absl::StatusOr<v1::SaveResponse> Daemon::AwaitSave(const Caller& caller,
 
 std::vector<std::string> Daemon::AwaitPersists(absl::Duration timeout) {
   absl::MutexLock lock(&save_mu_);
-  auto idle = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(save_mu_) {
-    for (const auto& [id, p] : saves_) {
-      if (p->state == PendingSave::State::kPersisting) return false;
-    }
-    return true;
-  };
+  auto idle = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(save_mu_) { return PersistingLocked().empty(); };
   save_mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
-  std::vector<std::string> left;
-  for (const auto& [id, p] : saves_) {
-    if (p->state == PendingSave::State::kPersisting) left.push_back(id);
-  }
-  return left;
+  return PersistingLocked();
 }
 
 void Daemon::FillSaveStatus(const Caller& caller, v1::StatusResponse* resp) {
@@ -442,13 +434,13 @@ void Daemon::FillSaveStatus(const Caller& caller, v1::StatusResponse* resp) {
     v1::SaveStatus* s = resp->add_saves();
     s->set_job_id(id);
     s->set_path(p->save.path);
-    s->set_unique_id(p->unique_id);
+    s->set_unique_id(p->save.plan.unique_id);
     s->set_state(p->state == PendingSave::State::kPersisting ? "persisting"
                  : p->state == PendingSave::State::kDurable  ? "durable"
                                                              : "failed");
     s->set_bytes_staged(p->bytes_staged);
     s->set_bytes_persisted(p->bytes_persisted.load());
-    s->set_age_s(absl::ToDoubleSeconds(absl::Now() - p->staged_at));
+    s->set_age_s(Seconds(p->staged));
     if (!p->status.ok()) s->set_error(std::string(p->status.message()));
     s->set_owner_uid(p->owner);
   }
