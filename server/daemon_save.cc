@@ -393,7 +393,10 @@ absl::StatusOr<v1::SaveResponse> Daemon::AwaitSave(const Caller& caller,
                                                    const v1::AwaitSaveRequest& request,
                                                    const std::function<bool()>& cancelled) {
   const std::string what = absl::StrCat("save job '", request.job_id(), "'");
-  const absl::Time deadline = absl::Now() + absl::Milliseconds(request.timeout_ms());
+  // A call holds a handler thread while it waits: at most max_barrier_timeout.
+  const absl::Time deadline =
+      absl::Now() + std::min(absl::Milliseconds(request.timeout_ms()),
+                             config_.limits.max_barrier_timeout);
   absl::MutexLock lock(&save_mu_);
   auto it = saves_.find(request.job_id());
   if (it == saves_.end() || (it->second->owner != caller.uid && !IsAdmin(caller))) {

@@ -1576,6 +1576,36 @@ class AbuseTest(unittest.TestCase):
                               timeout=60)
         np.testing.assert_array_equal(sd["w"], w)
 
+    def test_20_another_uid_cannot_see_or_await_an_async_save(self):
+        """docs/saving.md: only a job's owner (or an admin) may AwaitSave it, and
+        Status lists only the caller's own saves. Root saves asynchronously; uid
+        65534 asking for it (with the longest timeout a request can carry) gets
+        NOT_FOUND at once, and its Status does not list it; root's own AwaitSave
+        then finds it durable."""
+        self.need_other_uid()
+        job = self.job("async-root")
+        path = os.path.join(self.root, f"async-{os.getpid()}-{self.counter}")
+        req = self.save_request(path, {"w": np.arange(64, dtype=np.float32)}, 0, job=job)
+        req.async_save = True
+        first = call("Save", self.stub.Save, req, timeout=60)
+        self.assertRpc(first, "OK", what="root's asynchronous save")
+        self.assertFalse(first.value.persisted)
+        t0 = time.monotonic()
+        out = self.peer_calls([
+            {"rpc": "AwaitSave", "request": {"job_id": job, "rank": 0,
+                                             "timeout_ms": 4294967295}, "timeout": 60},
+            {"rpc": "Status"}])
+        self.assertLess(time.monotonic() - t0, 30, "uid 65534's AwaitSave waited")
+        self.assertRpc(out[0], "NOT_FOUND", job, what="uid 65534 awaiting root's save")
+        self.assertRpc(out[1], "OK", what="Status as uid 65534")
+        self.assertNotIn(job, out[1].value["save_ids"])
+        mine = call("AwaitSave", self.stub.AwaitSave,
+                    pb2.AwaitSaveRequest(job_id=job, rank=0, timeout_ms=60000), timeout=90)
+        self.assertRpc(mine, "OK", what="root awaiting its own save")
+        self.assertTrue(mine.value.persisted)
+        self.assertTrue(os.path.exists(os.path.join(path, "0.metadata")))
+
+
 def file_tensors(path):
     """name -> (begin, end) file offsets of each tensor's bytes (numpy-free
     header parse of a safetensors file)."""

@@ -19,9 +19,9 @@ SPEC (calls): {"socket": S, "calls": [CALL, ...]} where CALL is
                                              kept open to the end; the result adds
                                              "bytes" (the arena's size) and "nonzero"
                                              (its bytes that are not 0 as received)
-  {"rpc": "Load"|"Save"|"Status"|"Inspect", "request": {...}, "timeout": s}
+  {"rpc": "Load"|"Save"|"Status"|"Inspect"|"AwaitSave", "request": {...}, "timeout": s}
 and each result is {"code": "OK"|CODE, "details": str, ...} (Status adds
-"job_ids", Load adds "events").
+"job_ids" and "save_ids", Load adds "events").
 
 SPEC (flood): {"socket": S, "count": N, "channels": C, "limit": L,
   "jobs": J, "world_size": W, "request": {...}}: N waiting Loads spread over J
@@ -126,7 +126,8 @@ def do_calls(spec):
             continue
         rpc, timeout = call["rpc"], float(call.get("timeout", 20))
         req_type = {"Load": ckpt_pb2.LoadRequest, "Save": ckpt_pb2.SaveRequest,
-                    "Status": ckpt_pb2.StatusRequest, "Inspect": ckpt_pb2.InspectRequest}[rpc]
+                    "Status": ckpt_pb2.StatusRequest, "Inspect": ckpt_pb2.InspectRequest,
+                    "AwaitSave": ckpt_pb2.AwaitSaveRequest}[rpc]
         req = json_format.ParseDict(substitute(call.get("request", {}), env), req_type())
         if rpc == "Load":
             def run():
@@ -137,7 +138,8 @@ def do_calls(spec):
         elif rpc == "Status":
             def run():
                 r = stub.Status(req, timeout=timeout)
-                return {"job_ids": [j.job_id for j in r.jobs]}
+                return {"job_ids": [j.job_id for j in r.jobs],
+                        "save_ids": [s.job_id for s in r.saves]}
         else:
             def run(m=getattr(stub, rpc)):
                 m(req, timeout=timeout)
