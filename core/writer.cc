@@ -68,6 +68,23 @@ absl::Status MakeDirs(const std::string& dir) {
 
 absl::StatusOr<SavePlan> PlanSave(const std::vector<RankTargets>& ranks, int world_size,
                                   int64_t unique_id, uint64_t checksum_block) {
+  // One node holding every rank: the balance is the ranks'.
+  return PlanSave(ranks, world_size, unique_id, std::vector<int>(std::max(world_size, 0), 0),
+                  checksum_block);
+}
+
+absl::StatusOr<SavePlan> PlanSave(const std::vector<RankTargets>& ranks, int world_size,
+                                  int64_t unique_id, const std::vector<int>& node_of_rank,
+                                  uint64_t checksum_block) {
+  if (world_size < 0 || node_of_rank.size() != static_cast<size_t>(world_size)) {
+    return absl::InvalidArgumentError(absl::StrCat("PlanSave: ", node_of_rank.size(),
+                                                   " node entries for world_size ", world_size));
+  }
+  int nodes = 0;
+  for (int n : node_of_rank) {
+    if (n < 0) return absl::InvalidArgumentError("PlanSave: a negative node index");
+    nodes = std::max(nodes, n + 1);
+  }
   if (checksum_block == 0) return absl::InvalidArgumentError("checksum block must be > 0");
   SavePlan plan;
   plan.checksum_block = checksum_block;
@@ -103,12 +120,13 @@ absl::StatusOr<SavePlan> PlanSave(const std::vector<RankTargets>& ranks, int wor
   }
   // Single-holder shards first (their loads are fixed), then replicas by
   // descending size so the greedy balance is tight; ties by key order.
-  std::vector<uint64_t> load(world_size, 0);
+  std::vector<uint64_t> load(world_size, 0), node_load(nodes, 0);
   std::vector<std::pair<const ShardKey*, const std::vector<int>*>> replicated;
   for (const auto& [k, hs] : holders) {
     if (hs.size() == 1) {
       plan.writes[hs[0]].push_back(desc.at(k));
       load[hs[0]] += desc.at(k).num_bytes();
+      node_load[node_of_rank[hs[0]]] += desc.at(k).num_bytes();
     } else {
       replicated.push_back({&k, &hs});
     }
@@ -118,11 +136,15 @@ absl::StatusOr<SavePlan> PlanSave(const std::vector<RankTargets>& ranks, int wor
   });
   for (const auto& [k, hs] : replicated) {
     int best = (*hs)[0];
+    auto rank_key = [&](int r) {
+      return std::make_tuple(node_load[node_of_rank[r]], node_of_rank[r], load[r], r);
+    };
     for (int r : *hs) {
-      if (load[r] < load[best] || (load[r] == load[best] && r < best)) best = r;
+      if (rank_key(r) < rank_key(best)) best = r;
     }
     plan.writes[best].push_back(desc.at(*k));
     load[best] += desc.at(*k).num_bytes();
+    node_load[node_of_rank[best]] += desc.at(*k).num_bytes();
   }
   for (auto& w : plan.writes) {
     std::sort(w.begin(), w.end(),
@@ -215,9 +237,9 @@ absl::Status FinishSave(const std::string& dir, const SavePlan& plan,
   return FinishSave(std::move(d), plan, shards, flat_mapping);
 }
 
-absl::Status FinishSave(std::shared_ptr<const Directory> dir, const SavePlan& plan,
-                        const std::vector<std::pair<std::string, ShardMeta>>& shards,
-                        const std::map<std::string, std::vector<std::string>>& flat_mapping) {
+absl::StatusOr<std::string> SaveMetadataJson(
+    const SavePlan& plan, const std::vector<std::pair<std::string, ShardMeta>>& shards,
+    const std::map<std::string, std::vector<std::string>>& flat_mapping, const std::string& where) {
   CheckpointMetadata m;
   m.unique_id = plan.unique_id;
   m.checksum_block = plan.checksum_block;
@@ -230,15 +252,23 @@ absl::Status FinishSave(std::shared_ptr<const Directory> dir, const SavePlan& pl
   for (const auto& [name, s] : shards) {
     auto it = m.tensors.find(name);
     if (it == m.tensors.end()) {
-      return absl::InvalidArgumentError(absl::StrCat("FinishSave: unplanned tensor '", name, "'"));
+      return absl::InvalidArgumentError(absl::StrCat(where, ": unplanned tensor '", name, "'"));
     }
     it->second.shards.push_back(s);
   }
   // The ranks together must hold every tensor whole.
-  CKPT_RETURN_IF_ERROR(ValidateMetadata(m, absl::StrCat("saving into ", dir->path())));
+  CKPT_RETURN_IF_ERROR(ValidateMetadata(m, where));
+  return MetadataToJson(m);
+}
+
+absl::Status FinishSave(std::shared_ptr<const Directory> dir, const SavePlan& plan,
+                        const std::vector<std::pair<std::string, ShardMeta>>& shards,
+                        const std::map<std::string, std::vector<std::string>>& flat_mapping) {
+  CKPT_ASSIGN_OR_RETURN(std::string json, SaveMetadataJson(plan, shards, flat_mapping,
+                                                           absl::StrCat("saving into ", dir->path())));
   // The data files were each fsynced, renamed and the directory fsynced;
   // the metadata is written (and made durable) last: the commit point.
-  return WriteFileAtomicIn(dir, absl::StrCat(plan.unique_id, ".metadata"), MetadataToJson(m));
+  return WriteFileAtomicIn(dir, absl::StrCat(plan.unique_id, ".metadata"), json);
 }
 
 absl::StatusOr<MergeReport> MergeToHuggingFace(const Checkpoint& checkpoint,

@@ -56,6 +56,15 @@ struct SavePlan {
 // replicas or ranks disagreeing on dtype or global shape, boxes out of bounds.
 absl::StatusOr<SavePlan> PlanSave(const std::vector<RankTargets>& ranks, int world_size,
                                   int64_t unique_id, uint64_t checksum_block = kChecksumBlock);
+// The same for ranks spread over nodes (a multi-node save: every node writes
+// its own ranks' files). `node_of_rank[r]` is rank r's node (world_size
+// entries, each >= 0). A replicated shard goes to the node with the fewest
+// bytes to write so far, then to that node's holder with the fewest (ties:
+// lowest node, lowest rank): storage bandwidth is per node, so the nodes'
+// bytes are what must balance.
+absl::StatusOr<SavePlan> PlanSave(const std::vector<RankTargets>& ranks, int world_size,
+                                  int64_t unique_id, const std::vector<int>& node_of_rank,
+                                  uint64_t checksum_block = kChecksumBlock);
 
 // Checks that version `unique_id` may be written into `dir`: when
 // `{uid}.metadata` exists, ALREADY_EXISTS "<dir>: version <uid> already
@@ -80,6 +89,14 @@ absl::StatusOr<std::vector<std::pair<std::string, ShardMeta>>> WriteRankFile(
 absl::StatusOr<std::vector<std::pair<std::string, ShardMeta>>> WriteRankFile(
     std::shared_ptr<const Directory> dir, const SavePlan& plan, int rank,
     const std::vector<const void*>& data);
+
+// The `{uid}.metadata` document for the shards every rank wrote, checked
+// (the shards together hold every planned tensor whole; INVALID_ARGUMENT
+// naming `where` otherwise). FinishSave writes it; a multi-node save builds
+// it on every node from the shards all nodes reported.
+absl::StatusOr<std::string> SaveMetadataJson(
+    const SavePlan& plan, const std::vector<std::pair<std::string, ShardMeta>>& shards,
+    const std::map<std::string, std::vector<std::string>>& flat_mapping, const std::string& where);
 
 // Writes `{uid}.metadata` from the shards every rank wrote (temp name,
 // fsync, rename, directory fsync: the commit point of the version).

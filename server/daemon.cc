@@ -1070,13 +1070,17 @@ absl::StatusOr<v1::SaveResponse> Daemon::Save(const Caller& caller, const v1::Sa
                  request.path(), s.ToString());
     return s;
   };
-  // The output directory may not exist yet: resolve its parent.
+  // The output directory may not exist yet: resolve its parent. A relative
+  // path is under the first root (as for loads), so the nodes of a
+  // multi-node save can name node-local directories that live at different
+  // places.
   std::string out = request.path();
+  if (!out.empty() && out[0] != '/') out = ckpt::JoinPath(config_.roots.front(), out);
   while (out.size() > 1 && out.back() == '/') out.pop_back();
   const size_t slash = out.rfind('/');
   if (out.empty() || slash == std::string::npos) {
     return fail(absl::InvalidArgumentError(
-        absl::StrCat("Save: path '", request.path(), "' must be absolute")));
+        absl::StrCat("Save: path '", request.path(), "' names no directory")));
   }
   const std::string leaf = out.substr(slash + 1);
   auto parent = ResolvePath(slash == 0 ? "/" : out.substr(0, slash));
@@ -1214,6 +1218,11 @@ void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
     }
   }
   const bool dcp = format == kDcpFormat;
+  // Ranks on several daemons: a two-phase save with the others (a PyTorch
+  // DCP save's data files are per rank; its coordinator commits .metadata).
+  if (!dcp && static_cast<int>(job->expected.size()) < job->world_size) {
+    return RunDistributedSave(job, slots);
+  }
   if (async) return StartAsyncSave(job, slots, *std::move(plan));
   if (absl::Status s = ckpt::MakeDirs(job->path); !s.ok()) return fail_all(s);
   // One writer per directory; the files go into the directory that is locked

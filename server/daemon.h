@@ -226,6 +226,33 @@ class Daemon {
   void RunDistributedJob(const std::shared_ptr<Job>& job);
   absl::StatusOr<peer::v1::PlanPart> CoordinatePlan(const std::shared_ptr<DistJob>& dj,
                                                     const peer::v1::JoinRequest& own);
+  // Coordinator: waits (until dj->deadline) for every rank of the job to
+  // join; the nodes and their joins, in node order.
+  absl::Status GatherJoins(const std::shared_ptr<DistJob>& dj, const peer::v1::JoinRequest& own,
+                           std::vector<std::string>* nodes,
+                           std::vector<peer::v1::JoinRequest>* joins) ABSL_LOCKS_EXCLUDED(peer_mu_);
+  // Coordinator: the plan is made (or failed): the joiners get their parts;
+  // returns this node's.
+  absl::StatusOr<peer::v1::PlanPart> PublishParts(
+      const std::shared_ptr<DistJob>& dj, const std::vector<std::string>& nodes,
+      const std::string& own_node,
+      absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> parts) ABSL_LOCKS_EXCLUDED(peer_mu_);
+  // A save whose ranks span several daemons (daemon_multinode_save.cc):
+  // two-phase, every node writes and fsyncs its ranks' files (prepare), and
+  // only when every node did, each writes the version's metadata (commit).
+  void RunDistributedSave(const std::shared_ptr<Job>& job,
+                          const std::vector<std::shared_ptr<RankSlot>>& slots);
+  absl::StatusOr<peer::v1::PlanPart> CoordinateSave(const std::shared_ptr<DistJob>& dj,
+                                                    const peer::v1::JoinRequest& own);
+  // A multi-node job's record on this node, registered in dist_jobs_ (the
+  // fields a joiner is compared with are set before it is visible).
+  struct DistJobKind {
+    std::string aoa;  // a load's AOA statements
+    bool save = false;
+    bool overwrite = false;
+  };
+  std::shared_ptr<DistJob> NewDistJob(const Job& job, const std::string& path, bool coordinator,
+                                      const DistJobKind& kind) ABSL_LOCKS_EXCLUDED(peer_mu_);
   absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> JoinCoordinator(
       const peer::v1::JoinRequest& own, absl::Time deadline);
   absl::StatusOr<peer::v1::CompleteResponse> AwaitOutcome(const std::shared_ptr<DistJob>& dj,
@@ -348,9 +375,17 @@ class Daemon {
     std::map<int, std::set<std::string>> files_of_rank;
     std::vector<std::string> files;
     uint64_t bytes = 0;
+    std::vector<std::pair<std::string, ckpt::ShardMeta>> shards;  // (tensor, shard) written
   };
   static NativeSave NativeSaveOf(const Job& job, const std::vector<std::shared_ptr<RankSlot>>& slots,
                                  ckpt::SavePlan plan);
+  // Writes the data files of `save`'s ranks (`expected`) into `dir`, each
+  // fsynced and renamed, the directory fsynced; WriteNativeSave then writes
+  // the metadata (a multi-node save writes it once every node wrote).
+  static absl::StatusOr<NativeSaved> WriteNativeFiles(const NativeSave& save,
+                                                      std::shared_ptr<const ckpt::Directory> dir,
+                                                      std::atomic<uint64_t>* persisted,
+                                                      const std::function<absl::Status()>& between);
   // Writes the data files and then the metadata of `save` into `dir` (locked
   // by the caller, PrepareSave done). `persisted` (optional) counts the data
   // bytes written; `between` runs before each file and may stop the write.

@@ -36,6 +36,7 @@
 #include "core/status_macros.h"
 #include "core/xxh3.h"
 #include "server/daemon.h"
+#include "server/daemon_dist.h"
 #include "server/daemon_internal.h"
 #include "server/metrics.h"
 #include "server/peer_nccl.h"
@@ -45,75 +46,7 @@ namespace ckptd {
 
 using ckpt::TargetTensor;
 
-struct Daemon::DistJob {
-  std::string id;
-  // A finished job stays a little (late joiners get its error, slow fetchers
-  // their bytes) and is dropped by PurgeDistJobsLocked after this time.
-  absl::Time expires = absl::InfiniteFuture();
-  bool coordinator = false;
-  absl::Time deadline;
-  std::string path;       // as the ranks named it (compared across nodes)
-  std::string local_dir;  // where it resolves on this node
-  std::optional<int64_t> unique_id;
-  int world_size = 0;
-  std::string aoa;  // the job's AOA statements (compared across nodes)
-  // Coordinator: gathering and planning.
-  std::map<std::string, peer::v1::JoinRequest> joins;  // node -> its join
-  std::set<int> ranks_joined;
-  bool planned = false;
-  absl::Status plan_status;
-  std::map<std::string, peer::v1::PlanPart> parts;
-  // Serving: reads this node does that other nodes need (global index).
-  struct Served {
-    bool ready = false;
-    ckpt::RangeView view;  // pinned bytes of the read once ready
-    uint64_t length = 0;
-    uint64_t xxh3 = 0;     // of the bytes as read (and verified) here
-    std::set<std::string> needers;  // the other nodes whose parts copy from it
-    std::set<std::string> fetched;  // who fetched it (once each)
-    int remaining = 0;     // fetches still expected
-  };
-  std::map<uint32_t, Served> served;
-  bool part_known = false;
-  absl::Status exec_status;
-  // The first authorization violation seen here (PERMISSION_DENIED naming
-  // the caller): the job fails with it on this node.
-  absl::Status violation;
-  // Every node of the job (known once planned / the part arrived).
-  std::vector<std::string> nodes;
-  // Coordinator: completion.
-  std::map<std::string, peer::v1::CompleteRequest> completes;
-  std::set<std::string> reported;  // nodes that sent Complete themselves
-  bool finished = false;
-  peer::v1::CompleteResponse outcome;
-};
-
 namespace {
-
-// Codes a node's part fails with when another node failed first: its
-// fetches refused (ABORTED "... failed its part"), cut or never answered.
-bool EchoOfAnotherFailure(int code) {
-  const auto c = static_cast<absl::StatusCode>(code);
-  return c == absl::StatusCode::kAborted || c == absl::StatusCode::kUnavailable ||
-         c == absl::StatusCode::kCancelled;
-}
-
-absl::Status FromGrpc(const grpc::Status& s, absl::string_view who) {
-  if (s.ok()) return absl::OkStatus();
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
-                      absl::StrCat(who, ": ", s.error_message()));
-}
-
-std::chrono::system_clock::time_point ToChrono(absl::Time t) {
-  return std::chrono::system_clock::from_time_t(0) +
-         std::chrono::microseconds(absl::ToUnixMicros(t));
-}
-
-// Why a wait ended without its condition.
-absl::Status WaitFailed(const std::function<bool()>& cancelled, const std::string& what) {
-  if (cancelled && cancelled()) return absl::CancelledError(absl::StrCat(what, ": the caller went away"));
-  return absl::DeadlineExceededError(what);
-}
 
 // Data-file-like names in `dir` (what this node can read).
 std::vector<peer::v1::FileInfo> ListReadable(const std::string& dir) {
@@ -135,6 +68,76 @@ std::vector<peer::v1::FileInfo> ListReadable(const std::string& dir) {
 }
 
 }  // namespace
+
+peer::v1::JoinRequest BaseJoin(const Daemon::Job& job,
+                               const std::vector<std::shared_ptr<Daemon::RankSlot>>& slots,
+                               const std::string& node, const std::string& path, int coordinator_rank) {
+  peer::v1::JoinRequest own;
+  own.set_job_id(job.id);
+  own.set_node(node);
+  own.set_path(path);
+  if (job.unique_id) own.set_unique_id(*job.unique_id);
+  own.set_world_size(job.world_size);
+  own.set_coordinator_rank(coordinator_rank);
+  for (const auto& s : slots) {
+    peer::v1::RankTargetsMsg* rm = own.add_ranks();
+    rm->set_rank(s->targets.rank);
+    for (const auto& t : s->targets.tensors) ToMsg(t, rm->add_targets());
+  }
+  return own;
+}
+
+absl::Status CheckPartOrigin(const peer::v1::PlanPart& part, const std::string& job_id,
+                             const std::string& me, const std::string& coordinator) {
+  const auto& n = part.nodes();
+  if (part.job_id() != job_id || std::find(n.begin(), n.end(), me) == n.end() ||
+      std::find(n.begin(), n.end(), coordinator) == n.end()) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "job '", job_id, "': the plan part from ", coordinator,
+        " is not one the job's coordinator could have made (job id or nodes do not match)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status JobOutcome(const std::string& job_id, const absl::Status& exec,
+                        const absl::StatusOr<peer::v1::CompleteResponse>& outcome) {
+  absl::Status final_status = outcome.ok() ? absl::OkStatus() : outcome.status();
+  if (outcome.ok() && !outcome->ok()) {
+    final_status = absl::Status(static_cast<absl::StatusCode>(outcome->error_code()),
+                                absl::StrCat("job '", job_id, "' failed on another node: ",
+                                             outcome->error()));
+    if (final_status.ok()) final_status = absl::AbortedError(outcome->error());
+  }
+  // This node's own failure, unless it only echoes another node's (its
+  // fetches refused or cut because that node failed) and the outcome names
+  // the cause.
+  const bool outcome_names_cause =
+      !final_status.ok() && !EchoOfAnotherFailure(static_cast<int>(final_status.code()));
+  if (!exec.ok() && !(EchoOfAnotherFailure(static_cast<int>(exec.code())) && outcome_names_cause)) {
+    final_status = exec;
+  }
+  return final_status;
+}
+
+std::shared_ptr<Daemon::DistJob> Daemon::NewDistJob(const Job& job, const std::string& path,
+                                                    bool coordinator, const DistJobKind& kind) {
+  auto dj = std::make_shared<DistJob>();
+  dj->id = job.id;
+  dj->coordinator = coordinator;
+  dj->save = kind.save;
+  dj->overwrite = kind.overwrite;
+  dj->deadline = absl::Now() + config_.peer_timeout;
+  dj->outcome_deadline = absl::Now() + std::max(config_.load_timeout, config_.peer_timeout);
+  dj->path = path;
+  dj->local_dir = job.path;
+  dj->unique_id = job.unique_id;
+  dj->world_size = job.world_size;
+  dj->aoa = kind.aoa;
+  absl::MutexLock lock(&peer_mu_);
+  PurgeDistJobsLocked();
+  dist_jobs_[job.id] = dj;
+  return dj;
+}
 
 void Daemon::PurgeDistJobsLocked() {
   const absl::Time now = absl::Now();
@@ -221,6 +224,12 @@ absl::StatusOr<peer::v1::PlanPart> Daemon::PeerJoin(const PeerCaller& caller,
     mismatch = absl::StrCat("world_size ", req.world_size(), " vs ", dj->world_size);
   }
   if (req.aoa_config() != dj->aoa) mismatch = "aoa_config (the AOA statements differ)";
+  if (req.has_save() != dj->save) {
+    mismatch = absl::StrCat("the kind of job (a ", req.has_save() ? "save" : "load", " vs a ",
+                            dj->save ? "save" : "load", ")");
+  } else if (dj->save && req.save().overwrite() != dj->overwrite) {
+    mismatch = "overwrite (all ranks must set it or none)";
+  }
   for (const auto& r : req.ranks()) {
     if (r.rank() < 0 || r.rank() >= dj->world_size || dj->ranks_joined.count(r.rank())) {
       mismatch = absl::StrCat("rank ", r.rank(), " is outside the world or already joined");
@@ -256,43 +265,67 @@ absl::StatusOr<peer::v1::PlanPart> Daemon::PeerJoin(const PeerCaller& caller,
   return part->second;
 }
 
+absl::Status Daemon::GatherJoins(const std::shared_ptr<DistJob>& dj,
+                                 const peer::v1::JoinRequest& own,
+                                 std::vector<std::string>* nodes,
+                                 std::vector<peer::v1::JoinRequest>* joins) {
+  absl::MutexLock lock(&peer_mu_);
+  dj->joins[own.node()] = own;
+  for (const auto& r : own.ranks()) dj->ranks_joined.insert(r.rank());
+  auto covered = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) {
+    return dj->planned || static_cast<int>(dj->ranks_joined.size()) == dj->world_size;
+  };
+  peer_mu_.AwaitWithDeadline(absl::Condition(&covered), dj->deadline);
+  if (dj->planned) return dj->plan_status;  // a joiner disagreed
+  if (static_cast<int>(dj->ranks_joined.size()) != dj->world_size) {
+    std::vector<int> missing;
+    for (int r = 0; r < dj->world_size; ++r) {
+      if (!dj->ranks_joined.count(r)) missing.push_back(r);
+    }
+    std::vector<std::string> joined;
+    for (const auto& [n, j] : dj->joins) joined.push_back(n);
+    dj->plan_status = absl::DeadlineExceededError(absl::StrCat(
+        "job '", dj->id, "': ranks ", absl::StrJoin(missing, ","),
+        " never joined from other nodes within ", absl::FormatDuration(config_.peer_timeout),
+        " (nodes joined: ", absl::StrJoin(joined, ", "), ")"));
+    dj->planned = true;
+    return dj->plan_status;
+  }
+  for (const auto& [n, j] : dj->joins) {
+    nodes->push_back(n);
+    joins->push_back(j);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<peer::v1::PlanPart> Daemon::PublishParts(
+    const std::shared_ptr<DistJob>& dj, const std::vector<std::string>& nodes,
+    const std::string& own_node,
+    absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> parts) {
+  absl::MutexLock lock(&peer_mu_);
+  dj->nodes = nodes;
+  if (!parts.ok()) {
+    dj->plan_status = parts.status();
+  } else {
+    dj->parts = std::move(*parts);
+  }
+  dj->planned = true;
+  if (!dj->plan_status.ok()) return dj->plan_status;
+  auto part = dj->parts.find(own_node);
+  if (part == dj->parts.end()) {
+    return absl::InternalError(absl::StrCat("job '", dj->id, "': the plan has no part for ",
+                                            own_node));
+  }
+  return part->second;
+}
+
 absl::StatusOr<peer::v1::PlanPart> Daemon::CoordinatePlan(const std::shared_ptr<DistJob>& dj,
                                                           const peer::v1::JoinRequest& own) {
   const auto t0 = std::chrono::steady_clock::now();
-  {
-    absl::MutexLock lock(&peer_mu_);
-    dj->joins[own.node()] = own;
-    for (const auto& r : own.ranks()) dj->ranks_joined.insert(r.rank());
-    auto covered = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) {
-      return dj->planned || static_cast<int>(dj->ranks_joined.size()) == dj->world_size;
-    };
-    peer_mu_.AwaitWithDeadline(absl::Condition(&covered), dj->deadline);
-    if (dj->planned) return dj->plan_status;  // a joiner disagreed
-    if (static_cast<int>(dj->ranks_joined.size()) != dj->world_size) {
-      std::vector<int> missing;
-      for (int r = 0; r < dj->world_size; ++r) {
-        if (!dj->ranks_joined.count(r)) missing.push_back(r);
-      }
-      std::vector<std::string> nodes;
-      for (const auto& [n, j] : dj->joins) nodes.push_back(n);
-      dj->plan_status = absl::DeadlineExceededError(absl::StrCat(
-          "job '", dj->id, "': ranks ", absl::StrJoin(missing, ","),
-          " never joined from other nodes within ", absl::FormatDuration(config_.peer_timeout),
-          " (nodes joined: ", absl::StrJoin(nodes, ", "), ")"));
-      dj->planned = true;
-      return dj->plan_status;
-    }
-  }
   // Every rank is in: plan once for the whole job.
   std::vector<std::string> nodes;
   std::vector<peer::v1::JoinRequest> joins;
-  {
-    absl::MutexLock lock(&peer_mu_);
-    for (const auto& [n, j] : dj->joins) {
-      nodes.push_back(n);
-      joins.push_back(j);
-    }
-  }
+  CKPT_RETURN_IF_ERROR(GatherJoins(dj, own, &nodes, &joins));
   auto plan_all = [&]() -> absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> {
     CKPT_ASSIGN_OR_RETURN(auto opened,
                           OpenCached(dj->local_dir, dj->unique_id, /*all_files_local=*/false));
@@ -379,22 +412,7 @@ absl::StatusOr<peer::v1::PlanPart> Daemon::CoordinatePlan(const std::shared_ptr<
     }
     return parts;
   };
-  auto parts = plan_all();
-  absl::MutexLock lock(&peer_mu_);
-  dj->nodes = nodes;
-  if (!parts.ok()) {
-    dj->plan_status = parts.status();
-  } else {
-    dj->parts = std::move(*parts);
-  }
-  dj->planned = true;
-  if (!dj->plan_status.ok()) return dj->plan_status;
-  auto part = dj->parts.find(own.node());
-  if (part == dj->parts.end()) {
-    return absl::InternalError(absl::StrCat("job '", dj->id, "': the plan has no part for ",
-                                            own.node()));
-  }
-  return part->second;
+  return PublishParts(dj, nodes, own.node(), plan_all());
 }
 
 absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> Daemon::JoinCoordinator(
@@ -459,8 +477,10 @@ absl::StatusOr<peer::v1::CompleteResponse> Daemon::PeerComplete(
   // A node the coordinator already found down keeps that entry.
   dj->completes.emplace(req.node(), req);
   auto finished = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) { return dj->finished; };
-  if (!AwaitOrCancel(&peer_mu_, absl::Condition(&finished), absl::Now() + config_.peer_timeout,
-                     cancelled)) {
+  const absl::Time until =
+      dj->save ? std::max(dj->outcome_deadline, absl::Now() + config_.peer_timeout)
+               : absl::Now() + config_.peer_timeout;
+  if (!AwaitOrCancel(&peer_mu_, absl::Condition(&finished), until, cancelled)) {
     return WaitFailed(cancelled, absl::StrCat("job '", req.job_id(),
                                               "': the coordinator did not conclude in time"));
   }
@@ -469,7 +489,7 @@ absl::StatusOr<peer::v1::CompleteResponse> Daemon::PeerComplete(
 
 absl::StatusOr<peer::v1::CompleteResponse> Daemon::AwaitOutcome(
     const std::shared_ptr<DistJob>& dj, const peer::v1::CompleteRequest& own) {
-  const absl::Time deadline = absl::Now() + config_.peer_timeout;
+  absl::Time deadline = absl::Now() + config_.peer_timeout;
   {
     absl::MutexLock lock(&peer_mu_);
     dj->completes[own.node()] = own;
@@ -492,9 +512,10 @@ absl::StatusOr<peer::v1::CompleteResponse> Daemon::AwaitOutcome(
       peer_mu_.AwaitWithTimeout(absl::Condition(&done), absl::Milliseconds(300));
       peer::v1::CompleteResponse out;
       out.set_ok(true);
-      uint64_t read = 0;
+      uint64_t read = 0, written = 0;
       for (const auto& [n, c] : dj->completes) {
         read += c.bytes_read();
+        written += c.bytes_written();
         if (!c.ok() && (out.ok() || (EchoOfAnotherFailure(out.error_code()) &&
                                      !EchoOfAnotherFailure(c.error_code())))) {
           out.set_ok(false);
@@ -503,8 +524,15 @@ absl::StatusOr<peer::v1::CompleteResponse> Daemon::AwaitOutcome(
         }
       }
       out.set_job_bytes_read(read);
+      out.set_job_bytes_written(written);
       for (const auto& n : dj->nodes) {
         if (!dj->completes.count(n)) missing.push_back(n);
+      }
+      if (out.ok() && missing.empty() && dj->save) {
+        // Every node prepared: the commit needs every node's shards.
+        for (const auto& [n, c] : dj->completes) {
+          for (const auto& sh : c.shards()) *out.add_shards() = sh;
+        }
       }
       if (!out.ok() || missing.empty() || absl::Now() >= deadline) {
         if (out.ok() && !missing.empty()) {
@@ -527,6 +555,13 @@ absl::StatusOr<peer::v1::CompleteResponse> Daemon::AwaitOutcome(
       pr.set_node(config_.peer_listen);
       peer::v1::PingResponse resp;
       grpc::Status s = PeerStub(n)->Ping(&ctx, pr, &resp);
+      if (s.ok() && dj->save &&
+          std::find(resp.jobs().begin(), resp.jobs().end(), dj->id) != resp.jobs().end()) {
+        // Alive and still writing its part of the save: wait on, within
+        // the job's bound.
+        deadline = std::max(deadline, std::min(absl::Now() + config_.peer_timeout,
+                                               dj->outcome_deadline));
+      }
       if (!s.ok()) {
         absl::MutexLock lock(&peer_mu_);
         peer::v1::CompleteRequest down;
@@ -788,13 +823,7 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
           s->request.coordinator_rank(), ")")));
     }
   }
-  peer::v1::JoinRequest own;
-  own.set_job_id(job->id);
-  own.set_node(me);
-  own.set_path(slots.front()->request.path());
-  if (job->unique_id) own.set_unique_id(*job->unique_id);
-  own.set_world_size(job->world_size);
-  own.set_coordinator_rank(coord_rank);
+  peer::v1::JoinRequest own = BaseJoin(*job, slots, me, slots.front()->request.path(), coord_rank);
   own.set_nccl(NcclWanted(*gpu_));
   {
     absl::MutexLock lock(&peer_mu_);
@@ -809,27 +838,12 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
     }
   }
   own.set_aoa_config(slots.front()->request.aoa_config());
-  for (const auto& s : slots) {
-    peer::v1::RankTargetsMsg* rm = own.add_ranks();
-    rm->set_rank(s->targets.rank);
-    for (const auto& t : s->targets.tensors) ToMsg(t, rm->add_targets());
-  }
   for (auto& f : ListReadable(job->path)) *own.add_readable() = std::move(f);
 
-  auto dj = std::make_shared<DistJob>();
-  dj->id = job->id;
-  dj->coordinator = job->expected.count(coord_rank) > 0;
-  dj->deadline = absl::Now() + config_.peer_timeout;
-  dj->path = slots.front()->request.path();
-  dj->local_dir = job->path;
-  dj->unique_id = job->unique_id;
-  dj->world_size = job->world_size;
-  dj->aoa = slots.front()->request.aoa_config();
-  {
-    absl::MutexLock lock(&peer_mu_);
-    PurgeDistJobsLocked();
-    dist_jobs_[job->id] = dj;
-  }
+  DistJobKind kind;
+  kind.aoa = slots.front()->request.aoa_config();
+  std::shared_ptr<DistJob> dj = NewDistJob(*job, slots.front()->request.path(),
+                                           job->expected.count(coord_rank) > 0, kind);
   auto cleanup = [&] {
     absl::MutexLock lock(&peer_mu_);
     auto it = dist_jobs_.find(job->id);
@@ -858,13 +872,9 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
     }
     part = std::move(p->first);
     coordinator = p->second;
-    const auto& n = part.nodes();
-    if (part.job_id() != job->id || std::find(n.begin(), n.end(), me) == n.end() ||
-        std::find(n.begin(), n.end(), coordinator) == n.end()) {
+    if (absl::Status s = CheckPartOrigin(part, job->id, me, coordinator); !s.ok()) {
       cleanup();
-      return fail_all(absl::PermissionDeniedError(absl::StrCat(
-          "job '", job->id, "': the plan part from ", coordinator,
-          " is not one the job's coordinator could have made (job id or nodes do not match)")));
+      return fail_all(s);
     }
   }
 
@@ -1057,21 +1067,7 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
   }
   // Every node has completed (the outcome says so): its fetches are done.
   RetireDistJob(dj, absl::Seconds(1));
-  absl::Status final_status = outcome.ok() ? absl::OkStatus() : outcome.status();
-  if (outcome.ok() && !outcome->ok()) {
-    final_status = absl::Status(static_cast<absl::StatusCode>(outcome->error_code()),
-                                absl::StrCat("job '", job->id, "' failed on another node: ",
-                                             outcome->error()));
-    if (final_status.ok()) final_status = absl::AbortedError(outcome->error());
-  }
-  // This node's own failure, unless it only echoes another node's (its
-  // fetches refused or cut because that node failed) and the outcome names
-  // the cause.
-  const bool outcome_names_cause =
-      !final_status.ok() && !EchoOfAnotherFailure(static_cast<int>(final_status.code()));
-  if (!exec.ok() && !(EchoOfAnotherFailure(static_cast<int>(exec.code())) && outcome_names_cause)) {
-    final_status = exec;
-  }
+  absl::Status final_status = JobOutcome(job->id, exec, outcome);
   if (!final_status.ok()) {
     spdlog::warn("multi-node job={} failed on {}: {}", job->id, me, final_status.ToString());
     return fail_all(final_status);

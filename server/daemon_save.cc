@@ -133,11 +133,11 @@ Daemon::NativeSave Daemon::NativeSaveOf(const Job& job,
   return save;
 }
 
-absl::StatusOr<Daemon::NativeSaved> Daemon::WriteNativeSave(
+absl::StatusOr<Daemon::NativeSaved> Daemon::WriteNativeFiles(
     const NativeSave& save, std::shared_ptr<const ckpt::Directory> dir,
     std::atomic<uint64_t>* persisted, const std::function<absl::Status()>& between) {
   NativeSaved out;
-  std::vector<std::pair<std::string, ckpt::ShardMeta>> written;
+  std::vector<std::pair<std::string, ckpt::ShardMeta>>& written = out.shards;
   for (int r = 0; r < save.world_size; ++r) {
     if (!save.expected.count(r)) continue;
     if (between) CKPT_RETURN_IF_ERROR(between());
@@ -163,8 +163,15 @@ absl::StatusOr<Daemon::NativeSaved> Daemon::WriteNativeSave(
       }
     }
   }
+  return out;
+}
+
+absl::StatusOr<Daemon::NativeSaved> Daemon::WriteNativeSave(
+    const NativeSave& save, std::shared_ptr<const ckpt::Directory> dir,
+    std::atomic<uint64_t>* persisted, const std::function<absl::Status()>& between) {
+  CKPT_ASSIGN_OR_RETURN(NativeSaved out, WriteNativeFiles(save, dir, persisted, between));
   if (between) CKPT_RETURN_IF_ERROR(between());
-  CKPT_RETURN_IF_ERROR(ckpt::FinishSave(dir, save.plan, written, save.flat_mapping));
+  CKPT_RETURN_IF_ERROR(ckpt::FinishSave(dir, save.plan, out.shards, save.flat_mapping));
   return out;
 }
 

@@ -501,4 +501,129 @@ absl::StatusOr<LocalPart> LocalPartOf(const peer::v1::PlanPart& part,
   return out;
 }
 
+absl::StatusOr<LocalSave> LocalSaveOf(const peer::v1::PlanPart& part,
+                                      const PlanPartContext& context, int64_t unique_id) {
+  const std::string from =
+      context.sender.empty() ? std::string() : absl::StrCat(" from ", context.sender);
+  auto bad = [&](absl::string_view field, absl::string_view why) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job '", context.job_id, "': plan part", from, ": ", field, ": ", why));
+  };
+  if (part.job_id() != context.job_id) {
+    return bad("job_id", absl::StrCat(Shown(part.job_id()), " is not this job"));
+  }
+  if (!part.has_save()) return bad("save", "missing (this node's ranks are saving)");
+  if (part.files_size() || part.reads_size() || part.ranks_size() || !part.nccl_id().empty()) {
+    return bad("files/reads/ranks/nccl_id", "a save part carries no load plan");
+  }
+  // Nodes: the checks of a load part.
+  peer::v1::PlanPart nodes_only;
+  nodes_only.set_job_id(part.job_id());
+  *nodes_only.mutable_nodes() = part.nodes();
+  PlanPartContext no_ranks = context;
+  no_ranks.ranks.clear();
+  CKPT_RETURN_IF_ERROR(ValidatePlanPart(nodes_only, no_ranks));
+  const peer::v1::SavePart& sp = part.save();
+  if (sp.unique_id() != unique_id) {
+    return bad("save.unique_id", absl::StrCat(sp.unique_id(), " but the ranks save version ", unique_id));
+  }
+  constexpr uint64_t kMaxChecksumBlock = 1ull << 30;
+  if (sp.checksum_block() == 0 || sp.checksum_block() > kMaxChecksumBlock) {
+    return bad("save.checksum_block", absl::StrCat(sp.checksum_block(), " is not in [1, ",
+                                                   kMaxChecksumBlock, "]"));
+  }
+  LocalSave out;
+  out.overwrite = sp.overwrite();
+  out.plan.unique_id = unique_id;
+  out.plan.checksum_block = sp.checksum_block();
+  out.plan.world_size = context.world_size;
+  out.plan.writes.resize(static_cast<size_t>(std::max(context.world_size, 0)));
+  for (int i = 0; i < sp.tensors_size(); ++i) {
+    const peer::v1::TensorInfoMsg& t = sp.tensors(i);
+    const std::string f = absl::StrCat("save.tensors[", i, "]");
+    auto dtype = ckpt::ParseDType(t.dtype());
+    if (!dtype.ok()) return bad(f, dtype.status().message());
+    ckpt::Shape shape(t.global_shape().begin(), t.global_shape().end());
+    if (auto n = ckpt::CheckedNumBytes(shape, ckpt::DTypeSize(*dtype)); !n.ok()) {
+      return bad(f, n.status().message());
+    }
+    if (!out.plan.tensors.emplace(t.name(), std::make_pair(*dtype, shape)).second) {
+      return bad(f, absl::StrCat(Shown(t.name()), " appears twice"));
+    }
+  }
+  std::map<int, const ckpt::RankTargets*> mine;
+  for (const ckpt::RankTargets* r : context.ranks) mine[r->rank] = r;
+  std::set<int> seen_ranks;
+  for (int w = 0; w < sp.writes_size(); ++w) {
+    const peer::v1::RankTargetsMsg& rw = sp.writes(w);
+    const std::string f = absl::StrCat("save.writes[", w, "]");
+    auto rank = mine.find(rw.rank());
+    if (rank == mine.end()) return bad(f, absl::StrCat("rank ", rw.rank(), " is not served here"));
+    if (!seen_ranks.insert(rw.rank()).second) return bad(f, absl::StrCat("rank ", rw.rank(), " twice"));
+    std::set<std::string> names;
+    for (int t = 0; t < rw.targets_size(); ++t) {
+      const std::string tf = absl::StrCat(f, ".targets[", t, "]");
+      if (std::string p = BoxProblem(rw.targets(t).box()); !p.empty()) return bad(tf, p);
+      auto tt = FromMsg(rw.targets(t));
+      if (!tt.ok()) return bad(tf, tt.status().message());
+      const auto& given = rank->second->tensors;
+      const bool handed_over = std::any_of(given.begin(), given.end(), [&](const ckpt::TargetTensor& g) {
+        return SameTarget(g, *tt);
+      });
+      if (!handed_over) {
+        return bad(tf, absl::StrCat(TargetString(*tt), " is not a shard rank ", rw.rank(),
+                                    " handed over"));
+      }
+      if (!names.insert(tt->name).second) return bad(tf, absl::StrCat(Shown(tt->name), " twice"));
+      auto info = out.plan.tensors.find(tt->name);
+      if (info == out.plan.tensors.end() || info->second.first != tt->dtype ||
+          info->second.second != tt->global_shape) {
+        return bad(tf, absl::StrCat(TargetString(*tt), " disagrees with save.tensors"));
+      }
+      out.plan.writes[static_cast<size_t>(rw.rank())].push_back(*std::move(tt));
+    }
+  }
+  if (static_cast<uint64_t>(sp.flat_mapping_size()) > context.limits.max_files) {
+    return bad("save.flat_mapping", absl::StrCat(sp.flat_mapping_size(), " entries, over the limit of ",
+                                                 context.limits.max_files));
+  }
+  for (const auto& [k, v] : sp.flat_mapping()) {
+    out.flat_mapping[k].assign(v.parts().begin(), v.parts().end());
+  }
+  return out;
+}
+
+void ToMsg(const std::string& tensor, const ckpt::ShardMeta& s, peer::v1::ShardMsg* m) {
+  m->set_tensor(tensor);
+  m->set_file(s.file);
+  ToMsg(s.box, m->mutable_box());
+  m->set_dtype(std::string(ckpt::DTypeName(s.dtype)));
+  if (s.flat_range) {
+    m->mutable_flat_range()->set_begin(s.flat_range->begin);
+    m->mutable_flat_range()->set_end(s.flat_range->end);
+  }
+  m->set_data_offset(s.data_offset);
+  m->set_nbytes(s.nbytes);
+  for (uint64_t h : s.xxh3) m->add_xxh3(h);
+}
+
+absl::StatusOr<std::pair<std::string, ckpt::ShardMeta>> FromMsg(const peer::v1::ShardMsg& m,
+                                                                const std::string& who) {
+  const std::string what = absl::StrCat(who, ": shard of ", Shown(m.tensor()), " in ", Shown(m.file()));
+  if (std::string p = BoxProblem(m.box()); !p.empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(what, ": box: ", p));
+  }
+  ckpt::ShardMeta s;
+  auto dtype = ckpt::ParseDType(m.dtype());
+  if (!dtype.ok()) return absl::InvalidArgumentError(absl::StrCat(what, ": ", dtype.status().message()));
+  s.dtype = *dtype;
+  s.file = m.file();
+  s.box = FromMsg(m.box());
+  if (m.has_flat_range()) s.flat_range = ckpt::FlatRange{m.flat_range().begin(), m.flat_range().end()};
+  s.data_offset = m.data_offset();
+  s.nbytes = m.nbytes();
+  s.xxh3.assign(m.xxh3().begin(), m.xxh3().end());
+  return std::make_pair(m.tensor(), std::move(s));
+}
+
 }  // namespace ckptd

@@ -37,6 +37,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "core/planner.h"
+#include "core/writer.h"
 #include "proto/peer.pb.h"
 
 namespace ckptd {
@@ -122,6 +123,40 @@ struct LocalPart {
 // ValidatePlanPart, then this node's share of the part.
 absl::StatusOr<LocalPart> LocalPartOf(const peer::v1::PlanPart& part,
                                       const PlanPartContext& context);
+
+// --- Multi-node saves (PlanPart.save) ----------------------------------------
+
+// This node's share of a multi-node save, from a part that passed
+// LocalSaveOf's checks.
+struct LocalSave {
+  // writes: world_size entries, non-empty only for this node's ranks;
+  // tensors: every tensor of the save.
+  ckpt::SavePlan plan;
+  std::map<std::string, std::vector<std::string>> flat_mapping;
+  bool overwrite = false;
+};
+
+// OK, or INVALID_ARGUMENT "job '<id>': plan part from <sender>: <field>:
+// <why>" for the first field that fails:
+//  - job_id is the context's; nodes as for a load part (this node and the
+//    sender among them); no load fields (files, reads, ranks, nccl_id);
+//  - save.unique_id is `unique_id` (the version every rank asked for);
+//    save.checksum_block in [1, 1 GiB];
+//  - save.tensors: distinct names, known dtypes, valid global shapes;
+//  - save.writes: only this node's ranks, each at most once; every shard
+//    one the rank handed over (same name, dtype, global shape, box and flat
+//    range), at most once per rank, its tensor among save.tensors with the
+//    same dtype and global shape; at most `limits.max_files` flat_mapping
+//    entries. The bytes this node writes are thus always ones a rank gave.
+absl::StatusOr<LocalSave> LocalSaveOf(const peer::v1::PlanPart& part,
+                                      const PlanPartContext& context, int64_t unique_id);
+
+void ToMsg(const std::string& tensor, const ckpt::ShardMeta& s, peer::v1::ShardMsg* m);
+// A shard a node reported (INVALID_ARGUMENT naming `who` when its dtype or
+// box is unusable); the version's metadata is then checked whole
+// (ckpt::SaveMetadataJson: files, bounds, sizes, checksum counts, coverage).
+absl::StatusOr<std::pair<std::string, ckpt::ShardMeta>> FromMsg(const peer::v1::ShardMsg& m,
+                                                                const std::string& who);
 
 }  // namespace ckptd
 

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <thread>
 
 #include "client/ckptd_client.h"
 #include "core/offline.h"
@@ -168,6 +169,54 @@ class MultiNode : public ::testing::TestWithParam<bool> {
     return (*c)->Status()->bytes_read_total();
   }
 
+  // Rank r of `layout` saves its shards (the oracle's bytes) through node
+  // r / per_node, with that node's ranks as node_ranks, one thread per rank.
+  std::vector<absl::StatusOr<ckptd::v1::SaveResponse>> SaveJob(const Layout& layout, int per_node,
+                                                               const std::string& path,
+                                                               const std::string& job, int64_t uid) {
+    const int world = layout.world_size;
+    std::vector<absl::StatusOr<ckptd::v1::SaveResponse>> out(world, absl::UnknownError("not run"));
+    std::vector<std::thread> threads;
+    for (int r = 0; r < world; ++r) {
+      threads.emplace_back([&, r] {
+        const int node = r / per_node;
+        ckptd::Client::Options o;
+        o.socket = nodes_[node]->socket();
+        auto c = ckptd::Client::Connect(o);
+        if (!c.ok()) {
+          out[r] = c.status();
+          return;
+        }
+        std::vector<std::vector<uint8_t>> bytes;
+        ckptd::SaveSpec spec;
+        spec.job_id = job;
+        spec.rank = r;
+        spec.world_size = world;
+        spec.path = path;
+        spec.unique_id = uid;
+        spec.barrier_timeout = absl::Seconds(20);
+        for (int k = node * per_node; k < std::min(world, (node + 1) * per_node); ++k) {
+          spec.node_ranks.push_back(k);
+        }
+        for (const TargetTensor& t : layout.ranks[r].tensors) bytes.push_back(OracleBytes(t, full_));
+        for (size_t i = 0; i < layout.ranks[r].tensors.size(); ++i) {
+          const TargetTensor& t = layout.ranks[r].tensors[i];
+          ckptd::TensorSpec ts;
+          ts.name = t.name;
+          ts.dtype = t.dtype;
+          ts.global_shape = t.global_shape;
+          ts.box = t.box;
+          ts.flat_range = t.flat_range;
+          ts.buffer = bytes[i].data();
+          spec.tensors.push_back(ts);
+        }
+        out[r] = (*c)->Save(spec);
+      });
+    }
+    for (auto& t : threads) t.join();
+    return out;
+  }
+
   testing::TempDir tmp_;
   testing::CertFiles tls_;
   FullModel full_;  // the model's full tensors: the oracle
@@ -278,6 +327,107 @@ TEST_P(MultiNode, PeerKilledMidLoadThenRetrySucceeds) {
   EXPECT_THAT(RunJob("ckpt", lf, kWorld, "retry", tmp_.Sub("out-retry")), ::testing::Each(0))
       << Slurp(tmp_.Sub("retry.log"));
   ASSERT_TRUE(LayoutMatchesOracle(tmp_.Sub("out-retry"), load, full_));
+}
+
+// (e) A save across 3 daemons into node-local directories: every node
+// writes only its own ranks' files, each node commits the version's
+// metadata once all of them prepared, and the version loads back
+// resharded by another number of ranks, byte-exact.
+TEST_P(MultiNode, SaveAcrossNodesNodeLocalThenLoadResharded) {
+  const int kNodes = 3, kWorld = 6;
+  std::vector<std::string> roots;
+  for (int n = 0; n < kNodes; ++n) {
+    roots.push_back(tmp_.Sub("snode" + std::to_string(n)));
+    ASSERT_TRUE(MakeDirs(roots.back()).ok());
+  }
+  StartNodes(roots);
+  const Layout save = MakeLayout(kWorld, 0, true);
+  auto saved = SaveJob(save, 2, "saved", "msave", 7);
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_TRUE(saved[r].ok()) << "rank " << r << ": " << saved[r].status() << Slurp(nodes_[0]->log());
+    EXPECT_TRUE(saved[r]->persisted());
+    EXPECT_EQ(saved[r]->metadata_file(), "7.metadata");
+  }
+  EXPECT_THAT(Slurp(nodes_[0]->log()), HasSubstr("coordinator save job=msave nodes=3 ranks=6"));
+  uint64_t written = 0;
+  for (int n = 0; n < kNodes; ++n) {
+    const std::string dir = roots[n] + "/saved";
+    EXPECT_TRUE(fs::exists(dir + "/7.metadata")) << "node " << n;
+    for (const auto& e : fs::directory_iterator(dir)) {
+      const std::string f = e.path().filename().string();
+      if (f == "7.metadata" || f == ".ckptd.lock") continue;
+      // Only this node's ranks' data files (ranks 2n, 2n+1), no leftovers.
+      EXPECT_TRUE(f == std::to_string(2 * n) + "_7.safetensors" ||
+                  f == std::to_string(2 * n + 1) + "_7.safetensors")
+          << "node " << n << " holds " << f;
+      written += fs::file_size(e.path());
+    }
+    EXPECT_EQ(Slurp(dir + "/7.metadata"), Slurp(roots[0] + "/saved/7.metadata")) << "node " << n;
+  }
+  EXPECT_GT(written, 0u);
+  // Loaded back by 3 ranks (one per daemon: every node's files are needed)
+  // split on another dim.
+  Layout load = MakeLayout(3, 1, false);
+  std::string lf = WriteLayout(load, "sload3.json");
+  EXPECT_THAT(RunJob("saved", lf, 3, "msave-load", tmp_.Sub("out-msave")), ::testing::Each(0))
+      << Slurp(tmp_.Sub("msave-load.log")) << Slurp(nodes_[0]->log());
+  ASSERT_TRUE(LayoutMatchesOracle(tmp_.Sub("out-msave"), load, full_));
+  // The same version again: refused on every node (it exists), nothing changed.
+  auto again = SaveJob(save, 2, "saved", "msave-again", 7);
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_FALSE(again[r].ok()) << "rank " << r;
+    EXPECT_THAT(std::string(again[r].status().message()), HasSubstr("already exists")) << "rank " << r;
+  }
+}
+
+// (f) A node killed in the middle of a save: every rank of the surviving
+// nodes gets an error naming it, no node shows the version, and the
+// version saved before still loads.
+TEST_P(MultiNode, SaveNodeKilledMidSaveNoVersionAppears) {
+  const int kNodes = 3, kWorld = 6;
+  std::vector<std::string> roots;
+  for (int n = 0; n < kNodes; ++n) {
+    roots.push_back(tmp_.Sub("knode" + std::to_string(n)));
+    ASSERT_TRUE(MakeDirs(roots.back()).ok());
+  }
+  StartNodes(roots);
+  const Layout save = MakeLayout(kWorld, 0, false);
+  auto first = SaveJob(save, 2, "ck", "ksave1", 1);
+  for (int r = 0; r < kWorld; ++r) ASSERT_TRUE(first[r].ok()) << first[r].status();
+  // Every node pauses 1.5 s between its plan part and writing: node 2 is
+  // killed inside that window.
+  const std::string peers = AllAddrs();
+  for (int n = 0; n < kNodes; ++n) {
+    nodes_[n].reset();
+    StartNode(n, roots[n], peers, {"--testing-delay-part-ms", "1500"});
+  }
+  std::vector<absl::StatusOr<ckptd::v1::SaveResponse>> second;
+  std::thread saver([&] { second = SaveJob(save, 2, "ck", "ksave2", 2); });
+  const bool seen = Await(
+      [&] {
+        return Slurp(nodes_[2]->log()).find("multi-node save job=ksave2: plan part received") !=
+               std::string::npos;
+      },
+      "node 2 to log that it received its part of save job 'ksave2'");
+  nodes_[2]->Kill();  // SIGKILL: no draining
+  saver.join();
+  ASSERT_TRUE(seen) << Slurp(nodes_[2]->log());
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_FALSE(second[r].ok()) << "rank " << r;
+    if (r < 4) {  // ranks of the surviving nodes: the error names the lost one
+      EXPECT_THAT(std::string(second[r].status().message()), HasSubstr(addrs_[2])) << "rank " << r;
+    }
+  }
+  for (int n = 0; n < kNodes; ++n) {
+    EXPECT_FALSE(fs::exists(roots[n] + "/ck/2.metadata")) << "node " << n;
+  }
+  // Node 2 back: version 1 loads byte-exact; version 2 does not exist.
+  StartNode(2, roots[2], peers, {});
+  Layout load = MakeLayout(kWorld, 1, false);
+  std::string lf = WriteLayout(load, "kload6.json");
+  EXPECT_THAT(RunJob("ck", lf, kWorld, "kload", tmp_.Sub("out-kload")), ::testing::Each(0))
+      << Slurp(tmp_.Sub("kload.log"));
+  ASSERT_TRUE(LayoutMatchesOracle(tmp_.Sub("out-kload"), load, full_));
 }
 
 // (d) AOA statements in a multi-node job: planned once by the coordinator

@@ -277,6 +277,31 @@ TEST(Writer, ReplicasWrittenOnceBalancedByBytes) {
   EXPECT_EQ(plan->writes[1][0].name, "b");
 }
 
+TEST(Writer, ReplicasBalancedByNodeBytesAcrossNodes) {
+  // Node 0 serves ranks 0-2, node 1 rank 3. Four 16-element replicas held by
+  // every rank: by rank bytes, node 0 (3 ranks) would write three of them;
+  // by node bytes each node writes two.
+  std::vector<RankTargets> ranks;
+  for (int r = 0; r < 4; ++r) {
+    ranks.push_back({r, {Target("a", {16}, {0}, {16}), Target("b", {16}, {0}, {16}),
+                         Target("c", {16}, {0}, {16}), Target("d", {16}, {0}, {16})}});
+  }
+  auto plan = PlanSave(ranks, 4, 0, std::vector<int>{0, 0, 0, 1});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  size_t node0 = 0;
+  for (int r = 0; r < 3; ++r) node0 += plan->writes[r].size();
+  EXPECT_EQ(node0, 2u);
+  EXPECT_EQ(plan->writes[3].size(), 2u);
+  // Every replica written exactly once.
+  std::set<std::string> names;
+  for (const auto& w : plan->writes) {
+    for (const auto& t : w) EXPECT_TRUE(names.insert(t.name).second) << t.name;
+  }
+  EXPECT_EQ(names.size(), 4u);
+  // A node list that does not cover the world is refused.
+  EXPECT_FALSE(PlanSave(ranks, 4, 0, std::vector<int>{0, 0, 1}).ok());
+}
+
 TEST(Merge, HuggingFaceShardsAndIndex) {
   testing::TempDir tmp;
   std::string src = tmp.Sub("src");

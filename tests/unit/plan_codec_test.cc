@@ -402,5 +402,89 @@ TEST(PlanPartFromARealPlan, PassesOnEveryNode) {
   }
 }
 
+// --- Multi-node saves -------------------------------------------------------
+
+// Node A serves rank 1 of a 2-rank save; rank 1 handed over rows 4..7 of "w".
+class SavePartTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    rank1_.rank = 1;
+    rank1_.tensors.push_back(Target("w", ckpt::DType::kF32, {8, 4}, {{4, 0}, {4, 4}}));
+    ctx_.job_id = kJob;
+    ctx_.node = kA;
+    ctx_.sender = kB;
+    ctx_.world_size = 2;
+    ctx_.ranks = {&rank1_};
+    part_.set_job_id(kJob);
+    part_.add_nodes(kA);
+    part_.add_nodes(kB);
+    pv1::SavePart* sp = part_.mutable_save();
+    sp->set_unique_id(3);
+    sp->set_checksum_block(1 << 20);
+    pv1::TensorInfoMsg* t = sp->add_tensors();
+    t->set_name("w");
+    t->set_dtype("F32");
+    t->add_global_shape(8);
+    t->add_global_shape(4);
+    pv1::RankTargetsMsg* w = sp->add_writes();
+    w->set_rank(1);
+    ToMsg(rank1_.tensors[0], w->add_targets());
+  }
+  absl::Status Check() { return LocalSaveOf(part_, ctx_, 3).status(); }
+  ckpt::RankTargets rank1_;
+  PlanPartContext ctx_;
+  pv1::PlanPart part_;
+};
+
+TEST_F(SavePartTest, ValidPartBecomesThisNodesWrites) {
+  auto local = LocalSaveOf(part_, ctx_, 3);
+  ASSERT_TRUE(local.ok()) << local.status();
+  ASSERT_EQ(local->plan.writes.size(), 2u);
+  EXPECT_TRUE(local->plan.writes[0].empty());
+  ASSERT_EQ(local->plan.writes[1].size(), 1u);
+  EXPECT_EQ(local->plan.writes[1][0].box, (ckpt::Box{{4, 0}, {4, 4}}));
+  EXPECT_EQ(local->plan.tensors.count("w"), 1u);
+}
+
+TEST_F(SavePartTest, ShardTheRankDidNotHandOverIsRefused) {
+  // A larger box than rank 1 gave: writing it would read past its bytes.
+  SetBox(part_.mutable_save()->mutable_writes(0)->mutable_targets(0)->mutable_box(), {0, 0}, {8, 4});
+  EXPECT_THAT(Check().message(), HasSubstr("is not a shard rank 1 handed over"));
+}
+
+TEST_F(SavePartTest, RankOfAnotherNodeVersionAndBlockAreRefused) {
+  pv1::PlanPart other = part_;
+  other.mutable_save()->mutable_writes(0)->set_rank(0);
+  EXPECT_THAT(LocalSaveOf(other, ctx_, 3).status().message(), HasSubstr("rank 0 is not served here"));
+  EXPECT_THAT(LocalSaveOf(part_, ctx_, 4).status().message(), HasSubstr("save.unique_id"));
+  part_.mutable_save()->set_checksum_block(0);
+  EXPECT_THAT(Check().message(), HasSubstr("save.checksum_block"));
+}
+
+TEST_F(SavePartTest, TensorInfoDisagreeingWithTheShardIsRefused) {
+  part_.mutable_save()->mutable_tensors(0)->set_dtype("BF16");
+  EXPECT_THAT(Check().message(), HasSubstr("disagrees with save.tensors"));
+}
+
+TEST(ShardMsg, RoundTripAndBadBoxRefused) {
+  ckpt::ShardMeta s;
+  s.file = "1_3.safetensors";
+  s.box = ckpt::Box{{4, 0}, {4, 4}};
+  s.dtype = ckpt::DType::kF32;
+  s.data_offset = 128;
+  s.nbytes = 64;
+  s.xxh3 = {42};
+  pv1::ShardMsg m;
+  ToMsg("w", s, &m);
+  auto back = FromMsg(m, "node B");
+  ASSERT_TRUE(back.ok()) << back.status();
+  EXPECT_EQ(back->first, "w");
+  EXPECT_EQ(back->second.box, s.box);
+  EXPECT_EQ(back->second.xxh3, s.xxh3);
+  EXPECT_EQ(back->second.nbytes, 64u);
+  SetBox(m.mutable_box(), {0}, {4, 4});
+  EXPECT_THAT(FromMsg(m, "node B").status().message(), HasSubstr("node B"));
+}
+
 }  // namespace
 }  // namespace ckptd

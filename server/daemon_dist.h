@@ -1,0 +1,120 @@
+// Private to the daemon's multi-node files (daemon_multinode.cc: loads,
+// daemon_multinode_save.cc: saves): a multi-node job's record on one node
+// and the helpers both use.
+#ifndef CKPTD_SERVER_DAEMON_DIST_H_
+#define CKPTD_SERVER_DAEMON_DIST_H_
+
+#include <chrono>
+#include <functional>
+#include <map>
+#include <optional>
+#include <set>
+#include <string>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/status/status.h"
+#include "absl/strings/str_cat.h"
+#include "absl/time/time.h"
+#include "core/executor.h"
+#include "proto/peer.pb.h"
+#include "server/daemon.h"
+
+namespace ckptd {
+
+struct Daemon::DistJob {
+  std::string id;
+  // A finished job stays a little (late joiners get its error, slow fetchers
+  // their bytes) and is dropped by PurgeDistJobsLocked after this time.
+  absl::Time expires = absl::InfiniteFuture();
+  bool coordinator = false;
+  bool save = false;   // a multi-node save (daemon_multinode_save.cc), else a load
+  bool overwrite = false;  // a save's (compared across nodes)
+  absl::Time deadline;  // for joining and planning
+  // How long the outcome may take once this node reported (Complete): a
+  // load's nodes finish close together (peer_timeout); a save's may write
+  // for long, so its nodes wait while the missing ones are alive and working
+  // on it, up to load_timeout from the job's start.
+  absl::Time outcome_deadline;
+  std::string path;       // as the ranks named it (compared across nodes)
+  std::string local_dir;  // where it resolves on this node
+  std::optional<int64_t> unique_id;
+  int world_size = 0;
+  std::string aoa;  // the job's AOA statements (compared across nodes)
+  // Coordinator: gathering and planning.
+  std::map<std::string, peer::v1::JoinRequest> joins;  // node -> its join
+  std::set<int> ranks_joined;
+  bool planned = false;
+  absl::Status plan_status;
+  std::map<std::string, peer::v1::PlanPart> parts;
+  // Serving: reads this node does that other nodes need (global index).
+  struct Served {
+    bool ready = false;
+    ckpt::RangeView view;  // pinned bytes of the read once ready
+    uint64_t length = 0;
+    uint64_t xxh3 = 0;     // of the bytes as read (and verified) here
+    std::set<std::string> needers;  // the other nodes whose parts copy from it
+    std::set<std::string> fetched;  // who fetched it (once each)
+    int remaining = 0;     // fetches still expected
+  };
+  std::map<uint32_t, Served> served;
+  bool part_known = false;
+  absl::Status exec_status;
+  // The first authorization violation seen here (PERMISSION_DENIED naming
+  // the caller): the job fails with it on this node.
+  absl::Status violation;
+  // Every node of the job (known once planned / the part arrived).
+  std::vector<std::string> nodes;
+  // Coordinator: completion.
+  std::map<std::string, peer::v1::CompleteRequest> completes;
+  std::set<std::string> reported;  // nodes that sent Complete themselves
+  bool finished = false;
+  peer::v1::CompleteResponse outcome;
+};
+
+// What every node of a multi-node job sends its coordinator: the job, this
+// node's ranks and their targets (loads add their files, saves SaveJoin).
+peer::v1::JoinRequest BaseJoin(const Daemon::Job& job,
+                               const std::vector<std::shared_ptr<Daemon::RankSlot>>& slots,
+                               const std::string& node, const std::string& path, int coordinator_rank);
+
+// A part from `coordinator` must name this job, and both this node and the
+// coordinator among its nodes (PERMISSION_DENIED otherwise).
+absl::Status CheckPartOrigin(const peer::v1::PlanPart& part, const std::string& job_id,
+                             const std::string& me, const std::string& coordinator);
+
+// A multi-node job's status on this node from its own part's (`exec`) and
+// the job's outcome: another node's failure names that node; this node's own
+// failure wins unless it only echoes another's (its fetches refused or cut).
+absl::Status JobOutcome(const std::string& job_id, const absl::Status& exec,
+                        const absl::StatusOr<peer::v1::CompleteResponse>& outcome);
+
+// Codes a node's part fails with when another node failed first: its
+// fetches refused (ABORTED "... failed its part"), cut or never answered.
+inline bool EchoOfAnotherFailure(int code) {
+  const auto c = static_cast<absl::StatusCode>(code);
+  return c == absl::StatusCode::kAborted || c == absl::StatusCode::kUnavailable ||
+         c == absl::StatusCode::kCancelled;
+}
+
+inline absl::Status FromGrpc(const grpc::Status& s, absl::string_view who) {
+  if (s.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(s.error_code()),
+                      absl::StrCat(who, ": ", s.error_message()));
+}
+
+inline std::chrono::system_clock::time_point ToChrono(absl::Time t) {
+  return std::chrono::system_clock::from_time_t(0) +
+         std::chrono::microseconds(absl::ToUnixMicros(t));
+}
+
+// Why a wait ended without its condition.
+inline absl::Status WaitFailed(const std::function<bool()>& cancelled, const std::string& what) {
+  if (cancelled && cancelled()) return absl::CancelledError(absl::StrCat(what, ": the caller went away"));
+  return absl::DeadlineExceededError(what);
+}
+
+}  // namespace ckptd
+
+#endif  // CKPTD_SERVER_DAEMON_DIST_H_

@@ -1,0 +1,330 @@
+// Multi-node saves: a save job whose ranks span several daemons (each node's
+// SaveRequests carry node_ranks, a strict subset of the world). Two phases,
+// so that a version is visible only when every byte of it is durable:
+//  1. Plan. Each node sends its ranks' shards to the coordinator (the node
+//     serving rank 0) through Join. The coordinator plans once for the whole
+//     job (ckpt::PlanSave with every rank's node: a replicated shard is
+//     written once, by the node with the fewest bytes to write) and answers
+//     each node with what its ranks write (PlanPart.save).
+//  2. Prepare. Every node writes its ranks' data files into its own copy of
+//     the directory (node-local disks or one shared directory), each file
+//     fsynced and renamed, the directory fsynced, and reports the shards it
+//     wrote through Complete.
+//  3. Commit. Once every node prepared, the coordinator's outcome carries
+//     every node's shards and each node writes `{uid}.metadata` from them
+//     (temporary name, fsync, rename, directory fsync). A node that failed
+//     or went away fails the save on every node (the outcome names it; a
+//     node lost is found by Ping within peer_timeout) and no node writes
+//     metadata: no version appears.
+// docs/saving.md ("Saves across nodes") tells the rules to users.
+#include <algorithm>
+#include <chrono>
+
+#include <grpcpp/grpcpp.h>
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/file.h"
+#include "core/status_macros.h"
+#include "core/writer.h"
+#include "server/daemon.h"
+#include "server/daemon_dist.h"
+#include "server/daemon_internal.h"
+#include "server/plan_codec.h"
+
+namespace ckptd {
+
+namespace {
+// The rank whose node coordinates a multi-node save.
+constexpr int kSaveCoordinatorRank = 0;
+}  // namespace
+
+absl::StatusOr<peer::v1::PlanPart> Daemon::CoordinateSave(const std::shared_ptr<DistJob>& dj,
+                                                          const peer::v1::JoinRequest& own) {
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<std::string> nodes;
+  std::vector<peer::v1::JoinRequest> joins;
+  CKPT_RETURN_IF_ERROR(GatherJoins(dj, own, &nodes, &joins));
+  auto plan_all = [&]() -> absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> {
+    std::vector<ckpt::RankTargets> ranks;
+    std::vector<int> node_of_rank(static_cast<size_t>(dj->world_size), 0);
+    std::map<std::string, std::vector<std::string>> flat;
+    std::map<std::string, std::string> flat_from;  // key -> the node that sent it first
+    for (size_t n = 0; n < joins.size(); ++n) {
+      for (const auto& r : joins[n].ranks()) {
+        ckpt::RankTargets rt;
+        rt.rank = r.rank();
+        for (const auto& t : r.targets()) {
+          auto tt = FromMsg(t);
+          if (!tt.ok()) return ckpt::Annotate(tt.status(), absl::StrCat("node ", nodes[n], " rank ", r.rank()));
+          rt.tensors.push_back(*std::move(tt));
+        }
+        node_of_rank[static_cast<size_t>(r.rank())] = static_cast<int>(n);
+        ranks.push_back(std::move(rt));
+      }
+      for (const auto& [key, parts] : joins[n].save().flat_mapping()) {
+        std::vector<std::string> p(parts.parts().begin(), parts.parts().end());
+        auto [it, inserted] = flat.emplace(key, p);
+        if (inserted) {
+          flat_from[key] = nodes[n];
+        } else if (it->second != p) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "save job '", dj->id, "': flat_mapping of '", key, "' differs between nodes ",
+              flat_from[key], " and ", nodes[n]));
+        }
+      }
+    }
+    CKPT_ASSIGN_OR_RETURN(ckpt::SavePlan plan,
+                          ckpt::PlanSave(ranks, dj->world_size, dj->unique_id.value_or(0),
+                                         node_of_rank));
+    std::vector<uint64_t> bytes_of_node(nodes.size(), 0);
+    size_t shards = 0;
+    for (int r = 0; r < dj->world_size; ++r) {
+      for (const auto& t : plan.writes[static_cast<size_t>(r)]) {
+        bytes_of_node[static_cast<size_t>(node_of_rank[static_cast<size_t>(r)])] += t.num_bytes();
+        ++shards;
+      }
+    }
+    std::map<std::string, peer::v1::PlanPart> parts;
+    for (size_t n = 0; n < nodes.size(); ++n) {
+      peer::v1::PlanPart& part = parts[nodes[n]];
+      part.set_job_id(dj->id);
+      for (const auto& nn : nodes) part.add_nodes(nn);
+      part.set_unique_id(plan.unique_id);
+      part.set_format("ckptd");
+      part.set_plan_s(Seconds(t0));
+      peer::v1::SavePart* sp = part.mutable_save();
+      sp->set_unique_id(plan.unique_id);
+      sp->set_checksum_block(plan.checksum_block);
+      sp->set_overwrite(dj->overwrite);
+      for (const auto& [name, info] : plan.tensors) {
+        peer::v1::TensorInfoMsg* t = sp->add_tensors();
+        t->set_name(name);
+        t->set_dtype(std::string(ckpt::DTypeName(info.first)));
+        for (int64_t d : info.second) t->add_global_shape(d);
+      }
+      for (int r = 0; r < dj->world_size; ++r) {
+        if (node_of_rank[static_cast<size_t>(r)] != static_cast<int>(n)) continue;
+        peer::v1::RankTargetsMsg* w = sp->add_writes();
+        w->set_rank(r);
+        for (const auto& t : plan.writes[static_cast<size_t>(r)]) ToMsg(t, w->add_targets());
+      }
+      for (const auto& [key, p] : flat) {
+        auto* kp = &(*sp->mutable_flat_mapping())[key];
+        for (const auto& s : p) kp->add_parts(s);
+      }
+    }
+    std::string balance;
+    for (size_t n = 0; n < nodes.size(); ++n) {
+      absl::StrAppend(&balance, n ? " " : "", nodes[n], "=", bytes_of_node[n], "B");
+    }
+    spdlog::info("coordinator save job={} nodes={} ranks={} shards={} plan={:.4f}s bytes to write: {}",
+                 dj->id, nodes.size(), ranks.size(), shards, Seconds(t0), balance);
+    return parts;
+  };
+  return PublishParts(dj, nodes, own.node(), plan_all());
+}
+
+void Daemon::RunDistributedSave(const std::shared_ptr<Job>& job,
+                                const std::vector<std::shared_ptr<RankSlot>>& slots) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::string me = config_.peer_listen;
+  auto fail_all = [&](const absl::Status& s) {
+    spdlog::warn("multi-node save job={} failed on {}: {}", job->id, me, s.ToString());
+    FailJob(*job, s);
+  };
+  if (me.empty()) {
+    return fail_all(absl::FailedPreconditionError(absl::StrCat(
+        "save job '", job->id, "' spans several daemons (this one serves ", job->expected.size(),
+        " of ", job->world_size, " ranks) but this daemon has no peer_listen configured")));
+  }
+  const v1::SaveRequest& first = slots.front()->save_request;
+  if (first.async_save()) {
+    return fail_all(absl::InvalidArgumentError(absl::StrCat(
+        "save job '", job->id, "': async_save is for saves on one node (this job spans ",
+        job->world_size, " ranks, ", job->expected.size(),
+        " of them here); save across nodes without async_save")));
+  }
+  peer::v1::JoinRequest own = BaseJoin(*job, slots, me, first.path(), kSaveCoordinatorRank);
+  own.mutable_save()->set_overwrite(first.overwrite());
+  for (const auto& s : slots) {
+    for (const auto& [key, parts] : s->save_request.flat_mapping()) {
+      *(*own.mutable_save()->mutable_flat_mapping())[key].mutable_parts() = parts.parts();
+    }
+  }
+  DistJobKind kind;
+  kind.save = true;
+  kind.overwrite = first.overwrite();
+  const bool coordinates = job->expected.count(kSaveCoordinatorRank) > 0;
+  std::shared_ptr<DistJob> dj = NewDistJob(*job, first.path(), coordinates, kind);
+  {
+    absl::MutexLock lock(&mu_);
+    job->phase = coordinates ? "gathering the save's ranks from peers" : "joining the coordinator";
+  }
+  // 1. The plan: what this node's ranks write.
+  peer::v1::PlanPart part;
+  std::string coordinator = me;
+  if (coordinates) {
+    auto p = CoordinateSave(dj, own);
+    if (!p.ok()) {
+      fail_all(p.status());
+      RetireDistJob(dj, absl::Seconds(2));  // late joiners still get the error
+      return;
+    }
+    part = std::move(*p);
+  } else {
+    auto p = JoinCoordinator(own, dj->deadline);
+    absl::Status origin = p.ok() ? CheckPartOrigin(p->first, job->id, me, p->second) : p.status();
+    if (!origin.ok()) {
+      RetireDistJob(dj, absl::ZeroDuration());
+      return fail_all(origin);
+    }
+    part = std::move(p->first);
+    coordinator = p->second;
+  }
+  PlanPartContext pctx;
+  pctx.job_id = job->id;
+  pctx.node = me;
+  pctx.sender = coordinator;
+  pctx.world_size = job->world_size;
+  for (const auto& s : slots) pctx.ranks.push_back(&s->targets);
+  absl::StatusOr<LocalSave> local = LocalSaveOf(part, pctx, job->unique_id.value_or(0));
+  absl::Status exec = local.status();
+  {
+    absl::MutexLock lock(&peer_mu_);
+    if (exec.ok()) {
+      dj->nodes.assign(part.nodes().begin(), part.nodes().end());
+    } else {
+      dj->exec_status = exec;
+    }
+    dj->part_known = true;
+  }
+  if (!exec.ok()) {
+    spdlog::warn("multi-node save job={}: refused the plan part from {}: {}", job->id, coordinator,
+                 exec.ToString());
+  } else if (!coordinates) {
+    size_t shards = 0;
+    for (const auto& w : local->plan.writes) shards += w.size();
+    spdlog::info("multi-node save job={}: plan part received from coordinator {} ({} shards to "
+                 "write here)", job->id, coordinator, shards);
+  }
+  if (config_.testing_delay_part > absl::ZeroDuration()) {
+    absl::SleepFor(config_.testing_delay_part);  // fault injection for tests only
+  }
+  // 2. Prepare: this node's ranks' data files, durable.
+  NativeSaved written;
+  const int64_t version = job->unique_id.value_or(0);
+  if (exec.ok()) {
+    NativeSave save = NativeSaveOf(*job, slots, local->plan);
+    save.flat_mapping = local->flat_mapping;
+    save.overwrite = local->overwrite;
+    uint64_t total = 0;
+    for (const auto& w : save.plan.writes) {
+      for (const auto& t : w) total += t.num_bytes();
+    }
+    {
+      absl::MutexLock lock(&mu_);
+      job->phase = "writing (multi-node save)";
+      job->total = total;
+    }
+    auto w = [&]() -> absl::StatusOr<NativeSaved> {
+      CKPT_RETURN_IF_ERROR(ckpt::MakeDirs(job->path));
+      CKPT_ASSIGN_OR_RETURN(auto lock, ckpt::LockDirectory(job->path, 60'000));
+      CKPT_RETURN_IF_ERROR(ckpt::PrepareSave(*lock.directory(), version, save.overwrite));
+      return WriteNativeFiles(save, lock.directory(), &job->progress, nullptr);
+    }();
+    if (w.ok()) {
+      written = *std::move(w);
+    } else {
+      exec = ckpt::Annotate(w.status(), absl::StrCat("save job '", job->id, "' on ", me));
+    }
+  }
+  {
+    absl::MutexLock lock(&peer_mu_);
+    if (exec.ok() && !dj->violation.ok()) exec = dj->violation;
+    if (!exec.ok()) dj->exec_status = exec;
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    job->phase = "waiting for the other nodes to prepare";
+  }
+  peer::v1::CompleteRequest done;
+  done.set_job_id(job->id);
+  done.set_node(me);
+  done.set_ok(exec.ok());
+  done.set_error(std::string(exec.message()));
+  done.set_error_code(static_cast<int>(exec.code()));
+  done.set_bytes_written(written.bytes);
+  for (const auto& [name, shard] : written.shards) ToMsg(name, shard, done.add_shards());
+  absl::StatusOr<peer::v1::CompleteResponse> outcome;
+  if (coordinates) {
+    outcome = AwaitOutcome(dj, done);
+  } else {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(ToChrono(std::max(dj->outcome_deadline, absl::Now() + config_.peer_timeout) +
+                              absl::Seconds(5)));
+    peer::v1::CompleteResponse resp;
+    grpc::Status s = PeerStub(coordinator)->Complete(&ctx, done, &resp);
+    if (s.ok()) {
+      outcome = resp;
+    } else {
+      outcome = absl::UnavailableError(absl::StrCat("coordinator ", coordinator,
+                                                    " did not confirm the save: ", s.error_message()));
+    }
+  }
+  RetireDistJob(dj, absl::Seconds(1));
+  absl::Status final_status = JobOutcome(job->id, exec, outcome);
+  if (!final_status.ok()) return fail_all(final_status);
+  // 3. Commit: every node prepared; the version's metadata, from every
+  // node's shards, here.
+  {
+    absl::MutexLock lock(&mu_);
+    job->phase = "committing";
+  }
+  auto commit = [&]() -> absl::Status {
+    std::vector<std::pair<std::string, ckpt::ShardMeta>> shards;
+    const std::string who = absl::StrCat("save job '", job->id, "': outcome from ", coordinator);
+    for (const auto& m : outcome->shards()) {
+      CKPT_ASSIGN_OR_RETURN(auto sh, FromMsg(m, who));
+      shards.push_back(std::move(sh));
+    }
+    CKPT_ASSIGN_OR_RETURN(std::string json,
+                          ckpt::SaveMetadataJson(local->plan, shards, local->flat_mapping,
+                                                 absl::StrCat("save job '", job->id, "' into ",
+                                                              job->path)));
+    CKPT_ASSIGN_OR_RETURN(auto lock, ckpt::LockDirectory(job->path, 60'000));
+    const std::string name = absl::StrCat(version, ".metadata");
+    CKPT_ASSIGN_OR_RETURN(bool exists, lock.directory()->Exists(name));
+    if (exists) {
+      // A directory the nodes share: another node of the job committed it.
+      auto have = lock.directory()->ReadSmallFile(name, json.size() + 1);
+      if (have.ok() && *have == json) return absl::OkStatus();
+      if (!local->overwrite) {
+        return absl::AlreadyExistsError(absl::StrCat(
+            job->path, ": version ", version, " appeared while save job '", job->id,
+            "' was writing it (another writer of the directory); the data files of both may "
+            "be mixed: save again with overwrite"));
+      }
+    }
+    return ckpt::WriteFileAtomicIn(lock.directory(), name, json);
+  };
+  if (absl::Status c = commit(); !c.ok()) {
+    return fail_all(ckpt::Annotate(c, absl::StrCat("save job '", job->id, "' on ", me,
+                                                   ": every node prepared, the commit failed")));
+  }
+  DropCachedMetadata(job->path);
+  FinishSaveJob(job, slots, [&](RankSlot& s) {
+    v1::SaveResponse& r = s.save_result;
+    for (const auto& f : written.files_of_rank[s.targets.rank]) r.add_files(f);
+    r.set_bytes_written(outcome->job_bytes_written());
+    r.set_metadata_file(absl::StrCat(version, ".metadata"));
+    r.set_persisted(true);
+  });
+  spdlog::info("multi-node save job={} path={} version={} nodes={} ranks here={}: {}B written "
+               "here, {}B in the job, committed in {:.3f}s",
+               job->id, job->path, version, part.nodes_size(), slots.size(), written.bytes,
+               outcome->job_bytes_written(), Seconds(t0));
+}
+
+}  // namespace ckptd
