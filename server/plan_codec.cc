@@ -558,7 +558,9 @@ absl::StatusOr<LocalSave> LocalSaveOf(const peer::v1::PlanPart& part,
     const peer::v1::RankTargetsMsg& rw = sp.writes(w);
     const std::string f = absl::StrCat("save.writes[", w, "]");
     auto rank = mine.find(rw.rank());
-    if (rank == mine.end()) return bad(f, absl::StrCat("rank ", rw.rank(), " is not served here"));
+    if (rank == mine.end() || rw.rank() < 0 || rw.rank() >= context.world_size) {
+      return bad(f, absl::StrCat("rank ", rw.rank(), " is not served here"));
+    }
     if (!seen_ranks.insert(rw.rank()).second) return bad(f, absl::StrCat("rank ", rw.rank(), " twice"));
     std::set<std::string> names;
     for (int t = 0; t < rw.targets_size(); ++t) {

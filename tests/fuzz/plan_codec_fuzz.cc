@@ -227,5 +227,53 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
     }
     CheckLocalPart(part, ctx, *local, asked);
   }
+
+  // A save part (PlanPart.save) as RunDistributedSave checks it: this
+  // node's ranks handed over the shards the part's own writes name (those
+  // that parse), in a world just large enough for them.
+  if (part.has_save()) {
+    std::vector<ckpt::RankTargets> handed;
+    int world = 0;
+    for (const auto& rw : part.save().writes()) {
+      if (rw.rank() < 0 || rw.rank() >= 1 << 16) continue;
+      world = std::max(world, rw.rank() + 1);
+      ckpt::RankTargets rt;
+      rt.rank = rw.rank();
+      for (const auto& tm : rw.targets()) {
+        auto t = ckptd::FromMsg(tm);
+        if (t.ok()) rt.tensors.push_back(*std::move(t));
+      }
+      handed.push_back(std::move(rt));
+    }
+    ckptd::PlanPartContext sctx = ctx;
+    sctx.node = part.nodes_size() > 0 ? part.nodes(0) : "";
+    sctx.world_size = world;
+    sctx.ranks.clear();
+    for (const auto& rt : handed) sctx.ranks.push_back(&rt);
+    auto local = ckptd::LocalSaveOf(part, sctx, part.save().unique_id());
+    ckptd_fuzz::Note("LocalSaveOf", local.status());
+    if (!local.ok()) {
+      FUZZ_CHECK(local.status().code() == absl::StatusCode::kInvalidArgument, local.status().ToString());
+      FUZZ_CHECK(absl::StartsWith(local.status().message(),
+                                  absl::StrCat("job '", sctx.job_id, "': plan part")),
+                 local.status().ToString());
+    } else {
+      // Every shard to write is one a rank of this node handed over, and
+      // its tensor's dtype and global shape are the metadata's.
+      FUZZ_CHECK(local->plan.writes.size() == static_cast<size_t>(world), "writes size");
+      for (size_t r = 0; r < local->plan.writes.size(); ++r) {
+        for (const ckpt::TargetTensor& t : local->plan.writes[r]) {
+          bool found = false;
+          for (const auto& rt : handed) {
+            if (rt.rank != static_cast<int>(r)) continue;
+            for (const auto& g : rt.tensors) found |= g.name == t.name && g.box == t.box && g.dtype == t.dtype;
+          }
+          FUZZ_CHECK(found, absl::StrCat("rank ", r, " writes '", t.name, "' it did not hand over"));
+          const auto& info = local->plan.tensors.at(t.name);
+          FUZZ_CHECK(info.first == t.dtype && info.second == t.global_shape, "tensor info");
+        }
+      }
+    }
+  }
   return 0;
 }
