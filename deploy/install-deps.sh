@@ -20,9 +20,11 @@ BUILD_PACKAGES=(
   prometheus-cpp-dev libsystemd-dev
   python3
   clang-14 libclang-rt-14-dev llvm-14
+  patchelf
 )
 # (clang-14, its sanitizer/libFuzzer runtimes and llvm-symbolizer: the
-# --config=clang/asan/fuzz builds of .bazelrc, run by tests/run.sh.)
+# --config=clang/asan/fuzz builds of .bazelrc, run by tests/run.sh; patchelf:
+# tests/gpu/bundle.sh points the bundled binaries at their own libraries.)
 # Tests: Python client tests, manifest checks (python3-yaml), the systemd unit
 # check (systemd-analyze), the metrics checks (promtool and the Prometheus
 # server, from the prometheus package), the peer-plane tests' certificates

@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <cstring>
 #include <map>
+#include <set>
 
 #include "absl/strings/str_cat.h"
 #include "client/cuda/device_export.h"
@@ -20,6 +21,40 @@ absl::Status CudaError(cudaError_t e, const std::string& what) {
 }
 
 using GetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
+using PointerGetAttributeFn = CUresult (*)(void*, CUpointer_attribute, CUdeviceptr);
+
+// cuPointerGetAttribute through the runtime's entry-point query (no -lcuda).
+PointerGetAttributeFn PointerAttribute() {
+  static PointerGetAttributeFn fn = [] {
+    void* f = nullptr;
+    cudaDriverEntryPointQueryResult q;
+    if (cudaGetDriverEntryPointByVersion("cuPointerGetAttribute", &f, 12000, cudaEnableDefault,
+                                         &q) != cudaSuccess ||
+        q != cudaDriverEntryPointSuccess) {
+      cudaGetLastError();
+      return PointerGetAttributeFn(nullptr);
+    }
+    return reinterpret_cast<PointerGetAttributeFn>(f);
+  }();
+  return fn;
+}
+
+// Restores the caller's current device when the export is done.
+class KeepCurrentDevice {
+ public:
+  KeepCurrentDevice() {
+    if (cudaGetDevice(&device_) != cudaSuccess) {
+      cudaGetLastError();
+      device_ = -1;
+    }
+  }
+  ~KeepCurrentDevice() {
+    if (device_ >= 0) cudaSetDevice(device_);
+  }
+
+ private:
+  int device_ = -1;
+};
 
 GetAddressRangeFn AddressRange() {
   static GetAddressRangeFn fn = [] {
@@ -43,8 +78,10 @@ bool ClientBuiltWithCuda() { return true; }
 absl::Status AddCudaIpcDestination(const std::vector<const void*>& ptrs,
                                    const std::vector<uint64_t>& sizes,
                                    const std::vector<std::string>& names, v1::LoadRequest* req) {
+  KeepCurrentDevice keep;
   v1::CudaIpcDestination* dest = req->mutable_cuda_ipc();
   std::map<std::pair<int, CUdeviceptr>, uint32_t> by_base;  // (device, base) -> buffer
+  std::set<int> devices;
   for (size_t i = 0; i < ptrs.size(); ++i) {
     const std::string what = absl::StrCat("tensor '", names[i], "'");
     if (ptrs[i] == nullptr) {
@@ -62,6 +99,7 @@ absl::Status AddCudaIpcDestination(const std::vector<const void*>& ptrs,
                        static_cast<int>(attr.type)));
     }
     if (absl::Status s = CudaError(cudaSetDevice(attr.device), "cudaSetDevice"); !s.ok()) return s;
+    devices.insert(attr.device);
     GetAddressRangeFn range = AddressRange();
     if (range == nullptr) {
       return absl::FailedPreconditionError("cuMemGetAddressRange is unavailable (CUDA driver)");
@@ -81,6 +119,19 @@ absl::Status AddCudaIpcDestination(const std::vector<const void*>& ptrs,
     auto key = std::make_pair(attr.device, base);
     auto it = by_base.find(key);
     if (it == by_base.end()) {
+      // PyTorch's expandable segments and cudaMallocAsync pools are virtual
+      // memory mappings that legacy CUDA IPC cannot export: say so by name.
+      if (PointerGetAttributeFn get = PointerAttribute()) {
+        int capable = 1;
+        if (get(&capable, CU_POINTER_ATTRIBUTE_IS_LEGACY_CUDA_IPC_CAPABLE, p) == CUDA_SUCCESS &&
+            capable == 0) {
+          return absl::FailedPreconditionError(absl::StrCat(
+              what, ": its memory cannot be exported with CUDA IPC (not legacy-IPC capable: "
+                    "cudaMallocAsync pools and PyTorch's expandable_segments are not); allocate "
+                    "it with cudaMalloc (PYTORCH_CUDA_ALLOC_CONF without expandable_segments) or "
+                    "use a DeviceArena"));
+        }
+      }
       cudaIpcMemHandle_t h;
       if (absl::Status s = CudaError(cudaIpcGetMemHandle(&h, reinterpret_cast<void*>(base)),
                                      absl::StrCat(what, ": cudaIpcGetMemHandle"));
@@ -103,6 +154,17 @@ absl::Status AddCudaIpcDestination(const std::vector<const void*>& ptrs,
     v1::Target* t = req->mutable_targets(static_cast<int>(i));
     t->set_dest_buffer(it->second);
     t->set_dest_offset(p - base);
+  }
+  // The daemon writes these buffers from its own context: work the caller
+  // queued on them (a cudaMemset, a kernel on any stream) must be finished
+  // first, or it could land after (and over) the loaded bytes.
+  for (int d : devices) {
+    if (absl::Status s = CudaError(cudaSetDevice(d), "cudaSetDevice"); !s.ok()) return s;
+    if (absl::Status s = CudaError(cudaDeviceSynchronize(),
+                                   absl::StrCat("cudaDeviceSynchronize(device ", d, ")"));
+        !s.ok()) {
+      return s;
+    }
   }
   return absl::OkStatus();
 }

@@ -4,6 +4,7 @@
 #include <cuda.h>  // CUdeviceptr and CUresult only: driver calls go through cudaGetDriverEntryPoint
 #include <cuda_runtime_api.h>
 
+#include <algorithm>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -22,6 +23,7 @@
 #include "server/cuda/copy_runs.h"
 #include "server/cuda/cuda_internal.h"
 #include "server/cuda/gpu.h"
+#include "server/cuda/nccl_api.h"
 #include "server/cuda/pinned_arena.h"
 
 namespace ckptd::gpu {
@@ -54,9 +56,13 @@ class IpcCache {
   struct Opened {
     int device = -1;
     void* ptr = nullptr;
+    uint64_t bytes = 0;  // of the allocation from `ptr` on (cuMemGetAddressRange)
     int refs = 0;
   };
 
+  // Opens (or shares) the allocation behind `handle` and checks, on every
+  // call, that it holds the `size` bytes the client declared: a copy past
+  // its end would fault and poison the daemon's context for every job.
   absl::StatusOr<void*> Open(const std::string& handle, int device, uint64_t size,
                              const std::string& what) {
     absl::MutexLock lock(&mu_);
@@ -66,8 +72,15 @@ class IpcCache {
         return absl::InvalidArgumentError(absl::StrCat(what, ": handle already open on device ",
                                                        it->second.device, ", not ", device));
       }
+      if (size > it->second.bytes) return TooLarge(what, size, it->second.bytes);
       ++it->second.refs;
       return it->second.ptr;
+    }
+    GetAddressRangeFn range = AddressRange();
+    if (range == nullptr) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          what, ": the driver lacks cuMemGetAddressRange, so the buffer's size cannot be checked; "
+                "cuda_ipc is refused"));
     }
     cudaError_t e = cudaSetDevice(device);
     if (e != cudaSuccess) return CudaError(e, absl::StrCat("cudaSetDevice(", device, ")"));
@@ -80,21 +93,25 @@ class IpcCache {
       return absl::InvalidArgumentError(absl::StrCat(
           what, ": cudaIpcOpenMemHandle on device ", device, " failed: ", cudaGetErrorName(e), " (",
           cudaGetErrorString(e), "); the handle must come from cudaIpcGetMemHandle of a live "
-          "cudaMalloc allocation of another process on this node"));
+          "cudaMalloc allocation of another process on this node (PyTorch's expandable segments "
+          "and cudaMallocAsync pools cannot be exported this way)"));
     }
-    // The allocation must hold the bytes the client declared, or a copy
-    // would fault and poison the daemon's context for every job.
-    if (GetAddressRangeFn range = AddressRange()) {
-      CUdeviceptr base = 0;
-      size_t bytes = 0;
-      if (range(&base, &bytes, reinterpret_cast<CUdeviceptr>(p)) == CUDA_SUCCESS &&
-          (reinterpret_cast<CUdeviceptr>(p) - base) + size > bytes) {
-        cudaIpcCloseMemHandle(p);
-        return absl::InvalidArgumentError(absl::StrCat(what, " declares ", size,
-                                                       " bytes but the allocation holds ", bytes));
-      }
+    CUdeviceptr base = 0;
+    size_t total = 0;
+    const auto at = reinterpret_cast<CUdeviceptr>(p);
+    if (CUresult r = range(&base, &total, at); r != CUDA_SUCCESS || at < base ||
+                                                at - base > total) {
+      cudaIpcCloseMemHandle(p);
+      return absl::InvalidArgumentError(absl::StrCat(
+          what, ": cuMemGetAddressRange of the opened allocation failed (CUresult ", int(r),
+          "); its size cannot be checked, so it is refused"));
     }
-    open_[handle] = Opened{device, p, 1};
+    const uint64_t bytes = total - (at - base);
+    if (size > bytes) {
+      cudaIpcCloseMemHandle(p);
+      return TooLarge(what, size, bytes);
+    }
+    open_[handle] = Opened{device, p, bytes, 1};
     return p;
   }
 
@@ -117,6 +134,11 @@ class IpcCache {
   }
 
  private:
+  static absl::Status TooLarge(const std::string& what, uint64_t size, uint64_t bytes) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(what, " declares ", size, " bytes but the allocation holds ", bytes));
+  }
+
   static GetAddressRangeFn AddressRange() {
     static GetAddressRangeFn fn = [] {
       void* f = nullptr;
@@ -125,7 +147,7 @@ class IpcCache {
                                            &q) != cudaSuccess ||
           q != cudaDriverEntryPointSuccess) {
         cudaGetLastError();
-        spdlog::warn("cuMemGetAddressRange unavailable: cuda_ipc buffer sizes are not checked");
+        spdlog::warn("cuMemGetAddressRange unavailable: cuda_ipc destinations are refused");
         return GetAddressRangeFn(nullptr);
       }
       return reinterpret_cast<GetAddressRangeFn>(f);
@@ -400,15 +422,39 @@ class CudaDelivery final : public ckpt::Delivery {
 
 std::string Hex(const std::string& b) { return absl::BytesToHexString(b); }
 
+// 13000 -> "13.0"; 0 -> "none".
+std::string CudaVersion(int v) {
+  if (v <= 0) return "none";
+  return absl::StrCat(v / 1000, ".", (v % 1000) / 10);
+}
+
 class CudaRuntime final : public GpuRuntime {
  public:
   explicit CudaRuntime(const GpuOptions& options) {
+    int driver = 0;
+    int runtime = 0;
+    if (cudaDriverGetVersion(&driver) != cudaSuccess) driver = 0;
+    if (cudaRuntimeGetVersion(&runtime) != cudaSuccess) runtime = 0;
+    versions_ = absl::StrCat("driver ", CudaVersion(driver), ", runtime ", CudaVersion(runtime));
     int n = 0;
     cudaError_t e = cudaGetDeviceCount(&n);
     if (e != cudaSuccess) {
       cudaGetLastError();
       init_error_ = absl::StrCat(cudaGetErrorName(e), ": ", cudaGetErrorString(e));
+      if (e == cudaErrorInsufficientDriver) {
+        init_error_ += absl::StrCat("; the driver (", CudaVersion(driver),
+                                    ") is older than this build's CUDA runtime (",
+                                    CudaVersion(runtime), ") needs");
+      } else if (driver == 0) {
+        init_error_ += "; no NVIDIA driver (libcuda.so.1) was found";
+      }
       n = 0;
+    }
+    if (n == 0) {
+      spdlog::warn("CUDA is off ({}): {}", versions_,
+                   init_error_.empty() ? "no CUDA device" : init_error_);
+    } else {
+      spdlog::info("CUDA: {} device(s), {}", n, versions_);
     }
     for (int i = 0; i < n; ++i) {
       cudaDeviceProp p;
@@ -420,6 +466,7 @@ class CudaRuntime final : public GpuRuntime {
       int mp = 0;
       if (cudaDeviceGetAttribute(&mp, cudaDevAttrMaxPitch, i) == cudaSuccess) d.max_pitch = mp;
       if (d.max_pitch <= 0) d.max_pitch = (1ll << 31) - 1;
+      if (options.max_pitch > 0) d.max_pitch = std::min(d.max_pitch, options.max_pitch);
       devices_.push_back(std::move(d));
     }
     if (!devices_.empty() && options.pin_cache) {
@@ -449,15 +496,15 @@ class CudaRuntime final : public GpuRuntime {
 
   std::string Describe() const override {
     if (devices_.empty()) {
-      return absl::StrCat("built with CUDA; no CUDA device",
+      return absl::StrCat("built with CUDA (", versions_, "); no CUDA device",
                           init_error_.empty() ? "" : absl::StrCat(" (", init_error_, ")"));
     }
     std::vector<std::string> d;
     for (size_t i = 0; i < devices_.size(); ++i) {
       d.push_back(absl::StrCat(i, ": ", devices_[i].name));
     }
-    return absl::StrCat(devices_.size(), " CUDA device(s) [", absl::StrJoin(d, "; "),
-                        "]; data cache ", allocator_ ? "pinned (lazily, in chunks)" : "pageable",
+    return absl::StrCat(devices_.size(), " CUDA device(s) [", absl::StrJoin(d, "; "), "] (",
+                        versions_, "); data cache ", allocator_ ? "pinned (lazily, in chunks)" : "pageable",
                         "; open IPC handles ", ipc_->size());
   }
 
@@ -513,7 +560,7 @@ class CudaRuntime final : public GpuRuntime {
     return std::unique_ptr<ckpt::Delivery>(new CudaDelivery(std::move(ranks), &devices_, &staging_));
   }
 
-  bool nccl_available() const override { return !devices_.empty(); }
+  bool nccl_available() const override { return !devices_.empty() && LoadNccl().ok(); }
   absl::StatusOr<std::string> NewNcclId() override { return NcclUniqueId(); }
   absl::StatusOr<std::unique_ptr<PeerLinks>> ConnectPeerLinks(const PeerLinkSpec& spec) override {
     if (devices_.empty()) return absl::FailedPreconditionError("NCCL links need a CUDA device");
@@ -523,6 +570,7 @@ class CudaRuntime final : public GpuRuntime {
  private:
   std::vector<DeviceInfo> devices_;
   std::string init_error_;
+  std::string versions_;
   std::shared_ptr<IpcCache> ipc_ = std::make_shared<IpcCache>();
   StagingPool staging_;
   std::unique_ptr<ChunkedHostAllocator> allocator_;

@@ -69,6 +69,9 @@ struct GpuOptions {
   bool pin_cache = true;               // page-lock the data cache's memory
   uint64_t pinned_limit = 0;           // bytes of pinned chunks at most (0: no limit)
   uint64_t pinned_chunk = 256ull << 20;
+  // Largest pitch of a 2-D copy; 0: the device's (cudaDevAttrMaxPitch). A
+  // smaller value (tests) sends rows past it down the row-by-row path.
+  int64_t max_pitch = 0;
 };
 
 class GpuRuntime {

@@ -15,13 +15,14 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
 #include "server/cuda/cuda_internal.h"
+#include "server/cuda/nccl_api.h"
 
 namespace ckptd::gpu {
 namespace {
 
-absl::Status NcclError(ncclResult_t r, const std::string& what) {
+absl::Status NcclError(const NcclApi& nccl, ncclResult_t r, const std::string& what) {
   if (r == ncclSuccess) return absl::OkStatus();
-  return absl::UnavailableError(absl::StrCat("NCCL ", what, ": ", ncclGetErrorString(r)));
+  return absl::UnavailableError(absl::StrCat("NCCL ", what, ": ", nccl.GetErrorString(r)));
 }
 
 absl::Status CudaErr(cudaError_t e, const std::string& what) {
@@ -37,7 +38,9 @@ class NcclLinks final : public PeerLinks {
       return absl::InvalidArgumentError(absl::StrCat("NCCL id of ", spec.nccl_id.size(),
                                                      " bytes, expected ", sizeof(ncclUniqueId)));
     }
-    auto links = std::unique_ptr<NcclLinks>(new NcclLinks(spec));
+    absl::StatusOr<const NcclApi*> nccl = LoadNccl();
+    if (!nccl.ok()) return nccl.status();
+    auto links = std::unique_ptr<NcclLinks>(new NcclLinks(spec, **nccl));
     if (absl::Status s = links->Init(); !s.ok()) return s;
     return std::unique_ptr<PeerLinks>(std::move(links));
   }
@@ -45,11 +48,11 @@ class NcclLinks final : public PeerLinks {
   ~NcclLinks() override {
     if (comm_ != nullptr && !aborted_) {
       cudaSetDevice(spec_.device);
-      ncclResult_t r = ok_ && !Cancelled() ? ncclCommFinalize(comm_) : ncclInternalError;
+      ncclResult_t r = ok_ && !Cancelled() ? nccl_.CommFinalize(comm_) : ncclInternalError;
       if ((r == ncclSuccess || r == ncclInProgress) && Wait("finalize", spec_.timeout).ok()) {
-        ncclCommDestroy(comm_);
+        nccl_.CommDestroy(comm_);
       } else {
-        ncclCommAbort(comm_);
+        nccl_.CommAbort(comm_);
       }
     }
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
@@ -68,14 +71,14 @@ class NcclLinks final : public PeerLinks {
   void Abort() {
     if (comm_ != nullptr && !aborted_) {
       cudaSetDevice(spec_.device);
-      ncclCommAbort(comm_);
+      nccl_.CommAbort(comm_);
       aborted_ = true;
       ok_ = false;
     }
   }
   bool Cancelled() const { return spec_.cancelled && spec_.cancelled(); }
 
-  explicit NcclLinks(const PeerLinkSpec& spec) : spec_(spec) {}
+  NcclLinks(const PeerLinkSpec& spec, const NcclApi& nccl) : spec_(spec), nccl_(nccl) {}
 
   absl::Status Init() {
     if (auto s = CudaErr(cudaSetDevice(spec_.device), "cudaSetDevice"); !s.ok()) return s;
@@ -91,10 +94,10 @@ class NcclLinks final : public PeerLinks {
     std::memcpy(&id, spec_.nccl_id.data(), sizeof(id));
     ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
     config.blocking = 0;
-    ncclResult_t r = ncclCommInitRankConfig(&comm_, spec_.nranks, id, spec_.rank, &config);
+    ncclResult_t r = nccl_.CommInitRankConfig(&comm_, spec_.nranks, id, spec_.rank, &config);
     if (r != ncclSuccess && r != ncclInProgress) {
       comm_ = nullptr;
-      return NcclError(r, "ncclCommInitRankConfig");
+      return NcclError(nccl_, r, "ncclCommInitRankConfig");
     }
     if (absl::Status s = Wait("connect", spec_.connect_timeout); !s.ok()) {
       Abort();
@@ -109,10 +112,10 @@ class NcclLinks final : public PeerLinks {
     const absl::Time deadline = absl::Now() + timeout;
     while (true) {
       ncclResult_t state = ncclSuccess;
-      ncclResult_t r = ncclCommGetAsyncError(comm_, &state);
-      if (r != ncclSuccess) return NcclError(r, what);
+      ncclResult_t r = nccl_.CommGetAsyncError(comm_, &state);
+      if (r != ncclSuccess) return NcclError(nccl_, r, what);
       if (state == ncclSuccess) return absl::OkStatus();
-      if (state != ncclInProgress) return NcclError(state, what);
+      if (state != ncclInProgress) return NcclError(nccl_, state, what);
       if (Cancelled()) return absl::CancelledError(absl::StrCat("NCCL ", what, ": cancelled"));
       if (absl::Now() > deadline) {
         return absl::DeadlineExceededError(absl::StrCat("NCCL ", what, " did not finish within ",
@@ -130,8 +133,8 @@ class NcclLinks final : public PeerLinks {
       if (e == cudaSuccess) return absl::OkStatus();
       if (e != cudaErrorNotReady) return CudaErr(e, what);
       ncclResult_t state = ncclSuccess;
-      ncclCommGetAsyncError(comm_, &state);
-      if (state != ncclSuccess && state != ncclInProgress) return NcclError(state, what);
+      nccl_.CommGetAsyncError(comm_, &state);
+      if (state != ncclSuccess && state != ncclInProgress) return NcclError(nccl_, state, what);
       if (Cancelled()) return absl::CancelledError(absl::StrCat("NCCL ", what, ": cancelled"));
       if (absl::Now() > deadline) {
         return absl::DeadlineExceededError(absl::StrCat("NCCL ", what, " did not finish within ",
@@ -153,12 +156,12 @@ class NcclLinks final : public PeerLinks {
         s = CudaErr(cudaMemcpyAsync(staging_, host + off, len, cudaMemcpyHostToDevice, stream_),
                     what);
         if (s.ok()) {
-          ncclResult_t r = ncclSend(staging_, len, ncclUint8, peer, comm_, stream_);
-          s = (r == ncclSuccess || r == ncclInProgress) ? Wait(what, spec_.timeout) : NcclError(r, what);
+          ncclResult_t r = nccl_.Send(staging_, len, ncclUint8, peer, comm_, stream_);
+          s = (r == ncclSuccess || r == ncclInProgress) ? Wait(what, spec_.timeout) : NcclError(nccl_, r, what);
         }
       } else {
-        ncclResult_t r = ncclRecv(staging_, len, ncclUint8, peer, comm_, stream_);
-        s = (r == ncclSuccess || r == ncclInProgress) ? Wait(what, spec_.timeout) : NcclError(r, what);
+        ncclResult_t r = nccl_.Recv(staging_, len, ncclUint8, peer, comm_, stream_);
+        s = (r == ncclSuccess || r == ncclInProgress) ? Wait(what, spec_.timeout) : NcclError(nccl_, r, what);
         if (s.ok()) {
           s = CudaErr(cudaMemcpyAsync(host + off, staging_, len, cudaMemcpyDeviceToHost, stream_),
                       what);
@@ -174,6 +177,7 @@ class NcclLinks final : public PeerLinks {
   }
 
   const PeerLinkSpec spec_;
+  const NcclApi& nccl_;
   ncclComm_t comm_ = nullptr;
   cudaStream_t stream_ = nullptr;
   void* staging_ = nullptr;
@@ -184,9 +188,11 @@ class NcclLinks final : public PeerLinks {
 }  // namespace
 
 absl::StatusOr<std::string> NcclUniqueId() {
+  absl::StatusOr<const NcclApi*> nccl = LoadNccl();
+  if (!nccl.ok()) return nccl.status();
   ncclUniqueId id;
-  ncclResult_t r = ncclGetUniqueId(&id);
-  if (r != ncclSuccess) return NcclError(r, "ncclGetUniqueId");
+  ncclResult_t r = (*nccl)->GetUniqueId(&id);
+  if (r != ncclSuccess) return NcclError(**nccl, r, "ncclGetUniqueId");
   return std::string(reinterpret_cast<const char*>(&id), sizeof(id));
 }
 

@@ -104,21 +104,28 @@ inline Layout LoadLayout(int world) {
   return l;
 }
 
-// Writes the model (deterministic finite values) as a HuggingFace file in
-// `src` and shards it into a native checkpoint in `out`.
-inline absl::Status MakeCheckpoint(const std::string& src, const std::string& out) {
+// Writes `model` (deterministic finite values) as a HuggingFace file in
+// `src` and shards it with `save` into a native checkpoint in `out`.
+inline absl::Status MakeCheckpointOf(const std::vector<ModelTensor>& model, const Layout& save,
+                                     const std::string& src, const std::string& out) {
   if (absl::Status s = MakeDirs(src); !s.ok()) return s;
   std::mt19937_64 rng(42);
   std::vector<std::vector<uint8_t>> data;
+  data.reserve(model.size());
   std::vector<TensorToWrite> tw;
-  for (const auto& m : Model()) {
+  for (const auto& m : model) {
     data.emplace_back(NumElements(m.shape) * DTypeSize(m.dtype));
     for (auto& b : data.back()) b = static_cast<uint8_t>(rng() & 0x3f);  // finite values
     tw.push_back({m.name, m.dtype, m.shape, data.back().data()});
   }
   auto w = WriteSafetensors(src + "/model.safetensors", tw, {});
   if (!w.ok()) return w.status();
-  return ShardCheckpoint(src, SaveLayout(), out, {});
+  return ShardCheckpoint(src, save, out, {});
+}
+
+// The small model, saved with SaveLayout().
+inline absl::Status MakeCheckpoint(const std::string& src, const std::string& out) {
+  return MakeCheckpointOf(Model(), SaveLayout(), src, out);
 }
 
 }  // namespace ckpt::gputest

@@ -29,7 +29,8 @@ int main(int argc, char** argv) {
     std::printf("SKIP: %s\n", why.c_str());
     return 77;
   }
-  const RankTargets& rt = gputest::LoadLayout(world).ranks[rank];
+  const Layout layout = gputest::LoadLayout(world);  // (not a reference into a temporary)
+  const RankTargets& rt = layout.ranks[rank];
   uint64_t total = 0;
   for (const auto& t : rt.tensors) total += (t.num_bytes() + 255) / 256 * 256;
   auto arena = ckptd::DeviceArena::Create(device, total);

@@ -2,8 +2,10 @@
 
 Creates repository @cuda with:
   :cuda_headers  the toolkit's include/ (globbed: some headers have no extension)
-  :cudart        + -lcudart (rpath to the toolkit's lib64)
-  :nccl          + -lnccl
+  :cudart        + libcudart_static.a (no libcudart.so is needed at run time;
+                 only the driver's libcuda.so, which cudart finds itself)
+  :nccl          headers only: ckptd loads libnccl.so.2 with dlopen at first
+                 use (server/cuda/nccl_api.h), so binaries start without it
 Targets use them only under --config=cuda (select on //:cuda). When the
 toolkit is absent the libraries are empty, so the CPU build never needs it.
 """
@@ -25,13 +27,13 @@ def _cuda_repository_impl(ctx):
             "",
             "cc_library(",
             '    name = "cudart",',
-            '    linkopts = ["-L%s", "-Wl,-rpath,%s", "-lcudart"],' % (lib, lib),
+            '    linkopts = ["%s/libcudart_static.a", "-ldl", "-lpthread", "-lrt"],' % lib,
             '    deps = [":cuda_headers"],',
             ")",
             "",
             "cc_library(",
             '    name = "nccl",',
-            '    linkopts = ["-L%s", "-Wl,-rpath,%s", "-lnccl"],' % (lib, lib),
+            '    linkopts = ["-ldl"],',
             '    deps = [":cudart"],',
             ")",
         ]

@@ -363,8 +363,14 @@ class CheckpointInfo:
 
 def _message_dict(msg):
     from google.protobuf import json_format
-    return json_format.MessageToDict(msg, preserving_proto_field_name=True,
-                                     including_default_value_fields=True)
+    # protobuf 5.26 renamed including_default_value_fields (Debian's 3.x has
+    # only the old name; 6.x and later only the new one).
+    try:
+        return json_format.MessageToDict(msg, preserving_proto_field_name=True,
+                                         always_print_fields_with_no_presence=True)
+    except TypeError:
+        return json_format.MessageToDict(msg, preserving_proto_field_name=True,
+                                         including_default_value_fields=True)
 
 
 # --- the client -----------------------------------------------------------------
