@@ -26,7 +26,7 @@ const std::set<std::string>& KnownKeys() {
       "tcp_tls_cert",  "tcp_tls_key",     "tcp_tls_ca",      "insecure_tcp",
       "tcp_uid",       "admin_uids",      "access",          "limits",
       "peer_tls_cert", "peer_tls_key",    "peer_tls_ca",     "peer_insecure",
-      "nccl_connect_timeout", "port_file", "memory_limit", "save_buffer"};
+      "nccl_connect_timeout", "nccl_device", "port_file", "memory_limit", "save_buffer"};
   return *keys;
 }
 
@@ -327,6 +327,12 @@ absl::StatusOr<DaemonConfig> ParseConfig(const std::string& yaml, const std::str
           if (!b.ok() || *b == 0) return Bad(source, key, "must be auto, off or a size such as 8GiB");
         }
         c.memory_limit = s;
+      } else if (key == "nccl_device") {
+        int n;
+        if (!absl::SimpleAtoi(s, &n) || n < 0 || n > 1023) {
+          return Bad(source, key, "must be a CUDA device ordinal in [0, 1023]");
+        }
+        c.nccl_device = n;
       } else if (key == "io_threads") {
         int n;
         if (!absl::SimpleAtoi(s, &n) || n < 1 || n > 256) {
@@ -548,6 +554,7 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   out << YAML::Key << "peer_insecure" << YAML::Value << (c.peer_insecure ? "true" : "false");
   out << YAML::Key << "nccl_connect_timeout" << YAML::Value
       << absl::FormatDuration(c.nccl_connect_timeout);
+  out << YAML::Key << "nccl_device" << YAML::Value << c.nccl_device;
   out << YAML::Key << "tcp_tls_cert" << YAML::Value << c.tcp_tls_cert;
   out << YAML::Key << "tcp_tls_key" << YAML::Value << c.tcp_tls_key;
   out << YAML::Key << "tcp_tls_ca" << YAML::Value << c.tcp_tls_ca;

@@ -113,6 +113,9 @@ struct DaemonConfig {
   // Connecting a job's NCCL links (GPU nodes) gives up after this; the reads
   // then move over gRPC, and NCCL stays off for that pair of nodes a while.
   absl::Duration nccl_connect_timeout = absl::Seconds(5);
+  // The CUDA device (as this daemon sees it) that carries its NCCL links and
+  // their staging buffers; ckptd refuses to start when it does not exist.
+  int nccl_device = 0;
   // Testing only (flag --testing_delay_part_ms, not in YAML): pause between
   // receiving a multi-node plan part and executing it, so tests can kill a
   // peer mid-load deterministically.

@@ -201,6 +201,11 @@ Daemon::~Daemon() { Stop(); }
 
 absl::Status Daemon::Start() {
   spdlog::info("gpu: {}", gpu_->Describe());
+  if (gpu_->device_count() > 0 && config_.nccl_device >= gpu_->device_count()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config: nccl_device ", config_.nccl_device, " but this daemon sees ",
+        gpu_->device_count(), " CUDA device(s) (check CUDA_VISIBLE_DEVICES)"));
+  }
   CKPT_ASSIGN_OR_RETURN(auto tls, ReadPeerTls());
   UsePeerTls(std::move(tls));
   if (!config_.socket.empty()) {
@@ -607,68 +612,24 @@ absl::StatusOr<std::shared_ptr<Daemon::RankSlot>> Daemon::PrepareSlot(
     slot->targets.tensors.push_back(std::move(tt));
   }
   if (req.has_shm()) {
-    const v1::ShmDestination& shm = req.shm();
-    int fd = -1;
-    std::string what;
-    uint64_t size = shm.size();
-    if (!shm.arena_token().empty()) {
-      // An arena this daemon lent: already mapped and faulted in.
-      auto arena = arenas_->Find(shm.arena_token(), caller.uid);
-      if (!arena.ok()) return ckpt::Annotate(arena.status(), who);
-      if (size == 0) size = (*arena)->size();
-      if (size > (*arena)->size()) {
-        return absl::InvalidArgumentError(absl::StrCat(who, ": shm arena holds ", (*arena)->size(),
-                                                       " bytes but the request declares ", size));
-      }
-      slot->segment = MappedSegment::Borrow(std::move(*arena));
-    } else if (!shm.fd_token().empty()) {
-      if (!fd_receiver_) return absl::FailedPreconditionError("this daemon has no fd socket");
-      CKPT_ASSIGN_OR_RETURN(fd, fd_receiver_->Take(shm.fd_token(), caller.uid));
-      what = absl::StrCat(who, ": shm segment (memfd)");
-    } else if (!shm.name().empty()) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          who, ": shm.name ('", shm.name(), "') is no longer accepted: a named /dev/shm segment "
-               "can be truncated under the daemon; send a sealed memfd (fd_token) or borrow an "
-               "arena (arena_token)"));
-    } else {
-      return absl::InvalidArgumentError(
-          absl::StrCat(who, ": shm destination needs arena_token or fd_token"));
-    }
-    // Every target inside the segment and no two overlapping, checked before
-    // anything is mapped; only the bytes up to the end of the last target are.
-    absl::Status bad;
-    uint64_t needed = 0;
-    std::vector<std::tuple<uint64_t, uint64_t, int>> ranges;  // [begin, end), target
-    for (int i = 0; i < req.targets_size() && bad.ok(); ++i) {
-      const uint64_t off = req.targets(i).dest_offset();
-      const uint64_t n = slot->targets.tensors[i].num_bytes();
-      if (off > size || n > size - off) {
-        bad = absl::InvalidArgumentError(absl::StrCat(
-            who, " tensor '", req.targets(i).name(), "' needs segment bytes [", off, ", ", off + n,
-            ") but the segment is ", size, " bytes (segment too small)"));
-      }
-      if (n > 0) ranges.push_back({off, off + n, i});
-      needed = std::max(needed, off + n);
-    }
-    std::sort(ranges.begin(), ranges.end());
-    for (size_t i = 1; i < ranges.size() && bad.ok(); ++i) {
-      const auto& [begin, end, t] = ranges[i];
-      const auto& [prev_begin, prev_end, prev] = ranges[i - 1];
-      if (begin < prev_end) {
-        bad = absl::InvalidArgumentError(absl::StrCat(
-            who, ": two targets overlap in the segment at byte ", begin, ": tensor '",
-            req.targets(prev).name(), "' [", prev_begin, ", ", prev_end, ") and tensor '",
-            req.targets(t).name(), "' [", begin, ", ", end, ")"));
-      }
-    }
-    if (!bad.ok()) {
-      if (fd >= 0) ::close(fd);
-      return bad;
-    }
-    if (!slot->segment) {
-      CKPT_ASSIGN_OR_RETURN(slot->segment, MappedSegment::Map(fd, needed, what));
-    }
+    std::vector<int> all(req.targets_size());
+    for (int i = 0; i < req.targets_size(); ++i) all[i] = i;
+    CKPT_RETURN_IF_ERROR(PrepareShmSegment(caller, req.shm(), req, all, who, *slot));
   } else if (req.has_cuda_ipc()) {
+    // Targets in host memory (dest_host: a CPU tensor of a GPU state dict)
+    // go to the destination's shm segment, the rest to device memory.
+    std::vector<int> host;
+    for (int i = 0; i < req.targets_size(); ++i) {
+      if (req.targets(i).dest_host()) host.push_back(i);
+    }
+    if (!host.empty()) {
+      if (!req.cuda_ipc().has_host()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            who, ": tensor '", req.targets(host[0]).name(),
+            "' is marked dest_host but the cuda_ipc destination has no host segment"));
+      }
+      CKPT_RETURN_IF_ERROR(PrepareShmSegment(caller, req.cuda_ipc().host(), req, host, who, *slot));
+    }
     CKPT_RETURN_IF_ERROR(PrepareDeviceSlot(req, who, *slot));
   } else if (req.has_process_memory()) {
     CKPT_RETURN_IF_ERROR(PrepareProcessSlot(caller, req, who, *slot));
@@ -677,6 +638,76 @@ absl::StatusOr<std::shared_ptr<Daemon::RankSlot>> Daemon::PrepareSlot(
         absl::StrCat(who, ": no destination (shm, process_memory, stream or cuda_ipc)"));
   }
   return slot;
+}
+
+// Maps the client's segment `shm` for the targets `indices` of `req` (all
+// of them for an shm destination; the host-memory ones of a cuda_ipc
+// destination): every one inside the segment, no two overlapping.
+absl::Status Daemon::PrepareShmSegment(const Caller& caller, const v1::ShmDestination& shm,
+                                       const v1::LoadRequest& req, const std::vector<int>& indices,
+                                       const std::string& who, RankSlot& slot) {
+  int fd = -1;
+  std::string what;
+  uint64_t size = shm.size();
+  if (!shm.arena_token().empty()) {
+    // An arena this daemon lent: already mapped and faulted in.
+    auto arena = arenas_->Find(shm.arena_token(), caller.uid);
+    if (!arena.ok()) return ckpt::Annotate(arena.status(), who);
+    if (size == 0) size = (*arena)->size();
+    if (size > (*arena)->size()) {
+      return absl::InvalidArgumentError(absl::StrCat(who, ": shm arena holds ", (*arena)->size(),
+                                                     " bytes but the request declares ", size));
+    }
+    slot.segment = MappedSegment::Borrow(std::move(*arena));
+  } else if (!shm.fd_token().empty()) {
+    if (!fd_receiver_) return absl::FailedPreconditionError("this daemon has no fd socket");
+    CKPT_ASSIGN_OR_RETURN(fd, fd_receiver_->Take(shm.fd_token(), caller.uid));
+    what = absl::StrCat(who, ": shm segment (memfd)");
+  } else if (!shm.name().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, ": shm.name ('", shm.name(), "') is no longer accepted: a named /dev/shm segment "
+             "can be truncated under the daemon; send a sealed memfd (fd_token) or borrow an "
+             "arena (arena_token)"));
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, ": shm destination needs arena_token or fd_token"));
+  }
+  // Every target inside the segment and no two overlapping, checked before
+  // anything is mapped; only the bytes up to the end of the last target are.
+  absl::Status bad;
+  uint64_t needed = 0;
+  std::vector<std::tuple<uint64_t, uint64_t, int>> ranges;  // [begin, end), target
+  for (size_t k = 0; k < indices.size() && bad.ok(); ++k) {
+    const int i = indices[k];
+    const uint64_t off = req.targets(i).dest_offset();
+    const uint64_t n = slot.targets.tensors[i].num_bytes();
+    if (off > size || n > size - off) {
+      bad = absl::InvalidArgumentError(absl::StrCat(
+          who, " tensor '", req.targets(i).name(), "' needs segment bytes [", off, ", ", off + n,
+          ") but the segment is ", size, " bytes (segment too small)"));
+    }
+    if (n > 0) ranges.push_back({off, off + n, i});
+    needed = std::max(needed, off + n);
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 1; i < ranges.size() && bad.ok(); ++i) {
+    const auto& [begin, end, t] = ranges[i];
+    const auto& [prev_begin, prev_end, prev] = ranges[i - 1];
+    if (begin < prev_end) {
+      bad = absl::InvalidArgumentError(absl::StrCat(
+          who, ": two targets overlap in the segment at byte ", begin, ": tensor '",
+          req.targets(prev).name(), "' [", prev_begin, ", ", prev_end, ") and tensor '",
+          req.targets(t).name(), "' [", begin, ", ", end, ")"));
+    }
+  }
+  if (!bad.ok()) {
+    if (fd >= 0) ::close(fd);
+    return bad;
+  }
+  if (!slot.segment) {
+    CKPT_ASSIGN_OR_RETURN(slot.segment, MappedSegment::Map(fd, needed, what));
+  }
+  return absl::OkStatus();
 }
 
 absl::Status Daemon::PrepareProcessSlot(const Caller& caller, const v1::LoadRequest& req,
@@ -808,9 +839,11 @@ std::vector<std::shared_ptr<Daemon::RankSlot>> Daemon::SlotsOf(const Job& job) {
 
 std::vector<void*> PrepareDestinations(Daemon::RankSlot& s, const ckpt::RankPlan& plan) {
   std::vector<void*> dests;
-  if (s.segment) {
+  if (s.segment) {  // with device buffers too: the dest_host targets only
     for (int t = 0; t < s.request.targets_size(); ++t) {
-      dests.push_back(s.segment->data() + s.request.targets(t).dest_offset());
+      const v1::Target& target = s.request.targets(t);
+      dests.push_back(s.device && !target.dest_host() ? nullptr
+                                                      : s.segment->data() + target.dest_offset());
     }
     return dests;
   }
@@ -1509,6 +1542,7 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
   if (stats.ok()) {
     if (absl::Status c = storage.CheckOpenedFilesUnchanged(); !c.ok()) stats = c;
   }
+  ReleaseDeviceBuffers(delivery, slots);
   if (stats.ok()) {
     if (absl::Status a = job->AbortStatus(); !a.ok()) stats = a;  // aborted as it finished
   }

@@ -257,6 +257,11 @@ class Daemon {
       const peer::v1::JoinRequest& own, absl::Time deadline);
   absl::StatusOr<peer::v1::CompleteResponse> AwaitOutcome(const std::shared_ptr<DistJob>& dj,
                                                           const peer::v1::CompleteRequest& own);
+  // This node's part is done (`done`): the coordinator concludes the job
+  // (AwaitOutcome here, or Complete sent to `coordinator`), bounded.
+  absl::StatusOr<peer::v1::CompleteResponse> ReportCompletion(const std::shared_ptr<DistJob>& dj,
+                                                              const std::string& coordinator,
+                                                              const peer::v1::CompleteRequest& done);
   // Finished multi-node jobs linger briefly, then are dropped here (no
   // detached timers that could outlive the daemon).
   void RetireDistJob(const std::shared_ptr<DistJob>& dj, absl::Duration linger);
@@ -311,6 +316,9 @@ class Daemon {
                                                         const v1::LoadRequest& request);
   // cuda_ipc destinations (daemon_gpu.cc): validates the rank's device
   // targets and opens its buffers; the delivery of a job's ranks.
+  absl::Status PrepareShmSegment(const Caller& caller, const v1::ShmDestination& shm,
+                                 const v1::LoadRequest& request, const std::vector<int>& indices,
+                                 const std::string& who, RankSlot& slot);
   absl::Status PrepareDeviceSlot(const v1::LoadRequest& request, const std::string& who,
                                  RankSlot& slot);
   // process_memory destinations: checks the caller's targets and cookie,

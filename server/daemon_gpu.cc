@@ -18,6 +18,7 @@ absl::Status Daemon::PrepareDeviceSlot(const v1::LoadRequest& req, const std::st
   std::vector<uint64_t> sizes;
   std::vector<std::string> names;
   for (int i = 0; i < req.targets_size(); ++i) {
+    if (req.targets(i).dest_host()) continue;  // in the host segment (PrepareShmSegment)
     targets.push_back({req.targets(i).dest_buffer(), req.targets(i).dest_offset()});
     sizes.push_back(slot.targets.tensors[i].num_bytes());
     names.push_back(req.targets(i).name());
@@ -25,6 +26,12 @@ absl::Status Daemon::PrepareDeviceSlot(const v1::LoadRequest& req, const std::st
   CKPT_RETURN_IF_ERROR(gpu::ValidateDeviceTargets(buffers, targets, sizes, names, who));
   CKPT_ASSIGN_OR_RETURN(slot.device, gpu_->OpenIpc(buffers, who));
   return absl::OkStatus();
+}
+
+void ReleaseDeviceBuffers(absl::StatusOr<std::unique_ptr<ckpt::Delivery>>& delivery,
+                          const std::vector<std::shared_ptr<Daemon::RankSlot>>& slots) {
+  if (delivery.ok()) delivery->reset();
+  for (const auto& s : slots) s->device.reset();
 }
 
 absl::StatusOr<std::unique_ptr<ckpt::Delivery>> Daemon::JobDelivery(
@@ -59,6 +66,7 @@ absl::StatusOr<std::unique_ptr<ckpt::Delivery>> Daemon::JobDeliveryOf(
       continue;
     }
     d.device = s.device;
+    d.host = std::move(dests[i]);  // the dest_host targets' (others null)
     for (const v1::Target& t : s.request.targets()) {
       d.device_targets.push_back({t.dest_buffer(), t.dest_offset()});
     }

@@ -170,6 +170,12 @@ struct JobFigures {
 // stream buffers allocated now.
 std::vector<void*> PrepareDestinations(Daemon::RankSlot& slot, const ckpt::RankPlan& plan);
 
+// Closes a job's device mappings once its copies are done: `delivery` (its
+// streams waited for) and every slot's cuda_ipc buffers are released, before
+// any rank is told it is done (a client may free that memory right after).
+void ReleaseDeviceBuffers(absl::StatusOr<std::unique_ptr<ckpt::Delivery>>& delivery,
+                          const std::vector<std::shared_ptr<Daemon::RankSlot>>& slots);
+
 // Whether every rank of a job asked skip_verify (only then are the job's
 // reads left unverified, and nothing they read is cached).
 inline bool AllRanksSkipVerify(const std::vector<std::shared_ptr<Daemon::RankSlot>>& slots) {

@@ -575,6 +575,23 @@ absl::StatusOr<peer::v1::CompleteResponse> Daemon::AwaitOutcome(
   }
 }
 
+absl::StatusOr<peer::v1::CompleteResponse> Daemon::ReportCompletion(
+    const std::shared_ptr<DistJob>& dj, const std::string& coordinator,
+    const peer::v1::CompleteRequest& done) {
+  if (dj->coordinator) return AwaitOutcome(dj, done);
+  // The coordinator answers once every node reported: a save's nodes may
+  // write long (AwaitOutcome waits while they are alive), a load's not.
+  const absl::Time until = dj->save ? std::max(dj->outcome_deadline, absl::Now() + config_.peer_timeout)
+                                    : absl::Now() + config_.peer_timeout;
+  grpc::ClientContext ctx;
+  ctx.set_deadline(ToChrono(until + absl::Seconds(5)));
+  peer::v1::CompleteResponse resp;
+  grpc::Status s = PeerStub(coordinator)->Complete(&ctx, done, &resp);
+  if (s.ok()) return resp;
+  return absl::UnavailableError(absl::StrCat("coordinator ", coordinator,
+                                             " did not confirm the job: ", s.error_message()));
+}
+
 absl::Status Daemon::PeerFetchRead(const PeerCaller& caller,
                                    const peer::v1::FetchReadRequest& req,
                                    const std::function<bool(const peer::v1::Chunk&)>& send,
@@ -966,7 +983,7 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
         },
         config_.peer_timeout);
     std::unique_ptr<NcclTransfers> nccl = StartNcclTransfers(
-        gpu_.get(), part, me, config_.peer_timeout,
+        gpu_.get(), part, me, config_.nccl_device, config_.peer_timeout,
         std::min(config_.nccl_connect_timeout, config_.peer_timeout),
         [this, dj](uint32_t g, absl::Time deadline) -> absl::StatusOr<NcclTransfers::Bytes> {
           absl::MutexLock lock(&peer_mu_);
@@ -1006,6 +1023,7 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
       // A local file changed after its last read fails this node's part too.
       if (absl::Status c = storage.CheckOpenedFilesUnchanged(); !c.ok()) st = c;
     }
+    ReleaseDeviceBuffers(delivery, slots);
     received = source.received();
     if (nccl != nullptr && nccl->connect_failed()) {
       // Remembered: this node's next jobs with these peers stay on gRPC.
@@ -1050,21 +1068,7 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
   done.set_bytes_read(stats.bytes_read);
   done.set_bytes_received(received);
   done.set_bytes_sent(sent);
-  absl::StatusOr<peer::v1::CompleteResponse> outcome;
-  if (dj->coordinator) {
-    outcome = AwaitOutcome(dj, done);
-  } else {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(ToChrono(absl::Now() + config_.peer_timeout + absl::Seconds(5)));
-    peer::v1::CompleteResponse resp;
-    grpc::Status s = PeerStub(coordinator)->Complete(&ctx, done, &resp);
-    if (s.ok()) {
-      outcome = resp;
-    } else {
-      outcome = absl::UnavailableError(absl::StrCat("coordinator ", coordinator,
-                                                    " did not confirm the job: ", s.error_message()));
-    }
-  }
+  absl::StatusOr<peer::v1::CompleteResponse> outcome = ReportCompletion(dj, coordinator, done);
   // Every node has completed (the outcome says so): its fetches are done.
   RetireDistJob(dj, absl::Seconds(1));
   absl::Status final_status = JobOutcome(job->id, exec, outcome);

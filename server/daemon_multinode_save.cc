@@ -20,7 +20,6 @@
 #include <algorithm>
 #include <chrono>
 
-#include <grpcpp/grpcpp.h>
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
@@ -257,22 +256,7 @@ void Daemon::RunDistributedSave(const std::shared_ptr<Job>& job,
   done.set_error_code(static_cast<int>(exec.code()));
   done.set_bytes_written(written.bytes);
   for (const auto& [name, shard] : written.shards) ToMsg(name, shard, done.add_shards());
-  absl::StatusOr<peer::v1::CompleteResponse> outcome;
-  if (coordinates) {
-    outcome = AwaitOutcome(dj, done);
-  } else {
-    grpc::ClientContext ctx;
-    ctx.set_deadline(ToChrono(std::max(dj->outcome_deadline, absl::Now() + config_.peer_timeout) +
-                              absl::Seconds(5)));
-    peer::v1::CompleteResponse resp;
-    grpc::Status s = PeerStub(coordinator)->Complete(&ctx, done, &resp);
-    if (s.ok()) {
-      outcome = resp;
-    } else {
-      outcome = absl::UnavailableError(absl::StrCat("coordinator ", coordinator,
-                                                    " did not confirm the save: ", s.error_message()));
-    }
-  }
+  absl::StatusOr<peer::v1::CompleteResponse> outcome = ReportCompletion(dj, coordinator, done);
   RetireDistJob(dj, absl::Seconds(1));
   absl::Status final_status = JobOutcome(job->id, exec, outcome);
   if (!final_status.ok()) return fail_all(final_status);

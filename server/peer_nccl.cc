@@ -110,14 +110,14 @@ void NcclTransfers::Run() {
           return;
         }
       }
-      auto buf = std::make_shared<std::vector<uint8_t>>(t.length);
+      std::shared_ptr<uint8_t> buf = RecvBuffer(t.length);
       uint64_t xxh3 = 0;
-      s = l->Recv(t.peer, buf->data(), t.length);
+      s = l->Recv(t.peer, buf.get(), t.length);
       if (s.ok()) s = l->Recv(t.peer, reinterpret_cast<uint8_t*>(&xxh3), sizeof(xxh3));
       if (s.ok()) {
         received_ += t.length;
         absl::MutexLock lock(&mu_);
-        ready_[t.read] = Arrived{std::move(buf), xxh3};
+        ready_[t.read] = Arrived{std::move(buf), t.length, xxh3};
         buffered_ += t.length;
       }
     }
@@ -125,6 +125,16 @@ void NcclTransfers::Run() {
   }
   absl::MutexLock lock(&mu_);
   done_ = true;
+}
+
+std::shared_ptr<uint8_t> NcclTransfers::RecvBuffer(uint64_t n) {
+  const uint64_t size = std::max<uint64_t>(n, 1);
+  if (ckpt::HostAllocator* a = gpu_->host_allocator()) {
+    if (uint8_t* p = a->Allocate(size)) {
+      return std::shared_ptr<uint8_t>(p, [a, size](uint8_t* q) { a->Free(q, size); });
+    }
+  }
+  return std::shared_ptr<uint8_t>(new uint8_t[size], std::default_delete<uint8_t[]>());
 }
 
 std::optional<NcclTransfers::Bytes> NcclTransfers::Take(uint32_t g, absl::Time deadline) {
@@ -135,11 +145,11 @@ std::optional<NcclTransfers::Bytes> NcclTransfers::Take(uint32_t g, absl::Time d
   mu_.AwaitWithDeadline(absl::Condition(&arrived), deadline);
   auto it = ready_.find(g);
   if (it == ready_.end()) return std::nullopt;
-  std::shared_ptr<std::vector<uint8_t>> buf = std::move(it->second.bytes);
+  std::shared_ptr<uint8_t> buf = std::move(it->second.bytes);
   const uint64_t xxh3 = it->second.xxh3;
+  buffered_ -= it->second.length;
   ready_.erase(it);
-  buffered_ -= buf->size();
-  const uint8_t* data = buf->data();
+  const uint8_t* data = buf.get();
   return Bytes{ckpt::RangeView{data, std::move(buf), false}, xxh3};
 }
 
@@ -174,7 +184,8 @@ bool NcclWanted(gpu::GpuRuntime& gpu) {
 
 std::unique_ptr<NcclTransfers> StartNcclTransfers(gpu::GpuRuntime* gpu,
                                                   const peer::v1::PlanPart& part,
-                                                  const std::string& me, absl::Duration timeout,
+                                                  const std::string& me, int device,
+                                                  absl::Duration timeout,
                                                   absl::Duration connect_timeout,
                                                   NcclTransfers::ServedFn served) {
   if (part.nccl_id().empty()) return nullptr;
@@ -202,6 +213,7 @@ std::unique_ptr<NcclTransfers> StartNcclTransfers(gpu::GpuRuntime* gpu,
   spec.nccl_id = part.nccl_id();
   spec.nranks = part.nodes_size();
   spec.rank = self->second;
+  spec.device = device;
   spec.timeout = timeout;
   spec.connect_timeout = connect_timeout;
   // Every node of the communicator must connect, even one without transfers.

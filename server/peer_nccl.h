@@ -104,9 +104,14 @@ class NcclTransfers {
   absl::Status status_ ABSL_GUARDED_BY(mu_);
   uint64_t buffered_ ABSL_GUARDED_BY(mu_) = 0;
   struct Arrived {
-    std::shared_ptr<std::vector<uint8_t>> bytes;
+    std::shared_ptr<uint8_t> bytes;  // RecvBuffer: pinned when it can be, never zero-filled
+    uint64_t length = 0;
     uint64_t xxh3 = 0;
   };
+  // `n` bytes to receive into: page-locked from the GPU runtime's allocator
+  // (faster device -> host copies) when it has room, else plain memory;
+  // not initialised (every byte is received before anyone reads it).
+  std::shared_ptr<uint8_t> RecvBuffer(uint64_t n);
   std::map<uint32_t, Arrived> ready_ ABSL_GUARDED_BY(mu_);
 };
 
@@ -116,10 +121,11 @@ bool NcclWanted(gpu::GpuRuntime& gpu);
 
 // The NCCL transfers of `part` for node `me`, started (every node of the
 // job connects, with or without transfers); null when the part carries no
-// NCCL id.
+// NCCL id. The links run on CUDA device `device` (config nccl_device).
 std::unique_ptr<NcclTransfers> StartNcclTransfers(gpu::GpuRuntime* gpu,
                                                   const peer::v1::PlanPart& part,
-                                                  const std::string& me, absl::Duration timeout,
+                                                  const std::string& me, int device,
+                                                  absl::Duration timeout,
                                                   absl::Duration connect_timeout,
                                                   NcclTransfers::ServedFn served);
 

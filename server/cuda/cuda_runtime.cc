@@ -241,7 +241,8 @@ class CudaDelivery final : public ckpt::Delivery {
                                const ckpt::CopyOp& op, const uint8_t* src) override {
     const RankDestination& d = ranks_[rank_index];
     const ckpt::TargetTensor& t = rank.targets[op.target];
-    if (d.device == nullptr) {
+    // Host ranks, and a device rank's host-memory targets (dest_host).
+    if (d.device == nullptr || (op.target < d.host.size() && d.host[op.target] != nullptr)) {
       void* dst = op.target < d.host.size() ? d.host[op.target] : nullptr;
       if (dst == nullptr) {
         return absl::InvalidArgumentError(
@@ -441,12 +442,12 @@ class CudaRuntime final : public GpuRuntime {
     if (e != cudaSuccess) {
       cudaGetLastError();
       init_error_ = absl::StrCat(cudaGetErrorName(e), ": ", cudaGetErrorString(e));
-      if (e == cudaErrorInsufficientDriver) {
+      if (driver == 0) {
+        init_error_ += "; no NVIDIA driver (libcuda.so.1) was found";
+      } else if (e == cudaErrorInsufficientDriver) {
         init_error_ += absl::StrCat("; the driver (", CudaVersion(driver),
                                     ") is older than this build's CUDA runtime (",
                                     CudaVersion(runtime), ") needs");
-      } else if (driver == 0) {
-        init_error_ += "; no NVIDIA driver (libcuda.so.1) was found";
       }
       n = 0;
     }

@@ -60,7 +60,9 @@ class DeviceBuffers {
 // Where one rank's targets go: host memory (shm segment, stream buffers)
 // or device buffers.
 struct RankDestination {
-  std::vector<void*> host;  // per target, when `device` is null
+  // Per target: every target's host buffer when `device` is null; with
+  // `device`, the buffers of the targets in host memory (the others null).
+  std::vector<void*> host;
   std::shared_ptr<const DeviceBuffers> device;
   std::vector<std::pair<uint32_t, uint64_t>> device_targets;  // per target: (buffer, offset)
 };

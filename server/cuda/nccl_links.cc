@@ -1,6 +1,10 @@
 // NCCL links between the daemons of a multi-node job (peer_link.h). Host
-// bytes go through a device staging buffer on the daemon's link device:
-// sender H2D + ncclSend, receiver ncclRecv + D2H, `chunk_bytes` at a time.
+// bytes go through two device staging buffers on the daemon's link device
+// (`chunk_bytes` each, double-buffered): the sender copies chunk k+1 host ->
+// device on a copy stream while ncclSend moves chunk k; the receiver's
+// ncclRecv of chunk k+1 overlaps the device -> host copy of chunk k. Events
+// order the two streams, so a buffer is refilled only once it was sent (or
+// copied out).
 // The communicator is non-blocking so every wait has a deadline and a dead
 // peer turns into an error (and ncclCommAbort), never a hang.
 #include <cuda_runtime_api.h>
@@ -55,8 +59,13 @@ class NcclLinks final : public PeerLinks {
         nccl_.CommAbort(comm_);
       }
     }
+    for (int b = 0; b < 2; ++b) {
+      if (staging_[b] != nullptr) cudaFree(staging_[b]);
+      if (filled_[b] != nullptr) cudaEventDestroy(filled_[b]);
+      if (drained_[b] != nullptr) cudaEventDestroy(drained_[b]);
+    }
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
-    if (staging_ != nullptr) cudaFree(staging_);
+    if (copy_stream_ != nullptr) cudaStreamDestroy(copy_stream_);
   }
 
   absl::Status Send(int peer, const uint8_t* data, uint64_t n) override {
@@ -82,13 +91,23 @@ class NcclLinks final : public PeerLinks {
 
   absl::Status Init() {
     if (auto s = CudaErr(cudaSetDevice(spec_.device), "cudaSetDevice"); !s.ok()) return s;
-    if (auto s = CudaErr(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking), "stream");
-        !s.ok()) {
-      return s;
+    for (cudaStream_t* st : {&stream_, &copy_stream_}) {
+      if (auto s = CudaErr(cudaStreamCreateWithFlags(st, cudaStreamNonBlocking), "stream");
+          !s.ok()) {
+        return s;
+      }
     }
-    if (auto s = CudaErr(cudaMalloc(&staging_, spec_.chunk_bytes), "cudaMalloc (NCCL staging)");
-        !s.ok()) {
-      return s;
+    for (int b = 0; b < 2; ++b) {
+      if (auto s = CudaErr(cudaMalloc(&staging_[b], spec_.chunk_bytes), "cudaMalloc (NCCL staging)");
+          !s.ok()) {
+        return s;
+      }
+      for (cudaEvent_t* ev : {&filled_[b], &drained_[b]}) {
+        if (auto s = CudaErr(cudaEventCreateWithFlags(ev, cudaEventDisableTiming), "event");
+            !s.ok()) {
+          return s;
+        }
+      }
     }
     ncclUniqueId id;
     std::memcpy(&id, spec_.nccl_id.data(), sizeof(id));
@@ -125,11 +144,11 @@ class NcclLinks final : public PeerLinks {
     }
   }
 
-  // Waits for the stream, watching the communicator for peer failures.
-  absl::Status Drain(const std::string& what) {
+  // Waits for `stream`, watching the communicator for peer failures.
+  absl::Status Drain(cudaStream_t stream, const std::string& what) {
     const absl::Time deadline = absl::Now() + spec_.timeout;
     while (true) {
-      cudaError_t e = cudaStreamQuery(stream_);
+      cudaError_t e = cudaStreamQuery(stream);
       if (e == cudaSuccess) return absl::OkStatus();
       if (e != cudaErrorNotReady) return CudaErr(e, what);
       ncclResult_t state = ncclSuccess;
@@ -144,34 +163,59 @@ class NcclLinks final : public PeerLinks {
     }
   }
 
+  // Chunk k uses staging buffer k % 2. Sending: the copy stream fills a
+  // buffer (after the send of chunk k-2 from it: `drained_`), the NCCL
+  // stream sends it once filled (`filled_`). Receiving: the NCCL stream
+  // receives into a buffer (after the copy-out of chunk k-2: `drained_`),
+  // the copy stream copies it out once received (`filled_`).
   absl::Status Transfer(int peer, uint8_t* host, uint64_t n, bool send) {
     if (!ok_) return absl::UnavailableError("NCCL links are down");
     cudaSetDevice(spec_.device);
     const std::string what =
         absl::StrCat(send ? "send to" : "receive from", " node ", peer, " (", n, " bytes)");
     absl::Status s;
-    for (uint64_t off = 0; off < n && s.ok(); off += spec_.chunk_bytes) {
+    uint64_t k = 0;
+    for (uint64_t off = 0; off < n && s.ok(); off += spec_.chunk_bytes, ++k) {
       const uint64_t len = std::min<uint64_t>(spec_.chunk_bytes, n - off);
+      const int b = static_cast<int>(k % 2);
+      void* buf = staging_[b];
       if (send) {
-        s = CudaErr(cudaMemcpyAsync(staging_, host + off, len, cudaMemcpyHostToDevice, stream_),
-                    what);
+        if (k >= 2) s = CudaErr(cudaStreamWaitEvent(copy_stream_, drained_[b], 0), what);
         if (s.ok()) {
-          ncclResult_t r = nccl_.Send(staging_, len, ncclUint8, peer, comm_, stream_);
-          s = (r == ncclSuccess || r == ncclInProgress) ? Wait(what, spec_.timeout) : NcclError(nccl_, r, what);
-        }
-      } else {
-        ncclResult_t r = nccl_.Recv(staging_, len, ncclUint8, peer, comm_, stream_);
-        s = (r == ncclSuccess || r == ncclInProgress) ? Wait(what, spec_.timeout) : NcclError(nccl_, r, what);
-        if (s.ok()) {
-          s = CudaErr(cudaMemcpyAsync(host + off, staging_, len, cudaMemcpyDeviceToHost, stream_),
+          s = CudaErr(cudaMemcpyAsync(buf, host + off, len, cudaMemcpyHostToDevice, copy_stream_),
                       what);
         }
+        if (s.ok()) s = CudaErr(cudaEventRecord(filled_[b], copy_stream_), what);
+        if (s.ok()) s = CudaErr(cudaStreamWaitEvent(stream_, filled_[b], 0), what);
+        if (s.ok()) {
+          ncclResult_t r = nccl_.Send(buf, len, ncclUint8, peer, comm_, stream_);
+          s = (r == ncclSuccess || r == ncclInProgress) ? Wait(what, spec_.timeout)
+                                                        : NcclError(nccl_, r, what);
+        }
+        if (s.ok()) s = CudaErr(cudaEventRecord(drained_[b], stream_), what);
+      } else {
+        if (k >= 2) s = CudaErr(cudaStreamWaitEvent(stream_, drained_[b], 0), what);
+        if (s.ok()) {
+          ncclResult_t r = nccl_.Recv(buf, len, ncclUint8, peer, comm_, stream_);
+          s = (r == ncclSuccess || r == ncclInProgress) ? Wait(what, spec_.timeout)
+                                                        : NcclError(nccl_, r, what);
+        }
+        if (s.ok()) s = CudaErr(cudaEventRecord(filled_[b], stream_), what);
+        if (s.ok()) s = CudaErr(cudaStreamWaitEvent(copy_stream_, filled_[b], 0), what);
+        if (s.ok()) {
+          s = CudaErr(cudaMemcpyAsync(host + off, buf, len, cudaMemcpyDeviceToHost, copy_stream_),
+                      what);
+        }
+        if (s.ok()) s = CudaErr(cudaEventRecord(drained_[b], copy_stream_), what);
       }
-      if (s.ok()) s = Drain(what);
     }
+    // Every chunk sent (or copied out) before the host bytes are given back.
+    if (s.ok()) s = Drain(stream_, what);
+    if (s.ok()) s = Drain(copy_stream_, what);
     if (!s.ok()) {
       spdlog::warn("NCCL link failed ({}); aborting the communicator", s.ToString());
       Abort();
+      cudaStreamSynchronize(copy_stream_);  // no copy may still touch `host`
     }
     return s;
   }
@@ -179,8 +223,11 @@ class NcclLinks final : public PeerLinks {
   const PeerLinkSpec spec_;
   const NcclApi& nccl_;
   ncclComm_t comm_ = nullptr;
-  cudaStream_t stream_ = nullptr;
-  void* staging_ = nullptr;
+  cudaStream_t stream_ = nullptr;       // NCCL operations
+  cudaStream_t copy_stream_ = nullptr;  // host <-> staging copies
+  void* staging_[2] = {nullptr, nullptr};
+  cudaEvent_t filled_[2] = {nullptr, nullptr};
+  cudaEvent_t drained_[2] = {nullptr, nullptr};
   bool ok_ = false;
   bool aborted_ = false;
 };

@@ -47,29 +47,38 @@ void ChunkedHostAllocator::ReleaseLocked(std::map<uint8_t*, std::unique_ptr<Chun
 uint8_t* ChunkedHostAllocator::Allocate(uint64_t n) {
   if (n == 0) return nullptr;
   const uint64_t want = RoundUp(n, kPage);
-  absl::MutexLock lock(&mu_);
-  for (auto& [base, c] : chunks_) {
-    if (c->size - c->used < want) continue;
-    if (uint8_t* p = TakeLocked(*c, want)) return p;
-  }
   const uint64_t size = std::max(RoundUp(options_.chunk_bytes, kHuge), RoundUp(want, kHuge));
-  if (options_.limit_bytes > 0 && mapped_ + size > options_.limit_bytes) {
-    // Give back chunks nothing uses before refusing.
-    for (auto it = chunks_.begin(); it != chunks_.end() && mapped_ + size > options_.limit_bytes;) {
-      auto next = std::next(it);
-      if (it->second->used == 0) ReleaseLocked(it);
-      it = next;
+  {
+    absl::MutexLock lock(&mu_);
+    for (auto& [base, c] : chunks_) {
+      if (c->size - c->used < want) continue;
+      if (uint8_t* p = TakeLocked(*c, want)) return p;
     }
-    if (mapped_ + size > options_.limit_bytes) return nullptr;
+    if (options_.limit_bytes > 0 && mapped_ + size > options_.limit_bytes) {
+      // Give back chunks nothing uses before refusing.
+      for (auto it = chunks_.begin(); it != chunks_.end() && mapped_ + size > options_.limit_bytes;) {
+        auto next = std::next(it);
+        if (it->second->used == 0) ReleaseLocked(it);
+        it = next;
+      }
+      if (mapped_ + size > options_.limit_bytes) return nullptr;
+    }
+    mapped_ += size;  // reserved: the new chunk is mapped and pinned outside the lock
   }
+  // mmap and the pin (cudaHostRegister: tens of ms per GiB) run without the
+  // lock, so other I/O threads keep allocating from the existing chunks.
   void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
-  if (p == MAP_FAILED) return nullptr;
+  const bool pinned = p != MAP_FAILED && pin_ ? pin_(p, size) : false;
+  absl::MutexLock lock(&mu_);
+  if (p == MAP_FAILED) {
+    mapped_ -= size;
+    return nullptr;
+  }
   auto c = std::make_unique<Chunk>();
   c->base = static_cast<uint8_t*>(p);
   c->size = size;
-  c->pinned = pin_ ? pin_(p, size) : false;
+  c->pinned = pinned;
   c->free.emplace(0, size);
-  mapped_ += size;
   if (c->pinned) pinned_ += size;
   Chunk& ref = *c;
   chunks_.emplace(c->base, std::move(c));

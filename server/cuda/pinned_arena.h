@@ -7,7 +7,8 @@
 // frees). Start-up pins nothing. Past `limit_bytes` of chunks it returns
 // nullptr and the cache falls back to ordinary memory. The pin/unpin
 // functions are injected (server/cuda provides cudaHostRegister), so the
-// logic is plain C++ and tested without a GPU. Thread-safe.
+// logic is plain C++ and tested without a GPU. Thread-safe; a new chunk is
+// mapped and pinned outside the lock (other threads keep allocating).
 #ifndef CKPTD_SERVER_CUDA_PINNED_ARENA_H_
 #define CKPTD_SERVER_CUDA_PINNED_ARENA_H_
 

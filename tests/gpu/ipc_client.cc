@@ -75,6 +75,14 @@ int main(int argc, char** argv) {
     std::fprintf(stderr, "rank %d: cuda_ipc load: %s\n", rank, rep.status().ToString().c_str());
     return 1;
   }
+  // The daemon closed this job's IPC mappings before it said done (this
+  // process may free the memory now): no other job runs on this daemon.
+  if (auto st = (*client)->Status(); !st.ok() ||
+                                      st->gpu().find("open IPC handles 0") == std::string::npos) {
+    std::fprintf(stderr, "rank %d: IPC handles still open after the load returned: %s\n", rank,
+                 st.ok() ? st->gpu().c_str() : st.status().ToString().c_str());
+    return 1;
+  }
   auto hrep = (*client)->Load(host_spec);
   if (!hrep.ok()) {
     std::fprintf(stderr, "rank %d: shm load: %s\n", rank, hrep.status().ToString().c_str());

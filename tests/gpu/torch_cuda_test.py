@@ -122,6 +122,45 @@ class TorchCudaDestinations(unittest.TestCase):
             self.assertIn("open IPC handles 0", ckptd.status(socket=d.socket)["gpu"])
 
 
+def mixed_state_dict(device, fill):
+    """A GPU model's state dict as training scripts have it: CUDA weights, a
+    tied pair (one tensor under two keys), a zero-element tensor, and the
+    optimizer's CPU scalar `step`."""
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(64, 48, generator=g) if fill else torch.full((64, 48), -1.0)
+    emb = torch.randn(32, 16, generator=g) if fill else torch.full((32, 16), -1.0)
+    emb = emb.to(device)
+    return {"w": w.to(device), "emb": emb, "head": emb,
+            "empty": torch.empty(0, 8, device=device),
+            "step": torch.tensor(41.0 if fill else 0.0)}
+
+
+class MixedStateDicts(unittest.TestCase):
+    @unittest.skipIf(WHY_NO_GPU is not None, f"SKIP: {WHY_NO_GPU}")
+    def test_auto_keeps_cuda_ipc_for_cpu_scalars_tied_and_empty_tensors(self):
+        root = testlib.tmp_root()
+        path = os.path.join(root, "mixed")
+        with testlib.Daemon(root) as d:
+            src = mixed_state_dict("cuda", True)
+            ckptd.save_state_dict(src, path, rank=0, world_size=1, job_id="mixed-save",
+                                  socket=d.socket)
+            dst = mixed_state_dict("cuda", False)
+            rep = ckptd.load_state_dict(dst, path, rank=0, world_size=1, job_id="mixed-load",
+                                        socket=d.socket)
+            torch.cuda.synchronize()
+            self.assertEqual(rep.transport, "cuda_ipc")
+            self.assertEqual(rep.tensor_transports["w"], "cuda_ipc")
+            self.assertEqual(rep.tensor_transports["emb"], "cuda_ipc")
+            self.assertEqual(rep.tensor_transports["head"], "alias of emb")
+            self.assertEqual(rep.tensor_transports["step"], "shm")
+            self.assertEqual(rep.tensor_transports["empty"], "shm")
+            self.assertFalse(rep.missing_keys)
+            for k in ("w", "emb", "head", "step"):
+                self.assertTrue(torch.equal(dst[k].cpu(), src[k].cpu()), k)
+            self.assertIs(dst["head"], dst["emb"])
+            self.assertIn("open IPC handles 0", ckptd.status(socket=d.socket)["gpu"])
+
+
 class CudaIpcOnCpu(unittest.TestCase):
     def test_cuda_ipc_needs_cuda_tensors(self):
         root = testlib.tmp_root()

@@ -535,6 +535,19 @@ class OpsTest(unittest.TestCase):
         r = subprocess.run([CKPTD, "--check-config", cfg], capture_output=True, text=True)
         self.assertEqual(r.returncode, 1)
         self.assertIn("peer_tls_cert: cannot open /nonexistent/node.crt", r.stderr)
+        # nccl_device: an ordinal; a bad one is named, a good one kept.
+        for value, ok in (("-1", False), ("x", False), ("3", True)):
+            with open(cfg, "w") as f:
+                f.write(f"roots: [{self.root}]\nnccl_device: {value}\n")
+            r = subprocess.run([CKPTD, "--config", cfg, "--print-config"], capture_output=True,
+                               text=True, timeout=30)
+            if ok:
+                self.assertEqual(r.returncode, 0, r.stderr)
+                self.assertIn(f"nccl_device: {value}", r.stdout)
+            else:
+                self.assertEqual(r.returncode, 1, value)
+                self.assertIn("nccl_device", r.stderr)
+                self.assertIn("must be a CUDA device ordinal", r.stderr)
 
     # --- systemd readiness ------------------------------------------------------------
 

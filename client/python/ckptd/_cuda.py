@@ -68,6 +68,46 @@ def is_cuda_entry(e):
     return t is not None and t.device.type == "cuda" and t.is_contiguous()
 
 
+def split(entries):
+    """How a cuda_ipc load carries each entry: (device, host, aliases).
+
+    device: indices of the entries the daemon writes in device memory itself
+    (contiguous, non-empty torch CUDA tensors); host: those that go through
+    the request's host segment and are copied in here (CPU tensors and
+    arrays such as an optimizer's `step`, non-contiguous or zero-element
+    tensors, and a CUDA tensor that partly overlaps another one); aliases:
+    {index: index} for an entry whose memory and box are exactly another's
+    (tied weights), loaded once through the first.
+    """
+    device, host, aliases = [], [], {}
+    first = {}
+    for i, e in enumerate(entries):
+        if not is_cuda_entry(e) or e.nbytes == 0:
+            host.append(i)
+            continue
+        t = e.tensor
+        key = (t.device, t.data_ptr(), e.nbytes, e.dtype, tuple(e.global_shape),
+               tuple(e.offset), tuple(e.shape), e.flat_range)
+        if key in first:
+            aliases[i] = first[key]
+            continue
+        first[key] = i
+        device.append(i)
+    # Partial overlaps (views of one storage): the later ones via the host.
+    spans = sorted((str(entries[i].tensor.device), entries[i].tensor.data_ptr(),
+                    entries[i].tensor.data_ptr() + entries[i].nbytes, i) for i in device)
+    overlapping = set()
+    end = {}
+    for dev, b, e_, i in spans:
+        if b < end.get(dev, 0):
+            overlapping.add(i)
+        end[dev] = max(end.get(dev, 0), e_)
+    if overlapping:
+        device = [i for i in device if i not in overlapping]
+        host = sorted(host + list(overlapping))
+    return device, host, aliases
+
+
 def export(entries):
     """(buffers, placements): one dict per exported allocation (ipc_handle,
     device, size, device_uuid) and per entry (buffer index, byte offset)."""

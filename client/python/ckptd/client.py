@@ -215,6 +215,10 @@ class LoadReport:
     local_fast_path: bool = False
     zero_copy: bool = False        # the daemon wrote the tensors themselves (no copy here)
     transport: str = ""            # the transport that carried the bytes (see load_state_dict)
+    # key -> the transport that carried that tensor: with cuda_ipc, CPU
+    # tensors, empty and non-contiguous ones go through "shm", and a tied
+    # weight is "alias of KEY" (loaded once, through KEY)
+    tensor_transports: dict = dataclasses.field(default_factory=dict)
     timings: dict = dataclasses.field(default_factory=dict)
 
     def as_dict(self):
@@ -560,7 +564,9 @@ class Client:
             # See "Transports" in docs/grpc-api.md: the first that applies; a
             # refusal before the job registered sends the same job id over shm.
             transport, first, refused = "shm", None, None
-            if entries and all(_cuda.is_cuda_entry(e) for e in entries):
+            if any(_cuda.is_cuda_entry(e) and e.nbytes for e in entries):
+                # CPU leaves (an optimizer's step), aliases and empty tensors
+                # ride along in the request's host segment (see _cuda.split).
                 first, refused = "cuda_ipc", _cuda.fallback_ok
             elif (not self.tcp and self.socket not in _PROCESS_MEMORY_REFUSED
                   and _arena_placement(entries)[0] is None and _process_memory_fits(entries)):
@@ -590,8 +596,10 @@ class Client:
         if barrier_timeout is not None:
             req.barrier_timeout_ms = max(1, int(barrier_timeout * 1000))
         report = LoadReport(job_id=job_id, skipped_keys=skipped)
+        alias_of = {}  # cuda_ipc: tied key -> the key it is loaded through
         seg = staging = None
         timings = {}
+        copy_out = None  # (entry, offset) filled here from the segment after the load
         try:
             if transport == "shm":
                 if self.tcp:
@@ -634,18 +642,36 @@ class Client:
                 if self.tcp:
                     raise CkptdError("INVALID_ARGUMENT", "transport='cuda_ipc' needs the daemon of "
                                      "this node (its Unix socket)")
-                for e in entries:
-                    if not _cuda.is_cuda_entry(e):
-                        raise CkptdError("INVALID_ARGUMENT", f"'{e.key}': transport='cuda_ipc' "
-                                         "needs contiguous torch CUDA tensors")
-                buffers, placements = _cuda.export(entries)
-                offsets = [off for _, off in placements]
-                req.targets.extend(self._targets(entries, offsets))
-                for t, (b, _) in zip(req.targets, placements):
-                    t.dest_buffer = b
+                dev, host, aliases = _cuda.split(entries)
+                if not dev:
+                    raise CkptdError("INVALID_ARGUMENT", "transport='cuda_ipc' needs contiguous "
+                                     "torch CUDA tensors; this state dict has none with data")
+                buffers, placements = _cuda.export([entries[i] for i in dev])
+                host_offsets, size = _layout([entries[i] for i in host])
+                if host:
+                    t1 = time.perf_counter()
+                    seg = self._staging(size, f"ckptd-load-{rank}")
+                    self._name_segment(req.cuda_ipc.host, seg.fd, seg.size, seg.token)
+                    timings["client_send_fd_s"] = time.perf_counter() - t1
+                # Targets in the entries' order; an alias is not sent.
+                where = {i: ("dev", b, off) for i, (b, off) in zip(dev, placements)}
+                where.update({i: ("host", 0, off) for i, off in zip(host, host_offsets)})
+                sent = sorted(where)
+                req.targets.extend(self._targets([entries[i] for i in sent],
+                                                 [where[i][2] for i in sent]))
+                for t, i in zip(req.targets, sent):
+                    t.dest_host = where[i][0] == "host"
+                    t.dest_buffer = where[i][1]
                 for b in buffers:
                     req.cuda_ipc.buffers.add(**b)
-                report.zero_copy = True  # the daemon writes the tensors themselves
+                report.tensor_transports = {
+                    entries[i].key: ("shm" if where[i][0] == "host" else "cuda_ipc") for i in sent}
+                for i, j in aliases.items():
+                    report.tensor_transports[entries[i].key] = f"alias of {entries[j].key}"
+                alias_of = {entries[i].key: entries[j].key for i, j in aliases.items()}
+                copy_out = [(entries[i], where[i][2]) for i in host]
+                entries, offsets = [entries[i] for i in sent], [where[i][2] for i in sent]
+                report.zero_copy = not host  # the daemon wrote every tensor itself
             elif transport == "stream":
                 offsets, size = _layout(entries)
                 staging = np.empty(max(size, 1), dtype=np.uint8)
@@ -692,9 +718,11 @@ class Client:
 
             missing = set(result.missing_keys)
             t1 = time.perf_counter()
-            if not report.zero_copy:
+            if copy_out is None and not report.zero_copy:
+                copy_out = list(zip(entries, offsets))
+            if copy_out:
                 buf = seg.u8 if seg is not None else staging
-                for e, off in zip(entries, offsets):
+                for e, off in copy_out:
                     if e.key not in missing:
                         e.fill_from(buf[off:off + e.nbytes])
                 del buf
@@ -703,7 +731,10 @@ class Client:
             if seg is not None:
                 seg.close()
         report.transport = transport
+        if not report.tensor_transports:
+            report.tensor_transports = {e.key: transport for e in entries}
         report.missing_keys = list(result.missing_keys)
+        report.missing_keys += [k for k, j in alias_of.items() if j in missing]
         report.unexpected_keys = list(result.unexpected_keys)
         report.renamed_keys = dict(result.renamed_keys)
         for f in ("bytes_read", "bytes_from_cache", "bytes_delivered", "job_bytes_delivered",
