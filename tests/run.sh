@@ -28,20 +28,29 @@ fi
 bazel "${BAZEL_ARGS[@]}" test //... 2>&1 | tail -n 60
 test_rc=${PIPESTATUS[0]}
 
-# The GPU path (issue 8) must compile and link with CUDA wherever the toolkit
-# is installed, GPU or not: one more test case. (The GPU tests themselves run
-# with tests/gpu/run.sh on a machine with a GPU.)
+# The GPU path must compile and link with CUDA wherever the toolkit is
+# installed, GPU or not, and its bundle (issue 18: what a bare GPU machine
+# runs, tests/gpu/bundle.sh) must build and run in a clean environment here
+# (tests/gpu/bundle_check.sh: no system -dev libraries, "no GPU", exit 0).
+# Two more test cases. (The GPU tests themselves run from the bundle, DIR/run.sh,
+# on a machine with a GPU.)
 EXTRA=()
 if [ -x /usr/local/cuda/bin/nvcc ]; then
-  bazel "${BAZEL_ARGS[@]}" build --config=cuda //server:ckptd //tests/gpu/... 2>&1 | tail -n 20
-  if [ "${PIPESTATUS[0]}" -eq 0 ]; then
-    EXTRA+=(--extra "cuda build (--config=cuda //server:ckptd //tests/gpu/...)=pass")
+  BUNDLE=$(mktemp -d /tmp/ckptd-gpu-bundle.XXXXXX)
+  if bash tests/gpu/bundle.sh "$BUNDLE" 2>&1 | tail -n 20 && [ "${PIPESTATUS[0]}" -eq 0 ]; then
+    EXTRA+=(--extra "gpu bundle (--config=cuda build, tests/gpu/bundle.sh)=pass")
+    if bash tests/gpu/bundle_check.sh "$BUNDLE" 2>&1 | tail -n 12 && [ "${PIPESTATUS[0]}" -eq 0 ]; then
+      EXTRA+=(--extra "gpu bundle in a clean environment (tests/gpu/bundle_check.sh)=pass")
+    else
+      EXTRA+=(--extra "gpu bundle in a clean environment (tests/gpu/bundle_check.sh)=fail")
+    fi
   else
-    EXTRA+=(--extra "cuda build (--config=cuda //server:ckptd //tests/gpu/...)=fail")
+    EXTRA+=(--extra "gpu bundle (--config=cuda build, tests/gpu/bundle.sh)=fail")
   fi
+  rm -rf "$BUNDLE"
 else
   echo "cuda build skipped: /usr/local/cuda/bin/nvcc not found"
-  EXTRA+=(--extra "cuda build (no CUDA toolkit) [needs: nvcc]=skip")
+  EXTRA+=(--extra "gpu bundle (no CUDA toolkit) [needs: nvcc]=skip")
 fi
 
 # bazel-testlogs follows the last build's configuration: name the directory.

@@ -103,5 +103,27 @@ class ContainerfileTest(unittest.TestCase):
                               f"install-deps.sh --runtime does not install")
 
 
+class CudaContainerfileTest(unittest.TestCase):
+    """deploy/Containerfile.cuda: the CPU image's stages plus the CUDA toolkit
+    from NVIDIA's devel image; cudart static, NCCL named for dlopen."""
+
+    def test_cuda_image(self):
+        with open(CONTAINERFILE + ".cuda") as f:
+            text = re.sub(r"\\\n", " ", f.read())
+        lines = [l.strip() for l in text.splitlines() if l.strip() and not l.startswith("#")]
+        froms = [l.split()[1] for l in lines if l.upper().startswith("FROM ")]
+        self.assertEqual(froms, ["${CUDA_IMAGE}", "debian:bookworm", "debian:bookworm-slim"])
+        self.assertIn("bazel build --config=cuda //server:ckptd //client:ckptctl", text)
+        self.assertIn("COPY --from=cuda /usr/local/cuda /usr/local/cuda", text)
+        self.assertIn("install-deps.sh --runtime", text)
+        self.assertIn("CKPTD_NCCL_LIBRARY=/usr/lib/ckptd/libnccl.so.2", text)
+        self.assertIn("/out/usr/lib/ckptd/libnccl.so.2", text)
+        self.assertIn("NVIDIA_DRIVER_CAPABILITIES=compute,utility", text)
+        # Same user, entrypoint and config as the CPU image (and the DaemonSet).
+        cpu = dict(instructions())
+        for word in ("USER", "ENTRYPOINT", "CMD", "EXPOSE"):
+            self.assertIn(f"{word} {cpu[word]}", lines)
+
+
 if __name__ == "__main__":
     testlib.main("container_test")

@@ -4,6 +4,7 @@ the ckptd configuration inside them is accepted by the real daemon, alone
 (`ckptd --check-config`) and together with the flags the pods pass
 (`ckptd ... --print-config`)."""
 import glob
+import json
 import os
 import re
 import subprocess
@@ -309,6 +310,34 @@ class ManifestsTest(unittest.TestCase):
         container_ports = {p["name"] for p in c["ports"]}
         for p in svc_ports.values():
             self.assertIn(p["targetPort"], container_ports)
+
+    def test_gpu_overlay_patches_the_daemonset(self):
+        """deploy/k8s/gpu: the base plus the CUDA image and the node's GPUs seen
+        through the NVIDIA runtime, without claiming any nvidia.com/gpu."""
+        gpu = os.path.join(K8S, "gpu")
+        with open(os.path.join(gpu, "kustomization.yaml")) as f:
+            k = yaml.safe_load(f)
+        self.assertEqual(k["resources"], ["../"])
+        for p in k["patches"]:
+            self.assertTrue(os.path.exists(os.path.join(gpu, p["path"])), p["path"])
+        base = self.doc("DaemonSet", "ckptd")
+        (img,) = k["images"]
+        self.assertEqual(base["spec"]["template"]["spec"]["containers"][0]["image"].split(":")[0],
+                         img["name"])
+        self.assertTrue(img["newTag"].endswith("-cuda"))
+        with open(os.path.join(gpu, "daemonset-gpu.yaml")) as f:
+            patch = yaml.safe_load(f)
+        self.assertEqual((patch["kind"], patch["metadata"]["name"], patch["metadata"]["namespace"]),
+                         ("DaemonSet", base["metadata"]["name"], base["metadata"]["namespace"]))
+        spec = patch["spec"]["template"]["spec"]
+        self.assertEqual(spec["runtimeClassName"], "nvidia")
+        self.assertIs(spec["hostIPC"], True)  # CUDA IPC needs one IPC namespace
+        (c,) = spec["containers"]
+        self.assertIn(c["name"], [x["name"] for x in base["spec"]["template"]["spec"]["containers"]])
+        env = {e["name"]: e["value"] for e in c["env"]}
+        self.assertEqual(env["NVIDIA_VISIBLE_DEVICES"], "all")
+        self.assertIn("compute", env["NVIDIA_DRIVER_CAPABILITIES"])
+        self.assertNotIn("nvidia.com/gpu", json.dumps(c.get("resources", {})))
 
     def test_sidecar_pod_shares_socket_and_shm(self):
         docs = {d["kind"]: d for d in load_docs("sidecar-pod.yaml")}
