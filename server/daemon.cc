@@ -173,7 +173,9 @@ std::unique_ptr<MappedSegment> MappedSegment::Borrow(std::shared_ptr<Arena> aren
 }
 
 MappedSegment::~MappedSegment() {
-  if (data_ != nullptr && arena_ == nullptr) Unmapper::Get().Unmap(data_, size_);
+  if (data_ != nullptr && arena_ == nullptr && owner_ == nullptr) {
+    Unmapper::Get().Unmap(data_, size_);
+  }
 }
 
 // --- Jobs ------------------------------------------------------------------
@@ -1178,7 +1180,11 @@ absl::StatusOr<v1::SaveResponse> Daemon::Save(const Caller& caller, const v1::Sa
   as_load.set_rank(request.rank());
   as_load.set_world_size(request.world_size());
   *as_load.mutable_targets() = request.targets();
-  *as_load.mutable_shm() = request.shm();
+  if (request.has_cuda_ipc()) {
+    *as_load.mutable_cuda_ipc() = request.cuda_ipc();  // device tensors: staged below
+  } else {
+    *as_load.mutable_shm() = request.shm();
+  }
   *as_load.mutable_node_ranks() = request.node_ranks();
   auto prepared = PrepareSlot(caller, as_load);
   if (!prepared.ok()) return fail(prepared.status());
@@ -1192,7 +1198,7 @@ absl::StatusOr<v1::SaveResponse> Daemon::Save(const Caller& caller, const v1::Sa
                                    cancelled, &slot->buffer_wait_s);
     if (!charge.ok()) return fail(charge.status());
     slot->save_charge = std::move(*charge);
-    if (!request.handed_over()) {
+    if (!request.handed_over() && !slot->device) {
       std::vector<std::pair<uint64_t, uint64_t>> ranges;
       for (int t = 0; t < request.targets_size(); ++t) {
         ranges.emplace_back(request.targets(t).dest_offset(), slot->targets.tensors[t].num_bytes());
@@ -1202,7 +1208,14 @@ absl::StatusOr<v1::SaveResponse> Daemon::Save(const Caller& caller, const v1::Sa
       slot->segment = std::move(*copy);
     }
   }
-  slot->save_request = request;
+  v1::SaveRequest staged_request;
+  const v1::SaveRequest* effective = &request;
+  if (slot->device) {
+    staged_request = request;
+    if (absl::Status s = StageDeviceSave(who, staged_request, *slot); !s.ok()) return fail(s);
+    effective = &staged_request;
+  }
+  slot->save_request = *effective;
   slot->cancelled = cancelled;
   slot->registered = absl::Now();
   slot->start = t0;

@@ -57,6 +57,11 @@ class MappedSegment {
   static absl::StatusOr<std::unique_ptr<MappedSegment>> CopyOf(
       const MappedSegment& src, const std::vector<std::pair<uint64_t, uint64_t>>& ranges,
       const std::string& what);
+  // `size` bytes of the daemon's own: from `allocator` (page-locked, when it
+  // has room and is not null), else anonymous memory; not initialised.
+  static absl::StatusOr<std::unique_ptr<MappedSegment>> Private(ckpt::HostAllocator* allocator,
+                                                                uint64_t size,
+                                                                const std::string& what);
   ~MappedSegment();
   uint8_t* data() const { return data_; }
   uint64_t size() const { return size_; }
@@ -66,6 +71,7 @@ class MappedSegment {
   uint8_t* data_;
   uint64_t size_;
   std::shared_ptr<Arena> arena_;  // set when borrowed: nothing to unmap
+  std::shared_ptr<void> owner_;   // set when from an allocator: frees it
 };
 
 class Daemon {
@@ -316,6 +322,11 @@ class Daemon {
                                                         const v1::LoadRequest& request);
   // cuda_ipc destinations (daemon_gpu.cc): validates the rank's device
   // targets and opens its buffers; the delivery of a job's ranks.
+  // A save's device tensors (SaveRequest.cuda_ipc): copied device -> host
+  // into the daemon's own memory, with the dest_host targets' bytes, and the
+  // client's IPC handles closed; `request`'s targets then point into
+  // slot.segment as an shm save's do. The caller waits only for this.
+  absl::Status StageDeviceSave(const std::string& who, v1::SaveRequest& request, RankSlot& slot);
   absl::Status PrepareShmSegment(const Caller& caller, const v1::ShmDestination& shm,
                                  const v1::LoadRequest& request, const std::vector<int>& indices,
                                  const std::string& who, RankSlot& slot);

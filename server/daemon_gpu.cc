@@ -1,6 +1,8 @@
 // The daemon's device destinations (cuda_ipc): validation, opening the
 // client's exported buffers, and the delivery of a job's ranks. The CUDA
 // work itself is behind gpu::GpuRuntime (server/cuda/gpu.h).
+#include <cstring>
+
 #include "absl/strings/str_cat.h"
 #include "core/status_macros.h"
 #include "server/daemon.h"
@@ -25,6 +27,40 @@ absl::Status Daemon::PrepareDeviceSlot(const v1::LoadRequest& req, const std::st
   }
   CKPT_RETURN_IF_ERROR(gpu::ValidateDeviceTargets(buffers, targets, sizes, names, who));
   CKPT_ASSIGN_OR_RETURN(slot.device, gpu_->OpenIpc(buffers, who));
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::StageDeviceSave(const std::string& who, v1::SaveRequest& request,
+                                     RankSlot& slot) {
+  // The rank's bytes packed (64-byte aligned) into one private buffer.
+  std::vector<uint64_t> at(request.targets_size());
+  uint64_t size = 0;
+  for (int t = 0; t < request.targets_size(); ++t) {
+    at[t] = size;
+    size = (size + slot.targets.tensors[t].num_bytes() + 63) / 64 * 64;
+  }
+  CKPT_ASSIGN_OR_RETURN(auto staged, MappedSegment::Private(gpu_->host_allocator(), size,
+                                                            absl::StrCat(who, ": staging")));
+  std::vector<gpu::GpuRuntime::DeviceToHost> copies;
+  for (int t = 0; t < request.targets_size(); ++t) {
+    const v1::Target& target = request.targets(t);
+    const uint64_t n = slot.targets.tensors[t].num_bytes();
+    if (target.dest_host()) {  // from the host segment (checked by PrepareShmSegment)
+      if (n > 0) std::memcpy(staged->data() + at[t], slot.segment->data() + target.dest_offset(), n);
+    } else {
+      copies.push_back({target.dest_buffer(), target.dest_offset(), n, staged->data() + at[t]});
+    }
+  }
+  CKPT_RETURN_IF_ERROR(gpu_->CopyToHost(*slot.device, copies, who));
+  slot.device.reset();  // the client's IPC handles are closed here
+  slot.segment = std::move(staged);
+  for (int t = 0; t < request.targets_size(); ++t) {
+    v1::Target* target = request.mutable_targets(t);
+    target->set_dest_offset(at[t]);
+    target->clear_dest_host();
+    target->clear_dest_buffer();
+  }
+  request.clear_cuda_ipc();
   return absl::OkStatus();
 }
 

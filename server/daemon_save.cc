@@ -73,6 +73,27 @@ absl::StatusOr<std::unique_ptr<MappedSegment>> MappedSegment::CopyOf(
   return std::unique_ptr<MappedSegment>(new MappedSegment(dst, size));
 }
 
+absl::StatusOr<std::unique_ptr<MappedSegment>> MappedSegment::Private(
+    ckpt::HostAllocator* allocator, uint64_t size, const std::string& what) {
+  if (size == 0) return std::unique_ptr<MappedSegment>(new MappedSegment(nullptr, 0));
+  if (allocator != nullptr) {
+    if (uint8_t* p = allocator->Allocate(size)) {
+      auto seg = std::unique_ptr<MappedSegment>(new MappedSegment(p, size));
+      seg->owner_ = std::shared_ptr<void>(p, [allocator, size](void* q) {
+        allocator->Free(static_cast<uint8_t*>(q), size);
+      });
+      return seg;
+    }
+  }
+  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
+                   -1, 0);
+  if (p == MAP_FAILED) {
+    return absl::ResourceExhaustedError(absl::StrCat(what, ": no memory for ", size,
+                                                     " bytes: ", std::strerror(errno)));
+  }
+  return std::unique_ptr<MappedSegment>(new MappedSegment(static_cast<uint8_t*>(p), size));
+}
+
 Daemon::SaveBufferCharge::~SaveBufferCharge() {
   absl::MutexLock lock(&d_->save_mu_);
   d_->save_staged_ -= bytes_;

@@ -561,6 +561,48 @@ class CudaRuntime final : public GpuRuntime {
     return std::unique_ptr<ckpt::Delivery>(new CudaDelivery(std::move(ranks), &devices_, &staging_));
   }
 
+  absl::Status CopyToHost(const DeviceBuffers& src, const std::vector<DeviceToHost>& copies,
+                          const std::string& who) override {
+    // One non-blocking stream per device, every copy queued, then waited for.
+    std::map<int, cudaStream_t> streams;
+    absl::Status status;
+    for (const DeviceToHost& c : copies) {
+      if (c.n == 0) continue;
+      if (c.buffer >= src.buffers().size()) {
+        status = absl::InvalidArgumentError(absl::StrCat(who, ": device buffer ", c.buffer,
+                                                         " does not exist"));
+        break;
+      }
+      const DeviceBuffers::Buffer& b = src.buffers()[c.buffer];
+      if (c.offset > b.size || c.n > b.size - c.offset) {
+        status = absl::InvalidArgumentError(absl::StrCat(
+            who, ": bytes [", c.offset, ", ", c.offset + c.n, ") outside device buffer ",
+            c.buffer, " of ", b.size, " bytes"));
+        break;
+      }
+      status = CudaError(cudaSetDevice(b.device), "cudaSetDevice");
+      if (!status.ok()) break;
+      auto it = streams.find(b.device);
+      if (it == streams.end()) {
+        cudaStream_t st;
+        status = CudaError(cudaStreamCreateWithFlags(&st, cudaStreamNonBlocking), "stream");
+        if (!status.ok()) break;
+        it = streams.emplace(b.device, st).first;
+      }
+      status = CudaError(cudaMemcpyAsync(c.dst, b.ptr + c.offset, c.n, cudaMemcpyDeviceToHost,
+                                         it->second),
+                         absl::StrCat("copy from device for ", who));
+      if (!status.ok()) break;
+    }
+    for (auto& [dev, st] : streams) {  // always waited for: no copy outlives the call
+      cudaSetDevice(dev);
+      absl::Status s = CudaError(cudaStreamSynchronize(st), absl::StrCat("copy from device for ", who));
+      if (status.ok()) status = s;
+      cudaStreamDestroy(st);
+    }
+    return status;
+  }
+
   bool nccl_available() const override { return !devices_.empty() && LoadNccl().ok(); }
   absl::StatusOr<std::string> NewNcclId() override { return NcclUniqueId(); }
   absl::StatusOr<std::unique_ptr<PeerLinks>> ConnectPeerLinks(const PeerLinkSpec& spec) override {

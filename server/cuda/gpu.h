@@ -98,6 +98,18 @@ class GpuRuntime {
   virtual absl::StatusOr<std::unique_ptr<ckpt::Delivery>> MakeDelivery(
       std::vector<RankDestination> ranks) = 0;
 
+  // Copies device bytes to host memory and waits for them: each copy reads
+  // bytes [offset, offset + n) of buffer `buffer` of `src` (checked against
+  // its size) into `dst`. The daemon stages a save's device tensors so.
+  struct DeviceToHost {
+    uint32_t buffer = 0;
+    uint64_t offset = 0;
+    uint64_t n = 0;
+    uint8_t* dst = nullptr;
+  };
+  virtual absl::Status CopyToHost(const DeviceBuffers& src, const std::vector<DeviceToHost>& copies,
+                                  const std::string& who) = 0;
+
   // NCCL links of a multi-node job (see peer_link.h); UNIMPLEMENTED
   // without CUDA/NCCL or a device.
   virtual bool nccl_available() const = 0;

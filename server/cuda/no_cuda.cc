@@ -30,6 +30,10 @@ class NoCudaRuntime final : public GpuRuntime {
     }
     return std::unique_ptr<ckpt::Delivery>(new HostRanksDelivery(std::move(ranks)));
   }
+  absl::Status CopyToHost(const DeviceBuffers&, const std::vector<DeviceToHost>&,
+                          const std::string& who) override {
+    return NoCuda(absl::StrCat(who, ": copy from device memory"));
+  }
   bool nccl_available() const override { return false; }
   absl::StatusOr<std::string> NewNcclId() override { return NoCuda("NCCL peer transport"); }
   absl::StatusOr<std::unique_ptr<PeerLinks>> ConnectPeerLinks(const PeerLinkSpec&) override {

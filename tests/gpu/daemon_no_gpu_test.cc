@@ -126,6 +126,48 @@ TEST_F(DaemonNoGpu, BadDeviceTargetsAreInvalidArgument) {
   r = Request();
   r.mutable_cuda_ipc()->clear_buffers();
   expect_invalid(r, "no buffers");
+  // A host-memory target needs the request's host segment.
+  r = Request();
+  *r.add_targets() = r.targets(0);
+  r.mutable_targets(1)->set_name("step");
+  r.mutable_targets(1)->set_dest_host(true);
+  expect_invalid(r, "tensor 'step' is marked dest_host but the cuda_ipc destination has no host");
+}
+
+// A save whose tensors are in device memory (SaveRequest.cuda_ipc): refused
+// where the daemon cannot read them, before the job registers (the client
+// then saves through shared memory with the same job id), and no version
+// appears.
+TEST_F(DaemonNoGpu, DeviceSaveIsRefusedWithoutAGpuAndWritesNothing) {
+  const ckptd::v1::LoadRequest l = Request();
+  ckptd::v1::SaveRequest r;
+  r.set_job_id("gpu-save");
+  r.set_rank(0);
+  r.set_world_size(1);
+  r.set_path(root_ + "/saved");
+  r.set_unique_id(1);
+  r.set_barrier_timeout_ms(2000);
+  *r.mutable_targets() = l.targets();
+  *r.mutable_cuda_ipc() = l.cuda_ipc();
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  ckptd::v1::SaveResponse resp;
+  grpc::Status s = stub_->Save(&ctx, r, &resp);
+  if (status_.gpu() == "built without CUDA") {
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::UNIMPLEMENTED) << s.error_message();
+  } else if (status_.gpu().find("no CUDA device") != std::string::npos) {
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::FAILED_PRECONDITION) << s.error_message();
+  } else {  // a GPU: the fake handle cannot be opened
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  }
+  EXPECT_NE(s.error_message().find("job 'gpu-save' rank 0"), std::string::npos)
+      << s.error_message();
+  EXPECT_FALSE(std::filesystem::exists(root_ + "/saved/1.metadata"));
+  // The job id is free again: a second refusal, not "job already running".
+  grpc::ClientContext ctx2;
+  ctx2.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  grpc::Status again = stub_->Save(&ctx2, r, &resp);
+  EXPECT_EQ(again.error_code(), s.error_code()) << again.error_message();
 }
 
 TEST_F(DaemonNoGpu, ClientWithoutCudaRefusesCudaIpc) {

@@ -113,6 +113,10 @@ class FakeGpu final : public gpu::GpuRuntime {
       std::vector<gpu::RankDestination>) override {
     return absl::UnimplementedError("fake");
   }
+  absl::Status CopyToHost(const gpu::DeviceBuffers&, const std::vector<DeviceToHost>&,
+                          const std::string&) override {
+    return absl::UnimplementedError("fake");
+  }
   bool nccl_available() const override { return true; }
   absl::StatusOr<std::string> NewNcclId() override { return std::string(128, 'x'); }
   absl::StatusOr<std::unique_ptr<gpu::PeerLinks>> ConnectPeerLinks(

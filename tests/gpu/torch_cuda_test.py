@@ -161,6 +161,61 @@ class MixedStateDicts(unittest.TestCase):
             self.assertIn("open IPC handles 0", ckptd.status(socket=d.socket)["gpu"])
 
 
+class DeviceSaves(unittest.TestCase):
+    @unittest.skipIf(WHY_NO_GPU is not None, f"SKIP: {WHY_NO_GPU}")
+    def test_async_save_of_cuda_tensors_is_staged_by_the_daemon(self):
+        """The daemon copies the CUDA tensors device -> host itself: once
+        async_save returned, changing them does not change the saved version."""
+        root = testlib.tmp_root()
+        path = os.path.join(root, "gpu-save")
+        with testlib.Daemon(root) as d:
+            src = mixed_state_dict("cuda", True)
+            want = {k: v.clone().cpu() for k, v in src.items()}
+            fut = ckptd.save_state_dict(src, path, rank=0, world_size=1, job_id="gpu-async",
+                                        socket=d.socket, async_save=True)
+            with torch.no_grad():  # the caller moves on at once
+                src["w"].add_(1.0)
+                src["emb"].mul_(-2.0)
+                src["step"].add_(1.0)
+            rep = fut.result(timeout=120)
+            self.assertEqual(rep.transport, "cuda_ipc")
+            self.assertTrue(rep.persisted)
+            self.assertIn("open IPC handles 0", ckptd.status(socket=d.socket)["gpu"])
+            dst = mixed_state_dict("cuda", False)
+            ckptd.load_state_dict(dst, path, rank=0, world_size=1, job_id="gpu-back",
+                                  socket=d.socket)
+            torch.cuda.synchronize()
+            for k in ("w", "emb", "head", "step"):
+                self.assertTrue(torch.equal(dst[k].cpu(), want[k]), k)
+
+    @unittest.skipIf(WHY_NO_GPU is not None, f"SKIP: {WHY_NO_GPU}")
+    def test_device_save_stall_vs_pinned_copy(self):
+        """Figure (printed, not gated): the blocking time of an async save of
+        1 GiB of CUDA tensors vs one pinned device -> host copy of it."""
+        import time
+        root = testlib.tmp_root()
+        n = 1 << 28  # float32: 1 GiB
+        with testlib.Daemon(root, "--save_buffer", "4GiB") as d:
+            t = torch.randn(n, device="cuda")
+            pinned = torch.empty(n, pin_memory=True)
+            pinned.copy_(t)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            pinned.copy_(t)
+            torch.cuda.synchronize()
+            copy_s = time.perf_counter() - t0
+            stalls = []
+            for i in range(3):
+                fut = ckptd.save_state_dict({"t": t}, os.path.join(root, f"s{i}"), rank=0,
+                                            world_size=1, job_id=f"stall-{i}", socket=d.socket,
+                                            async_save=True)
+                stalls.append(fut.result(timeout=300).stall_s)
+            stall = sorted(stalls)[1]
+            gb = n * 4 / 1e9
+            print(f"FIGURE device async save: stall {stall:.3f} s ({gb / stall:.1f} GB/s) vs pinned "
+                  f"D2H copy {copy_s:.3f} s ({gb / copy_s:.1f} GB/s), ratio {copy_s / stall:.2f}")
+
+
 class CudaIpcOnCpu(unittest.TestCase):
     def test_cuda_ipc_needs_cuda_tensors(self):
         root = testlib.tmp_root()

@@ -253,6 +253,10 @@ class SaveReport:
     buffer_wait_s: float = 0.0  # of which waiting for save_buffer room
     persist_s: float = 0.0      # the daemon's background write (files, fsyncs, metadata)
     bytes_staged: int = 0       # bytes the daemon held for the job
+    # "cuda_ipc": the daemon copied this rank's CUDA tensors device -> host
+    # itself (CPU tensors rode along in the same request); "shm": the client
+    # copied every tensor into a shared-memory segment (or lent arena)
+    transport: str = ""
 
     def as_dict(self):
         return dataclasses.asdict(self)
@@ -748,7 +752,8 @@ class Client:
 
     def save_state_dict(self, state_dict, path, *, rank=None, world_size=None, unique_id=None,
                         job_id=None, timeout=600.0, node_ranks=None, barrier_timeout=None,
-                        overwrite=False, format=None, raw_keys=(), async_save=False):
+                        overwrite=False, format=None, raw_keys=(), async_save=False,
+                        _device=True):
         """See ckptd.save_state_dict. format="pytorch-dcp" (with raw_keys, the keys of
         whole 1-D uint8 arrays written as they are) is ckptd.torch.DaemonStorageWriter's:
         data files only, committed by commit_dcp_metadata."""
@@ -776,9 +781,39 @@ class Client:
         timings = {}
         seg = slot = None
         future = None
+        device = None
         try:
             arena, offsets = _arena_placement(entries)
-            if arena is not None:
+            if (arena is None and _device and not format and self.socket not in _CUDA_SAVE_REFUSED
+                    and any(_cuda.is_cuda_entry(e) and e.nbytes for e in entries)):
+                device = _cuda.split(entries)
+            if device is not None:
+                # The daemon copies the CUDA tensors device -> host itself (at
+                # the copy engines' speed, into its pinned memory); the other
+                # entries, and a tied key's second name (the daemon refuses two
+                # targets on one device range), come in the host segment.
+                dev, host, aliases = device
+                host = sorted(host + list(aliases))
+                buffers, placements = _cuda.export([entries[i] for i in dev])
+                host_offsets, size = _layout([entries[i] for i in host])
+                if host:
+                    seg, slot = _borrow_staging(self, size, f"ckptd-save-{rank}")
+                    for i, off in zip(host, host_offsets):
+                        entries[i].copy_to(seg.u8[off:off + entries[i].nbytes])
+                where = {i: (False, b, off) for i, (b, off) in zip(dev, placements)}
+                where.update({i: (True, 0, off) for i, off in zip(host, host_offsets)})
+                req.targets.extend(self._targets(entries, [where[i][2] for i in range(len(entries))]))
+                for i, t in enumerate(req.targets):
+                    t.dest_host, t.dest_buffer = where[i][0], where[i][1]
+                for b in buffers:
+                    req.cuda_ipc.buffers.add(**b)
+                report.transport = "cuda_ipc"
+                timings["client_prepare_s"] = time.perf_counter() - t0
+                if seg is not None:
+                    t1 = time.perf_counter()
+                    self._name_segment(req.cuda_ipc.host, seg.fd, seg.size, seg.token)
+                    timings["client_send_fd_s"] = time.perf_counter() - t1
+            elif arena is not None:
                 fd, size, token = arena.fd, arena.size, arena.daemon_token
                 report.zero_copy = True
             else:
@@ -791,13 +826,35 @@ class Client:
                 # copying it (nothing here writes it again before the save is
                 # durable: _borrow_staging reuses it only then).
                 req.handed_over = bool(async_save)
-            req.targets.extend(self._targets(entries, offsets))
-            timings["client_prepare_s"] = time.perf_counter() - t0
+            if device is None:
+                report.transport = "shm"
+                req.targets.extend(self._targets(entries, offsets))
+                timings["client_prepare_s"] = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                self._name_segment(req.shm, fd, size, token)
+                timings["client_send_fd_s"] = time.perf_counter() - t1
             t1 = time.perf_counter()
-            self._name_segment(req.shm, fd, size, token)
-            timings["client_send_fd_s"] = time.perf_counter() - t1
-            t1 = time.perf_counter()
-            r = self._call("Save", self.stub.Save, req, timeout)
+            try:
+                r = self._call("Save", self.stub.Save, req, timeout)
+            except CkptdError as err:
+                if device is None or not _cuda.fallback_ok(err):
+                    raise
+                # This daemon cannot read device memory (built without CUDA, no
+                # device, memory not exportable): the client copies instead.
+                # Refused before the job registered, so the same job id is free.
+                _CUDA_SAVE_REFUSED.add(self.socket)
+                retry = True
+            else:
+                retry = False
+            if retry:
+                if slot is not None:
+                    _return_staging(slot, None, failed=True)
+                    slot = seg = None
+                return self.save_state_dict(
+                    state_dict, path, rank=rank, world_size=world_size, unique_id=unique_id,
+                    job_id=job_id, timeout=timeout, node_ranks=node_ranks,
+                    barrier_timeout=barrier_timeout, overwrite=overwrite, format=format,
+                    raw_keys=raw_keys, async_save=async_save, _device=False)
             timings["client_rpc_s"] = time.perf_counter() - t1
             if async_save:
                 future = SaveFuture(self.socket, report, rank)
@@ -903,6 +960,9 @@ def _populate(entries, addresses):
 
 # Daemons (by socket) that refused process_memory: this process uses shm there.
 _PROCESS_MEMORY_REFUSED = set()
+# Sockets of daemons that refused a device save (no CUDA there): later saves
+# through them copy on the client side at once.
+_CUDA_SAVE_REFUSED = set()
 
 
 def _process_memory_fits(entries):
