@@ -92,6 +92,19 @@ absl::Status JobOutcome(const std::string& job_id, const absl::Status& exec,
 
 // Codes a node's part fails with when another node failed first: its
 // fetches refused (ABORTED "... failed its part"), cut or never answered.
+// This node's report of its part of job `job_id` to the coordinator: the
+// common fields (the kind-specific byte counts are set by the caller).
+inline peer::v1::CompleteRequest CompletionOf(const std::string& job_id, const std::string& me,
+                                              const absl::Status& exec) {
+  peer::v1::CompleteRequest done;
+  done.set_job_id(job_id);
+  done.set_node(me);
+  done.set_ok(exec.ok());
+  done.set_error(std::string(exec.message()));
+  done.set_error_code(static_cast<int>(exec.code()));
+  return done;
+}
+
 inline bool EchoOfAnotherFailure(int code) {
   const auto c = static_cast<absl::StatusCode>(code);
   return c == absl::StatusCode::kAborted || c == absl::StatusCode::kUnavailable ||

@@ -1059,12 +1059,7 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
     absl::MutexLock lock(&mu_);
     job->phase = "waiting for the other nodes";
   }
-  peer::v1::CompleteRequest done;
-  done.set_job_id(job->id);
-  done.set_node(me);
-  done.set_ok(exec.ok());
-  done.set_error(std::string(exec.message()));
-  done.set_error_code(static_cast<int>(exec.code()));
+  peer::v1::CompleteRequest done = CompletionOf(job->id, me, exec);
   done.set_bytes_read(stats.bytes_read);
   done.set_bytes_received(received);
   done.set_bytes_sent(sent);

@@ -248,12 +248,7 @@ void Daemon::RunDistributedSave(const std::shared_ptr<Job>& job,
     absl::MutexLock lock(&mu_);
     job->phase = "waiting for the other nodes to prepare";
   }
-  peer::v1::CompleteRequest done;
-  done.set_job_id(job->id);
-  done.set_node(me);
-  done.set_ok(exec.ok());
-  done.set_error(std::string(exec.message()));
-  done.set_error_code(static_cast<int>(exec.code()));
+  peer::v1::CompleteRequest done = CompletionOf(job->id, me, exec);
   done.set_bytes_written(written.bytes);
   for (const auto& [name, shard] : written.shards) ToMsg(name, shard, done.add_shards());
   absl::StatusOr<peer::v1::CompleteResponse> outcome = ReportCompletion(dj, coordinator, done);

@@ -23,19 +23,23 @@ absl::Status CudaError(cudaError_t e, const std::string& what) {
 using GetAddressRangeFn = CUresult (*)(CUdeviceptr*, size_t*, CUdeviceptr);
 using PointerGetAttributeFn = CUresult (*)(void*, CUpointer_attribute, CUdeviceptr);
 
-// cuPointerGetAttribute through the runtime's entry-point query (no -lcuda).
+// A driver function through the runtime's entry-point query (no -lcuda);
+// null when the driver lacks it.
+template <typename Fn>
+Fn DriverEntryPoint(const char* name) {
+  void* f = nullptr;
+  cudaDriverEntryPointQueryResult q;
+  if (cudaGetDriverEntryPointByVersion(name, &f, 12000, cudaEnableDefault, &q) != cudaSuccess ||
+      q != cudaDriverEntryPointSuccess) {
+    cudaGetLastError();
+    return nullptr;
+  }
+  return reinterpret_cast<Fn>(f);
+}
+
 PointerGetAttributeFn PointerAttribute() {
-  static PointerGetAttributeFn fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q;
-    if (cudaGetDriverEntryPointByVersion("cuPointerGetAttribute", &f, 12000, cudaEnableDefault,
-                                         &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      return PointerGetAttributeFn(nullptr);
-    }
-    return reinterpret_cast<PointerGetAttributeFn>(f);
-  }();
+  static const PointerGetAttributeFn fn =
+      DriverEntryPoint<PointerGetAttributeFn>("cuPointerGetAttribute");
   return fn;
 }
 
@@ -57,17 +61,7 @@ class KeepCurrentDevice {
 };
 
 GetAddressRangeFn AddressRange() {
-  static GetAddressRangeFn fn = [] {
-    void* f = nullptr;
-    cudaDriverEntryPointQueryResult q;
-    if (cudaGetDriverEntryPointByVersion("cuMemGetAddressRange", &f, 12000, cudaEnableDefault,
-                                         &q) != cudaSuccess ||
-        q != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      return GetAddressRangeFn(nullptr);
-    }
-    return reinterpret_cast<GetAddressRangeFn>(f);
-  }();
+  static const GetAddressRangeFn fn = DriverEntryPoint<GetAddressRangeFn>("cuMemGetAddressRange");
   return fn;
 }
 
