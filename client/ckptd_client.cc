@@ -106,6 +106,20 @@ void AddTargets(const std::vector<TensorSpec>& tensors, const std::vector<uint64
   }
 }
 
+// The tensors' device memory as the request's cuda_ipc buffers (one handle
+// per allocation; the targets' dest_buffer and dest_offset set).
+absl::Status AddDeviceBuffers(const std::vector<TensorSpec>& tensors, v1::LoadRequest* req) {
+  std::vector<const void*> ptrs;
+  std::vector<uint64_t> sizes;
+  std::vector<std::string> names;
+  for (const TensorSpec& t : tensors) {
+    ptrs.push_back(t.device_buffer);
+    sizes.push_back(t.num_bytes());
+    names.push_back(t.name);
+  }
+  return AddCudaIpcDestination(ptrs, sizes, names, req);
+}
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<ShmArena>> ShmArena::Create(uint64_t size, const std::string& name) {
@@ -414,15 +428,7 @@ absl::StatusOr<LoadReport> Client::Load(const LoadSpec& spec,
   if (spec.transport == Transport::kProcessMemory) {
     // Set above.
   } else if (spec.transport == Transport::kCudaIpc) {
-    std::vector<const void*> ptrs;
-    std::vector<uint64_t> sizes;
-    std::vector<std::string> names;
-    for (const TensorSpec& t : spec.tensors) {
-      ptrs.push_back(t.device_buffer);
-      sizes.push_back(t.num_bytes());
-      names.push_back(t.name);
-    }
-    CKPT_RETURN_IF_ERROR(AddCudaIpcDestination(ptrs, sizes, names, &req));
+    CKPT_RETURN_IF_ERROR(AddDeviceBuffers(spec.tensors, &req));
   } else if (shm) {
     CKPT_RETURN_IF_ERROR(NameSegment(*arena, rep_->options, req.mutable_shm()));
   } else {
@@ -530,6 +536,27 @@ absl::StatusOr<v1::SaveResponse> Client::SaveCall(const SaveSpec& spec, bool asy
   for (int r : spec.node_ranks) req.add_node_ranks(r);
   if (spec.barrier_timeout > absl::ZeroDuration()) {
     req.set_barrier_timeout_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(spec.barrier_timeout)));
+  }
+  size_t on_device = 0;
+  for (const TensorSpec& t : spec.tensors) on_device += t.device_buffer != nullptr ? 1 : 0;
+  if (on_device > 0) {
+    // Device tensors: the daemon copies them device -> host itself before it
+    // answers (SaveRequest.cuda_ipc; daemons built with CUDA).
+    if (on_device != spec.tensors.size() || spec.arena != nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "Save: ", on_device, " of ", spec.tensors.size(),
+          " tensors have a device_buffer; a device save needs it on every tensor (and no arena)"));
+    }
+    v1::LoadRequest device;  // AddDeviceBuffers fills a request's targets and cuda_ipc
+    AddTargets(spec.tensors, std::vector<uint64_t>(spec.tensors.size(), 0), device.mutable_targets());
+    CKPT_RETURN_IF_ERROR(AddDeviceBuffers(spec.tensors, &device));
+    *req.mutable_targets() = device.targets();
+    *req.mutable_cuda_ipc() = device.cuda_ipc();
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline(rep_->options.call_timeout));
+    v1::SaveResponse resp;
+    CKPT_RETURN_IF_ERROR(FromGrpc(rep_->stub->Save(&ctx, req, &resp), "Save"));
+    return resp;
   }
   std::unique_ptr<ShmArena> own;
   ShmArena* arena = spec.arena;

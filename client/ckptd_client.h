@@ -124,7 +124,9 @@ struct SaveSpec {
   std::string path;  // output directory inside one of the daemon's roots
   int64_t unique_id = 0;
   // The rank's shards: `buffer` holds each one's bytes (or arena_offset in
-  // `arena` when buffer is null).
+  // `arena` when buffer is null). Or every one's `device_buffer` (a client
+  // built with CUDA): the daemon copies them device -> host itself before it
+  // answers (docs/saving.md, "CUDA tensors"); a daemon without CUDA refuses.
   std::vector<TensorSpec> tensors;
   std::vector<int> node_ranks;
   ShmArena* arena = nullptr;

@@ -188,6 +188,25 @@ TEST_F(DaemonNoGpu, ClientWithoutCudaRefusesCudaIpc) {
   spec.tensors.push_back(t);
   auto r = (*c)->Load(spec);
   EXPECT_EQ(r.status().code(), absl::StatusCode::kUnimplemented) << r.status();
+  // A device save likewise; one mixing device and host tensors is refused
+  // before anything is sent.
+  ckptd::SaveSpec save;
+  save.job_id = "gpu-client-save";
+  save.path = root_ + "/resaved";
+  save.unique_id = 1;
+  save.tensors.push_back(t);
+  auto s = (*c)->Save(save);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kUnimplemented) << s.status();
+  ckptd::TensorSpec host = t;
+  host.name = "b";
+  host.device_buffer = nullptr;
+  host.buffer = dummy;
+  save.tensors.push_back(host);
+  s = (*c)->Save(save);
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument) << s.status();
+  EXPECT_NE(s.status().message().find("1 of 2 tensors have a device_buffer"), std::string::npos)
+      << s.status();
+  EXPECT_FALSE(std::filesystem::exists(root_ + "/resaved/1.metadata"));
 }
 
 }  // namespace
