@@ -539,6 +539,7 @@ absl::StatusOr<v1::SaveResponse> Client::SaveCall(const SaveSpec& spec, bool asy
   }
   size_t on_device = 0;
   for (const TensorSpec& t : spec.tensors) on_device += t.device_buffer != nullptr ? 1 : 0;
+  std::unique_ptr<ShmArena> own;
   if (on_device > 0) {
     // Device tensors: the daemon copies them device -> host itself before it
     // answers (SaveRequest.cuda_ipc; daemons built with CUDA).
@@ -552,29 +553,24 @@ absl::StatusOr<v1::SaveResponse> Client::SaveCall(const SaveSpec& spec, bool asy
     CKPT_RETURN_IF_ERROR(AddDeviceBuffers(spec.tensors, &device));
     *req.mutable_targets() = device.targets();
     *req.mutable_cuda_ipc() = device.cuda_ipc();
-    grpc::ClientContext ctx;
-    ctx.set_deadline(Deadline(rep_->options.call_timeout));
-    v1::SaveResponse resp;
-    CKPT_RETURN_IF_ERROR(FromGrpc(rep_->stub->Save(&ctx, req, &resp), "Save"));
-    return resp;
-  }
-  std::unique_ptr<ShmArena> own;
-  ShmArena* arena = spec.arena;
-  std::vector<uint64_t> offsets(spec.tensors.size());
-  CKPT_ASSIGN_OR_RETURN(arena, ArenaFor(spec.tensors, spec.arena,
-                                        absl::StrCat("ckptd-save-", spec.rank),
-                                        rep_->options.socket, rep_->options.connect_timeout, &own,
-                                        &offsets));
-  if (own) {
-    for (size_t i = 0; i < spec.tensors.size(); ++i) {
-      std::memcpy(own->data() + offsets[i], spec.tensors[i].buffer, spec.tensors[i].num_bytes());
+  } else {
+    ShmArena* arena = spec.arena;
+    std::vector<uint64_t> offsets(spec.tensors.size());
+    CKPT_ASSIGN_OR_RETURN(arena, ArenaFor(spec.tensors, spec.arena,
+                                          absl::StrCat("ckptd-save-", spec.rank),
+                                          rep_->options.socket, rep_->options.connect_timeout,
+                                          &own, &offsets));
+    if (own) {
+      for (size_t i = 0; i < spec.tensors.size(); ++i) {
+        std::memcpy(own->data() + offsets[i], spec.tensors[i].buffer, spec.tensors[i].num_bytes());
+      }
+      // This copy is the save's own (dropped right after the call, never
+      // written again): the daemon may keep it instead of copying it.
+      req.set_handed_over(async);
     }
-    // This copy is the save's own (dropped right after the call, never
-    // written again): the daemon may keep it instead of copying it.
-    req.set_handed_over(async);
+    AddTargets(spec.tensors, offsets, req.mutable_targets());
+    CKPT_RETURN_IF_ERROR(NameSegment(*arena, rep_->options, req.mutable_shm()));
   }
-  AddTargets(spec.tensors, offsets, req.mutable_targets());
-  CKPT_RETURN_IF_ERROR(NameSegment(*arena, rep_->options, req.mutable_shm()));
   grpc::ClientContext ctx;
   ctx.set_deadline(Deadline(rep_->options.call_timeout));
   v1::SaveResponse resp;

@@ -1208,14 +1208,10 @@ absl::StatusOr<v1::SaveResponse> Daemon::Save(const Caller& caller, const v1::Sa
       slot->segment = std::move(*copy);
     }
   }
-  v1::SaveRequest staged_request;
-  const v1::SaveRequest* effective = &request;
-  if (slot->device) {
-    staged_request = request;
-    if (absl::Status s = StageDeviceSave(who, staged_request, *slot); !s.ok()) return fail(s);
-    effective = &staged_request;
+  slot->save_request = request;
+  if (slot->device) {  // its targets then point into the daemon's own copy
+    if (absl::Status s = StageDeviceSave(who, slot->save_request, *slot); !s.ok()) return fail(s);
   }
-  slot->save_request = *effective;
   slot->cancelled = cancelled;
   slot->registered = absl::Now();
   slot->start = t0;

@@ -60,17 +60,9 @@ absl::StatusOr<std::unique_ptr<MappedSegment>> MappedSegment::CopyOf(
     }
     size = std::max(size, offset + n);
   }
-  if (size == 0) return std::unique_ptr<MappedSegment>(new MappedSegment(nullptr, 0));
-  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
-                   -1, 0);
-  if (p == MAP_FAILED) {
-    return absl::ResourceExhaustedError(absl::StrCat(what, ": no memory for a ", size,
-                                                     "-byte copy of its bytes: ",
-                                                     std::strerror(errno)));
-  }
-  auto* dst = static_cast<uint8_t*>(p);
-  for (const auto& [offset, n] : ranges) std::memcpy(dst + offset, src.data() + offset, n);
-  return std::unique_ptr<MappedSegment>(new MappedSegment(dst, size));
+  CKPT_ASSIGN_OR_RETURN(auto copy, Private(nullptr, size, absl::StrCat(what, ": a copy of its bytes")));
+  for (const auto& [offset, n] : ranges) std::memcpy(copy->data() + offset, src.data() + offset, n);
+  return copy;
 }
 
 absl::StatusOr<std::unique_ptr<MappedSegment>> MappedSegment::Private(

@@ -30,7 +30,7 @@ skipped=0
 results=()
 # case NAME LIMIT_S COMMAND...: output to $OUT/NAME.log, the tail shown.
 case_() {
-  local name=$1 limit=$2 t=$SECONDS rc result
+  local name=$1 limit=$2 t=$SECONDS rc result why
   shift 2
   echo "=== $name"
   timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
@@ -38,23 +38,21 @@ case_() {
   tail -n 30 "$OUT/$name.log"
   if [ "$rc" -eq 0 ] && grep -q "SKIP" "$OUT/$name.log"; then
     if [ "$gpu" -eq 1 ]; then
-      result=failed
-      failed=$((failed + 1))
-      echo "--- $name: FAILED (skipped on a machine with a GPU)"
+      result=failed why="FAILED (skipped on a machine with a GPU)"
     else
-      result=skipped
-      skipped=$((skipped + 1))
-      echo "--- $name: skipped (no GPU)"
+      result=skipped why="skipped (no GPU)"
     fi
   elif [ "$rc" -eq 0 ]; then
-    result=passed
-    passed=$((passed + 1))
-    echo "--- $name: passed"
+    result=passed why="passed"
   else
-    result=failed
-    failed=$((failed + 1))
-    echo "--- $name: FAILED (exit $rc; 124: ran past $limit s)"
+    result=failed why="FAILED (exit $rc; 124: ran past $limit s)"
   fi
+  case $result in
+    passed) passed=$((passed + 1)) ;;
+    skipped) skipped=$((skipped + 1)) ;;
+    *) failed=$((failed + 1)) ;;
+  esac
+  echo "--- $name: $why"
   results+=("{\"name\": \"$name\", \"result\": \"$result\", \"exit\": $rc, \"seconds\": $((SECONDS - t))}")
 }
 

@@ -555,6 +555,23 @@ class Client:
             out.append(t)
         return out
 
+    def _device_targets(self, req, entries, dev, host):
+        """Adds the targets of entries[i] for i in dev and host to a cuda_ipc request, in the
+        entries' order: the dev ones inside their exported device allocations
+        (req.cuda_ipc.buffers), the host ones marked dest_host at their offset in the host
+        segment. Returns (the indices sent, {host index: offset}, the host segment's size)."""
+        buffers, placements = _cuda.export([entries[i] for i in dev])
+        host_offsets, size = _layout([entries[i] for i in host])
+        where = {i: (False, b, off) for i, (b, off) in zip(dev, placements)}
+        where.update({i: (True, 0, off) for i, off in zip(host, host_offsets)})
+        sent = sorted(where)
+        req.targets.extend(self._targets([entries[i] for i in sent], [where[i][2] for i in sent]))
+        for t, i in zip(req.targets, sent):
+            t.dest_host, t.dest_buffer = where[i][0], where[i][1]
+        for b in buffers:
+            req.cuda_ipc.buffers.add(**b)
+        return sent, dict(zip(host, host_offsets)), size
+
     def load_state_dict(self, state_dict, path, *, rank=None, world_size=None, job_id=None,
                         unique_id=None, timeout=600.0, strict=False, node_ranks=None,
                         barrier_timeout=None, verify=True, transport="auto", progress=None,
@@ -650,31 +667,21 @@ class Client:
                 if not dev:
                     raise CkptdError("INVALID_ARGUMENT", "transport='cuda_ipc' needs contiguous "
                                      "torch CUDA tensors; this state dict has none with data")
-                buffers, placements = _cuda.export([entries[i] for i in dev])
-                host_offsets, size = _layout([entries[i] for i in host])
+                # An alias is not sent: it is loaded through its first key.
+                sent, host_at, size = self._device_targets(req, entries, dev, host)
                 if host:
                     t1 = time.perf_counter()
                     seg = self._staging(size, f"ckptd-load-{rank}")
                     self._name_segment(req.cuda_ipc.host, seg.fd, seg.size, seg.token)
                     timings["client_send_fd_s"] = time.perf_counter() - t1
-                # Targets in the entries' order; an alias is not sent.
-                where = {i: ("dev", b, off) for i, (b, off) in zip(dev, placements)}
-                where.update({i: ("host", 0, off) for i, off in zip(host, host_offsets)})
-                sent = sorted(where)
-                req.targets.extend(self._targets([entries[i] for i in sent],
-                                                 [where[i][2] for i in sent]))
-                for t, i in zip(req.targets, sent):
-                    t.dest_host = where[i][0] == "host"
-                    t.dest_buffer = where[i][1]
-                for b in buffers:
-                    req.cuda_ipc.buffers.add(**b)
                 report.tensor_transports = {
-                    entries[i].key: ("shm" if where[i][0] == "host" else "cuda_ipc") for i in sent}
+                    entries[i].key: ("shm" if i in host_at else "cuda_ipc") for i in sent}
                 for i, j in aliases.items():
                     report.tensor_transports[entries[i].key] = f"alias of {entries[j].key}"
                 alias_of = {entries[i].key: entries[j].key for i, j in aliases.items()}
-                copy_out = [(entries[i], where[i][2]) for i in host]
-                entries, offsets = [entries[i] for i in sent], [where[i][2] for i in sent]
+                copy_out = [(entries[i], off) for i, off in host_at.items()]
+                entries = [entries[i] for i in sent]
+                offsets = [t.dest_offset for t in req.targets]
                 report.zero_copy = not host  # the daemon wrote every tensor itself
             elif transport == "stream":
                 offsets, size = _layout(entries)
@@ -794,19 +801,11 @@ class Client:
                 # targets on one device range), come in the host segment.
                 dev, host, aliases = device
                 host = sorted(host + list(aliases))
-                buffers, placements = _cuda.export([entries[i] for i in dev])
-                host_offsets, size = _layout([entries[i] for i in host])
+                _, host_at, size = self._device_targets(req, entries, dev, host)
                 if host:
                     seg, slot = _borrow_staging(self, size, f"ckptd-save-{rank}")
-                    for i, off in zip(host, host_offsets):
+                    for i, off in host_at.items():
                         entries[i].copy_to(seg.u8[off:off + entries[i].nbytes])
-                where = {i: (False, b, off) for i, (b, off) in zip(dev, placements)}
-                where.update({i: (True, 0, off) for i, off in zip(host, host_offsets)})
-                req.targets.extend(self._targets(entries, [where[i][2] for i in range(len(entries))]))
-                for i, t in enumerate(req.targets):
-                    t.dest_host, t.dest_buffer = where[i][0], where[i][1]
-                for b in buffers:
-                    req.cuda_ipc.buffers.add(**b)
                 report.transport = "cuda_ipc"
                 timings["client_prepare_s"] = time.perf_counter() - t0
                 if seg is not None:
