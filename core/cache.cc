@@ -1,7 +1,9 @@
 #include "core/cache.h"
 
+#include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -14,49 +16,121 @@
 
 namespace ckpt {
 
-// The default entry memory: anonymous mappings recycled across entries. A freed block is
+// The default entry memory: blocks recycled across entries. A freed block is
 // kept for the next entry of the same size, already faulted in: a cold load
 // then writes memory at copy speed instead of taking a page fault per 4 KiB
 // (131,072 per 512 MiB), and on VMs whose host reclaims freed guest memory
 // the first touch of new memory is slower still. Free blocks count against
 // the cache budget (HostCache::Reserve trims them first).
+//
+// Each block is its own memfd (mapped shared), so a client can copy cached
+// bytes itself from a read-only mapping (HostCache::Export, core/cache_view.h).
+// The read-only descriptor handed out cannot change the block: the memfd is
+// mode 0400 (another uid cannot reopen it for writing through /proc) and
+// sealed against shrinking and growing. What a client may still see is the
+// block's later contents through a mapping it kept, so a block exported to
+// one tenant is recycled only for entries allocated for that tenant (a load
+// of that tenant, which may read those bytes), and a block exported to two
+// tenants is never recycled: when freed its pages are punched out (dropping
+// them from every mapping) and it is closed.
 class HostCache::BlockPool final : public HostAllocator {
  public:
   ~BlockPool() override { Trim(0); }
-  uint8_t* Allocate(uint64_t n) override {
+  uint8_t* Allocate(uint64_t n) override { return Allocate(n, kNoTenant); }
+  uint8_t* Allocate(uint64_t n, uint32_t tenant) {
     {
       absl::MutexLock lock(&mu_);
-      auto it = free_.find(n);
-      if (it != free_.end()) {
+      auto [lo, hi] = free_.equal_range(n);
+      for (auto it = lo; it != hi; ++it) {
+        Block& b = blocks_.at(Key(it->second));
+        if (!Reusable(b, tenant)) continue;
         uint8_t* p = it->second;
         free_.erase(it);
         free_bytes_ -= n;
         return p;
       }
     }
+    Block b;
+    b.n = n;
+    // A memfd of its own (exportable); anonymous memory where that fails.
+    b.fd = ::memfd_create("ckptd-cache", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+    if (b.fd >= 0 && (::ftruncate(b.fd, static_cast<off_t>(n)) != 0 || ::fchmod(b.fd, 0400) != 0 ||
+                      ::fcntl(b.fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0)) {
+      ::close(b.fd);
+      b.fd = -1;
+    }
     // (MADV_HUGEPAGE measured worse on the dev VM: with THP defrag
     // "madvise" the first touch stalls in compaction, 0.6 vs 1.8-2.7 GB/s.)
     // MAP_POPULATE: every page is written by the fill anyway; faulting them
     // in here, in one pass in the kernel, beats faulting them one by one
     // under the fill's pread (512 MiB: 0.34 vs 0.41-0.57 s on the dev VM).
-    void* p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE,
-                     MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
-    if (p == MAP_FAILED) return nullptr;
-    return static_cast<uint8_t*>(p);
+    void* p = b.fd >= 0 ? ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE,
+                                 b.fd, 0)
+                        : ::mmap(nullptr, n, PROT_READ | PROT_WRITE,
+                                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    if (p == MAP_FAILED) {
+      if (b.fd >= 0) ::close(b.fd);
+      return nullptr;
+    }
+    b.p = static_cast<uint8_t*>(p);
+    if (b.fd >= 0) {
+      // The descriptor clients get: read-only (a new open file description).
+      b.ro_fd = ::open(absl::StrCat("/proc/self/fd/", b.fd).c_str(), O_RDONLY | O_CLOEXEC);
+    }
+    absl::MutexLock lock(&mu_);
+    b.id = ++last_id_;
+    blocks_.emplace(Key(b.p), b);
+    return b.p;
   }
   void Free(uint8_t* p, uint64_t n) override {
-    absl::MutexLock lock(&mu_);
-    free_.emplace(n, p);
-    free_bytes_ += n;
+    Block dead;
+    {
+      absl::MutexLock lock(&mu_);
+      Block& b = blocks_.at(Key(p));
+      if (b.holds > 0) {  // a client copies from it: freed when it lets go
+        b.freed = true;
+        return;
+      }
+      if (!FreeLocked(b, &dead)) return;
+    }
+    Destroy(dead);
   }
-  bool HasRecycled(uint64_t n) const override {
+  bool HasRecycled(uint64_t n) const override { return HasRecycled(n, kNoTenant); }
+  bool HasRecycled(uint64_t n, uint32_t tenant) const {
     absl::MutexLock lock(&mu_);
-    return free_.count(n) > 0;
+    auto [lo, hi] = free_.equal_range(n);
+    for (auto it = lo; it != hi; ++it) {
+      if (Reusable(blocks_.at(Key(it->second)), tenant)) return true;
+    }
+    return false;
+  }
+  // See HostCache::Export.
+  std::optional<ExportedRange> Export(std::shared_ptr<BlockPool> self, const uint8_t* p,
+                                      uint64_t n, uint32_t tenant) {
+    absl::MutexLock lock(&mu_);
+    auto it = blocks_.upper_bound(Key(p));
+    if (it == blocks_.begin()) return std::nullopt;
+    --it;
+    Block& b = it->second;
+    if (b.ro_fd < 0 || p < b.p || p + n > b.p + b.n || b.freed) return std::nullopt;
+    if (std::find(b.exported.begin(), b.exported.end(), tenant) == b.exported.end()) {
+      b.exported.push_back(tenant);
+    }
+    ++b.holds;
+    ExportedRange r;
+    r.block = b.id;
+    r.fd = b.ro_fd;
+    r.block_bytes = b.n;
+    r.offset = static_cast<uint64_t>(p - b.p);
+    r.block_data = b.p;
+    uint8_t* base = b.p;
+    r.hold = std::shared_ptr<const void>(base, [self](const void* q) { self->Unhold(q); });
+    return r;
   }
   // Unmaps free blocks until at most `keep` bytes are left, not counting
   // one block of `spare` bytes (about to be reused) if there is one.
   void Trim(uint64_t keep, uint64_t spare = 0) {
-    std::vector<std::pair<uint64_t, uint8_t*>> drop;
+    std::vector<Block> drop;
     {
       absl::MutexLock lock(&mu_);
       auto spared = free_.find(spare);
@@ -64,22 +138,79 @@ class HostCache::BlockPool final : public HostAllocator {
       for (auto it = free_.end(); free_bytes_ - not_counted > keep && it != free_.begin();) {
         --it;  // largest first
         if (it == spared) continue;
-        drop.emplace_back(it->first, it->second);
+        auto b = blocks_.find(Key(it->second));
+        drop.push_back(b->second);
+        blocks_.erase(b);
         free_bytes_ -= it->first;
         it = free_.erase(it);
       }
     }
-    for (const auto& [n, p] : drop) ::munmap(p, n);
+    for (const Block& b : drop) Destroy(b);
   }
   uint64_t free_bytes() const {
     absl::MutexLock lock(&mu_);
     return free_bytes_;
   }
+  uint64_t blocks() const {
+    absl::MutexLock lock(&mu_);
+    return blocks_.size();
+  }
 
  private:
+  struct Block {
+    uint64_t id = 0;
+    uint8_t* p = nullptr;
+    uint64_t n = 0;
+    int fd = -1;     // the memfd (read-write), or -1: anonymous memory
+    int ro_fd = -1;  // read-only descriptor for clients, or -1: not exportable
+    std::vector<uint32_t> exported;  // tenants it was exported to
+    int holds = 0;                   // exports not yet let go
+    bool freed = false;              // freed by the cache while held
+  };
+  static uintptr_t Key(const void* p) { return reinterpret_cast<uintptr_t>(p); }
+  static bool Reusable(const Block& b, uint32_t tenant) {
+    return b.exported.empty() || (b.exported.size() == 1 && b.exported[0] == tenant);
+  }
+  // Puts `b` on the free list, or (exported to two tenants) takes it out of
+  // blocks_ into *dead for Destroy outside the lock; returns whether it did
+  // the latter.
+  bool FreeLocked(Block& b, Block* dead) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (b.exported.size() >= 2) {
+      *dead = b;
+      blocks_.erase(Key(b.p));
+      return true;
+    }
+    free_.emplace(b.n, b.p);
+    free_bytes_ += b.n;
+    return false;
+  }
+  void Unhold(const void* p) {
+    Block dead;
+    {
+      absl::MutexLock lock(&mu_);
+      Block& b = blocks_.at(Key(p));
+      if (--b.holds > 0 || !b.freed) return;
+      b.freed = false;
+      if (!FreeLocked(b, &dead)) return;
+    }
+    Destroy(dead);
+  }
+  // A block exported to anyone: its pages are punched out first, so a
+  // client's mapping neither sees them nor keeps them allocated.
+  static void Destroy(const Block& b) {
+    if (!b.exported.empty() && b.fd >= 0) {
+      ::fallocate(b.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(b.n));
+    }
+    ::munmap(b.p, b.n);
+    if (b.ro_fd >= 0) ::close(b.ro_fd);
+    if (b.fd >= 0) ::close(b.fd);
+  }
+
   mutable absl::Mutex mu_;
+  std::map<uintptr_t, Block> blocks_ ABSL_GUARDED_BY(mu_);  // every live block, by address
   std::multimap<uint64_t, uint8_t*> free_ ABSL_GUARDED_BY(mu_);
   uint64_t free_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t last_id_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 HostCache::HostCache(uint64_t budget_bytes, HostAllocator* allocator)
@@ -112,6 +243,7 @@ struct HostCache::Buffer {
 struct HostCache::Pending {
   HostCache* cache;
   uint64_t n;
+  uint32_t tenant = kNoTenant;
   std::unique_ptr<Buffer> data;
   bool published = false;
   ~Pending() {
@@ -191,7 +323,7 @@ bool HostCache::EvictOneLocked() {
   return false;
 }
 
-std::shared_ptr<HostCache::Pending> HostCache::Reserve(uint64_t n) {
+std::shared_ptr<HostCache::Pending> HostCache::Reserve(uint64_t n, uint32_t tenant) {
   absl::MutexLock lock(&mu_);
   if (n == 0 || n > budget_) return nullptr;
   // Memory of dropped entries still pinned by a load counts too.
@@ -204,6 +336,7 @@ std::shared_ptr<HostCache::Pending> HostCache::Reserve(uint64_t n) {
   auto p = std::make_shared<Pending>();
   p->cache = this;
   p->n = n;
+  p->tenant = tenant;
   // Allocation happens outside the lock below.
   return p;
 }
@@ -212,7 +345,7 @@ uint8_t* HostCache::PendingData(const std::shared_ptr<Pending>& p) {
   if (!p->data) {
     auto b = std::make_unique<Buffer>();
     b->n = p->n;
-    b->p = allocator_->Allocate(p->n);
+    b->p = pool_ ? pool_->Allocate(p->n, p->tenant) : allocator_->Allocate(p->n);
     if (b->p != nullptr) {
       b->allocator = allocator_;
       b->pool = pool_;
@@ -275,6 +408,17 @@ CacheStats HostCache::stats() const {
   if (pool_) s.recycled_bytes = pool_->free_bytes();
   return s;
 }
+
+bool HostCache::HasRecycled(uint64_t n, uint32_t tenant) const {
+  return pool_ ? pool_->HasRecycled(n, tenant) : allocator_->HasRecycled(n);
+}
+
+std::optional<ExportedRange> HostCache::Export(const uint8_t* p, uint64_t n, uint32_t tenant) {
+  if (!pool_ || tenant == kNoTenant) return std::nullopt;
+  return pool_->Export(pool_, p, n, tenant);
+}
+
+uint64_t HostCache::blocks() const { return pool_ ? pool_->blocks() : 0; }
 
 std::map<std::string, std::pair<uint64_t, uint64_t>> HostCache::Files() const {
   absl::MutexLock lock(&mu_);
@@ -411,12 +555,12 @@ absl::StatusOr<std::unique_ptr<RangeSource::Fill>> CachingSource::BeginFill(
   // would wait for fresh memory while the page cache holds them.
   bool keep_them = verify;
   if (keep_them && options_.defer_fresh_memory && cache_->CanHold(n) &&
-      !cache_->HasRecycled(n) && p.file->Cached(offset, n)) {
+      !cache_->HasRecycled(n, options_.tenant) && p.file->Cached(offset, n)) {
     keep_them = false;
     absl::MutexLock lock(&mu_);
     deferred_.emplace_back(file, offset);
   }
-  auto pending = keep_them ? cache_->Reserve(n) : nullptr;
+  auto pending = keep_them ? cache_->Reserve(n, options_.tenant) : nullptr;
   uint8_t* keep = pending ? cache_->PendingData(pending) : nullptr;
   auto fill = std::make_unique<CacheFill>(this, file, p.path, offset, std::move(pending));
   fill->file = p.file;
@@ -430,7 +574,7 @@ absl::StatusOr<RangeView> CachingSource::Fetch(
   CKPT_ASSIGN_OR_RETURN(Probed p, Probe(file, offset, n));
   if (p.hit) return *std::move(p.hit);
   // Without a verify function the bytes are read into scratch and not kept.
-  auto pending = verify ? cache_->Reserve(n) : nullptr;
+  auto pending = verify ? cache_->Reserve(n, options_.tenant) : nullptr;
   uint8_t* dst;
   if (pending) {
     dst = cache_->PendingData(pending);

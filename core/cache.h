@@ -28,6 +28,7 @@
 #include <list>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -47,6 +48,24 @@ struct CacheStats {
   uint64_t misses = 0;
   uint64_t evictions = 0;
   uint64_t recycled_bytes = 0;  // freed entry memory kept for the next entries
+};
+
+// Who an entry's memory is allocated for (a uid, for the daemon): see
+// HostCache::Export. kNoTenant: nobody in particular (never exported).
+inline constexpr uint32_t kNoTenant = 0xffffffffu;
+
+// Cached bytes a client process may map read-only and copy itself
+// (HostCache::Export): bytes [offset, offset + n) of a memory block that
+// `fd` (read-only; valid while `hold` is held, not to be closed) maps.
+struct ExportedRange {
+  uint64_t block = 0;        // the block's id, unique in this cache
+  int fd = -1;
+  uint64_t block_bytes = 0;  // the block's size (what fd maps)
+  uint64_t offset = 0;       // of the exported bytes in the block
+  const uint8_t* block_data = nullptr;  // the block's first byte in this process
+  // While held, the block is neither recycled nor unmapped (its entry may be
+  // evicted meanwhile; the block is freed when the last hold goes).
+  std::shared_ptr<const void> hold;
 };
 
 // Where HostCache entries get their memory. The default recycles anonymous
@@ -82,10 +101,11 @@ class HostCache {
   // needed. Returns nullptr when `n` cannot fit beside the pinned entries.
   // Fill the buffer, then Publish it (or drop it to give the room back).
   struct Pending;
-  std::shared_ptr<Pending> Reserve(uint64_t n);
+  // The memory comes from a block free for `tenant` (see Export) or a new one.
+  std::shared_ptr<Pending> Reserve(uint64_t n, uint32_t tenant = kNoTenant);
   // Whether an entry of `n` bytes would get memory already faulted in (see
   // HostAllocator::HasRecycled and SourceOptions::defer_fresh_memory).
-  bool HasRecycled(uint64_t n) const { return allocator_->HasRecycled(n); }
+  bool HasRecycled(uint64_t n, uint32_t tenant = kNoTenant) const;
   // Whether an entry of `n` bytes could be kept at all (within the budget).
   bool CanHold(uint64_t n) const { return n > 0 && n <= budget_; }
   uint8_t* PendingData(const std::shared_ptr<Pending>& p);
@@ -98,6 +118,21 @@ class HostCache {
   // the budget and in stats().bytes (so the figures match the memory held).
   // Returns the bytes and entries dropped.
   std::pair<uint64_t, uint64_t> EvictPrefix(const std::string& prefix);
+
+  // The cache block holding bytes [p, p + n) (an entry's, published or still
+  // being filled), exported to `tenant` and held, for a client of that
+  // tenant to map read-only and copy from; nullopt when those bytes are not
+  // in an exportable block (scratch memory, a custom allocator, no memfd).
+  // Once exported to a tenant, a block is recycled only for entries
+  // reserved for that tenant; exported to two, it is never recycled (its
+  // pages are punched out when freed). Thread-safe.
+  std::optional<ExportedRange> Export(const uint8_t* p, uint64_t n, uint32_t tenant);
+  // Whether Export can succeed at all (the cache's own pool, not a custom
+  // allocator).
+  bool CanExport() const { return pool_ != nullptr; }
+  // Memory blocks the cache's own pool has mapped (entries, pending fills,
+  // free blocks, held blocks); 0 with a custom allocator.
+  uint64_t blocks() const;
 
   CacheStats stats() const;
   // Bytes and entries per cached file path.

@@ -110,6 +110,9 @@ struct SourceOptions {
   // stay off the load's path; the caller fills the cache afterwards from
   // CachingSource::Deferred() (the daemon does, on a background thread).
   bool defer_fresh_memory = false;
+  // CachingSource only: whom new cache entries are reserved for
+  // (HostCache::Reserve; the daemon passes the caller's uid).
+  uint32_t tenant = 0xffffffffu;  // kNoTenant (core/cache.h)
 };
 
 // Reads files of one checkpoint directory with pread; opens each file once

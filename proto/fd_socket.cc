@@ -170,6 +170,15 @@ absl::StatusOr<FdRequest> ParseFdRequest(absl::string_view message) {
     return absl::InvalidArgumentError(
         absl::StrCat("expected ALLOC <bytes> (one space, then the number): got ", Quoted(message)));
   }
+  if (absl::ConsumePrefix(&rest, "VIEWS ")) {
+    if (!IsToken(rest)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "expected VIEWS <", kTokenLen, "-character lowercase hex token>: got ", Quoted(message)));
+    }
+    r.kind = FdRequest::Kind::kViews;
+    r.token = std::string(rest);
+    return r;
+  }
   if (!IsToken(message)) {
     return absl::InvalidArgumentError(absl::StrCat(expected, ": got ", Quoted(message)));
   }
@@ -180,6 +189,7 @@ absl::StatusOr<FdRequest> ParseFdRequest(absl::string_view message) {
 
 std::string EncodeFdRequest(const FdRequest& request) {
   if (request.kind == FdRequest::Kind::kAlloc) return absl::StrCat("ALLOC ", request.bytes);
+  if (request.kind == FdRequest::Kind::kViews) return absl::StrCat("VIEWS ", request.token);
   return request.token;
 }
 
@@ -191,6 +201,16 @@ absl::StatusOr<FdReply> ParseFdReply(absl::string_view message) {
   FdReply r;
   if (message == "OK") return r;
   absl::string_view rest = message;
+  if (absl::ConsumePrefix(&rest, "OK VIEWS ")) {
+    absl::StatusOr<uint64_t> count = ParseByteCount(rest);
+    if (!count.ok() || *count > kMaxViewFds) {
+      return bad(absl::StrCat("expected OK VIEWS <count> (1 to ", kMaxViewFds, "), got ",
+                              Quoted(message)));
+    }
+    r.kind = FdReply::Kind::kViews;
+    r.bytes = *count;
+    return r;
+  }
   if (absl::ConsumePrefix(&rest, "OK ")) {
     const size_t space = rest.find(' ');
     const absl::string_view token = rest.substr(0, space);
@@ -227,6 +247,8 @@ std::string EncodeFdReply(const FdReply& reply) {
       return "OK";
     case FdReply::Kind::kGrant:
       return absl::StrCat("OK ", reply.token, " ", reply.bytes);
+    case FdReply::Kind::kViews:
+      return absl::StrCat("OK VIEWS ", reply.bytes);
     case FdReply::Kind::kError:
       break;
   }
@@ -354,19 +376,24 @@ absl::StatusOr<int> Dial(const std::string& path, absl::Duration timeout) {
 }
 
 bool SendMessage(int sock, absl::string_view text, int fd, int flags) {
+  return SendMessageFds(sock, text, &fd, fd >= 0 ? 1 : 0, flags);
+}
+
+bool SendMessageFds(int sock, absl::string_view text, const int* fds, size_t count, int flags) {
+  if (count > kMaxViewFds) return false;
   iovec iov{const_cast<char*>(text.data()), text.size()};
-  alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int))] = {};
+  alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int) * kMaxViewFds)] = {};
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
-  if (fd >= 0) {
+  if (count > 0) {
     msg.msg_control = ctrl;
-    msg.msg_controllen = sizeof(ctrl);
+    msg.msg_controllen = CMSG_SPACE(sizeof(int) * count);
     cmsghdr* cm = CMSG_FIRSTHDR(&msg);
     cm->cmsg_level = SOL_SOCKET;
     cm->cmsg_type = SCM_RIGHTS;
-    cm->cmsg_len = CMSG_LEN(sizeof(int));
-    std::memcpy(CMSG_DATA(cm), &fd, sizeof(int));
+    cm->cmsg_len = CMSG_LEN(sizeof(int) * count);
+    std::memcpy(CMSG_DATA(cm), fds, sizeof(int) * count);
   }
   ssize_t n;
   do {

@@ -28,6 +28,14 @@
 // LoadRequest.shm.arena_token for as many loads as it likes (only from its
 // own uid); closing the connection (or exiting) gives the arena back.
 //
+// Taking the views of a load (LoadEvent.views, process_memory with views):
+//   client -> daemon: "VIEWS <32-character token>"
+//   daemon -> client: "OK VIEWS <count>" + count read-only memfds as
+//                     SCM_RIGHTS (1..kMaxViewFds), or "ERR <reason>"
+// The connection then stays open while the client copies; closing it tells
+// the daemon the client is done with the views (they may change after).
+// Only the uid whose load it is may take them, once.
+//
 // "<reason>" is "<CODE>: <message>", CODE an absl/gRPC status code name
 // (INVALID_ARGUMENT, RESOURCE_EXHAUSTED, UNAVAILABLE, ...); older daemons
 // sent a bare message, read as UNAVAILABLE.
@@ -69,6 +77,9 @@ inline constexpr size_t kMaxMessage = 512;
 // far above any machine's memory, and page-rounded sizes stay far from
 // overflowing off_t.
 inline constexpr uint64_t kMaxArenaBytes = uint64_t{1} << 46;
+// The most fds one "OK VIEWS" reply carries (below the kernel's 253 per
+// SCM_RIGHTS message).
+inline constexpr size_t kMaxViewFds = 200;
 
 // The fd socket that goes with a daemon's gRPC socket path.
 std::string FdSocketPath(const std::string& grpc_socket);
@@ -115,9 +126,10 @@ struct FdRequest {
   enum class Kind {
     kHandOver,  // "<token>", with the fd it names as SCM_RIGHTS
     kAlloc,     // "ALLOC <bytes>", no fd
+    kViews,     // "VIEWS <token>", no fd
   };
   Kind kind = Kind::kHandOver;
-  std::string token;   // kHandOver
+  std::string token;   // kHandOver, kViews
   uint64_t bytes = 0;  // kAlloc: 1..kMaxArenaBytes
 
   bool operator==(const FdRequest& o) const {
@@ -138,11 +150,12 @@ struct FdReply {
   enum class Kind {
     kOk,     // "OK": the fd was taken
     kGrant,  // "OK <token> <bytes>", with the arena's memfd as SCM_RIGHTS
+    kViews,  // "OK VIEWS <count>", with count memfds as SCM_RIGHTS
     kError,  // "ERR <CODE>: <message>" (or an older daemon's "ERR <message>")
   };
   Kind kind = Kind::kOk;
   std::string token;   // kGrant
-  uint64_t bytes = 0;  // kGrant: 1..kMaxArenaBytes
+  uint64_t bytes = 0;  // kGrant: 1..kMaxArenaBytes; kViews: the count, 1..kMaxViewFds
   // kError: never OK; UNAVAILABLE for an older daemon's bare message.
   absl::Status error;
 
@@ -164,6 +177,8 @@ absl::StatusOr<int> Dial(const std::string& path, absl::Duration timeout);
 // Sends one message, with `fd` as SCM_RIGHTS when it is >= 0. `flags` are
 // sendmsg's (MSG_NOSIGNAL is always added). True if all of it was sent.
 bool SendMessage(int sock, absl::string_view text, int fd, int flags = 0);
+// The same with any number of fds (at most kMaxViewFds) as one SCM_RIGHTS.
+bool SendMessageFds(int sock, absl::string_view text, const int* fds, size_t n, int flags = 0);
 // Receives one message into buf (NUL-terminated, at most cap - 1 bytes) and
 // the fd it carries, if any (*fd = -1 otherwise; any further fds are closed).
 // *truncated is set when the message or its control data did not fit.

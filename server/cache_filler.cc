@@ -58,11 +58,11 @@ CacheFiller::CacheFiller(ckpt::HostCache* cache) : cache_(cache) {
 CacheFiller::~CacheFiller() { Stop(); }
 
 void CacheFiller::Submit(std::string dir, std::map<std::string, ckpt::FileStamp> stamps,
-                         ckpt::LoadPlan plan) {
+                         ckpt::LoadPlan plan, uint32_t tenant) {
   plan.ranks.clear();
   absl::MutexLock lock(&mu_);
   if (stopping_ || plan.reads.empty()) return;
-  queue_.push_back({std::move(dir), std::move(stamps), std::move(plan)});
+  queue_.push_back({std::move(dir), std::move(stamps), std::move(plan), tenant});
 }
 
 bool CacheFiller::Busy(const std::string& prefix) const {
@@ -112,7 +112,9 @@ void CacheFiller::Run() {
       running_ = task.dir;
     }
     const auto t0 = std::chrono::steady_clock::now();
-    ckpt::CachingSource cached(task.dir, cache_, task.stamps);
+    ckpt::SourceOptions options;
+    options.tenant = task.tenant;
+    ckpt::CachingSource cached(task.dir, cache_, task.stamps, options);
     StoppableSource source(&cached, &stop_);
     NoCopies none;
     ckpt::ExecuteOptions eo;

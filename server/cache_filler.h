@@ -34,7 +34,9 @@ class CacheFiller {
 
   // Queues the reads of `plan` (its ranks are ignored) of checkpoint `dir`,
   // files at `stamps`, for filling. Nothing happens after Stop().
-  void Submit(std::string dir, std::map<std::string, ckpt::FileStamp> stamps, ckpt::LoadPlan plan);
+  // `tenant`: whom the entries are reserved for (HostCache::Reserve).
+  void Submit(std::string dir, std::map<std::string, ckpt::FileStamp> stamps, ckpt::LoadPlan plan,
+              uint32_t tenant);
   // Waits until no fill of a checkpoint whose directory is `prefix` or
   // under it (prefix ending in '/') is queued or running, at most `timeout`.
   // False on timeout.
@@ -54,6 +56,7 @@ class CacheFiller {
     std::string dir;
     std::map<std::string, ckpt::FileStamp> stamps;
     ckpt::LoadPlan plan;
+    uint32_t tenant = 0;
   };
   void Run();
   bool Busy(const std::string& prefix) const ABSL_SHARED_LOCKS_REQUIRED(mu_);

@@ -217,7 +217,8 @@ absl::Status Daemon::Start() {
                                    : config_.barrier_timeout + absl::Minutes(1);
     CKPT_ASSIGN_OR_RETURN(fd_receiver_, FdReceiver::Start(FdSocketPath(config_.socket),
                                                           config_.socket_mode, ttl,
-                                                          arenas_.get()));
+                                                          arenas_.get(), FdReceiverLimits(),
+                                                          &view_leases_));
   }
   return absl::OkStatus();
 }
@@ -773,6 +774,12 @@ absl::Status Daemon::PrepareProcessSlot(const Caller& caller, const v1::LoadRequ
   }
   slot.process_memory = std::shared_ptr<ckpt::ProcessMemory>(std::move(*memory));
   remote.memory = slot.process_memory;
+  if (pm.views() && fd_receiver_ && cache_.CanExport()) {
+    // Cached bytes are left to the client to copy (core/cache_view.h).
+    slot.views = std::make_shared<ckpt::ViewRecorder>(&cache_, caller.uid, slot.process_memory,
+                                                      std::move(ranges));
+    remote.memory = slot.views;
+  }
   slot.process = std::move(remote);
   return absl::OkStatus();
 }
@@ -1071,6 +1078,12 @@ absl::Status Daemon::Load(const Caller& caller, const v1::LoadRequest& request,
     result = slot->result;
   }
   if (cancelled()) return fail(absl::CancelledError("client went away"));
+  if (slot->views) {
+    if (absl::Status v = DeliverViews(caller, *slot, who, send, cancelled); !v.ok()) {
+      return fail(v);
+    }
+    result.set_bytes_from_views(slot->views->bytes_recorded());
+  }
   result.mutable_timings()->set_total_s(Seconds(slot->start));
   if (request.has_stream()) {
     uint64_t chunk = request.stream().chunk_bytes() ? request.stream().chunk_bytes() : (4u << 20);
@@ -1095,6 +1108,46 @@ absl::Status Daemon::Load(const Caller& caller, const v1::LoadRequest& request,
   ++loads_succeeded_;
   bytes_delivered_total_ += result.bytes_delivered();
   return absl::OkStatus();
+}
+
+absl::Status Daemon::DeliverViews(const Caller& caller, RankSlot& slot, const std::string& who,
+                                  const std::function<bool(const v1::LoadEvent&)>& send,
+                                  const std::function<bool()>& cancelled) {
+  ckpt::ViewRecorder& rec = *slot.views;
+  const std::vector<ckpt::ViewRecorder::Copy> copies = rec.copies();
+  if (copies.empty()) {
+    rec.Release();
+    return absl::OkStatus();
+  }
+  v1::LoadEvent ev;
+  v1::CacheViews* cv = ev.mutable_views();
+  std::vector<int> fds;
+  for (const ckpt::ViewRecorder::View& v : rec.views()) {
+    cv->add_view_bytes(v.bytes);
+    fds.push_back(v.fd);
+  }
+  for (const ckpt::ViewRecorder::Copy& c : copies) {
+    v1::ViewCopy* m = cv->add_copies();
+    m->set_view(c.view);
+    m->set_offset(c.offset);
+    m->set_address(c.address);
+    m->set_length(c.length);
+    m->set_count(c.count);
+    m->set_src_stride(c.src_stride);
+    m->set_dst_stride(c.dst_stride);
+  }
+  cv->set_bytes(rec.bytes_recorded());
+  const std::string token = view_leases_.Offer(caller.uid, std::move(fds), who);
+  cv->set_token(token);
+  // The client copies while the views are held; they are let go once it is
+  // done, gone, or out of time (then the rank fails: its tensors may be
+  // half-filled).
+  absl::Status s = send(ev) ? view_leases_.AwaitDone(token, absl::Now() + config_.load_timeout,
+                                                     cancelled)
+                            : absl::CancelledError(absl::StrCat(who, ": client went away"));
+  view_leases_.Withdraw(token);
+  rec.Release();
+  return s;
 }
 
 absl::StatusOr<v1::SaveResponse> Daemon::Save(const Caller& caller, const v1::SaveRequest& request,
@@ -1529,6 +1582,7 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
   }
   ckpt::SourceOptions storage_options;
   storage_options.defer_fresh_memory = true;  // filled afterwards by filler_
+  storage_options.tenant = job->owner;        // the uid whose loads may view these entries
   ckpt::CachingSource storage(job->path, &cache_, (*opened)->stamps, storage_options);
   GatedSource source(&storage, job.get(), config_.testing_delay_read);
   auto delivery = JobDelivery(slots, std::move(dests));
@@ -1578,7 +1632,7 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
       bytes += rr.length;
       fill.reads.push_back(rr);
     }
-    filler_->Submit(job->path, (*opened)->stamps, std::move(fill));
+    filler_->Submit(job->path, (*opened)->stamps, std::move(fill), job->owner);
   }
 
   JobFigures fig;
@@ -1640,7 +1694,9 @@ absl::StatusOr<v1::PrefetchResponse> Daemon::Prefetch(const Caller& caller,
   ckpt::PlanOptions po;
   po.max_read_bytes = config_.io_request_size;
   CKPT_ASSIGN_OR_RETURN(ckpt::LoadPlan plan, ckpt::PlanLoad(meta, {rt}, po));
-  ckpt::CachingSource source(dir, &cache_, opened->stamps);
+  ckpt::SourceOptions options;
+  options.tenant = caller.uid;
+  ckpt::CachingSource source(dir, &cache_, opened->stamps, options);
   NoDelivery none;
   ckpt::ExecuteOptions eo;
   eo.threads = config_.io_threads;

@@ -40,6 +40,7 @@
 #include "server/caller.h"
 #include "server/cuda/gpu.h"
 #include "server/fd_channel.h"
+#include "server/view_leases.h"
 
 namespace ckptd {
 
@@ -332,6 +333,11 @@ class Daemon {
                                  const std::string& who, RankSlot& slot);
   absl::Status PrepareDeviceSlot(const v1::LoadRequest& request, const std::string& who,
                                  RankSlot& slot);
+  // process_memory with views: offers the rank's cache views to its client
+  // and waits until it copied them (server/view_leases.h).
+  absl::Status DeliverViews(const Caller& caller, RankSlot& slot, const std::string& who,
+                            const std::function<bool(const v1::LoadEvent&)>& send,
+                            const std::function<bool()>& cancelled);
   // process_memory destinations: checks the caller's targets and cookie,
   // opens its process (core/process_memory.h).
   absl::Status PrepareProcessSlot(const Caller& caller, const v1::LoadRequest& request,
@@ -452,6 +458,7 @@ class Daemon {
   std::unique_ptr<ArenaPool> arenas_;  // before fd_receiver_, which lends from it
   // Fills cache_ with what loads delivered without keeping (after cache_).
   std::unique_ptr<CacheFiller> filler_;
+  ViewLeases view_leases_;  // before fd_receiver_, which hands them out
   std::unique_ptr<FdReceiver> fd_receiver_;
 
   absl::Mutex meta_mu_;

@@ -17,6 +17,7 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "core/executor.h"
+#include "core/cache_view.h"
 #include "core/process_memory.h"
 #include "server/daemon.h"
 
@@ -63,6 +64,9 @@ struct Daemon::RankSlot {
   std::shared_ptr<const gpu::DeviceBuffers> device;    // cuda_ipc destination
   std::optional<ckpt::RemoteRank> process;             // process_memory destination
   std::shared_ptr<ckpt::ProcessMemory> process_memory;  // the same memory, typed
+  // process_memory with views: what the client copies itself (the rank's
+  // RemoteRank memory then; it writes the rest into process_memory).
+  std::shared_ptr<ckpt::ViewRecorder> views;
   std::function<bool()> cancelled;
   absl::Time registered;
   std::chrono::steady_clock::time_point start;

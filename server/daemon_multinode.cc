@@ -964,7 +964,9 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job) {
       for (const auto& r : lp.reads) total += r.length;
       job->total = total;
     }
-    ckpt::CachingSource storage(job->path, &cache_, stamps);
+    ckpt::SourceOptions storage_options;
+    storage_options.tenant = job->owner;
+    ckpt::CachingSource storage(job->path, &cache_, stamps, storage_options);
     DistSource source(
         me, job->id, &storage, std::move(mine.global_index), std::move(mine.reader),
         [&](uint32_t g, const ckpt::RangeView& v, uint64_t xxh3) {

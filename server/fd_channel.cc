@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 
 namespace ckptd {
@@ -53,7 +54,8 @@ absl::StatusOr<std::unique_ptr<FdReceiver>> FdReceiver::Start(const std::string&
                                                               uint32_t mode,
                                                               absl::Duration token_ttl,
                                                               ArenaHandler* arenas,
-                                                              const FdReceiverLimits& limits) {
+                                                              const FdReceiverLimits& limits,
+                                                              ViewHandler* views) {
   sockaddr_un addr{};
   addr.sun_family = AF_UNIX;
   if (path.size() >= sizeof(addr.sun_path)) {
@@ -86,7 +88,8 @@ absl::StatusOr<std::unique_ptr<FdReceiver>> FdReceiver::Start(const std::string&
     ::unlink(path.c_str());
     return st;
   }
-  std::unique_ptr<FdReceiver> r(new FdReceiver(path, s, ep, wake, token_ttl, arenas, limits));
+  std::unique_ptr<FdReceiver> r(
+      new FdReceiver(path, s, ep, wake, token_ttl, arenas, limits, views));
   r->thread_ = std::thread([p = r.get()] { p->Run(); });
   return r;
 }
@@ -302,7 +305,11 @@ void FdReceiver::Run() {
 }
 
 void FdReceiver::EndLease(int fd, const std::string& token) {
-  if (arenas_ != nullptr) arenas_->Release(token);
+  if (absl::StartsWith(token, "v:")) {
+    if (views_ != nullptr) views_->Done(token.substr(2));
+  } else if (arenas_ != nullptr) {
+    arenas_->Release(token);
+  }
   ::close(fd);
 }
 
@@ -330,6 +337,8 @@ void FdReceiver::Serve(uint64_t id) {
                 : ParseFdRequest(absl::string_view(buf, static_cast<size_t>(n)));
   if (req.ok() && req->kind == FdRequest::Kind::kAlloc && fd >= 0) {
     req = absl::InvalidArgumentError("expected ALLOC <bytes> without an fd");
+  } else if (req.ok() && req->kind == FdRequest::Kind::kViews && fd >= 0) {
+    req = absl::InvalidArgumentError("expected VIEWS <token> without an fd");
   } else if (req.ok() && req->kind == FdRequest::Kind::kHandOver && fd < 0) {
     req = absl::InvalidArgumentError(absl::StrCat(expected, ": the token came without an fd"));
   }
@@ -360,8 +369,36 @@ void FdReceiver::Serve(uint64_t id) {
     std::thread([this, c, size = req->bytes, uid = conn.uid] { Grant(c, size, uid); }).detach();
     return;  // the socket is Grant's now
   }
+  if (req->kind == FdRequest::Kind::kViews) {
+    ServeViews(c, req->token, conn.uid);
+    return;
+  }
   Reply(c, Hold(req->token, fd, conn.uid));
   ::close(c);
+}
+
+void FdReceiver::ServeViews(int c, const std::string& token, uid_t uid) {
+  absl::StatusOr<std::vector<int>> fds =
+      views_ != nullptr ? views_->Take(token, uid)
+                        : absl::UnavailableError("this daemon has no cache views");
+  if (!fds.ok()) {
+    Reply(c, ErrorReply(fds.status()));
+    ::close(c);
+    return;
+  }
+  FdReply reply;
+  reply.kind = FdReply::Kind::kViews;
+  reply.bytes = fds->size();
+  const bool sent = !fds->empty() && fds->size() <= kMaxViewFds &&
+                    SendMessageFds(c, EncodeFdReply(reply), fds->data(), fds->size(), MSG_DONTWAIT);
+  for (int f : *fds) ::close(f);
+  if (!sent) {
+    if (views_ != nullptr) views_->Done(token);
+    ::close(c);
+    return;
+  }
+  // The connection is the client's hold on the views: done when it closes.
+  Watch(c, uid, /*lease=*/true, absl::StrCat("v:", token));
 }
 
 std::string FdReceiver::Hold(const std::string& token, int fd, uid_t uid) {

@@ -53,6 +53,18 @@ class ArenaHandler {
   virtual void Release(const std::string& token) = 0;
 };
 
+// What the daemon does with "VIEWS <token>" requests (a load's cache views,
+// core/cache_view.h) and with their connections closing.
+class ViewHandler {
+ public:
+  virtual ~ViewHandler() = default;
+  // The views' fds (the receiver sends and closes them) for the uid whose
+  // load `token` names, once; an error otherwise.
+  virtual absl::StatusOr<std::vector<int>> Take(const std::string& token, uid_t uid) = 0;
+  // The client that took them closed the connection: done copying.
+  virtual void Done(const std::string& token) = 0;
+};
+
 struct FdReceiverLimits {
   // How long a connection may take to send its request.
   absl::Duration request_timeout = kRequestTimeout;
@@ -73,7 +85,8 @@ class FdReceiver {
   ~FdReceiver();
   static absl::StatusOr<std::unique_ptr<FdReceiver>> Start(
       const std::string& path, uint32_t mode, absl::Duration token_ttl,
-      ArenaHandler* arenas = nullptr, const FdReceiverLimits& limits = FdReceiverLimits());
+      ArenaHandler* arenas = nullptr, const FdReceiverLimits& limits = FdReceiverLimits(),
+      ViewHandler* views = nullptr);
   // Takes ownership of the fd named by `token` (the caller closes it), if
   // `caller_uid` sent it: INVALID_ARGUMENT when unknown or expired,
   // PERMISSION_DENIED when another uid sent it (it stays held for its owner).
@@ -84,13 +97,14 @@ class FdReceiver {
 
  private:
   FdReceiver(std::string path, int listen_fd, int epoll_fd, int wake_fd, absl::Duration ttl,
-             ArenaHandler* arenas, const FdReceiverLimits& limits)
+             ArenaHandler* arenas, const FdReceiverLimits& limits, ViewHandler* views)
       : path_(std::move(path)),
         listen_fd_(listen_fd),
         epoll_fd_(epoll_fd),
         wake_fd_(wake_fd),
         ttl_(ttl),
         arenas_(arenas),
+        views_(views),
         limits_(limits) {}
 
   // A connection on the epoll set (Run's thread only).
@@ -99,7 +113,7 @@ class FdReceiver {
     uid_t uid;
     bool lease;           // a lent arena's lease socket (else: waiting for its request)
     absl::Time deadline;  // for its request
-    std::string token;    // lease: the arena's token
+    std::string token;    // lease: the arena's token, or "v:" + a views token
   };
 
   void Run();
@@ -111,6 +125,9 @@ class FdReceiver {
   // Reads the request of connection `id` and answers it (or hands it to a
   // Grant thread).
   void Serve(uint64_t id);
+  // Answers "VIEWS <token>" on connection `c` (then watched as the views'
+  // lease, or closed).
+  void ServeViews(int c, const std::string& token, uid_t uid);
   // Answers a token + fd request (the fd is Hold's): the reply text.
   std::string Hold(const std::string& token, int fd, uid_t uid);
   // The client's lease socket `fd` closed (or we stop): the arena goes back.
@@ -125,6 +142,7 @@ class FdReceiver {
   const int wake_fd_;  // eventfd: Stop and Grant threads wake Run
   const absl::Duration ttl_;
   ArenaHandler* const arenas_;
+  ViewHandler* const views_;
   const FdReceiverLimits limits_;
   std::atomic<bool> stop_{false};
   std::atomic<size_t> waiting_{0};

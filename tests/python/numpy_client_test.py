@@ -68,9 +68,10 @@ class NumpyClientTest(unittest.TestCase):
         self.assertEqual(r.missing_keys, [])
         self.assertEqual(r.unexpected_keys, [])
         self.assertEqual(r.format, "huggingface-safetensors")
-        # Same uid as the daemon: "auto" lets the daemon write the arrays.
-        self.assertEqual(r.transport, "process_memory")
-        self.assertTrue(r.zero_copy)
+        # Same uid as the daemon: "auto" lets the daemon write the arrays (or,
+        # for bytes its cache holds, copies them here from its cache).
+        self.assertIn(r.transport, ("cache_view", "process_memory"))
+        self.assertEqual(r.zero_copy, r.transport == "process_memory")
         total = sum(a.nbytes for _, a in self.ref.values())
         self.assertEqual(r.bytes_delivered, total)
         for name, (dt, a) in self.ref.items():
@@ -173,13 +174,15 @@ class NumpyClientTest(unittest.TestCase):
         np.testing.assert_array_equal(b, self.full("model.layers.0.input_layernorm.weight"))
         self.assertEqual(r.transport, "shm")
         # A tensor outside the arena: the daemon writes them all in place
-        # (process_memory), or stages them in a segment (shm: one copy more).
+        # (process_memory; cache_view: copied here from its cache when it
+        # holds them), or stages them in a segment (shm: one copy more).
         for transport in ("auto", "shm"):
             sd["model.norm.weight"] = np.zeros(64, np.float32)
             w[:] = 0
             r = ckptd.load_state_dict(sd, self.tp2, socket=self.sock, transport=transport)
-            self.assertEqual(r.transport, "process_memory" if transport == "auto" else "shm")
-            self.assertEqual(r.zero_copy, transport == "auto")
+            self.assertIn(r.transport, ("cache_view", "process_memory") if transport == "auto"
+                          else ("shm",))
+            self.assertEqual(r.zero_copy, r.transport == "process_memory")
             np.testing.assert_array_equal(w, self.full("model.layers.0.mlp.up_proj.weight"))
             np.testing.assert_array_equal(sd["model.norm.weight"], self.full("model.norm.weight"))
 
@@ -332,6 +335,50 @@ class NumpyClientTest(unittest.TestCase):
             ckptd.load_state_dict(sd, self.tp2, socket=self.sock, transport="process_memory")
         self.assertEqual(cm.exception.code, "INVALID_ARGUMENT")
         self.assertIn("overlap", cm.exception.message)
+
+    def test_cache_view_copies_cached_bytes_in_the_client(self):
+        """transport="cache_view": bytes the daemon's cache holds are copied by
+        this process from read-only views of the cache (column halves of a
+        row-split checkpoint: strided runs); a cast goes through the daemon's
+        writes; nothing cached: reported as process_memory."""
+        name = "model.layers.0.mlp.up_proj.weight"
+        full = self.full(name)
+        rows, cols = full.shape
+        half = cols // 2
+        ckptd.evict(self.tp2, socket=self.sock)
+        part = np.full((rows, half), np.nan, np.float32)
+        sd = {name: ckptd.ShardedTensor(part, (rows, cols), (0, half))}
+        ckptd.prefetch(self.tp2, socket=self.sock)
+        for _ in range(2):  # the second time through the mappings kept
+            part[:] = np.nan
+            rep = ckptd.load_state_dict(sd, self.tp2, socket=self.sock, transport="cache_view")
+            self.assertEqual(rep.transport, "cache_view")
+            self.assertEqual(rep.bytes_from_views, part.nbytes)
+            self.assertEqual(rep.bytes_delivered, part.nbytes)
+            self.assertFalse(rep.zero_copy)
+            np.testing.assert_array_equal(part, full[:, half:])
+        # "auto" picks it on the daemon of this uid.
+        part[:] = np.nan
+        rep = ckptd.load_state_dict(sd, self.tp2, socket=self.sock)
+        self.assertEqual(rep.transport, "cache_view")
+        np.testing.assert_array_equal(part, full[:, half:])
+        # A cast is converted on the way: the daemon writes it (no views).
+        as64 = np.full((rows, half), np.nan, np.float64)
+        both = {name: ckptd.ShardedTensor(as64, (rows, cols), (0, 0)),
+                "model.norm.weight": np.full(64, np.nan, np.float32)}
+        rep = ckptd.load_state_dict(both, self.tp2, socket=self.sock, transport="cache_view")
+        self.assertEqual(rep.transport, "cache_view")
+        self.assertEqual(rep.bytes_from_views, 64 * 4)  # the norm only
+        np.testing.assert_array_equal(as64, full[:, :half].astype(np.float64))
+        np.testing.assert_array_equal(both["model.norm.weight"], self.full("model.norm.weight"))
+        # Nothing cached (evicted; a load without verification keeps nothing).
+        ckptd.evict(self.tp2, socket=self.sock)
+        part[:] = np.nan
+        rep = ckptd.load_state_dict(sd, self.tp2, socket=self.sock, transport="cache_view",
+                                    verify=False)
+        self.assertEqual(rep.transport, "process_memory")
+        self.assertEqual(rep.bytes_from_views, 0)
+        np.testing.assert_array_equal(part, full[:, half:])
 
     def test_stream_transport(self):
         sd = {"model.layers.0.mlp.down_proj.weight": np.zeros((64, 128), np.float32),

@@ -68,7 +68,7 @@ TEST(CacheFiller, DeferredReadsAreFilledInTheBackgroundThenServedFromMemory) {
   // once it is done (and at once for a checkpoint it does not fill).
   CacheFiller filler(&cache);
   EXPECT_TRUE(filler.Wait("/nowhere", absl::ZeroDuration()));
-  filler.Submit(tmp.path(), stamps, *plan);
+  filler.Submit(tmp.path(), stamps, *plan, ckpt::kNoTenant);
   ASSERT_TRUE(filler.Wait(tmp.path(), absl::Seconds(30)));
   EXPECT_EQ(cache.stats().bytes, kBytes);
   EXPECT_EQ(filler.stats().fills, 1u);
@@ -90,7 +90,7 @@ TEST(CacheFiller, DeferredReadsAreFilledInTheBackgroundThenServedFromMemory) {
 
   // 5. Stop drops what is queued and returns; Submit after it does nothing.
   filler.Stop();
-  filler.Submit(tmp.path(), stamps, *plan);
+  filler.Submit(tmp.path(), stamps, *plan, ckpt::kNoTenant);
   EXPECT_TRUE(filler.Wait(tmp.path(), absl::ZeroDuration()));
 }
 

@@ -78,14 +78,43 @@ def _queued_refusal(s):
     return parse_refusal(reply) if reply.startswith(b"ERR") else None
 
 
-def _recv_reply(s, with_fd):
+MAX_VIEW_FDS = 200
+_VIEWS = re.compile(rb"OK VIEWS ([1-9][0-9]{0,2})")
+
+
+def take_views(fd_socket, token, count, timeout=10.0):
+    """The read-only memfds of a load's cache views ("VIEWS <token>"; see
+    CacheViews in proto/ckpt.proto): (socket, fds). Keep the socket open
+    while copying; closing it tells the daemon the copies are done."""
+    s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
+    try:
+        s.settimeout(timeout)
+        s.connect(fd_socket)
+        s.send(f"VIEWS {token}".encode("ascii"))
+        msg, fds = _recv_reply(s, True, MAX_VIEW_FDS)
+    except OSError as e:
+        s.close()
+        raise CkptdError("UNAVAILABLE", f"{fd_socket}: taking the load's cache views: {e}") from e
+    m = _VIEWS.fullmatch(msg)
+    if m is None or int(m.group(1)) != count or len(fds) != count:
+        for fd in fds:
+            os.close(fd)
+        s.close()
+        code, why = (parse_refusal(msg) if msg.startswith(b"ERR")
+                     else ("DATA_LOSS", f"expected {count} views, got "
+                           f"{msg.decode('ascii', 'replace')!r} with {len(fds)} fd(s)"))
+        raise CkptdError(code, f"{fd_socket}: taking the load's cache views: {why}")
+    return s, fds
+
+
+def _recv_reply(s, with_fd, max_fds=1):
     """The daemon's reply (and its fds). A daemon that refuses a connection
     before reading the request leaves it unread, so the first receive fails
     with ECONNRESET although the reply is queued: the second gets it."""
     for attempt in (0, 1):
         try:
             if with_fd:
-                msg, fds, _, _ = _socket.recv_fds(s, 512, 1)
+                msg, fds, _, _ = _socket.recv_fds(s, 512, max_fds)
                 return msg, fds
             return s.recv(512), []
         except ConnectionResetError:

@@ -14,6 +14,7 @@ import time
 import numpy as np
 
 from . import _cuda, _proto, _version
+from . import _views
 from ._shm import Segment, align, find_arena, fd_socket_path, send_fd
 from ._tensors import flatten
 from .errors import CkptdError, from_rpc_error
@@ -208,6 +209,7 @@ class LoadReport:
     bytes_read: int = 0            # from storage, whole job on this daemon
     bytes_from_cache: int = 0
     bytes_delivered: int = 0       # into this rank's tensors
+    bytes_from_views: int = 0      # of them: copied here from the daemon's cache (cache_view)
     job_bytes_delivered: int = 0
     checksums_verified: int = 0
     unique_id: int = 0
@@ -591,7 +593,7 @@ class Client:
                 first, refused = "cuda_ipc", _cuda.fallback_ok
             elif (not self.tcp and self.socket not in _PROCESS_MEMORY_REFUSED
                   and _arena_placement(entries)[0] is None and _process_memory_fits(entries)):
-                first, refused = "process_memory", _process_memory_refused
+                first, refused = "cache_view", _process_memory_refused
             if first is not None:
                 try:
                     return self.load_state_dict(
@@ -602,7 +604,7 @@ class Client:
                 except CkptdError as err:
                     if not refused(err):
                         raise
-                    if first == "process_memory":  # another uid: remember it
+                    if first == "cache_view":  # another uid: remember it
                         _PROCESS_MEMORY_REFUSED.add(self.socket)
         for e in entries:
             if e.array is not None and not e.array.flags.writeable:
@@ -637,15 +639,15 @@ class Client:
                     self._name_segment(req.shm, seg.fd, seg.size, seg.token)
                 timings["client_send_fd_s"] = time.perf_counter() - t1
                 req.targets.extend(self._targets(entries, offsets))
-            elif transport == "process_memory":
+            elif transport in ("process_memory", "cache_view"):
                 if self.tcp:
-                    raise CkptdError("INVALID_ARGUMENT", "transport='process_memory' needs the "
+                    raise CkptdError("INVALID_ARGUMENT", f"transport='{transport}' needs the "
                                      "daemon of this node (its Unix socket)")
                 offsets = []
                 for e in entries:
                     addr, contiguous = e.address()
                     if addr is None or not contiguous:
-                        raise CkptdError("INVALID_ARGUMENT", f"'{e.key}': transport='process_memory'"
+                        raise CkptdError("INVALID_ARGUMENT", f"'{e.key}': transport='{transport}'"
                                          " needs contiguous CPU tensors or arrays")
                     offsets.append(addr)
                 t1 = time.perf_counter()
@@ -657,6 +659,9 @@ class Client:
                 cookie_buf = ctypes.create_string_buffer(cookie, len(cookie))
                 req.process_memory.cookie = cookie
                 req.process_memory.cookie_address = ctypes.addressof(cookie_buf)
+                # cache_view: the bytes the daemon's cache holds are copied
+                # here, from read-only views of its cache (_views.py).
+                req.process_memory.views = transport == "cache_view"
                 req.targets.extend(self._targets(entries, offsets))
                 report.zero_copy = True  # the daemon writes the tensors themselves
             elif transport == "cuda_ipc":
@@ -689,8 +694,9 @@ class Client:
                 req.targets.extend(self._targets(entries, offsets))
                 req.stream.SetInParent()
             else:
-                raise CkptdError("INVALID_ARGUMENT", "transport must be 'auto', 'process_memory', "
-                                 f"'shm', 'stream' or 'cuda_ipc', not {transport!r}")
+                raise CkptdError("INVALID_ARGUMENT", "transport must be 'auto', 'cache_view', "
+                                 "'process_memory', 'shm', 'stream' or 'cuda_ipc', not "
+                                 f"{transport!r}")
             timings["client_prepare_s"] = time.perf_counter() - t0
 
             t1 = time.perf_counter()
@@ -708,6 +714,13 @@ class Client:
                                              "Load: the daemon streamed a chunk outside the tensors")
                         start = offsets[c.target] + c.offset
                         staging[start:start + len(c.data)] = np.frombuffer(c.data, np.uint8)
+                        continue
+                    if kind == "views":
+                        t2 = time.perf_counter()
+                        _views.copy_views(fd_socket_path(self.socket), ev.views,
+                                          [(a, e.nbytes) for e, a in zip(entries, offsets)],
+                                          self.connect_timeout)
+                        timings["client_view_copy_s"] = time.perf_counter() - t2
                         continue
                     if kind == "result":
                         result = ev.result
@@ -741,6 +754,11 @@ class Client:
         finally:
             if seg is not None:
                 seg.close()
+        if transport == "cache_view":
+            if result.bytes_from_views:
+                report.zero_copy = False  # this process copied those bytes
+            else:
+                transport = "process_memory"  # nothing was cached (or an older daemon)
         report.transport = transport
         if not report.tensor_transports:
             report.tensor_transports = {e.key: transport for e in entries}
@@ -749,7 +767,8 @@ class Client:
         report.unexpected_keys = list(result.unexpected_keys)
         report.renamed_keys = dict(result.renamed_keys)
         for f in ("bytes_read", "bytes_from_cache", "bytes_delivered", "job_bytes_delivered",
-                  "checksums_verified", "unique_id", "format", "local_fast_path"):
+                  "checksums_verified", "unique_id", "format", "local_fast_path",
+                  "bytes_from_views"):
             setattr(report, f, getattr(result, f))
         tm = result.timings
         report.timings = {"list_s": tm.list_s, "plan_s": tm.plan_s, "read_s": tm.read_s,
@@ -1069,14 +1088,20 @@ def load_state_dict(state_dict, path, *, rank=None, world_size=None, job_id=None
       "cuda_ipc" when every tensor is a contiguous torch CUDA tensor: the
         daemon (built with CUDA) copies straight into their device memory;
       "shm" into a SharedArena when every tensor lies in one: filled in place;
-      "process_memory" when every tensor is contiguous CPU memory and none
-        overlaps another: the daemon writes the tensors themselves with
+      "cache_view" when every tensor is contiguous CPU memory and none
+        overlaps another, on the daemon of this process's uid: bytes the
+        daemon's data cache holds are copied by this process from read-only
+        mappings of the cache (one copy, made in every rank at once), the
+        rest the daemon writes as with "process_memory"; the report says
+        "process_memory" when nothing came from the cache
+        (report.bytes_from_views);
+      "process_memory": the daemon writes the tensors themselves with
         process_vm_writev (one copy, no segment). The kernel allows it when
         the daemon runs as this process's uid (or has CAP_SYS_PTRACE);
       "shm": the daemon writes a memfd segment shared with this process and
         the values are copied from there into the tensors.
       "auto" moves on to "shm" when the daemon refuses cuda_ipc or
-      process_memory before the load starts. "stream": the bytes come back in
+      cache_view (process_memory) before the load starts. "stream": the bytes come back in
       the gRPC stream (also over TCP).
 
     Returns a LoadReport. Raises CkptdError.
