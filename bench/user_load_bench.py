@@ -12,7 +12,9 @@ Runs with Debian's /usr/bin/python3 (torch 1.13, numpy, grpcio), in one run:
    (FileSystemWriter defaults). Values come from a seeded integer hash of the element's
    global index (torch int64 ops in the writer; an independent numpy oracle computes each
    rank's expected slice).
-2. A real ckptd (--ckptd) on a Unix socket in WORKDIR, cache budget twice the checkpoint.
+2. A real ckptd (--ckptd) on a Unix socket in WORKDIR, cache budget twice the checkpoint and
+   cache_prefault the checkpoint's size (what an operator sets for the checkpoints a node
+   loads first: config/ckptd.yaml).
 3. N rank processes (spawned, gloo; default 2) load the checkpoint split on dim 1 (rank r
    owns columns [r*COLS/N, (r+1)*COLS/N) of every tensor) into ordinary torch tensors:
      dcp      torch.distributed._shard.checkpoint.load_state_dict into ShardedTensors
@@ -30,7 +32,8 @@ Runs with Debian's /usr/bin/python3 (torch 1.13, numpy, grpcio), in one run:
    allocate and zero fresh memory of their load size at once: torch.empty + zero_; done twice
    and the second one is the limit, since on a VM the first may hit memory the host took
    back) and memcpy (the N processes each copy their load size between touched tensors at
-   once).
+   once, with numpy: one thread each; torch's copy_ would run its own thread pool in every
+   process and oversubscribe the cores, understating the limit).
 
 Timed part of a load: from the moment the ranks leave a barrier to the last rank done
 (CLOCK_MONOTONIC, shared by all processes); GB/s = bytes delivered to all ranks / that.
@@ -225,9 +228,9 @@ class Rank:
         if op == "touch":
             for t in dests:
                 t.zero_()
-        elif op == "memcpy":
+        elif op == "memcpy":  # numpy's copy: one thread per process, no torch thread pool
             for t, e in zip(dests, self.expected):
-                t.copy_(e)
+                np.copyto(t.numpy(), e.numpy())
         elif op == "dcp":
             if sd is None:
                 sd = self.sharded(dests)
@@ -286,8 +289,8 @@ def rank_main(rank, cfg, conn):
 # --- 2. the daemon ------------------------------------------------------------------------
 
 class Daemon:
-    def __init__(self, binary, work, budget):
-        self.binary, self.work, self.budget = binary, work, budget
+    def __init__(self, binary, work, budget, prefault):
+        self.binary, self.work, self.budget, self.prefault = binary, work, budget, prefault
         self.socket = os.path.join(work, "ckptd.sock")
         self.log = os.path.join(work, "user-ckptd.log")
         self.pidfile = os.path.join(work, "ckptd.pid")
@@ -300,7 +303,7 @@ class Daemon:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [self.binary, "--socket", self.socket, "--root", self.work,
-                 "--cache-budget", self.budget],
+                 "--cache-budget", self.budget, "--cache-prefault", self.prefault],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         with open(self.pidfile, "w") as f:
             f.write(f"{self.proc.pid}\n")
@@ -431,7 +434,8 @@ def main():
 
     import ckptd
     budget = f"{max(1, math.ceil(2 * total / 2**30))}GiB"
-    daemon = Daemon(os.path.abspath(a.ckptd), work, budget)
+    prefault = f"{math.ceil(total / 2**20)}MiB"
+    daemon = Daemon(os.path.abspath(a.ckptd), work, budget, prefault)
     daemon.start()
     ranks = None
     try:

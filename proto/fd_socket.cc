@@ -403,10 +403,24 @@ bool SendMessageFds(int sock, absl::string_view text, const int* fds, size_t cou
 }
 
 ssize_t ReceiveMessage(int sock, char* buf, size_t cap, int* fd, int flags, bool* truncated) {
+  std::vector<int> fds;
+  bool more = false;
+  const ssize_t n = ReceiveMessageFds(sock, buf, cap, &fds, flags, truncated);
+  *fd = fds.empty() ? -1 : fds[0];
+  for (size_t i = 1; i < fds.size(); ++i) {  // one fd at most here
+    ::close(fds[i]);
+    more = true;
+  }
+  if (more && truncated != nullptr) *truncated = true;
+  return n;
+}
+
+ssize_t ReceiveMessageFds(int sock, char* buf, size_t cap, std::vector<int>* fds, int flags,
+                          bool* truncated) {
   iovec iov{buf, cap - 1};
-  // Room for a few fds, so a sender of several has them all closed here
-  // rather than leaked into this process.
-  alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int) * 8)] = {};
+  // Room for every fd a sender may send, so none is leaked into this
+  // process (beyond it the kernel closes them and sets MSG_CTRUNC).
+  alignas(cmsghdr) char ctrl[CMSG_SPACE(sizeof(int) * kMaxViewFds)] = {};
   msghdr msg{};
   msg.msg_iov = &iov;
   msg.msg_iovlen = 1;
@@ -416,7 +430,7 @@ ssize_t ReceiveMessage(int sock, char* buf, size_t cap, int* fd, int flags, bool
   do {
     n = ::recvmsg(sock, &msg, flags | MSG_CMSG_CLOEXEC);
   } while (n < 0 && errno == EINTR);
-  *fd = -1;
+  fds->clear();
   if (n >= 0) {
     for (cmsghdr* cm = CMSG_FIRSTHDR(&msg); cm != nullptr; cm = CMSG_NXTHDR(&msg, cm)) {
       if (cm->cmsg_level != SOL_SOCKET || cm->cmsg_type != SCM_RIGHTS) continue;
@@ -424,12 +438,7 @@ ssize_t ReceiveMessage(int sock, char* buf, size_t cap, int* fd, int flags, bool
       for (size_t i = 0; i < count; ++i) {
         int f;
         std::memcpy(&f, CMSG_DATA(cm) + i * sizeof(int), sizeof(int));
-        if (*fd < 0) {
-          *fd = f;
-        } else {
-          ::close(f);
-          if (truncated != nullptr) *truncated = true;  // more than one fd
-        }
+        fds->push_back(f);
       }
     }
   }
@@ -541,6 +550,48 @@ absl::StatusOr<ArenaGrant> RequestArena(const std::string& fd_socket, uint64_t s
   }
   g.token = reply->token;
   g.size = reply->bytes;
+  return g;
+}
+
+absl::StatusOr<ViewGrant> RequestViews(const std::string& fd_socket, const std::string& token,
+                                       size_t count, absl::Duration timeout) {
+  absl::StatusOr<int> s = Dial(fd_socket, timeout);
+  if (!s.ok()) return s.status();
+  ViewGrant g;
+  g.lease = *s;
+  auto fail = [&](absl::Status st) {
+    ::close(g.lease);
+    for (int f : g.fds) ::close(f);
+    return st;
+  };
+  const std::string what = "taking the load's cache views";
+  FdRequest request;
+  request.kind = FdRequest::Kind::kViews;
+  request.token = token;
+  const std::string message = EncodeFdRequest(request);
+  if (absl::StatusOr<FdRequest> valid = ParseFdRequest(message); !valid.ok()) {
+    return fail(absl::InvalidArgumentError(
+        absl::StrCat(fd_socket, ": ", what, ": ", valid.status().message())));
+  }
+  if (!SendMessage(g.lease, message, -1)) return fail(SendFailed(g.lease, fd_socket, what));
+  char buf[kMaxMessage];
+  bool truncated = false;
+  const ssize_t n = ReceiveMessageFds(g.lease, buf, sizeof(buf), &g.fds, 0, &truncated);
+  if (n <= 0) {
+    return fail(absl::UnavailableError(absl::StrCat(fd_socket, ": ", what, ": no reply")));
+  }
+  absl::StatusOr<FdReply> reply = ParseFdReply(absl::string_view(buf, static_cast<size_t>(n)));
+  if (!reply.ok()) return fail(absl::UnavailableError(absl::StrCat(fd_socket, ": ", what, ": ", reply.status().message())));
+  if (reply->kind == FdReply::Kind::kError) {
+    return fail(absl::Status(reply->error.code(),
+                             absl::StrCat(fd_socket, ": ", what, ": ", reply->error.message())));
+  }
+  if (truncated || reply->kind != FdReply::Kind::kViews || reply->bytes != count ||
+      g.fds.size() != count) {
+    return fail(absl::DataLossError(absl::StrCat(fd_socket, ": ", what, ": expected ", count,
+                                                 " views, got '", buf, "' with ", g.fds.size(),
+                                                 " fd(s)")));
+  }
   return g;
 }
 

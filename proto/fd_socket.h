@@ -58,6 +58,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -118,6 +119,17 @@ struct ArenaGrant {
 };
 absl::StatusOr<ArenaGrant> RequestArena(const std::string& fd_socket, uint64_t size,
                                         absl::Duration timeout = absl::Seconds(10));
+
+// "VIEWS <token>": a load's cache views (LoadEvent.views), `count` read-only
+// memfds in the order of CacheViews.view_bytes, and the connection to close
+// once the copies are made (the daemon waits for that). The caller closes
+// every fd.
+struct ViewGrant {
+  int lease = -1;
+  std::vector<int> fds;
+};
+absl::StatusOr<ViewGrant> RequestViews(const std::string& fd_socket, const std::string& token,
+                                       size_t count, absl::Duration timeout = absl::Seconds(10));
 
 // --- Messages as values (pure; both directions) --------------------------
 
@@ -185,6 +197,9 @@ bool SendMessageFds(int sock, absl::string_view text, const int* fds, size_t n, 
 // Returns recvmsg's result.
 ssize_t ReceiveMessage(int sock, char* buf, size_t cap, int* fd, int flags = 0,
                        bool* truncated = nullptr);
+// The same keeping up to kMaxViewFds fds (in *fds, in order).
+ssize_t ReceiveMessageFds(int sock, char* buf, size_t cap, std::vector<int>* fds, int flags = 0,
+                          bool* truncated = nullptr);
 
 // "ERR <CODE>: <message>" for a refusal (EncodeFdReply of an error; an OK
 // status reads as UNKNOWN).

@@ -1,8 +1,17 @@
 #include "core/cache.h"
+#include "core/cache_view.h"
 #include "core/checkpoint.h"
+#include "core/process_memory.h"
 #include "core/planner.h"
 #include "core/safetensors.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
 #include <fstream>
 #include <numeric>
 
@@ -15,8 +24,9 @@ namespace {
 
 using ::testing::HasSubstr;
 
-RangeView Put(HostCache& c, const std::string& path, uint64_t off, uint64_t n, uint8_t fill) {
-  auto p = c.Reserve(n);
+RangeView Put(HostCache& c, const std::string& path, uint64_t off, uint64_t n, uint8_t fill,
+              uint32_t tenant = kNoTenant) {
+  auto p = c.Reserve(n, tenant);
   EXPECT_NE(p, nullptr);
   std::memset(c.PendingData(p), fill, n);
   return c.Publish(std::move(p), path, FileStamp{1, 2, 3, 4}, off);
@@ -113,6 +123,203 @@ TEST(HostCache, EvictingAPinnedEntryKeepsItsBytesCountedUntilReleased) {
   a = RangeView{};  // the load lets go: the memory and its count are gone
   EXPECT_EQ(c.stats().bytes, 0u);
   EXPECT_NE(c.Reserve(200), nullptr);
+}
+
+// --- Export: cache blocks a client maps read-only (core/cache_view.h) -------
+
+constexpr uint64_t kBlock = 1 << 20;
+
+TEST(HostCacheExport, GivesAReadOnlyDescriptorOfTheEntrysBlockThatCannotChangeIt) {
+  HostCache c(8 * kBlock);
+  RangeView v = Put(c, "/a", 0, kBlock, 5, /*tenant=*/7);
+  EXPECT_FALSE(c.Export(v.data, 10, kNoTenant).has_value());  // nobody in particular
+  std::vector<uint8_t> scratch(64);
+  EXPECT_FALSE(c.Export(scratch.data(), 64, 7).has_value());  // not cache memory
+  EXPECT_FALSE(c.Export(v.data + kBlock - 4, 8, 7).has_value());  // past the block's end
+  std::optional<ExportedRange> r = c.Export(v.data + 4096, 100, 7);
+  ASSERT_TRUE(r.has_value());
+  EXPECT_EQ(r->offset, 4096u);
+  EXPECT_EQ(r->block_bytes, kBlock);
+  EXPECT_EQ(r->block_data, v.data);
+  // What a client gets: read-only, mode 0400, sealed against resizing.
+  EXPECT_EQ(::fcntl(r->fd, F_GETFL) & O_ACCMODE, O_RDONLY);
+  struct stat st;
+  ASSERT_EQ(::fstat(r->fd, &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0400u);
+  EXPECT_EQ(static_cast<uint64_t>(st.st_size), kBlock);
+  const int seals = ::fcntl(r->fd, F_GET_SEALS);
+  EXPECT_EQ(seals & (F_SEAL_SHRINK | F_SEAL_GROW), F_SEAL_SHRINK | F_SEAL_GROW);
+  EXPECT_EQ(::mmap(nullptr, kBlock, PROT_READ | PROT_WRITE, MAP_SHARED, r->fd, 0), MAP_FAILED);
+  EXPECT_EQ(errno, EACCES);
+  EXPECT_NE(::ftruncate(r->fd, 0), 0);
+  EXPECT_NE(::fallocate(r->fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, 4096), 0);
+  EXPECT_LT(::pwrite(r->fd, "x", 1, 0), 0);
+  void* m = ::mmap(nullptr, kBlock, PROT_READ, MAP_SHARED, r->fd, 0);
+  ASSERT_NE(m, MAP_FAILED);
+  EXPECT_EQ(static_cast<uint8_t*>(m)[4096], 5);  // the entry's bytes
+  EXPECT_NE(::mprotect(m, kBlock, PROT_READ | PROT_WRITE), 0);
+  ::munmap(m, kBlock);
+}
+
+TEST(HostCacheExport, ABlockIsRecycledOnlyForTheTenantItWasExportedTo) {
+  HostCache c(8 * kBlock);
+  FileStamp st{1, 2, 3, 4};
+  RangeView v = Put(c, "/a", 0, kBlock, 1, 7);
+  const uint8_t* block = v.data;
+  c.Export(v.data, kBlock, 7).reset();  // shown to tenant 7, then let go
+  v = RangeView{};
+  c.EvictPrefix("/a");
+  EXPECT_TRUE(c.HasRecycled(kBlock, 7));
+  EXPECT_FALSE(c.HasRecycled(kBlock, 8));          // its bytes could show through 7's mapping
+  EXPECT_FALSE(c.HasRecycled(kBlock, kNoTenant));
+  RangeView w = Put(c, "/b", 0, kBlock, 2, 8);     // another tenant: new memory
+  EXPECT_NE(w.data, block);
+  RangeView x = Put(c, "/c", 0, kBlock, 3, 7);     // tenant 7: its own block back
+  EXPECT_EQ(x.data, block);
+  // A never-exported block goes to anyone.
+  w = RangeView{};
+  c.EvictPrefix("/b");
+  EXPECT_TRUE(c.HasRecycled(kBlock, 9));
+  EXPECT_TRUE(c.HasRecycled(kBlock, kNoTenant));
+  EXPECT_TRUE(c.Lookup("/c", st, 0, 1).has_value());
+}
+
+TEST(HostCacheExport, ABlockShownToTwoTenantsIsPunchedOutAndClosedWhenFreed) {
+  HostCache c(8 * kBlock);
+  RangeView v = Put(c, "/a", 0, kBlock, 9, 7);
+  std::optional<ExportedRange> r7 = c.Export(v.data, kBlock, 7);
+  std::optional<ExportedRange> r8 = c.Export(v.data, kBlock, 8);
+  ASSERT_TRUE(r7 && r8);
+  // A client's mapping of it, kept after its load.
+  void* m = ::mmap(nullptr, kBlock, PROT_READ, MAP_SHARED, r7->fd, 0);
+  ASSERT_NE(m, MAP_FAILED);
+  const auto* seen = static_cast<const uint8_t*>(m);
+  EXPECT_EQ(seen[100], 9);
+  const uint64_t blocks = c.blocks();
+  v = RangeView{};
+  c.EvictPrefix("/a");
+  // Held by the exports: neither recycled nor punched yet.
+  EXPECT_FALSE(c.HasRecycled(kBlock, 7));
+  EXPECT_EQ(seen[100], 9);
+  EXPECT_EQ(c.blocks(), blocks);
+  r7->hold.reset();
+  EXPECT_EQ(seen[100], 9);
+  r8->hold.reset();  // the last hold: the block goes
+  EXPECT_EQ(c.blocks(), blocks - 1);
+  EXPECT_FALSE(c.HasRecycled(kBlock, 7));
+  EXPECT_FALSE(c.HasRecycled(kBlock, 8));
+  EXPECT_EQ(seen[100], 0);  // punched out of the client's mapping too
+  ::munmap(m, kBlock);
+}
+
+TEST(HostCacheExport, AHeldBlockIsNotRecycledUntilLetGo) {
+  HostCache c(8 * kBlock);
+  RangeView v = Put(c, "/a", 0, kBlock, 4, 7);
+  std::optional<ExportedRange> r = c.Export(v.data + 10, 10, 7);
+  ASSERT_TRUE(r.has_value());
+  v = RangeView{};
+  c.EvictPrefix("/a");  // the entry goes; the client still copies from it
+  EXPECT_FALSE(c.HasRecycled(kBlock, 7));
+  EXPECT_EQ(r->block_data[10], 4);
+  EXPECT_FALSE(c.Export(r->block_data, 10, 7).has_value());  // freed: no new exports
+  r->hold.reset();
+  EXPECT_TRUE(c.HasRecycled(kBlock, 7));
+}
+
+// ViewRecorder over a real cache and this process's own memory as the
+// fallback (process_vm_writev into itself).
+TEST(ViewRecorder, RecordsCachedRunsCoalescedAndWritesTheRest) {
+  HostCache c(8 * kBlock);
+  RangeView v = Put(c, "/a", 0, kBlock, 0, 7);
+  auto* src = const_cast<uint8_t*>(v.data);
+  for (uint64_t i = 0; i < kBlock; ++i) src[i] = static_cast<uint8_t>(i * 7 + 1);
+  auto self = ProcessMemory::Open({::getpid(), "this test"});
+  ASSERT_TRUE(self.ok()) << self.status();
+  std::shared_ptr<RemoteMemory> fallback(std::move(*self));
+  std::vector<uint8_t> t1(4096, 0), t2(4096, 0);
+  const auto a1 = reinterpret_cast<uint64_t>(t1.data());
+  const auto a2 = reinterpret_cast<uint64_t>(t2.data());
+  ViewRecorder rec(&c, 7, fallback, {{a2, a2 + t2.size()}, {a1, a1 + t1.size()}});
+  // Rows of 64 bytes every 256 bytes of the block into t1 (one run split in
+  // two, as at a read piece's end), then t2's first row continuing the same
+  // strides (must not join t1's copy), and 100 bytes from outside the cache.
+  std::vector<iovec> local, remote;
+  auto add = [&](const uint8_t* p, uint64_t n, uint64_t to) {
+    local.push_back({const_cast<uint8_t*>(p), n});
+    remote.push_back({reinterpret_cast<void*>(to), n});
+  };
+  add(src, 32, a1);
+  add(src + 32, 32, a1 + 32);
+  for (int r = 1; r < 64; ++r) add(src + 256 * r, 64, a1 + 64 * r);
+  ASSERT_TRUE(rec.Write(local.data(), remote.data(), local.size()).ok());
+  local.clear();
+  remote.clear();
+  add(src + 256 * 64, 64, a2);
+  std::vector<uint8_t> scratch(100, 0xab);
+  add(scratch.data(), 100, a2 + 1000);
+  ASSERT_TRUE(rec.Write(local.data(), remote.data(), local.size()).ok());
+  EXPECT_EQ(rec.bytes_recorded(), 65u * 64);
+  EXPECT_EQ(rec.bytes_written(), 100u);
+  EXPECT_EQ(t2[1000], 0xab);  // written by the fallback
+  EXPECT_EQ(t1[0], 0);        // recorded, not written
+  ASSERT_EQ(rec.views().size(), 1u);
+  EXPECT_EQ(rec.views()[0].bytes, kBlock);
+  const std::vector<ViewRecorder::Copy> copies = rec.copies();
+  ASSERT_EQ(copies.size(), 2u);
+  EXPECT_EQ(copies[0].offset, 0u);
+  EXPECT_EQ(copies[0].address, a1);
+  EXPECT_EQ(copies[0].length, 64u);
+  EXPECT_EQ(copies[0].count, 64u);
+  EXPECT_EQ(copies[0].src_stride, 256u);
+  EXPECT_EQ(copies[0].dst_stride, 64u);
+  EXPECT_EQ(copies[1].address, a2);
+  EXPECT_EQ(copies[1].count, 1u);
+  // Applying the copies as a client would gives the block's bytes.
+  for (const auto& cp : copies) {
+    for (uint64_t i = 0; i < cp.count; ++i) {
+      std::memcpy(reinterpret_cast<void*>(cp.address + i * cp.dst_stride),
+                  src + cp.offset + i * cp.src_stride, cp.length);
+    }
+  }
+  for (int r = 0; r < 64; ++r) {
+    ASSERT_EQ(std::memcmp(&t1[64 * r], src + 256 * r, 64), 0) << "row " << r;
+  }
+  EXPECT_EQ(std::memcmp(t2.data(), src + 256 * 64, 64), 0);
+  // Released: the block goes back to the cache (evicted, let go: recyclable).
+  v = RangeView{};
+  c.EvictPrefix("/a");
+  EXPECT_FALSE(c.HasRecycled(kBlock, 7));
+  rec.Release();
+  EXPECT_TRUE(c.HasRecycled(kBlock, 7));
+}
+
+TEST(ViewRecorder, WithoutAFallbackBytesOutsideTheCacheFailTheWrite) {
+  HostCache c(kBlock);
+  ViewRecorder rec(&c, 7, nullptr, {});
+  std::vector<uint8_t> scratch(16), dst(16);
+  iovec l{scratch.data(), 16}, r{dst.data(), 16};
+  absl::Status s = rec.Write(&l, &r, 1);
+  EXPECT_EQ(s.code(), absl::StatusCode::kFailedPrecondition);
+  EXPECT_THAT(s.message(), HasSubstr("not held in the data cache"));
+}
+
+TEST(ViewRecorder, PastItsViewLimitBytesGoThroughTheFallback) {
+  HostCache c(8 * kBlock);
+  RangeView a = Put(c, "/a", 0, kBlock, 1, 7);
+  RangeView b = Put(c, "/b", 0, kBlock, 2, 7);
+  auto self = ProcessMemory::Open({::getpid(), "this test"});
+  ASSERT_TRUE(self.ok());
+  std::vector<uint8_t> dst(64, 0);
+  const auto at = reinterpret_cast<uint64_t>(dst.data());
+  ViewRecorder rec(&c, 7, std::shared_ptr<RemoteMemory>(std::move(*self)), {{at, at + 64}},
+                   /*max_views=*/1);
+  iovec l[2] = {{const_cast<uint8_t*>(a.data), 32}, {const_cast<uint8_t*>(b.data), 32}};
+  iovec r[2] = {{dst.data(), 32}, {dst.data() + 32, 32}};
+  ASSERT_TRUE(rec.Write(l, r, 2).ok());
+  EXPECT_EQ(rec.views().size(), 1u);
+  EXPECT_EQ(rec.bytes_recorded(), 32u);
+  EXPECT_EQ(dst[0], 0);
+  EXPECT_EQ(dst[32], 2);  // the second block's bytes, written
 }
 
 TEST(CachingSource, DetectsChangedFiles) {

@@ -27,6 +27,7 @@
 #include "proto/fd_socket.h"
 #include "server/arena_pool.h"
 #include "server/fd_channel.h"
+#include "server/view_leases.h"
 #include "tests/testing/temp_dir.h"
 
 namespace ckptd {
@@ -65,7 +66,7 @@ class FdSocketTest : public ::testing::Test {
       sock_dir_ = tmpl;
     }
     path_ = sock_dir_ + "/ckptd.sock.fd";
-    auto r = FdReceiver::Start(path_, 0600, absl::Minutes(1), &pool_, limits);
+    auto r = FdReceiver::Start(path_, 0600, absl::Minutes(1), &pool_, limits, &views_);
     ASSERT_TRUE(r.ok()) << r.status();
     receiver_ = std::move(*r);
   }
@@ -77,6 +78,7 @@ class FdSocketTest : public ::testing::Test {
 
   ckpt::testing::TempDir tmp_;
   ArenaPool pool_{64ull << 20, 256ull << 20};
+  ViewLeases views_;
   std::string sock_dir_;
   std::string path_;
   std::unique_ptr<FdReceiver> receiver_;
@@ -224,6 +226,31 @@ TEST(FdMessages, RequestsAreParsedStrictly) {
   req = ParseFdRequest("ALLOC \x01" + std::string(100, '9'));
   EXPECT_THAT(std::string(req.status().message()), HasSubstr("'\\001999"));
   EXPECT_LT(req.status().message().size(), 120u);
+}
+
+TEST(FdMessages, ViewsMessagesAreParsedStrictly) {
+  const std::string views = absl::StrCat("VIEWS ", kTok);
+  auto req = ParseFdRequest(views);
+  ASSERT_TRUE(req.ok()) << req.status();
+  EXPECT_EQ(req->kind, FdRequest::Kind::kViews);
+  EXPECT_EQ(req->token, kTok);
+  EXPECT_EQ(EncodeFdRequest(*req), views);
+  for (const std::string& bad : {std::string("VIEWS "), std::string("VIEWS x"), views + " ",
+                                 absl::StrCat("VIEWS  ", kTok), absl::StrCat("VIEWS\t", kTok),
+                                 absl::StrCat("VIEWS ", std::string(kTok).substr(0, 31))}) {
+    req = ParseFdRequest(bad);
+    EXPECT_EQ(req.status().code(), absl::StatusCode::kInvalidArgument) << absl::CHexEscape(bad);
+  }
+  auto reply = ParseFdReply("OK VIEWS 3");
+  ASSERT_TRUE(reply.ok()) << reply.status();
+  EXPECT_EQ(reply->kind, FdReply::Kind::kViews);
+  EXPECT_EQ(reply->bytes, 3u);
+  EXPECT_EQ(EncodeFdReply(*reply), "OK VIEWS 3");
+  EXPECT_TRUE(ParseFdReply("OK VIEWS 200").ok());
+  for (const char* bad : {"OK VIEWS 0", "OK VIEWS 201", "OK VIEWS 03", "OK VIEWS", "OK VIEWS ",
+                          "OK VIEWS -1", "OK VIEWS 3 "}) {
+    EXPECT_FALSE(ParseFdReply(bad).ok()) << bad;
+  }
 }
 
 TEST(FdMessages, RepliesAreParsedStrictly) {
@@ -638,6 +665,85 @@ TEST_F(FdSocketTest, ManyClientsAtOnce) {
   for (auto& t : threads) t.join();
   EXPECT_EQ(ok.load(), 16 * 20 * 2);
   EXPECT_EQ(receiver_->pending(), 0u);
+}
+
+}  // namespace
+}  // namespace ckptd
+
+namespace ckptd {
+namespace {
+
+// A read-only descriptor of a sealed memfd holding `fill`, as the cache's.
+int ReadOnlyView(uint64_t size, uint8_t fill) {
+  const int rw = MakeMemfd(size);
+  std::vector<uint8_t> bytes(size, fill);
+  EXPECT_EQ(::pwrite(rw, bytes.data(), size, 0), static_cast<ssize_t>(size));
+  const int ro = ::open(absl::StrCat("/proc/self/fd/", rw).c_str(), O_RDONLY | O_CLOEXEC);
+  EXPECT_GE(ro, 0);
+  ::close(rw);
+  return ro;
+}
+
+TEST_F(FdSocketTest, CacheViewsGoToTheirUidOnceAndTheConnectionIsTheHold) {
+  const int a = ReadOnlyView(4096, 1), b = ReadOnlyView(8192, 2);
+  // Another uid's load: refused, and the offer stands for its owner.
+  const std::string theirs = views_.Offer(::geteuid() + 1, {a}, "job 'x' rank 0");
+  auto stolen = RequestViews(path_, theirs, 1);
+  EXPECT_EQ(stolen.status().code(), absl::StatusCode::kPermissionDenied) << stolen.status();
+  EXPECT_THAT(std::string(stolen.status().message()), HasSubstr("belong to another uid"));
+  EXPECT_THAT(std::string(stolen.status().message()), Not(HasSubstr(theirs)));
+  views_.Withdraw(theirs);
+
+  const std::string mine = views_.Offer(::geteuid(), {a, b}, "job 'y' rank 1");
+  // Not taken yet: the load's wait names that.
+  absl::Status s = views_.AwaitDone(mine, absl::Now() + absl::Milliseconds(50), nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("job 'y' rank 1: the client did not take"));
+  auto got = RequestViews(path_, mine, 2);
+  ASSERT_TRUE(got.ok()) << got.status();
+  ASSERT_EQ(got->fds.size(), 2u);
+  for (size_t i = 0; i < 2; ++i) {
+    EXPECT_EQ(::fcntl(got->fds[i], F_GETFL) & O_ACCMODE, O_RDONLY);
+    struct stat mine_st, sent_st;
+    ASSERT_EQ(::fstat(got->fds[i], &mine_st), 0);
+    ASSERT_EQ(::fstat(i == 0 ? a : b, &sent_st), 0);
+    EXPECT_EQ(mine_st.st_ino, sent_st.st_ino);  // in the order offered
+  }
+  uint8_t byte = 0;
+  ASSERT_EQ(::pread(got->fds[1], &byte, 1, 100), 1);
+  EXPECT_EQ(byte, 2);
+  // Once only.
+  auto again = RequestViews(path_, mine, 2);
+  EXPECT_EQ(again.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(again.status().message()), HasSubstr("already taken"));
+  // Taken, connection open: still copying.
+  s = views_.AwaitDone(mine, absl::Now() + absl::Milliseconds(50), nullptr);
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded);
+  EXPECT_THAT(std::string(s.message()), HasSubstr("did not finish copying"));
+  // A client that leaves its load is noticed at once.
+  s = views_.AwaitDone(mine, absl::InfiniteFuture(), [] { return true; });
+  EXPECT_EQ(s.code(), absl::StatusCode::kCancelled);
+  ::close(got->lease);  // done
+  for (int f : got->fds) ::close(f);
+  EXPECT_TRUE(views_.AwaitDone(mine, absl::Now() + absl::Seconds(10), nullptr).ok());
+  views_.Withdraw(mine);
+  EXPECT_EQ(views_.offered(), 0u);
+  // Withdrawn: unknown.
+  auto late = RequestViews(path_, mine, 2);
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(late.status().message()), HasSubstr("expired or unknown"));
+  // An fd with the request is refused.
+  const int fd = MakeMemfd(4096);
+  const int c = Idle(path_);
+  ASSERT_TRUE(SendMessage(c, absl::StrCat("VIEWS ", mine), fd));
+  char buf[kMaxMessage];
+  int none = -1;
+  ASSERT_GT(ReceiveMessage(c, buf, sizeof(buf), &none), 0);
+  EXPECT_THAT(std::string(buf), HasSubstr("without an fd"));
+  ::close(c);
+  ::close(fd);
+  ::close(a);
+  ::close(b);
 }
 
 }  // namespace
