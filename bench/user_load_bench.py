@@ -12,9 +12,7 @@ Runs with Debian's /usr/bin/python3 (torch 1.13, numpy, grpcio), in one run:
    (FileSystemWriter defaults). Values come from a seeded integer hash of the element's
    global index (torch int64 ops in the writer; an independent numpy oracle computes each
    rank's expected slice).
-2. A real ckptd (--ckptd) on a Unix socket in WORKDIR, cache budget twice the checkpoint and
-   cache_prefault the checkpoint's size (what an operator sets for the checkpoints a node
-   loads first: config/ckptd.yaml).
+2. A real ckptd (--ckptd) on a Unix socket in WORKDIR, cache budget twice the checkpoint.
 3. N rank processes (spawned, gloo; default 2) load the checkpoint split on dim 1 (rank r
    owns columns [r*COLS/N, (r+1)*COLS/N) of every tensor) into ordinary torch tensors:
      dcp      torch.distributed._shard.checkpoint.load_state_dict into ShardedTensors
@@ -289,8 +287,8 @@ def rank_main(rank, cfg, conn):
 # --- 2. the daemon ------------------------------------------------------------------------
 
 class Daemon:
-    def __init__(self, binary, work, budget, prefault):
-        self.binary, self.work, self.budget, self.prefault = binary, work, budget, prefault
+    def __init__(self, binary, work, budget):
+        self.binary, self.work, self.budget = binary, work, budget
         self.socket = os.path.join(work, "ckptd.sock")
         self.log = os.path.join(work, "user-ckptd.log")
         self.pidfile = os.path.join(work, "ckptd.pid")
@@ -303,7 +301,7 @@ class Daemon:
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
                 [self.binary, "--socket", self.socket, "--root", self.work,
-                 "--cache-budget", self.budget, "--cache-prefault", self.prefault],
+                 "--cache-budget", self.budget],
                 stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT)
         with open(self.pidfile, "w") as f:
             f.write(f"{self.proc.pid}\n")
@@ -434,8 +432,7 @@ def main():
 
     import ckptd
     budget = f"{max(1, math.ceil(2 * total / 2**30))}GiB"
-    prefault = f"{math.ceil(total / 2**20)}MiB"
-    daemon = Daemon(os.path.abspath(a.ckptd), work, budget, prefault)
+    daemon = Daemon(os.path.abspath(a.ckptd), work, budget)
     daemon.start()
     ranks = None
     try:

@@ -26,8 +26,7 @@ const std::set<std::string>& KnownKeys() {
       "tcp_tls_cert",  "tcp_tls_key",     "tcp_tls_ca",      "insecure_tcp",
       "tcp_uid",       "admin_uids",      "access",          "limits",
       "peer_tls_cert", "peer_tls_key",    "peer_tls_ca",     "peer_insecure",
-      "nccl_connect_timeout", "nccl_device", "port_file", "memory_limit", "save_buffer",
-      "cache_prefault"};
+      "nccl_connect_timeout", "nccl_device", "port_file", "memory_limit", "save_buffer"};
   return *keys;
 }
 
@@ -311,14 +310,13 @@ absl::StatusOr<DaemonConfig> ParseConfig(const std::string& yaml, const std::str
       } else if (key == "tcp_uid") {
         if (!absl::SimpleAtoi(s, &c.tcp_uid)) return Bad(source, key, "must be a numeric uid");
       } else if (key == "cache_budget" || key == "io_request_size" || key == "arena_pool" ||
-                 key == "arena_limit" || key == "save_buffer" || key == "cache_prefault") {
+                 key == "arena_limit" || key == "save_buffer") {
         auto b = ParseBytes(s);
         if (!b.ok()) return Bad(source, key, b.status().message());
         (key == "cache_budget"      ? c.cache_budget
          : key == "io_request_size" ? c.io_request_size
          : key == "arena_pool"      ? c.arena_pool
          : key == "save_buffer"     ? c.save_buffer
-         : key == "cache_prefault"  ? c.cache_prefault
                                     : c.arena_limit) = *b;
       } else if (key == "direct_io") {
         if (!IsDirectIoMode(s)) return Bad(source, key, "must be never, auto or always");
@@ -532,7 +530,6 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   out << YAML::Key << "tcp_address" << YAML::Value << c.tcp_address;
   out << YAML::Key << "roots" << YAML::Value << c.roots;
   out << YAML::Key << "cache_budget" << YAML::Value << c.cache_budget;
-  out << YAML::Key << "cache_prefault" << YAML::Value << c.cache_prefault;
   out << YAML::Key << "arena_pool" << YAML::Value << c.arena_pool;
   out << YAML::Key << "arena_limit" << YAML::Value << c.arena_limit;
   out << YAML::Key << "save_buffer" << YAML::Value << c.save_buffer;

@@ -59,11 +59,6 @@ struct DaemonConfig {
   Limits limits;
   std::vector<std::string> roots;  // checkpoints outside these are refused
   uint64_t cache_budget = 4ull << 30;  // bytes of checkpoint data kept in memory
-  // Cache memory faulted in on a background thread after start-up (at most
-  // cache_budget), in io_request_size blocks, so the first loads do not
-  // wait for fresh memory (docs/daemon.md "The data cache"). 0: none (the
-  // default: memory is taken only when used; the shipped configs set it).
-  uint64_t cache_prefault = 0;
   // Destination arenas the daemon lends clients (server/arena_pool.h): free
   // ones kept mapped for the next client, and all leased ones together.
   uint64_t arena_pool = 4ull << 30;

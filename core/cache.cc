@@ -86,12 +86,6 @@ class HostCache::BlockPool final : public HostAllocator {
     blocks_.emplace(Key(b.p), b);
     return b.p;
   }
-  // Puts a block from NewBlock on the free list.
-  void AddFree(uint8_t* p, uint64_t n) {
-    absl::MutexLock lock(&mu_);
-    free_.emplace(n, p);
-    free_bytes_ += n;
-  }
   void Free(uint8_t* p, uint64_t n) override {
     Block dead;
     {
@@ -429,22 +423,6 @@ std::optional<ExportedRange> HostCache::Export(const uint8_t* p, uint64_t n, uin
 }
 
 uint64_t HostCache::blocks() const { return pool_ ? pool_->blocks() : 0; }
-
-uint64_t HostCache::Prefault(uint64_t block, uint64_t bytes, const std::atomic<bool>& stop) {
-  if (!pool_ || block == 0) return 0;
-  uint64_t done = 0;
-  while (done + block <= bytes && !stop.load()) {
-    {
-      absl::MutexLock lock(&mu_);
-      if (used_ + detached_->load() + pool_->free_bytes() + block > budget_) break;
-    }
-    uint8_t* p = pool_->NewBlock(block);
-    if (p == nullptr) break;
-    pool_->AddFree(p, block);
-    done += block;
-  }
-  return done;
-}
 
 std::map<std::string, std::pair<uint64_t, uint64_t>> HostCache::Files() const {
   absl::MutexLock lock(&mu_);

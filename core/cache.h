@@ -130,12 +130,6 @@ class HostCache {
   // Whether Export can succeed at all (the cache's own pool, not a custom
   // allocator).
   bool CanExport() const { return pool_ != nullptr; }
-  // Faults in free blocks of `block` bytes (what the reads of large files
-  // are: io_request_size) until `bytes` are, the budget is reached (free
-  // blocks count against it) or `stop`; returns the bytes faulted in. For a
-  // background thread after start-up: the first loads then find warm memory
-  // (HasRecycled) instead of delivering around the cache.
-  uint64_t Prefault(uint64_t block, uint64_t bytes, const std::atomic<bool>& stop);
   // Memory blocks the cache's own pool has mapped (entries, pending fills,
   // free blocks, held blocks); 0 with a custom allocator.
   uint64_t blocks() const;

@@ -221,23 +221,10 @@ absl::Status Daemon::Start() {
                                                           arenas_.get(), FdReceiverLimits(),
                                                           &view_leases_));
   }
-  if (config_.cache_prefault > 0 && cache_.CanExport()) {
-    prefault_thread_ = std::thread([this] {
-      // Lowest CPU priority: loads win whenever both want a core.
-      ::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 19);
-      const auto t0 = std::chrono::steady_clock::now();
-      const uint64_t want = std::min(config_.cache_prefault, config_.cache_budget);
-      const uint64_t got = cache_.Prefault(config_.io_request_size, want, prefault_stop_);
-      spdlog::info("cache prefault: {}B of memory faulted in (blocks of {}B) in {:.3f}s", got,
-                   config_.io_request_size, Seconds(t0));
-    });
-  }
   return absl::OkStatus();
 }
 
 void Daemon::Stop() {
-  prefault_stop_ = true;
-  if (prefault_thread_.joinable()) prefault_thread_.join();
   if (fd_receiver_) fd_receiver_->Stop();
   filler_->Stop();
   {

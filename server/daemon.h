@@ -494,9 +494,6 @@ class Daemon {
   uint64_t save_staged_ ABSL_GUARDED_BY(save_mu_) = 0;  // save_buffer bytes charged
   bool persist_stop_ ABSL_GUARDED_BY(save_mu_) = false;
   std::thread persist_thread_;  // started by the first asynchronous save
-  // Faults cache memory in after start-up (config cache_prefault).
-  std::thread prefault_thread_;
-  std::atomic<bool> prefault_stop_{false};
   std::atomic<uint64_t> saves_durable_{0}, saves_failed_{0}, save_bytes_persisted_{0};
   std::atomic<uint64_t> save_stall_us_{0}, save_persist_us_{0};
 

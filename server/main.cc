@@ -58,8 +58,6 @@ ABSL_FLAG(std::string, tcp_tls_key, "", "PEM private key for --tcp");
 ABSL_FLAG(std::string, tcp_tls_ca, "", "PEM CA that signs the client certificates --tcp requires");
 ABSL_FLAG(bool, insecure_tcp, false, "serve --tcp without TLS (anyone who can reach it acts as tcp_uid)");
 ABSL_FLAG(std::string, cache_budget, "", "data cache budget, e.g. 8GiB (overrides the config)");
-ABSL_FLAG(std::string, cache_prefault, "",
-          "cache memory faulted in after start-up, e.g. 2GiB; 0: none (overrides the config)");
 ABSL_FLAG(std::string, save_buffer, "",
           "bytes of asynchronous saves not yet durable the daemon may hold, e.g. 8GiB (overrides "
           "the config)");
@@ -243,12 +241,6 @@ int main(int argc, char** argv) {
     if (!b.ok()) return Fail(absl::StrCat("--cache_budget: ", b.status().message()));
     config.cache_budget = *b;
     config.set_keys.insert("cache_budget");
-  }
-  if (!absl::GetFlag(FLAGS_cache_prefault).empty()) {
-    auto b = ckptd::ParseBytes(absl::GetFlag(FLAGS_cache_prefault));
-    if (!b.ok()) return Fail(absl::StrCat("--cache_prefault: ", b.status().message()));
-    config.cache_prefault = *b;
-    config.set_keys.insert("cache_prefault");
   }
   if (!absl::GetFlag(FLAGS_save_buffer).empty()) {
     auto b = ckptd::ParseBytes(absl::GetFlag(FLAGS_save_buffer));
