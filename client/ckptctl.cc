@@ -70,8 +70,9 @@ ABSL_FLAG(std::string, job_id, "", "load --daemon: job id (default: ckptctl-<pid
 ABSL_FLAG(std::vector<std::string>, ranks, {},
           "load --daemon: run only these ranks of the layout in this process (default all)");
 ABSL_FLAG(std::string, transport, "auto",
-          "load --daemon: auto, process_memory (the daemon writes this process's buffers), "
-          "shm (shared memory) or stream (gRPC)");
+          "load --daemon: auto, cache_view (this process copies what the daemon's cache "
+          "holds, the daemon writes the rest), process_memory (the daemon writes this "
+          "process's buffers), shm (shared memory) or stream (gRPC)");
 ABSL_FLAG(int, barrier_timeout_ms, 0, "load --daemon: barrier deadline (0: daemon default)");
 ABSL_FLAG(std::vector<std::string>, tensors, {}, "prefetch: only these tensors");
 
@@ -106,7 +107,7 @@ Usage:
 
 Online (through a running ckptd; --daemon SOCKET, default /run/ckptd/ckptd.sock):
   ckptctl load CKPT --layout L.json --out DIR --daemon S1[,S2...] [--ranks R,...]
-               [--job_id ID] [--transport auto|process_memory|shm|stream] [--json] [--strict]
+               [--job_id ID] [--transport auto|cache_view|process_memory|shm|stream] [--json] [--strict]
       The same load, as one client per rank (threads of this process), each
       registering with its node's daemon; ranks are spread over the sockets in
       contiguous blocks. Writes DIR/rank{r}.safetensors and the job's report.
@@ -600,9 +601,10 @@ absl::Status LoadViaDaemon(const std::string& dir, const Layout& layout) {
   std::string job = absl::GetFlag(FLAGS_job_id);
   if (job.empty()) job = absl::StrCat("ckptctl-", ::getpid());
   const std::string transport = absl::GetFlag(FLAGS_transport);
-  if (transport != "auto" && transport != "process_memory" && transport != "shm" &&
-      transport != "stream") {
-    return absl::InvalidArgumentError("--transport must be auto, process_memory, shm or stream");
+  if (transport != "auto" && transport != "cache_view" && transport != "process_memory" &&
+      transport != "shm" && transport != "stream") {
+    return absl::InvalidArgumentError(
+        "--transport must be auto, cache_view, process_memory, shm or stream");
   }
   std::string aoa;  // AOA statements: every rank sends them
   if (!absl::GetFlag(FLAGS_aoa).empty()) {

@@ -1,6 +1,7 @@
 #include "client/ckptd_client.h"
 
 #include <sys/mman.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -8,6 +9,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <random>
 
 #include <grpcpp/grpcpp.h>
@@ -15,6 +17,7 @@
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 #include "ckptd_version.h"
 #include "client/cuda/device_export.h"
 #include "core/status_macros.h"
@@ -177,11 +180,73 @@ uint64_t TensorSpec::num_bytes() const {
   return static_cast<uint64_t>(n) * ckpt::DTypeSize(dtype);
 }
 
+namespace {
+
+// Read-only mappings of the daemon's cache blocks (Transport::kCacheView),
+// kept across loads: a block recycled for the next load is not mapped again
+// (a new mapping costs a page-table entry per 4 KiB on first touch). Keyed by
+// the memfd's device and inode; at most kMax, least recently used dropped.
+// They cost address space, not memory: the pages are the daemon's cache.
+class ViewMappings {
+ public:
+  static constexpr size_t kMax = 1024;
+  ~ViewMappings() {
+    for (auto& [key, m] : maps_) ::munmap(m.data, m.size);
+  }
+  // The first `size` bytes of the memfd `fd`, mapped read-only.
+  absl::StatusOr<const uint8_t*> Map(int fd, uint64_t size) {
+    struct stat st;
+    if (::fstat(fd, &st) != 0) return absl::DataLossError("a cache view cannot be stat'ed");
+    if (static_cast<uint64_t>(st.st_size) < size) {
+      return absl::DataLossError(
+          absl::StrCat("a cache view holds ", st.st_size, " bytes, not ", size));
+    }
+    const std::pair<uint64_t, uint64_t> key{st.st_dev, st.st_ino};
+    absl::MutexLock lock(&mu_);
+    auto it = maps_.find(key);
+    if (it != maps_.end() && it->second.size >= size) {
+      it->second.used = ++clock_;
+      return it->second.data;
+    }
+    void* p = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+    if (p == MAP_FAILED) {
+      return absl::ResourceExhaustedError(
+          absl::StrCat("mapping a cache view of ", size, " bytes: ", std::strerror(errno)));
+    }
+    if (it != maps_.end()) {
+      ::munmap(it->second.data, it->second.size);
+      maps_.erase(it);
+    }
+    while (maps_.size() >= kMax) {
+      auto oldest = std::min_element(maps_.begin(), maps_.end(), [](const auto& a, const auto& b) {
+        return a.second.used < b.second.used;
+      });
+      ::munmap(oldest->second.data, oldest->second.size);
+      maps_.erase(oldest);
+    }
+    maps_[key] = Mapping{static_cast<uint8_t*>(p), size, ++clock_};
+    return static_cast<const uint8_t*>(p);
+  }
+
+ private:
+  struct Mapping {
+    uint8_t* data = nullptr;
+    uint64_t size = 0;
+    uint64_t used = 0;
+  };
+  absl::Mutex mu_;
+  std::map<std::pair<uint64_t, uint64_t>, Mapping> maps_ ABSL_GUARDED_BY(mu_);
+  uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+}  // namespace
+
 struct Client::Rep {
   Options options;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::Ckptd::Stub> stub;
   v1::VersionResponse daemon_version;
+  ViewMappings views;
 };
 
 Client::Client(std::unique_ptr<Rep> rep) : rep_(std::move(rep)) {}
@@ -303,17 +368,20 @@ const char* TransportName(Transport t) {
       return "stream";
     case Transport::kCudaIpc:
       return "cuda_ipc";
+    case Transport::kCacheView:
+      return "cache_view";
   }
   return "?";
 }
 
 absl::StatusOr<Transport> ParseTransport(const std::string& name) {
   for (Transport t : {Transport::kAuto, Transport::kProcessMemory, Transport::kShm,
-                      Transport::kStream, Transport::kCudaIpc}) {
+                      Transport::kStream, Transport::kCudaIpc, Transport::kCacheView}) {
     if (name == TransportName(t)) return t;
   }
-  return absl::InvalidArgumentError(absl::StrCat(
-      "transport '", name, "' is not one of auto, process_memory, shm, stream, cuda_ipc"));
+  return absl::InvalidArgumentError(
+      absl::StrCat("transport '", name,
+                   "' is not one of auto, cache_view, process_memory, shm, stream, cuda_ipc"));
 }
 
 namespace {
@@ -361,6 +429,61 @@ bool ProcessMemoryRefused(const absl::Status& s) {
   return absl::IsFailedPrecondition(s) && absl::StrContains(s.message(), "process_memory");
 }
 
+// Makes the copies of `views` (LoadEvent.views) into the spec's buffers,
+// each checked to lie inside its view and inside one tensor first.
+absl::Status CopyViews(const v1::CacheViews& views, const LoadSpec& spec,
+                       const std::string& fd_socket, absl::Duration timeout,
+                       ViewMappings& mappings) {
+  const size_t n = static_cast<size_t>(views.view_bytes_size());
+  if (n == 0 || n > kMaxViewFds) {
+    return absl::DataLossError(absl::StrCat("Load: the daemon sent ", n, " cache views"));
+  }
+  std::vector<std::pair<uint64_t, uint64_t>> targets;  // [begin, end) of each buffer
+  for (const TensorSpec& t : spec.tensors) {
+    const auto at = reinterpret_cast<uintptr_t>(t.buffer);
+    if (t.num_bytes() > 0) targets.push_back({at, at + t.num_bytes()});
+  }
+  std::sort(targets.begin(), targets.end());
+  for (const v1::ViewCopy& c : views.copies()) {
+    const uint64_t last_src = c.count() == 0 ? 0 : (c.count() - 1) * c.src_stride();
+    const uint64_t last_dst = c.count() == 0 ? 0 : (c.count() - 1) * c.dst_stride();
+    auto t = std::upper_bound(targets.begin(), targets.end(),
+                              std::make_pair(c.address(), ~uint64_t{0}));
+    const bool in_view = c.view() < n && c.count() >= 1 && c.length() >= 1 &&
+                         c.offset() + last_src + c.length() <= views.view_bytes(c.view());
+    const bool in_target = t != targets.begin() && c.address() >= std::prev(t)->first &&
+                           c.address() + last_dst + c.length() <= std::prev(t)->second &&
+                           (c.count() == 1 || c.dst_stride() >= c.length());
+    if (!in_view || !in_target) {
+      return absl::DataLossError(absl::StrCat("Load: a cache view copy (view ", c.view(),
+                                              ", offset ", c.offset(), ", ", c.count(), " x ",
+                                              c.length(), " bytes) lies outside ",
+                                              in_view ? "the tensors" : "its view"));
+    }
+  }
+  CKPT_ASSIGN_OR_RETURN(ViewGrant grant, RequestViews(fd_socket, views.token(), n, timeout));
+  absl::Status status;
+  std::vector<const uint8_t*> src(n);
+  for (size_t i = 0; i < n && status.ok(); ++i) {
+    absl::StatusOr<const uint8_t*> m = mappings.Map(grant.fds[i], views.view_bytes(i));
+    if (m.ok()) {
+      src[i] = *m;
+    } else {
+      status = m.status();
+    }
+  }
+  for (int fd : grant.fds) ::close(fd);
+  for (const v1::ViewCopy& c : views.copies()) {
+    if (!status.ok()) break;
+    for (uint64_t i = 0; i < c.count(); ++i) {
+      std::memcpy(reinterpret_cast<void*>(c.address() + i * c.dst_stride()),
+                  src[c.view()] + c.offset() + i * c.src_stride(), c.length());
+    }
+  }
+  ::close(grant.lease);  // done: the daemon lets go of the views
+  return status;
+}
+
 }  // namespace
 
 absl::StatusOr<LoadReport> Client::Load(const LoadSpec& spec,
@@ -368,7 +491,7 @@ absl::StatusOr<LoadReport> Client::Load(const LoadSpec& spec,
   if (spec.transport == Transport::kAuto) {
     if (!rep_->options.tcp && ProcessMemoryFits(spec)) {
       LoadSpec pm = spec;
-      pm.transport = Transport::kProcessMemory;
+      pm.transport = Transport::kCacheView;
       absl::StatusOr<LoadReport> r = Load(pm, progress);
       if (r.ok() || !ProcessMemoryRefused(r.status())) return r;
     }
@@ -406,15 +529,18 @@ absl::StatusOr<LoadReport> Client::Load(const LoadSpec& spec,
   // kProcessMemory: the daemon reads this cookie back from our memory
   // before it writes anything (the connection's pid is this process).
   std::array<uint8_t, 16> cookie{};
-  if (spec.transport == Transport::kProcessMemory) {
+  const bool process = spec.transport == Transport::kProcessMemory ||
+                       spec.transport == Transport::kCacheView;
+  if (process) {
     if (rep_->options.tcp) {
-      return absl::InvalidArgumentError(
-          "Load: Transport::kProcessMemory needs the daemon's Unix socket");
+      return absl::InvalidArgumentError(absl::StrCat(
+          "Load: transport ", TransportName(spec.transport), " needs the daemon's Unix socket"));
     }
     for (size_t i = 0; i < spec.tensors.size(); ++i) {
       if (spec.tensors[i].buffer == nullptr) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "Load: tensor '", spec.tensors[i].name, "' has no buffer (Transport::kProcessMemory)"));
+        return absl::InvalidArgumentError(absl::StrCat("Load: tensor '", spec.tensors[i].name,
+                                                       "' has no buffer (transport ",
+                                                       TransportName(spec.transport), ")"));
       }
       offsets[i] = reinterpret_cast<uintptr_t>(spec.tensors[i].buffer);
     }
@@ -423,9 +549,10 @@ absl::StatusOr<LoadReport> Client::Load(const LoadSpec& spec,
     for (auto& b : cookie) b = static_cast<uint8_t>(rd());
     req.mutable_process_memory()->set_cookie(cookie.data(), cookie.size());
     req.mutable_process_memory()->set_cookie_address(reinterpret_cast<uintptr_t>(cookie.data()));
+    req.mutable_process_memory()->set_views(spec.transport == Transport::kCacheView);
   }
   AddTargets(spec.tensors, offsets, req.mutable_targets());
-  if (spec.transport == Transport::kProcessMemory) {
+  if (process) {
     // Set above.
   } else if (spec.transport == Transport::kCudaIpc) {
     CKPT_RETURN_IF_ERROR(AddDeviceBuffers(spec.tensors, &req));
@@ -454,6 +581,19 @@ absl::StatusOr<LoadReport> Client::Load(const LoadSpec& spec,
                   c.data().data(), c.data().size());
       continue;
     }
+    if (ev.has_views()) {
+      if (!process) {
+        ctx.TryCancel();
+        return absl::DataLossError("Load: the daemon sent cache views this load did not ask for");
+      }
+      absl::Status copied = CopyViews(ev.views(), spec, FdSocketPath(rep_->options.socket),
+                                      rep_->options.connect_timeout, rep_->views);
+      if (!copied.ok()) {
+        ctx.TryCancel();
+        return copied;
+      }
+      continue;
+    }
     if (ev.has_result()) {
       report.result = ev.result();
       have_result = true;
@@ -476,6 +616,9 @@ absl::StatusOr<LoadReport> Client::Load(const LoadSpec& spec,
   report.client_seconds =
       std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   report.transport = spec.transport;
+  if (report.transport == Transport::kCacheView && report.result.bytes_from_views() == 0) {
+    report.transport = Transport::kProcessMemory;  // nothing came from the cache (or an older daemon)
+  }
   return report;
 }
 

@@ -84,9 +84,13 @@ struct TensorSpec {
 };
 
 // How the bytes reach the tensors (docs/grpc-api.md, "Transports"):
-//  kAuto (default): kProcessMemory when every tensor has its own `buffer`,
+//  kAuto (default): kCacheView when every tensor has its own `buffer`,
 //    none overlaps another and the daemon is on a Unix socket; kShm when the
 //    daemon refuses it (another uid) or otherwise.
+//  kCacheView: kProcessMemory, except that bytes the daemon's data cache
+//    holds are copied here from read-only mappings of the cache (one copy,
+//    made in every rank's process at once; the mappings are kept across
+//    loads); LoadReport::transport says kProcessMemory when none came so.
 //  kProcessMemory: the daemon writes the buffers themselves with
 //    process_vm_writev (one copy, no segment; the kernel allows it when the
 //    daemon runs as this process's uid or has CAP_SYS_PTRACE).
@@ -94,8 +98,9 @@ struct TensorSpec {
 //  kStream: the bytes come back in the gRPC stream (also over TCP).
 //  kCudaIpc: the daemon copies straight into device memory (a ckptd and
 //    client built with --config=cuda, on a node with GPUs).
-enum class Transport { kAuto, kProcessMemory, kShm, kStream, kCudaIpc };
-// "auto", "process_memory", "shm", "stream", "cuda_ipc" (as in the Python client).
+enum class Transport { kAuto, kProcessMemory, kShm, kStream, kCudaIpc, kCacheView };
+// "auto", "process_memory", "shm", "stream", "cuda_ipc", "cache_view" (as in
+// the Python client).
 const char* TransportName(Transport t);
 absl::StatusOr<Transport> ParseTransport(const std::string& name);
 

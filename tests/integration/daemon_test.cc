@@ -223,10 +223,12 @@ class BadRequests : public DaemonTest {
   int counter_ = 0;
 };
 
-// Transport::kAuto (the default) on the daemon's uid: the daemon writes
-// the plain buffer itself (process_vm_writev), the same bytes the stream
-// and shm transports deliver, every element written (poisoned buffers);
-// a buffer shared by two tensors (tied weights) goes over shm instead.
+// Transport::kAuto (the default) on the daemon's uid: the bytes the cache
+// holds are copied by this process from read-only views of the cache
+// (kCacheView), and with kProcessMemory the daemon writes the plain buffer
+// itself (process_vm_writev): the same bytes the stream and shm transports
+// deliver, every element written (poisoned buffers); a buffer shared by two
+// tensors (tied weights) goes over shm instead.
 TEST_F(BadRequests, AutoWritesPlainBuffersInPlace) {
   DaemonProcess d(root_);
   ASSERT_TRUE(d.Ready()) << Slurp(d.log());
@@ -240,13 +242,25 @@ TEST_F(BadRequests, AutoWritesPlainBuffersInPlace) {
   ASSERT_TRUE(client->Load(s).ok());
   s = Spec(in_place);
   std::fill(in_place.begin(), in_place.end(), std::nanf(""));
+  // The first load's bytes are in the cache now (the next load of a
+  // checkpoint waits for its background fill).
   auto r = client->Load(s);
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(r->transport, ckptd::Transport::kProcessMemory);
+  EXPECT_EQ(r->transport, ckptd::Transport::kCacheView);
   EXPECT_EQ(r->result.bytes_delivered(), in_place.size() * sizeof(float));
+  EXPECT_EQ(r->result.bytes_from_views(), in_place.size() * sizeof(float));
   EXPECT_TRUE(HoldsSpecRows(via_stream.data())) << "stream";
   EXPECT_TRUE(HoldsSpecRows(via_shm.data())) << "shm";
+  EXPECT_TRUE(HoldsSpecRows(in_place.data())) << "cache views";
+  std::fill(in_place.begin(), in_place.end(), std::nanf(""));
+  s.transport = ckptd::Transport::kProcessMemory;
+  s.job_id += "-pm";
+  r = client->Load(s);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->transport, ckptd::Transport::kProcessMemory);
+  EXPECT_EQ(r->result.bytes_from_views(), 0u);
   EXPECT_TRUE(HoldsSpecRows(in_place.data())) << "process memory";
+  s.transport = ckptd::Transport::kAuto;
   // Tied: two tensors in one buffer.
   s = Spec(in_place);
   s.tensors.push_back(s.tensors[0]);
