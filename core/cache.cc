@@ -56,31 +56,51 @@ class HostCache::BlockPool final : public HostAllocator {
   uint8_t* NewBlock(uint64_t n) {
     Block b;
     b.n = n;
-    // A memfd of its own (exportable); anonymous memory where that fails.
-    b.fd = ::memfd_create("ckptd-cache", MFD_CLOEXEC | MFD_ALLOW_SEALING);
-    if (b.fd >= 0 && (::ftruncate(b.fd, static_cast<off_t>(n)) != 0 || ::fchmod(b.fd, 0400) != 0 ||
-                      ::fcntl(b.fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0)) {
-      ::close(b.fd);
-      b.fd = -1;
+    // A memfd of its own (exportable) for blocks worth a client's mapping,
+    // while the daemon holds fewer than kMaxMemfdBlocks (one fd each); else,
+    // or where that fails, anonymous memory.
+    int fd = -1;
+    bool memfd = false;
+    if (n >= kMinMemfdBlock) {
+      absl::MutexLock lock(&mu_);
+      memfd = memfd_blocks_ < kMaxMemfdBlocks;
+      if (memfd) ++memfd_blocks_;
+    }
+    if (memfd) {
+      fd = ::memfd_create("ckptd-cache", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+      if (fd >= 0 && (::ftruncate(fd, static_cast<off_t>(n)) != 0 || ::fchmod(fd, 0400) != 0 ||
+                      ::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0)) {
+        ::close(fd);
+        fd = -1;
+      }
     }
     // (MADV_HUGEPAGE measured worse on the dev VM: with THP defrag
     // "madvise" the first touch stalls in compaction, 0.6 vs 1.8-2.7 GB/s.)
-    // MAP_POPULATE: every page is written by the fill anyway; faulting them
-    // in here, in one pass in the kernel, beats faulting them one by one
+    // Faulted in at once: every page is written by the fill anyway; faulting
+    // them in here, in one pass in the kernel, beats faulting them one by one
     // under the fill's pread (512 MiB: 0.34 vs 0.41-0.57 s on the dev VM).
-    void* p = b.fd >= 0 ? ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_POPULATE,
-                                 b.fd, 0)
-                        : ::mmap(nullptr, n, PROT_READ | PROT_WRITE,
-                                 MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    // MAP_POPULATE does that for anonymous memory; a shared mapping it only
+    // maps for reading, so a memfd's pages are faulted in for writing with
+    // MADV_POPULATE_WRITE (Linux 5.14; older kernels fault them in the fill).
+    void* p = fd >= 0 ? ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                      : ::mmap(nullptr, n, PROT_READ | PROT_WRITE,
+                               MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
     if (p == MAP_FAILED) {
-      if (b.fd >= 0) ::close(b.fd);
+      if (fd >= 0) ::close(fd);
+      if (memfd) ForgetMemfd();
       return nullptr;
     }
     b.p = static_cast<uint8_t*>(p);
-    if (b.fd >= 0) {
+    if (fd >= 0) {
+      constexpr int kPopulateWrite = 23;  // MADV_POPULATE_WRITE
+      (void)::madvise(p, n, kPopulateWrite);
       // The descriptor clients get: read-only (a new open file description).
-      b.ro_fd = ::open(absl::StrCat("/proc/self/fd/", b.fd).c_str(), O_RDONLY | O_CLOEXEC);
+      // The mapping keeps the memfd itself.
+      b.ro_fd = ::open(absl::StrCat("/proc/self/fd/", fd).c_str(), O_RDONLY | O_CLOEXEC);
+      b.shared = true;
+      ::close(fd);
     }
+    if (memfd && b.ro_fd < 0) ForgetMemfd();  // counts descriptors held
     absl::MutexLock lock(&mu_);
     b.id = ++last_id_;
     blocks_.emplace(Key(b.p), b);
@@ -165,8 +185,8 @@ class HostCache::BlockPool final : public HostAllocator {
     uint64_t id = 0;
     uint8_t* p = nullptr;
     uint64_t n = 0;
-    int fd = -1;     // the memfd (read-write), or -1: anonymous memory
-    int ro_fd = -1;  // read-only descriptor for clients, or -1: not exportable
+    bool shared = false;  // a memfd's mapping (else anonymous memory)
+    int ro_fd = -1;       // read-only descriptor for clients, or -1: not exportable
     std::vector<uint32_t> exported;  // tenants it was exported to
     int holds = 0;                   // exports not yet let go
     bool freed = false;              // freed by the cache while held
@@ -199,18 +219,28 @@ class HostCache::BlockPool final : public HostAllocator {
     }
     Destroy(dead);
   }
-  // A block exported to anyone: its pages are punched out first, so a
-  // client's mapping neither sees them nor keeps them allocated.
-  static void Destroy(const Block& b) {
-    if (!b.exported.empty() && b.fd >= 0) {
-      ::fallocate(b.fd, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, static_cast<off_t>(b.n));
-    }
+  void ForgetMemfd() {
+    absl::MutexLock lock(&mu_);
+    --memfd_blocks_;
+  }
+  // A block exported to anyone: its pages are punched out first (through
+  // the daemon's writable mapping), so a client's mapping neither sees them
+  // nor keeps them allocated.
+  void Destroy(const Block& b) {
+    if (!b.exported.empty() && b.shared) ::madvise(b.p, b.n, MADV_REMOVE);
     ::munmap(b.p, b.n);
-    if (b.ro_fd >= 0) ::close(b.ro_fd);
-    if (b.fd >= 0) ::close(b.fd);
+    if (b.ro_fd >= 0) {
+      ::close(b.ro_fd);
+      ForgetMemfd();
+    }
   }
 
+  // Smaller blocks (the ends of files, small tensors) are not worth a
+  // client's mapping; each memfd block holds one descriptor.
+  static constexpr uint64_t kMinMemfdBlock = 64 << 10;
+  static constexpr uint64_t kMaxMemfdBlocks = 4096;
   mutable absl::Mutex mu_;
+  uint64_t memfd_blocks_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<uintptr_t, Block> blocks_ ABSL_GUARDED_BY(mu_);  // every live block, by address
   std::multimap<uint64_t, uint8_t*> free_ ABSL_GUARDED_BY(mu_);
   uint64_t free_bytes_ ABSL_GUARDED_BY(mu_) = 0;

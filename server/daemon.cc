@@ -1776,6 +1776,7 @@ v1::StatusResponse Daemon::Status(const Caller& caller) {
   resp.set_arena_leased_bytes(arenas_->leased_bytes());
   resp.set_arena_free_bytes(arenas_->free_bytes());
   resp.set_arena_reused(arenas_->reused());
+  resp.set_views_held(view_leases_.offered());
   resp.set_cache_entries(cs.entries);
   resp.set_cache_hits(cs.hits);
   resp.set_cache_misses(cs.misses);

@@ -200,7 +200,7 @@ class BadRequests : public DaemonTest {
     auto r = client->Load(spec);
     return r.status();
   }
-  ckptd::LoadSpec Spec(std::vector<float>& buf) {
+  ckptd::LoadSpec Spec(std::vector<float>& buf, int64_t rows = 2) {
     ckptd::LoadSpec spec;
     spec.job_id = "bad-" + std::to_string(counter_++);
     spec.path = ckpt_;
@@ -208,27 +208,27 @@ class BadRequests : public DaemonTest {
     t.name = "layers.0.w";
     t.dtype = DType::kF32;
     t.global_shape = {256, 512};
-    t.box = Box{{0, 0}, {2, 512}};
-    buf.assign(2 * 512, 0.0f);
+    t.box = Box{{0, 0}, {rows, 512}};
+    buf.assign(rows * 512, 0.0f);
     std::memset(buf.data(), kPoison, buf.size() * sizeof(float));  // a gap shows
     t.buffer = buf.data();
     spec.tensors.push_back(t);
     return spec;
   }
-  // The oracle for Spec's target: rows 0-1 of the full layers.0.w.
-  ::testing::AssertionResult HoldsSpecRows(const void* p) {
-    TargetTensor t = T("layers.0.w", DType::kF32, {256, 512}, {0, 0}, {2, 512});
-    return MatchesOracle(static_cast<const uint8_t*>(p), 2 * 512 * sizeof(float), t, full_);
+  // The oracle for Spec's target: rows 0 to rows-1 of the full layers.0.w.
+  ::testing::AssertionResult HoldsSpecRows(const void* p, int64_t rows = 2) {
+    TargetTensor t = T("layers.0.w", DType::kF32, {256, 512}, {0, 0}, {rows, 512});
+    return MatchesOracle(static_cast<const uint8_t*>(p), rows * 512 * sizeof(float), t, full_);
   }
   int counter_ = 0;
 };
 
-// Transport::kAuto (the default) on the daemon's uid: the bytes the cache
-// holds are copied by this process from read-only views of the cache
-// (kCacheView), and with kProcessMemory the daemon writes the plain buffer
-// itself (process_vm_writev): the same bytes the stream and shm transports
-// deliver, every element written (poisoned buffers); a buffer shared by two
-// tensors (tied weights) goes over shm instead.
+// Transport::kAuto (the default) on the daemon's uid: the daemon writes the
+// plain buffer itself (process_vm_writev), or, for cached reads of 64 KiB
+// or more, this process copies them from read-only views of the cache
+// (kCacheView): the same bytes the stream and shm transports deliver, every
+// element written (poisoned buffers); a buffer shared by two tensors (tied
+// weights) goes over shm instead.
 TEST_F(BadRequests, AutoWritesPlainBuffersInPlace) {
   DaemonProcess d(root_);
   ASSERT_TRUE(d.Ready()) << Slurp(d.log());
@@ -242,25 +242,29 @@ TEST_F(BadRequests, AutoWritesPlainBuffersInPlace) {
   ASSERT_TRUE(client->Load(s).ok());
   s = Spec(in_place);
   std::fill(in_place.begin(), in_place.end(), std::nanf(""));
-  // The first load's bytes are in the cache now (the next load of a
-  // checkpoint waits for its background fill).
+  // The first load's 4 KiB are in the cache now (the next load of a
+  // checkpoint waits for its background fill), but too few to view.
   auto r = client->Load(s);
   ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(r->transport, ckptd::Transport::kCacheView);
+  EXPECT_EQ(r->transport, ckptd::Transport::kProcessMemory);
   EXPECT_EQ(r->result.bytes_delivered(), in_place.size() * sizeof(float));
-  EXPECT_EQ(r->result.bytes_from_views(), in_place.size() * sizeof(float));
+  EXPECT_EQ(r->result.bytes_from_views(), 0u);
   EXPECT_TRUE(HoldsSpecRows(via_stream.data())) << "stream";
   EXPECT_TRUE(HoldsSpecRows(via_shm.data())) << "shm";
-  EXPECT_TRUE(HoldsSpecRows(in_place.data())) << "cache views";
-  std::fill(in_place.begin(), in_place.end(), std::nanf(""));
-  s.transport = ckptd::Transport::kProcessMemory;
-  s.job_id += "-pm";
-  r = client->Load(s);
-  ASSERT_TRUE(r.ok()) << r.status();
-  EXPECT_EQ(r->transport, ckptd::Transport::kProcessMemory);
-  EXPECT_EQ(r->result.bytes_from_views(), 0u);
   EXPECT_TRUE(HoldsSpecRows(in_place.data())) << "process memory";
-  s.transport = ckptd::Transport::kAuto;
+  // 64 rows (128 KiB), cached by a first load: copied from the cache's views.
+  std::vector<float> rows64;
+  auto big = Spec(rows64, 64);
+  big.transport = ckptd::Transport::kStream;
+  ASSERT_TRUE(client->Load(big).ok());
+  std::fill(rows64.begin(), rows64.end(), std::nanf(""));
+  big.transport = ckptd::Transport::kAuto;
+  big.job_id += "-views";
+  r = client->Load(big);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_EQ(r->transport, ckptd::Transport::kCacheView);
+  EXPECT_EQ(r->result.bytes_from_views(), rows64.size() * sizeof(float));
+  EXPECT_TRUE(HoldsSpecRows(rows64.data(), 64)) << "cache views";
   // Tied: two tensors in one buffer.
   s = Spec(in_place);
   s.tensors.push_back(s.tensors[0]);

@@ -518,16 +518,21 @@ class KilledClientTest(unittest.TestCase):
         # The daemon holds something of this client now (so "nothing left"
         # below says something): its segment mapped, its connections open.
         if mode != "process-memory":
-            self.assertTrue(memfd_maps(pid) - memfds0, "the daemon maps no segment of the client")
-        self.assertTrue({fd for fd, l in fd_links(pid).items() if fds0.get(fd) != l},
+            self.assertTrue({m for m in memfd_maps(pid) - memfds0 if "/memfd:ckptd-cache" not in m},
+                            "the daemon maps no segment of the client")
+        self.assertTrue({fd for fd, l in fd_links(pid).items()
+                         if fds0.get(fd) != l and "/memfd:ckptd-cache" not in l},
                         "the daemon holds no fd of the client")
         p.send_signal(signal.SIGKILL)
         self.assertEqual(p.wait(10), -signal.SIGKILL)
 
         def released():
+            # (The daemon's data cache is in memfds of its own, "ckptd-cache":
+            # the load may have filled some; they are not the client's.)
             st = self.client.status()
-            extra = {fd: l for fd, l in fd_links(pid).items() if fds0.get(fd) != l}
-            left = memfd_maps(pid) - memfds0
+            extra = {fd: l for fd, l in fd_links(pid).items()
+                     if fds0.get(fd) != l and "/memfd:ckptd-cache" not in l}
+            left = {m for m in memfd_maps(pid) - memfds0 if "/memfd:ckptd-cache" not in m}
             lent = int(st["arena_leased_bytes"])
             if st.get("jobs") or lent or extra or left:
                 self.last = (st.get("jobs"), lent, extra, left)
@@ -622,6 +627,95 @@ class ClientThreadsTest(unittest.TestCase):
 
 
 # --- 4. status codes -------------------------------------------------------------------
+
+VIEWS_CHILD = r"""
+import os, sys, time
+import numpy as np
+import ckptd
+from ckptd import _shm, _views
+sock, path, ready = sys.argv[1:4]
+def stuck(fd_socket, views, targets, timeout=10.0):
+    s, fds = _shm.take_views(fd_socket, views.token, len(views.view_bytes))
+    maps = [_views._mapping(fd, n) for fd, n in zip(fds, views.view_bytes)]
+    open(ready, "w").close()
+    time.sleep(600)  # holds the views, never copies
+_views.copy_views = stuck
+state = {n: np.zeros((%d, %d), np.float32) for n in %r}
+ckptd.load_state_dict(state, path, rank=0, world_size=1, job_id="views-stuck", socket=sock,
+                      transport="cache_view", timeout=120)
+""" % (ROWS, COLS, NAMES)
+
+
+class CacheViewsTest(unittest.TestCase):
+    """docs/grpc-api.md "Transports", cache_view: the client copies what the daemon's
+    cache holds from read-only views; the daemon holds the views until the client is
+    done, out of time (load_timeout) or gone, and then fails only that rank."""
+
+    @classmethod
+    def setUpClass(cls):
+        cls.root = testlib.tmp_root()
+        cls.src = make_checkpoint(cls.root)
+        cls.daemon = testlib.Daemon(cls.root, "--config", config_file(cls.root, "load_timeout: 3s\n"))
+        ckptd.prefetch(cls.src, socket=cls.daemon.socket)
+
+    @classmethod
+    def tearDownClass(cls):
+        rc = cls.daemon.stop()
+        assert rc == 0, f"ckptd exited {rc}: {cls.daemon.read_log()[-3000:]}"
+
+    def held(self):
+        return int(ckptd.status(socket=self.daemon.socket).get("views_held", 0))
+
+    def load(self, job):
+        state = {n: np.full((ROWS, COLS), np.nan, np.float32) for n in NAMES}
+        rep = ckptd.load_state_dict(state, self.src, rank=0, world_size=1, job_id=job,
+                                    socket=self.daemon.socket, transport="cache_view")
+        for n in NAMES:
+            np.testing.assert_array_equal(state[n], full_tensors()[n])
+        return rep
+
+    def test_views_are_copied_exactly(self):
+        rep = self.load("views-exact")
+        self.assertEqual(rep.transport, "cache_view")
+        self.assertEqual(rep.bytes_from_views, TOTAL_BYTES)
+        self.assertEqual(self.held(), 0)
+
+    def test_a_client_that_never_takes_its_views_fails_within_load_timeout(self):
+        from ckptd import _views
+        real = _views.copy_views
+        _views.copy_views = lambda *a, **k: None  # takes nothing, copies nothing
+        t0 = time.monotonic()
+        try:
+            with self.assertRaises(ckptd.CkptdError) as cm:
+                self.load("views-ignored")
+        finally:
+            _views.copy_views = real
+        self.assertEqual(cm.exception.code, "DEADLINE_EXCEEDED")
+        self.assertIn("job 'views-ignored' rank 0: the client did not take its cache views",
+                      cm.exception.message)
+        self.assertLess(time.monotonic() - t0, 3 + 5)
+        wait_for("the views let go", lambda: self.held() == 0)
+        self.assertEqual(self.load("views-after-ignored").bytes_from_views, TOTAL_BYTES)
+
+    def test_a_client_killed_holding_its_views_leaves_nothing_held(self):
+        ready = os.path.join(self.root, "views-ready")
+        p = subprocess.Popen([sys.executable, "-c", VIEWS_CHILD, self.daemon.socket, self.src,
+                              ready], stdout=subprocess.DEVNULL)
+        self.addCleanup(lambda: (p.poll() is None and p.kill(), p.wait()))
+        wait_for("the child mapping its views",
+                 lambda: os.path.exists(ready) or p.poll() is not None)
+        self.assertIsNone(p.poll(), "the child exited")
+        self.assertIn("/memfd:ckptd-cache", maps(p.pid))  # the cache's blocks, read-only
+        for line in maps(p.pid).splitlines():
+            if "/memfd:ckptd-cache" in line:
+                self.assertTrue(line.split()[1].startswith("r--"), line)
+        self.assertEqual(self.held(), 1)
+        p.send_signal(signal.SIGKILL)
+        self.assertEqual(p.wait(10), -signal.SIGKILL)
+        wait_for("the views let go", lambda: self.held() == 0)
+        self.assertEqual(self.load("views-after-killed").bytes_from_views, TOTAL_BYTES)
+        self.assertIsNone(self.daemon.proc.poll(), "ckptd died")
+
 
 class StatusCodeTest(unittest.TestCase):
     """docs/grpc-api.md "Errors use the standard codes": the ones no other test held."""
