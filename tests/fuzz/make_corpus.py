@@ -366,6 +366,11 @@ def fd_socket_seeds():
     put("fd_socket", "alloc-max", "ALLOC 70368744177664")
     put("fd_socket", "alloc-negative", "ALLOC -5")
     put("fd_socket", "ok-grant-over-max", "OK %s 70368744177665" % token)
+    # Cache views: a request and the replies at and past the fd limit.
+    put("fd_socket", "views", "VIEWS %s" % token)
+    put("fd_socket", "ok-views", "OK VIEWS 3")
+    put("fd_socket", "ok-views-max", "OK VIEWS 200")
+    put("fd_socket", "ok-views-over-max", "OK VIEWS 201")
 
 
 # ---------------------------------------------------------------------------
