@@ -10,6 +10,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <optional>
 #include <random>
 
 #include <grpcpp/grpcpp.h>
@@ -185,7 +186,8 @@ namespace {
 // Read-only mappings of the daemon's cache blocks (Transport::kCacheView),
 // kept across loads: a block recycled for the next load is not mapped again
 // (a new mapping costs a page-table entry per 4 KiB on first touch). Keyed by
-// the memfd's device and inode; at most kMax, least recently used dropped.
+// the block's key (CacheViews.view_keys: random, never reused); at most kMax,
+// least recently used dropped.
 // They cost address space, not memory: the pages are the daemon's cache.
 class ViewMappings {
  public:
@@ -193,15 +195,15 @@ class ViewMappings {
   ~ViewMappings() {
     for (auto& [key, m] : maps_) ::munmap(m.data, m.size);
   }
-  // The first `size` bytes of the memfd `fd`, mapped read-only.
-  absl::StatusOr<const uint8_t*> Map(int fd, uint64_t size) {
+  // The first `size` bytes of the memfd `fd` (the view named `key`), mapped
+  // read-only.
+  absl::StatusOr<const uint8_t*> Map(uint64_t key, int fd, uint64_t size) {
     struct stat st;
     if (::fstat(fd, &st) != 0) return absl::DataLossError("a cache view cannot be stat'ed");
     if (static_cast<uint64_t>(st.st_size) < size) {
       return absl::DataLossError(
           absl::StrCat("a cache view holds ", st.st_size, " bytes, not ", size));
     }
-    const std::pair<uint64_t, uint64_t> key{st.st_dev, st.st_ino};
     absl::MutexLock lock(&mu_);
     auto it = maps_.find(key);
     if (it != maps_.end() && it->second.size >= size) {
@@ -235,7 +237,7 @@ class ViewMappings {
     uint64_t used = 0;
   };
   absl::Mutex mu_;
-  std::map<std::pair<uint64_t, uint64_t>, Mapping> maps_ ABSL_GUARDED_BY(mu_);
+  std::map<uint64_t, Mapping> maps_ ABSL_GUARDED_BY(mu_);
   uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
@@ -444,15 +446,29 @@ absl::Status CopyViews(const v1::CacheViews& views, const LoadSpec& spec,
     if (t.num_bytes() > 0) targets.push_back({at, at + t.num_bytes()});
   }
   std::sort(targets.begin(), targets.end());
+  if (views.view_keys_size() != static_cast<int>(n)) {
+    return absl::DataLossError("Load: the daemon's cache views carry no keys");
+  }
+  // [start, start + (count - 1) * stride + length) without overflow, or nullopt.
+  auto span_end = [](uint64_t start, uint64_t count, uint64_t stride,
+                     uint64_t length) -> std::optional<uint64_t> {
+    uint64_t last = 0, end = 0;
+    if (count == 0 || length == 0 || __builtin_mul_overflow(count - 1, stride, &last) ||
+        __builtin_add_overflow(start, last, &end) || __builtin_add_overflow(end, length, &end)) {
+      return std::nullopt;
+    }
+    return end;
+  };
   for (const v1::ViewCopy& c : views.copies()) {
-    const uint64_t last_src = c.count() == 0 ? 0 : (c.count() - 1) * c.src_stride();
-    const uint64_t last_dst = c.count() == 0 ? 0 : (c.count() - 1) * c.dst_stride();
     auto t = std::upper_bound(targets.begin(), targets.end(),
                               std::make_pair(c.address(), ~uint64_t{0}));
-    const bool in_view = c.view() < n && c.count() >= 1 && c.length() >= 1 &&
-                         c.offset() + last_src + c.length() <= views.view_bytes(c.view());
-    const bool in_target = t != targets.begin() && c.address() >= std::prev(t)->first &&
-                           c.address() + last_dst + c.length() <= std::prev(t)->second &&
+    const std::optional<uint64_t> src_end =
+        span_end(c.offset(), c.count(), c.src_stride(), c.length());
+    const std::optional<uint64_t> dst_end =
+        span_end(c.address(), c.count(), c.dst_stride(), c.length());
+    const bool in_view = c.view() < n && src_end && *src_end <= views.view_bytes(c.view());
+    const bool in_target = t != targets.begin() && dst_end && c.address() >= std::prev(t)->first &&
+                           *dst_end <= std::prev(t)->second &&
                            (c.count() == 1 || c.dst_stride() >= c.length());
     if (!in_view || !in_target) {
       return absl::DataLossError(absl::StrCat("Load: a cache view copy (view ", c.view(),
@@ -465,7 +481,8 @@ absl::Status CopyViews(const v1::CacheViews& views, const LoadSpec& spec,
   absl::Status status;
   std::vector<const uint8_t*> src(n);
   for (size_t i = 0; i < n && status.ok(); ++i) {
-    absl::StatusOr<const uint8_t*> m = mappings.Map(grant.fds[i], views.view_bytes(i));
+    absl::StatusOr<const uint8_t*> m =
+        mappings.Map(views.view_keys(i), grant.fds[i], views.view_bytes(i));
     if (m.ok()) {
       src[i] = *m;
     } else {

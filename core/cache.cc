@@ -2,11 +2,14 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
+#include <ctime>
 #include <map>
 #include <vector>
 
@@ -62,8 +65,12 @@ class HostCache::BlockPool final : public HostAllocator {
     int fd = -1;
     bool memfd = false;
     if (n >= kMinMemfdBlock) {
+      // At most a quarter of the descriptors this process may open: the
+      // rest stay for checkpoint files, sockets and the views handed out.
+      struct rlimit rl{};
+      const uint64_t fds = ::getrlimit(RLIMIT_NOFILE, &rl) == 0 ? rl.rlim_cur / 4 : 0;
       absl::MutexLock lock(&mu_);
-      memfd = memfd_blocks_ < kMaxMemfdBlocks;
+      memfd = memfd_blocks_ < std::min<uint64_t>(kMaxMemfdBlocks, fds);
       if (memfd) ++memfd_blocks_;
     }
     if (memfd) {
@@ -101,6 +108,11 @@ class HostCache::BlockPool final : public HostAllocator {
       ::close(fd);
     }
     if (memfd && b.ro_fd < 0) ForgetMemfd();  // counts descriptors held
+    // A random key names the block to clients (their kept mappings):
+    // unlike a memfd's inode number, never reused by another block.
+    if (::getrandom(&b.key, sizeof(b.key), 0) != static_cast<ssize_t>(sizeof(b.key))) {
+      b.key = reinterpret_cast<uintptr_t>(b.p) ^ static_cast<uint64_t>(::time(nullptr));
+    }
     absl::MutexLock lock(&mu_);
     b.id = ++last_id_;
     blocks_.emplace(Key(b.p), b);
@@ -113,6 +125,7 @@ class HostCache::BlockPool final : public HostAllocator {
       Block& b = blocks_.at(Key(p));
       if (b.holds > 0) {  // a client copies from it: freed when it lets go
         b.freed = true;
+        held_free_bytes_ += b.n;  // still counts against the budget
         return;
       }
       if (!FreeLocked(b, &dead)) return;
@@ -143,6 +156,7 @@ class HostCache::BlockPool final : public HostAllocator {
     ++b.holds;
     ExportedRange r;
     r.block = b.id;
+    r.key = b.key;
     r.fd = b.ro_fd;
     r.block_bytes = b.n;
     r.offset = static_cast<uint64_t>(p - b.p);
@@ -152,12 +166,17 @@ class HostCache::BlockPool final : public HostAllocator {
     return r;
   }
   // Unmaps free blocks until at most `keep` bytes are left, not counting
-  // one block of `spare` bytes (about to be reused) if there is one.
-  void Trim(uint64_t keep, uint64_t spare = 0) {
+  // one block of `spare` bytes that `tenant` may reuse (about to be), if
+  // there is one.
+  void Trim(uint64_t keep, uint64_t spare = 0, uint32_t tenant = kNoTenant) {
     std::vector<Block> drop;
     {
       absl::MutexLock lock(&mu_);
-      auto spared = free_.find(spare);
+      auto spared = free_.end();
+      auto [lo, hi] = free_.equal_range(spare);
+      for (auto it = lo; it != hi && spared == free_.end(); ++it) {
+        if (Reusable(blocks_.at(Key(it->second)), tenant)) spared = it;
+      }
       const uint64_t not_counted = spared != free_.end() ? spare : 0;
       for (auto it = free_.end(); free_bytes_ - not_counted > keep && it != free_.begin();) {
         --it;  // largest first
@@ -171,6 +190,12 @@ class HostCache::BlockPool final : public HostAllocator {
     }
     for (const Block& b : drop) Destroy(b);
   }
+  // Bytes of blocks the cache freed while a client held them (not yet
+  // recycled or unmapped): they count against the cache budget.
+  uint64_t held_free_bytes() const {
+    absl::MutexLock lock(&mu_);
+    return held_free_bytes_;
+  }
   uint64_t free_bytes() const {
     absl::MutexLock lock(&mu_);
     return free_bytes_;
@@ -183,6 +208,7 @@ class HostCache::BlockPool final : public HostAllocator {
  private:
   struct Block {
     uint64_t id = 0;
+    uint64_t key = 0;  // random: names the block to clients
     uint8_t* p = nullptr;
     uint64_t n = 0;
     bool shared = false;  // a memfd's mapping (else anonymous memory)
@@ -215,6 +241,7 @@ class HostCache::BlockPool final : public HostAllocator {
       Block& b = blocks_.at(Key(p));
       if (--b.holds > 0 || !b.freed) return;
       b.freed = false;
+      held_free_bytes_ -= b.n;
       if (!FreeLocked(b, &dead)) return;
     }
     Destroy(dead);
@@ -241,6 +268,7 @@ class HostCache::BlockPool final : public HostAllocator {
   static constexpr uint64_t kMaxMemfdBlocks = 4096;
   mutable absl::Mutex mu_;
   uint64_t memfd_blocks_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t held_free_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<uintptr_t, Block> blocks_ ABSL_GUARDED_BY(mu_);  // every live block, by address
   std::multimap<uint64_t, uint8_t*> free_ ABSL_GUARDED_BY(mu_);
   uint64_t free_bytes_ ABSL_GUARDED_BY(mu_) = 0;
@@ -361,12 +389,13 @@ std::shared_ptr<HostCache::Pending> HostCache::Reserve(uint64_t n, uint32_t tena
   absl::MutexLock lock(&mu_);
   if (n == 0 || n > budget_) return nullptr;
   // Memory of dropped entries still pinned by a load counts too.
-  while (used_ + detached_->load() + n > budget_) {
+  const uint64_t held = pool_ ? pool_->held_free_bytes() : 0;
+  while (used_ + detached_->load() + held + n > budget_) {
     if (!EvictOneLocked()) return nullptr;
   }
   used_ += n;
   // Recycled blocks count against the budget too.
-  if (pool_) pool_->Trim(budget_ - used_ - detached_->load(), n);
+  if (pool_) pool_->Trim(budget_ - used_ - detached_->load() - held, n, tenant);
   auto p = std::make_shared<Pending>();
   p->cache = this;
   p->n = n;
@@ -438,6 +467,7 @@ CacheStats HostCache::stats() const {
   absl::MutexLock lock(&mu_);
   CacheStats s = stats_;
   s.bytes += detached_->load();  // evicted while pinned: still held
+  if (pool_) s.bytes += pool_->held_free_bytes();  // evicted while a client copies from it
   s.budget_bytes = budget_;
   if (pool_) s.recycled_bytes = pool_->free_bytes();
   return s;

@@ -1125,6 +1125,7 @@ absl::Status Daemon::DeliverViews(const Caller& caller, RankSlot& slot, const st
   std::vector<int> fds;
   for (const ckpt::ViewRecorder::View& v : rec.views()) {
     cv->add_view_bytes(v.bytes);
+    cv->add_view_keys(v.key);
     fds.push_back(v.fd);
   }
   for (const ckpt::ViewRecorder::Copy& c : copies) {
@@ -1147,6 +1148,7 @@ absl::Status Daemon::DeliverViews(const Caller& caller, RankSlot& slot, const st
                                                      cancelled)
                             : absl::CancelledError(absl::StrCat(who, ": client went away"));
   view_leases_.Withdraw(token);
+  if (fd_receiver_) fd_receiver_->EndViews(token);
   rec.Release();
   return s;
 }

@@ -242,6 +242,21 @@ void FdReceiver::Run() {
         adopt.swap(new_leases_);
       }
       for (NewLease& l : adopt) Watch(l.fd, l.uid, /*lease=*/true, std::move(l.token));
+      // Views leases whose load is over (EndViews): closed here, whatever
+      // the client does with its end.
+      std::vector<std::string> ended;
+      {
+        absl::MutexLock lock(&mu_);
+        ended.swap(ended_views_);
+      }
+      for (const std::string& t : ended) {
+        for (auto it = conns_.begin(); it != conns_.end();) {
+          const uint64_t id = it->first;
+          const bool match = it->second.lease && it->second.token == t;
+          ++it;
+          if (match) ::close(Unwatch(id).fd);
+        }
+      }
     }
     absl::Time now = absl::Now();
     if (accept_paused_until_ != absl::InfinitePast() && now >= accept_paused_until_) {
@@ -302,6 +317,14 @@ void FdReceiver::Run() {
   deadlines_.clear();
   waiting_per_uid_.clear();
   waiting_ = 0;
+}
+
+void FdReceiver::EndViews(const std::string& token) {
+  {
+    absl::MutexLock lock(&mu_);
+    ended_views_.push_back(absl::StrCat("v:", token));
+  }
+  Wake();
 }
 
 void FdReceiver::EndLease(int fd, const std::string& token) {
@@ -393,7 +416,7 @@ void FdReceiver::ServeViews(int c, const std::string& token, uid_t uid) {
                     SendMessageFds(c, EncodeFdReply(reply), fds->data(), fds->size(), MSG_DONTWAIT);
   for (int f : *fds) ::close(f);
   if (!sent) {
-    if (views_ != nullptr) views_->Done(token);
+    if (views_ != nullptr) views_->Done(token, /*copied=*/false);
     ::close(c);
     return;
   }

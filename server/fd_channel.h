@@ -61,8 +61,9 @@ class ViewHandler {
   // The views' fds (the receiver sends and closes them) for the uid whose
   // load `token` names, once; an error otherwise.
   virtual absl::StatusOr<std::vector<int>> Take(const std::string& token, uid_t uid) = 0;
-  // The client that took them closed the connection: done copying.
-  virtual void Done(const std::string& token) = 0;
+  // The client that took them closed the connection (done copying), or
+  // (copied false) they could not be sent.
+  virtual void Done(const std::string& token, bool copied = true) = 0;
 };
 
 struct FdReceiverLimits {
@@ -91,6 +92,9 @@ class FdReceiver {
   // `caller_uid` sent it: INVALID_ARGUMENT when unknown or expired,
   // PERMISSION_DENIED when another uid sent it (it stays held for its owner).
   absl::StatusOr<int> Take(const std::string& token, uid_t caller_uid);
+  // The load whose views `token` named is over: its views connection, if
+  // the client still holds it open, is closed (no descriptor outlives a load).
+  void EndViews(const std::string& token);
   void Stop();
   size_t pending() const;  // fds held, not yet taken
   size_t waiting() const;  // connections that have not sent their request
@@ -171,6 +175,7 @@ class FdReceiver {
     std::string token;
   };
   std::vector<NewLease> new_leases_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::string> ended_views_ ABSL_GUARDED_BY(mu_);  // "v:" + token
 };
 
 }  // namespace ckptd

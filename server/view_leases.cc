@@ -32,7 +32,11 @@ absl::Status ViewLeases::AwaitDone(const std::string& token, absl::Time deadline
     if (now >= deadline || (cancelled && cancelled())) break;
     mu_.AwaitWithDeadline(absl::Condition(&o.done), std::min(deadline, now + absl::Milliseconds(100)));
   }
-  if (o.done) return absl::OkStatus();
+  if (o.done) {
+    return o.sent ? absl::OkStatus()
+                  : absl::UnavailableError(
+                        absl::StrCat(o.who, ": the cache views could not be sent to the client"));
+  }
   if (cancelled && cancelled()) {
     return absl::CancelledError(absl::StrCat(o.who, ": client went away while copying"));
   }
@@ -82,10 +86,12 @@ absl::StatusOr<std::vector<int>> ViewLeases::Take(const std::string& token, uid_
   return out;
 }
 
-void ViewLeases::Done(const std::string& token) {
+void ViewLeases::Done(const std::string& token, bool copied) {
   absl::MutexLock lock(&mu_);
   auto it = offers_.find(token);
-  if (it != offers_.end()) it->second.done = true;
+  if (it == offers_.end()) return;
+  it->second.done = true;
+  it->second.sent = copied;
 }
 
 }  // namespace ckptd

@@ -38,7 +38,7 @@ class ViewLeases final : public ViewHandler {
 
   // ViewHandler (the fd socket's thread):
   absl::StatusOr<std::vector<int>> Take(const std::string& token, uid_t uid) override;
-  void Done(const std::string& token) override;
+  void Done(const std::string& token, bool copied = true) override;
 
  private:
   struct Offered {
@@ -47,6 +47,7 @@ class ViewLeases final : public ViewHandler {
     std::string who;
     bool taken = false;
     bool done = false;
+    bool sent = true;  // false: the views could not be sent to the client
   };
   mutable absl::Mutex mu_;
   std::map<std::string, Offered> offers_ ABSL_GUARDED_BY(mu_);

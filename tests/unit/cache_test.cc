@@ -222,8 +222,13 @@ TEST(HostCacheExport, AHeldBlockIsNotRecycledUntilLetGo) {
   EXPECT_FALSE(c.HasRecycled(kBlock, 7));
   EXPECT_EQ(r->block_data[10], 4);
   EXPECT_FALSE(c.Export(r->block_data, 10, 7).has_value());  // freed: no new exports
+  // Still memory: counted, and against the budget.
+  EXPECT_EQ(c.stats().bytes, kBlock);
+  EXPECT_EQ(c.Reserve(8 * kBlock, 7), nullptr);
   r->hold.reset();
+  EXPECT_EQ(c.stats().bytes, 0u);
   EXPECT_TRUE(c.HasRecycled(kBlock, 7));
+  EXPECT_NE(c.Reserve(8 * kBlock, 7), nullptr);  // the free block is trimmed for it
 }
 
 // ViewRecorder over a real cache and this process's own memory as the

@@ -727,6 +727,19 @@ TEST_F(FdSocketTest, CacheViewsGoToTheirUidOnceAndTheConnectionIsTheHold) {
   for (int f : got->fds) ::close(f);
   EXPECT_TRUE(views_.AwaitDone(mine, absl::Now() + absl::Seconds(10), nullptr).ok());
   views_.Withdraw(mine);
+  // A load that ends (here: out of time) closes a views connection its
+  // client still holds open.
+  const std::string held = views_.Offer(::geteuid(), {a}, "job 'z' rank 0");
+  auto open_lease = RequestViews(path_, held, 1);
+  ASSERT_TRUE(open_lease.ok()) << open_lease.status();
+  views_.Withdraw(held);
+  receiver_->EndViews(held);
+  char eof[8];
+  ::timeval tv{5, 0};
+  ::setsockopt(open_lease->lease, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof(tv));
+  EXPECT_EQ(::recv(open_lease->lease, eof, sizeof(eof), 0), 0);  // closed by the daemon
+  ::close(open_lease->lease);
+  for (int f : open_lease->fds) ::close(f);
   EXPECT_EQ(views_.offered(), 0u);
   // Withdrawn: unknown.
   auto late = RequestViews(path_, mine, 2);

@@ -7,11 +7,13 @@ runs of `length` bytes) and the client takes the views' read-only memfds on
 the fd socket ("VIEWS <token>"), maps them, copies every run into its
 tensors, and closes that connection, which tells the daemon it is done.
 
-Mappings are kept across loads (keyed by the memfd's device and inode, so a
-block the daemon recycles for the next load is not mapped again: a new
-mapping costs a page-table entry per 4 KiB on first touch), up to
-_MAX_MAPPINGS of them. They cost address space, not memory: the pages are
-the daemon's cache, and a block the daemon frees is punched out of them.
+Mappings are kept across loads (keyed by the view's key, CacheViews.view_keys:
+random and never reused, so a block the daemon recycles for the next load is
+not mapped again: a new mapping costs a page-table entry per 4 KiB on first
+touch), up to _MAX_MAPPINGS of them. They cost address space and one
+descriptor each (Python's mmap keeps a duplicate of the fd), not memory: the
+pages are the daemon's cache, and a block the daemon frees is punched out of
+them.
 """
 import bisect
 import collections
@@ -26,16 +28,15 @@ from numpy.lib.stride_tricks import as_strided
 from ._shm import MAX_VIEW_FDS, take_views
 from .errors import CkptdError
 
-_MAX_MAPPINGS = 1024
+_MAX_MAPPINGS = 64
 _lock = threading.Lock()
-_maps = collections.OrderedDict()  # (st_dev, st_ino) -> (mmap, uint8 array)
+_maps = collections.OrderedDict()  # view key -> (mmap, uint8 array)
 
 
-def _mapping(fd, size):
+def _mapping(key, fd, size):
     st = os.fstat(fd)
     if st.st_size < size:
         raise CkptdError("DATA_LOSS", f"a cache view holds {st.st_size} bytes, not {size}")
-    key = (st.st_dev, st.st_ino)
     with _lock:
         hit = _maps.get(key)
         if hit is not None and len(hit[1]) >= size:
@@ -62,8 +63,9 @@ def copy_views(fd_socket, views, targets, timeout=10.0):
     tensors as (address, nbytes). Every copy is checked to lie inside its
     view and inside one target before anything is copied."""
     n = len(views.view_bytes)
-    if not 0 < n <= MAX_VIEW_FDS:
-        raise CkptdError("DATA_LOSS", f"the daemon sent {n} cache views")
+    if not 0 < n <= MAX_VIEW_FDS or len(views.view_keys) != n:
+        raise CkptdError("DATA_LOSS", f"the daemon sent {n} cache views "
+                         f"({len(views.view_keys)} keys)")
     order = sorted((a, nb) for a, nb in targets if nb > 0)
     starts = [a for a, _ in order]
     plan = []
@@ -82,7 +84,8 @@ def copy_views(fd_socket, views, targets, timeout=10.0):
     sock, fds = take_views(fd_socket, views.token, n, timeout)
     try:
         try:
-            srcs = [_mapping(fd, size) for fd, size in zip(fds, views.view_bytes)]
+            srcs = [_mapping(key, fd, size)
+                    for key, fd, size in zip(views.view_keys, fds, views.view_bytes)]
         finally:
             for fd in fds:
                 os.close(fd)

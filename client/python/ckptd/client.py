@@ -716,6 +716,10 @@ class Client:
                         staging[start:start + len(c.data)] = np.frombuffer(c.data, np.uint8)
                         continue
                     if kind == "views":
+                        if transport != "cache_view":  # offsets are not addresses then
+                            call.cancel()
+                            raise CkptdError("DATA_LOSS", "Load: the daemon sent cache views "
+                                             "this load did not ask for")
                         t2 = time.perf_counter()
                         _views.copy_views(fd_socket_path(self.socket), ev.views,
                                           [(a, e.nbytes) for e, a in zip(entries, offsets)],
