@@ -1,9 +1,10 @@
 // Fuzz target: the fd socket's text protocol (proto/fd_socket.h), the one
 // channel where any local user talks to the daemon without gRPC. The input
 // is one message, read both ways:
-//  - as a request (ParseFdRequest: what FdReceiver::Serve parses, a token or
-//    "ALLOC <bytes>") and as a reply (ParseFdReply: what SendFd and
-//    RequestArena parse, "OK", "OK <token> <bytes>" or "ERR ..."), each
+//  - as a request (ParseFdRequest: what FdReceiver::Serve parses, a token,
+//    "ALLOC <bytes>" or "VIEWS <token>") and as a reply (ParseFdReply: what
+//    SendFd, RequestArena and RequestViews parse, "OK", "OK <token> <bytes>",
+//    "OK VIEWS <count>" (1..kMaxViewFds) or "ERR ..."), each
 //    against an independent model of the grammar, and re-encoded
 //    (EncodeFdRequest, EncodeFdReply);
 //  - ParseReply (the status a reply stands for), ErrorReply of any code and
@@ -18,7 +19,7 @@
 // 32 lowercase hex digits, no NUL, under kMaxMessage); what parses
 // re-encodes to the same bytes (an older daemon's "ERR <message>" to the
 // current form) and parses back to the same value; a refusal is
-// INVALID_ARGUMENT; ParseReply is OK exactly for a parsed OK or grant;
+// INVALID_ARGUMENT; ParseReply is OK exactly for a parsed OK, grant or views;
 // ErrorReply fits kMaxMessage and parses back to its code; TokenPrefix
 // never shows more than 8 characters; a received message is NUL-terminated
 // inside the buffer, flagged truncated exactly when it did not fit, and
@@ -82,12 +83,17 @@ bool Sendable(absl::string_view s) {
 bool ModelRequest(absl::string_view s) {
   if (!Sendable(s)) return false;
   if (LooksLikeToken(s)) return true;
+  if (absl::ConsumePrefix(&s, "VIEWS ")) return LooksLikeToken(s);
   return absl::ConsumePrefix(&s, "ALLOC ") && ModelSize(s).has_value();
 }
 
 bool ModelReply(absl::string_view s) {
   if (!Sendable(s)) return false;
   if (s == "OK" || absl::StartsWith(s, "ERR ")) return true;
+  if (absl::ConsumePrefix(&s, "OK VIEWS ")) {  // a count of fds: 1..kMaxViewFds
+    const std::optional<uint64_t> n = ModelSize(s);
+    return n.has_value() && *n <= ckptd::kMaxViewFds;
+  }
   if (!absl::ConsumePrefix(&s, "OK ")) return false;
   const size_t sp = s.find(' ');
   return sp != absl::string_view::npos && LooksLikeToken(s.substr(0, sp)) &&
@@ -132,6 +138,9 @@ void CheckReply(absl::string_view text) {
     case FdReply::Kind::kGrant:
       FUZZ_CHECK(ckptd::IsToken(r->token) && r->bytes >= 1 && r->bytes <= ckptd::kMaxArenaBytes,
                  "grant");
+      break;
+    case FdReply::Kind::kViews:
+      FUZZ_CHECK(r->bytes >= 1 && r->bytes <= ckptd::kMaxViewFds, "views");
       break;
     case FdReply::Kind::kError:
       FUZZ_CHECK(!r->error.ok(), "an error reply with an OK status");
