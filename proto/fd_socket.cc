@@ -128,21 +128,31 @@ std::optional<absl::StatusCode> CodeNamed(absl::string_view name) {
 // refuses a connection before reading its request closes it with the
 // request unread, and the kernel then reports ECONNRESET to the first
 // receive even though the reply is queued: the second one gets it.
-absl::StatusOr<FdReply> AwaitReply(int sock, int* fd, absl::string_view fd_socket,
-                                   absl::string_view what) {
+// The fds that came with the reply go to *fds (at most `max_fds`; more
+// make the reply malformed); on an error none is left open.
+absl::StatusOr<FdReply> AwaitReply(int sock, std::vector<int>* fds, size_t max_fds,
+                                   absl::string_view fd_socket, absl::string_view what) {
   char buf[kMaxMessage];
   bool truncated = false;
-  ssize_t n = ReceiveMessage(sock, buf, sizeof(buf), fd, 0, &truncated);
+  ssize_t n = ReceiveMessageFds(sock, buf, sizeof(buf), fds, 0, &truncated);
   if (n < 0 && errno == ECONNRESET) {
-    n = ReceiveMessage(sock, buf, sizeof(buf), fd, MSG_DONTWAIT, &truncated);
+    n = ReceiveMessageFds(sock, buf, sizeof(buf), fds, MSG_DONTWAIT, &truncated);
   }
-  if (n <= 0) return Errno("no reply from the daemon", fd_socket);
+  auto fail = [&](absl::Status st) {
+    for (int f : *fds) ::close(f);
+    fds->clear();
+    return st;
+  };
+  if (n <= 0) return fail(Errno("no reply from the daemon", fd_socket));
   absl::StatusOr<FdReply> reply =
-      truncated ? absl::InvalidArgumentError(absl::StrCat(
-                      "malformed reply: longer than ", kMaxMessage - 1, " bytes or with several fds"))
-                : ParseFdReply(absl::string_view(buf, static_cast<size_t>(n)));
+      truncated || fds->size() > max_fds
+          ? absl::InvalidArgumentError(absl::StrCat("malformed reply: longer than ",
+                                                    kMaxMessage - 1, " bytes or with more than ",
+                                                    max_fds, " fd(s)"))
+          : ParseFdReply(absl::string_view(buf, static_cast<size_t>(n)));
   if (!reply.ok()) {
-    return absl::UnavailableError(absl::StrCat(fd_socket, ": ", what, ": ", reply.status().message()));
+    return fail(absl::UnavailableError(
+        absl::StrCat(fd_socket, ": ", what, ": ", reply.status().message())));
   }
   return reply;
 }
@@ -404,14 +414,12 @@ bool SendMessageFds(int sock, absl::string_view text, const int* fds, size_t cou
 
 ssize_t ReceiveMessage(int sock, char* buf, size_t cap, int* fd, int flags, bool* truncated) {
   std::vector<int> fds;
-  bool more = false;
   const ssize_t n = ReceiveMessageFds(sock, buf, cap, &fds, flags, truncated);
   *fd = fds.empty() ? -1 : fds[0];
   for (size_t i = 1; i < fds.size(); ++i) {  // one fd at most here
     ::close(fds[i]);
-    more = true;
+    if (truncated != nullptr) *truncated = true;
   }
-  if (more && truncated != nullptr) *truncated = true;
   return n;
 }
 
@@ -496,9 +504,9 @@ absl::StatusOr<std::string> SendFd(const std::string& fd_socket, int fd, absl::D
   if (!SendMessage(*s, EncodeFdRequest(request), fd)) {
     return SendFailed(*s, fd_socket, "daemon refused the fd");
   }
-  int unused = -1;
-  absl::StatusOr<FdReply> reply = AwaitReply(*s, &unused, fd_socket, "handing over the fd");
-  if (unused >= 0) ::close(unused);
+  std::vector<int> unused;
+  absl::StatusOr<FdReply> reply = AwaitReply(*s, &unused, 1, fd_socket, "handing over the fd");
+  for (int f : unused) ::close(f);
   if (!reply.ok()) return reply.status();
   if (reply->kind == FdReply::Kind::kError) {
     return absl::Status(reply->error.code(), absl::StrCat(fd_socket, ": daemon refused the fd: ",
@@ -534,7 +542,9 @@ absl::StatusOr<ArenaGrant> RequestArena(const std::string& fd_socket, uint64_t s
   if (!SendMessage(g.lease, message, -1)) {
     return fail(SendFailed(g.lease, fd_socket, "the daemon lent no arena"));
   }
-  absl::StatusOr<FdReply> reply = AwaitReply(g.lease, &g.fd, fd_socket, what);
+  std::vector<int> fds;
+  absl::StatusOr<FdReply> reply = AwaitReply(g.lease, &fds, 1, fd_socket, what);
+  if (!fds.empty()) g.fd = fds[0];
   if (!reply.ok()) return fail(reply.status());
   if (reply->kind == FdReply::Kind::kError) {
     return fail(absl::Status(reply->error.code(),
@@ -574,23 +584,16 @@ absl::StatusOr<ViewGrant> RequestViews(const std::string& fd_socket, const std::
         absl::StrCat(fd_socket, ": ", what, ": ", valid.status().message())));
   }
   if (!SendMessage(g.lease, message, -1)) return fail(SendFailed(g.lease, fd_socket, what));
-  char buf[kMaxMessage];
-  bool truncated = false;
-  const ssize_t n = ReceiveMessageFds(g.lease, buf, sizeof(buf), &g.fds, 0, &truncated);
-  if (n <= 0) {
-    return fail(absl::UnavailableError(absl::StrCat(fd_socket, ": ", what, ": no reply")));
-  }
-  absl::StatusOr<FdReply> reply = ParseFdReply(absl::string_view(buf, static_cast<size_t>(n)));
-  if (!reply.ok()) return fail(absl::UnavailableError(absl::StrCat(fd_socket, ": ", what, ": ", reply.status().message())));
+  absl::StatusOr<FdReply> reply = AwaitReply(g.lease, &g.fds, kMaxViewFds, fd_socket, what);
+  if (!reply.ok()) return fail(reply.status());
   if (reply->kind == FdReply::Kind::kError) {
     return fail(absl::Status(reply->error.code(),
                              absl::StrCat(fd_socket, ": ", what, ": ", reply->error.message())));
   }
-  if (truncated || reply->kind != FdReply::Kind::kViews || reply->bytes != count ||
-      g.fds.size() != count) {
+  if (reply->kind != FdReply::Kind::kViews || reply->bytes != count || g.fds.size() != count) {
     return fail(absl::DataLossError(absl::StrCat(fd_socket, ": ", what, ": expected ", count,
-                                                 " views, got '", buf, "' with ", g.fds.size(),
-                                                 " fd(s)")));
+                                                 " views, got '", EncodeFdReply(*reply), "' with ",
+                                                 g.fds.size(), " fd(s)")));
   }
   return g;
 }

@@ -19,26 +19,13 @@
 #include "core/executor.h"
 #include "core/cache_view.h"
 #include "core/process_memory.h"
+#include "server/await.h"
 #include "server/daemon.h"
 
 namespace ckptd {
 
 inline double Seconds(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
-// With `mu` held: waits until `cond` holds, `deadline` passes or
-// `cancelled()` (polled every 100 ms) says the caller went away. Returns
-// whether `cond` holds.
-inline bool AwaitOrCancel(absl::Mutex* mu, const absl::Condition& cond, absl::Time deadline,
-                          const std::function<bool()>& cancelled)
-    ABSL_EXCLUSIVE_LOCKS_REQUIRED(*mu) {
-  while (!cond.Eval()) {
-    const absl::Time now = absl::Now();
-    if (now >= deadline || (cancelled && cancelled())) return false;
-    mu->AwaitWithDeadline(cond, std::min(deadline, now + absl::Milliseconds(100)));
-  }
-  return true;
 }
 
 class Daemon::SaveBufferCharge {

@@ -3,10 +3,9 @@
 #include <fcntl.h>
 #include <unistd.h>
 
-#include <algorithm>
-
 #include "absl/strings/str_cat.h"
 #include "proto/fd_socket.h"
+#include "server/await.h"
 
 namespace ckptd {
 
@@ -26,13 +25,7 @@ absl::Status ViewLeases::AwaitDone(const std::string& token, absl::Time deadline
   auto it = offers_.find(token);
   if (it == offers_.end()) return absl::InternalError("cache views withdrawn before use");
   Offered& o = it->second;
-  // Woken by Done; the client leaving is polled (every 100 ms).
-  while (!o.done) {
-    const absl::Time now = absl::Now();
-    if (now >= deadline || (cancelled && cancelled())) break;
-    mu_.AwaitWithDeadline(absl::Condition(&o.done), std::min(deadline, now + absl::Milliseconds(100)));
-  }
-  if (o.done) {
+  if (AwaitOrCancel(&mu_, absl::Condition(&o.done), deadline, cancelled)) {
     return o.sent ? absl::OkStatus()
                   : absl::UnavailableError(
                         absl::StrCat(o.who, ": the cache views could not be sent to the client"));
