@@ -114,7 +114,6 @@ class HostCache::BlockPool final : public HostAllocator {
       b.key = reinterpret_cast<uintptr_t>(b.p) ^ static_cast<uint64_t>(::time(nullptr));
     }
     absl::MutexLock lock(&mu_);
-    b.id = ++last_id_;
     blocks_.emplace(Key(b.p), b);
     return b.p;
   }
@@ -155,7 +154,6 @@ class HostCache::BlockPool final : public HostAllocator {
     }
     ++b.holds;
     ExportedRange r;
-    r.block = b.id;
     r.key = b.key;
     r.fd = b.ro_fd;
     r.block_bytes = b.n;
@@ -207,7 +205,6 @@ class HostCache::BlockPool final : public HostAllocator {
 
  private:
   struct Block {
-    uint64_t id = 0;
     uint64_t key = 0;  // random: names the block to clients
     uint8_t* p = nullptr;
     uint64_t n = 0;
@@ -272,7 +269,6 @@ class HostCache::BlockPool final : public HostAllocator {
   std::map<uintptr_t, Block> blocks_ ABSL_GUARDED_BY(mu_);  // every live block, by address
   std::multimap<uint64_t, uint8_t*> free_ ABSL_GUARDED_BY(mu_);
   uint64_t free_bytes_ ABSL_GUARDED_BY(mu_) = 0;
-  uint64_t last_id_ ABSL_GUARDED_BY(mu_) = 0;
 };
 
 HostCache::HostCache(uint64_t budget_bytes, HostAllocator* allocator)

@@ -58,7 +58,6 @@ inline constexpr uint32_t kNoTenant = 0xffffffffu;
 // (HostCache::Export): bytes [offset, offset + n) of a memory block that
 // `fd` (read-only; valid while `hold` is held, not to be closed) maps.
 struct ExportedRange {
-  uint64_t block = 0;        // the block's id, unique in this cache
   uint64_t key = 0;          // random, unique in practice across daemons and restarts
   int fd = -1;
   uint64_t block_bytes = 0;  // the block's size (what fd maps)

@@ -40,7 +40,7 @@ bool ViewRecorder::Record(const uint8_t* p, uint64_t n, uint64_t address) {
     std::optional<ExportedRange> r = cache_->Export(p, n, tenant_);
     if (!r) return false;
     v = static_cast<uint32_t>(views_.size());
-    views_.push_back({r->block, r->key, r->fd, r->block_bytes});
+    views_.push_back({r->key, r->fd, r->block_bytes});
     holds_.push_back(std::move(r->hold));
     base_.push_back(r->block_data);
     by_address_.emplace(reinterpret_cast<uintptr_t>(r->block_data), v);

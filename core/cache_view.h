@@ -43,7 +43,6 @@ class ViewRecorder final : public RemoteMemory {
   static constexpr size_t kMaxCopies = 65536;
 
   struct View {
-    uint64_t block = 0;  // HostCache block id
     uint64_t key = 0;    // ExportedRange::key: names the block to the client
     int fd = -1;         // read-only; valid until Release (not to be closed)
     uint64_t bytes = 0;  // the block's size
