@@ -4,8 +4,8 @@
 // without a network.
 //
 // Thread-safe: every RPC runs on its own gRPC thread. `mu_` guards the job
-// registry and every Job/RankSlot field not marked atomic; `meta_mu_`
-// guards the metadata cache. The data cache has its own lock.
+// registry and every Job/RankSlot field not marked atomic. The policy
+// (quotas), the metadata cache and the data cache have their own locks.
 #ifndef CKPTD_SERVER_DAEMON_H_
 #define CKPTD_SERVER_DAEMON_H_
 
@@ -36,44 +36,22 @@
 
 #include "proto/peer.grpc.pb.h"
 #include "server/arena_pool.h"
-#include "server/cache_filler.h"
+#include "server/catalog/cache_filler.h"
+#include "server/catalog/catalog.h"
 #include "server/caller.h"
+#include "server/catalog/metadata_cache.h"
 #include "server/cuda/gpu.h"
+#include "server/delivery/mapped_segment.h"
 #include "server/fd_channel.h"
+#include "server/policy/policy.h"
 #include "server/view_leases.h"
 
 namespace ckptd {
 
-// A client's shared-memory segment mapped into the daemon.
-class MappedSegment {
- public:
-  // Takes ownership of `fd`; maps `size` bytes read-write.
-  static absl::StatusOr<std::unique_ptr<MappedSegment>> Map(int fd, uint64_t size,
-                                                            const std::string& what);
-  // An arena this daemon lent (already mapped); holds it while alive.
-  static std::unique_ptr<MappedSegment> Borrow(std::shared_ptr<Arena> arena);
-  // Private memory of `size` bytes (anonymous, populated) holding a copy of
-  // `src`'s bytes [offset, offset + length) for each of `ranges`, at the same
-  // offsets (the daemon's own copy of an asynchronous save's bytes).
-  static absl::StatusOr<std::unique_ptr<MappedSegment>> CopyOf(
-      const MappedSegment& src, const std::vector<std::pair<uint64_t, uint64_t>>& ranges,
-      const std::string& what);
-  // `size` bytes of the daemon's own: from `allocator` (page-locked, when it
-  // has room and is not null), else anonymous memory; not initialised.
-  static absl::StatusOr<std::unique_ptr<MappedSegment>> Private(ckpt::HostAllocator* allocator,
-                                                                uint64_t size,
-                                                                const std::string& what);
-  ~MappedSegment();
-  uint8_t* data() const { return data_; }
-  uint64_t size() const { return size_; }
-
- private:
-  MappedSegment(uint8_t* data, uint64_t size) : data_(data), size_(size) {}
-  uint8_t* data_;
-  uint64_t size_;
-  std::shared_ptr<Arena> arena_;  // set when borrowed: nothing to unmap
-  std::shared_ptr<void> owner_;   // set when from an allocator: frees it
-};
+struct JobFigures;     // daemon_internal.h
+struct LoadJobRecord;  // metrics.h
+struct LocalPart;      // plan_codec.h
+struct LocalSave;      // plan_codec.h
 
 class Daemon {
  public:
@@ -169,42 +147,8 @@ class Daemon {
   // when destroyed.
   class SaveBufferCharge;
 
-  enum class Access { kRead, kSave };
-  bool IsAdmin(const Caller& caller) const;
-  // Whether `caller` may read (or save into) `resolved`, a path ResolvePath
-  // returned: the root's access rule, then the directory's mode bits.
-  absl::Status CheckAccess(const Caller& caller, const std::string& resolved, Access access) const;
 
  private:
-  // What one uid holds right now (limits.*_per_uid).
-  struct UidUsage {
-    uint64_t ranks = 0;  // Load/Save calls in flight
-    uint64_t bytes = 0;  // their destination bytes
-  };
-  // Held by a Load/Save call while it runs; gives its share back.
-  class Reservation {
-   public:
-    Reservation(Daemon* d, uid_t uid, uint64_t bytes, uint64_t stream)
-        : d_(d), uid_(uid), bytes_(bytes), stream_(stream) {}
-    Reservation(const Reservation&) = delete;
-    Reservation& operator=(const Reservation&) = delete;
-    ~Reservation();
-
-   private:
-    Daemon* d_;
-    uid_t uid_;
-    uint64_t bytes_, stream_;
-  };
-  // Checks one request against the limits and reserves its share.
-  absl::StatusOr<std::unique_ptr<Reservation>> Reserve(const Caller& caller, const std::string& who,
-                                                       uint64_t bytes, uint64_t stream_bytes);
-  // Checks a request's shape against the limits before anything is
-  // allocated for it; returns its destination bytes.
-  absl::StatusOr<uint64_t> CheckRequestLimits(const std::string& who,
-                                              const google::protobuf::RepeatedPtrField<v1::Target>& targets,
-                                              int world_size, int node_ranks,
-                                              uint32_t barrier_timeout_ms) const;
-
   enum class JobKind { kLoad, kSave };
   struct JobKey {
     JobKind kind;
@@ -216,21 +160,34 @@ class Daemon {
     int rank;
     std::vector<int> node_ranks;
   };
-  struct OpenedCheckpoint {
-    ckpt::Checkpoint checkpoint;
-    std::map<std::string, ckpt::FileStamp> stamps;  // data file -> identity
-    std::map<std::string, ckpt::FileStamp> watched;  // dir + metadata/index files
-  };
-  struct MetaEntry {
-    std::shared_ptr<const OpenedCheckpoint> opened;
-    uint64_t last_used = 0;  // LRU tick
-  };
-
   struct DistJob;
   // Runs a job whose ranks span several daemons (node_ranks a strict subset
-  // of the world): join the coordinator (or be it), execute this node's part
-  // of the plan with remote reads fetched from peers, agree on the outcome.
-  void RunDistributedJob(const std::shared_ptr<Job>& job);
+  // of the world; RunJob calls it): join the coordinator (or be it), run
+  // this node's part of the plan (RunNodePart) with remote reads fetched
+  // from peers, agree on the outcome.
+  void RunDistributedJob(const std::shared_ptr<Job>& job,
+                         const std::vector<std::shared_ptr<RankSlot>>& slots,
+                         std::chrono::steady_clock::time_point start);
+  // A multi-node load's join for this node's ranks (they must agree on the
+  // path and coordinator_rank; the node needs a peer_listen).
+  absl::StatusOr<peer::v1::JoinRequest> LoadJoinOf(const Job& job,
+                                                   const std::vector<std::shared_ptr<RankSlot>>& slots);
+  // This node's share of `part` from `coordinator`, checked
+  // (server/plan_codec.h) into *out, and the reads it serves to peers
+  // registered in `dj`. A refused part is this node's failure (returned).
+  absl::Status AdoptPart(const Job& job, const std::vector<std::shared_ptr<RankSlot>>& slots,
+                         const std::shared_ptr<DistJob>& dj, const peer::v1::PlanPart& part,
+                         const std::string& coordinator, LocalPart* out);
+  // The reads peers serve to a multi-node part (daemon_internal.h) and their
+  // implementation over the peer plane and NCCL (daemon_multinode.cc).
+  class RemoteReads;
+  class PeerReads;
+  // The peer reads of this node's part `part` of job `dj` (global read
+  // indices and their readers from LocalPartOf).
+  std::unique_ptr<RemoteReads> PeerReadsFor(
+      const std::shared_ptr<DistJob>& dj, const peer::v1::PlanPart& part,
+      std::map<std::pair<std::string, uint64_t>, uint32_t> global_index,
+      std::vector<std::string> reader);
   absl::StatusOr<peer::v1::PlanPart> CoordinatePlan(const std::shared_ptr<DistJob>& dj,
                                                     const peer::v1::JoinRequest& own);
   // Coordinator: waits (until dj->deadline) for every rank of the job to
@@ -307,18 +264,6 @@ class Daemon {
   // a few seconds so Status and metrics scrapes do not ping again.
   std::vector<v1::PeerHealth> PeerHealth();
 
-  // The configured root (the deepest, when roots nest) holding `real`, a
-  // resolved path, and its own resolved form in *real_root; null if none.
-  const std::string* RootOf(const std::string& real, std::string* real_root) const;
-  // realpath(path) inside one of the configured roots, else PERMISSION_DENIED.
-  absl::StatusOr<std::string> ResolvePath(const std::string& path) const;
-  // Metadata from the cache when no watched file changed, else reopened.
-  // With `all_files_local` false (multi-node coordinator), data files need
-  // not all be readable here.
-  absl::StatusOr<std::shared_ptr<const OpenedCheckpoint>> OpenCached(
-      const std::string& dir, std::optional<int64_t> unique_id, bool all_files_local = true);
-  // Drops the cached metadata of `dir` and of every checkpoint under it.
-  void DropCachedMetadata(const std::string& dir);
   absl::StatusOr<std::shared_ptr<RankSlot>> PrepareSlot(const Caller& caller,
                                                         const v1::LoadRequest& request);
   // cuda_ipc destinations (daemon_gpu.cc): validates the rank's device
@@ -365,7 +310,27 @@ class Daemon {
     return barrier_timeout_ms > 0 ? absl::Milliseconds(barrier_timeout_ms)
                                   : config_.barrier_timeout;
   }
+  // The one load path (daemon_load.cc): every load job starts here, single-
+  // or multi-node.
   void RunJob(const std::shared_ptr<Job>& job);
+  // Runs a node's part of a load plan (the whole plan for a single-node job)
+  // into `slots` (plan.ranks in the same order): strict ranks missing keys
+  // fail alone, the rest are delivered from `stamps`' files through the data
+  // cache, and (multi-node) `remote`'s peers. The job's stats, or why it
+  // failed on this node.
+  absl::StatusOr<ckpt::LoadStats> RunNodePart(const std::shared_ptr<Job>& job,
+                                              const std::vector<std::shared_ptr<RankSlot>>& slots,
+                                              const ckpt::LoadPlan& plan,
+                                              const std::map<std::string, ckpt::FileStamp>& stamps,
+                                              absl::string_view phase, RemoteReads* remote)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // The job succeeded on this node: every rank not done yet gets its result
+  // (FillLoadResult, then `extra`), the job leaves the registry, and `rec`
+  // (completed from `fig` and `plan`) is logged and counted.
+  void FinishLoadJob(const std::shared_ptr<Job>& job,
+                     const std::vector<std::shared_ptr<RankSlot>>& slots,
+                     const ckpt::LoadPlan& plan, const JobFigures& fig, LoadJobRecord rec,
+                     const std::function<void(RankSlot&)>& extra) ABSL_LOCKS_EXCLUDED(mu_);
   // Runs `run` (RunJob, RunSaveJob) failing the job on any exception.
   void RunGuarded(const std::shared_ptr<Job>& job, void (Daemon::*run)(const std::shared_ptr<Job>&));
   void RunSaveJob(const std::shared_ptr<Job>& job);
@@ -418,6 +383,37 @@ class Daemon {
                                               std::shared_ptr<const ckpt::Directory> dir,
                                               std::atomic<uint64_t>* persisted,
                                               const std::function<absl::Status()>& between);
+  // A Save's output directory: (its resolved parent, the directory), which
+  // need not exist yet; a relative path is under the first root.
+  absl::StatusOr<std::pair<std::string, std::string>> ResolveSaveDir(
+      const v1::SaveRequest& request) const;
+  // An existing output directory: a real directory the caller may save
+  // into, without the version (or DCP checkpoint) unless overwrite is set.
+  absl::Status CheckSaveDir(const Caller& caller, const v1::SaveRequest& request,
+                            const std::string& dir, bool dcp) const;
+  // The rank's slot of a save: its targets and segment checked as a load's,
+  // (async_save) save_buffer charged and the bytes copied unless handed
+  // over, device tensors staged to host.
+  absl::StatusOr<std::shared_ptr<RankSlot>> PrepareSaveSlot(const Caller& caller,
+                                                            const v1::SaveRequest& request,
+                                                            const std::string& who, uint64_t bytes,
+                                                            const std::function<bool()>& cancelled);
+  // This node's share of a multi-node save's part from `coordinator`,
+  // checked (server/plan_codec.h); a refused part fails `dj` here.
+  absl::StatusOr<LocalSave> AdoptSavePart(const Job& job,
+                                          const std::vector<std::shared_ptr<RankSlot>>& slots,
+                                          const std::shared_ptr<DistJob>& dj,
+                                          const peer::v1::PlanPart& part,
+                                          const std::string& coordinator);
+  // A multi-node save's prepare on this node: its ranks' data files written
+  // and fsynced under the directory lock (the metadata waits for CommitSave).
+  absl::StatusOr<NativeSaved> WriteSavePart(const std::shared_ptr<Job>& job,
+                                            const std::vector<std::shared_ptr<RankSlot>>& slots,
+                                            const LocalSave& local);
+  // Every node prepared: the version's metadata, from every node's shards in
+  // `outcome`, written here (or found identical, in a shared directory).
+  absl::Status CommitSave(const Job& job, const LocalSave& local,
+                          const peer::v1::CompleteResponse& outcome, const std::string& coordinator);
   // Reserves save_buffer room for `bytes`, waiting for earlier persists while
   // it is full (until `deadline` or the caller leaves); *waited_s says how
   // long. RESOURCE_EXHAUSTED when `bytes` alone exceed save_buffer.
@@ -461,14 +457,12 @@ class Daemon {
   ViewLeases view_leases_;  // before fd_receiver_, which hands them out
   std::unique_ptr<FdReceiver> fd_receiver_;
 
-  absl::Mutex meta_mu_;
-  std::map<std::pair<std::string, int64_t>, MetaEntry> meta_cache_ ABSL_GUARDED_BY(meta_mu_);
-  uint64_t meta_tick_ ABSL_GUARDED_BY(meta_mu_) = 0;
+  Policy policy_;           // roots, access, limits, quotas
+  MetadataCache metadata_;  // checkpoints opened
+  Catalog catalog_;         // Inspect, Prefetch, Evict (after the parts it uses)
 
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
-  std::map<uid_t, UidUsage> usage_ ABSL_GUARDED_BY(mu_);
-  uint64_t stream_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // stream buffers reserved, all clients
 
   // Multi-node jobs this daemon takes part in (coordinating or not).
   absl::Mutex peer_mu_;

@@ -1,5 +1,6 @@
-// Private to the daemon's implementation files (daemon.cc,
-// daemon_multinode.cc): the job registry's records.
+// Private to the daemon's implementation files (daemon.cc, daemon_load.cc,
+// daemon_multinode.cc, ...): the job registry's records and what the load
+// path shares.
 #ifndef CKPTD_SERVER_DAEMON_INTERNAL_H_
 #define CKPTD_SERVER_DAEMON_INTERNAL_H_
 
@@ -14,6 +15,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "core/executor.h"
@@ -23,6 +25,19 @@
 #include "server/daemon.h"
 
 namespace ckptd {
+
+// SaveRequest.format of a PyTorch DCP checkpoint (ckptd.torch.DaemonStorageWriter).
+inline constexpr char kDcpFormat[] = "pytorch-dcp";
+// Names the save job whose DCP data files a directory holds until its commit:
+// the commit must come from that job, so two saves racing into one directory
+// fail instead of committing one's metadata over the other's files.
+inline constexpr char kDcpPending[] = ".ckptd-dcp-pending";
+
+// ALREADY_EXISTS text for a DCP save into a directory holding a committed one.
+inline std::string DcpCheckpointExists(const std::string& dir) {
+  return absl::StrCat(dir, " already holds a PyTorch DCP checkpoint (.metadata); save elsewhere "
+                      "or set overwrite");
+}
 
 inline double Seconds(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
@@ -147,6 +162,7 @@ class GatedSource final : public ckpt::RangeSource {
 
 // Figures of a whole job (on this node) that every rank's result carries.
 struct JobFigures {
+  std::chrono::steady_clock::time_point start;  // the job began running (its ranks' wait ends)
   const ckpt::LoadStats* stats = nullptr;
   std::vector<std::string> unexpected_keys;
   std::map<std::string, std::string> renamed_keys;
@@ -178,7 +194,23 @@ inline bool AllRanksSkipVerify(const std::vector<std::shared_ptr<Daemon::RankSlo
 
 // Fills `slot.result` for plan rank `index` (not `done`: the caller marks it).
 void FillLoadResult(Daemon::RankSlot& slot, const ckpt::RankPlan& plan, size_t index,
-                    const JobFigures& figures, std::chrono::steady_clock::time_point job_start);
+                    const JobFigures& figures);
+
+// The reads of a multi-node load's part that other nodes serve
+// (RunDistributedJob): Daemon::RunNodePart runs the part on Wrap(storage),
+// then tells how the execution ended.
+class Daemon::RemoteReads {
+ public:
+  virtual ~RemoteReads() = default;
+  // The source the part runs on: `storage` (this node's data cache and
+  // files) for its own reads, peers for the others.
+  virtual ckpt::RangeSource* Wrap(ckpt::RangeSource* storage) = 0;
+  // The part's execution ended with `status` (device mappings closed).
+  virtual void Ended(const absl::Status& status) = 0;
+  // Bytes received from peers, and of this node's reads sent to them.
+  virtual uint64_t bytes_received() const = 0;
+  virtual uint64_t bytes_sent() const = 0;
+};
 
 }  // namespace ckptd
 

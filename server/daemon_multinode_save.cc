@@ -125,6 +125,111 @@ absl::StatusOr<peer::v1::PlanPart> Daemon::CoordinateSave(const std::shared_ptr<
   return PublishParts(dj, nodes, own.node(), plan_all());
 }
 
+// What this node's ranks of a multi-node save tell the coordinator: their
+// targets, the save's overwrite and every rank's flat mapping.
+peer::v1::JoinRequest SaveJoinOf(const Daemon::Job& job,
+                                 const std::vector<std::shared_ptr<Daemon::RankSlot>>& slots,
+                                 const std::string& me) {
+  const v1::SaveRequest& first = slots.front()->save_request;
+  peer::v1::JoinRequest own = BaseJoin(job, slots, me, first.path(), kSaveCoordinatorRank);
+  own.mutable_save()->set_overwrite(first.overwrite());
+  for (const auto& s : slots) {
+    for (const auto& [key, parts] : s->save_request.flat_mapping()) {
+      *(*own.mutable_save()->mutable_flat_mapping())[key].mutable_parts() = parts.parts();
+    }
+  }
+  return own;
+}
+
+absl::StatusOr<LocalSave> Daemon::AdoptSavePart(const Job& job,
+                                                const std::vector<std::shared_ptr<RankSlot>>& slots,
+                                                const std::shared_ptr<DistJob>& dj,
+                                                const peer::v1::PlanPart& part,
+                                                const std::string& coordinator) {
+  const std::string& me = config_.peer_listen;
+  PlanPartContext pctx;
+  pctx.job_id = job.id;
+  pctx.node = me;
+  pctx.sender = coordinator;
+  pctx.world_size = job.world_size;
+  for (const auto& s : slots) pctx.ranks.push_back(&s->targets);
+  absl::StatusOr<LocalSave> local = LocalSaveOf(part, pctx, job.unique_id.value_or(0));
+  const absl::Status& exec = local.status();
+  {
+    absl::MutexLock lock(&peer_mu_);
+    if (exec.ok()) {
+      dj->nodes.assign(part.nodes().begin(), part.nodes().end());
+    } else {
+      dj->exec_status = exec;
+    }
+    dj->part_known = true;
+  }
+  if (!exec.ok()) {
+    spdlog::warn("multi-node save job={}: refused the plan part from {}: {}", job.id, coordinator,
+                 exec.ToString());
+  } else if (!dj->coordinator) {
+    size_t shards = 0;
+    for (const auto& w : local->plan.writes) shards += w.size();
+    spdlog::info("multi-node save job={}: plan part received from coordinator {} ({} shards to "
+                 "write here)", job.id, coordinator, shards);
+  }
+  return local;
+}
+
+absl::Status Daemon::CommitSave(const Job& job, const LocalSave& local,
+                                const peer::v1::CompleteResponse& outcome,
+                                const std::string& coordinator) {
+  const int64_t version = job.unique_id.value_or(0);
+  std::vector<std::pair<std::string, ckpt::ShardMeta>> shards;
+  const std::string who = absl::StrCat("save job '", job.id, "': outcome from ", coordinator);
+  for (const auto& m : outcome.shards()) {
+    CKPT_ASSIGN_OR_RETURN(auto sh, FromMsg(m, who));
+    shards.push_back(std::move(sh));
+  }
+  CKPT_ASSIGN_OR_RETURN(std::string json,
+                        ckpt::SaveMetadataJson(local.plan, shards, local.flat_mapping,
+                                               absl::StrCat("save job '", job.id, "' into ",
+                                                            job.path)));
+  CKPT_ASSIGN_OR_RETURN(auto lock, ckpt::LockDirectory(job.path, 60'000));
+  const std::string name = absl::StrCat(version, ".metadata");
+  CKPT_ASSIGN_OR_RETURN(bool exists, lock.directory()->Exists(name));
+  if (exists) {
+    // A directory the nodes share: another node of the job committed it.
+    auto have = lock.directory()->ReadSmallFile(name, json.size() + 1);
+    if (have.ok() && *have == json) return absl::OkStatus();
+    if (!local.overwrite) {
+      return absl::AlreadyExistsError(absl::StrCat(
+          job.path, ": version ", version, " appeared while save job '", job.id,
+          "' was writing it (another writer of the directory); the data files of both may "
+          "be mixed: save again with overwrite"));
+    }
+  }
+  return ckpt::WriteFileAtomicIn(lock.directory(), name, json);
+}
+
+absl::StatusOr<Daemon::NativeSaved> Daemon::WriteSavePart(
+    const std::shared_ptr<Job>& job, const std::vector<std::shared_ptr<RankSlot>>& slots,
+    const LocalSave& local) {
+  const int64_t version = job->unique_id.value_or(0);
+  NativeSave save = NativeSaveOf(*job, slots, local.plan);
+  save.flat_mapping = local.flat_mapping;
+  save.overwrite = local.overwrite;
+  uint64_t total = 0;
+  for (const auto& w : save.plan.writes) {
+    for (const auto& t : w) total += t.num_bytes();
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    job->phase = "writing (multi-node save)";
+    job->total = total;
+  }
+  CKPT_RETURN_IF_ERROR(ckpt::MakeDirs(job->path));
+  CKPT_ASSIGN_OR_RETURN(auto lock, ckpt::LockDirectory(job->path, 60'000));
+  CKPT_RETURN_IF_ERROR(ckpt::PrepareSave(*lock.directory(), version, save.overwrite));
+  return WriteNativeFiles(save, lock.directory(), &job->progress, nullptr);
+}
+
+
 void Daemon::RunDistributedSave(const std::shared_ptr<Job>& job,
                                 const std::vector<std::shared_ptr<RankSlot>>& slots) {
   const auto t0 = std::chrono::steady_clock::now();
@@ -145,13 +250,7 @@ void Daemon::RunDistributedSave(const std::shared_ptr<Job>& job,
         job->world_size, " ranks, ", job->expected.size(),
         " of them here); save across nodes without async_save")));
   }
-  peer::v1::JoinRequest own = BaseJoin(*job, slots, me, first.path(), kSaveCoordinatorRank);
-  own.mutable_save()->set_overwrite(first.overwrite());
-  for (const auto& s : slots) {
-    for (const auto& [key, parts] : s->save_request.flat_mapping()) {
-      *(*own.mutable_save()->mutable_flat_mapping())[key].mutable_parts() = parts.parts();
-    }
-  }
+  const peer::v1::JoinRequest own = SaveJoinOf(*job, slots, me);
   DistJobKind kind;
   kind.save = true;
   kind.overwrite = first.overwrite();
@@ -182,32 +281,8 @@ void Daemon::RunDistributedSave(const std::shared_ptr<Job>& job,
     part = std::move(p->first);
     coordinator = p->second;
   }
-  PlanPartContext pctx;
-  pctx.job_id = job->id;
-  pctx.node = me;
-  pctx.sender = coordinator;
-  pctx.world_size = job->world_size;
-  for (const auto& s : slots) pctx.ranks.push_back(&s->targets);
-  absl::StatusOr<LocalSave> local = LocalSaveOf(part, pctx, job->unique_id.value_or(0));
+  absl::StatusOr<LocalSave> local = AdoptSavePart(*job, slots, dj, part, coordinator);
   absl::Status exec = local.status();
-  {
-    absl::MutexLock lock(&peer_mu_);
-    if (exec.ok()) {
-      dj->nodes.assign(part.nodes().begin(), part.nodes().end());
-    } else {
-      dj->exec_status = exec;
-    }
-    dj->part_known = true;
-  }
-  if (!exec.ok()) {
-    spdlog::warn("multi-node save job={}: refused the plan part from {}: {}", job->id, coordinator,
-                 exec.ToString());
-  } else if (!coordinates) {
-    size_t shards = 0;
-    for (const auto& w : local->plan.writes) shards += w.size();
-    spdlog::info("multi-node save job={}: plan part received from coordinator {} ({} shards to "
-                 "write here)", job->id, coordinator, shards);
-  }
   if (config_.testing_delay_part > absl::ZeroDuration()) {
     absl::SleepFor(config_.testing_delay_part);  // fault injection for tests only
   }
@@ -215,24 +290,7 @@ void Daemon::RunDistributedSave(const std::shared_ptr<Job>& job,
   NativeSaved written;
   const int64_t version = job->unique_id.value_or(0);
   if (exec.ok()) {
-    NativeSave save = NativeSaveOf(*job, slots, local->plan);
-    save.flat_mapping = local->flat_mapping;
-    save.overwrite = local->overwrite;
-    uint64_t total = 0;
-    for (const auto& w : save.plan.writes) {
-      for (const auto& t : w) total += t.num_bytes();
-    }
-    {
-      absl::MutexLock lock(&mu_);
-      job->phase = "writing (multi-node save)";
-      job->total = total;
-    }
-    auto w = [&]() -> absl::StatusOr<NativeSaved> {
-      CKPT_RETURN_IF_ERROR(ckpt::MakeDirs(job->path));
-      CKPT_ASSIGN_OR_RETURN(auto lock, ckpt::LockDirectory(job->path, 60'000));
-      CKPT_RETURN_IF_ERROR(ckpt::PrepareSave(*lock.directory(), version, save.overwrite));
-      return WriteNativeFiles(save, lock.directory(), &job->progress, nullptr);
-    }();
+    auto w = WriteSavePart(job, slots, *local);
     if (w.ok()) {
       written = *std::move(w);
     } else {
@@ -261,38 +319,11 @@ void Daemon::RunDistributedSave(const std::shared_ptr<Job>& job,
     absl::MutexLock lock(&mu_);
     job->phase = "committing";
   }
-  auto commit = [&]() -> absl::Status {
-    std::vector<std::pair<std::string, ckpt::ShardMeta>> shards;
-    const std::string who = absl::StrCat("save job '", job->id, "': outcome from ", coordinator);
-    for (const auto& m : outcome->shards()) {
-      CKPT_ASSIGN_OR_RETURN(auto sh, FromMsg(m, who));
-      shards.push_back(std::move(sh));
-    }
-    CKPT_ASSIGN_OR_RETURN(std::string json,
-                          ckpt::SaveMetadataJson(local->plan, shards, local->flat_mapping,
-                                                 absl::StrCat("save job '", job->id, "' into ",
-                                                              job->path)));
-    CKPT_ASSIGN_OR_RETURN(auto lock, ckpt::LockDirectory(job->path, 60'000));
-    const std::string name = absl::StrCat(version, ".metadata");
-    CKPT_ASSIGN_OR_RETURN(bool exists, lock.directory()->Exists(name));
-    if (exists) {
-      // A directory the nodes share: another node of the job committed it.
-      auto have = lock.directory()->ReadSmallFile(name, json.size() + 1);
-      if (have.ok() && *have == json) return absl::OkStatus();
-      if (!local->overwrite) {
-        return absl::AlreadyExistsError(absl::StrCat(
-            job->path, ": version ", version, " appeared while save job '", job->id,
-            "' was writing it (another writer of the directory); the data files of both may "
-            "be mixed: save again with overwrite"));
-      }
-    }
-    return ckpt::WriteFileAtomicIn(lock.directory(), name, json);
-  };
-  if (absl::Status c = commit(); !c.ok()) {
+  if (absl::Status c = CommitSave(*job, *local, *outcome, coordinator); !c.ok()) {
     return fail_all(ckpt::Annotate(c, absl::StrCat("save job '", job->id, "' on ", me,
                                                    ": every node prepared, the commit failed")));
   }
-  DropCachedMetadata(job->path);
+  metadata_.Drop(job->path);
   FinishSaveJob(job, slots, [&](RankSlot& s) {
     v1::SaveResponse& r = s.save_result;
     for (const auto& f : written.files_of_rank[s.targets.rank]) r.add_files(f);

@@ -14,6 +14,7 @@
 #include <fcntl.h>
 #include <sys/mman.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
@@ -47,44 +48,6 @@ void LowerPriority() {
   ::syscall(SYS_ioprio_set, kWhoProcess, tid, (kClassBestEffort << kClassShift) | 7);
 }
 }  // namespace
-
-absl::StatusOr<std::unique_ptr<MappedSegment>> MappedSegment::CopyOf(
-    const MappedSegment& src, const std::vector<std::pair<uint64_t, uint64_t>>& ranges,
-    const std::string& what) {
-  uint64_t size = 0;
-  for (const auto& [offset, n] : ranges) {
-    if (offset > src.size() || n > src.size() - offset) {
-      return absl::InvalidArgumentError(absl::StrCat(what, ": bytes [", offset, ", ", offset + n,
-                                                     ") lie outside its ", src.size(),
-                                                     "-byte segment"));
-    }
-    size = std::max(size, offset + n);
-  }
-  CKPT_ASSIGN_OR_RETURN(auto copy, Private(nullptr, size, absl::StrCat(what, ": a copy of its bytes")));
-  for (const auto& [offset, n] : ranges) std::memcpy(copy->data() + offset, src.data() + offset, n);
-  return copy;
-}
-
-absl::StatusOr<std::unique_ptr<MappedSegment>> MappedSegment::Private(
-    ckpt::HostAllocator* allocator, uint64_t size, const std::string& what) {
-  if (size == 0) return std::unique_ptr<MappedSegment>(new MappedSegment(nullptr, 0));
-  if (allocator != nullptr) {
-    if (uint8_t* p = allocator->Allocate(size)) {
-      auto seg = std::unique_ptr<MappedSegment>(new MappedSegment(p, size));
-      seg->owner_ = std::shared_ptr<void>(p, [allocator, size](void* q) {
-        allocator->Free(static_cast<uint8_t*>(q), size);
-      });
-      return seg;
-    }
-  }
-  void* p = ::mmap(nullptr, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
-                   -1, 0);
-  if (p == MAP_FAILED) {
-    return absl::ResourceExhaustedError(absl::StrCat(what, ": no memory for ", size,
-                                                     " bytes: ", std::strerror(errno)));
-  }
-  return std::unique_ptr<MappedSegment>(new MappedSegment(static_cast<uint8_t*>(p), size));
-}
 
 Daemon::SaveBufferCharge::~SaveBufferCharge() {
   absl::MutexLock lock(&d_->save_mu_);
@@ -330,7 +293,7 @@ void Daemon::Persist(PendingSave& p) {
   absl::StatusOr<NativeSaved> saved = run();
   const double persist_s = Seconds(t0);
   if (saved.ok()) {
-    DropCachedMetadata(save.path);
+    metadata_.Drop(save.path);
     PublishSaved(save.path, saved->files);
   }
   const double total_s = Seconds(p.staged);
@@ -419,7 +382,7 @@ absl::StatusOr<v1::SaveResponse> Daemon::AwaitSave(const Caller& caller,
                              config_.limits.max_barrier_timeout);
   absl::MutexLock lock(&save_mu_);
   auto it = saves_.find(request.job_id());
-  if (it == saves_.end() || (it->second->owner != caller.uid && !IsAdmin(caller))) {
+  if (it == saves_.end() || (it->second->owner != caller.uid && !policy_.IsAdmin(caller))) {
     return absl::NotFoundError(absl::StrCat(
         "no asynchronous ", what, " of ", caller.Describe(),
         " (finished ones are kept for ", absl::FormatDuration(kKeepFinished), ")"));
@@ -448,7 +411,7 @@ std::vector<std::string> Daemon::AwaitPersists(absl::Duration timeout) {
 }
 
 void Daemon::FillSaveStatus(const Caller& caller, v1::StatusResponse* resp) {
-  const bool admin = IsAdmin(caller);
+  const bool admin = policy_.IsAdmin(caller);
   absl::MutexLock lock(&save_mu_);
   resp->set_save_buffer_bytes(config_.save_buffer);
   resp->set_save_staged_bytes(save_staged_);
@@ -472,6 +435,242 @@ void Daemon::FillSaveStatus(const Caller& caller, v1::StatusResponse* resp) {
   resp->set_save_bytes_persisted_total(save_bytes_persisted_);
   resp->set_save_persist_seconds_total(static_cast<double>(save_persist_us_) / 1e6);
   resp->set_save_stall_seconds_total(static_cast<double>(save_stall_us_) / 1e6);
+}
+
+absl::StatusOr<std::pair<std::string, std::string>> Daemon::ResolveSaveDir(
+    const v1::SaveRequest& request) const {
+  // The output directory may not exist yet: resolve its parent. A relative
+  // path is under the first root (as for loads), so the nodes of a
+  // multi-node save can name node-local directories that live at different
+  // places.
+  std::string out = request.path();
+  if (!out.empty() && out[0] != '/') out = ckpt::JoinPath(config_.roots.front(), out);
+  while (out.size() > 1 && out.back() == '/') out.pop_back();
+  const size_t slash = out.rfind('/');
+  if (out.empty() || slash == std::string::npos) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("Save: path '", request.path(), "' names no directory"));
+  }
+  const std::string leaf = out.substr(slash + 1);
+  auto parent = policy_.ResolvePath(slash == 0 ? "/" : out.substr(0, slash));
+  if (!parent.ok()) return parent.status();
+  if (!ckpt::IsPlainFileName(leaf)) {
+    return absl::InvalidArgumentError(absl::StrCat("Save: bad directory name '", leaf, "'"));
+  }
+  return std::make_pair(*parent, ckpt::JoinPath(*parent, leaf));
+}
+
+absl::Status Daemon::CheckSaveDir(const Caller& caller, const v1::SaveRequest& request,
+                                  const std::string& dir, bool dcp) const {
+  struct stat lst;
+  if (::lstat(dir.c_str(), &lst) == 0) {
+    if (!S_ISDIR(lst.st_mode)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "Save: ", dir, S_ISLNK(lst.st_mode) ? " is a symbolic link" : " is not a directory",
+          "; save into a real directory inside a root"));
+    }
+    if (absl::Status a = policy_.CheckAccess(caller, dir, Policy::Access::kSave); !a.ok()) return a;
+    // Early answer for the ranks; RunSaveJob checks again under the directory lock.
+    auto exists = dcp ? absl::StatusOr<bool>(::faccessat(AT_FDCWD, (dir + "/.metadata").c_str(),
+                                                         F_OK, AT_SYMLINK_NOFOLLOW) == 0)
+                      : ckpt::VersionExists(dir, request.unique_id());
+    if (!request.overwrite() && exists.ok() && *exists) {
+      return absl::AlreadyExistsError(
+          dcp ? absl::StrCat("Save: ", DcpCheckpointExists(dir))
+              : absl::StrCat("Save: version ", request.unique_id(), " already exists in ", dir,
+                             " (", request.unique_id(),
+                             ".metadata); choose another unique_id or set overwrite"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<std::shared_ptr<Daemon::RankSlot>> Daemon::PrepareSaveSlot(
+    const Caller& caller, const v1::SaveRequest& request, const std::string& who, uint64_t bytes,
+    const std::function<bool()>& cancelled) {
+  // Reuse the Load validation of targets and segment.
+  v1::LoadRequest as_load;
+  as_load.set_job_id(request.job_id());
+  as_load.set_rank(request.rank());
+  as_load.set_world_size(request.world_size());
+  *as_load.mutable_targets() = request.targets();
+  if (request.has_cuda_ipc()) {
+    *as_load.mutable_cuda_ipc() = request.cuda_ipc();  // device tensors: staged below
+  } else {
+    *as_load.mutable_shm() = request.shm();
+  }
+  *as_load.mutable_node_ranks() = request.node_ranks();
+  auto prepared = PrepareSlot(caller, as_load);
+  if (!prepared.ok()) return prepared.status();
+  std::shared_ptr<RankSlot> slot = *prepared;
+  if (request.async_save()) {
+    // The rank's bytes must outlive its call: save_buffer room first (the
+    // call waits here while earlier persists hold it), then the daemon's own
+    // copy unless the client handed its segment over for good.
+    auto charge = ChargeSaveBuffer(who, bytes,
+                                   absl::Now() + BarrierTimeout(request.barrier_timeout_ms()),
+                                   cancelled, &slot->buffer_wait_s);
+    if (!charge.ok()) return charge.status();
+    slot->save_charge = std::move(*charge);
+    if (!request.handed_over() && !slot->device) {
+      std::vector<std::pair<uint64_t, uint64_t>> ranges;
+      for (int t = 0; t < request.targets_size(); ++t) {
+        ranges.emplace_back(request.targets(t).dest_offset(), slot->targets.tensors[t].num_bytes());
+      }
+      auto copy = MappedSegment::CopyOf(*slot->segment, ranges, who);
+      if (!copy.ok()) return copy.status();
+      slot->segment = std::move(*copy);
+    }
+  }
+  slot->save_request = request;
+  if (slot->device) {  // its targets then point into the daemon's own copy
+    if (absl::Status s = StageDeviceSave(who, slot->save_request, *slot); !s.ok()) return s;
+  }
+  return slot;
+}
+
+absl::StatusOr<v1::SaveResponse> Daemon::Save(const Caller& caller, const v1::SaveRequest& request,
+                                              const std::function<bool()>& cancelled) {
+  const auto t0 = std::chrono::steady_clock::now();
+  auto fail = [&](absl::Status s) {
+    spdlog::warn("save job={} rank={} path={} failed: {}", request.job_id(), request.rank(),
+                 request.path(), s.ToString());
+    return s;
+  };
+  auto where = ResolveSaveDir(request);
+  if (!where.ok()) return fail(where.status());
+  const auto& [parent, dir] = *where;
+  const bool dcp = request.format() == kDcpFormat;
+  if (!dcp && !request.format().empty() && request.format() != "ckptd") {
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        "Save: unknown format '", request.format(), "' (\"ckptd\" or \"", kDcpFormat, "\")")));
+  }
+  if (!request.dcp_metadata().empty() || !request.raw_targets().empty()) {
+    if (!dcp) {
+      return fail(absl::InvalidArgumentError(
+          "Save: dcp_metadata and raw_targets are for format \"pytorch-dcp\" only"));
+    }
+  }
+  if (!request.dcp_metadata().empty()) {
+    auto committed = CommitDcp(caller, request, parent, dir);
+    if (!committed.ok()) return fail(committed.status());
+    v1::SaveResponse resp = *committed;
+    resp.set_seconds(Seconds(t0));
+    return resp;
+  }
+  const std::string who = absl::StrCat("save job '", request.job_id(), "' rank ", request.rank());
+  auto bytes = policy_.CheckRequestLimits(who, request.targets(), request.world_size(),
+                                  request.node_ranks_size(), request.barrier_timeout_ms());
+  if (!bytes.ok()) return fail(bytes.status());
+  if (absl::Status a = policy_.CheckAccess(caller, parent, Policy::Access::kSave); !a.ok()) return fail(a);
+  if (request.async_save() && dcp) {
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        who, ": async_save is for the native format (PyTorch DCP's own async_save stages on the "
+             "client side and calls ckptd.torch.DaemonStorageWriter from a thread)")));
+  }
+  if (absl::Status e = CheckSaveDir(caller, request, dir, dcp); !e.ok()) return fail(e);
+  auto reservation = policy_.Reserve(caller, who, *bytes, 0);
+  if (!reservation.ok()) return fail(reservation.status());
+  auto prepared = PrepareSaveSlot(caller, request, who, *bytes, cancelled);
+  if (!prepared.ok()) return fail(prepared.status());
+  std::shared_ptr<RankSlot> slot = *prepared;
+  slot->cancelled = cancelled;
+  slot->registered = absl::Now();
+  slot->start = t0;
+  JobKey key{JobKind::kSave, request.job_id(), dir, request.unique_id(), caller.uid,
+             request.world_size(),
+             request.rank(), std::vector<int>(request.node_ranks().begin(), request.node_ranks().end())};
+  size_t registered = 0, expected = 0;
+  auto reg = Register(key, slot, &registered, &expected);
+  if (!reg.ok()) return fail(reg.status());
+  auto [job, runner] = *reg;
+  if (runner) RunGuarded(job, &Daemon::RunSaveJob);
+  absl::Status status = AwaitSlot(job, slot, request.rank(), request.barrier_timeout_ms(), nullptr, cancelled);
+  if (!status.ok()) return fail(status);
+  absl::MutexLock lock(&mu_);
+  v1::SaveResponse resp = slot->save_result;
+  resp.set_seconds(Seconds(t0));
+  if (request.async_save()) save_stall_us_ += static_cast<uint64_t>(resp.seconds() * 1e6);
+  return resp;
+}
+
+void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
+  const auto t0 = std::chrono::steady_clock::now();
+  const std::vector<std::shared_ptr<RankSlot>> slots = SlotsOf(*job);
+  auto fail_all = [&](const absl::Status& s) { FailJob(*job, s); };
+  std::vector<ckpt::RankTargets> ranks;
+  for (const auto& s : slots) ranks.push_back(s->targets);
+  auto plan = ckpt::PlanSave(ranks, job->world_size, job->unique_id.value_or(0));
+  if (!plan.ok()) return fail_all(plan.status());
+  bool overwrite = slots.front()->save_request.overwrite();
+  const bool async = slots.front()->save_request.async_save();
+  const std::string format = slots.front()->save_request.format();
+  for (const auto& s : slots) {
+    if (s->save_request.overwrite() != overwrite) {
+      return fail_all(absl::InvalidArgumentError(absl::StrCat(
+          "save job '", job->id, "': ranks disagree on overwrite (all must set it or none)")));
+    }
+    if (s->save_request.async_save() != async) {
+      return fail_all(absl::InvalidArgumentError(absl::StrCat(
+          "save job '", job->id, "': ranks disagree on async_save (all must set it or none)")));
+    }
+    if (s->save_request.format() != format) {
+      return fail_all(absl::InvalidArgumentError(absl::StrCat(
+          "save job '", job->id, "': ranks ", slots.front()->targets.rank, " and ",
+          s->targets.rank, " send different formats ('", format, "', '",
+          s->save_request.format(), "')")));
+    }
+  }
+  const bool dcp = format == kDcpFormat;
+  // Ranks on several daemons: a two-phase save with the others (a PyTorch
+  // DCP save's data files are per rank; its coordinator commits .metadata).
+  if (!dcp && static_cast<int>(job->expected.size()) < job->world_size) {
+    return RunDistributedSave(job, slots);
+  }
+  if (async) return StartAsyncSave(job, slots, *std::move(plan));
+  if (absl::Status s = ckpt::MakeDirs(job->path); !s.ok()) return fail_all(s);
+  // One writer per directory; the files go into the directory that is locked
+  // (opened without following a symlink), the version checked under the lock.
+  auto lock = ckpt::LockDirectory(job->path, 0);
+  if (!lock.ok()) {
+    return fail_all(ckpt::Annotate(lock.status(), absl::StrCat("save job '", job->id, "'")));
+  }
+  // The old checkpoint stops existing first: a save that dies midway leaves
+  // no commit file over new data files.
+  if (absl::Status s =
+          dcp ? ckpt::PrepareCommitFile(*lock->directory(), ".metadata",
+                                        DcpCheckpointExists(lock->directory()->path()), overwrite)
+              : ckpt::PrepareSave(*lock->directory(), plan->unique_id, overwrite);
+      !s.ok()) {
+    return fail_all(s);
+  }
+  const NativeSave save = NativeSaveOf(*job, slots, *std::move(plan));
+  if (dcp) return WriteDcpSave(job, slots, save.plan, lock->directory(), save.where, t0);
+  auto saved = WriteNativeSave(save, lock->directory(), nullptr, nullptr);
+  if (!saved.ok()) return fail_all(saved.status());
+  metadata_.Drop(job->path);  // new files under a cached directory
+  FinishSaveJob(job, slots, [&](RankSlot& s) {
+    v1::SaveResponse& r = s.save_result;
+    for (const auto& f : saved->files_of_rank[s.targets.rank]) r.add_files(f);
+    r.set_bytes_written(saved->bytes);
+    r.set_metadata_file(absl::StrCat(save.plan.unique_id, ".metadata"));
+    r.set_persisted(true);
+  });
+  spdlog::info("save job={} path={} ranks={} written={}B in {:.3f}s", job->id, job->path,
+               slots.size(), saved->bytes, Seconds(t0));
+}
+
+void Daemon::FinishSaveJob(const std::shared_ptr<Job>& job,
+                           const std::vector<std::shared_ptr<RankSlot>>& slots,
+                           const std::function<void(RankSlot&)>& answer) {
+  absl::MutexLock jobs_lock(&mu_);
+  for (const auto& s : slots) {
+    answer(*s);
+    s->done = true;
+  }
+  job->state = Job::State::kFinished;
+  auto it = jobs_.find(job->id);
+  if (it != jobs_.end() && it->second == job) jobs_.erase(it);
 }
 
 }  // namespace ckptd

@@ -6,6 +6,7 @@
 #include <filesystem>
 #include <fstream>
 #include <random>
+#include <set>
 #include <thread>
 
 #include "client/ckptd_client.h"
@@ -479,6 +480,62 @@ TEST_P(MultiNode, AoaTransposeAcrossNodes) {
   mixed[0] = mixed[1] = aoa;
   EXPECT_THAT(run("aoa-mixed", tmp_.Sub("out-mixed"), mixed), ::testing::Each(::testing::Ne(0)));
   EXPECT_THAT(Slurp(tmp_.Sub("aoa-mixed.log")), HasSubstr("aoa_config (the AOA statements differ)"));
+}
+
+// (e) strict across nodes: one load path for single- and multi-node jobs
+// (issue 32). Every rank asking strict fails when the checkpoint misses one
+// of its keys, naming the key and the rank, on every node; ranks of the
+// same job that do not ask strict still load (missing keys reported), and
+// the node's reads for its peers are still made.
+TEST_P(MultiNode, StrictFailsEveryRankMissingAKeyOnEveryNode) {
+  const int kNodes = 3, kWorld = 6;
+  const std::vector<std::string> roots = NodeLocalCheckpoint(kNodes, kWorld, false);
+  StartNodes(roots);
+  Layout load = MakeLayout(kWorld, 1, false);
+  const Layout complete = load;
+  for (RankTargets& rt : load.ranks) {
+    rt.tensors.push_back(T("layers.9.no_such_weight", DType::kF32, {6, 4},
+                           {static_cast<int64_t>(rt.rank), 0}, {1, 4}));
+  }
+  const std::string lf = WriteLayout(load, "load-strict.json");
+  auto run = [&](const std::string& job, const std::set<int>& strict) {
+    std::vector<pid_t> pids;
+    for (int r = 0; r < kWorld; ++r) {
+      std::vector<std::string> argv = {Runfile("client/ckptctl"), "load", "ckpt", "--layout", lf,
+                                       "--out", tmp_.Sub("out-" + job), "--daemon", Sockets(),
+                                       "--ranks", std::to_string(r), "--job-id", job,
+                                       "--fill_byte=165"};
+      if (strict.count(r)) argv.push_back("--strict");
+      pids.push_back(Spawn(argv, tmp_.Sub(job + "-rank" + std::to_string(r) + ".log")));
+    }
+    std::vector<int> codes;
+    for (pid_t p : pids) codes.push_back(WaitExit(p, std::chrono::seconds(30)));
+    return codes;
+  };
+  // Every rank strict: every rank, on every node, fails naming the key.
+  EXPECT_THAT(run("all-strict", {0, 1, 2, 3, 4, 5}), ::testing::Each(::testing::Ne(0)));
+  for (int r = 0; r < kWorld; ++r) {
+    const std::string log = Slurp(tmp_.Sub("all-strict-rank" + std::to_string(r) + ".log"));
+    EXPECT_THAT(log, HasSubstr("rank " + std::to_string(r) + ": "));
+    EXPECT_THAT(log, HasSubstr("has no tensor(s) layers.9.no_such_weight")) << "rank " << r;
+  }
+  // Strict ranks 0, 3 and 4 (nodes 0, 1 and 2) fail; the others load.
+  const std::vector<int> codes = run("some-strict", {0, 3, 4});
+  for (int r = 0; r < kWorld; ++r) {
+    const std::string log = Slurp(tmp_.Sub("some-strict-rank" + std::to_string(r) + ".log"));
+    if (r == 0 || r == 3 || r == 4) {
+      EXPECT_NE(codes[r], 0) << log;
+      EXPECT_THAT(log, HasSubstr("has no tensor(s) layers.9.no_such_weight")) << "rank " << r;
+    } else {
+      EXPECT_EQ(codes[r], 0) << log << Slurp(nodes_[0]->log());
+      EXPECT_THAT(log, HasSubstr("layers.9.no_such_weight")) << "rank " << r;  // missing keys
+    }
+  }
+  // The ranks that loaded got every byte of the tensors the checkpoint has.
+  Layout loaded;
+  loaded.world_size = kWorld;
+  for (int r : {1, 2, 5}) loaded.ranks.push_back(complete.ranks[r]);
+  EXPECT_TRUE(LayoutMatchesOracle(tmp_.Sub("out-some-strict"), loaded, full_));
 }
 
 INSTANTIATE_TEST_SUITE_P(Peers, MultiNode, ::testing::Values(false, true),

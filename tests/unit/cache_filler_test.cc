@@ -1,8 +1,8 @@
 // SourceOptions::defer_fresh_memory (core/cache.h) and the daemon's
-// background CacheFiller (server/cache_filler.h): a load that would wait
+// background CacheFiller (server/catalog/cache_filler.h): a load that would wait
 // for fresh cache memory delivers without keeping, the filler fills the
 // cache afterwards, and what the next load finds does not depend on timing.
-#include "server/cache_filler.h"
+#include "server/catalog/cache_filler.h"
 
 #include <chrono>
 #include <numeric>

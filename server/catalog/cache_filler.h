@@ -8,8 +8,8 @@
 // fills (Wait), so what a load finds in the cache does not depend on timing:
 // a second load right after the first is served from memory, and an evicted
 // checkpoint is not refilled behind the eviction's back.
-#ifndef CKPTD_SERVER_CACHE_FILLER_H_
-#define CKPTD_SERVER_CACHE_FILLER_H_
+#ifndef CKPTD_SERVER_CATALOG_CACHE_FILLER_H_
+#define CKPTD_SERVER_CATALOG_CACHE_FILLER_H_
 
 #include <atomic>
 #include <deque>
@@ -73,4 +73,4 @@ class CacheFiller {
 
 }  // namespace ckptd
 
-#endif  // CKPTD_SERVER_CACHE_FILLER_H_
+#endif  // CKPTD_SERVER_CATALOG_CACHE_FILLER_H_

@@ -1,4 +1,4 @@
-#include "server/cache_filler.h"
+#include "server/catalog/cache_filler.h"
 
 #include <sys/resource.h>
 #include <sys/syscall.h>

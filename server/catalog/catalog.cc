@@ -1,0 +1,144 @@
+#include "server/catalog/catalog.h"
+
+#include <chrono>
+#include <optional>
+#include <set>
+#include <string>
+
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "core/planner.h"
+#include "core/status_macros.h"
+
+namespace ckptd {
+namespace {
+
+// A Delivery that never copies (prefetch only warms the cache).
+class NoDelivery final : public ckpt::Delivery {
+ public:
+  absl::StatusOr<int64_t> Copy(size_t, const ckpt::RankPlan&, const ckpt::CopyOp& op,
+                               const uint8_t*) override {
+    return op.elements;
+  }
+};
+
+double Seconds(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+}  // namespace
+
+absl::StatusOr<v1::InspectResponse> Catalog::Inspect(const Caller& caller,
+                                                    const v1::InspectRequest& request) const {
+  CKPT_ASSIGN_OR_RETURN(std::string dir, p_.policy->ResolvePath(request.path()));
+  CKPT_RETURN_IF_ERROR(p_.policy->CheckAccess(caller, dir, Policy::Access::kRead));
+  std::optional<int64_t> uid;
+  if (request.has_unique_id()) uid = request.unique_id();
+  CKPT_ASSIGN_OR_RETURN(auto opened, p_.metadata->Open(dir, uid));
+  const ckpt::Checkpoint& c = opened->checkpoint;
+  v1::InspectResponse resp;
+  resp.set_path(c.dir);
+  resp.set_format(ckpt::FormatName(c.format));
+  if (c.unique_id) resp.set_unique_id(*c.unique_id);
+  for (int64_t v : c.versions) resp.add_versions(v);
+  uint64_t total = 0;
+  for (const auto& [name, t] : c.metadata.tensors) {
+    v1::TensorInfo* ti = resp.add_tensors();
+    ti->set_name(name);
+    ti->set_dtype(std::string(ckpt::DTypeName(t.dtype)));
+    for (int64_t d : t.global_shape) ti->add_global_shape(d);
+    uint64_t bytes = 0;
+    for (const ckpt::ShardMeta& s : t.shards) {
+      v1::ShardInfo* si = ti->add_shards();
+      si->set_file(s.file);
+      for (int64_t d : s.box.offset) si->add_offset(d);
+      for (int64_t d : s.box.shape) si->add_shape(d);
+      si->set_dtype(std::string(ckpt::DTypeName(s.dtype)));
+      if (s.flat_range) {
+        si->mutable_flat_range()->set_begin(s.flat_range->begin);
+        si->mutable_flat_range()->set_end(s.flat_range->end);
+      }
+      si->set_replica_id(s.replica_id);
+      si->set_data_offset(s.data_offset);
+      si->set_nbytes(s.nbytes);
+      if (s.replica_id == 0) bytes += s.nbytes;
+      (*resp.mutable_files())[s.file] += s.nbytes;
+    }
+    ti->set_bytes(bytes);
+    total += bytes;
+  }
+  resp.set_total_bytes(total);
+  return resp;
+}
+
+absl::StatusOr<v1::PrefetchResponse> Catalog::Prefetch(const Caller& caller,
+                                                      const v1::PrefetchRequest& request) {
+  const auto t0 = std::chrono::steady_clock::now();
+  CKPT_ASSIGN_OR_RETURN(std::string dir, p_.policy->ResolvePath(request.path()));
+  CKPT_RETURN_IF_ERROR(p_.policy->CheckAccess(caller, dir, Policy::Access::kRead));
+  std::optional<int64_t> uid;
+  if (request.has_unique_id()) uid = request.unique_id();
+  CKPT_ASSIGN_OR_RETURN(auto opened, p_.metadata->Open(dir, uid));
+  const auto& meta = opened->checkpoint.metadata;
+  ckpt::RankTargets rt;
+  std::set<std::string> wanted(request.tensors().begin(), request.tensors().end());
+  for (const std::string& w : wanted) {
+    if (!meta.tensors.count(w)) {
+      return absl::NotFoundError(absl::StrCat(dir, " has no tensor '", w, "'"));
+    }
+  }
+  for (const auto& [name, t] : meta.tensors) {
+    if (!wanted.empty() && !wanted.count(name)) continue;
+    rt.tensors.push_back(ckpt::TargetTensor{name, t.dtype, t.global_shape,
+                                      ckpt::Box{ckpt::Shape(t.global_shape.size(), 0), t.global_shape},
+                                      std::nullopt});
+  }
+  ckpt::PlanOptions po;
+  po.max_read_bytes = p_.io_request_size;
+  CKPT_ASSIGN_OR_RETURN(ckpt::LoadPlan plan, ckpt::PlanLoad(meta, {rt}, po));
+  ckpt::SourceOptions options;
+  options.tenant = caller.uid;
+  ckpt::CachingSource source(dir, p_.cache, opened->stamps, options);
+  NoDelivery none;
+  ckpt::ExecuteOptions eo;
+  eo.threads = p_.io_threads;
+  eo.direct_io = p_.direct_io;
+  CKPT_ASSIGN_OR_RETURN(ckpt::LoadStats stats, ckpt::ExecutePlan(plan, source, none, eo));
+  *p_.bytes_read_total += stats.bytes_read;
+  v1::PrefetchResponse resp;
+  resp.set_bytes_read(stats.bytes_read);
+  uint64_t cached = 0;
+  for (const auto& [path, be] : p_.cache->Files()) {
+    if (absl::StartsWith(path, dir + "/")) cached += be.first;
+  }
+  resp.set_bytes_cached(cached);
+  resp.set_seconds(Seconds(t0));
+  spdlog::info("prefetch path={} read={}B cached={}B in {:.3f}s", dir, stats.bytes_read, cached,
+               resp.seconds());
+  return resp;
+}
+
+absl::StatusOr<v1::EvictResponse> Catalog::Evict(const Caller& caller,
+                                                const v1::EvictRequest& request) {
+  CKPT_ASSIGN_OR_RETURN(std::string dir, p_.policy->ResolvePath(request.path()));
+  // Dropping cached data slows everyone's next load: admins, or who may save there.
+  if (!p_.policy->IsAdmin(caller)) CKPT_RETURN_IF_ERROR(p_.policy->CheckAccess(caller, dir, Policy::Access::kSave));
+  const std::string prefix = dir == "/" ? dir : dir + "/";
+  // A background fill of these checkpoints ends first: nothing is put back
+  // behind the eviction.
+  if (!p_.filler->Wait(prefix, absl::Minutes(1))) {
+    return absl::DeadlineExceededError(absl::StrCat(
+        "Evict ", dir, ": a background cache fill there did not finish within 1 minute"));
+  }
+  auto [bytes, entries] = p_.cache->EvictPrefix(prefix);
+  p_.metadata->Drop(dir);
+  spdlog::info("evict path={} freed={}B entries={}", dir, bytes, entries);
+  v1::EvictResponse resp;
+  resp.set_bytes_freed(bytes);
+  resp.set_entries_freed(entries);
+  return resp;
+}
+
+}  // namespace ckptd

@@ -1,0 +1,425 @@
+// The coordinator of a multi-node job (the node serving coordinator_rank):
+// gathers every node's join (PeerJoin, GatherJoins), plans the job once
+// across the nodes (CoordinatePlan) and hands each its part (PublishParts),
+// then collects every node's completion and decides the job's outcome
+// (PeerComplete, AwaitOutcome). docs/multi-node.md tells the protocol.
+#include <dirent.h>
+#include <arpa/inet.h>
+#include <netdb.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <chrono>
+#include <thread>
+
+#include <grpcpp/grpcpp.h>
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/aoa.h"
+#include "core/balancer.h"
+#include "core/executor.h"
+#include "core/status_macros.h"
+#include "core/xxh3.h"
+#include "server/daemon.h"
+#include "server/daemon_dist.h"
+#include "server/daemon_internal.h"
+#include "server/metrics.h"
+#include "server/peer_nccl.h"
+#include "server/plan_codec.h"
+
+namespace ckptd {
+
+using ckpt::TargetTensor;
+
+absl::StatusOr<peer::v1::PlanPart> Daemon::PeerJoin(const PeerCaller& caller,
+                                                    const peer::v1::JoinRequest& req,
+                                                    const std::function<bool()>& cancelled) {
+  const absl::Status who = SpeaksFor(caller, req.node());
+  absl::MutexLock lock(&peer_mu_);
+  auto it = dist_jobs_.find(req.job_id());
+  if (!who.ok()) {
+    if (it != dist_jobs_.end() && it->second->coordinator) {
+      return ViolationLocked(*it->second, caller, absl::StrCat("tried to join: ", who.message()));
+    }
+    return who;
+  }
+  if (it == dist_jobs_.end()) {
+    return absl::UnavailableError(absl::StrCat("job '", req.job_id(), "' is not known on ",
+                                               config_.peer_listen, " yet"));
+  }
+  std::shared_ptr<DistJob> dj = it->second;
+  if (!dj->coordinator) {
+    return absl::FailedPreconditionError(
+        absl::StrCat(config_.peer_listen, " is not the coordinator of job '", req.job_id(), "'"));
+  }
+  if (req.ranks_size() == 0) {
+    return ViolationLocked(*dj, caller,
+                           absl::StrCat("joined as '", req.node(),
+                                        "' with no ranks (a node joins only for ranks it serves)"));
+  }
+  std::string mismatch;
+  if (req.path() != dj->path) mismatch = absl::StrCat("checkpoint ", req.path(), " vs ", dj->path);
+  if (req.has_unique_id() != dj->unique_id.has_value() ||
+      (req.has_unique_id() && req.unique_id() != *dj->unique_id)) {
+    mismatch = "unique_id";
+  }
+  if (req.world_size() != dj->world_size) {
+    mismatch = absl::StrCat("world_size ", req.world_size(), " vs ", dj->world_size);
+  }
+  if (req.aoa_config() != dj->aoa) mismatch = "aoa_config (the AOA statements differ)";
+  if (req.has_save() != dj->save) {
+    mismatch = absl::StrCat("the kind of job (a ", req.has_save() ? "save" : "load", " vs a ",
+                            dj->save ? "save" : "load", ")");
+  } else if (dj->save && req.save().overwrite() != dj->overwrite) {
+    mismatch = "overwrite (all ranks must set it or none)";
+  }
+  for (const auto& r : req.ranks()) {
+    if (r.rank() < 0 || r.rank() >= dj->world_size || dj->ranks_joined.count(r.rank())) {
+      mismatch = absl::StrCat("rank ", r.rank(), " is outside the world or already joined");
+    }
+  }
+  if (!mismatch.empty()) {
+    absl::Status s = absl::InvalidArgumentError(absl::StrCat(
+        "job '", req.job_id(), "': node ", req.node(),
+        " disagrees with the coordinator ", config_.peer_listen, ": ", mismatch));
+    if (!dj->planned) {
+      dj->plan_status = s;
+      dj->planned = true;
+    }
+    return s;
+  }
+  if (dj->joins.count(req.node())) {
+    return absl::AlreadyExistsError(absl::StrCat("node ", req.node(), " already joined job '",
+                                                 req.job_id(), "'"));
+  }
+  dj->joins[req.node()] = req;
+  for (const auto& r : req.ranks()) dj->ranks_joined.insert(r.rank());
+  auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) { return dj->planned; };
+  if (!AwaitOrCancel(&peer_mu_, absl::Condition(&ready), dj->deadline, cancelled)) {
+    return WaitFailed(cancelled, absl::StrCat("job '", req.job_id(),
+                                              "': the coordinator did not plan before the deadline"));
+  }
+  if (!dj->plan_status.ok()) return dj->plan_status;
+  auto part = dj->parts.find(req.node());
+  if (part == dj->parts.end()) {
+    return absl::InternalError(absl::StrCat("job '", req.job_id(), "': the plan has no part for ",
+                                            req.node()));
+  }
+  return part->second;
+}
+
+absl::Status Daemon::GatherJoins(const std::shared_ptr<DistJob>& dj,
+                                 const peer::v1::JoinRequest& own,
+                                 std::vector<std::string>* nodes,
+                                 std::vector<peer::v1::JoinRequest>* joins) {
+  absl::MutexLock lock(&peer_mu_);
+  dj->joins[own.node()] = own;
+  for (const auto& r : own.ranks()) dj->ranks_joined.insert(r.rank());
+  auto covered = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) {
+    return dj->planned || static_cast<int>(dj->ranks_joined.size()) == dj->world_size;
+  };
+  peer_mu_.AwaitWithDeadline(absl::Condition(&covered), dj->deadline);
+  if (dj->planned) return dj->plan_status;  // a joiner disagreed
+  if (static_cast<int>(dj->ranks_joined.size()) != dj->world_size) {
+    std::vector<int> missing;
+    for (int r = 0; r < dj->world_size; ++r) {
+      if (!dj->ranks_joined.count(r)) missing.push_back(r);
+    }
+    std::vector<std::string> joined;
+    for (const auto& [n, j] : dj->joins) joined.push_back(n);
+    dj->plan_status = absl::DeadlineExceededError(absl::StrCat(
+        "job '", dj->id, "': ranks ", absl::StrJoin(missing, ","),
+        " never joined from other nodes within ", absl::FormatDuration(config_.peer_timeout),
+        " (nodes joined: ", absl::StrJoin(joined, ", "), ")"));
+    dj->planned = true;
+    return dj->plan_status;
+  }
+  for (const auto& [n, j] : dj->joins) {
+    nodes->push_back(n);
+    joins->push_back(j);
+  }
+  return absl::OkStatus();
+}
+
+absl::StatusOr<peer::v1::PlanPart> Daemon::PublishParts(
+    const std::shared_ptr<DistJob>& dj, const std::vector<std::string>& nodes,
+    const std::string& own_node,
+    absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> parts) {
+  absl::MutexLock lock(&peer_mu_);
+  dj->nodes = nodes;
+  if (!parts.ok()) {
+    dj->plan_status = parts.status();
+  } else {
+    dj->parts = std::move(*parts);
+  }
+  dj->planned = true;
+  if (!dj->plan_status.ok()) return dj->plan_status;
+  auto part = dj->parts.find(own_node);
+  if (part == dj->parts.end()) {
+    return absl::InternalError(absl::StrCat("job '", dj->id, "': the plan has no part for ",
+                                            own_node));
+  }
+  return part->second;
+}
+
+absl::StatusOr<peer::v1::PlanPart> Daemon::CoordinatePlan(const std::shared_ptr<DistJob>& dj,
+                                                          const peer::v1::JoinRequest& own) {
+  const auto t0 = std::chrono::steady_clock::now();
+  // Every rank is in: plan once for the whole job.
+  std::vector<std::string> nodes;
+  std::vector<peer::v1::JoinRequest> joins;
+  CKPT_RETURN_IF_ERROR(GatherJoins(dj, own, &nodes, &joins));
+  auto plan_all = [&]() -> absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> {
+    CKPT_ASSIGN_OR_RETURN(auto opened,
+                          metadata_.Open(dj->local_dir, dj->unique_id, /*all_files_local=*/false));
+    std::vector<std::pair<int, int>> rank_node;  // rank -> node index
+    std::map<int, const peer::v1::RankTargetsMsg*> by_rank;
+    for (size_t n = 0; n < joins.size(); ++n) {
+      for (const auto& r : joins[n].ranks()) {
+        by_rank[r.rank()] = &r;
+        rank_node.push_back({r.rank(), static_cast<int>(n)});
+      }
+    }
+    std::sort(rank_node.begin(), rank_node.end());
+    std::vector<ckpt::RankTargets> ranks;
+    std::vector<int> node_of_rank;
+    for (const auto& [rank, node] : rank_node) {
+      ckpt::RankTargets rt;
+      rt.rank = rank;
+      for (const auto& t : by_rank[rank]->targets()) {
+        CKPT_ASSIGN_OR_RETURN(TargetTensor tt, FromMsg(t));
+        rt.tensors.push_back(std::move(tt));
+      }
+      ranks.push_back(std::move(rt));
+      node_of_rank.push_back(node);
+    }
+    ckpt::PlanOptions po;
+    po.max_read_bytes = config_.io_request_size;
+    CKPT_ASSIGN_OR_RETURN(ckpt::LoadPlan plan,
+                          ckpt::PlanLoadWithAoa(opened->checkpoint.metadata, dj->aoa, ranks, po,
+                                                "aoa_config"));
+    std::vector<std::set<std::string>> readable(joins.size());
+    for (size_t n = 0; n < joins.size(); ++n) {
+      for (const auto& f : joins[n].readable()) readable[n].insert(f.name());
+    }
+    CKPT_ASSIGN_OR_RETURN(ckpt::ReadAssignment assign, ckpt::AssignReads(plan, node_of_rank, readable));
+    const double plan_s = Seconds(t0);
+    std::map<std::string, peer::v1::PlanPart> parts;
+    for (size_t n = 0; n < nodes.size(); ++n) {
+      peer::v1::PlanPart& part = parts[nodes[n]];
+      part.set_job_id(dj->id);
+      for (const auto& f : plan.files) part.add_files(f);
+      for (size_t i = 0; i < plan.reads.size(); ++i) {
+        peer::v1::ReadMsg* rm = part.add_reads();
+        ToMsg(plan.reads[i], rm);
+        if (assign.reader[i] >= 0) rm->set_reader(nodes[assign.reader[i]]);
+        for (int m : assign.needed_by[i]) rm->add_needed_by(nodes[m]);
+      }
+      for (size_t r = 0; r < plan.ranks.size(); ++r) {
+        if (node_of_rank[r] == static_cast<int>(n)) ToMsg(plan.ranks[r], part.add_ranks());
+      }
+      for (const auto& k : plan.unexpected_keys) part.add_unexpected_keys(k);
+      for (const auto& [a, b] : plan.renamed_keys) (*part.mutable_renamed_keys())[a] = b;
+      for (const auto& nn : nodes) part.add_nodes(nn);
+      part.set_job_bytes_to_read(plan.bytes_to_read);
+      part.set_format(ckpt::FormatName(opened->checkpoint.format));
+      part.set_unique_id(opened->checkpoint.unique_id.value_or(0));
+      part.set_plan_s(plan_s);
+    }
+    std::string balance;
+    for (size_t n = 0; n < nodes.size(); ++n) {
+      balance += absl::StrCat(n ? " " : "", nodes[n], "=", assign.bytes_per_node[n], "B");
+    }
+    spdlog::info("coordinator job={} nodes={} ranks={} reads={} plan={:.4f}s storage reads: {}",
+                 dj->id, nodes.size(), ranks.size(), plan.reads.size(), plan_s, balance);
+    // NCCL between the nodes when every one of them can (peer_nccl.h).
+    bool nccl = nodes.size() > 1;
+    for (const auto& j : joins) nccl = nccl && j.nccl();
+    for (const auto& j : joins) {
+      for (const auto& u : j.nccl_unreachable()) {
+        if (nccl && std::find(nodes.begin(), nodes.end(), u) != nodes.end()) {
+          spdlog::info("coordinator job={}: {} recently failed to connect NCCL links with {}; "
+                       "peers use gRPC", dj->id, j.node(), u);
+          nccl = false;
+        }
+      }
+    }
+    if (nccl) {
+      auto id = gpu_->NewNcclId();
+      if (id.ok()) {
+        for (auto& [n, p] : parts) p.set_nccl_id(*id);
+      } else {
+        spdlog::warn("coordinator job={}: no NCCL id ({}); peers use gRPC", dj->id,
+                     id.status().ToString());
+      }
+    }
+    return parts;
+  };
+  return PublishParts(dj, nodes, own.node(), plan_all());
+}
+
+absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> Daemon::JoinCoordinator(
+    const peer::v1::JoinRequest& own, absl::Time deadline) {
+  std::map<std::string, std::string> last_error;
+  while (absl::Now() < deadline) {
+    for (const std::string& peer : PeerAddresses()) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(ToChrono(deadline));
+      peer::v1::PlanPart part;
+      grpc::Status s = PeerStub(peer)->Join(&ctx, own, &part);
+      if (s.ok()) return std::make_pair(std::move(part), peer);
+      const auto code = s.error_code();
+      if (code == grpc::StatusCode::FAILED_PRECONDITION) {
+        last_error[peer] = "not the coordinator";
+        continue;
+      }
+      if (code == grpc::StatusCode::UNAVAILABLE) {
+        last_error[peer] = s.error_message();
+        continue;
+      }
+      return FromGrpc(s, absl::StrCat("coordinator ", peer));  // the coordinator said no
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  std::vector<std::string> tried;
+  for (const auto& [p, e] : last_error) tried.push_back(absl::StrCat(p, " (", e, ")"));
+  return absl::DeadlineExceededError(absl::StrCat(
+      "job '", own.job_id(), "': no peer accepted this node's ranks as the coordinator within ",
+      absl::FormatDuration(config_.peer_timeout), "; peers: ",
+      tried.empty() ? std::string("none configured") : absl::StrJoin(tried, "; ")));
+}
+
+absl::StatusOr<peer::v1::CompleteResponse> Daemon::PeerComplete(
+    const PeerCaller& caller, const peer::v1::CompleteRequest& req,
+    const std::function<bool()>& cancelled) {
+  const absl::Status who_if_member = SpeaksFor(caller, req.node(), /*job_member=*/true);
+  const absl::Status who_otherwise = SpeaksFor(caller, req.node());
+  absl::MutexLock lock(&peer_mu_);
+  auto it = dist_jobs_.find(req.job_id());
+  if (it == dist_jobs_.end() || !it->second->coordinator) {
+    return absl::NotFoundError(absl::StrCat("job '", req.job_id(), "' is not coordinated by ",
+                                            config_.peer_listen));
+  }
+  std::shared_ptr<DistJob> dj = it->second;
+  const bool member =
+      std::find(dj->nodes.begin(), dj->nodes.end(), req.node()) != dj->nodes.end();
+  const absl::Status& who = member ? who_if_member : who_otherwise;
+  if (!who.ok()) {
+    return ViolationLocked(*dj, caller, absl::StrCat("reported completion: ", who.message()));
+  }
+  if (!dj->planned ||
+      std::find(dj->nodes.begin(), dj->nodes.end(), req.node()) == dj->nodes.end()) {
+    return ViolationLocked(*dj, caller,
+                           absl::StrCat("reported completion as '", req.node(),
+                                        "', which is not a node of the job"));
+  }
+  if (!dj->reported.insert(req.node()).second) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "node ", req.node(), " already reported completion of job '", req.job_id(), "'"));
+  }
+  // A node the coordinator already found down keeps that entry.
+  dj->completes.emplace(req.node(), req);
+  auto finished = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) { return dj->finished; };
+  const absl::Time until =
+      dj->save ? std::max(dj->outcome_deadline, absl::Now() + config_.peer_timeout)
+               : absl::Now() + config_.peer_timeout;
+  if (!AwaitOrCancel(&peer_mu_, absl::Condition(&finished), until, cancelled)) {
+    return WaitFailed(cancelled, absl::StrCat("job '", req.job_id(),
+                                              "': the coordinator did not conclude in time"));
+  }
+  return dj->outcome;
+}
+
+absl::StatusOr<peer::v1::CompleteResponse> Daemon::AwaitOutcome(
+    const std::shared_ptr<DistJob>& dj, const peer::v1::CompleteRequest& own) {
+  absl::Time deadline = absl::Now() + config_.peer_timeout;
+  {
+    absl::MutexLock lock(&peer_mu_);
+    dj->completes[own.node()] = own;
+    dj->reported.insert(own.node());
+  }
+  while (true) {
+    std::vector<std::string> missing;
+    {
+      absl::MutexLock lock(&peer_mu_);
+      // Concluded once every node reported, or one failed for a reason of
+      // its own (not only because another node failed first: then the
+      // cause is on its way and every rank should get it, not an echo).
+      auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) {
+        if (dj->completes.size() == dj->nodes.size()) return true;
+        for (const auto& [n, c] : dj->completes) {
+          if (!c.ok() && !EchoOfAnotherFailure(c.error_code())) return true;
+        }
+        return false;
+      };
+      peer_mu_.AwaitWithTimeout(absl::Condition(&done), absl::Milliseconds(300));
+      peer::v1::CompleteResponse out;
+      out.set_ok(true);
+      uint64_t read = 0, written = 0;
+      for (const auto& [n, c] : dj->completes) {
+        read += c.bytes_read();
+        written += c.bytes_written();
+        if (!c.ok() && (out.ok() || (EchoOfAnotherFailure(out.error_code()) &&
+                                     !EchoOfAnotherFailure(c.error_code())))) {
+          out.set_ok(false);
+          out.set_error(absl::StrCat("node ", n, ": ", c.error()));
+          out.set_error_code(c.error_code());
+        }
+      }
+      out.set_job_bytes_read(read);
+      out.set_job_bytes_written(written);
+      for (const auto& n : dj->nodes) {
+        if (!dj->completes.count(n)) missing.push_back(n);
+      }
+      if (out.ok() && missing.empty() && dj->save) {
+        // Every node prepared: the commit needs every node's shards.
+        for (const auto& [n, c] : dj->completes) {
+          for (const auto& sh : c.shards()) *out.add_shards() = sh;
+        }
+      }
+      if (!out.ok() || missing.empty() || absl::Now() >= deadline) {
+        if (out.ok() && !missing.empty()) {
+          out.set_ok(false);
+          out.set_error(absl::StrCat("node(s) ", absl::StrJoin(missing, ", "),
+                                     " never reported completion within ",
+                                     absl::FormatDuration(config_.peer_timeout)));
+          out.set_error_code(static_cast<int>(absl::StatusCode::kDeadlineExceeded));
+        }
+        dj->outcome = out;
+        dj->finished = true;
+        return out;
+      }
+    }
+    // Nodes that are gone will never report: find out now, not at the deadline.
+    for (const std::string& n : missing) {
+      grpc::ClientContext ctx;
+      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
+      peer::v1::PingRequest pr;
+      pr.set_node(config_.peer_listen);
+      peer::v1::PingResponse resp;
+      grpc::Status s = PeerStub(n)->Ping(&ctx, pr, &resp);
+      if (s.ok() && dj->save &&
+          std::find(resp.jobs().begin(), resp.jobs().end(), dj->id) != resp.jobs().end()) {
+        // Alive and still writing its part of the save: wait on, within
+        // the job's bound.
+        deadline = std::max(deadline, std::min(absl::Now() + config_.peer_timeout,
+                                               dj->outcome_deadline));
+      }
+      if (!s.ok()) {
+        absl::MutexLock lock(&peer_mu_);
+        peer::v1::CompleteRequest down;
+        down.set_node(n);
+        down.set_ok(false);
+        down.set_error(absl::StrCat("peer is down or unreachable: ", s.error_message()));
+        down.set_error_code(static_cast<int>(absl::StatusCode::kUnavailable));
+        dj->completes.emplace(n, down);
+      }
+    }
+  }
+}
+
+}  // namespace ckptd

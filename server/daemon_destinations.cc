@@ -1,0 +1,310 @@
+// Where a rank's bytes go: each Load (and Save) request's destination is
+// checked and opened here before its rank joins a job (PrepareSlot): a
+// shared-memory segment (a lent arena or the client's sealed memfd), the
+// client's own process memory (process_memory, with cache views), stream
+// buffers, or device memory (daemon_gpu.cc).
+#include <linux/capability.h>
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <set>
+
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "absl/strings/str_join.h"
+#include "core/file.h"
+#include "core/status_macros.h"
+#include "server/daemon.h"
+#include "server/daemon_internal.h"
+#include "core/process_memory.h"
+#include "proto/fd_socket.h"
+
+namespace ckptd {
+
+using ckpt::Box;
+using ckpt::DType;
+using ckpt::TargetTensor;
+
+namespace {
+
+ckpt::Shape ToShape(const google::protobuf::RepeatedField<int64_t>& r) {
+  return ckpt::Shape(r.begin(), r.end());
+}
+
+// Why a process_memory destination cannot be used. Where the kernel
+// refuses (another uid, no pidfd), FAILED_PRECONDITION before the job
+// registers: the client then falls back to shm (docs/grpc-api.md, "Transports").
+// Whether this process holds CAP_SYS_PTRACE in its effective set.
+bool HasCapSysPtrace() {
+  __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
+  __user_cap_data_struct data[_LINUX_CAPABILITY_U32S_3] = {};
+  if (::syscall(SYS_capget, &header, data) != 0) return true;  // unknown: assume the worst
+  return (data[CAP_SYS_PTRACE / 32].effective & (1u << (CAP_SYS_PTRACE % 32))) != 0;
+}
+
+absl::Status ToProcessMemoryError(const absl::Status& s, const std::string& who) {
+  if (absl::IsPermissionDenied(s) || absl::IsFailedPrecondition(s)) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "process_memory unavailable for ", who, ": ", s.message(), "; use shm"));
+  }
+  return s;
+}
+
+}  // namespace
+
+absl::StatusOr<std::shared_ptr<Daemon::RankSlot>> Daemon::PrepareSlot(
+    const Caller& caller, const v1::LoadRequest& req) {
+  const std::string who = absl::StrCat("job '", req.job_id(), "' rank ", req.rank());
+  if (req.job_id().empty()) return absl::InvalidArgumentError("Load: job_id is empty");
+  if (req.world_size() < 1 || req.world_size() > (1 << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat(who, ": world_size ", req.world_size(),
+                                                   " is not in [1, 2^20]"));
+  }
+  if (req.rank() < 0 || req.rank() >= req.world_size()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, ": rank is outside world_size ", req.world_size()));
+  }
+  for (int r : req.node_ranks()) {
+    if (r < 0 || r >= req.world_size()) {
+      return absl::InvalidArgumentError(absl::StrCat(who, ": node_ranks entry ", r,
+                                                     " is outside world_size ", req.world_size()));
+    }
+  }
+  auto slot = std::make_shared<RankSlot>();
+  slot->request = req;
+  slot->targets.rank = req.rank();
+  for (const v1::Target& t : req.targets()) {
+    TargetTensor tt;
+    tt.name = t.name();
+    auto dt = ckpt::ParseDType(t.dtype());
+    if (!dt.ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat(who, " tensor '", t.name(), "': ", dt.status().message()));
+    }
+    tt.dtype = *dt;
+    tt.global_shape = ToShape(t.global_shape());
+    tt.box = Box{ToShape(t.offset()), ToShape(t.shape())};
+    if (t.has_flat_range()) tt.flat_range = ckpt::FlatRange{t.flat_range().begin(), t.flat_range().end()};
+    CKPT_RETURN_IF_ERROR(ckpt::Annotate(ckpt::ValidateTarget(req.rank(), tt),
+                                        absl::StrCat("job '", req.job_id(), "'")));
+    slot->targets.tensors.push_back(std::move(tt));
+  }
+  if (req.has_shm()) {
+    std::vector<int> all(req.targets_size());
+    for (int i = 0; i < req.targets_size(); ++i) all[i] = i;
+    CKPT_RETURN_IF_ERROR(PrepareShmSegment(caller, req.shm(), req, all, who, *slot));
+  } else if (req.has_cuda_ipc()) {
+    // Targets in host memory (dest_host: a CPU tensor of a GPU state dict)
+    // go to the destination's shm segment, the rest to device memory.
+    std::vector<int> host;
+    for (int i = 0; i < req.targets_size(); ++i) {
+      if (req.targets(i).dest_host()) host.push_back(i);
+    }
+    if (!host.empty()) {
+      if (!req.cuda_ipc().has_host()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            who, ": tensor '", req.targets(host[0]).name(),
+            "' is marked dest_host but the cuda_ipc destination has no host segment"));
+      }
+      CKPT_RETURN_IF_ERROR(PrepareShmSegment(caller, req.cuda_ipc().host(), req, host, who, *slot));
+    }
+    CKPT_RETURN_IF_ERROR(PrepareDeviceSlot(req, who, *slot));
+  } else if (req.has_process_memory()) {
+    CKPT_RETURN_IF_ERROR(PrepareProcessSlot(caller, req, who, *slot));
+  } else if (!req.has_stream()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, ": no destination (shm, process_memory, stream or cuda_ipc)"));
+  }
+  return slot;
+}
+
+absl::Status Daemon::PrepareShmSegment(const Caller& caller, const v1::ShmDestination& shm,
+                                       const v1::LoadRequest& req, const std::vector<int>& indices,
+                                       const std::string& who, RankSlot& slot) {
+  int fd = -1;
+  std::string what;
+  uint64_t size = shm.size();
+  if (!shm.arena_token().empty()) {
+    // An arena this daemon lent: already mapped and faulted in.
+    auto arena = arenas_->Find(shm.arena_token(), caller.uid);
+    if (!arena.ok()) return ckpt::Annotate(arena.status(), who);
+    if (size == 0) size = (*arena)->size();
+    if (size > (*arena)->size()) {
+      return absl::InvalidArgumentError(absl::StrCat(who, ": shm arena holds ", (*arena)->size(),
+                                                     " bytes but the request declares ", size));
+    }
+    slot.segment = MappedSegment::Borrow(std::move(*arena));
+  } else if (!shm.fd_token().empty()) {
+    if (!fd_receiver_) return absl::FailedPreconditionError("this daemon has no fd socket");
+    CKPT_ASSIGN_OR_RETURN(fd, fd_receiver_->Take(shm.fd_token(), caller.uid));
+    what = absl::StrCat(who, ": shm segment (memfd)");
+  } else if (!shm.name().empty()) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, ": shm.name ('", shm.name(), "') is no longer accepted: a named /dev/shm segment "
+             "can be truncated under the daemon; send a sealed memfd (fd_token) or borrow an "
+             "arena (arena_token)"));
+  } else {
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, ": shm destination needs arena_token or fd_token"));
+  }
+  // Every target inside the segment and no two overlapping, checked before
+  // anything is mapped; only the bytes up to the end of the last target are.
+  absl::Status bad;
+  uint64_t needed = 0;
+  std::vector<std::tuple<uint64_t, uint64_t, int>> ranges;  // [begin, end), target
+  for (size_t k = 0; k < indices.size() && bad.ok(); ++k) {
+    const int i = indices[k];
+    const uint64_t off = req.targets(i).dest_offset();
+    const uint64_t n = slot.targets.tensors[i].num_bytes();
+    if (off > size || n > size - off) {
+      bad = absl::InvalidArgumentError(absl::StrCat(
+          who, " tensor '", req.targets(i).name(), "' needs segment bytes [", off, ", ", off + n,
+          ") but the segment is ", size, " bytes (segment too small)"));
+    }
+    if (n > 0) ranges.push_back({off, off + n, i});
+    needed = std::max(needed, off + n);
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 1; i < ranges.size() && bad.ok(); ++i) {
+    const auto& [begin, end, t] = ranges[i];
+    const auto& [prev_begin, prev_end, prev] = ranges[i - 1];
+    if (begin < prev_end) {
+      bad = absl::InvalidArgumentError(absl::StrCat(
+          who, ": two targets overlap in the segment at byte ", begin, ": tensor '",
+          req.targets(prev).name(), "' [", prev_begin, ", ", prev_end, ") and tensor '",
+          req.targets(t).name(), "' [", begin, ", ", end, ")"));
+    }
+  }
+  if (!bad.ok()) {
+    if (fd >= 0) ::close(fd);
+    return bad;
+  }
+  if (!slot.segment) {
+    CKPT_ASSIGN_OR_RETURN(slot.segment, MappedSegment::Map(fd, needed, what));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::PrepareProcessSlot(const Caller& caller, const v1::LoadRequest& req,
+                                        const std::string& who, RankSlot& slot) {
+  const v1::ProcessMemoryDestination& pm = req.process_memory();
+  if (caller.via != Caller::Via::kUnix || caller.pid <= 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        who, ": process_memory needs a caller on this daemon's Unix socket (its process is "
+             "known there); use shm or stream"));
+  }
+  // Only into processes of the daemon's own uid: the kernel's ptrace check,
+  // made again on every write, then also stops the writes at a process that
+  // exec'd a setuid program or a pid taken over by another user. A daemon
+  // with CAP_SYS_PTRACE passes that check for anyone, so as a non-root
+  // user it must not hold it (root serves only root callers here).
+  const uid_t self = ::geteuid();
+  if (caller.uid != self || (self != 0 && HasCapSysPtrace())) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        who, ": process_memory: ckptd (uid ", self, ") writes only into processes of its own uid",
+        self != 0 && caller.uid == self ? " and without CAP_SYS_PTRACE" : "",
+        "; this caller is uid ", caller.uid, "; use shm"));
+  }
+  if (pm.cookie().size() < 16 || pm.cookie().size() > 64) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(who, ": process_memory cookie must be 16 to 64 bytes, not ",
+                     pm.cookie().size()));
+  }
+  // Targets: no address wraps, no two overlap (a client that overlapped
+  // them would only garble its own tensors, but it is a bug worth naming).
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  ckpt::RemoteRank remote;
+  for (int i = 0; i < req.targets_size(); ++i) {
+    const uint64_t at = req.targets(i).dest_offset();
+    const uint64_t n = slot.targets.tensors[i].num_bytes();
+    if (n > 0 && (at == 0 || at > std::numeric_limits<uint64_t>::max() - n)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          who, " tensor '", req.targets(i).name(), "': process_memory address ", at,
+          " cannot hold ", n, " bytes"));
+    }
+    if (n > 0) ranges.push_back({at, at + n});
+    remote.targets.push_back({at});
+  }
+  std::sort(ranges.begin(), ranges.end());
+  for (size_t i = 1; i < ranges.size(); ++i) {
+    if (ranges[i].first < ranges[i - 1].second) {
+      return absl::InvalidArgumentError(absl::StrFormat(
+          "%s: two targets overlap in the process's memory at address 0x%x", who,
+          ranges[i].first));
+    }
+  }
+  auto memory = ckpt::ProcessMemory::Open(
+      {caller.pid, absl::StrCat(who, " (pid ", caller.pid, ")")});
+  if (!memory.ok()) return ToProcessMemoryError(memory.status(), who);
+  std::string seen(pm.cookie().size(), '\0');
+  absl::Status read = (*memory)->Read(pm.cookie_address(), seen.data(), seen.size());
+  if (!read.ok()) return ToProcessMemoryError(read, who);
+  if (seen != pm.cookie()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        who, ": process_memory: the cookie at the given address of pid ", caller.pid,
+        " does not match the request (is the caller the process that connected?)"));
+  }
+  slot.process_memory = std::shared_ptr<ckpt::ProcessMemory>(std::move(*memory));
+  remote.memory = slot.process_memory;
+  if (pm.views() && fd_receiver_ && cache_.CanExport()) {
+    // Cached bytes are left to the client to copy (core/cache_view.h).
+    slot.views = std::make_shared<ckpt::ViewRecorder>(&cache_, caller.uid, slot.process_memory,
+                                                      std::move(ranges));
+    remote.memory = slot.views;
+  }
+  slot.process = std::move(remote);
+  return absl::OkStatus();
+}
+
+absl::Status Daemon::DeliverViews(const Caller& caller, RankSlot& slot, const std::string& who,
+                                  const std::function<bool(const v1::LoadEvent&)>& send,
+                                  const std::function<bool()>& cancelled) {
+  ckpt::ViewRecorder& rec = *slot.views;
+  const std::vector<ckpt::ViewRecorder::Copy> copies = rec.copies();
+  if (copies.empty()) {
+    rec.Release();
+    return absl::OkStatus();
+  }
+  v1::LoadEvent ev;
+  v1::CacheViews* cv = ev.mutable_views();
+  std::vector<int> fds;
+  for (const ckpt::ViewRecorder::View& v : rec.views()) {
+    cv->add_view_bytes(v.bytes);
+    cv->add_view_keys(v.key);
+    fds.push_back(v.fd);
+  }
+  for (const ckpt::ViewRecorder::Copy& c : copies) {
+    v1::ViewCopy* m = cv->add_copies();
+    m->set_view(c.view);
+    m->set_offset(c.offset);
+    m->set_address(c.address);
+    m->set_length(c.length);
+    m->set_count(c.count);
+    m->set_src_stride(c.src_stride);
+    m->set_dst_stride(c.dst_stride);
+  }
+  cv->set_bytes(rec.bytes_recorded());
+  const std::string token = view_leases_.Offer(caller.uid, std::move(fds), who);
+  cv->set_token(token);
+  // The client copies while the views are held; they are let go once it is
+  // done, gone, or out of time (then the rank fails: its tensors may be
+  // half-filled).
+  absl::Status s = send(ev) ? view_leases_.AwaitDone(token, absl::Now() + config_.load_timeout,
+                                                     cancelled)
+                            : absl::CancelledError(absl::StrCat(who, ": client went away"));
+  view_leases_.Withdraw(token);
+  if (fd_receiver_) fd_receiver_->EndViews(token);
+  rec.Release();
+  return s;
+}
+
+}  // namespace ckptd

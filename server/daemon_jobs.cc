@@ -1,0 +1,224 @@
+// The job registry and barrier: ranks register into jobs by id (Register),
+// the rank that completes the barrier runs the job (RunGuarded), the others
+// wait for their slot to be filled or the barrier deadline (AwaitSlot); a
+// failure reaches every rank of the job (FailJob, AbortLoads).
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+#include <set>
+
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/file.h"
+#include "core/status_macros.h"
+#include "server/daemon.h"
+#include "server/daemon_internal.h"
+#include "server/metrics.h"
+
+namespace ckptd {
+
+void Daemon::FailJobLocked(Job& job, const absl::Status& status) {
+  for (auto& [r, slot] : job.slots) {
+    if (!slot->done) {
+      slot->status = status;
+      slot->done = true;
+    }
+  }
+  job.state = Job::State::kFinished;
+  auto it = jobs_.find(job.id);
+  if (it != jobs_.end() && it->second.get() == &job) jobs_.erase(it);
+}
+
+void Daemon::RunGuarded(const std::shared_ptr<Job>& job,
+                        void (Daemon::*run)(const std::shared_ptr<Job>&)) {
+  // An exception must not leave the job running with its other ranks
+  // waiting for ever: it fails the job for all of them.
+  try {
+    (this->*run)(job);
+    return;
+  } catch (const std::bad_alloc&) {
+    spdlog::error("job {}: out of memory", job->id);
+    FailJob(*job, absl::ResourceExhaustedError(
+                      absl::StrCat("job '", job->id, "': the daemon ran out of memory running it")));
+  } catch (const std::exception& e) {
+    spdlog::error("job {}: unexpected exception (a ckptd bug): {}", job->id, e.what());
+    FailJob(*job, absl::InternalError(
+                      absl::StrCat("job '", job->id, "': internal error (a ckptd bug): ", e.what())));
+  }
+}
+
+void Daemon::FailJob(Job& job, const absl::Status& status) {
+  absl::MutexLock lock(&mu_);
+  FailJobLocked(job, status);
+}
+
+std::vector<std::string> Daemon::AbortLoads(const std::string& why) {
+  std::vector<std::string> ids;
+  absl::MutexLock lock(&mu_);
+  std::vector<std::shared_ptr<Job>> loads;
+  for (const auto& [id, job] : jobs_) {
+    if (job->kind == JobKind::kLoad) loads.push_back(job);
+  }
+  for (const auto& job : loads) {
+    const absl::Status s = absl::UnavailableError(absl::StrCat("job '", job->id, "': ", why));
+    {
+      absl::MutexLock abort(&job->abort_mu);
+      job->aborted = true;
+      job->abort_status = s;
+    }
+    FailJobLocked(*job, s);  // every rank learns it now; the runner stops at its next read
+    ids.push_back(job->id);
+  }
+  return ids;
+}
+
+std::vector<std::shared_ptr<Daemon::RankSlot>> Daemon::SlotsOf(const Job& job) {
+  absl::MutexLock lock(&mu_);
+  std::vector<std::shared_ptr<RankSlot>> slots;
+  for (const auto& [r, s] : job.slots) slots.push_back(s);
+  return slots;
+}
+
+absl::StatusOr<std::pair<std::shared_ptr<Daemon::Job>, bool>> Daemon::Register(
+    const JobKey& key, const std::shared_ptr<RankSlot>& slot, size_t* registered,
+    size_t* expected) {
+  absl::MutexLock lock(&mu_);
+  auto it = jobs_.find(key.id);
+  if (it != jobs_.end() && it->second->owner != key.owner) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "job '", key.id, "' belongs to another user (uid ", it->second->owner,
+        "); rank ", key.rank, " of uid ", key.owner, " may not join it (use another job_id)"));
+  }
+  if (it != jobs_.end() && it->second->state == Job::State::kRunning) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job '", key.id, "' is already running; rank ", key.rank,
+                     " came too late (use a new job_id)"));
+  }
+  std::shared_ptr<Job> job;
+  if (it == jobs_.end()) {
+    uint64_t owned = 0;
+    for (const auto& [id, j] : jobs_) owned += j->owner == key.owner;
+    if (owned >= config_.limits.max_jobs_per_uid) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "job '", key.id, "': uid ", key.owner, " already has ", owned,
+          " jobs waiting or running (limits.max_jobs_per_uid ", config_.limits.max_jobs_per_uid, ")"));
+    }
+    job = std::make_shared<Job>();
+    job->id = key.id;
+    job->owner = key.owner;
+    job->kind = key.kind;
+    job->path = key.path;
+    job->unique_id = key.unique_id;
+    job->world_size = key.world_size;
+    if (key.node_ranks.empty()) {
+      for (int r = 0; r < key.world_size; ++r) job->expected.insert(r);
+    } else {
+      job->expected.insert(key.node_ranks.begin(), key.node_ranks.end());
+    }
+    jobs_[job->id] = job;
+  } else {
+    job = it->second;
+    std::string mismatch;
+    if (job->kind != key.kind) {
+      mismatch = "one side loads, the other saves";
+    } else if (job->path != key.path) {
+      mismatch = absl::StrCat("checkpoint ", key.path, " vs ", job->path);
+    } else if (job->unique_id != key.unique_id) {
+      auto version = [](const std::optional<int64_t>& u) {
+        return u ? absl::StrCat(*u) : std::string("unset (the newest)");
+      };
+      mismatch = absl::StrCat("unique_id ", version(key.unique_id), " vs ", version(job->unique_id));
+    } else if (job->world_size != key.world_size) {
+      mismatch = absl::StrCat("world_size ", key.world_size, " vs ", job->world_size);
+    }
+    if (!mismatch.empty()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("job '", job->id, "' rank ", key.rank,
+                       " disagrees with the ranks already registered: ", mismatch));
+    }
+  }
+  if (!job->expected.count(key.rank)) {
+    return absl::InvalidArgumentError(absl::StrCat("job '", job->id, "' rank ", key.rank,
+                                                   " is not among the ranks of this node"));
+  }
+  if (job->slots.count(key.rank)) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("job '", job->id, "' rank ", key.rank, " is already registered"));
+  }
+  job->slots[key.rank] = slot;
+  *registered = job->slots.size();
+  *expected = job->expected.size();
+  bool runner = false;
+  if (*registered == *expected) {
+    job->state = Job::State::kRunning;
+    job->phase = key.kind == JobKind::kLoad ? "planning" : "writing";
+    runner = true;
+  }
+  return std::make_pair(job, runner);
+}
+
+absl::Status Daemon::AwaitSlot(const std::shared_ptr<Job>& job,
+                               const std::shared_ptr<RankSlot>& slot, int rank,
+                               uint32_t barrier_timeout_ms,
+                               const std::function<bool(const v1::LoadEvent&)>& send,
+                               const std::function<bool()>& cancelled) {
+  const absl::Duration barrier = BarrierTimeout(barrier_timeout_ms);
+  const absl::Time deadline = slot->registered + barrier;
+  std::string last_phase;
+  uint64_t last_progress = 0;
+  while (true) {
+    std::string phase;
+    uint64_t progress = 0, total = 0;
+    {
+      absl::MutexLock lock(&mu_);
+      mu_.AwaitWithTimeout(absl::Condition(&slot->done), absl::Milliseconds(100));
+      if (slot->done) return slot->status;
+      if (job->state == Job::State::kWaiting) {
+        if (cancelled()) {
+          job->slots.erase(rank);
+          if (job->slots.empty()) {
+            auto it = jobs_.find(job->id);
+            if (it != jobs_.end() && it->second == job) jobs_.erase(it);
+          }
+          return absl::CancelledError(absl::StrCat("job '", job->id, "' rank ", rank,
+                                                   ": client went away while waiting"));
+        }
+        if (absl::Now() >= deadline) {
+          std::vector<int> missing;
+          for (int r : job->expected) {
+            if (!job->slots.count(r)) missing.push_back(r);
+          }
+          FailJobLocked(*job, absl::DeadlineExceededError(absl::StrCat(
+                                  "job '", job->id, "': ranks ", absl::StrJoin(missing, ","),
+                                  " never registered within ", absl::FormatDuration(barrier), " (",
+                                  job->slots.size(), " of ", job->expected.size(),
+                                  " ranks came)")));
+          return slot->status;
+        }
+      }
+      phase = job->phase;
+      progress = job->progress.load();
+      total = job->total.load();
+    }
+    if (send && (phase != last_phase || progress != last_progress)) {
+      v1::LoadEvent ev;
+      ev.set_progress(phase);
+      ev.set_bytes_done(progress);
+      ev.set_bytes_total(total);
+      send(ev);  // a closed stream is noticed through cancelled()
+      last_phase = phase;
+      last_progress = progress;
+    }
+  }
+}
+
+}  // namespace ckptd

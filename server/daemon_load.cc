@@ -1,0 +1,264 @@
+// The one load path (docs/architecture.md). Every load job, single- or
+// multi-node, runs the same steps on each node it touches:
+//
+//   RunJob          one aoa_config per job; waits for persists into the
+//                   directory and for the previous load's cache fill; then
+//                   plans the whole job here, or (RunDistributedJob,
+//                   daemon_multinode.cc) joins the job's coordinator for this
+//                   node's part of a plan made across nodes;
+//   RunNodePart     strict ranks missing keys fail alone; destinations; the
+//                   storage source (data cache + files, fresh memory deferred
+//                   to the cache filler), wrapped by peers' reads for a
+//                   multi-node part; execution under load_timeout and the
+//                   drain's abort; the file-change check; device mappings
+//                   closed; the background cache fill queued;
+//   FinishLoadJob   every rank's result, the job out of the registry, its
+//                   log line and metrics.
+//
+// The multi-node code adds only joining, planning across nodes, peer fetches
+// and agreeing on the outcome.
+#include <algorithm>
+#include <chrono>
+#include <set>
+
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
+#include "core/aoa.h"
+#include "core/executor.h"
+#include "server/daemon.h"
+#include "server/daemon_internal.h"
+#include "server/metrics.h"
+
+namespace ckptd {
+
+std::vector<void*> PrepareDestinations(Daemon::RankSlot& s, const ckpt::RankPlan& plan) {
+  std::vector<void*> dests;
+  if (s.segment) {  // with device buffers too: the dest_host targets only
+    for (int t = 0; t < s.request.targets_size(); ++t) {
+      const v1::Target& target = s.request.targets(t);
+      dests.push_back(s.device && !target.dest_host() ? nullptr
+                                                      : s.segment->data() + target.dest_offset());
+    }
+    return dests;
+  }
+  if (s.device) return dests;  // device buffers: Daemon::JobDelivery
+  if (s.process) return std::vector<void*>(plan.targets.size(), nullptr);  // JobDelivery
+  // Only targets the checkpoint has get a buffer (their bytes were checked
+  // against limits.max_stream_bytes when the rank registered).
+  const std::set<std::string> missing(plan.missing_keys.begin(), plan.missing_keys.end());
+  s.stream_buffers.resize(plan.targets.size());
+  for (size_t t = 0; t < plan.targets.size(); ++t) {
+    if (!missing.count(plan.targets[t].name)) s.stream_buffers[t].resize(plan.targets[t].num_bytes());
+    dests.push_back(s.stream_buffers[t].data());
+  }
+  return dests;
+}
+
+void FillLoadResult(Daemon::RankSlot& s, const ckpt::RankPlan& rp, size_t index,
+                    const JobFigures& f) {
+  v1::LoadResult& r = s.result;
+  for (const auto& k : rp.missing_keys) r.add_missing_keys(k);
+  for (const auto& k : f.unexpected_keys) r.add_unexpected_keys(k);
+  for (const auto& [from, to] : f.renamed_keys) (*r.mutable_renamed_keys())[from] = to;
+  r.set_bytes_read(f.stats->bytes_read);
+  r.set_bytes_read_direct(f.stats->bytes_read_direct);
+  r.set_bytes_from_cache(f.bytes_from_cache);
+  r.set_bytes_delivered(f.stats->rank_bytes_delivered[index]);
+  r.set_job_bytes_delivered(f.stats->bytes_delivered);
+  r.set_checksums_verified(f.stats->checksums_verified);
+  r.set_unique_id(f.unique_id);
+  r.set_format(f.format);
+  r.set_local_fast_path(rp.local_fast_path);
+  v1::PhaseTimings* tm = r.mutable_timings();
+  tm->set_list_s(f.list_s);
+  tm->set_plan_s(f.plan_s);
+  tm->set_read_s(f.stats->read_seconds);
+  tm->set_copy_s(f.stats->copy_seconds);
+  tm->set_wait_s(std::chrono::duration<double>(f.start - s.start).count());
+}
+
+void Daemon::RunJob(const std::shared_ptr<Job>& job) {
+  const auto t_start = std::chrono::steady_clock::now();
+  const std::vector<std::shared_ptr<RankSlot>> slots = SlotsOf(*job);
+  const bool distributed = static_cast<int>(job->expected.size()) < job->world_size;
+  auto fail_all = [&](const absl::Status& s) {
+    RecordLoadJob(LoadJobRecord{job->id, job->path, distributed ? config_.peer_listen : "",
+                                slots.size(), s});
+    FailJob(*job, s);
+  };
+  // AOA statements (LoadRequest.aoa_config): the same text from every rank
+  // (multi-node: the coordinator checks every node sends the same).
+  for (const auto& s : slots) {
+    if (s->request.aoa_config() != slots.front()->request.aoa_config()) {
+      return fail_all(absl::InvalidArgumentError(absl::StrCat(
+          "job '", job->id, "': ranks ", slots.front()->request.rank(), " and ", s->request.rank(),
+          " send different aoa_config")));
+    }
+  }
+  // A version still being persisted (asynchronous save) is not visible yet:
+  // wait for it, so a load right after a save finds it (in memory).
+  AwaitPersistsInto(job->path, absl::Now() + config_.load_timeout);
+  // The previous load's background fill of this checkpoint first: what the
+  // cache serves does not depend on timing (server/catalog/cache_filler.h).
+  if (!filler_->Wait(job->path + "/", config_.load_timeout)) {
+    spdlog::warn("job {}: the cache fill of {} did not finish in time; loading anyway", job->id,
+                 job->path);
+  }
+  if (distributed) return RunDistributedJob(job, slots, t_start);
+
+  auto t0 = std::chrono::steady_clock::now();
+  auto opened = metadata_.Open(job->path, job->unique_id);
+  if (!opened.ok()) return fail_all(opened.status());
+  const double list_s = Seconds(t0);
+  const ckpt::Checkpoint& ckpt = (*opened)->checkpoint;
+
+  t0 = std::chrono::steady_clock::now();
+  std::vector<ckpt::RankTargets> ranks;
+  for (const auto& s : slots) ranks.push_back(s->targets);
+  ckpt::PlanOptions po;
+  po.max_read_bytes = config_.io_request_size;
+  auto plan = ckpt::PlanLoadWithAoa(ckpt.metadata, slots.front()->request.aoa_config(), ranks, po,
+                                    "aoa_config");
+  if (!plan.ok()) return fail_all(plan.status());
+  const double plan_s = Seconds(t0);
+
+  auto stats = RunNodePart(job, slots, *plan, (*opened)->stamps, "reading", nullptr);
+  if (!stats.ok()) return fail_all(stats.status());
+
+  JobFigures fig;
+  fig.start = t_start;
+  fig.stats = &*stats;
+  fig.unexpected_keys = plan->unexpected_keys;
+  fig.renamed_keys = plan->renamed_keys;
+  fig.bytes_from_cache = stats->bytes_from_cache;
+  fig.unique_id = ckpt.unique_id.value_or(0);
+  fig.format = ckpt::FormatName(ckpt.format);
+  fig.list_s = list_s;
+  fig.plan_s = plan_s;
+  LoadJobRecord rec{job->id, job->path, "", slots.size()};
+  rec.list_s = list_s;
+  FinishLoadJob(job, slots, *plan, fig, std::move(rec), nullptr);
+}
+
+absl::StatusOr<ckpt::LoadStats> Daemon::RunNodePart(
+    const std::shared_ptr<Job>& job, const std::vector<std::shared_ptr<RankSlot>>& slots,
+    const ckpt::LoadPlan& plan, const std::map<std::string, ckpt::FileStamp>& stamps,
+    absl::string_view phase, RemoteReads* remote) {
+  // Strict ranks with missing keys fail alone; the others still load (and a
+  // multi-node part still reads what its peers need from this node).
+  std::vector<bool> skip(slots.size(), false);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    const auto& missing = plan.ranks[i].missing_keys;
+    if (slots[i]->request.strict() && !missing.empty()) {
+      skip[i] = true;
+      absl::MutexLock lock(&mu_);
+      slots[i]->status = absl::NotFoundError(
+          absl::StrCat("job '", job->id, "' rank ", slots[i]->request.rank(), ": ", job->path,
+                       " has no tensor(s) ", absl::StrJoin(missing, ", ")));
+      slots[i]->done = true;
+    }
+  }
+  std::vector<std::vector<void*>> dests;
+  for (size_t i = 0; i < slots.size(); ++i) {
+    dests.push_back(PrepareDestinations(*slots[i], plan.ranks[i]));
+  }
+  {
+    absl::MutexLock lock(&mu_);
+    job->phase = std::string(phase);
+    uint64_t total = 0;
+    for (const ckpt::ReadRange& r : plan.reads) total += r.length;
+    job->total = total;
+  }
+  ckpt::SourceOptions storage_options;
+  storage_options.defer_fresh_memory = true;  // filled afterwards by filler_
+  storage_options.tenant = job->owner;        // the uid whose loads may view these entries
+  ckpt::CachingSource storage(job->path, &cache_, stamps, storage_options);
+  GatedSource source(remote != nullptr ? remote->Wrap(&storage) : &storage, job.get(),
+                     config_.testing_delay_read);
+  auto delivery = JobDelivery(slots, std::move(dests));
+  ckpt::ExecuteOptions eo;
+  eo.threads = config_.io_threads;
+  eo.direct_io = direct_io_;
+  // skip_verify is one rank's wish for its own delivery; the bytes are shared
+  // with every rank of the job (and the cache, and peers), so they are
+  // verified unless every rank asks not to (and then nothing read is cached:
+  // core publishes only verified fills).
+  eo.verify_checksums = !AllRanksSkipVerify(slots);
+  eo.progress_bytes = &job->progress;
+  eo.skip_rank = [&](size_t i) { return skip[i] || slots[i]->cancelled(); };
+  eo.deadline = std::chrono::steady_clock::now() +
+                std::chrono::milliseconds(absl::ToInt64Milliseconds(config_.load_timeout));
+  auto stats = delivery.ok() ? ckpt::ExecutePlan(plan, source, **delivery, eo)
+                             : absl::StatusOr<ckpt::LoadStats>(delivery.status());
+  // A file changed after its last read, before the load ends, fails it too
+  // (docs/daemon.md: a file that changes or vanishes during a load fails that load).
+  if (stats.ok()) {
+    if (absl::Status c = storage.CheckOpenedFilesUnchanged(); !c.ok()) stats = c;
+  }
+  ReleaseDeviceBuffers(delivery, slots);
+  if (remote != nullptr) remote->Ended(stats.status());
+  if (stats.ok()) {
+    if (absl::Status a = job->AbortStatus(); !a.ok()) stats = a;  // aborted as it finished
+  }
+  if (!stats.ok()) {
+    absl::Status s = stats.status();
+    if (absl::IsDeadlineExceeded(s)) {  // the executor's deadline: load_timeout
+      s = absl::DeadlineExceededError(absl::StrCat("job '", job->id, "': load_timeout ",
+                                                   absl::FormatDuration(config_.load_timeout),
+                                                   " ran out: ", s.message()));
+    }
+    return s;
+  }
+  bytes_read_total_ += stats->bytes_read;
+  // Reads delivered without being kept (no warm memory for them): filled
+  // into the cache in the background, before this checkpoint's next load.
+  if (auto deferred = storage.Deferred(); !deferred.empty()) {
+    const std::set<std::pair<std::string, uint64_t>> d(deferred.begin(), deferred.end());
+    ckpt::LoadPlan fill;
+    fill.files = plan.files;
+    uint64_t bytes = 0;  // no more than the cache can hold (it would evict its own fill)
+    for (const ckpt::ReadRange& rr : plan.reads) {
+      if (!d.count({plan.files[rr.file], rr.offset})) continue;
+      if (bytes + rr.length > config_.cache_budget) break;
+      bytes += rr.length;
+      fill.reads.push_back(rr);
+    }
+    filler_->Submit(job->path, stamps, std::move(fill), job->owner);
+  }
+  return stats;
+}
+
+void Daemon::FinishLoadJob(const std::shared_ptr<Job>& job,
+                           const std::vector<std::shared_ptr<RankSlot>>& slots,
+                           const ckpt::LoadPlan& plan, const JobFigures& fig, LoadJobRecord rec,
+                           const std::function<void(RankSlot&)>& extra) {
+  const ckpt::LoadStats& stats = *fig.stats;
+  rec.bytes_read = stats.bytes_read;
+  rec.bytes_read_direct = stats.bytes_read_direct;
+  rec.bytes_from_cache = fig.bytes_from_cache;
+  rec.bytes_delivered = stats.bytes_delivered;
+  rec.reads = plan.reads.size();
+  rec.checksums_verified = stats.checksums_verified;
+  rec.plan_s = fig.plan_s;
+  rec.read_s = stats.read_seconds;
+  rec.copy_s = stats.copy_seconds;
+  absl::MutexLock lock(&mu_);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    if (slots[i]->done) continue;
+    FillLoadResult(*slots[i], plan.ranks[i], i, fig);
+    if (extra) extra(*slots[i]);
+    slots[i]->done = true;
+  }
+  job->state = Job::State::kFinished;
+  job->phase = "done";
+  auto it = jobs_.find(job->id);
+  if (it != jobs_.end() && it->second == job) jobs_.erase(it);
+  // Metrics and the job's log line, written before any rank can see its
+  // result (mu_ is held): a client that finished finds its job logged.
+  rec.wall_s = Seconds(fig.start);
+  RecordLoadJob(rec);
+}
+
+}  // namespace ckptd

@@ -1,0 +1,252 @@
+// The reads of a multi-node load's part that other nodes make (peer fetches
+// over gRPC, or NCCL links between GPU nodes), and this node's own reads
+// kept for the peers that need them: Daemon::PeerReadsFor, the RemoteReads
+// that RunNodePart runs a multi-node part on.
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstring>
+#include <optional>
+
+#include <grpcpp/grpcpp.h>
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/str_cat.h"
+#include "core/executor.h"
+#include "core/status_macros.h"
+#include "core/xxh3.h"
+#include "server/daemon.h"
+#include "server/daemon_dist.h"
+#include "server/daemon_internal.h"
+#include "server/peer_nccl.h"
+#include "server/plan_codec.h"
+
+namespace ckptd {
+namespace {
+
+// Reads of one node's part: storage for reads assigned here (published for
+// the nodes that need them, with their xxh3), peers for the rest. Bytes from
+// a peer reach the executor only after their xxh3 matched the one the
+// serving node took as it read them, and after the plan's own checksums
+// (where the format stores them) verified them.
+class DistSource final : public ckpt::RangeSource {
+ public:
+  using PublishFn = std::function<void(uint32_t, const ckpt::RangeView&, uint64_t xxh3)>;
+  using StubFn = std::function<std::shared_ptr<peer::v1::Peer::Stub>(const std::string&)>;
+  DistSource(std::string me, std::string job_id, ckpt::RangeSource* storage,
+             std::map<std::pair<std::string, uint64_t>, uint32_t> global_index,
+             std::vector<std::string> reader, PublishFn publish, StubFn stub,
+             std::function<absl::Status()> aborted, absl::Duration timeout)
+      : me_(std::move(me)), job_id_(std::move(job_id)), storage_(storage),
+        global_index_(std::move(global_index)), reader_(std::move(reader)),
+        publish_(std::move(publish)), stub_(std::move(stub)), aborted_(std::move(aborted)),
+        timeout_(timeout) {}
+
+  absl::StatusOr<ckpt::RangeView> Fetch(
+      const std::string& file, uint64_t offset, uint64_t n, std::vector<uint8_t>& scratch,
+      const std::function<absl::Status(const uint8_t*)>& verify) override {
+    CKPT_RETURN_IF_ERROR(aborted_());  // an authorization violation ends the job here
+    auto it = global_index_.find({file, offset});
+    if (it == global_index_.end()) {
+      return absl::InternalError(absl::StrCat("no planned read of ", file, " at ", offset));
+    }
+    const uint32_t g = it->second;
+    const std::string& reader = reader_[g];
+    if (reader == me_) {
+      CKPT_ASSIGN_OR_RETURN(ckpt::RangeView v, storage_->Fetch(file, offset, n, scratch, verify));
+      if (v.pin == nullptr) {
+        // Not cached (budget): keep a private copy for the peers.
+        auto copy = std::make_shared<std::vector<uint8_t>>(v.data, v.data + n);
+        v = ckpt::RangeView{copy->data(), copy, true};
+      }
+      publish_(g, v, XXH3_64bits(v.data, n));
+      return v;
+    }
+    const std::string what =
+        absl::StrCat("read ", g, " (", file, " bytes [", offset, ", ", offset + n, ")) from peer ", reader);
+    if (links_ != nullptr && links_->Receives(g)) {
+      if (auto b = links_->Take(g, absl::Now() + timeout_)) {
+        CKPT_RETURN_IF_ERROR(Check(b->view.data, n, b->xxh3, what + " over NCCL", verify));
+        received_ += n;
+        return b->view;
+      }  // links failed: gRPC below
+    }
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
+    peer::v1::FetchReadRequest req;
+    req.set_job_id(job_id_);
+    req.set_read(g);
+    req.set_node(me_);
+    auto stub = stub_(reader);
+    auto stream = stub->FetchRead(&ctx, req);
+    if (scratch.size() < n) scratch.resize(n);
+    uint64_t got = 0;
+    std::optional<uint64_t> xxh3;
+    peer::v1::Chunk c;
+    while (stream->Read(&c)) {
+      if (c.offset() != got || c.data().size() > n - got || (c.has_xxh3() && got != 0)) {
+        ctx.TryCancel();
+        return absl::DataLossError(absl::StrCat(what, ": a chunk out of order or too long"));
+      }
+      if (c.has_xxh3()) xxh3 = c.xxh3();
+      std::memcpy(scratch.data() + got, c.data().data(), c.data().size());
+      got += c.data().size();
+    }
+    grpc::Status s = stream->Finish();
+    if (!s.ok() || got != n) {
+      const auto code = s.ok() ? absl::StatusCode::kUnavailable
+                               : static_cast<absl::StatusCode>(s.error_code());
+      return absl::Status(
+          code == absl::StatusCode::kPermissionDenied ? code : absl::StatusCode::kUnavailable,
+          absl::StrCat("peer ", reader, " failed to send ", file, " bytes [", offset, ", ",
+                       offset + n, ") (got ", got, "): ",
+                       s.ok() ? "stream ended early" : s.error_message()));
+    }
+    if (!xxh3) return absl::DataLossError(absl::StrCat(what, ": sent without its checksum"));
+    CKPT_RETURN_IF_ERROR(Check(scratch.data(), n, *xxh3, what, verify));
+    received_ += n;
+    return ckpt::RangeView{scratch.data(), nullptr, false};
+  }
+
+  uint64_t received() const { return received_.load(); }
+  void set_links(NcclTransfers* links) { links_ = links; }
+  void set_storage(ckpt::RangeSource* storage) { storage_ = storage; }
+
+ private:
+  // The received bytes against the sender's xxh3, then the plan's checksums.
+  static absl::Status Check(const uint8_t* data, uint64_t n, uint64_t want,
+                            const std::string& what,
+                            const std::function<absl::Status(const uint8_t*)>& verify) {
+    const uint64_t have = XXH3_64bits(data, n);
+    if (have != want) {
+      return absl::DataLossError(absl::StrCat(
+          what, ": the bytes received hash to xxh3 ", absl::Hex(have, absl::kZeroPad16),
+          ", the peer read ", absl::Hex(want, absl::kZeroPad16),
+          " (altered in transit or by the peer); none of it was delivered"));
+    }
+    if (verify) {
+      absl::Status v = verify(data);
+      if (!v.ok()) return absl::Status(v.code(), absl::StrCat(what, ": ", v.message()));
+    }
+    return absl::OkStatus();
+  }
+
+  NcclTransfers* links_ = nullptr;
+  const std::string me_, job_id_;
+  ckpt::RangeSource* storage_;
+  const std::map<std::pair<std::string, uint64_t>, uint32_t> global_index_;
+  const std::vector<std::string> reader_;
+  const PublishFn publish_;
+  const StubFn stub_;
+  const std::function<absl::Status()> aborted_;
+  const absl::Duration timeout_;
+  std::atomic<uint64_t> received_{0};
+};
+
+}  // namespace
+
+// A multi-node part's reads that other nodes make: fetched over gRPC or
+// received on NCCL links, and this node's own reads published for the peers
+// that need them (DistJob::served).
+class Daemon::PeerReads final : public Daemon::RemoteReads {
+ public:
+  PeerReads(Daemon* d, std::shared_ptr<DistJob> dj, const peer::v1::PlanPart& part,
+            const std::string& me, std::map<std::pair<std::string, uint64_t>, uint32_t> global_index,
+            std::vector<std::string> reader)
+      : d_(d), dj_(std::move(dj)), part_(part), me_(me),
+        source_(me, dj_->id, nullptr, std::move(global_index), std::move(reader),
+                [this](uint32_t g, const ckpt::RangeView& v, uint64_t xxh3) { Publish(g, v, xxh3); },
+                [d](const std::string& a) { return d->PeerStub(a); },
+                [d, dj = dj_]() -> absl::Status {
+                  absl::MutexLock lock(&d->peer_mu_);
+                  return dj->violation;
+                },
+                d->config_.peer_timeout) {}
+
+  ckpt::RangeSource* Wrap(ckpt::RangeSource* storage) override {
+    source_.set_storage(storage);
+    const DaemonConfig& c = d_->config_;
+    nccl_ = StartNcclTransfers(
+        d_->gpu_.get(), part_, me_, c.nccl_device, c.peer_timeout,
+        std::min(c.nccl_connect_timeout, c.peer_timeout),
+        [this](uint32_t g, absl::Time deadline) { return Served(g, deadline); });
+    source_.set_links(nccl_.get());
+    return &source_;
+  }
+
+  void Ended(const absl::Status& status) override {
+    if (nccl_ == nullptr) return;
+    if (nccl_->connect_failed()) {
+      // Remembered: this node's next jobs with these peers stay on gRPC.
+      absl::MutexLock lock(&d_->peer_mu_);
+      for (const auto& n : part_.nodes()) {
+        if (n != me_) d_->nccl_unreachable_[n] = absl::Now() + absl::Minutes(5);
+      }
+    }
+    // Our own part is done; peers may still be receiving our reads.
+    if (status.ok()) {
+      nccl_->Finish(absl::Now() + d_->config_.peer_timeout).IgnoreError();  // logged; gRPC serves
+    } else {
+      nccl_->Abort();
+    }
+  }
+
+  uint64_t bytes_received() const override { return source_.received(); }
+  uint64_t bytes_sent() const override { return sent_.load(); }
+
+ private:
+  // One of this node's reads, verified: kept for the peers that need it.
+  void Publish(uint32_t g, const ckpt::RangeView& v, uint64_t xxh3) {
+    absl::MutexLock lock(&d_->peer_mu_);
+    auto it = dj_->served.find(g);
+    if (it == dj_->served.end()) return;
+    it->second.view = v;
+    it->second.xxh3 = xxh3;
+    it->second.ready = true;
+    sent_ += it->second.length * it->second.remaining;
+  }
+
+  // What the NCCL links send for read `g`, once this node has it.
+  absl::StatusOr<NcclTransfers::Bytes> Served(uint32_t g, absl::Time deadline) {
+    absl::MutexLock lock(&d_->peer_mu_);
+    DistJob& dj = *dj_;
+    auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(d_->peer_mu_) {
+      auto it = dj.served.find(g);
+      return it == dj.served.end() || it->second.ready || !dj.exec_status.ok() ||
+             !dj.violation.ok();
+    };
+    d_->peer_mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
+    auto it = dj.served.find(g);
+    if (it == dj.served.end() || !it->second.ready || it->second.view.data == nullptr) {
+      return absl::UnavailableError(absl::StrCat("read ", g, " is not available to send"));
+    }
+    NcclTransfers::Bytes b{it->second.view, it->second.xxh3};
+    if (d_->config_.testing_corrupt_served && it->second.length > 0) {
+      // Fault injection for tests only: a flipped byte on the link.
+      auto copy = std::make_shared<std::vector<uint8_t>>(b.view.data,
+                                                         b.view.data + it->second.length);
+      (*copy)[0] ^= 0x01;
+      b.view = ckpt::RangeView{copy->data(), copy, false};
+    }
+    return b;
+  }
+
+  Daemon* const d_;
+  const std::shared_ptr<DistJob> dj_;
+  const peer::v1::PlanPart& part_;
+  const std::string me_;
+  DistSource source_;
+  std::unique_ptr<NcclTransfers> nccl_;
+  std::atomic<uint64_t> sent_{0};
+};
+
+std::unique_ptr<Daemon::RemoteReads> Daemon::PeerReadsFor(
+    const std::shared_ptr<DistJob>& dj, const peer::v1::PlanPart& part,
+    std::map<std::pair<std::string, uint64_t>, uint32_t> global_index,
+    std::vector<std::string> reader) {
+  return std::make_unique<PeerReads>(this, dj, part, config_.peer_listen, std::move(global_index),
+                                     std::move(reader));
+}
+
+}  // namespace ckptd
