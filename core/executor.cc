@@ -7,6 +7,7 @@
 #include <thread>
 #include <tuple>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "core/safetensors.h"
 #include "core/status_macros.h"
@@ -527,172 +528,225 @@ absl::StatusOr<LoadStats> ExecutePlan(const LoadPlan& plan, RangeSource& source,
   return ExecutePlan(plan, source, delivery, options);
 }
 
+namespace {
+
+// One execution of a plan: the reads are claimed in order by every worker
+// thread; each read's bytes are filled piece by piece (a Fill), served from
+// memory, or fetched whole, then copied into the ranks' destinations.
+class PlanRun {
+ public:
+  PlanRun(const LoadPlan& plan, RangeSource& source, Delivery& delivery,
+          const ExecuteOptions& options)
+      : plan_(plan), source_(source), delivery_(delivery), options_(options),
+        by_read_(plan.reads.size()),
+        // Loads far larger than the caches write their destinations with
+        // streaming stores (as CopyRegion does for one large region).
+        stream_(plan.bytes_to_deliver() >= kStreamingBytes) {
+    for (uint32_t r = 0; r < plan.ranks.size(); ++r) {
+      const RankPlan& rp = plan.ranks[r];
+      for (uint32_t c = 0; c < rp.copies.size(); ++c) by_read_[rp.copies[c].read].push_back({r, c});
+    }
+    total_.rank_bytes_delivered.assign(plan.ranks.size(), 0);
+  }
+
+  // Claims and runs reads until none is left or one failed.
+  void Worker();
+  absl::StatusOr<LoadStats> Result() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    if (!first_error_.ok()) return first_error_;
+    return total_;
+  }
+
+ private:
+  // What one worker thread keeps across its reads.
+  struct WorkerState {
+    explicit WorkerState(const LoadPlan& plan, uint64_t piece_bytes)
+        : writer(piece_bytes), skip_memo(plan.ranks.size(), 0) {
+      local.rank_bytes_delivered.assign(plan.ranks.size(), 0);
+    }
+    LoadStats local;
+    std::vector<uint8_t> scratch;
+    RunWriter writer;
+    std::vector<uint8_t> skip_memo;  // per rank: 0 unknown, 1 run, 2 skip
+    std::vector<uint32_t> memo_touched;
+  };
+  absl::Status RunRead(size_t i, WorkerState& w);
+  // The read's bytes fetched whole (or served from memory), then copied.
+  absl::Status FetchAndCopy(size_t i, bool by_runs, std::optional<RangeView> served,
+                            WorkerState& w);
+  absl::Status CopyEach(size_t i, const RangeView& view, WorkerState& w);
+  void Fail(const absl::Status& s) ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    if (first_error_.ok()) first_error_ = s;
+    failed_ = true;
+  }
+  void Merge(const LoadStats& local) ABSL_LOCKS_EXCLUDED(mu_);
+
+  const LoadPlan& plan_;
+  RangeSource& source_;
+  Delivery& delivery_;
+  const ExecuteOptions& options_;
+  // Copies grouped by the read that feeds them: (rank, copy).
+  std::vector<std::vector<std::pair<uint32_t, uint32_t>>> by_read_;
+  const bool stream_;
+  std::atomic<size_t> next_{0};
+  std::atomic<bool> failed_{false};
+  absl::Mutex mu_;
+  absl::Status first_error_ ABSL_GUARDED_BY(mu_);
+  LoadStats total_ ABSL_GUARDED_BY(mu_);
+};
+
+void PlanRun::Worker() {
+  WorkerState w(plan_, options_.piece_bytes);
+  while (!failed_.load(std::memory_order_relaxed)) {
+    for (uint32_t r : w.memo_touched) w.skip_memo[r] = 0;
+    w.memo_touched.clear();
+    size_t i = next_.fetch_add(1);
+    if (i >= plan_.reads.size()) break;
+    if (options_.deadline && std::chrono::steady_clock::now() > *options_.deadline) {
+      Fail(absl::DeadlineExceededError(absl::StrCat(
+          "load did not finish in time: ", i, " of ", plan_.reads.size(), " reads done")));
+      break;
+    }
+    // skip_rank may be costly (a gRPC cancellation check): ask once per
+    // rank per read.
+    for (const auto& rc : by_read_[i]) {
+      const uint32_t r = rc.first;
+      if (w.skip_memo[r] == 0) {
+        w.skip_memo[r] = options_.skip_rank && options_.skip_rank(r) ? 2 : 1;
+        w.memo_touched.push_back(r);
+      }
+    }
+    if (absl::Status s = RunRead(i, w); !s.ok()) {
+      Fail(s);
+      break;
+    }
+  }
+  Merge(w.local);
+}
+
+absl::Status PlanRun::RunRead(size_t i, WorkerState& w) {
+  const ReadRange& rr = plan_.reads[i];
+  absl::Status prepared;
+  const bool by_runs = w.writer.Prepare(plan_, i, by_read_[i], w.skip_memo, delivery_, &prepared);
+  CKPT_RETURN_IF_ERROR(prepared);
+  // The read's bytes: read piece by piece here (a Fill), served from
+  // memory (a cache hit), or fetched whole by the source.
+  std::optional<RangeView> served;
+  if (by_runs) {
+    CKPT_ASSIGN_OR_RETURN(std::unique_ptr<RangeSource::Fill> fill,
+                          source_.BeginFill(plan_.files[rr.file], rr.offset, rr.length,
+                                            options_.verify_checksums, &served));
+    if (fill != nullptr) {
+      const RandomAccessFile& f = *fill->file;
+      const bool direct = options_.direct_io == DirectIo::kAlways ||
+                          (options_.direct_io == DirectIo::kAuto && !f.Cached(rr.offset, rr.length));
+      absl::Status s = w.writer.ReadPieces(f, options_.verify_checksums, stream_, direct, w.local,
+                                           fill->keep);
+      if (s.ok()) s = fill->Finish();
+      if (s.ok()) w.writer.Account(w.local);
+      absl::Status flushed = delivery_.Flush();
+      if (s.ok()) s = flushed;
+      if (options_.progress_bytes) options_.progress_bytes->fetch_add(rr.length);
+      return s;
+    }
+  }
+  return FetchAndCopy(i, by_runs, std::move(served), w);
+}
+
+absl::Status PlanRun::FetchAndCopy(size_t i, bool by_runs, std::optional<RangeView> served,
+                                   WorkerState& w) {
+  const ReadRange& rr = plan_.reads[i];
+  const std::string& file = plan_.files[rr.file];
+  int64_t verified = 0;
+  auto verify = [&](const uint8_t* data) -> absl::Status {
+    if (!options_.verify_checksums) return absl::OkStatus();
+    for (const auto& c : rr.checks) {
+      if (Checksum(data + (c.offset - rr.offset), c.nbytes) != c.xxh3) {
+        return ChecksumError(file, c);
+      }
+      ++verified;
+    }
+    return absl::OkStatus();
+  };
+  // Without verification the source gets no verify function, so it knows
+  // these bytes are unverified (and a cache does not keep them).
+  static const std::function<absl::Status(const uint8_t*)> kNoVerify;
+  auto t0 = std::chrono::steady_clock::now();
+  absl::StatusOr<RangeView> view =
+      served ? *std::move(served)
+             : source_.Fetch(file, rr.offset, rr.length, w.scratch,
+                             options_.verify_checksums
+                                 ? std::function<absl::Status(const uint8_t*)>(verify)
+                                 : kNoVerify);
+  auto t1 = std::chrono::steady_clock::now();
+  absl::Status s = view.status();
+  if (s.ok()) {
+    w.local.checksums_verified += verified;
+    (view->from_storage ? w.local.bytes_read : w.local.bytes_from_cache) += rr.length;
+    if (by_runs) {
+      s = w.writer.WriteAll(view->data, stream_);
+      if (s.ok()) w.writer.Account(w.local);
+    } else {
+      s = CopyEach(i, *view, w);
+    }
+    absl::Status flushed = delivery_.Flush();
+    if (s.ok()) s = flushed;
+  }
+  auto t2 = std::chrono::steady_clock::now();
+  w.local.read_seconds += std::chrono::duration<double>(t1 - t0).count();
+  w.local.copy_seconds += std::chrono::duration<double>(t2 - t1).count();
+  if (options_.progress_bytes) options_.progress_bytes->fetch_add(rr.length);
+  return s;
+}
+
+// Read `i`'s copies one by one through the delivery (no run writer).
+absl::Status PlanRun::CopyEach(size_t i, const RangeView& view, WorkerState& w) {
+  const ReadRange& rr = plan_.reads[i];
+  for (const auto& [r, c] : by_read_[i]) {
+    if (w.skip_memo[r] == 2) continue;
+    const RankPlan& rp = plan_.ranks[r];
+    const CopyOp& op = rp.copies[c];
+    CKPT_ASSIGN_OR_RETURN(int64_t n,
+                          delivery_.Copy(r, rp, op, view.data + (op.src_offset - rr.offset)));
+    if (n != op.elements) return CopyCountError(rp, op, n);
+    uint64_t bytes = static_cast<uint64_t>(n) * DTypeSize(rp.targets[op.target].dtype);
+    w.local.bytes_delivered += bytes;
+    w.local.rank_bytes_delivered[r] += bytes;
+  }
+  return absl::OkStatus();
+}
+
+void PlanRun::Merge(const LoadStats& local) {
+  absl::MutexLock lock(&mu_);
+  total_.bytes_read += local.bytes_read;
+  total_.bytes_read_direct += local.bytes_read_direct;
+  total_.bytes_from_cache += local.bytes_from_cache;
+  total_.bytes_delivered += local.bytes_delivered;
+  for (size_t r = 0; r < plan_.ranks.size(); ++r) {
+    total_.rank_bytes_delivered[r] += local.rank_bytes_delivered[r];
+  }
+  total_.checksums_verified += local.checksums_verified;
+  total_.read_seconds += local.read_seconds;
+  total_.copy_seconds += local.copy_seconds;
+}
+
+}  // namespace
+
 absl::StatusOr<LoadStats> ExecutePlan(const LoadPlan& plan, RangeSource& source,
                                       Delivery& delivery, const ExecuteOptions& options) {
   const auto start = std::chrono::steady_clock::now();
-  // Copies grouped by the read that feeds them.
-  std::vector<std::vector<std::pair<uint32_t, uint32_t>>> by_read(plan.reads.size());
-  for (uint32_t r = 0; r < plan.ranks.size(); ++r) {
-    const RankPlan& rp = plan.ranks[r];
-    for (uint32_t c = 0; c < rp.copies.size(); ++c) by_read[rp.copies[c].read].push_back({r, c});
-  }
-
-  // Loads far larger than the caches write their destinations with
-  // streaming stores (as CopyRegion does for one large region).
-  const bool stream = plan.bytes_to_deliver() >= kStreamingBytes;
-  std::atomic<size_t> next{0};
-  std::atomic<bool> failed{false};
-  absl::Mutex mu;
-  absl::Status first_error;
-  LoadStats total;
-  total.rank_bytes_delivered.assign(plan.ranks.size(), 0);
-  auto worker = [&]() {
-    LoadStats local;
-    local.rank_bytes_delivered.assign(plan.ranks.size(), 0);
-    std::vector<uint8_t> scratch;
-    RunWriter writer(options.piece_bytes);
-    std::vector<uint8_t> skip_memo(plan.ranks.size(), 0);  // 0 unknown, 1 run, 2 skip
-    std::vector<uint32_t> memo_touched;
-    while (!failed.load(std::memory_order_relaxed)) {
-      for (uint32_t r : memo_touched) skip_memo[r] = 0;
-      memo_touched.clear();
-      size_t i = next.fetch_add(1);
-      if (i >= plan.reads.size()) break;
-      if (options.deadline && std::chrono::steady_clock::now() > *options.deadline) {
-        absl::MutexLock lock(&mu);
-        if (first_error.ok()) {
-          first_error = absl::DeadlineExceededError(absl::StrCat(
-              "load did not finish in time: ", i, " of ", plan.reads.size(), " reads done"));
-        }
-        failed = true;
-        break;
-      }
-      const ReadRange& rr = plan.reads[i];
-      const std::string& file = plan.files[rr.file];
-      // skip_rank may be costly (a gRPC cancellation check): ask once per
-      // rank per read.
-      for (const auto& rc : by_read[i]) {
-        const uint32_t r = rc.first;
-        if (skip_memo[r] == 0) {
-          skip_memo[r] = options.skip_rank && options.skip_rank(r) ? 2 : 1;
-          memo_touched.push_back(r);
-        }
-      }
-      auto fail = [&](const absl::Status& s) {
-        absl::MutexLock lock(&mu);
-        if (first_error.ok()) first_error = s;
-        failed = true;
-      };
-      absl::Status prepared;
-      const bool by_runs = writer.Prepare(plan, i, by_read[i], skip_memo, delivery, &prepared);
-      if (!prepared.ok()) {
-        fail(prepared);
-        break;
-      }
-      // The read's bytes: read piece by piece here (a Fill), served from
-      // memory (a cache hit), or fetched whole by the source.
-      std::optional<RangeView> served;
-      if (by_runs) {
-        auto fill =
-            source.BeginFill(file, rr.offset, rr.length, options.verify_checksums, &served);
-        if (!fill.ok()) {
-          fail(fill.status());
-          break;
-        }
-        if (*fill != nullptr) {
-          const RandomAccessFile& f = *(*fill)->file;
-          const bool direct = options.direct_io == DirectIo::kAlways ||
-                              (options.direct_io == DirectIo::kAuto &&
-                               !f.Cached(rr.offset, rr.length));
-          absl::Status s = writer.ReadPieces(f, options.verify_checksums, stream, direct, local,
-                                             (*fill)->keep);
-          if (s.ok()) s = (*fill)->Finish();
-          if (s.ok()) writer.Account(local);
-          absl::Status flushed = delivery.Flush();
-          if (s.ok()) s = flushed;
-          if (options.progress_bytes) options.progress_bytes->fetch_add(rr.length);
-          if (!s.ok()) fail(s);
-          continue;
-        }
-      }
-      int64_t verified = 0;
-      auto verify = [&](const uint8_t* data) -> absl::Status {
-        if (!options.verify_checksums) return absl::OkStatus();
-        for (const auto& c : rr.checks) {
-          if (Checksum(data + (c.offset - rr.offset), c.nbytes) != c.xxh3) {
-            return ChecksumError(file, c);
-          }
-          ++verified;
-        }
-        return absl::OkStatus();
-      };
-      // Without verification the source gets no verify function, so it
-      // knows these bytes are unverified (and a cache does not keep them).
-      static const std::function<absl::Status(const uint8_t*)> kNoVerify;
-      auto t0 = std::chrono::steady_clock::now();
-      absl::StatusOr<RangeView> view =
-          served ? *std::move(served)
-                 : source.Fetch(file, rr.offset, rr.length, scratch,
-                                options.verify_checksums
-                                    ? std::function<absl::Status(const uint8_t*)>(verify)
-                                    : kNoVerify);
-      auto t1 = std::chrono::steady_clock::now();
-      absl::Status s = view.status();
-      if (s.ok()) {
-        local.checksums_verified += verified;
-        (view->from_storage ? local.bytes_read : local.bytes_from_cache) += rr.length;
-        if (by_runs) {
-          s = writer.WriteAll(view->data, stream);
-          if (s.ok()) writer.Account(local);
-        } else {
-          for (const auto& [r, c] : by_read[i]) {
-            if (skip_memo[r] == 2) continue;
-            const RankPlan& rp = plan.ranks[r];
-            const CopyOp& op = rp.copies[c];
-            absl::StatusOr<int64_t> n =
-                delivery.Copy(r, rp, op, view->data + (op.src_offset - rr.offset));
-            if (!n.ok()) {
-              s = n.status();
-              break;
-            }
-            if (*n != op.elements) {
-              s = CopyCountError(rp, op, *n);
-              break;
-            }
-            uint64_t bytes = static_cast<uint64_t>(*n) * DTypeSize(rp.targets[op.target].dtype);
-            local.bytes_delivered += bytes;
-            local.rank_bytes_delivered[r] += bytes;
-          }
-        }
-        absl::Status flushed = delivery.Flush();
-        if (s.ok()) s = flushed;
-      }
-      auto t2 = std::chrono::steady_clock::now();
-      local.read_seconds += std::chrono::duration<double>(t1 - t0).count();
-      local.copy_seconds += std::chrono::duration<double>(t2 - t1).count();
-      if (options.progress_bytes) options.progress_bytes->fetch_add(rr.length);
-      if (!s.ok()) fail(s);
-    }
-    absl::MutexLock lock(&mu);
-    total.bytes_read += local.bytes_read;
-    total.bytes_read_direct += local.bytes_read_direct;
-    total.bytes_from_cache += local.bytes_from_cache;
-    total.bytes_delivered += local.bytes_delivered;
-    for (size_t r = 0; r < plan.ranks.size(); ++r) {
-      total.rank_bytes_delivered[r] += local.rank_bytes_delivered[r];
-    }
-    total.checksums_verified += local.checksums_verified;
-    total.read_seconds += local.read_seconds;
-    total.copy_seconds += local.copy_seconds;
-  };
+  PlanRun run(plan, source, delivery, options);
   int n_threads = std::max(1, std::min<int>(options.threads, static_cast<int>(plan.reads.size())));
   std::vector<std::thread> threads;
-  for (int i = 1; i < n_threads; ++i) threads.emplace_back(worker);
-  worker();
+  for (int i = 1; i < n_threads; ++i) threads.emplace_back([&run] { run.Worker(); });
+  run.Worker();
   for (auto& t : threads) t.join();
-  if (!first_error.ok()) return first_error;
-  total.wall_seconds =
-      std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  absl::StatusOr<LoadStats> total = run.Result();
+  if (total.ok()) {
+    total->wall_seconds =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  }
   return total;
 }
 

@@ -350,6 +350,70 @@ absl::StatusOr<Lti> ParseLti(const Document& doc, const Value& k, const Value& v
 
 }  // namespace
 
+// A tensor's dtype and global shape from its shards' LocalTensorMetadata
+// (their global_shape, else the extent of their offsets + local shapes);
+// every shard must agree.
+absl::Status TensorFromShards(const Document& doc, const std::string& name,
+                              const std::vector<Ltm>& ltms, TensorMeta* t) {
+  if (!ltms.empty()) {
+    const Ltm& first = ltms.front();
+    t->dtype = first.dtype;
+    if (first.has_global_shape) {
+      t->global_shape = first.global_shape;
+    } else {
+      t->global_shape.assign(first.offset.size(), 0);
+      for (const Ltm& l : ltms) {
+        if (l.offset.size() != t->global_shape.size()) continue;  // refused below
+        for (size_t d = 0; d < l.offset.size(); ++d) {
+          int64_t end = 0;  // checked: found by tests/fuzz:pickle
+          if (d >= l.local_shape.size() || l.offset[d] < 0 || l.local_shape[d] < 0 ||
+              __builtin_add_overflow(l.offset[d], l.local_shape[d], &end)) {
+            return doc.Error(absl::StrCat("tensor '", name, "': a shard's global_offset + "
+                                          "local_shape is out of range on axis ", d));
+          }
+          t->global_shape[d] = std::max(t->global_shape[d], end);
+        }
+      }
+    }
+  }
+  for (const Ltm& l : ltms) {
+    if (l.dtype != t->dtype) {
+      return doc.Error(absl::StrCat("tensor '", name, "': shards disagree on dtype (",
+                                    DTypeName(t->dtype), " and ", DTypeName(l.dtype), ")"));
+    }
+    if ((l.has_global_shape && l.global_shape != t->global_shape) ||
+        l.offset.size() != t->global_shape.size()) {
+      return doc.Error(absl::StrCat("tensor '", name, "': shards disagree on global_shape"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+// Metadata.flat_mapping, when present: flat key -> its structured path.
+absl::Status ReadFlatMapping(const Document& doc, const Object& root,
+                             std::map<std::string, std::vector<std::string>>* out) {
+  if (std::optional<Value> fm = doc.Field(root, "flat_mapping"); fm && fm->kind != Kind::kNone) {
+    CKPT_ASSIGN_OR_RETURN(const std::vector<Value>* items, doc.DictItems(*fm, "flat_mapping"));
+    for (size_t k = 0; k + 1 < items->size(); k += 2) {
+      CKPT_ASSIGN_OR_RETURN(const std::string* flat_key, doc.Text((*items)[k], "flat_mapping key"));
+      std::vector<std::string> path;
+      if ((*items)[k + 1].kind == Kind::kStr) {
+        CKPT_ASSIGN_OR_RETURN(const std::string* t, doc.Text((*items)[k + 1], "flat_mapping"));
+        path.push_back(*t);
+      } else {
+        CKPT_ASSIGN_OR_RETURN(const std::vector<Value>* parts,
+                              doc.Items((*items)[k + 1], "flat_mapping value"));
+        for (const Value& p : *parts) {
+          CKPT_ASSIGN_OR_RETURN(const std::string* t, doc.Text(p, "flat_mapping value"));
+          path.push_back(*t);
+        }
+      }
+      (*out)[*flat_key] = std::move(path);
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<CheckpointMetadata> PaddleMetadataToModel(const Document& doc) {
   CKPT_ASSIGN_OR_RETURN(const Object* root, doc.Obj(doc.root, "metadata"));
   if (doc.Tag(*root) != kTagPdMetadata) {
@@ -385,36 +449,8 @@ absl::StatusOr<CheckpointMetadata> PaddleMetadataToModel(const Document& doc) {
   by_key.reserve(storage->size() / 2);
   for (auto& [name, ltms] : infos) {
     TensorMeta& t = m.tensors[name];
-    if (!ltms.empty()) {
-      const Ltm& first = ltms.front();
-      t.dtype = first.dtype;
-      if (first.has_global_shape) {
-        t.global_shape = first.global_shape;
-      } else {
-        t.global_shape.assign(first.offset.size(), 0);
-        for (const Ltm& l : ltms) {
-          if (l.offset.size() != t.global_shape.size()) continue;  // refused below
-          for (size_t d = 0; d < l.offset.size(); ++d) {
-            int64_t end = 0;  // checked: found by tests/fuzz:pickle
-            if (d >= l.local_shape.size() || l.offset[d] < 0 || l.local_shape[d] < 0 ||
-                __builtin_add_overflow(l.offset[d], l.local_shape[d], &end)) {
-              return doc.Error(absl::StrCat("tensor '", name, "': a shard's global_offset + "
-                                            "local_shape is out of range on axis ", d));
-            }
-            t.global_shape[d] = std::max(t.global_shape[d], end);
-          }
-        }
-      }
-    }
+    CKPT_RETURN_IF_ERROR(TensorFromShards(doc, name, ltms, &t));
     for (const Ltm& l : ltms) {
-      if (l.dtype != t.dtype) {
-        return doc.Error(absl::StrCat("tensor '", name, "': shards disagree on dtype (",
-                                      DTypeName(t.dtype), " and ", DTypeName(l.dtype), ")"));
-      }
-      if ((l.has_global_shape && l.global_shape != t.global_shape) ||
-          l.offset.size() != t.global_shape.size()) {
-        return doc.Error(absl::StrCat("tensor '", name, "': shards disagree on global_shape"));
-      }
       by_key[ShardKey(name, l.offset, l.flat)] = {&l, &t};
     }
     t.shards.reserve(ltms.size());
@@ -473,25 +509,7 @@ absl::StatusOr<CheckpointMetadata> PaddleMetadataToModel(const Document& doc) {
     s.replica_id = static_cast<int>(lti->replica);
     it->second.second->shards.push_back(std::move(s));
   }
-  if (std::optional<Value> fm = doc.Field(*root, "flat_mapping"); fm && fm->kind != Kind::kNone) {
-    CKPT_ASSIGN_OR_RETURN(const std::vector<Value>* items, doc.DictItems(*fm, "flat_mapping"));
-    for (size_t k = 0; k + 1 < items->size(); k += 2) {
-      CKPT_ASSIGN_OR_RETURN(const std::string* flat_key, doc.Text((*items)[k], "flat_mapping key"));
-      std::vector<std::string> path;
-      if ((*items)[k + 1].kind == Kind::kStr) {
-        CKPT_ASSIGN_OR_RETURN(const std::string* t, doc.Text((*items)[k + 1], "flat_mapping"));
-        path.push_back(*t);
-      } else {
-        CKPT_ASSIGN_OR_RETURN(const std::vector<Value>* parts,
-                              doc.Items((*items)[k + 1], "flat_mapping value"));
-        for (const Value& p : *parts) {
-          CKPT_ASSIGN_OR_RETURN(const std::string* t, doc.Text(p, "flat_mapping value"));
-          path.push_back(*t);
-        }
-      }
-      m.flat_mapping[*flat_key] = std::move(path);
-    }
-  }
+  CKPT_RETURN_IF_ERROR(ReadFlatMapping(doc, *root, &m.flat_mapping));
   return m;
 }
 

@@ -7,11 +7,15 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
+#include "core/pickle_reader.h"
 #include "core/status_macros.h"
 
 namespace ckpt {
 namespace pickle {
 namespace {
+
+using internal::LoadLE;
+using internal::Reader;
 
 // Opcodes (Python's pickletools names).
 enum Op : uint8_t {
@@ -84,122 +88,6 @@ constexpr OpName kOpNames[] = {
     {0x97, "NEXT_BUFFER"}, {0x98, "READONLY_BUFFER"},
 };
 
-constexpr size_t kWindow = 1 << 20;
-
-uint64_t LoadLE(const uint8_t* p, int n) {
-  uint64_t v = 0;
-  for (int i = n - 1; i >= 0; --i) v = (v << 8) | p[i];
-  return v;
-}
-
-// Buffered positional reader over [begin, end) of a file, aware of pickle
-// frames: no read may cross the end of the current frame.
-class Reader {
- public:
-  Reader(const RandomAccessFile& f, uint64_t begin, uint64_t end)
-      : f_(f), pos_(begin), end_(end), win_start_(begin), win_end_(begin) {}
-
-  uint64_t pos() const { return pos_; }
-  uint64_t end() const { return end_; }
-  const absl::Status& io_error() const { return io_error_; }
-  // Why the last Take/Skip/ReadInto failed (when io_error is OK).
-  const std::string& why() const { return why_; }
-
-  // Makes `n` (<= kWindow) contiguous bytes available at *p and advances.
-  bool Take(uint64_t n, const uint8_t** p) {
-    if (!Span(n)) return false;
-    if (pos_ < win_start_ || pos_ + n > win_end_) {
-      if (!Fill(n)) return false;
-    }
-    *p = buf_.data() + (pos_ - win_start_);
-    pos_ += n;
-    return true;
-  }
-
-  bool Skip(uint64_t n) {
-    if (!Span(n)) return false;
-    pos_ += n;
-    return true;
-  }
-
-  bool ReadInto(uint64_t n, std::string* out) {
-    if (!Span(n)) return false;
-    out->resize(n);
-    uint64_t done = 0;
-    // Bytes already in the window first, then straight from the file.
-    if (pos_ >= win_start_ && pos_ < win_end_) {
-      done = std::min<uint64_t>(n, win_end_ - pos_);
-      std::memcpy(out->data(), buf_.data() + (pos_ - win_start_), done);
-    }
-    if (done < n) {
-      absl::Status s = f_.Read(pos_ + done, n - done, out->data() + done);
-      if (!s.ok()) {
-        io_error_ = s;
-        return false;
-      }
-    }
-    pos_ += n;
-    return true;
-  }
-
-  // FRAME: the next `n` bytes form a frame.
-  bool BeginFrame(uint64_t n) {
-    if (frame_end_ != 0 && pos_ < frame_end_) {
-      why_ = absl::StrCat("FRAME inside an unfinished frame (which ends at byte ", frame_end_,
-                          ")");
-      return false;
-    }
-    if (n > end_ - pos_) {
-      why_ = absl::StrCat("truncated frame: FRAME of ", n, " bytes but only ", end_ - pos_,
-                          " bytes follow");
-      return false;
-    }
-    frame_end_ = pos_ + n;
-    return true;
-  }
-
- private:
-  bool Span(uint64_t n) {
-    if (frame_end_ != 0) {
-      if (pos_ == frame_end_) {
-        frame_end_ = 0;  // the frame is used up; continue unframed
-      } else if (n > frame_end_ - pos_) {
-        why_ = absl::StrCat("a read of ", n, " bytes crosses the end of the frame at byte ",
-                            frame_end_);
-        return false;
-      }
-    }
-    if (n > end_ - pos_) {
-      why_ = absl::StrCat("truncated: ", n, " bytes needed but the pickle ends after ",
-                          end_ - pos_);
-      return false;
-    }
-    return true;
-  }
-
-  bool Fill(uint64_t n) {
-    uint64_t len = std::min<uint64_t>(std::max<uint64_t>(kWindow, n), end_ - pos_);
-    if (buf_.size() < len) buf_.resize(len);
-    absl::Status s = f_.Read(pos_, len, buf_.data());
-    if (!s.ok()) {
-      io_error_ = s;
-      return false;
-    }
-    win_start_ = pos_;
-    win_end_ = pos_ + len;
-    return true;
-  }
-
-  const RandomAccessFile& f_;
-  uint64_t pos_, end_;
-  uint64_t win_start_, win_end_;
-  uint64_t frame_end_ = 0;
-  std::vector<uint8_t> buf_;
-  absl::Status io_error_;
-  std::string why_;
-};
-
-// UTF-8 text whose code points are all < 256 -> latin-1 bytes.
 bool Utf8ToLatin1(absl::string_view s, std::string* out) {
   out->clear();
   out->reserve(s.size());
@@ -796,16 +684,6 @@ absl::string_view OpcodeName(uint8_t op) {
   return "";
 }
 
-absl::Status MemoryFile::Read(uint64_t offset, uint64_t n, void* dst) const {
-  if (offset > data_.size() || n > data_.size() - offset) {
-    return absl::OutOfRangeError(absl::StrCat(path_, ": truncated: read of ", n,
-                                              " bytes at offset ", offset, " past the end (",
-                                              data_.size(), " bytes)"));
-  }
-  if (n > 0) std::memcpy(dst, data_.data() + offset, n);
-  return absl::OkStatus();
-}
-
 absl::StatusOr<Document> Parse(const RandomAccessFile& file, uint64_t begin, uint64_t end,
                                const Options& options) {
   if (begin > end || end > file.size()) {
@@ -821,115 +699,6 @@ absl::StatusOr<Document> ParseBuffer(const std::string& path, absl::string_view 
                                      const Options& options) {
   MemoryFile f(path, data);
   return Parse(f, 0, data.size(), options);
-}
-
-// ---- Document -------------------------------------------------------------
-
-absl::Status Document::Error(absl::string_view what) const {
-  return absl::DataLossError(absl::StrCat(path, ": ", what));
-}
-
-std::string Document::Describe(const Value& v) const {
-  switch (v.kind) {
-    case Kind::kInvalid: return "an unset value";
-    case Kind::kNone: return "None";
-    case Kind::kBool: return v.i ? "True" : "False";
-    case Kind::kInt: return absl::StrCat("int ", v.i);
-    case Kind::kFloat: {
-      double d;
-      std::memcpy(&d, &v.i, sizeof d);
-      return absl::StrCat("float ", d);
-    }
-    case Kind::kStr: {
-      const Str& s = strs[v.ref];
-      if (!s.loaded) return absl::StrCat("str of ", s.length, " bytes");
-      std::string t = s.text.size() > 60 ? s.text.substr(0, 60) + "..." : s.text;
-      return absl::StrCat("str '", absl::CHexEscape(t), "'");
-    }
-    case Kind::kBytes: return absl::StrCat("bytes of ", bytes[v.ref].length);
-    case Kind::kTuple: return absl::StrCat("tuple of ", seqs[v.ref].items.size());
-    case Kind::kList: return absl::StrCat("list of ", seqs[v.ref].items.size());
-    case Kind::kDict: return absl::StrCat("dict of ", seqs[v.ref].items.size() / 2);
-    case Kind::kGlobal:
-      return absl::StrCat("global ", globals[v.ref].module, ".", globals[v.ref].name);
-    case Kind::kObject: return absl::StrCat("object ", ClassName(objects[v.ref]));
-  }
-  return "?";
-}
-
-std::string Document::ClassName(const Object& o) const {
-  if (o.global < 0) return "persistent id";
-  const AllowedGlobal& g = globals[o.global];
-  return absl::StrCat(g.module, ".", g.name);
-}
-
-int Document::Tag(const Object& o) const { return o.global < 0 ? -1 : globals[o.global].tag; }
-
-int Document::GlobalTag(const Value& v) const {
-  return v.kind == Kind::kGlobal ? globals[v.ref].tag : -1;
-}
-
-absl::StatusOr<int64_t> Document::Int(const Value& v, absl::string_view what) const {
-  if (v.kind == Kind::kInt || v.kind == Kind::kBool) return v.i;
-  return Error(absl::StrCat(what, ": expected an int, found ", Describe(v)));
-}
-
-absl::StatusOr<bool> Document::Bool(const Value& v, absl::string_view what) const {
-  if (v.kind == Kind::kBool || v.kind == Kind::kInt) return v.i != 0;
-  if (v.kind == Kind::kNone) return false;
-  return Error(absl::StrCat(what, ": expected a bool, found ", Describe(v)));
-}
-
-absl::StatusOr<const std::string*> Document::Text(const Value& v, absl::string_view what) const {
-  if (v.kind == Kind::kStr && strs[v.ref].loaded) return &strs[v.ref].text;
-  return Error(absl::StrCat(what, ": expected a str, found ", Describe(v)));
-}
-
-absl::StatusOr<const std::vector<Value>*> Document::Items(const Value& v,
-                                                          absl::string_view what) const {
-  if (v.kind == Kind::kTuple || v.kind == Kind::kList) return &seqs[v.ref].items;
-  return Error(absl::StrCat(what, ": expected a tuple or list, found ", Describe(v)));
-}
-
-absl::StatusOr<const std::vector<Value>*> Document::DictItems(const Value& v,
-                                                              absl::string_view what) const {
-  if (v.kind == Kind::kDict) return &seqs[v.ref].items;
-  return Error(absl::StrCat(what, ": expected a dict, found ", Describe(v)));
-}
-
-absl::StatusOr<const Object*> Document::Obj(const Value& v, absl::string_view what) const {
-  if (v.kind == Kind::kObject) return &objects[v.ref];
-  return Error(absl::StrCat(what, ": expected an object, found ", Describe(v)));
-}
-
-absl::StatusOr<Shape> Document::IntList(const Value& v, absl::string_view what) const {
-  CKPT_ASSIGN_OR_RETURN(const std::vector<Value>* items, Items(v, what));
-  Shape out;
-  out.reserve(items->size());
-  for (const Value& x : *items) {
-    if (x.kind != Kind::kInt) {
-      return Error(absl::StrCat(what, ": expected ints, found ", Describe(x)));
-    }
-    out.push_back(x.i);
-  }
-  return out;
-}
-
-std::optional<Value> Document::DictGet(const Value& dict, absl::string_view key) const {
-  if (dict.kind != Kind::kDict) return std::nullopt;
-  const std::vector<Value>& items = seqs[dict.ref].items;
-  for (size_t k = items.size(); k >= 2; k -= 2) {
-    const Value& kv = items[k - 2];
-    if (kv.kind == Kind::kStr && strs[kv.ref].loaded && strs[kv.ref].text == key) {
-      return items[k - 1];
-    }
-  }
-  return std::nullopt;
-}
-
-std::optional<Value> Document::Field(const Object& o, absl::string_view field) const {
-  if (!o.has_state) return std::nullopt;
-  return DictGet(o.state, field);
 }
 
 }  // namespace pickle

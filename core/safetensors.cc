@@ -69,105 +69,101 @@ absl::StatusOr<SafetensorsHeader> ReadSafetensorsHeader(const RandomAccessFile& 
   return ParseSafetensorsHeader(path, header, file.size());
 }
 
-absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(const std::string& path,
-                                                         const std::string& text,
-                                                         uint64_t file_size) {
-  SafetensorsHeader h;
-  h.file_size = file_size;
-  h.data_start = 8 + text.size();
-  if (h.data_start > file_size) return Corrupt(path, "header runs past the end of the file");
-  const uint64_t data_len = file_size - h.data_start;
-  if (text.empty() || text[0] != '{') return Corrupt(path, "header does not start with '{'");
-  // simdjson (DESIGN.md: hot header parsing): headers of 10^4-10^5 tensors.
-  simdjson::dom::parser parser;
-  simdjson::dom::element root;
-  if (auto err = parser.parse(text).get(root); err != simdjson::SUCCESS) {
-    return Corrupt(path, absl::StrCat("header is not valid JSON: ", simdjson::error_message(err)));
+namespace {
+
+using simdjson::dom::element_type;
+
+// A JSON integer >= 0 (simdjson keeps those under 2^63 as INT64).
+std::optional<uint64_t> UnsignedOf(const simdjson::dom::element& e) {
+  if (e.type() == element_type::UINT64) return e.get_uint64().value_unsafe();
+  if (e.type() == element_type::INT64 && e.get_int64().value_unsafe() >= 0) {
+    return static_cast<uint64_t>(e.get_int64().value_unsafe());
   }
-  simdjson::dom::object j;
-  if (root.get(j) != simdjson::SUCCESS) return Corrupt(path, "header is not a JSON object");
-  using simdjson::dom::element_type;
-  // A JSON integer >= 0 (simdjson keeps those under 2^63 as INT64).
-  auto unsigned_of = [](const simdjson::dom::element& e) -> std::optional<uint64_t> {
-    if (e.type() == element_type::UINT64) return e.get_uint64().value_unsafe();
-    if (e.type() == element_type::INT64 && e.get_int64().value_unsafe() >= 0) {
-      return static_cast<uint64_t>(e.get_int64().value_unsafe());
+  return std::nullopt;
+}
+
+// The header's "__metadata__": string values only.
+absl::Status ParseHeaderMetadata(const std::string& path, const simdjson::dom::element& v,
+                                 std::map<std::string, std::string>* out) {
+  simdjson::dom::object md;
+  if (v.get(md) != simdjson::SUCCESS) return Corrupt(path, "__metadata__ is not an object");
+  for (simdjson::dom::key_value_pair m : md) {
+    std::string_view value;
+    if (m.value.get(value) != simdjson::SUCCESS) {
+      return Corrupt(path, absl::StrCat("__metadata__ value for '", std::string(m.key),
+                                        "' is not a string"));
     }
-    return std::nullopt;
-  };
-  absl::flat_hash_set<std::string> names;
-  for (simdjson::dom::key_value_pair kv : j) {
-    const std::string name(kv.key);
-    const simdjson::dom::element& v = kv.value;
-    if (name == "__metadata__") {
-      simdjson::dom::object md;
-      if (v.get(md) != simdjson::SUCCESS) return Corrupt(path, "__metadata__ is not an object");
-      for (simdjson::dom::key_value_pair m : md) {
-        std::string_view value;
-        if (m.value.get(value) != simdjson::SUCCESS) {
-          return Corrupt(path, absl::StrCat("__metadata__ value for '", std::string(m.key),
-                                            "' is not a string"));
-        }
-        h.metadata[std::string(m.key)] = std::string(value);
-      }
-      continue;
-    }
-    const std::string where = absl::StrCat("tensor '", name, "'");
-    if (!names.insert(name).second) return Corrupt(path, absl::StrCat(where, " appears twice"));
-    simdjson::dom::object obj;
-    if (v.get(obj) != simdjson::SUCCESS) {
-      return Corrupt(path, absl::StrCat(where, " is not an object"));
-    }
-    std::string_view dt;
-    simdjson::dom::array sh, off;
-    if (obj["dtype"].get(dt) != simdjson::SUCCESS) {
-      return Corrupt(path, absl::StrCat(where, " has no string 'dtype'"));
-    }
-    if (obj["shape"].get(sh) != simdjson::SUCCESS) {
-      return Corrupt(path, absl::StrCat(where, " has no array 'shape'"));
-    }
-    if (obj["data_offsets"].get(off) != simdjson::SUCCESS || off.size() != 2) {
-      return Corrupt(path, absl::StrCat(where, " has no 2-element 'data_offsets'"));
-    }
-    SafetensorsTensor t;
-    t.name = name;
-    auto dtype = ParseDType(std::string(dt));
-    if (!dtype.ok()) return Corrupt(path, absl::StrCat(where, ": ", dtype.status().message()));
-    t.dtype = *dtype;
-    for (simdjson::dom::element d : sh) {
-      std::optional<uint64_t> x = unsigned_of(d);
-      if (!x) {
-        return Corrupt(path, absl::StrCat(where, " has a shape entry that is not a "
-                                                 "non-negative integer"));
-      }
-      if (*x > static_cast<uint64_t>(INT64_MAX)) {
-        return Corrupt(path, absl::StrCat(where, " has a shape entry over int64"));
-      }
-      t.shape.push_back(static_cast<int64_t>(*x));
-    }
-    std::optional<uint64_t> ob = unsigned_of(off.at(0).value_unsafe());
-    std::optional<uint64_t> oe = unsigned_of(off.at(1).value_unsafe());
-    if (!ob || !oe) {
-      return Corrupt(path, absl::StrCat(where, " has data_offsets that are not non-negative "
-                                               "integers"));
-    }
-    const uint64_t b = *ob, e = *oe;
-    if (e < b) return Corrupt(path, absl::StrCat(where, " has data_offsets end < begin"));
-    if (e > data_len) {
-      return Corrupt(path, absl::StrCat(where, " has data_offsets [", b, ", ", e,
-                                        ") past the end of the data (", data_len,
-                                        " bytes): file truncated or offsets wrong"));
-    }
-    auto nbytes = CheckedNumBytes(t.shape, DTypeSize(t.dtype));
-    if (!nbytes.ok()) return Corrupt(path, absl::StrCat(where, ": ", nbytes.status().message()));
-    if (static_cast<uint64_t>(*nbytes) != e - b) {
-      return Corrupt(path, absl::StrCat(where, " holds ", e - b, " bytes but ", DTypeName(t.dtype),
-                                        ShapeString(t.shape), " needs ", *nbytes));
-    }
-    t.begin = h.data_start + b;
-    t.end = h.data_start + e;
-    h.tensors.push_back(std::move(t));
+    (*out)[std::string(m.key)] = std::string(value);
   }
+  return absl::OkStatus();
+}
+
+// One tensor's entry: dtype, shape and data_offsets (relative to the data
+// area of `data_len` bytes), its byte count matching dtype and shape.
+// begin/end are left relative.
+absl::StatusOr<SafetensorsTensor> ParseTensorEntry(const std::string& path,
+                                                   const std::string& name,
+                                                   const simdjson::dom::element& v,
+                                                   uint64_t data_len) {
+  const std::string where = absl::StrCat("tensor '", name, "'");
+  simdjson::dom::object obj;
+  if (v.get(obj) != simdjson::SUCCESS) {
+    return Corrupt(path, absl::StrCat(where, " is not an object"));
+  }
+  std::string_view dt;
+  simdjson::dom::array sh, off;
+  if (obj["dtype"].get(dt) != simdjson::SUCCESS) {
+    return Corrupt(path, absl::StrCat(where, " has no string 'dtype'"));
+  }
+  if (obj["shape"].get(sh) != simdjson::SUCCESS) {
+    return Corrupt(path, absl::StrCat(where, " has no array 'shape'"));
+  }
+  if (obj["data_offsets"].get(off) != simdjson::SUCCESS || off.size() != 2) {
+    return Corrupt(path, absl::StrCat(where, " has no 2-element 'data_offsets'"));
+  }
+  SafetensorsTensor t;
+  t.name = name;
+  auto dtype = ParseDType(std::string(dt));
+  if (!dtype.ok()) return Corrupt(path, absl::StrCat(where, ": ", dtype.status().message()));
+  t.dtype = *dtype;
+  for (simdjson::dom::element d : sh) {
+    std::optional<uint64_t> x = UnsignedOf(d);
+    if (!x) {
+      return Corrupt(path, absl::StrCat(where, " has a shape entry that is not a "
+                                               "non-negative integer"));
+    }
+    if (*x > static_cast<uint64_t>(INT64_MAX)) {
+      return Corrupt(path, absl::StrCat(where, " has a shape entry over int64"));
+    }
+    t.shape.push_back(static_cast<int64_t>(*x));
+  }
+  std::optional<uint64_t> ob = UnsignedOf(off.at(0).value_unsafe());
+  std::optional<uint64_t> oe = UnsignedOf(off.at(1).value_unsafe());
+  if (!ob || !oe) {
+    return Corrupt(path, absl::StrCat(where, " has data_offsets that are not non-negative "
+                                             "integers"));
+  }
+  const uint64_t b = *ob, e = *oe;
+  if (e < b) return Corrupt(path, absl::StrCat(where, " has data_offsets end < begin"));
+  if (e > data_len) {
+    return Corrupt(path, absl::StrCat(where, " has data_offsets [", b, ", ", e,
+                                      ") past the end of the data (", data_len,
+                                      " bytes): file truncated or offsets wrong"));
+  }
+  auto nbytes = CheckedNumBytes(t.shape, DTypeSize(t.dtype));
+  if (!nbytes.ok()) return Corrupt(path, absl::StrCat(where, ": ", nbytes.status().message()));
+  if (static_cast<uint64_t>(*nbytes) != e - b) {
+    return Corrupt(path, absl::StrCat(where, " holds ", e - b, " bytes but ", DTypeName(t.dtype),
+                                      ShapeString(t.shape), " needs ", *nbytes));
+  }
+  t.begin = b;
+  t.end = e;
+  return t;
+}
+
+// The tensors tile the data area: sorted by offset, no overlap, no hole.
+absl::Status CheckTensorsTile(const std::string& path, SafetensorsHeader& h) {
+  const uint64_t data_len = h.file_size - h.data_start;
   std::sort(h.tensors.begin(), h.tensors.end(),
             [](const SafetensorsTensor& a, const SafetensorsTensor& b) {
               return a.begin != b.begin ? a.begin < b.begin : a.end < b.end;
@@ -185,10 +181,48 @@ absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(const std::string& path
     }
     pos = t.end;
   }
-  if (pos != file_size) {
+  if (pos != h.file_size) {
     return Corrupt(path, absl::StrCat("data area is ", data_len, " bytes but the tensors cover ",
                                       pos - h.data_start));
   }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<SafetensorsHeader> ParseSafetensorsHeader(const std::string& path,
+                                                         const std::string& text,
+                                                         uint64_t file_size) {
+  SafetensorsHeader h;
+  h.file_size = file_size;
+  h.data_start = 8 + text.size();
+  if (h.data_start > file_size) return Corrupt(path, "header runs past the end of the file");
+  const uint64_t data_len = file_size - h.data_start;
+  if (text.empty() || text[0] != '{') return Corrupt(path, "header does not start with '{'");
+  // simdjson (DESIGN.md: hot header parsing): headers of 10^4-10^5 tensors.
+  simdjson::dom::parser parser;
+  simdjson::dom::element root;
+  if (auto err = parser.parse(text).get(root); err != simdjson::SUCCESS) {
+    return Corrupt(path, absl::StrCat("header is not valid JSON: ", simdjson::error_message(err)));
+  }
+  simdjson::dom::object j;
+  if (root.get(j) != simdjson::SUCCESS) return Corrupt(path, "header is not a JSON object");
+  absl::flat_hash_set<std::string> names;
+  for (simdjson::dom::key_value_pair kv : j) {
+    const std::string name(kv.key);
+    if (name == "__metadata__") {
+      CKPT_RETURN_IF_ERROR(ParseHeaderMetadata(path, kv.value, &h.metadata));
+      continue;
+    }
+    if (!names.insert(name).second) {
+      return Corrupt(path, absl::StrCat("tensor '", name, "' appears twice"));
+    }
+    CKPT_ASSIGN_OR_RETURN(SafetensorsTensor t, ParseTensorEntry(path, name, kv.value, data_len));
+    t.begin += h.data_start;
+    t.end += h.data_start;
+    h.tensors.push_back(std::move(t));
+  }
+  CKPT_RETURN_IF_ERROR(CheckTensorsTile(path, h));
   return h;
 }
 

@@ -295,25 +295,17 @@ absl::StatusOr<TorchSavedTensor> ReadTorchSaveTensor(const RandomAccessFile& f, 
   return t;
 }
 
-absl::StatusOr<CheckpointMetadata> TorchDcpToModel(const Document& doc, const Directory& dir,
-                                                   std::vector<std::string>* skipped,
-                                                   std::map<std::string, FileStamp>* stamps) {
-  CKPT_ASSIGN_OR_RETURN(const Object* root, doc.Obj(doc.root, "metadata"));
-  if (doc.Tag(*root) != kTagTMetadata) {
-    return doc.Error(absl::StrCat("root is ", doc.ClassName(*root), ", not torch DCP Metadata"));
-  }
-  std::optional<Value> sdm = doc.Field(*root, "state_dict_metadata");
-  std::optional<Value> sd = doc.Field(*root, "storage_data");
-  if (!sdm || !sd) return doc.Error("Metadata without state_dict_metadata/storage_data");
-  CKPT_ASSIGN_OR_RETURN(const std::vector<Value>* tensors,
-                        doc.DictItems(*sdm, "state_dict_metadata"));
-  CKPT_ASSIGN_OR_RETURN(const std::vector<Value>* storage, doc.DictItems(*sd, "storage_data"));
+// A DCP storage item: where one chunk's torch.save bytes lie.
+struct StorageItem {
+  std::string file;
+  uint64_t offset = 0, length = 0;
+};
+using StorageItems = absl::flat_hash_map<std::string, StorageItem>;  // by ChunkKey
 
-  struct Item {
-    std::string file;
-    uint64_t offset = 0, length = 0;
-  };
-  absl::flat_hash_map<std::string, Item> items;
+// Metadata.storage_data: MetadataIndex -> _StorageInfo pairs, by chunk key.
+absl::StatusOr<StorageItems> ReadStorageItems(const Document& doc,
+                                              const std::vector<Value>* storage) {
+  StorageItems items;
   items.reserve(storage->size() / 2);
   for (size_t k = 0; k + 1 < storage->size(); k += 2) {
     const std::string w = absl::StrCat("storage_data entry ", k / 2);
@@ -330,7 +322,7 @@ absl::StatusOr<CheckpointMetadata> TorchDcpToModel(const Document& doc, const Di
     if (std::optional<Value> off = doc.Field(*mi, "offset"); off && off->kind != Kind::kNone) {
       CKPT_ASSIGN_OR_RETURN(offsets, doc.IntList(*off, absl::StrCat(w, ".offset")));
     }
-    Item it;
+    StorageItem it;
     std::optional<Value> rp = doc.Field(*si, "relative_path");
     std::optional<Value> so = doc.Field(*si, "offset");
     std::optional<Value> sl = doc.Field(*si, "length");
@@ -356,6 +348,81 @@ absl::StatusOr<CheckpointMetadata> TorchDcpToModel(const Document& doc, const Di
     }
     items[ChunkKey(*name, offsets)] = std::move(it);
   }
+  return items;
+}
+
+// One chunk of tensor `name` (ChunkStorageMetadata offsets/sizes): its
+// storage item opened (files kept in `files`, stamped into `stamps`) and
+// the torch.save record there checked against the metadata's size and dtype.
+absl::StatusOr<ShardMeta> ChunkShard(const Document& doc, const Directory& dir,
+                                     const std::string& name, const std::string& cw,
+                                     const Value& offs, const Value& sizes, DType dtype,
+                                     const StorageItems& items,
+                                     std::map<std::string, std::unique_ptr<RandomAccessFile>>& files,
+                                     std::map<std::string, FileStamp>* stamps) {
+  ShardMeta s;
+  CKPT_ASSIGN_OR_RETURN(s.box.offset, doc.IntList(offs, cw));
+  CKPT_ASSIGN_OR_RETURN(s.box.shape, doc.IntList(sizes, cw));
+  s.dtype = dtype;
+  auto it = items.find(ChunkKey(name, s.box.offset));
+  if (it == items.end()) {
+    return doc.Error(absl::StrCat("tensor '", name, "' chunk ", BoxString(s.box),
+                                  " has no storage_data entry"));
+  }
+  const StorageItem& item = it->second;
+  if (!IsPlainFileName(item.file)) {
+    return doc.Error(absl::StrCat("tensor '", name, "': relative_path '", item.file,
+                                  "' is not a plain file name inside the directory"));
+  }
+  auto& file = files[item.file];
+  if (!file) {
+    auto f = dir.OpenFile(item.file);
+    if (!f.ok()) {
+      return absl::Status(f.status().code(),
+                          absl::StrCat("checkpoint ", dir.path(), ": data file '", item.file,
+                                       "' named by the metadata cannot be opened: ",
+                                       f.status().message()));
+    }
+    if (stamps != nullptr) {
+      CKPT_ASSIGN_OR_RETURN((*stamps)[item.file], (*f)->Stamp());
+    }
+    file = std::move(*f);
+  }
+  auto saved = ReadTorchSaveTensor(*file, item.offset, item.length);
+  if (!saved.ok()) {
+    return Annotate(saved.status(), absl::StrCat("tensor '", name, "' chunk ", BoxString(s.box)));
+  }
+  if (saved->size != s.box.shape) {
+    return absl::DataLossError(absl::StrCat(
+        file->path(), ": tensor '", name, "' chunk ", BoxString(s.box), " holds size ",
+        ShapeString(saved->size), " instead of ", ShapeString(s.box.shape)));
+  }
+  if (saved->dtype != dtype) {
+    return absl::DataLossError(absl::StrCat(file->path(), ": tensor '", name, "' holds ",
+                                            DTypeName(saved->dtype), " but the metadata says ",
+                                            DTypeName(dtype)));
+  }
+  s.file = item.file;
+  s.data_offset = saved->data_offset;
+  s.nbytes = saved->nbytes;
+  return s;
+}
+
+absl::StatusOr<CheckpointMetadata> TorchDcpToModel(const Document& doc, const Directory& dir,
+                                                   std::vector<std::string>* skipped,
+                                                   std::map<std::string, FileStamp>* stamps) {
+  CKPT_ASSIGN_OR_RETURN(const Object* root, doc.Obj(doc.root, "metadata"));
+  if (doc.Tag(*root) != kTagTMetadata) {
+    return doc.Error(absl::StrCat("root is ", doc.ClassName(*root), ", not torch DCP Metadata"));
+  }
+  std::optional<Value> sdm = doc.Field(*root, "state_dict_metadata");
+  std::optional<Value> sd = doc.Field(*root, "storage_data");
+  if (!sdm || !sd) return doc.Error("Metadata without state_dict_metadata/storage_data");
+  CKPT_ASSIGN_OR_RETURN(const std::vector<Value>* tensors,
+                        doc.DictItems(*sdm, "state_dict_metadata"));
+  CKPT_ASSIGN_OR_RETURN(const std::vector<Value>* storage, doc.DictItems(*sd, "storage_data"));
+
+  CKPT_ASSIGN_OR_RETURN(const StorageItems items, ReadStorageItems(doc, storage));
 
   CheckpointMetadata m;
   std::map<std::string, std::unique_ptr<RandomAccessFile>> files;
@@ -399,51 +466,8 @@ absl::StatusOr<CheckpointMetadata> TorchDcpToModel(const Document& doc, const Di
       if (doc.Tag(*co) != kTagTChunkStorageMetadata || !offs || !sizes) {
         return doc.Error(absl::StrCat(cw, " is not a ChunkStorageMetadata{offsets, sizes}"));
       }
-      ShardMeta s;
-      CKPT_ASSIGN_OR_RETURN(s.box.offset, doc.IntList(*offs, cw));
-      CKPT_ASSIGN_OR_RETURN(s.box.shape, doc.IntList(*sizes, cw));
-      s.dtype = t.dtype;
-      auto it = items.find(ChunkKey(*name, s.box.offset));
-      if (it == items.end()) {
-        return doc.Error(absl::StrCat("tensor '", *name, "' chunk ", BoxString(s.box),
-                                      " has no storage_data entry"));
-      }
-      const Item& item = it->second;
-      if (!IsPlainFileName(item.file)) {
-        return doc.Error(absl::StrCat("tensor '", *name, "': relative_path '", item.file,
-                                      "' is not a plain file name inside the directory"));
-      }
-      auto& file = files[item.file];
-      if (!file) {
-        auto f = dir.OpenFile(item.file);
-        if (!f.ok()) {
-          return absl::Status(f.status().code(),
-                              absl::StrCat("checkpoint ", dir.path(), ": data file '", item.file,
-                                           "' named by the metadata cannot be opened: ",
-                                           f.status().message()));
-        }
-        if (stamps != nullptr) {
-          CKPT_ASSIGN_OR_RETURN((*stamps)[item.file], (*f)->Stamp());
-        }
-        file = std::move(*f);
-      }
-      auto saved = ReadTorchSaveTensor(*file, item.offset, item.length);
-      if (!saved.ok()) {
-        return Annotate(saved.status(), absl::StrCat("tensor '", *name, "' chunk ", BoxString(s.box)));
-      }
-      if (saved->size != s.box.shape) {
-        return absl::DataLossError(absl::StrCat(
-            file->path(), ": tensor '", *name, "' chunk ", BoxString(s.box), " holds size ",
-            ShapeString(saved->size), " instead of ", ShapeString(s.box.shape)));
-      }
-      if (saved->dtype != t.dtype) {
-        return absl::DataLossError(absl::StrCat(file->path(), ": tensor '", *name, "' holds ",
-                                                DTypeName(saved->dtype), " but the metadata says ",
-                                                DTypeName(t.dtype)));
-      }
-      s.file = item.file;
-      s.data_offset = saved->data_offset;
-      s.nbytes = saved->nbytes;
+      CKPT_ASSIGN_OR_RETURN(ShardMeta s, ChunkShard(doc, dir, *name, cw, *offs, *sizes, t.dtype,
+                                                    items, files, stamps));
       t.shards.push_back(std::move(s));
     }
     m.tensors[*name] = std::move(t);

@@ -52,6 +52,7 @@ struct JobFigures;     // daemon_internal.h
 struct LoadJobRecord;  // metrics.h
 struct LocalPart;      // plan_codec.h
 struct LocalSave;      // plan_codec.h
+struct PlanPartContext;  // plan_codec.h
 
 class Daemon {
  public:
@@ -172,6 +173,10 @@ class Daemon {
   // path and coordinator_rank; the node needs a peer_listen).
   absl::StatusOr<peer::v1::JoinRequest> LoadJoinOf(const Job& job,
                                                    const std::vector<std::shared_ptr<RankSlot>>& slots);
+  // What LocalPartOf/LocalSaveOf check a part from `coordinator` against:
+  // the job, this node and its ranks' targets.
+  PlanPartContext PartContext(const Job& job, const std::vector<std::shared_ptr<RankSlot>>& slots,
+                              const std::string& coordinator) const;
   // This node's share of `part` from `coordinator`, checked
   // (server/plan_codec.h) into *out, and the reads it serves to peers
   // registered in `dj`. A refused part is this node's failure (returned).

@@ -363,6 +363,17 @@ absl::StatusOr<peer::v1::JoinRequest> Daemon::LoadJoinOf(
   return own;
 }
 
+PlanPartContext Daemon::PartContext(const Job& job,
+                                    const std::vector<std::shared_ptr<RankSlot>>& slots,
+                                    const std::string& coordinator) const {
+  PlanPartContext pctx;
+  pctx.job_id = job.id;
+  pctx.node = config_.peer_listen;
+  pctx.sender = coordinator;
+  pctx.world_size = job.world_size;
+  for (const auto& s : slots) pctx.ranks.push_back(&s->targets);
+  return pctx;
+}
 
 absl::Status Daemon::AdoptPart(const Job& job, const std::vector<std::shared_ptr<RankSlot>>& slots,
                                const std::shared_ptr<DistJob>& dj, const peer::v1::PlanPart& part,
@@ -371,12 +382,7 @@ absl::Status Daemon::AdoptPart(const Job& job, const std::vector<std::shared_ptr
   // Every index, range, file, node and rank in it is checked first
   // (server/plan_codec.h): a part that fails is this node's failure,
   // reported to the coordinator like any other.
-  PlanPartContext pctx;
-  pctx.job_id = job.id;
-  pctx.node = me;
-  pctx.sender = coordinator;
-  pctx.world_size = job.world_size;
-  for (const auto& s : slots) pctx.ranks.push_back(&s->targets);
+  PlanPartContext pctx = PartContext(job, slots, coordinator);
   // The coordinator cuts reads at its io_request_size as PlanLoad does.
   pctx.limits.max_read_bytes = config_.io_request_size == 0
                                    ? UINT64_MAX

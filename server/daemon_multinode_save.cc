@@ -146,14 +146,8 @@ absl::StatusOr<LocalSave> Daemon::AdoptSavePart(const Job& job,
                                                 const std::shared_ptr<DistJob>& dj,
                                                 const peer::v1::PlanPart& part,
                                                 const std::string& coordinator) {
-  const std::string& me = config_.peer_listen;
-  PlanPartContext pctx;
-  pctx.job_id = job.id;
-  pctx.node = me;
-  pctx.sender = coordinator;
-  pctx.world_size = job.world_size;
-  for (const auto& s : slots) pctx.ranks.push_back(&s->targets);
-  absl::StatusOr<LocalSave> local = LocalSaveOf(part, pctx, job.unique_id.value_or(0));
+  absl::StatusOr<LocalSave> local =
+      LocalSaveOf(part, PartContext(job, slots, coordinator), job.unique_id.value_or(0));
   const absl::Status& exec = local.status();
   {
     absl::MutexLock lock(&peer_mu_);
