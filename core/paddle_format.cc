@@ -350,6 +350,8 @@ absl::StatusOr<Lti> ParseLti(const Document& doc, const Value& k, const Value& v
 
 }  // namespace
 
+namespace {
+
 // A tensor's dtype and global shape from its shards' LocalTensorMetadata
 // (their global_shape, else the extent of their offsets + local shapes);
 // every shard must agree.
@@ -413,6 +415,8 @@ absl::Status ReadFlatMapping(const Document& doc, const Object& root,
   }
   return absl::OkStatus();
 }
+
+}  // namespace
 
 absl::StatusOr<CheckpointMetadata> PaddleMetadataToModel(const Document& doc) {
   CKPT_ASSIGN_OR_RETURN(const Object* root, doc.Obj(doc.root, "metadata"));

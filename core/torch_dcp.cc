@@ -295,6 +295,8 @@ absl::StatusOr<TorchSavedTensor> ReadTorchSaveTensor(const RandomAccessFile& f, 
   return t;
 }
 
+namespace {
+
 // A DCP storage item: where one chunk's torch.save bytes lie.
 struct StorageItem {
   std::string file;
@@ -407,6 +409,8 @@ absl::StatusOr<ShardMeta> ChunkShard(const Document& doc, const Directory& dir,
   s.nbytes = saved->nbytes;
   return s;
 }
+
+}  // namespace
 
 absl::StatusOr<CheckpointMetadata> TorchDcpToModel(const Document& doc, const Directory& dir,
                                                    std::vector<std::string>* skipped,

@@ -98,11 +98,15 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
     }
   }
   // A version still being persisted (asynchronous save) is not visible yet:
-  // wait for it, so a load right after a save finds it (in memory).
-  AwaitPersistsInto(job->path, absl::Now() + config_.load_timeout);
+  // wait for it, so a load right after a save finds it (in memory). A node
+  // of a multi-node job waits at most peer_timeout: its peers wait for its
+  // join (or its plan) no longer than that.
+  const absl::Duration wait =
+      distributed ? std::min(config_.load_timeout, config_.peer_timeout) : config_.load_timeout;
+  AwaitPersistsInto(job->path, absl::Now() + wait);
   // The previous load's background fill of this checkpoint first: what the
   // cache serves does not depend on timing (server/catalog/cache_filler.h).
-  if (!filler_->Wait(job->path + "/", config_.load_timeout)) {
+  if (!filler_->Wait(job->path + "/", wait)) {
     spdlog::warn("job {}: the cache fill of {} did not finish in time; loading anyway", job->id,
                  job->path);
   }
@@ -164,11 +168,11 @@ absl::StatusOr<ckpt::LoadStats> Daemon::RunNodePart(
   for (size_t i = 0; i < slots.size(); ++i) {
     dests.push_back(PrepareDestinations(*slots[i], plan.ranks[i]));
   }
+  uint64_t total = 0;
+  for (const ckpt::ReadRange& r : plan.reads) total += r.length;
   {
     absl::MutexLock lock(&mu_);
     job->phase = std::string(phase);
-    uint64_t total = 0;
-    for (const ckpt::ReadRange& r : plan.reads) total += r.length;
     job->total = total;
   }
   ckpt::SourceOptions storage_options;

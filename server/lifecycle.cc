@@ -320,9 +320,13 @@ int RunDaemon(DaemonConfig config, const std::vector<std::string>& budget_notes)
   if (absl::Status s = ClaimSockets(config); !s.ok()) return Fail(std::string(s.message()));
   if (absl::Status s = daemon.Start(); !s.ok()) return Fail(std::string(s.message()));
   grpc::EnableDefaultHealthCheckService(true);  // every server below has grpc.health.v1
-  Listeners l;
-  // Up before the client socket appears, so a node whose socket exists can be joined.
+  // The services outlive the servers that call them (declared first,
+  // destroyed last), also those a SIGHUP rotation is still retiring.
   PeerService peer_service(&daemon);
+  std::optional<CkptdService> service;
+  Listeners l;
+  // The peer service is up before the client socket appears, so a node whose
+  // socket exists can be joined.
   if (!config.peer_listen.empty()) {
     if (absl::Status s = StartPeerService(&config, &daemon, &peer_service, &l); !s.ok()) {
       return Fail(std::string(s.message()));
@@ -334,12 +338,12 @@ int RunDaemon(DaemonConfig config, const std::vector<std::string>& budget_notes)
     l.uds = std::move(*u);
     l.have_socket = ::stat(config.socket.c_str(), &l.own_socket) == 0;
   }
-  CkptdService service(&daemon, CallerLookup(l.uds, config.tcp_uid));
+  service.emplace(&daemon, CallerLookup(l.uds, config.tcp_uid));
   auto stop_listeners = [&l] {
     if (l.grpc) l.grpc->Shutdown(std::chrono::system_clock::now());
     if (l.peer) l.peer->Shutdown(std::chrono::system_clock::now());
   };
-  if (absl::Status s = StartGrpc(&config, &service, &l); !s.ok()) {
+  if (absl::Status s = StartGrpc(&config, &*service, &l); !s.ok()) {
     stop_listeners();
     return Fail(std::string(s.message()));
   }

@@ -14,6 +14,7 @@
 #ifndef CKPTD_SERVER_CATALOG_METADATA_CACHE_H_
 #define CKPTD_SERVER_CATALOG_METADATA_CACHE_H_
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <memory>
