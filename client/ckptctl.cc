@@ -25,6 +25,7 @@
 #include "absl/strings/str_split.h"
 #include "core/aoa.h"
 #include "core/checkpoint.h"
+#include "core/convert.h"
 #include "core/foreign.h"
 #include "core/layout.h"
 #include "core/offline.h"

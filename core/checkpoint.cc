@@ -14,6 +14,8 @@
 #include "absl/strings/str_join.h"
 #include "core/file.h"
 #include "core/foreign.h"
+#include "core/paddle_format.h"
+#include "core/torch_dcp.h"
 #include "core/safetensors.h"
 #include "core/status_macros.h"
 
@@ -315,6 +317,36 @@ absl::StatusOr<Checkpoint> OpenCheckpoint(const std::string& dir, const OpenOpti
     CKPT_RETURN_IF_ERROR(CheckDataFiles(ckpt, *d));
   }
   return ckpt;
+}
+
+absl::Status OpenPickledCheckpoint(Checkpoint* ckpt, const Directory& dir,
+                                   const std::string& metadata_file, const std::string& bytes) {
+  const std::string path = JoinPath(ckpt->dir, metadata_file);
+  CKPT_ASSIGN_OR_RETURN(pickle::Document doc,
+                        pickle::ParseBuffer(path, bytes, MetadataPickleOptions()));
+  CKPT_ASSIGN_OR_RETURN(const pickle::Object* root, doc.Obj(doc.root, "metadata root"));
+  CheckpointMetadata m;
+  switch (doc.Tag(*root)) {
+    case kTagPdMetadata: {
+      ckpt->format = CheckpointFormat::kPaddle;
+      CKPT_ASSIGN_OR_RETURN(m, PaddleMetadataToModel(doc));
+      CKPT_RETURN_IF_ERROR(LocatePaddleData(dir, &m, &ckpt->file_stamps));
+      break;
+    }
+    case kTagTMetadata: {
+      ckpt->format = CheckpointFormat::kTorchDcp;
+      CKPT_ASSIGN_OR_RETURN(
+          m, TorchDcpToModel(doc, dir, &ckpt->skipped_items, &ckpt->file_stamps));
+      break;
+    }
+    default:
+      return doc.Error(absl::StrCat("pickled metadata whose root is ", doc.ClassName(*root),
+                                    ", neither Paddle's nor PyTorch DCP's Metadata"));
+  }
+  m.unique_id = ckpt->unique_id.value_or(0);
+  CKPT_RETURN_IF_ERROR(ValidateMetadata(m, path));
+  ckpt->metadata = std::move(m);
+  return absl::OkStatus();
 }
 
 }  // namespace ckpt

@@ -84,6 +84,14 @@ absl::StatusOr<std::vector<int64_t>> ListVersions(const std::string& dir);
 // squatting the name counts too). false when `dir` does not exist.
 absl::StatusOr<bool> VersionExists(const std::string& dir, int64_t unique_id);
 
+// Opens a checkpoint whose metadata file `metadata_file` (in `dir`, the
+// open ckpt->dir) is a pickle held in `bytes`: detects Paddle or torch DCP by
+// the root record's class and fills ckpt->format, ckpt->metadata,
+// ckpt->skipped_items and the stamps of the data files it reads
+// (ckpt->file_stamps). Data files are opened through `dir` (OpenFileAt).
+absl::Status OpenPickledCheckpoint(Checkpoint* ckpt, const Directory& dir,
+                                   const std::string& metadata_file, const std::string& bytes);
+
 }  // namespace ckpt
 
 #endif  // CKPTD_CORE_CHECKPOINT_H_

@@ -9,7 +9,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
-#include "core/safetensors.h"
+#include "core/checksum.h"
 #include "core/status_macros.h"
 #include "core/xxh3.h"
 

@@ -659,4 +659,14 @@ std::string JoinPath(absl::string_view dir, absl::string_view name) {
   return absl::StrCat(dir, "/", name);
 }
 
+absl::Status MemoryFile::Read(uint64_t offset, uint64_t n, void* dst) const {
+  if (offset > data_.size() || n > data_.size() - offset) {
+    return absl::OutOfRangeError(absl::StrCat(path_, ": truncated: read of ", n,
+                                              " bytes at offset ", offset, " past the end (",
+                                              data_.size(), " bytes)"));
+  }
+  if (n > 0) std::memcpy(dst, data_.data() + offset, n);
+  return absl::OkStatus();
+}
+
 }  // namespace ckpt

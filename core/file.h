@@ -222,6 +222,19 @@ absl::StatusOr<DirLock> LockDirectory(const std::string& dir, int64_t wait_ms = 
 // Reads a whole small file (metadata, JSON), refusing files over `max_bytes`.
 absl::StatusOr<std::string> ReadSmallFile(const std::string& path, uint64_t max_bytes);
 
+// A RandomAccessFile over memory (pickles embedded in other files, tests).
+class MemoryFile : public RandomAccessFile {
+ public:
+  MemoryFile(std::string path, absl::string_view data) : path_(std::move(path)), data_(data) {}
+  const std::string& path() const override { return path_; }
+  uint64_t size() const override { return data_.size(); }
+  absl::Status Read(uint64_t offset, uint64_t n, void* dst) const override;
+
+ private:
+  std::string path_;
+  absl::string_view data_;
+};
+
 // Joins a directory and a file name with exactly one '/'.
 std::string JoinPath(absl::string_view dir, absl::string_view name);
 

@@ -9,11 +9,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "core/layout.h"
-#include "core/offline.h"
-#include "core/paddle_format.h"
 #include "core/status_macros.h"
-#include "core/torch_dcp.h"
 
 namespace ckpt {
 namespace {
@@ -166,121 +162,6 @@ bool StoredDTypeCompatible(DType metadata, DType file) {
   return false;
 }
 
-absl::Status OpenPickledCheckpoint(Checkpoint* ckpt, const Directory& dir,
-                                   const std::string& metadata_file, const std::string& bytes) {
-  const std::string path = JoinPath(ckpt->dir, metadata_file);
-  CKPT_ASSIGN_OR_RETURN(pickle::Document doc,
-                        pickle::ParseBuffer(path, bytes, MetadataPickleOptions()));
-  CKPT_ASSIGN_OR_RETURN(const pickle::Object* root, doc.Obj(doc.root, "metadata root"));
-  CheckpointMetadata m;
-  switch (doc.Tag(*root)) {
-    case kTagPdMetadata: {
-      ckpt->format = CheckpointFormat::kPaddle;
-      CKPT_ASSIGN_OR_RETURN(m, PaddleMetadataToModel(doc));
-      CKPT_RETURN_IF_ERROR(LocatePaddleData(dir, &m, &ckpt->file_stamps));
-      break;
-    }
-    case kTagTMetadata: {
-      ckpt->format = CheckpointFormat::kTorchDcp;
-      CKPT_ASSIGN_OR_RETURN(
-          m, TorchDcpToModel(doc, dir, &ckpt->skipped_items, &ckpt->file_stamps));
-      break;
-    }
-    default:
-      return doc.Error(absl::StrCat("pickled metadata whose root is ", doc.ClassName(*root),
-                                    ", neither Paddle's nor PyTorch DCP's Metadata"));
-  }
-  m.unique_id = ckpt->unique_id.value_or(0);
-  CKPT_RETURN_IF_ERROR(ValidateMetadata(m, path));
-  ckpt->metadata = std::move(m);
-  return absl::OkStatus();
-}
 
-absl::StatusOr<ConvertReport> ConvertCheckpoint(const std::string& src_dir,
-                                                const std::string& out_dir,
-                                                const ConvertOptions& options) {
-  char a[PATH_MAX], b[PATH_MAX];
-  if (realpath(src_dir.c_str(), a) != nullptr && realpath(out_dir.c_str(), b) != nullptr &&
-      std::string(a) == std::string(b)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("convert: the output directory ", out_dir, " is the source directory"));
-  }
-  OpenOptions oo;
-  oo.unique_id = options.source_unique_id;
-  oo.confine = options.confine;
-  CKPT_ASSIGN_OR_RETURN(Checkpoint src, OpenCheckpoint(src_dir, oo));
-  ConvertReport report;
-  report.source_format = src.format;
-  report.skipped_items = src.skipped_items;
-  std::map<std::string, int> file_rank;
-  for (const std::string& f : src.data_files) {
-    file_rank.emplace(f, static_cast<int>(file_rank.size()));
-  }
-  // Replica-0 shards grouped by (tensor, file, box); contiguous flattened
-  // pieces of one box in one file are joined (whole again if they cover it).
-  struct Piece {
-    int64_t begin, end;
-  };
-  std::map<std::tuple<std::string, std::string, Shape, Shape>, std::vector<Piece>> groups;
-  for (const auto& [name, t] : src.metadata.tensors) {
-    for (const ShardMeta& s : t.shards) {
-      if (s.replica_id != 0) continue;
-      const int64_t n = NumElements(s.box.shape);
-      Piece p = s.flat_range ? Piece{s.flat_range->begin, s.flat_range->end} : Piece{0, n};
-      groups[{name, s.file, s.box.offset, s.box.shape}].push_back(p);
-    }
-  }
-  std::vector<RankTargets> ranks(file_rank.size());
-  for (size_t r = 0; r < ranks.size(); ++r) ranks[r].rank = static_cast<int>(r);
-  std::vector<std::map<std::string, int>> held(ranks.size());
-  for (auto& [key, pieces] : groups) {
-    const auto& [name, file, offset, shape] = key;
-    const TensorMeta& t = src.metadata.tensors.at(name);
-    std::sort(pieces.begin(), pieces.end(),
-              [](const Piece& x, const Piece& y) { return x.begin < y.begin; });
-    std::vector<Piece> merged;
-    for (const Piece& p : pieces) {
-      if (!merged.empty() && merged.back().end == p.begin) {
-        merged.back().end = p.end;
-      } else {
-        merged.push_back(p);
-      }
-    }
-    const int64_t n = NumElements(shape);
-    for (const Piece& p : merged) {
-      TargetTensor tt;
-      tt.name = name;
-      tt.dtype = t.dtype;
-      tt.global_shape = t.global_shape;
-      tt.box = Box{offset, shape};
-      if (!(p.begin == 0 && p.end == n)) tt.flat_range = FlatRange{p.begin, p.end};
-      // The rank of the source file, or the first extra rank that does not
-      // hold this tensor yet (a rank holds at most one shard of a tensor).
-      size_t r = static_cast<size_t>(file_rank.at(file));
-      while (r < ranks.size() && held[r].count(name)) {
-        r = r < file_rank.size() ? file_rank.size() : r + 1;
-      }
-      if (r >= ranks.size()) {
-        ranks.push_back(RankTargets{static_cast<int>(r), {}});
-        held.emplace_back();
-      }
-      held[r][name] = 1;
-      report.bytes += tt.num_bytes();
-      ranks[r].tensors.push_back(std::move(tt));
-    }
-  }
-  Layout layout;
-  layout.world_size = static_cast<int>(ranks.size());
-  layout.ranks = std::move(ranks);
-  ShardOptions so;
-  so.source_unique_id = src.unique_id;
-  so.unique_id = options.unique_id;
-  so.threads = options.threads;
-  so.confine = options.confine;
-  CKPT_RETURN_IF_ERROR(ShardCheckpoint(src_dir, layout, out_dir, so));
-  report.files_written = layout.world_size;
-  report.tensors = src.metadata.tensors.size();
-  return report;
-}
 
 }  // namespace ckpt

@@ -18,7 +18,7 @@
 
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
-#include "core/checkpoint.h"
+#include "core/file.h"
 #include "core/metadata.h"
 #include "core/pickle.h"
 
@@ -72,37 +72,6 @@ const char* TorchStorageName(DType d);
 // Whether the first bytes of a file are a pickle (PROTO opcode 0x80).
 bool LooksPickled(absl::string_view head);
 
-// Opens a checkpoint whose metadata file `metadata_file` (in `dir`, the
-// open ckpt->dir) is a pickle held in `bytes`: detects Paddle or torch DCP by
-// the root record's class and fills ckpt->format, ckpt->metadata,
-// ckpt->skipped_items and the stamps of the data files it reads
-// (ckpt->file_stamps). Data files are opened through `dir` (OpenFileAt).
-absl::Status OpenPickledCheckpoint(Checkpoint* ckpt, const Directory& dir,
-                                   const std::string& metadata_file, const std::string& bytes);
-
-struct ConvertOptions {
-  std::optional<int64_t> source_unique_id;
-  int64_t unique_id = 0;  // version written
-  int threads = 2;
-  bool confine = false;  // for the source checkpoint (OpenOptions::confine)
-};
-
-struct ConvertReport {
-  CheckpointFormat source_format = CheckpointFormat::kNative;
-  int files_written = 0;
-  size_t tensors = 0;
-  uint64_t bytes = 0;
-  std::vector<std::string> skipped_items;
-};
-
-// Writes the checkpoint at `src_dir` (any readable format) into `out_dir` in
-// the native format, shard for shard: each source data file becomes one
-// rank's `{rank}_{uid}.safetensors` (pieces of one tensor that a source file
-// held apart, such as Paddle's split big params, are joined back; replicas
-// are not copied), with checksums.
-absl::StatusOr<ConvertReport> ConvertCheckpoint(const std::string& src_dir,
-                                                const std::string& out_dir,
-                                                const ConvertOptions& options);
 
 // Accepting a file dtype for a metadata dtype: equal, or the same size when
 // the file stores a 16-bit float as uint16/int16 (numpy has no bfloat16) or

@@ -183,19 +183,6 @@ absl::StatusOr<Document> Parse(const RandomAccessFile& file, uint64_t begin, uin
 absl::StatusOr<Document> ParseBuffer(const std::string& path, absl::string_view data,
                                      const Options& options);
 
-// A RandomAccessFile over memory (tests, pickles embedded in other files).
-class MemoryFile : public RandomAccessFile {
- public:
-  MemoryFile(std::string path, absl::string_view data) : path_(std::move(path)), data_(data) {}
-  const std::string& path() const override { return path_; }
-  uint64_t size() const override { return data_.size(); }
-  absl::Status Read(uint64_t offset, uint64_t n, void* dst) const override;
-
- private:
-  std::string path_;
-  absl::string_view data_;
-};
-
 // Name of a pickle opcode ("BINGET"), or "" when unknown.
 absl::string_view OpcodeName(uint8_t op);
 

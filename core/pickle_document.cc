@@ -1,4 +1,4 @@
-// pickle::Document's accessors and MemoryFile (pickle.h); the machine that
+// pickle::Document's accessors (pickle.h); the machine that
 // builds a Document is pickle.cc.
 #include <cstring>
 
@@ -11,15 +11,6 @@
 namespace ckpt {
 namespace pickle {
 
-absl::Status MemoryFile::Read(uint64_t offset, uint64_t n, void* dst) const {
-  if (offset > data_.size() || n > data_.size() - offset) {
-    return absl::OutOfRangeError(absl::StrCat(path_, ": truncated: read of ", n,
-                                              " bytes at offset ", offset, " past the end (",
-                                              data_.size(), " bytes)"));
-  }
-  if (n > 0) std::memcpy(dst, data_.data() + offset, n);
-  return absl::OkStatus();
-}
 
 // ---- Document -------------------------------------------------------------
 

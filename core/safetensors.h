@@ -21,6 +21,7 @@
 
 #include "absl/status/statusor.h"
 #include "core/box.h"
+#include "core/checksum.h"
 #include "core/dtype.h"
 #include "core/file.h"
 
@@ -71,13 +72,6 @@ struct WrittenTensor {
   std::vector<uint64_t> xxh3;
 };
 
-// Checksums cover blocks of this many bytes of a shard, so a load that reads
-// a shard in pieces can still verify every whole block it reads.
-inline constexpr uint64_t kChecksumBlock = 64ull << 20;
-
-// XXH3-64 of each `block`-byte block of `data`.
-std::vector<uint64_t> BlockChecksums(const void* data, size_t n, uint64_t block = kChecksumBlock);
-
 // Writes a safetensors file atomically and durably (temp name, fsync,
 // rename, directory fsync: AtomicFileWriter). The header is padded with
 // spaces so the data area starts on a 4 KiB boundary (page aligned reads).
@@ -95,8 +89,6 @@ absl::StatusOr<std::vector<WrittenTensor>> WriteSafetensorsIn(
     const std::vector<TensorToWrite>& tensors, const std::map<std::string, std::string>& metadata,
     uint64_t checksum_block = 64ull << 20);
 
-// XXH3-64 of a buffer (the checksum recorded in checkpoint metadata).
-uint64_t Checksum(const void* data, size_t n);
 
 }  // namespace ckpt
 

@@ -67,11 +67,11 @@ Result ReadItem(const ckpt::RandomAccessFile& f, uint64_t begin, uint64_t length
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   const std::string item = ckptd_fuzz::Str(data, size);
-  ckpt::pickle::MemoryFile alone("__0_0.distcp", item);
+  ckpt::MemoryFile alone("__0_0.distcp", item);
   const Result a = ReadItem(alone, 0, size);
 
   const std::string framed = std::string(kPrefix, 'P') + item + std::string(kSuffix, 'S');
-  ckpt::pickle::MemoryFile inside("__0_0.distcp", framed);
+  ckpt::MemoryFile inside("__0_0.distcp", framed);
   const Result b = ReadItem(inside, kPrefix, size);
 
   FUZZ_CHECK(a.dir_ok == b.dir_ok && a.entries.size() == b.entries.size() &&

@@ -95,7 +95,7 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
   ckptd_fuzz::Note("OpenPickledCheckpoint", opened);
 
   // 2. A Paddle data file.
-  ckpt::pickle::MemoryFile file("0_0.distcp", bytes);
+  ckpt::MemoryFile file("0_0.distcp", bytes);
   auto index = ckpt::ReadPaddleDataFile(file);
   ckptd_fuzz::Note("ReadPaddleDataFile", index.status());
   if (index.ok()) {

@@ -253,6 +253,54 @@ def include_violations():
     return out
 
 
+def module_of(rel, modules):
+    """The module a source file belongs to: its path without extension, or a
+    sibling module its name extends with '_' (aoa_parse.cc and aoa_internal.h
+    are aoa's; daemon_load.cc is daemon's)."""
+    base = os.path.splitext(rel)[0]
+    d, name = os.path.split(base)
+    parts = name.split("_")
+    for k in range(1, len(parts)):
+        cand = os.path.join(d, "_".join(parts[:k]))
+        if cand in modules:
+            return cand
+    return base
+
+
+def module_cycles(top):
+    """Cycles among the modules of `top` (core/ or server/): module A depends
+    on B when a file of A includes a header of B. A cycle (checkpoint.cc
+    including foreign.h, which includes checkpoint.h) means neither can be
+    built, read or tested without the other."""
+    files = sources([top])
+    modules = {os.path.splitext(f)[0] for f in files}
+    graph = {}
+    for rel in files:
+        a = module_of(rel, modules)
+        for m in INCLUDE.finditer(read(rel)):
+            if m.group(1) == '"' and m.group(2) in files:
+                b = module_of(m.group(2), modules)
+                if b != a:
+                    graph.setdefault(a, set()).add(b)
+    cycles, state = [], {}
+
+    def visit(node, path):
+        state[node] = 1
+        path.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                cycles.append(path[path.index(nxt):] + [nxt])
+            elif nxt not in state:
+                visit(nxt, path)
+        path.pop()
+        state[node] = 2
+
+    for node in sorted(graph):
+        if node not in state:
+            visit(node, [])
+    return cycles
+
+
 def line_count(rel):
     return len(read(rel).splitlines())
 
@@ -341,6 +389,11 @@ class LayeringTest(unittest.TestCase):
         problems += [f"{rel}: no longer includes the peer protocol; remove it from "
                      "ALLOWED_PEER_PROTO" for rel in sorted(ALLOWED_PEER_PROTO - users)]
         self.assertFalse(problems, "layer violations:\n" + "\n".join(problems))
+
+    def test_no_include_cycles(self):
+        cycles = module_cycles("core") + module_cycles("server")
+        self.assertFalse(cycles, "modules that include each other:\n" +
+                         "\n".join(" -> ".join(c) for c in cycles))
 
     def test_file_sizes(self):
         found = {}
