@@ -21,9 +21,9 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
-#include "core/file.h"
-#include "core/status_macros.h"
-#include "core/writer.h"
+#include "core/io/file.h"
+#include "core/base/status_macros.h"
+#include "core/write/writer.h"
 
 namespace ckpt::bench {
 

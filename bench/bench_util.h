@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "core/layout.h"
-#include "core/planner.h"
+#include "core/tools/layout.h"
+#include "core/plan/planner.h"
 
 namespace ckpt::bench {
 

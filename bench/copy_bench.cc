@@ -30,9 +30,9 @@
 #include <vector>
 
 #include "bench/bench_util.h"
-#include "core/box.h"
-#include "core/copy.h"
-#include "core/dtype.h"
+#include "core/base/box.h"
+#include "core/exec/copy.h"
+#include "core/base/dtype.h"
 
 namespace ckpt {
 namespace {

@@ -58,9 +58,9 @@
 #include "absl/strings/str_cat.h"
 #include "bench/bench_util.h"
 #include "client/ckptd_client.h"
-#include "core/checkpoint.h"
-#include "core/executor.h"
-#include "core/file.h"
+#include "core/format/checkpoint.h"
+#include "core/exec/executor.h"
+#include "core/io/file.h"
 
 extern char** environ;
 

@@ -25,11 +25,11 @@
 #include <vector>
 
 #include "bench/bench_util.h"
-#include "core/checkpoint.h"
-#include "core/executor.h"
-#include "core/file.h"
-#include "core/offline.h"
-#include "core/safetensors.h"
+#include "core/format/checkpoint.h"
+#include "core/exec/executor.h"
+#include "core/io/file.h"
+#include "core/tools/offline.h"
+#include "core/format/safetensors.h"
 
 namespace ckpt::bench {
 namespace {

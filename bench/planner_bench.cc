@@ -28,8 +28,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "bench/bench_util.h"
-#include "core/metadata.h"
-#include "core/planner.h"
+#include "core/format/metadata.h"
+#include "core/plan/planner.h"
 
 extern char** environ;
 

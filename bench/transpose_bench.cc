@@ -17,9 +17,9 @@
 #include <string>
 #include <vector>
 
-#include "core/box.h"
-#include "core/copy.h"
-#include "core/dtype.h"
+#include "core/base/box.h"
+#include "core/exec/copy.h"
+#include "core/base/dtype.h"
 
 namespace ckpt {
 namespace {

@@ -21,7 +21,7 @@
 #include "absl/synchronization/mutex.h"
 #include "ckptd_version.h"
 #include "client/cuda/device_export.h"
-#include "core/status_macros.h"
+#include "core/base/status_macros.h"
 #include "proto/ckpt.grpc.pb.h"
 #include "proto/fd_socket.h"
 

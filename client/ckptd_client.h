@@ -24,9 +24,9 @@
 
 #include "absl/status/statusor.h"
 #include "absl/time/time.h"
-#include "core/box.h"
-#include "core/dtype.h"
-#include "core/metadata.h"
+#include "core/base/box.h"
+#include "core/base/dtype.h"
+#include "core/format/metadata.h"
 #include "proto/ckpt.pb.h"
 
 namespace ckptd {

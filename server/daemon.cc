@@ -32,13 +32,13 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "core/aoa.h"
-#include "core/executor.h"
-#include "core/file.h"
-#include "core/foreign.h"
-#include "core/status_macros.h"
-#include "core/torch_dcp.h"
-#include "core/writer.h"
+#include "core/plan/aoa.h"
+#include "core/exec/executor.h"
+#include "core/io/file.h"
+#include "core/format/foreign.h"
+#include "core/base/status_macros.h"
+#include "core/format/torch_dcp.h"
+#include "core/write/writer.h"
 
 namespace ckptd {
 

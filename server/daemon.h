@@ -26,11 +26,11 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "config/config.h"
-#include "core/cache.h"
-#include "core/checkpoint.h"
-#include "core/executor.h"
-#include "core/planner.h"
-#include "core/writer.h"
+#include "core/cache/cache.h"
+#include "core/format/checkpoint.h"
+#include "core/exec/executor.h"
+#include "core/plan/planner.h"
+#include "core/write/writer.h"
 #include "proto/ckpt.pb.h"
 #include <grpcpp/security/server_credentials.h>
 
@@ -289,7 +289,7 @@ class Daemon {
                             const std::function<bool(const v1::LoadEvent&)>& send,
                             const std::function<bool()>& cancelled);
   // process_memory destinations: checks the caller's targets and cookie,
-  // opens its process (core/process_memory.h).
+  // opens its process (core/exec/process_memory.h).
   absl::Status PrepareProcessSlot(const Caller& caller, const v1::LoadRequest& request,
                                   const std::string& who, RankSlot& slot);
   absl::StatusOr<std::unique_ptr<ckpt::Delivery>> JobDelivery(

@@ -18,13 +18,13 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "core/file.h"
-#include "core/status_macros.h"
+#include "core/io/file.h"
+#include "core/base/status_macros.h"
 #include "server/daemon.h"
 #include "server/daemon_internal.h"
-#include "core/foreign.h"
-#include "core/torch_dcp.h"
-#include "core/writer.h"
+#include "core/format/foreign.h"
+#include "core/format/torch_dcp.h"
+#include "core/write/writer.h"
 
 namespace ckptd {
 

@@ -21,11 +21,11 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_join.h"
-#include "core/file.h"
-#include "core/status_macros.h"
+#include "core/io/file.h"
+#include "core/base/status_macros.h"
 #include "server/daemon.h"
 #include "server/daemon_internal.h"
-#include "core/process_memory.h"
+#include "core/exec/process_memory.h"
 #include "proto/fd_socket.h"
 
 namespace ckptd {
@@ -256,7 +256,7 @@ absl::Status Daemon::PrepareProcessSlot(const Caller& caller, const v1::LoadRequ
   slot.process_memory = std::shared_ptr<ckpt::ProcessMemory>(std::move(*memory));
   remote.memory = slot.process_memory;
   if (pm.views() && fd_receiver_ && cache_.CanExport()) {
-    // Cached bytes are left to the client to copy (core/cache_view.h).
+    // Cached bytes are left to the client to copy (core/cache/cache_view.h).
     slot.views = std::make_shared<ckpt::ViewRecorder>(&cache_, caller.uid, slot.process_memory,
                                                       std::move(ranges));
     remote.memory = slot.views;

@@ -17,7 +17,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
-#include "core/executor.h"
+#include "core/exec/executor.h"
 #include "proto/peer.pb.h"
 #include "server/daemon.h"
 

@@ -18,9 +18,9 @@
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "core/executor.h"
-#include "core/cache_view.h"
-#include "core/process_memory.h"
+#include "core/exec/executor.h"
+#include "core/cache/cache_view.h"
+#include "core/exec/process_memory.h"
 #include "server/await.h"
 #include "server/daemon.h"
 

@@ -25,8 +25,8 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "core/aoa.h"
-#include "core/executor.h"
+#include "core/plan/aoa.h"
+#include "core/exec/executor.h"
 #include "server/daemon.h"
 #include "server/daemon_internal.h"
 #include "server/metrics.h"

@@ -5,7 +5,7 @@
 //  1. Each daemon waits for its own ranks (the local barrier in Load).
 //  2. The daemon serving `coordinator_rank` gathers every node's ranks and
 //     readable data files through Join, plans once, assigns every read to
-//     one node (core/balancer.h) and answers each Join with that node's part.
+//     one node (core/plan/balancer.h) and answers each Join with that node's part.
 //  3. Every node executes its part: reads assigned to it come from storage
 //     (through its data cache) and are served to the nodes that need them
 //     (FetchRead, chunked gRPC stream: flow-controlled, one read in memory
@@ -30,11 +30,11 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "core/aoa.h"
-#include "core/balancer.h"
-#include "core/executor.h"
-#include "core/status_macros.h"
-#include "core/xxh3.h"
+#include "core/plan/aoa.h"
+#include "core/plan/balancer.h"
+#include "core/exec/executor.h"
+#include "core/base/status_macros.h"
+#include "core/base/xxh3.h"
 #include "server/daemon.h"
 #include "server/daemon_dist.h"
 #include "server/daemon_internal.h"

@@ -24,9 +24,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "core/file.h"
-#include "core/status_macros.h"
-#include "core/writer.h"
+#include "core/io/file.h"
+#include "core/base/status_macros.h"
+#include "core/write/writer.h"
 #include "server/daemon.h"
 #include "server/daemon_dist.h"
 #include "server/daemon_internal.h"

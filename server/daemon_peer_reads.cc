@@ -12,9 +12,9 @@
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
-#include "core/executor.h"
-#include "core/status_macros.h"
-#include "core/xxh3.h"
+#include "core/exec/executor.h"
+#include "core/base/status_macros.h"
+#include "core/base/xxh3.h"
 #include "server/daemon.h"
 #include "server/daemon_dist.h"
 #include "server/daemon_internal.h"

@@ -5,7 +5,7 @@
 // rules; the code follows them:
 //  - staged bytes count against save_buffer, charged per rank before any
 //    copy; a rank waits (bounded by its barrier timeout) while it is full;
-//  - a version is written as any native save is (core/writer.h: data files
+//  - a version is written as any native save is (core/write/writer.h: data files
 //    under temporary names, fsynced, renamed; the metadata last), so a
 //    daemon killed at any point leaves no part of it visible;
 //  - the persist thread runs at a low CPU and I/O priority: loads win;
@@ -23,9 +23,9 @@
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
-#include "core/file.h"
-#include "core/status_macros.h"
-#include "core/writer.h"
+#include "core/io/file.h"
+#include "core/base/status_macros.h"
+#include "core/write/writer.h"
 #include "server/daemon.h"
 #include "server/daemon_internal.h"
 

@@ -54,7 +54,7 @@ class ArenaHandler {
 };
 
 // What the daemon does with "VIEWS <token>" requests (a load's cache views,
-// core/cache_view.h) and with their connections closing.
+// core/cache/cache_view.h) and with their connections closing.
 class ViewHandler {
  public:
   virtual ~ViewHandler() = default;

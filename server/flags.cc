@@ -10,7 +10,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/time/time.h"
 #include "ckptd_version.h"
-#include "core/status_macros.h"
+#include "core/base/status_macros.h"
 #include "server/memory_budget.h"
 #include "server/pem.h"
 

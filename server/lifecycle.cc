@@ -27,7 +27,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "core/file.h"
+#include "core/io/file.h"
 #include "server/daemon.h"
 #include "server/metrics.h"
 #include "server/peer_server.h"

@@ -29,7 +29,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "core/executor.h"
+#include "core/exec/executor.h"
 #include "server/cuda/gpu.h"
 #include "proto/peer.pb.h"
 #include "server/cuda/peer_link.h"

@@ -26,7 +26,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/blocking_counter.h"
-#include "core/status_macros.h"
+#include "core/base/status_macros.h"
 #include "server/daemon.h"
 #include "server/pem.h"
 

@@ -6,10 +6,10 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
-#include "core/box.h"
-#include "core/dtype.h"
-#include "core/metadata.h"
-#include "core/status_macros.h"
+#include "core/base/box.h"
+#include "core/base/dtype.h"
+#include "core/format/metadata.h"
+#include "core/base/status_macros.h"
 
 namespace ckptd {
 namespace {

@@ -8,7 +8,7 @@
 // it, it is untrusted bytes: a faulty or malicious coordinator (or a bug)
 // may name files, reads, targets or nodes that do not exist, byte ranges
 // that overlap, overflow or leave their read, regions outside a buffer,
-// ranks this node does not serve. The executor (core/executor.h) trusts its
+// ranks this node does not serve. The executor (core/exec/executor.h) trusts its
 // plan, so:
 //
 //   PlanPartContext ctx{job_id, me, coordinator, world_size, own_ranks, limits};
@@ -36,8 +36,8 @@
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
-#include "core/planner.h"
-#include "core/writer.h"
+#include "core/plan/planner.h"
+#include "core/write/writer.h"
 #include "proto/peer.pb.h"
 
 namespace ckptd {
@@ -84,7 +84,7 @@ struct PlanPartContext {
 //  - job_id is the context's; nccl_id is empty or an ncclUniqueId (128 bytes);
 //  - nodes: distinct, non-empty, at most max_node_bytes, this node and the
 //    sender among them;
-//  - files: distinct plain file names (core/metadata.h IsPlainFileName);
+//  - files: distinct plain file names (core/format/metadata.h IsPlainFileName);
 //  - reads: a file index into files; offset + length without overflow (and
 //    within int64: file offsets), length at most max_read_bytes; sorted by
 //    file name then offset, disjoint (as PlanLoad makes them); each

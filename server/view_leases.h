@@ -1,4 +1,4 @@
-// The daemon's side of cache views (core/cache_view.h) on the fd socket:
+// The daemon's side of cache views (core/cache/cache_view.h) on the fd socket:
 // a load's views are offered under a fresh token to the uid whose load it
 // is; the client takes their fds once ("VIEWS <token>"), copies, and closes
 // the connection; the Load call waits for that (or its deadline, or the

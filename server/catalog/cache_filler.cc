@@ -11,7 +11,7 @@
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/match.h"
-#include "core/executor.h"
+#include "core/exec/executor.h"
 
 namespace ckptd {
 namespace {

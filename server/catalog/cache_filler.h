@@ -20,8 +20,8 @@
 
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "core/cache.h"
-#include "core/planner.h"
+#include "core/cache/cache.h"
+#include "core/plan/planner.h"
 
 namespace ckptd {
 

@@ -9,8 +9,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "core/planner.h"
-#include "core/status_macros.h"
+#include "core/plan/planner.h"
+#include "core/base/status_macros.h"
 
 namespace ckptd {
 namespace {

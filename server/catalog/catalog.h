@@ -14,8 +14,8 @@
 #include <cstdint>
 
 #include "absl/status/statusor.h"
-#include "core/cache.h"
-#include "core/executor.h"
+#include "core/cache/cache.h"
+#include "core/exec/executor.h"
 #include "proto/ckpt.pb.h"
 #include "server/caller.h"
 #include "server/catalog/cache_filler.h"

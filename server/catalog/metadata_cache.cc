@@ -5,7 +5,7 @@
 #include <algorithm>
 
 #include "absl/strings/match.h"
-#include "core/status_macros.h"
+#include "core/base/status_macros.h"
 
 namespace ckptd {
 

@@ -25,8 +25,8 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "core/checkpoint.h"
-#include "core/file.h"
+#include "core/format/checkpoint.h"
+#include "core/io/file.h"
 
 namespace ckptd {
 

@@ -1,4 +1,4 @@
-// A strided copy (core/copy.h CopyRegion) cut into 2-D blocks, the shape
+// A strided copy (core/exec/copy.h CopyRegion) cut into 2-D blocks, the shape
 // cudaMemcpy2DAsync takes: `height` rows of `width` elements, row r at
 // src + r * src_pitch and dst + r * dst_pitch. Offsets and pitches count
 // elements, from each layout's first stored element (flat_begin), so the
@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <functional>
 
-#include "core/copy.h"
+#include "core/exec/copy.h"
 
 namespace ckptd::gpu {
 

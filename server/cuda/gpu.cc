@@ -6,7 +6,7 @@
 #include <map>
 
 #include "absl/strings/str_cat.h"
-#include "core/copy.h"
+#include "core/exec/copy.h"
 
 namespace ckptd::gpu {
 namespace {

@@ -25,8 +25,8 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "core/cache.h"
-#include "core/executor.h"
+#include "core/cache/cache.h"
+#include "core/exec/executor.h"
 
 namespace ckptd::gpu {
 

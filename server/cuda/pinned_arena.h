@@ -1,6 +1,6 @@
 // Page-locked host memory for the data cache, carved out of large chunks.
 //
-// HostCache (core/cache.h) allocates one buffer per cached read. Pinning
+// HostCache (core/cache/cache.h) allocates one buffer per cached read. Pinning
 // (cudaHostRegister) costs time per call, so this allocator maps chunks of
 // `chunk_bytes` lazily, on the first allocation that needs room, pins each
 // chunk once, and hands out page-aligned pieces (first fit, coalescing
@@ -19,7 +19,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/synchronization/mutex.h"
-#include "core/cache.h"
+#include "core/cache/cache.h"
 
 namespace ckptd::gpu {
 

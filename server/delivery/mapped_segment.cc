@@ -13,7 +13,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/synchronization/mutex.h"
-#include "core/status_macros.h"
+#include "core/base/status_macros.h"
 #include "proto/fd_socket.h"
 
 namespace ckptd {

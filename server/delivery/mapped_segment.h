@@ -16,7 +16,7 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
-#include "core/cache.h"
+#include "core/cache/cache.h"
 #include "server/arena_pool.h"
 
 namespace ckptd {

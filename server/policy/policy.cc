@@ -13,8 +13,8 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/time/time.h"
-#include "core/dtype.h"
-#include "core/file.h"
+#include "core/base/dtype.h"
+#include "core/io/file.h"
 
 namespace ckptd {
 

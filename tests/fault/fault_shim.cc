@@ -1,6 +1,6 @@
 // Test-only fault injection at the I/O layer, preloaded into a real ckptd or
 // ckptctl process (LD_PRELOAD=libfault_shim.so). Every file read, write and
-// fsync of the engine goes through pread/write/fsync (core/file.cc); this
+// fsync of the engine goes through pread/write/fsync (core/io/file.cc); this
 // shim wraps them and, for files whose path contains a pattern, fails them
 // as a bad disk, a full disk or a racing writer would.
 //

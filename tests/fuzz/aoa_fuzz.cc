@@ -1,4 +1,4 @@
-// Fuzz target: AOA statements (core/aoa.h), which reach the daemon as
+// Fuzz target: AOA statements (core/plan/aoa.h), which reach the daemon as
 // LoadRequest.aoa_config text: ParseAoa, then resolution and planning
 // against a fixed checkpoint (fuzz_model.h, examples/tiny-model saved as
 // two ranks):
@@ -16,8 +16,8 @@
 #include <string>
 #include <vector>
 
-#include "core/aoa.h"
-#include "core/planner.h"
+#include "core/plan/aoa.h"
+#include "core/plan/planner.h"
 #include "tests/fuzz/fuzz_model.h"
 #include "tests/fuzz/fuzz_util.h"
 

@@ -1,4 +1,4 @@
-// Fuzz target: PyTorch DCP storage items (core/torch_dcp.h): each item of a
+// Fuzz target: PyTorch DCP storage items (core/format/torch_dcp.h): each item of a
 // `.distcp` file is a whole torch.save zip archive, read through its central
 // directory (ReadZipDirectory, zip64 aware), its local headers
 // (ZipEntryDataOffset) and its data.pkl (ReadTorchSaveTensor).
@@ -14,8 +14,8 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "core/pickle.h"
-#include "core/torch_dcp.h"
+#include "core/format/pickle.h"
+#include "core/format/torch_dcp.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace {

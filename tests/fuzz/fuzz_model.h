@@ -10,10 +10,10 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "core/box.h"
-#include "core/dtype.h"
-#include "core/metadata.h"
-#include "core/planner.h"
+#include "core/base/box.h"
+#include "core/base/dtype.h"
+#include "core/format/metadata.h"
+#include "core/plan/planner.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace ckptd_fuzz {
@@ -90,7 +90,7 @@ inline ckpt::TargetTensor Target(std::string name, ckpt::DType dt, ckpt::Shape g
   return t;
 }
 
-// What a plan promises the executor, which trusts it (core/planner.h): the
+// What a plan promises the executor, which trusts it (core/plan/planner.h): the
 // ranks as requested, copies naming existing targets and reads, regions
 // inside both the source box and the target box, each copy's source bytes
 // inside its read, reads naming a file of the plan, sorted by file name and

@@ -1,4 +1,4 @@
-// Fuzz target: layout files (core/layout.h), what `ckptctl shard/load
+// Fuzz target: layout files (core/tools/layout.h), what `ckptctl shard/load
 // --layout` reads: ParseLayout, then PlanLoad of the layout's ranks against a
 // fixed checkpoint (fuzz_model.h, examples/tiny-model saved as two ranks).
 //
@@ -8,8 +8,8 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "core/layout.h"
-#include "core/planner.h"
+#include "core/tools/layout.h"
+#include "core/plan/planner.h"
 #include "tests/fuzz/fuzz_model.h"
 #include "tests/fuzz/fuzz_util.h"
 

@@ -1,4 +1,4 @@
-// Fuzz target: the native metadata file `{uid}.metadata` (core/metadata.h):
+// Fuzz target: the native metadata file `{uid}.metadata` (core/format/metadata.h):
 // ParseMetadataJson, then ValidateMetadata on what parses (what
 // OpenCheckpoint does with a native checkpoint's metadata).
 //
@@ -8,7 +8,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "core/metadata.h"
+#include "core/format/metadata.h"
 #include "tests/fuzz/fuzz_util.h"
 
 extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {

@@ -1,4 +1,4 @@
-// Fuzz target: the safe pickle machine (core/pickle.h) and what reads its
+// Fuzz target: the safe pickle machine (core/format/pickle.h) and what reads its
 // documents, on every path a pickle reaches ckptd by:
 //  1. a pickled `{uid}.metadata` (Paddle flex_checkpoint or PyTorch DCP):
 //     OpenPickledCheckpoint, which parses with the metadata allow-list,
@@ -23,11 +23,11 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "core/checkpoint.h"
-#include "core/file.h"
-#include "core/foreign.h"
-#include "core/paddle_format.h"
-#include "core/pickle.h"
+#include "core/format/checkpoint.h"
+#include "core/io/file.h"
+#include "core/format/foreign.h"
+#include "core/format/paddle_format.h"
+#include "core/format/pickle.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace {

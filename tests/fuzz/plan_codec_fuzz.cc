@@ -11,7 +11,7 @@
 //    node's ranks asked for (so every check past "is this my job and my
 //    ranks" is reachable);
 //  - a part that passes: its local plan is run by the executor
-//    (core/executor.h ExecutePlan, one thread) from a source of patterned
+//    (core/exec/executor.h ExecutePlan, one thread) from a source of patterned
 //    bytes into host buffers of exactly each target's size, so any index or
 //    byte range ValidatePlanPart let through that the executor would take
 //    out of bounds is an ASan report (parts with at most 256 KiB of targets
@@ -37,8 +37,8 @@
 #include "google/protobuf/io/coded_stream.h"
 #include "google/protobuf/io/zero_copy_stream_impl_lite.h"
 #include "google/protobuf/stubs/logging.h"
-#include "core/executor.h"
-#include "core/planner.h"
+#include "core/exec/executor.h"
+#include "core/plan/planner.h"
 #include "proto/peer.pb.h"
 #include "server/plan_codec.h"
 #include "tests/fuzz/fuzz_model.h"

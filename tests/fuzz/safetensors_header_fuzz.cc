@@ -1,4 +1,4 @@
-// Fuzz target: the safetensors header parser (core/safetensors.h), which
+// Fuzz target: the safetensors header parser (core/format/safetensors.h), which
 // reads every data file of every checkpoint format before anything else.
 //
 // Input: 8 bytes little-endian, the file's total size; then the header JSON.
@@ -15,7 +15,7 @@
 #include <string>
 
 #include "absl/strings/str_cat.h"
-#include "core/safetensors.h"
+#include "core/format/safetensors.h"
 #include "tests/fuzz/fuzz_util.h"
 
 namespace {

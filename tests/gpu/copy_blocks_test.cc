@@ -7,9 +7,9 @@
 
 #include <gtest/gtest.h>
 
-#include "core/box.h"
-#include "core/copy.h"
-#include "core/dtype.h"
+#include "core/base/box.h"
+#include "core/exec/copy.h"
+#include "core/base/dtype.h"
 #include "server/cuda/copy_runs.h"
 
 namespace ckptd::gpu {

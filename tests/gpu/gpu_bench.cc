@@ -23,10 +23,10 @@
 #include <filesystem>
 #include <fstream>
 
-#include "core/cache.h"
-#include "core/checkpoint.h"
-#include "core/executor.h"
-#include "core/writer.h"
+#include "core/cache/cache.h"
+#include "core/format/checkpoint.h"
+#include "core/exec/executor.h"
+#include "core/write/writer.h"
 #include "server/cuda/gpu.h"
 #include "tests/gpu/gpu_testlib.h"
 

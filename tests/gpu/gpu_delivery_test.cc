@@ -11,9 +11,9 @@
 
 #include <gtest/gtest.h>
 
-#include "core/cache.h"
-#include "core/checkpoint.h"
-#include "core/executor.h"
+#include "core/cache/cache.h"
+#include "core/format/checkpoint.h"
+#include "core/exec/executor.h"
 #include "server/cuda/gpu.h"
 #include "tests/gpu/gpu_testlib.h"
 #include "tests/testing/temp_dir.h"

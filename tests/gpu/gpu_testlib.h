@@ -12,12 +12,12 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "core/layout.h"
-#include "core/offline.h"
-#include "core/planner.h"
+#include "core/tools/layout.h"
+#include "core/tools/offline.h"
+#include "core/plan/planner.h"
 #include "tests/testing/split.h"
-#include "core/safetensors.h"
-#include "core/writer.h"
+#include "core/format/safetensors.h"
+#include "core/write/writer.h"
 
 namespace ckpt::gputest {
 

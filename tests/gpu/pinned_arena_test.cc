@@ -1,6 +1,6 @@
 // CPU test of the data cache's pinned allocator (server/cuda/pinned_arena):
 // lazy chunks, first-fit reuse, coalescing, the limit, pin failures, and
-// HostCache drawing its entries from it (core/cache.h HostAllocator).
+// HostCache drawing its entries from it (core/cache/cache.h HostAllocator).
 #include "server/cuda/pinned_arena.h"
 
 #include <cstring>
@@ -8,7 +8,7 @@
 
 #include <gtest/gtest.h>
 
-#include "core/cache.h"
+#include "core/cache/cache.h"
 
 namespace ckptd::gpu {
 namespace {

@@ -10,10 +10,10 @@
 #include <vector>
 
 #include "client/ckptd_client.h"
-#include "core/box.h"
-#include "core/dtype.h"
-#include "core/safetensors.h"
-#include "core/writer.h"
+#include "core/base/box.h"
+#include "core/base/dtype.h"
+#include "core/format/safetensors.h"
+#include "core/write/writer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/daemon_process.h"

@@ -12,10 +12,10 @@
 #include <sstream>
 
 #include "client/ckptd_client.h"
-#include "core/layout.h"
-#include "core/offline.h"
-#include "core/safetensors.h"
-#include "core/writer.h"
+#include "core/tools/layout.h"
+#include "core/tools/offline.h"
+#include "core/format/safetensors.h"
+#include "core/write/writer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/ckpt.grpc.pb.h"

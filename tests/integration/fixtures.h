@@ -13,10 +13,10 @@
 #include <string>
 #include <vector>
 
-#include "core/layout.h"
-#include "core/planner.h"
-#include "core/safetensors.h"
-#include "core/writer.h"
+#include "core/tools/layout.h"
+#include "core/plan/planner.h"
+#include "core/format/safetensors.h"
+#include "core/write/writer.h"
 #include "gtest/gtest.h"
 #include "tests/testing/files.h"
 #include "tests/testing/split.h"

@@ -10,9 +10,9 @@
 #include <thread>
 
 #include "client/ckptd_client.h"
-#include "core/offline.h"
-#include "core/safetensors.h"
-#include "core/writer.h"
+#include "core/tools/offline.h"
+#include "core/format/safetensors.h"
+#include "core/write/writer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/integration/certs.h"

@@ -14,11 +14,11 @@
 
 #include <grpcpp/grpcpp.h>
 
-#include "core/writer.h"
+#include "core/write/writer.h"
 #include "client/ckptd_client.h"
-#include "core/offline.h"
-#include "core/safetensors.h"
-#include "core/xxh3.h"
+#include "core/tools/offline.h"
+#include "core/format/safetensors.h"
+#include "core/base/xxh3.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/peer.grpc.pb.h"

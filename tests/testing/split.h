@@ -4,7 +4,7 @@
 
 #include <algorithm>
 
-#include "core/box.h"
+#include "core/base/box.h"
 
 namespace ckpt::testing {
 

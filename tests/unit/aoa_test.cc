@@ -1,6 +1,6 @@
 // AOA: the statement parser, resolution into virtual metadata, and loads
 // through it (offline engine) checked value by value against a dense oracle.
-#include "core/aoa.h"
+#include "core/plan/aoa.h"
 
 #include <algorithm>
 #include <chrono>
@@ -12,13 +12,13 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "core/box.h"
-#include "core/checkpoint.h"
-#include "core/dtype.h"
-#include "core/layout.h"
-#include "core/offline.h"
-#include "core/safetensors.h"
-#include "core/writer.h"
+#include "core/base/box.h"
+#include "core/format/checkpoint.h"
+#include "core/base/dtype.h"
+#include "core/tools/layout.h"
+#include "core/tools/offline.h"
+#include "core/format/safetensors.h"
+#include "core/write/writer.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"

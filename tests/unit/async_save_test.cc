@@ -16,9 +16,9 @@
 
 #include "absl/strings/str_cat.h"
 #include "client/ckptd_client.h"
-#include "core/checkpoint.h"
-#include "core/layout.h"
-#include "core/offline.h"
+#include "core/format/checkpoint.h"
+#include "core/tools/layout.h"
+#include "core/tools/offline.h"
 #include "gtest/gtest.h"
 #include "server/daemon.h"
 #include "tests/testing/temp_dir.h"

@@ -1,10 +1,10 @@
-// The multi-node balancer's rules (core/balancer.h, docs/multi-node.md) on
+// The multi-node balancer's rules (core/plan/balancer.h, docs/multi-node.md) on
 // hand-built plans with exact expected assignments: every needed read is
 // read once by one node (unneeded ones by none); a read a node needs and can
 // read locally is read by such a node; otherwise by a node that can read its
 // file; among candidates the fewest bytes so far (ties: lowest index), with
 // the most constrained and then the largest reads placed first.
-#include "core/balancer.h"
+#include "core/plan/balancer.h"
 
 #include <numeric>
 #include <set>

@@ -3,9 +3,9 @@
 #include <numeric>
 #include <vector>
 
-#include "core/box.h"
-#include "core/copy.h"
-#include "core/dtype.h"
+#include "core/base/box.h"
+#include "core/exec/copy.h"
+#include "core/base/dtype.h"
 #include "gtest/gtest.h"
 
 namespace ckpt {

@@ -1,4 +1,4 @@
-// SourceOptions::defer_fresh_memory (core/cache.h) and the daemon's
+// SourceOptions::defer_fresh_memory (core/cache/cache.h) and the daemon's
 // background CacheFiller (server/catalog/cache_filler.h): a load that would wait
 // for fresh cache memory delivers without keeping, the filler fills the
 // cache afterwards, and what the next load finds does not depend on timing.
@@ -8,11 +8,11 @@
 #include <numeric>
 #include <vector>
 
-#include "core/cache.h"
-#include "core/checkpoint.h"
-#include "core/executor.h"
-#include "core/planner.h"
-#include "core/safetensors.h"
+#include "core/cache/cache.h"
+#include "core/format/checkpoint.h"
+#include "core/exec/executor.h"
+#include "core/plan/planner.h"
+#include "core/format/safetensors.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
 

@@ -1,9 +1,9 @@
-#include "core/cache.h"
-#include "core/cache_view.h"
-#include "core/checkpoint.h"
-#include "core/process_memory.h"
-#include "core/planner.h"
-#include "core/safetensors.h"
+#include "core/cache/cache.h"
+#include "core/cache/cache_view.h"
+#include "core/format/checkpoint.h"
+#include "core/exec/process_memory.h"
+#include "core/plan/planner.h"
+#include "core/format/safetensors.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>
@@ -125,7 +125,7 @@ TEST(HostCache, EvictingAPinnedEntryKeepsItsBytesCountedUntilReleased) {
   EXPECT_NE(c.Reserve(200), nullptr);
 }
 
-// --- Export: cache blocks a client maps read-only (core/cache_view.h) -------
+// --- Export: cache blocks a client maps read-only (core/cache/cache_view.h) -------
 
 constexpr uint64_t kBlock = 1 << 20;
 

@@ -1,5 +1,5 @@
 // ConvertElements for every floating cast pair (F64, F32, F16, BF16) against
-// a reference that shares no code with core/dtype.cc: a code's value is
+// a reference that shares no code with core/base/dtype.cc: a code's value is
 // computed from its fields with ldexp, and the correctly rounded code of a
 // value is found by binary search over the target's codes (finite codes of
 // an IEEE format increase with their value), ties to the even code,
@@ -17,7 +17,7 @@
 #include <string>
 #include <vector>
 
-#include "core/dtype.h"
+#include "core/base/dtype.h"
 #include "gtest/gtest.h"
 
 namespace ckpt {

@@ -7,8 +7,8 @@
 #include <string>
 #include <vector>
 
-#include "core/file.h"
-#include "core/torch_dcp.h"
+#include "core/io/file.h"
+#include "core/format/torch_dcp.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
 #include "zlib.h"

@@ -2,7 +2,7 @@
 // pickles (forbidden globals and opcodes, truncation, lying lengths, deep
 // nesting, bad memo indices) refused with clear errors and never a crash;
 // random corruption; and the speed of a 10^5-shard Paddle metadata file.
-#include "core/pickle.h"
+#include "core/format/pickle.h"
 
 #include <chrono>
 #include <cstring>
@@ -10,9 +10,9 @@
 #include <iostream>
 #include <random>
 
-#include "core/checkpoint.h"
-#include "core/foreign.h"
-#include "core/paddle_format.h"
+#include "core/format/checkpoint.h"
+#include "core/format/foreign.h"
+#include "core/format/paddle_format.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "tests/testing/pickle_writer.h"

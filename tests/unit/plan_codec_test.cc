@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "absl/strings/str_cat.h"
-#include "core/balancer.h"
-#include "core/metadata.h"
-#include "core/planner.h"
+#include "core/plan/balancer.h"
+#include "core/format/metadata.h"
+#include "core/plan/planner.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 

@@ -11,13 +11,13 @@
 #include <set>
 #include <vector>
 
-#include "core/box.h"
-#include "core/checkpoint.h"
-#include "core/dtype.h"
-#include "core/layout.h"
-#include "core/offline.h"
-#include "core/safetensors.h"
-#include "core/writer.h"
+#include "core/base/box.h"
+#include "core/format/checkpoint.h"
+#include "core/base/dtype.h"
+#include "core/tools/layout.h"
+#include "core/tools/offline.h"
+#include "core/format/safetensors.h"
+#include "core/write/writer.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
 

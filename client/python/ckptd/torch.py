@@ -113,7 +113,7 @@ def _assign_job(plans, key):
 
 class _MetadataUnpickler(pickle.Unpickler):
     """Unpickles a DCP `.metadata` with an exact allow-list, the one ckptd's own reader
-    uses (core/foreign.cc): DCP's metadata classes by (module, name), torch.Size, torch's
+    uses (core/format/foreign.cc): DCP's metadata classes by (module, name), torch.Size, torch's
     dtype / layout / memory-format constants, the layout lookup torch pickles layouts
     with, enum members, OrderedDict and pathlib paths. Nothing else resolves: no dotted
     names (protocol 4 would follow them to any attribute), no functions."""

@@ -1,0 +1,659 @@
+#include "core/cache/cache.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/random.h>
+#include <sys/resource.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <ctime>
+#include <map>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "core/base/status_macros.h"
+
+namespace ckpt {
+
+// The default entry memory: blocks recycled across entries. A freed block is
+// kept for the next entry of the same size, already faulted in: a cold load
+// then writes memory at copy speed instead of taking a page fault per 4 KiB
+// (131,072 per 512 MiB), and on VMs whose host reclaims freed guest memory
+// the first touch of new memory is slower still. Free blocks count against
+// the cache budget (HostCache::Reserve trims them first).
+//
+// Each block is its own memfd (mapped shared), so a client can copy cached
+// bytes itself from a read-only mapping (HostCache::Export, core/cache/cache_view.h).
+// The read-only descriptor handed out cannot change the block: the memfd is
+// mode 0400 (another uid cannot reopen it for writing through /proc) and
+// sealed against shrinking and growing. What a client may still see is the
+// block's later contents through a mapping it kept, so a block exported to
+// one tenant is recycled only for entries allocated for that tenant (a load
+// of that tenant, which may read those bytes), and a block exported to two
+// tenants is never recycled: when freed its pages are punched out (dropping
+// them from every mapping) and it is closed.
+class HostCache::BlockPool final : public HostAllocator {
+ public:
+  ~BlockPool() override { Trim(0); }
+  uint8_t* Allocate(uint64_t n) override { return Allocate(n, kNoTenant); }
+  uint8_t* Allocate(uint64_t n, uint32_t tenant) {
+    {
+      absl::MutexLock lock(&mu_);
+      auto [lo, hi] = free_.equal_range(n);
+      for (auto it = lo; it != hi; ++it) {
+        Block& b = blocks_.at(Key(it->second));
+        if (!Reusable(b, tenant)) continue;
+        uint8_t* p = it->second;
+        free_.erase(it);
+        free_bytes_ -= n;
+        return p;
+      }
+    }
+    return NewBlock(n);
+  }
+  // A new block of `n` bytes, faulted in, registered; nullptr when out of memory.
+  uint8_t* NewBlock(uint64_t n) {
+    Block b;
+    b.n = n;
+    // A memfd of its own (exportable) for blocks worth a client's mapping,
+    // while the daemon holds fewer than kMaxMemfdBlocks (one fd each); else,
+    // or where that fails, anonymous memory.
+    int fd = -1;
+    bool memfd = false;
+    if (n >= kMinMemfdBlock) {
+      // At most a quarter of the descriptors this process may open: the
+      // rest stay for checkpoint files, sockets and the views handed out.
+      struct rlimit rl{};
+      const uint64_t fds = ::getrlimit(RLIMIT_NOFILE, &rl) == 0 ? rl.rlim_cur / 4 : 0;
+      absl::MutexLock lock(&mu_);
+      memfd = memfd_blocks_ < std::min<uint64_t>(kMaxMemfdBlocks, fds);
+      if (memfd) ++memfd_blocks_;
+    }
+    if (memfd) {
+      fd = ::memfd_create("ckptd-cache", MFD_CLOEXEC | MFD_ALLOW_SEALING);
+      if (fd >= 0 && (::ftruncate(fd, static_cast<off_t>(n)) != 0 || ::fchmod(fd, 0400) != 0 ||
+                      ::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0)) {
+        ::close(fd);
+        fd = -1;
+      }
+    }
+    // (MADV_HUGEPAGE measured worse on the dev VM: with THP defrag
+    // "madvise" the first touch stalls in compaction, 0.6 vs 1.8-2.7 GB/s.)
+    // Faulted in at once: every page is written by the fill anyway; faulting
+    // them in here, in one pass in the kernel, beats faulting them one by one
+    // under the fill's pread (512 MiB: 0.34 vs 0.41-0.57 s on the dev VM).
+    // MAP_POPULATE does that for anonymous memory; a shared mapping it only
+    // maps for reading, so a memfd's pages are faulted in for writing with
+    // MADV_POPULATE_WRITE (Linux 5.14; older kernels fault them in the fill).
+    void* p = fd >= 0 ? ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+                      : ::mmap(nullptr, n, PROT_READ | PROT_WRITE,
+                               MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
+    if (p == MAP_FAILED) {
+      if (fd >= 0) ::close(fd);
+      if (memfd) ForgetMemfd();
+      return nullptr;
+    }
+    b.p = static_cast<uint8_t*>(p);
+    if (fd >= 0) {
+      constexpr int kPopulateWrite = 23;  // MADV_POPULATE_WRITE
+      (void)::madvise(p, n, kPopulateWrite);
+      // The descriptor clients get: read-only (a new open file description).
+      // The mapping keeps the memfd itself.
+      b.ro_fd = ::open(absl::StrCat("/proc/self/fd/", fd).c_str(), O_RDONLY | O_CLOEXEC);
+      b.shared = true;
+      ::close(fd);
+    }
+    if (memfd && b.ro_fd < 0) ForgetMemfd();  // counts descriptors held
+    // A random key names the block to clients (their kept mappings):
+    // unlike a memfd's inode number, never reused by another block.
+    if (::getrandom(&b.key, sizeof(b.key), 0) != static_cast<ssize_t>(sizeof(b.key))) {
+      b.key = reinterpret_cast<uintptr_t>(b.p) ^ static_cast<uint64_t>(::time(nullptr));
+    }
+    absl::MutexLock lock(&mu_);
+    blocks_.emplace(Key(b.p), b);
+    return b.p;
+  }
+  void Free(uint8_t* p, uint64_t n) override {
+    Block dead;
+    {
+      absl::MutexLock lock(&mu_);
+      Block& b = blocks_.at(Key(p));
+      if (b.holds > 0) {  // a client copies from it: freed when it lets go
+        b.freed = true;
+        held_free_bytes_ += b.n;  // still counts against the budget
+        return;
+      }
+      if (!FreeLocked(b, &dead)) return;
+    }
+    Destroy(dead);
+  }
+  bool HasRecycled(uint64_t n) const override { return HasRecycled(n, kNoTenant); }
+  bool HasRecycled(uint64_t n, uint32_t tenant) const {
+    absl::MutexLock lock(&mu_);
+    auto [lo, hi] = free_.equal_range(n);
+    for (auto it = lo; it != hi; ++it) {
+      if (Reusable(blocks_.at(Key(it->second)), tenant)) return true;
+    }
+    return false;
+  }
+  // See HostCache::Export.
+  std::optional<ExportedRange> Export(std::shared_ptr<BlockPool> self, const uint8_t* p,
+                                      uint64_t n, uint32_t tenant) {
+    absl::MutexLock lock(&mu_);
+    auto it = blocks_.upper_bound(Key(p));
+    if (it == blocks_.begin()) return std::nullopt;
+    --it;
+    Block& b = it->second;
+    if (b.ro_fd < 0 || p < b.p || p + n > b.p + b.n || b.freed) return std::nullopt;
+    if (std::find(b.exported.begin(), b.exported.end(), tenant) == b.exported.end()) {
+      b.exported.push_back(tenant);
+    }
+    ++b.holds;
+    ExportedRange r;
+    r.key = b.key;
+    r.fd = b.ro_fd;
+    r.block_bytes = b.n;
+    r.offset = static_cast<uint64_t>(p - b.p);
+    r.block_data = b.p;
+    uint8_t* base = b.p;
+    r.hold = std::shared_ptr<const void>(base, [self](const void* q) { self->Unhold(q); });
+    return r;
+  }
+  // Unmaps free blocks until at most `keep` bytes are left, not counting
+  // one block of `spare` bytes that `tenant` may reuse (about to be), if
+  // there is one.
+  void Trim(uint64_t keep, uint64_t spare = 0, uint32_t tenant = kNoTenant) {
+    std::vector<Block> drop;
+    {
+      absl::MutexLock lock(&mu_);
+      auto spared = free_.end();
+      auto [lo, hi] = free_.equal_range(spare);
+      for (auto it = lo; it != hi && spared == free_.end(); ++it) {
+        if (Reusable(blocks_.at(Key(it->second)), tenant)) spared = it;
+      }
+      const uint64_t not_counted = spared != free_.end() ? spare : 0;
+      for (auto it = free_.end(); free_bytes_ - not_counted > keep && it != free_.begin();) {
+        --it;  // largest first
+        if (it == spared) continue;
+        auto b = blocks_.find(Key(it->second));
+        drop.push_back(b->second);
+        blocks_.erase(b);
+        free_bytes_ -= it->first;
+        it = free_.erase(it);
+      }
+    }
+    for (const Block& b : drop) Destroy(b);
+  }
+  // Bytes of blocks the cache freed while a client held them (not yet
+  // recycled or unmapped): they count against the cache budget.
+  uint64_t held_free_bytes() const {
+    absl::MutexLock lock(&mu_);
+    return held_free_bytes_;
+  }
+  uint64_t free_bytes() const {
+    absl::MutexLock lock(&mu_);
+    return free_bytes_;
+  }
+  uint64_t blocks() const {
+    absl::MutexLock lock(&mu_);
+    return blocks_.size();
+  }
+
+ private:
+  struct Block {
+    uint64_t key = 0;  // random: names the block to clients
+    uint8_t* p = nullptr;
+    uint64_t n = 0;
+    bool shared = false;  // a memfd's mapping (else anonymous memory)
+    int ro_fd = -1;       // read-only descriptor for clients, or -1: not exportable
+    std::vector<uint32_t> exported;  // tenants it was exported to
+    int holds = 0;                   // exports not yet let go
+    bool freed = false;              // freed by the cache while held
+  };
+  static uintptr_t Key(const void* p) { return reinterpret_cast<uintptr_t>(p); }
+  static bool Reusable(const Block& b, uint32_t tenant) {
+    return b.exported.empty() || (b.exported.size() == 1 && b.exported[0] == tenant);
+  }
+  // Puts `b` on the free list, or (exported to two tenants) takes it out of
+  // blocks_ into *dead for Destroy outside the lock; returns whether it did
+  // the latter.
+  bool FreeLocked(Block& b, Block* dead) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (b.exported.size() >= 2) {
+      *dead = b;
+      blocks_.erase(Key(b.p));
+      return true;
+    }
+    free_.emplace(b.n, b.p);
+    free_bytes_ += b.n;
+    return false;
+  }
+  void Unhold(const void* p) {
+    Block dead;
+    {
+      absl::MutexLock lock(&mu_);
+      Block& b = blocks_.at(Key(p));
+      if (--b.holds > 0 || !b.freed) return;
+      b.freed = false;
+      held_free_bytes_ -= b.n;
+      if (!FreeLocked(b, &dead)) return;
+    }
+    Destroy(dead);
+  }
+  void ForgetMemfd() {
+    absl::MutexLock lock(&mu_);
+    --memfd_blocks_;
+  }
+  // A block exported to anyone: its pages are punched out first (through
+  // the daemon's writable mapping), so a client's mapping neither sees them
+  // nor keeps them allocated.
+  void Destroy(const Block& b) {
+    if (!b.exported.empty() && b.shared) ::madvise(b.p, b.n, MADV_REMOVE);
+    ::munmap(b.p, b.n);
+    if (b.ro_fd >= 0) {
+      ::close(b.ro_fd);
+      ForgetMemfd();
+    }
+  }
+
+  // Smaller blocks (the ends of files, small tensors) are not worth a
+  // client's mapping; each memfd block holds one descriptor.
+  static constexpr uint64_t kMinMemfdBlock = 64 << 10;
+  static constexpr uint64_t kMaxMemfdBlocks = 4096;
+  mutable absl::Mutex mu_;
+  uint64_t memfd_blocks_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t held_free_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<uintptr_t, Block> blocks_ ABSL_GUARDED_BY(mu_);  // every live block, by address
+  std::multimap<uint64_t, uint8_t*> free_ ABSL_GUARDED_BY(mu_);
+  uint64_t free_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
+HostCache::HostCache(uint64_t budget_bytes, HostAllocator* allocator)
+    : budget_(budget_bytes),
+      pool_(allocator == nullptr ? std::make_shared<BlockPool>() : nullptr),
+      allocator_(allocator != nullptr ? allocator : pool_.get()) {}
+
+HostCache::~HostCache() = default;
+
+// Bytes of one entry; freed through the allocator they came from (kept
+// alive by `pool` when it is the cache's own).
+struct HostCache::Buffer {
+  HostAllocator* allocator = nullptr;
+  std::shared_ptr<BlockPool> pool;
+  uint8_t* p = nullptr;
+  uint64_t n = 0;
+  Buffer() = default;
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+  ~Buffer() {
+    if (p == nullptr) return;
+    if (allocator != nullptr) {
+      allocator->Free(p, n);
+    } else {
+      delete[] p;
+    }
+  }
+};
+
+struct HostCache::Pending {
+  HostCache* cache;
+  uint64_t n;
+  uint32_t tenant = kNoTenant;
+  std::unique_ptr<Buffer> data;
+  bool published = false;
+  ~Pending() {
+    if (!published) {
+      absl::MutexLock lock(&cache->mu_);
+      cache->used_ -= n;
+    }
+  }
+};
+
+struct HostCache::Entry {
+  std::string path;
+  FileStamp stamp;
+  uint64_t offset = 0;
+  uint64_t n = 0;
+  std::unique_ptr<Buffer> data;
+  std::list<EntryPtr>::iterator lru;
+  // Set when dropped from the index while pinned: the cache's count of such
+  // bytes, given back here when the memory is.
+  std::shared_ptr<std::atomic<uint64_t>> detached;
+  ~Entry() {
+    if (detached) detached->fetch_sub(n);
+  }
+};
+
+std::optional<RangeView> HostCache::Lookup(const std::string& path, const FileStamp& stamp,
+                                           uint64_t offset, uint64_t n) {
+  absl::MutexLock lock(&mu_);
+  auto fit = index_.find(path);
+  if (fit != index_.end()) {
+    auto it = fit->second.upper_bound(offset);
+    if (it != fit->second.begin()) {
+      --it;
+      const EntryPtr& e = it->second;
+      if (e->stamp == stamp && e->offset <= offset && offset + n <= e->offset + e->n) {
+        TouchLocked(e);
+        ++stats_.hits;
+        EntryPtr pin = e;
+        return RangeView{e->data->p + (offset - e->offset), std::move(pin), false};
+      }
+    }
+  }
+  ++stats_.misses;
+  return std::nullopt;
+}
+
+void HostCache::TouchLocked(const EntryPtr& e) { lru_.splice(lru_.begin(), lru_, e->lru); }
+
+void HostCache::DropLocked(EntryPtr e) {
+  lru_.erase(e->lru);
+  used_ -= e->n;
+  --stats_.entries;
+  stats_.bytes -= e->n;
+  // Still in the index (the caller erases it after), plus `e`: two
+  // references; a third is a load's pin.
+  if (e.use_count() > 2) {
+    detached_->fetch_add(e->n);
+    e->detached = detached_;
+  }
+}
+
+bool HostCache::EvictOneLocked() {
+  for (auto it = lru_.rbegin(); it != lru_.rend(); ++it) {
+    EntryPtr e = *it;
+    // index + lru + this copy hold 3 references; more means a load pins it.
+    if (e.use_count() > 3) continue;
+    auto& files = index_[e->path];
+    files.erase(e->offset);
+    if (files.empty()) index_.erase(e->path);
+    lru_.erase(e->lru);
+    used_ -= e->n;
+    --stats_.entries;
+    stats_.bytes -= e->n;
+    ++stats_.evictions;
+    return true;
+  }
+  return false;
+}
+
+std::shared_ptr<HostCache::Pending> HostCache::Reserve(uint64_t n, uint32_t tenant) {
+  absl::MutexLock lock(&mu_);
+  if (n == 0 || n > budget_) return nullptr;
+  // Memory of dropped entries still pinned by a load counts too.
+  const uint64_t held = pool_ ? pool_->held_free_bytes() : 0;
+  while (used_ + detached_->load() + held + n > budget_) {
+    if (!EvictOneLocked()) return nullptr;
+  }
+  used_ += n;
+  // Recycled blocks count against the budget too.
+  if (pool_) pool_->Trim(budget_ - used_ - detached_->load() - held, n, tenant);
+  auto p = std::make_shared<Pending>();
+  p->cache = this;
+  p->n = n;
+  p->tenant = tenant;
+  // Allocation happens outside the lock below.
+  return p;
+}
+
+uint8_t* HostCache::PendingData(const std::shared_ptr<Pending>& p) {
+  if (!p->data) {
+    auto b = std::make_unique<Buffer>();
+    b->n = p->n;
+    b->p = pool_ ? pool_->Allocate(p->n, p->tenant) : allocator_->Allocate(p->n);
+    if (b->p != nullptr) {
+      b->allocator = allocator_;
+      b->pool = pool_;
+    } else {
+      b->p = new uint8_t[p->n];
+    }
+    p->data = std::move(b);
+  }
+  return p->data->p;
+}
+
+RangeView HostCache::Publish(std::shared_ptr<Pending> p, const std::string& path,
+                             const FileStamp& stamp, uint64_t offset) {
+  auto e = std::make_shared<Entry>();
+  e->path = path;
+  e->stamp = stamp;
+  e->offset = offset;
+  e->n = p->n;
+  e->data = std::move(p->data);
+  p->published = true;
+  absl::MutexLock lock(&mu_);
+  auto& files = index_[path];
+  auto old = files.find(offset);
+  if (old != files.end()) {  // replace a stale or shorter entry at the same offset
+    DropLocked(old->second);
+    files.erase(old);
+  }
+  lru_.push_front(e);
+  e->lru = lru_.begin();
+  files.emplace(offset, e);
+  ++stats_.entries;
+  stats_.bytes += e->n;
+  return RangeView{e->data->p, e, false};
+}
+
+std::pair<uint64_t, uint64_t> HostCache::EvictPrefix(const std::string& prefix) {
+  absl::MutexLock lock(&mu_);
+  uint64_t bytes = 0, entries = 0;
+  for (auto it = index_.begin(); it != index_.end();) {
+    if (!absl::StartsWith(it->first, prefix)) {
+      ++it;
+      continue;
+    }
+    for (auto& [off, e] : it->second) {
+      bytes += e->n;
+      ++entries;
+      ++stats_.evictions;
+      DropLocked(e);
+    }
+    it = index_.erase(it);
+  }
+  return {bytes, entries};
+}
+
+CacheStats HostCache::stats() const {
+  absl::MutexLock lock(&mu_);
+  CacheStats s = stats_;
+  s.bytes += detached_->load();  // evicted while pinned: still held
+  if (pool_) s.bytes += pool_->held_free_bytes();  // evicted while a client copies from it
+  s.budget_bytes = budget_;
+  if (pool_) s.recycled_bytes = pool_->free_bytes();
+  return s;
+}
+
+bool HostCache::HasRecycled(uint64_t n, uint32_t tenant) const {
+  return pool_ ? pool_->HasRecycled(n, tenant) : allocator_->HasRecycled(n);
+}
+
+std::optional<ExportedRange> HostCache::Export(const uint8_t* p, uint64_t n, uint32_t tenant) {
+  if (!pool_ || tenant == kNoTenant) return std::nullopt;
+  return pool_->Export(pool_, p, n, tenant);
+}
+
+uint64_t HostCache::blocks() const { return pool_ ? pool_->blocks() : 0; }
+
+std::map<std::string, std::pair<uint64_t, uint64_t>> HostCache::Files() const {
+  absl::MutexLock lock(&mu_);
+  std::map<std::string, std::pair<uint64_t, uint64_t>> out;
+  for (const auto& [path, entries] : index_) {
+    for (const auto& [off, e] : entries) {
+      out[path].first += e->n;
+      ++out[path].second;
+    }
+  }
+  return out;
+}
+
+absl::StatusOr<const RandomAccessFile*> CachingSource::Get(const std::string& file) {
+  absl::MutexLock lock(&mu_);
+  auto it = files_.find(file);
+  if (it != files_.end()) return it->second.get();
+  if (directory_ == nullptr) {
+    CKPT_ASSIGN_OR_RETURN(directory_, Directory::Open(dir_, options_.confine));
+  }
+  auto opened = directory_->OpenFile(file);
+  if (!opened.ok() && absl::IsNotFound(opened.status()) && stamps_.count(file) != 0) {
+    // It was there when the checkpoint was opened: it vanished during the
+    // load (renamed away or deleted), which is a change, not a bad request.
+    return absl::AbortedError(absl::StrCat(JoinPath(dir_, file),
+                                           ": file vanished since the checkpoint was opened"));
+  }
+  CKPT_RETURN_IF_ERROR(opened.status());
+  std::unique_ptr<RandomAccessFile> f = std::move(*opened);
+  // The stamp of the descriptor the bytes will come from.
+  CKPT_ASSIGN_OR_RETURN(FileStamp now, f->Stamp());
+  auto want = stamps_.find(file);
+  if (want != stamps_.end() && want->second != now) {
+    return absl::AbortedError(
+        absl::StrCat(f->path(), ": file changed since the checkpoint was opened "
+                                "(size/mtime/ctime/inode differ)"));
+  }
+  const RandomAccessFile* p = f.get();
+  files_.emplace(file, std::move(f));
+  return p;
+}
+
+absl::Status CachingSource::CheckUnchanged(const std::string& file, const RandomAccessFile& f) {
+  auto want = stamps_.find(file);
+  // The open descriptor: a write into the file (even one that puts mtime
+  // back) moves its ctime.
+  auto now = f.Stamp();
+  if (!now.ok()) return now.status();
+  if (want != stamps_.end() && want->second != *now) {
+    return absl::AbortedError(absl::StrCat(f.path(), ": file changed during the load"));
+  }
+  // The name: replaced (renamed over) or removed.
+  std::shared_ptr<const Directory> dir;
+  {
+    absl::MutexLock lock(&mu_);
+    dir = directory_;
+  }
+  auto named = dir->Stat(file);
+  if (!named.ok()) {
+    if (absl::IsNotFound(named.status())) {
+      return absl::AbortedError(absl::StrCat(f.path(), ": file vanished during the load"));
+    }
+    return absl::AbortedError(absl::StrCat(f.path(), ": file changed during the load: ",
+                                           named.status().message()));
+  }
+  if (want != stamps_.end() && want->second != *named) {
+    return absl::AbortedError(absl::StrCat(f.path(), ": file changed during the load"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status CachingSource::CheckOpenedFilesUnchanged() {
+  std::vector<std::pair<std::string, const RandomAccessFile*>> opened;
+  {
+    absl::MutexLock lock(&mu_);
+    for (const auto& [name, f] : files_) opened.emplace_back(name, f.get());
+  }
+  std::sort(opened.begin(), opened.end());  // the same file named first every time
+  for (const auto& [name, f] : opened) CKPT_RETURN_IF_ERROR(CheckUnchanged(name, *f));
+  return absl::OkStatus();
+}
+
+class CachingSource::CacheFill final : public Fill {
+ public:
+  CacheFill(CachingSource* source, std::string file, std::string path, uint64_t offset,
+            std::shared_ptr<HostCache::Pending> pending)
+      : source_(source),
+        file_(std::move(file)),
+        path_(std::move(path)),
+        offset_(offset),
+        pending_(std::move(pending)) {}
+  absl::Status Finish() override {
+    CKPT_RETURN_IF_ERROR(source_->CheckUnchanged(file_, *file));
+    if (pending_) {
+      source_->cache_->Publish(std::move(pending_), path_, source_->stamps_.at(file_), offset_);
+    }
+    return absl::OkStatus();
+  }
+
+ private:
+  CachingSource* source_;
+  std::string file_, path_;
+  uint64_t offset_;
+  // null: nothing is kept (no room in the cache, or the fill is unverified).
+  std::shared_ptr<HostCache::Pending> pending_;
+};
+
+absl::StatusOr<CachingSource::Probed> CachingSource::Probe(const std::string& file,
+                                                          uint64_t offset, uint64_t n) {
+  Probed p;
+  p.path = JoinPath(dir_, file);
+  auto stamp_it = stamps_.find(file);
+  if (stamp_it == stamps_.end()) {
+    return absl::InternalError(absl::StrCat(p.path, ": no file stamp for a planned read"));
+  }
+  p.stamp = &stamp_it->second;
+  // Opening checks the file still has the stamp the plan was made against,
+  // so even cache hits never outlive a rewritten file.
+  CKPT_ASSIGN_OR_RETURN(p.file, Get(file));
+  p.hit = cache_->Lookup(p.path, *p.stamp, offset, n);
+  return p;
+}
+
+absl::StatusOr<std::unique_ptr<RangeSource::Fill>> CachingSource::BeginFill(
+    const std::string& file, uint64_t offset, uint64_t n, bool verify,
+    std::optional<RangeView>* served) {
+  CKPT_ASSIGN_OR_RETURN(Probed p, Probe(file, offset, n));
+  if (p.hit) {
+    *served = std::move(*p.hit);
+    return nullptr;
+  }
+  // Unverified bytes are never kept: no reservation (which could evict
+  // verified entries) for them. Nor, with defer_fresh_memory, bytes that
+  // would wait for fresh memory while the page cache holds them.
+  bool keep_them = verify;
+  if (keep_them && options_.defer_fresh_memory && cache_->CanHold(n) &&
+      !cache_->HasRecycled(n, options_.tenant) && p.file->Cached(offset, n)) {
+    keep_them = false;
+    absl::MutexLock lock(&mu_);
+    deferred_.emplace_back(file, offset);
+  }
+  auto pending = keep_them ? cache_->Reserve(n, options_.tenant) : nullptr;
+  uint8_t* keep = pending ? cache_->PendingData(pending) : nullptr;
+  auto fill = std::make_unique<CacheFill>(this, file, p.path, offset, std::move(pending));
+  fill->file = p.file;
+  fill->keep = keep;
+  return fill;
+}
+
+absl::StatusOr<RangeView> CachingSource::Fetch(
+    const std::string& file, uint64_t offset, uint64_t n, std::vector<uint8_t>& scratch,
+    const std::function<absl::Status(const uint8_t*)>& verify) {
+  CKPT_ASSIGN_OR_RETURN(Probed p, Probe(file, offset, n));
+  if (p.hit) return *std::move(p.hit);
+  // Without a verify function the bytes are read into scratch and not kept.
+  auto pending = verify ? cache_->Reserve(n, options_.tenant) : nullptr;
+  uint8_t* dst;
+  if (pending) {
+    dst = cache_->PendingData(pending);
+  } else {
+    if (scratch.size() < n) scratch.resize(n);
+    dst = scratch.data();
+  }
+  CKPT_RETURN_IF_ERROR(p.file->Read(offset, n, dst));
+  CKPT_RETURN_IF_ERROR(CheckUnchanged(file, *p.file));
+  if (verify) CKPT_RETURN_IF_ERROR(verify(dst));
+  if (!pending) return RangeView{dst, nullptr, true};
+  RangeView v = cache_->Publish(std::move(pending), p.path, *p.stamp, offset);
+  v.from_storage = true;
+  return v;
+}
+
+std::vector<std::pair<std::string, uint64_t>> CachingSource::Deferred() const {
+  absl::MutexLock lock(&mu_);
+  return deferred_;
+}
+
+}  // namespace ckpt

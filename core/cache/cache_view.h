@@ -1,0 +1,105 @@
+// Delivery by views: instead of writing cached bytes into a client process,
+// the loader records which bytes of which data-cache block go where, and the
+// client copies them itself from read-only mappings of those blocks
+// (HostCache::Export): one copy of every byte, made in every rank's own
+// process in parallel, and no page of the client's pinned by the kernel as
+// process_vm_writev does.
+//
+//   auto rec = std::make_shared<ViewRecorder>(&cache, uid, process_memory);
+//   RemoteRank{rec, targets}                 // the rank's destination (process_memory.h)
+//   ExecutePlan(...);                        // cached bytes recorded, the rest written
+//   rec->views(), rec->copies()              // sent to the client, which copies
+//   rec->Release();                          // once the client is done
+//
+// Bytes that are not in an exportable cache block (a read not kept, a cast
+// converted on the way, bytes from a peer) are written through `fallback`
+// (the rank's ProcessMemory); without one they fail the load.
+#ifndef CKPTD_CORE_CACHE_VIEW_H_
+#define CKPTD_CORE_CACHE_VIEW_H_
+
+#include <sys/uio.h>
+
+#include <cstdint>
+#include <map>
+#include <utility>
+#include <memory>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
+#include "absl/synchronization/mutex.h"
+#include "core/cache/cache.h"
+#include "core/exec/executor.h"
+
+namespace ckpt {
+
+class ViewRecorder final : public RemoteMemory {
+ public:
+  // The most blocks one rank's load may view (one fd each, passed in one
+  // SCM_RIGHTS message); bytes of further blocks go through the fallback.
+  static constexpr size_t kMaxViews = 200;
+  // The most copies one rank's list holds (about 40 bytes each in the
+  // message that carries them); runs past it are written through the fallback.
+  static constexpr size_t kMaxCopies = 65536;
+
+  struct View {
+    uint64_t key = 0;    // ExportedRange::key: names the block to the client
+    int fd = -1;         // read-only; valid until Release (not to be closed)
+    uint64_t bytes = 0;  // the block's size
+  };
+  // `count` runs of `length` bytes: run i is bytes [offset + i * src_stride,
+  // + length) of view `view`, for address + i * dst_stride in the client.
+  struct Copy {
+    uint32_t view = 0;
+    uint64_t offset = 0;
+    uint64_t address = 0;
+    uint64_t length = 0;
+    uint64_t count = 1;
+    uint64_t src_stride = 0;
+    uint64_t dst_stride = 0;
+  };
+
+  // `targets`: the client's destination ranges [begin, end) (addresses
+  // there); no recorded copy spans two of them.
+  ViewRecorder(HostCache* cache, uint32_t tenant, std::shared_ptr<RemoteMemory> fallback,
+               std::vector<std::pair<uint64_t, uint64_t>> targets, size_t max_views = kMaxViews);
+
+  // Records every pair whose local bytes lie in an exportable cache block;
+  // writes the others through the fallback.
+  absl::Status Write(const struct iovec* local, const struct iovec* remote, size_t n) override;
+
+  std::vector<View> views() const;
+  std::vector<Copy> copies() const;
+  uint64_t bytes_recorded() const;
+  uint64_t bytes_written() const;
+  // Lets go of every block (their fds are then no longer valid here).
+  void Release();
+
+ private:
+  // Records [p, p + n) -> address if its block is (or can be) viewed.
+  bool Record(const uint8_t* p, uint64_t n, uint64_t address) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Index of the target holding `address` (npos when none).
+  size_t TargetOf(uint64_t address) const;
+
+  HostCache* const cache_;
+  const uint32_t tenant_;
+  const std::shared_ptr<RemoteMemory> fallback_;
+  const size_t max_views_;
+  const std::vector<std::pair<uint64_t, uint64_t>> targets_;  // sorted
+  mutable absl::Mutex mu_;
+  std::vector<View> views_ ABSL_GUARDED_BY(mu_);
+  std::vector<std::shared_ptr<const void>> holds_ ABSL_GUARDED_BY(mu_);
+  // First byte (in this process) -> view index, for blocks held.
+  std::map<uintptr_t, uint32_t> by_address_ ABSL_GUARDED_BY(mu_);
+  std::vector<const uint8_t*> base_ ABSL_GUARDED_BY(mu_);  // per view
+  std::vector<Copy> copies_ ABSL_GUARDED_BY(mu_);
+  std::vector<size_t> last_ ABSL_GUARDED_BY(mu_);  // per view: its latest copy
+  uint64_t recorded_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t written_ ABSL_GUARDED_BY(mu_) = 0;
+  bool released_ ABSL_GUARDED_BY(mu_) = false;
+};
+
+}  // namespace ckpt
+
+#endif  // CKPTD_CORE_CACHE_VIEW_H_

@@ -1,0 +1,37 @@
+// The multi-node load balancer: decides which node reads each planned byte
+// range from storage.
+//
+// Generalises Paddle's CheckpointLoadBalancer from files to byte ranges and
+// from file counts to bytes: every read is done once in the whole job; a read
+// that a node needs and can read locally is read by such a node; otherwise by
+// a node that can read its file; among candidates the one with the fewest
+// bytes so far (ties: lowest node index). Reads with fewer candidates go
+// first, larger before smaller, so the greedy choice balances well. The
+// result is deterministic for the same inputs.
+#ifndef CKPTD_CORE_BALANCER_H_
+#define CKPTD_CORE_BALANCER_H_
+
+#include <set>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "core/plan/planner.h"
+
+namespace ckpt {
+
+struct ReadAssignment {
+  std::vector<int> reader;                  // per plan read: node index, -1 if unneeded
+  std::vector<std::vector<int>> needed_by;  // per plan read: nodes that copy from it
+  std::vector<uint64_t> bytes_per_node;     // storage bytes each node reads
+};
+
+// `node_of_rank[i]` is the node of plan.ranks[i]; `readable[n]` the data
+// files node n can read. Errors name a file no node can read.
+absl::StatusOr<ReadAssignment> AssignReads(const LoadPlan& plan,
+                                           const std::vector<int>& node_of_rank,
+                                           const std::vector<std::set<std::string>>& readable);
+
+}  // namespace ckpt
+
+#endif  // CKPTD_CORE_BALANCER_H_
