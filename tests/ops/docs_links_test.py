@@ -157,7 +157,7 @@ class DocsLinksTest(unittest.TestCase):
         self.assertEqual(slug("GPU nodes: `--config=cuda` (device destinations, pinned cache, NCCL)"),
                          "gpu-nodes---configcuda-device-destinations-pinned-cache-nccl")
         self.assertEqual(slug("Metadata file `{uid}.metadata`"), "metadata-file-uidmetadata")
-        self.assertEqual(slug("The safe pickle reader (`core/format/pickle.h`)"),
+        self.assertEqual(slug("The safe pickle reader (`core/pickle.h`)"),
                          "the-safe-pickle-reader-corepickleh")
 
 
