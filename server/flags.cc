@@ -96,10 +96,8 @@ SIGTERM/SIGINT: stop accepting, drain running loads and asynchronous saves
 (drain_timeout), exit.
 SIGHUP: reload the peer TLS files without dropping running jobs.)";
 
-}  // namespace
-
-// Fits the budgets to the memory limit (config.memory_limit); `notes` says
-// what was changed.
+// Lowers the budgets to fit config->memory_limit ("auto": the cgroup's);
+// `notes` says what was changed.
 absl::Status FitBudgets(DaemonConfig* config, std::vector<std::string>* notes) {
   std::optional<MemoryLimit> limit;
   if (config->memory_limit == "auto") {
@@ -112,6 +110,9 @@ absl::Status FitBudgets(DaemonConfig* config, std::vector<std::string>* notes) {
   if (!limit) return absl::OkStatus();
   return FitMemoryBudgets(config, *limit, notes);
 }
+
+}  // namespace
+
 
 absl::Status ParseDaemonFlags(int argc, char** argv) {
   absl::SetProgramUsageMessage(kUsage);

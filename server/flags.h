@@ -38,10 +38,6 @@ struct StartupConfig {
 // The effective config: --config's file, the flags over it, validated.
 absl::StatusOr<StartupConfig> ConfigFromFlags();
 
-// Lowers the budgets to fit config->memory_limit ("auto": the cgroup's);
-// `notes` says what was changed.
-absl::Status FitBudgets(DaemonConfig* config, std::vector<std::string>* notes);
-
 }  // namespace ckptd
 
 #endif  // CKPTD_SERVER_FLAGS_H_

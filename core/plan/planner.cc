@@ -149,8 +149,9 @@ class PlanBuilder {
   }
   // Target `ti` of rank `rt`; `all_local` is cleared unless it is exactly a
   // shard of the rank's own file.
-  absl::Status AddTarget(const RankTargets& rt, uint32_t ti, RankPlan& rp, int64_t& filled,
-                         bool& all_local);
+  // `own`: the prefix of the rank's own data files ({rank}_{uid}.).
+  absl::Status AddTarget(const RankTargets& rt, uint32_t ti, const std::string& own, RankPlan& rp,
+                         int64_t& filled, bool& all_local);
   // The read holding byte `offset` of `file`, or -1 (MakeReads done).
   int64_t FindRead(uint32_t file, uint64_t offset) const;
   const Extent* ExtentAt(uint32_t file, uint64_t offset) const;
@@ -180,6 +181,7 @@ absl::Status PlanBuilder::AddRank(const RankTargets& rt) {
   rp.rank = rt.rank;
   rp.targets = rt.tensors;
   filled_.emplace_back(rt.tensors.size(), 0);
+  const std::string own = OwnFilePrefix(rt.rank, metadata_.unique_id);
   absl::flat_hash_set<std::string> seen;
   bool all_local = !rt.tensors.empty();
   for (uint32_t ti = 0; ti < rt.tensors.size(); ++ti) {
@@ -189,15 +191,15 @@ absl::Status PlanBuilder::AddRank(const RankTargets& rt) {
       return absl::InvalidArgumentError(
           absl::StrCat("rank ", rt.rank, ": tensor '", t.name, "' requested twice"));
     }
-    CKPT_RETURN_IF_ERROR(AddTarget(rt, ti, rp, filled_.back()[ti], all_local));
+    CKPT_RETURN_IF_ERROR(AddTarget(rt, ti, own, rp, filled_.back()[ti], all_local));
   }
   rp.local_fast_path = all_local;
   plan_.ranks.push_back(std::move(rp));
   return absl::OkStatus();
 }
 
-absl::Status PlanBuilder::AddTarget(const RankTargets& rt, uint32_t ti, RankPlan& rp,
-                                    int64_t& filled, bool& all_local) {
+absl::Status PlanBuilder::AddTarget(const RankTargets& rt, uint32_t ti, const std::string& own,
+                                    RankPlan& rp, int64_t& filled, bool& all_local) {
   const TargetTensor& t = rt.tensors[ti];
   auto it = metadata_.tensors.find(t.name);
   if (it == metadata_.tensors.end() && options_.master_weight_compat) {
@@ -223,7 +225,6 @@ absl::Status PlanBuilder::AddTarget(const RankTargets& rt, uint32_t ti, RankPlan
   const StoredLayout dst = t.layout();
   const Box dst_cover = CoverOf(dst);
   // Local fast path candidate: the exact shard in the rank's own file.
-  const std::string own = OwnFilePrefix(rt.rank, metadata_.unique_id);
   const ShardMeta* exact = nullptr;
   for (const ShardMeta& s : tm.shards) {
     if (s.replica_id == 0 && s.box == t.box && s.flat_range == t.flat_range && !s.window &&
