@@ -110,8 +110,8 @@ absl::StatusOr<v1::SaveResponse> Daemon::CommitDcp(const Caller& caller,
         what, ": dcp_metadata of ", request.dcp_metadata().size(), " bytes is over "
         "limits.max_metadata_bytes (", config_.limits.max_metadata_bytes, ")"));
   }
-  struct stat lst;
-  if (::lstat(dir.c_str(), &lst) != 0 || !S_ISDIR(lst.st_mode)) {
+  auto kind = ckpt::Storage::Default()->Kind(dir);
+  if (!kind.ok() || *kind != ckpt::PathKind::kDirectory) {
     return absl::NotFoundError(absl::StrCat(what, ": no such directory (save the data first)"));
   }
   CKPT_RETURN_IF_ERROR(policy_.CheckAccess(caller, parent, Policy::Access::kSave));
@@ -161,9 +161,7 @@ absl::StatusOr<v1::SaveResponse> Daemon::CommitDcp(const Caller& caller,
   }
   CKPT_RETURN_IF_ERROR(
       ckpt::WriteFileAtomicIn(lock->directory(), ".metadata", request.dcp_metadata()));
-  if (::unlinkat(d.fd(), kDcpPending, 0) != 0 && errno != ENOENT) {
-    spdlog::warn("{}: cannot remove {}: {}", dir, kDcpPending, std::strerror(errno));
-  }
+  if (absl::Status s = d.Remove(kDcpPending); !s.ok()) spdlog::warn("{}", s.ToString());
   CKPT_RETURN_IF_ERROR(d.Sync());
   metadata_.Drop(dir);
   spdlog::info("save commit path={} format={} tensors={} bytes={}", dir, kDcpFormat,

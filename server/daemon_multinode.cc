@@ -66,11 +66,12 @@ absl::Status StampLocalFiles(const std::string& dir, const std::set<std::string>
 // Data-file-like names in `dir` (what this node can read).
 std::vector<peer::v1::FileInfo> ListReadable(const std::string& dir) {
   std::vector<peer::v1::FileInfo> out;
-  DIR* d = ::opendir(dir.c_str());
-  if (d == nullptr) return out;
-  while (struct dirent* e = ::readdir(d)) {
-    std::string n = e->d_name;
-    if (n == "." || n == ".." || absl::EndsWith(n, ".metadata")) continue;
+  auto d = ckpt::Directory::Open(dir, /*confine=*/false);
+  if (!d.ok()) return out;
+  auto names = (*d)->List();
+  if (!names.ok()) return out;
+  for (const std::string& n : *names) {
+    if (absl::EndsWith(n, ".metadata")) continue;
     auto st = ckpt::StatFile(ckpt::JoinPath(dir, n));
     if (!st.ok()) continue;
     peer::v1::FileInfo fi;
@@ -78,7 +79,6 @@ std::vector<peer::v1::FileInfo> ListReadable(const std::string& dir) {
     fi.set_size(st->size);
     out.push_back(std::move(fi));
   }
-  ::closedir(d);
   return out;
 }
 

@@ -39,6 +39,12 @@ namespace {
 constexpr absl::Duration kKeepFinished = absl::Minutes(10);
 constexpr size_t kMaxFinished = 256;
 
+// Whether `dir` holds a committed PyTorch DCP checkpoint (its .metadata).
+absl::StatusOr<bool> DcpCommitted(const std::string& dir) {
+  CKPT_ASSIGN_OR_RETURN(auto d, ckpt::Directory::Open(dir, /*confine=*/true));
+  return d->Exists(".metadata");
+}
+
 // The persist thread yields to loads: CPU nice 10, best-effort I/O at the
 // lowest level (ioprio_set has no glibc wrapper).
 void LowerPriority() {
@@ -462,18 +468,17 @@ absl::StatusOr<std::pair<std::string, std::string>> Daemon::ResolveSaveDir(
 
 absl::Status Daemon::CheckSaveDir(const Caller& caller, const v1::SaveRequest& request,
                                   const std::string& dir, bool dcp) const {
-  struct stat lst;
-  if (::lstat(dir.c_str(), &lst) == 0) {
-    if (!S_ISDIR(lst.st_mode)) {
+  auto kind = ckpt::Storage::Default()->Kind(dir);
+  if (kind.ok() && *kind != ckpt::PathKind::kMissing) {
+    if (*kind != ckpt::PathKind::kDirectory) {
       return absl::InvalidArgumentError(absl::StrCat(
-          "Save: ", dir, S_ISLNK(lst.st_mode) ? " is a symbolic link" : " is not a directory",
+          "Save: ", dir,
+          *kind == ckpt::PathKind::kSymlink ? " is a symbolic link" : " is not a directory",
           "; save into a real directory inside a root"));
     }
     if (absl::Status a = policy_.CheckAccess(caller, dir, Policy::Access::kSave); !a.ok()) return a;
     // Early answer for the ranks; RunSaveJob checks again under the directory lock.
-    auto exists = dcp ? absl::StatusOr<bool>(::faccessat(AT_FDCWD, (dir + "/.metadata").c_str(),
-                                                         F_OK, AT_SYMLINK_NOFOLLOW) == 0)
-                      : ckpt::VersionExists(dir, request.unique_id());
+    auto exists = dcp ? DcpCommitted(dir) : ckpt::VersionExists(dir, request.unique_id());
     if (!request.overwrite() && exists.ok() && *exists) {
       return absl::AlreadyExistsError(
           dcp ? absl::StrCat("Save: ", DcpCheckpointExists(dir))

@@ -98,7 +98,7 @@ class RangeSource {
 // How the sources below open the files of their checkpoint directory.
 struct SourceOptions {
   // Open every file beneath the directory with no symlink followed
-  // (OpenFileAt with confine; see core/io/file.h and OpenOptions::confine).
+  // (Directory::OpenFile with confine; see core/io/file.h and OpenOptions::confine).
   // On by default here (CachingSource is the daemon's); the offline tools
   // pass their checkpoint's choice (Checkpoint::confine).
   bool confine = true;

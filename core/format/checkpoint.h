@@ -56,7 +56,7 @@ struct OpenOptions {
   // true: every file named by the checkpoint (metadata, index, data files
   // of any format) is opened beneath the checkpoint directory with no
   // symbolic link anywhere in its name (openat2 RESOLVE_BENEATH |
-  // RESOLVE_NO_SYMLINKS; see OpenFileAt in core/io/file.h). A process that
+  // RESOLVE_NO_SYMLINKS; see Storage in core/io/file.h). A process that
   // opens checkpoints for others (the daemon) must set it.
   // false (the default, for the offline tools, which run with their user's
   // own rights): symlinks are followed, since real checkpoint directories
@@ -88,7 +88,7 @@ absl::StatusOr<bool> VersionExists(const std::string& dir, int64_t unique_id);
 // open ckpt->dir) is a pickle held in `bytes`: detects Paddle or torch DCP by
 // the root record's class and fills ckpt->format, ckpt->metadata,
 // ckpt->skipped_items and the stamps of the data files it reads
-// (ckpt->file_stamps). Data files are opened through `dir` (OpenFileAt).
+// (ckpt->file_stamps). Data files are opened through `dir` (Directory::OpenFile).
 absl::Status OpenPickledCheckpoint(Checkpoint* ckpt, const Directory& dir,
                                    const std::string& metadata_file, const std::string& bytes);
 

@@ -57,7 +57,7 @@ struct PaddleDataIndex {
 absl::StatusOr<PaddleDataIndex> ReadPaddleDataFile(const RandomAccessFile& file);
 
 // Fills every shard's data_offset from the data files in `dir` (each read
-// once, opened through `dir`: see OpenFileAt), checking sizes and dtypes;
+// once, opened through `dir`: see Directory::OpenFile), checking sizes and dtypes;
 // split params become several shards. The stamp of each data file read goes
 // to `stamps` when given.
 absl::Status LocatePaddleData(const Directory& dir, CheckpointMetadata* metadata,

@@ -68,7 +68,7 @@ absl::StatusOr<TorchSavedTensor> ReadTorchSaveTensor(const RandomAccessFile& fil
 // Converts a parsed DCP metadata pickle into the metadata model, locating
 // every chunk's bytes in the data files of `dir`. Names of skipped non-tensor
 // items go to `skipped`.
-// Data files are opened through `dir` (OpenFileAt); the stamp of each goes
+// Data files are opened through `dir` (Directory::OpenFile); the stamp of each goes
 // to `stamps` when given.
 absl::StatusOr<CheckpointMetadata> TorchDcpToModel(
     const pickle::Document& doc, const Directory& dir, std::vector<std::string>* skipped,

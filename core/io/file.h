@@ -1,7 +1,8 @@
-// Positional file access behind a small interface, so formats, the planner's
-// executor and tests do not call the OS directly.
+// Checkpoint storage behind a small interface (Storage, Directory,
+// RandomAccessFile, AtomicFileWriter, DirLock), so formats, the planner's
+// executor, the daemon and tests do not call the OS directly.
 //
-// RandomAccessFile is thread-safe: Read() uses pread and keeps no cursor.
+// RandomAccessFile is thread-safe: Read() keeps no cursor.
 #ifndef CKPTD_CORE_FILE_H_
 #define CKPTD_CORE_FILE_H_
 
@@ -29,6 +30,13 @@ struct FileStamp {
   uint64_t size = 0;
   int64_t mtime_ns = 0;
   int64_t ctime_ns = 0;
+  // Permissions, where the storage has them (POSIX: st_mode's permission
+  // bits, st_uid, st_gid); not part of the identity. has_owner false: the
+  // storage decides access itself (object stores).
+  bool has_owner = false;
+  uint32_t mode = 0;
+  uint32_t uid = 0;
+  uint32_t gid = 0;
   bool operator==(const FileStamp& o) const {
     return dev == o.dev && ino == o.ino && size == o.size && mtime_ns == o.mtime_ns &&
            ctime_ns == o.ctime_ns;
@@ -57,99 +65,93 @@ class RandomAccessFile {
   virtual absl::StatusOr<FileStamp> Stamp() const;
 };
 
-// stat(2) of `path` (symlinks followed) / fstat(2) of `fd`.
-absl::StatusOr<FileStamp> StatFile(const std::string& path);
-absl::StatusOr<FileStamp> StatFd(int fd, const std::string& path);
-
-// ---- Opening the files of a checkpoint --------------------------------------
+// ---- Checkpoint storage ----------------------------------------------------
 //
-// Every file a checkpoint names (metadata, index, data files of every
-// format) is opened by OpenFileAt, relative to its directory:
-//  - always O_RDONLY | O_CLOEXEC | O_NONBLOCK | O_NOCTTY, so a FIFO or device
-//    never blocks the open, and the result must be a regular file (fstat
-//    S_ISREG), else FAILED_PRECONDITION "<path>: is a FIFO, not a regular
-//    file" (directory, socket, device alike); O_NONBLOCK is then cleared;
-//  - `confine` (what the daemon uses, see OpenOptions::confine):
-//    openat2(dirfd, name, RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS), so the name
+// Everything ckptd reads or writes of a checkpoint goes through the Storage
+// interface below, in the manner of LevelDB's Env: directories held open,
+// files opened beneath them for positional reads, identities, listings,
+// atomic and durable writes and writers' locks. Core and the daemon take the
+// process's Storage (Storage::Default()); POSIX files (file_posix.cc) are
+// the first implementation, and tests install wrappers that inject faults
+// (tests/unit/storage_test.cc).
+//
+// POSIX semantics, which other implementations keep where they can:
+//  - every file a checkpoint names is opened read-only, never blocking on a
+//    FIFO or device, and must be a regular file, else FAILED_PRECONDITION
+//    "<path>: is a FIFO, not a regular file" (directory, socket, device
+//    alike);
+//  - `confine` (what the daemon uses, see OpenOptions::confine): the name
 //    resolves beneath the directory with no symbolic link anywhere in it
 //    (PERMISSION_DENIED "<path>: is a symbolic link" / "... resolves outside
-//    the checkpoint directory <dir>"). Where the kernel has no openat2
-//    (ENOSYS, or EPERM from a seccomp filter that does not know it) the name
-//    is walked component by component with O_NOFOLLOW, refusing "." / ".."
-//    components, with the same errors;
-//  - not `confine`: openat(dirfd, name), symlinks followed (the offline tools
-//    on a HuggingFace hub cache, whose snapshot files are symlinks to blobs).
-// The directory itself is opened following symlinks: callers that must not
-// (the daemon) resolve it first.
+//    the checkpoint directory <dir>"); POSIX uses openat2(RESOLVE_BENEATH |
+//    RESOLVE_NO_SYMLINKS), or where the kernel has none walks the name
+//    component by component with O_NOFOLLOW, refusing "." / "..";
+//  - not `confine`: symlinks followed (the offline tools on a HuggingFace hub
+//    cache, whose snapshot files are symlinks to blobs).
+// A directory itself is opened following symlinks unless `follow_last` is
+// false: callers that must not (the daemon) resolve it first.
 
-// Opens `name` relative to the directory open at `dirfd` (AT_FDCWD: the
-// working directory); `dir` is its path, for messages and the file's path().
-absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenFileAt(int dirfd, const std::string& dir,
-                                                             const std::string& name,
-                                                             bool confine);
+class AtomicFileWriter;
 
-// A directory held open (O_DIRECTORY) whose files are opened beneath it with
-// OpenFileAt, so every file of one checkpoint comes from the same directory
-// even if its path is renamed meanwhile. Thread-safe; not copyable.
+// A directory held open whose files are opened beneath it, so every file of
+// one checkpoint comes from the same directory even if its path is renamed
+// meanwhile. Thread-safe; not copyable.
 class Directory {
  public:
-  // Opens `path` as a directory. `follow_last`: false refuses a path whose
-  // last component is a symbolic link ("<path>: is a symbolic link").
+  // Storage::Default()->OpenDirectory.
   static absl::StatusOr<std::shared_ptr<const Directory>> Open(const std::string& path,
                                                                bool confine,
                                                                bool follow_last = true);
-  ~Directory();
+  virtual ~Directory() = default;
   Directory(const Directory&) = delete;
   Directory& operator=(const Directory&) = delete;
 
   const std::string& path() const { return path_; }
   bool confine() const { return confine_; }
-  int fd() const { return fd_; }
 
-  absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenFile(const std::string& name) const;
+  virtual absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenFile(
+      const std::string& name) const = 0;
+  // The stamp of `name` resolved as OpenFile would resolve it (with
+  // `confine`: no symlink followed, beneath the directory), without opening
+  // it for reading (a FIFO is not opened).
+  virtual absl::StatusOr<FileStamp> Stat(const std::string& name) const = 0;
+  // Whether `name` exists (lstat-like; a dangling symlink exists).
+  virtual absl::StatusOr<bool> Exists(const std::string& name) const = 0;
+  // Entry names, sorted, without "." and "..".
+  virtual absl::StatusOr<std::vector<std::string>> List() const = 0;
+  // Makes renames and creations in the directory durable (fsync(2)).
+  virtual absl::Status Sync() const = 0;
+  // Removes file `name` (a plain name); one that does not exist is fine.
+  // Not durable until Sync().
+  virtual absl::Status Remove(const std::string& name) const = 0;
+  // A writer of file `name` (a plain name) in this directory: see
+  // AtomicFileWriter. `self` is this directory, which the writer keeps.
+  virtual absl::StatusOr<std::unique_ptr<AtomicFileWriter>> NewAtomicFile(
+      std::shared_ptr<const Directory> self, const std::string& name) const = 0;
+
   // The whole of file `name`, refused (RESOURCE_EXHAUSTED, naming the file,
   // its size and the limit) when larger than `max_bytes`; `what` names the
   // limit in that message (e.g. "max_metadata_bytes").
   absl::StatusOr<std::string> ReadSmallFile(const std::string& name, uint64_t max_bytes,
                                             absl::string_view what = "limit") const;
-  // The stamp of `name` resolved as OpenFile would resolve it (with
-  // `confine`: no symlink followed, beneath the directory), without opening
-  // it for reading (O_PATH: a FIFO is not opened).
-  absl::StatusOr<FileStamp> Stat(const std::string& name) const;
-  // Whether `name` exists (lstat-like; a dangling symlink exists).
-  absl::StatusOr<bool> Exists(const std::string& name) const;
-  // Entry names, sorted, without "." and "..".
-  absl::StatusOr<std::vector<std::string>> List() const;
-  // fsync(2) of the directory (makes renames and creations in it durable).
-  absl::Status Sync() const;
+
+ protected:
+  Directory(std::string path, bool confine) : path_(std::move(path)), confine_(confine) {}
 
  private:
-  Directory(std::string path, int fd, bool confine)
-      : path_(std::move(path)), fd_(fd), confine_(confine) {}
   std::string path_;
-  int fd_;
   bool confine_;
 };
 
-// Opens `path` read-only (O_CLOEXEC | O_NONBLOCK, symlinks followed); must be
-// a regular file (see OpenFileAt). NOT_FOUND if it does not exist.
-absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenFile(const std::string& path);
-
-namespace internal {
-// Tests: pretend the kernel has no openat2, so OpenFileAt walks names with
-// O_NOFOLLOW instead. Not for production use.
-void SetOpenat2DisabledForTesting(bool disabled);
-}  // namespace internal
-
 // Writes a file atomically and durably: data goes to a temporary file
-// "{name}.tmp.{pid}.{random}" created beside it (O_CREAT | O_EXCL |
-// O_NOFOLLOW, mode 0644) which Commit() fsyncs and renames over `name` (a
-// symlink there is replaced, never followed), then fsyncs the directory. All
-// of it goes through one directory descriptor, so the temp file, the rename
-// and the directory sync concern the same directory. Destroying an
-// uncommitted writer removes the temporary, so a failed write never leaves
-// a half-written file under `name`; a process killed mid-write leaves only
-// the temporary (never a name any reader looks for).
+// "{name}.tmp.{pid}.{random}" created beside it (exclusively, never through
+// a symlink, mode 0644) which Commit() makes durable and renames over `name`
+// (a symlink there is replaced, never followed), then syncs the directory.
+// All of it goes through one directory, so the temporary, the rename and the
+// directory sync concern the same directory. Destroying an uncommitted
+// writer removes the temporary, so a failed write never leaves a
+// half-written file under `name`; a process killed mid-write leaves only the
+// temporary (never a name any reader looks for).
 class AtomicFileWriter {
  public:
   // `path`'s directory is opened following symlinks.
@@ -157,27 +159,19 @@ class AtomicFileWriter {
   // `name` (a plain file name) in `dir`.
   static absl::StatusOr<std::unique_ptr<AtomicFileWriter>> CreateIn(
       std::shared_ptr<const Directory> dir, const std::string& name);
-  ~AtomicFileWriter();
+  virtual ~AtomicFileWriter() = default;
 
-  absl::Status Append(const void* data, size_t n);
+  virtual absl::Status Append(const void* data, size_t n) = 0;
   absl::Status Append(absl::string_view s) { return Append(s.data(), s.size()); }
   // Overwrites bytes already appended (a header field known only after the
   // data behind it was written, such as a zip entry's CRC-32).
-  absl::Status WriteAt(uint64_t offset, const void* data, size_t n);
-  uint64_t bytes_written() const { return written_; }
-  const std::string& path() const { return path_; }
-  // fsync(file) (when `sync`), close, rename into place, fsync(directory)
-  // (when `sync`). Without `sync` the result is atomic but not durable.
-  absl::Status Commit(bool sync = true);
-
- private:
-  AtomicFileWriter(std::shared_ptr<const Directory> dir, std::string name, std::string tmp,
-                   int fd);
-  std::shared_ptr<const Directory> dir_;
-  std::string name_, tmp_, path_;
-  int fd_;
-  uint64_t written_ = 0;
-  bool committed_ = false;
+  virtual absl::Status WriteAt(uint64_t offset, const void* data, size_t n) = 0;
+  virtual uint64_t bytes_written() const = 0;
+  // Where the file will be once committed.
+  virtual const std::string& path() const = 0;
+  // Durable file (when `sync`), rename into place, durable directory (when
+  // `sync`). Without `sync` the result is atomic but not durable.
+  virtual absl::Status Commit(bool sync = true) = 0;
 };
 
 // Writes `contents` to `path` atomically (and durably when `sync`).
@@ -186,39 +180,86 @@ absl::Status WriteFileAtomic(const std::string& path, absl::string_view contents
 absl::Status WriteFileAtomicIn(std::shared_ptr<const Directory> dir, const std::string& name,
                                absl::string_view contents, bool sync = true);
 
-// An exclusive advisory lock (flock(LOCK_EX)) on "{dir}/.ckptd.lock" that
-// serialises writers of one checkpoint directory (two Saves, a Save and a
-// `ckptctl shard` into the same directory). Released when destroyed (or
-// when the process dies: flock locks go with their open file description).
-// The lock file is left in place (unlinking it would race with the next
-// locker). Movable.
+// An exclusive lock on "{dir}/.ckptd.lock" that serialises writers of one
+// checkpoint directory (two Saves, a Save and a `ckptctl shard` into the same
+// directory); POSIX: flock(LOCK_EX). Released when destroyed (or when the
+// process dies: flock locks go with their open file description). The lock
+// file is left in place (unlinking it would race with the next locker).
+// Movable.
 inline constexpr char kLockFileName[] = ".ckptd.lock";
 class DirLock {
  public:
-  DirLock(DirLock&& o) noexcept : dir_(std::move(o.dir_)), fd_(o.fd_) { o.fd_ = -1; }
-  DirLock& operator=(DirLock&& o) noexcept;
-  DirLock(const DirLock&) = delete;
-  DirLock& operator=(const DirLock&) = delete;
-  ~DirLock();
+  // What a Storage holds while the lock is taken; releases it when destroyed.
+  class Held {
+   public:
+    virtual ~Held() = default;
+  };
+  DirLock(std::shared_ptr<const Directory> dir, std::unique_ptr<Held> held)
+      : dir_(std::move(dir)), held_(std::move(held)) {}
+  DirLock(DirLock&&) noexcept = default;
+  DirLock& operator=(DirLock&&) noexcept = default;
   // The locked directory, opened without following a symlink as its last
   // component; write through it (AtomicFileWriter::CreateIn) so the files
   // land in the directory that is locked.
   const std::shared_ptr<const Directory>& directory() const { return dir_; }
 
  private:
-  friend absl::StatusOr<DirLock> LockDirectory(const std::string& dir, int64_t wait_ms);
-  DirLock(std::shared_ptr<const Directory> dir, int fd) : dir_(std::move(dir)), fd_(fd) {}
   std::shared_ptr<const Directory> dir_;
-  int fd_ = -1;
+  std::unique_ptr<Held> held_;
 };
 
-// Locks directory `dir` (which must exist; a symlink as its last component
-// is refused: PERMISSION_DENIED "<dir>: is a symbolic link"). Waits up to
-// `wait_ms` milliseconds (0: one try) while another writer holds it, then
-// fails with ABORTED "<dir>: another writer holds its lock <dir>/.ckptd.lock
-// (a save into it is in progress)".
-absl::StatusOr<DirLock> LockDirectory(const std::string& dir, int64_t wait_ms = 0);
+// What a path names, its last component not followed (lstat).
+enum class PathKind { kMissing, kFile, kDirectory, kSymlink, kOther };
 
+// Where checkpoints live (see above). Implementations are thread-safe.
+class Storage {
+ public:
+  virtual ~Storage() = default;
+  // The process's storage: POSIX files unless a test installed another
+  // (internal::SetDefaultStorageForTesting).
+  static Storage* Default();
+  // The POSIX implementation (file_posix.cc).
+  static Storage* Posix();
+
+  // Opens `path` as a directory. `follow_last`: false refuses a path whose
+  // last component is a symbolic link ("<path>: is a symbolic link").
+  virtual absl::StatusOr<std::shared_ptr<const Directory>> OpenDirectory(const std::string& path,
+                                                                         bool confine,
+                                                                         bool follow_last) = 0;
+  // Opens `path` read-only, symlinks followed; must be a regular file.
+  // NOT_FOUND if it does not exist.
+  virtual absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenFile(const std::string& path) = 0;
+  // The identity of `path` (symlinks followed); NOT_FOUND if it is missing.
+  virtual absl::StatusOr<FileStamp> Stat(const std::string& path) = 0;
+  // What `path` is, its last component not followed.
+  virtual absl::StatusOr<PathKind> Kind(const std::string& path) = 0;
+  // The absolute path `path` names with every symlink resolved (realpath):
+  // NOT_FOUND "<path>: <why>" when it does not exist, PERMISSION_DENIED when
+  // a component may not be searched, INVALID_ARGUMENT otherwise.
+  virtual absl::StatusOr<std::string> Canonical(const std::string& path) = 0;
+  // Creates `path` and its missing parents (mode 0755), each new one made
+  // durable in its parent; FAILED_PRECONDITION when `path` ends up no
+  // directory.
+  virtual absl::Status CreateDirectories(const std::string& path) = 0;
+  // Locks directory `dir` (which must exist; a symlink as its last component
+  // is refused: PERMISSION_DENIED "<dir>: is a symbolic link"). Waits up to
+  // `wait_ms` milliseconds (0: one try) while another writer holds it, then
+  // fails with ABORTED "<dir>: another writer holds its lock
+  // <dir>/.ckptd.lock (a save into it is in progress)".
+  virtual absl::StatusOr<DirLock> LockDirectory(const std::string& dir, int64_t wait_ms) = 0;
+};
+
+namespace internal {
+// Tests: makes `storage` (not owned; nullptr: POSIX again) what
+// Storage::Default() returns, for faults injected into core and the daemon's
+// libraries. Returns the one it replaces. Not for production use.
+Storage* SetDefaultStorageForTesting(Storage* storage);
+}  // namespace internal
+
+// Shorthands on Storage::Default().
+absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenFile(const std::string& path);
+absl::StatusOr<FileStamp> StatFile(const std::string& path);
+absl::StatusOr<DirLock> LockDirectory(const std::string& dir, int64_t wait_ms = 0);
 // Reads a whole small file (metadata, JSON), refusing files over `max_bytes`.
 absl::StatusOr<std::string> ReadSmallFile(const std::string& path, uint64_t max_bytes);
 

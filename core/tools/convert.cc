@@ -17,9 +17,9 @@ namespace ckpt {
 absl::StatusOr<ConvertReport> ConvertCheckpoint(const std::string& src_dir,
                                                 const std::string& out_dir,
                                                 const ConvertOptions& options) {
-  char a[PATH_MAX], b[PATH_MAX];
-  if (realpath(src_dir.c_str(), a) != nullptr && realpath(out_dir.c_str(), b) != nullptr &&
-      std::string(a) == std::string(b)) {
+  auto a = Storage::Default()->Canonical(src_dir);
+  auto b = Storage::Default()->Canonical(out_dir);
+  if (a.ok() && b.ok() && *a == *b) {
     return absl::InvalidArgumentError(
         absl::StrCat("convert: the output directory ", out_dir, " is the source directory"));
   }

@@ -170,12 +170,13 @@ absl::Status ShardCheckpoint(const std::string& src_dir, const Layout& layout,
   CKPT_RETURN_IF_ERROR(MakeDirs(out_dir));
   // The user's own output path may hold symlinks: resolve it, then lock the
   // real directory and write through the locked descriptor.
-  char real[PATH_MAX];
-  if (::realpath(out_dir.c_str(), real) == nullptr) {
-    return absl::InternalError(
-        absl::StrCat(out_dir, ": cannot resolve the output directory: ", std::strerror(errno)));
+  auto real = Storage::Default()->Canonical(out_dir);
+  if (!real.ok()) {
+    return absl::Status(real.status().code(),
+                        absl::StrCat("cannot resolve the output directory: ",
+                                     real.status().message()));
   }
-  CKPT_ASSIGN_OR_RETURN(DirLock lock, LockDirectory(real));
+  CKPT_ASSIGN_OR_RETURN(DirLock lock, LockDirectory(*real));
   DirectorySource source(src.dir, SourceOptions{src.confine});
   std::vector<std::pair<std::string, ShardMeta>> written;
   for (int r = 0; r < layout.world_size; ++r) {

@@ -1,8 +1,5 @@
 #include "core/write/writer.h"
 
-#include <fcntl.h>
-#include <sys/stat.h>
-#include <unistd.h>
 
 #include <algorithm>
 #include <cstdio>
@@ -37,33 +34,7 @@ std::string DataFileName(int rank, int64_t unique_id) {
 }
 
 absl::Status MakeDirs(const std::string& dir) {
-  std::string cur;
-  for (size_t i = 0; i <= dir.size(); ++i) {
-    if (i == dir.size() || dir[i] == '/') {
-      if (!cur.empty()) {
-        if (::mkdir(cur.c_str(), 0755) == 0) {
-          // A new directory is durable once its parent's entry is: fsync the
-          // parent, so a save reported done survives a power loss.
-          const size_t slash = cur.rfind('/');
-          const std::string parent =
-              slash == std::string::npos ? "." : (slash == 0 ? "/" : cur.substr(0, slash));
-          const int pfd = ::open(parent.c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
-          if (pfd >= 0) {
-            ::fsync(pfd);
-            ::close(pfd);
-          }
-        } else if (errno != EEXIST) {
-          return absl::InternalError(absl::StrCat(cur, ": mkdir: ", std::strerror(errno)));
-        }
-      }
-    }
-    if (i < dir.size()) cur.push_back(dir[i]);
-  }
-  struct stat st;
-  if (::stat(dir.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-    return absl::FailedPreconditionError(absl::StrCat(dir, ": not a directory"));
-  }
-  return absl::OkStatus();
+  return Storage::Default()->CreateDirectories(dir);
 }
 
 absl::StatusOr<SavePlan> PlanSave(const std::vector<RankTargets>& ranks, int world_size,
@@ -158,10 +129,9 @@ absl::Status PrepareCommitFile(const Directory& dir, const std::string& commit_f
   CKPT_ASSIGN_OR_RETURN(bool exists, dir.Exists(commit_file));
   if (!exists) return absl::OkStatus();
   if (!overwrite) return absl::AlreadyExistsError(exists_message);
-  if (::unlinkat(dir.fd(), commit_file.c_str(), 0) != 0 && errno != ENOENT) {
-    return absl::InternalError(absl::StrCat(JoinPath(dir.path(), commit_file),
-                                            ": cannot remove it to overwrite the checkpoint: ",
-                                            std::strerror(errno)));
+  if (absl::Status s = dir.Remove(commit_file); !s.ok()) {
+    return absl::Status(s.code(), absl::StrCat(s.message(),
+                                               " (removing it to overwrite the checkpoint)"));
   }
   return dir.Sync();
 }

@@ -133,8 +133,8 @@ absl::StatusOr<MergeReport> MergeToHuggingFace(const Checkpoint& checkpoint,
                                                const std::string& out_dir,
                                                const MergeOptions& options);
 
-// Creates `dir` and its parents if missing (each new directory made durable:
-// its parent is fsynced).
+// Creates `dir` and its parents if missing, each new directory made durable
+// (Storage::Default()->CreateDirectories).
 absl::Status MakeDirs(const std::string& dir);
 
 }  // namespace ckpt

@@ -29,8 +29,8 @@ const std::string* Policy::RootOf(const std::string& real, std::string* real_roo
   const std::string* best = nullptr;
   std::string best_real;
   for (const std::string& root : roots_) {
-    char rb[PATH_MAX];
-    std::string r = ::realpath(root.c_str(), rb) != nullptr ? std::string(rb) : root;
+    auto canonical = ckpt::Storage::Default()->Canonical(root);
+    std::string r = canonical.ok() ? *std::move(canonical) : root;
     const bool under = real == r || absl::StartsWith(real, r == "/" ? r : r + "/");
     if (under && (best == nullptr || r.size() > best_real.size())) {
       best = &root;
@@ -46,12 +46,16 @@ absl::StatusOr<std::string> Policy::ResolvePath(const std::string& path) const {
   // A relative path names a checkpoint under the first root, so a multi-node
   // job can name node-local directories that live at different places.
   const std::string full = path[0] == '/' ? path : ckpt::JoinPath(roots_.front(), path);
-  char buf[PATH_MAX];
-  if (::realpath(full.c_str(), buf) == nullptr) {
-    std::string msg = absl::StrCat(path, ": ", std::strerror(errno));
-    return errno == ENOENT ? absl::NotFoundError(msg) : absl::InvalidArgumentError(msg);
+  auto canonical = ckpt::Storage::Default()->Canonical(full);
+  if (!canonical.ok()) {
+    // Named as the caller named it ("<path>: <why>").
+    absl::string_view why = canonical.status().message();
+    if (absl::StartsWith(why, full + ": ")) why.remove_prefix(full.size() + 2);
+    return absl::Status(absl::IsNotFound(canonical.status()) ? absl::StatusCode::kNotFound
+                                                              : absl::StatusCode::kInvalidArgument,
+                        absl::StrCat(path, ": ", why));
   }
-  std::string real = buf;
+  std::string real = *std::move(canonical);
   if (RootOf(real, nullptr) != nullptr) return real;
   return absl::PermissionDeniedError(absl::StrCat(
       path, " (", real, ") is outside the checkpoint roots this daemon serves (",
@@ -77,10 +81,10 @@ bool AnyGroup(const Caller& c, const std::vector<uint32_t>& gids) {
   return false;
 }
 // The mode bits that apply to `c` for a file with `st` (owner, group, other).
-mode_t ModeFor(const Caller& c, const struct stat& st) {
-  if (st.st_uid == c.uid) return (st.st_mode >> 6) & 7;
-  if (c.InGroup(st.st_gid)) return (st.st_mode >> 3) & 7;
-  return st.st_mode & 7;
+uint32_t ModeFor(const Caller& c, const ckpt::FileStamp& st) {
+  if (st.uid == c.uid) return (st.mode >> 6) & 7;
+  if (c.InGroup(st.gid)) return (st.mode >> 3) & 7;
+  return st.mode & 7;
 }
 }  // namespace
 
@@ -128,10 +132,10 @@ absl::Status Policy::CheckAccess(const Caller& caller, const std::string& resolv
   // The file system's own answer for this uid: the directory's mode bits
   // (reading needs r-x on the checkpoint directory, saving w-x on the
   // directory that receives the files).
-  struct stat st;
-  if (::stat(resolved.c_str(), &st) == 0) {
-    const mode_t need = access == Access::kRead ? 5 : 3;
-    if ((ModeFor(caller, st) & need) != need) {
+  auto st = ckpt::Storage::Default()->Stat(resolved);
+  if (st.ok() && st->has_owner) {
+    const uint32_t need = access == Access::kRead ? 5 : 3;
+    if ((ModeFor(caller, *st) & need) != need) {
       return absl::PermissionDeniedError(absl::StrCat(caller.Describe(), " may not ", verb, " ",
                                                       resolved, " (its mode bits do not allow it)"));
     }

@@ -7,6 +7,10 @@
 2. No .h/.cc/.cu file in server/ or core/ over 800 lines but OVERSIZE_FILES;
 3. no function there over 120 lines but LONG_FUNCTIONS. Both are ratchets: an
    entry past its cap fails, and so does one back under the limit (remove it).
+4. File-system calls in core/ and server/ only in the storage implementation
+   (core/io/file_posix.cc) and in OWN_FILES: every checkpoint file is reached
+   through core/io's Storage interface (issue 32), so a new storage (s3://)
+   and injected faults cover all of them.
 
 Finding the source tree: Bazel globs cannot cross packages and there are no
 source filegroups, so the test reads the tree in place. Its runfile README.md
@@ -335,6 +339,36 @@ def ratchet(found, listed, limit, table):
         problems.append(f"{key}: now at most {limit} lines (or gone); remove it from {table}")
     return problems
 
+# Rule 4: the calls that touch a file system by path or descriptor.
+FS_CALL = re.compile(r"(?<![\w.>])(?:::)?(open|openat|openat2|stat|lstat|fstatat|realpath|opendir|"
+                     r"fdopendir|readdir|mkdir|mkdirat|unlink|unlinkat|rename|renameat|pread|"
+                     r"preadv2|pwrite|flock|faccessat|access|fopen)\s*\(")
+FS_CALL_ALLOWED = {"core/io/file_posix.cc"}
+# Files that touch the file system for the daemon's own things, never a
+# checkpoint's: {path: reason}.
+OWN_FILES = {
+    "core/cache/cache.cc": "a read-only view of the cache's own memfd (/proc/self/fd)",
+    "server/lifecycle.cc": "the daemon's socket and port files",
+    "server/fd_channel.cc": "the fd-passing socket",
+    "server/uds_listener.cc": "the gRPC Unix socket",
+    "server/metrics.cc": "/proc/self for process metrics",
+    "server/pem.h": "TLS files",
+    "server/policy/policy.cc": "the socket's group (default access rule)",
+}
+
+
+def fs_call_violations():
+    """{file: [line numbers]} of file-system calls outside the storage."""
+    found = {}
+    for rel in sources(SIZED_DIRS):
+        if rel in FS_CALL_ALLOWED or rel in OWN_FILES or "/cuda/" in rel:
+            continue
+        text = strip_code(read(rel))
+        lines = [text.count("\n", 0, m.start()) + 1 for m in FS_CALL.finditer(text)]
+        if lines:
+            found[rel] = lines
+    return found
+
 
 class LayeringTest(unittest.TestCase):
     longMessage = False  # the messages below say it all
@@ -389,6 +423,15 @@ class LayeringTest(unittest.TestCase):
         problems += [f"{rel}: no longer includes the peer protocol; remove it from "
                      "ALLOWED_PEER_PROTO" for rel in sorted(ALLOWED_PEER_PROTO - users)]
         self.assertFalse(problems, "layer violations:\n" + "\n".join(problems))
+
+    def test_file_system_only_through_the_storage(self):
+        found = fs_call_violations()
+        problems = [f"{rel}:{n}: calls the file system directly; go through core/io's Storage "
+                    "(or list the file in OWN_FILES with why)" for rel, ns in sorted(found.items())
+                    for n in ns]
+        problems += [f"{rel}: no longer calls the file system; remove it from OWN_FILES"
+                     for rel in sorted(OWN_FILES) if not FS_CALL.search(strip_code(read(rel)))]
+        self.assertFalse(problems, "file-system calls outside the storage:\n" + "\n".join(problems))
 
     def test_no_include_cycles(self):
         cycles = module_cycles("core") + module_cycles("server")

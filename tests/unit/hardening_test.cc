@@ -33,6 +33,7 @@ extern "C" void __tsan_ignore_thread_end();
 #include "core/format/checkpoint.h"
 #include "core/exec/executor.h"
 #include "core/io/file.h"
+#include "core/io/file_posix.h"
 #include "core/tools/offline.h"
 #include "core/format/pickle.h"
 #include "core/plan/planner.h"
