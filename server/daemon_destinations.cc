@@ -25,6 +25,7 @@
 #include "core/base/status_macros.h"
 #include "server/daemon.h"
 #include "server/daemon_internal.h"
+#include "server/delivery/target_ranges.h"
 #include "core/exec/process_memory.h"
 #include "proto/fd_socket.h"
 
@@ -158,38 +159,18 @@ absl::Status Daemon::PrepareShmSegment(const Caller& caller, const v1::ShmDestin
   }
   // Every target inside the segment and no two overlapping, checked before
   // anything is mapped; only the bytes up to the end of the last target are.
-  absl::Status bad;
-  uint64_t needed = 0;
-  std::vector<std::tuple<uint64_t, uint64_t, int>> ranges;  // [begin, end), target
-  for (size_t k = 0; k < indices.size() && bad.ok(); ++k) {
-    const int i = indices[k];
-    const uint64_t off = req.targets(i).dest_offset();
-    const uint64_t n = slot.targets.tensors[i].num_bytes();
-    if (off > size || n > size - off) {
-      bad = absl::InvalidArgumentError(absl::StrCat(
-          who, " tensor '", req.targets(i).name(), "' needs segment bytes [", off, ", ", off + n,
-          ") but the segment is ", size, " bytes (segment too small)"));
-    }
-    if (n > 0) ranges.push_back({off, off + n, i});
-    needed = std::max(needed, off + n);
+  std::vector<TargetRange> ranges;
+  for (int i : indices) {
+    ranges.push_back({req.targets(i).name(), req.targets(i).dest_offset(),
+                      slot.targets.tensors[i].num_bytes()});
   }
-  std::sort(ranges.begin(), ranges.end());
-  for (size_t i = 1; i < ranges.size() && bad.ok(); ++i) {
-    const auto& [begin, end, t] = ranges[i];
-    const auto& [prev_begin, prev_end, prev] = ranges[i - 1];
-    if (begin < prev_end) {
-      bad = absl::InvalidArgumentError(absl::StrCat(
-          who, ": two targets overlap in the segment at byte ", begin, ": tensor '",
-          req.targets(prev).name(), "' [", prev_begin, ", ", prev_end, ") and tensor '",
-          req.targets(t).name(), "' [", begin, ", ", end, ")"));
-    }
-  }
-  if (!bad.ok()) {
+  auto needed = CheckTargetRanges(who, {"segment", "segment", size}, ranges);
+  if (!needed.ok()) {
     if (fd >= 0) ::close(fd);
-    return bad;
+    return needed.status();
   }
   if (!slot.segment) {
-    CKPT_ASSIGN_OR_RETURN(slot.segment, MappedSegment::Map(fd, needed, what));
+    CKPT_ASSIGN_OR_RETURN(slot.segment, MappedSegment::Map(fd, *needed, what));
   }
   return absl::OkStatus();
 }
@@ -221,27 +202,21 @@ absl::Status Daemon::PrepareProcessSlot(const Caller& caller, const v1::LoadRequ
   }
   // Targets: no address wraps, no two overlap (a client that overlapped
   // them would only garble its own tensors, but it is a bug worth naming).
-  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  std::vector<TargetRange> targets;
   ckpt::RemoteRank remote;
   for (int i = 0; i < req.targets_size(); ++i) {
-    const uint64_t at = req.targets(i).dest_offset();
-    const uint64_t n = slot.targets.tensors[i].num_bytes();
-    if (n > 0 && (at == 0 || at > std::numeric_limits<uint64_t>::max() - n)) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          who, " tensor '", req.targets(i).name(), "': process_memory address ", at,
-          " cannot hold ", n, " bytes"));
-    }
-    if (n > 0) ranges.push_back({at, at + n});
-    remote.targets.push_back({at});
+    targets.push_back(
+        {req.targets(i).name(), req.targets(i).dest_offset(), slot.targets.tensors[i].num_bytes()});
+    remote.targets.push_back({req.targets(i).dest_offset()});
+  }
+  CKPT_RETURN_IF_ERROR(
+      CheckTargetRanges(who, {"process's memory", "memory", std::nullopt}, targets).status());
+  // The ranges the client's views may cover.
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;
+  for (const TargetRange& t : targets) {
+    if (t.bytes > 0) ranges.push_back({t.begin, t.begin + t.bytes});
   }
   std::sort(ranges.begin(), ranges.end());
-  for (size_t i = 1; i < ranges.size(); ++i) {
-    if (ranges[i].first < ranges[i - 1].second) {
-      return absl::InvalidArgumentError(absl::StrFormat(
-          "%s: two targets overlap in the process's memory at address 0x%x", who,
-          ranges[i].first));
-    }
-  }
   auto memory = ckpt::ProcessMemory::Open(
       {caller.pid, absl::StrCat(who, " (pid ", caller.pid, ")")});
   if (!memory.ok()) return ToProcessMemoryError(memory.status(), who);

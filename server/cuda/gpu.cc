@@ -6,7 +6,9 @@
 #include <map>
 
 #include "absl/strings/str_cat.h"
+#include "core/base/status_macros.h"
 #include "core/exec/copy.h"
+#include "server/delivery/target_ranges.h"
 
 namespace ckptd::gpu {
 namespace {
@@ -40,31 +42,21 @@ absl::Status ValidateDeviceTargets(const std::vector<IpcBuffer>& buffers,
           absl::StrCat(who, ": cuda_ipc buffer ", b, " device_uuid must be 16 bytes"));
     }
   }
-  std::map<uint32_t, std::vector<std::pair<uint64_t, uint64_t>>> ranges;
+  std::map<uint32_t, std::vector<TargetRange>> ranges;  // by buffer
   for (size_t i = 0; i < targets.size(); ++i) {
     const auto [buf, off] = targets[i];
-    const uint64_t n = sizes[i];
     if (buf >= buffers.size()) {
       return absl::InvalidArgumentError(absl::StrCat(who, " tensor '", names[i], "': dest_buffer ",
                                                      buf, " but the request has ", buffers.size(),
                                                      " cuda_ipc buffers"));
     }
-    const uint64_t size = buffers[buf].size;
-    if (off > size || n > size - off) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          who, " tensor '", names[i], "' needs bytes [", off, ", ", off + n, ") of cuda_ipc buffer ",
-          buf, " which has ", size, " bytes (buffer too small)"));
-    }
-    if (n > 0) ranges[buf].push_back({off, off + n});
+    ranges[buf].push_back({names[i], off, sizes[i]});
   }
-  for (auto& [buf, r] : ranges) {
-    std::sort(r.begin(), r.end());
-    for (size_t i = 1; i < r.size(); ++i) {
-      if (r[i].first < r[i - 1].second) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            who, ": two targets overlap in cuda_ipc buffer ", buf, " at byte ", r[i].first));
-      }
-    }
+  for (const auto& [buf, r] : ranges) {
+    CKPT_RETURN_IF_ERROR(
+        CheckTargetRanges(who, {absl::StrCat("cuda_ipc buffer ", buf), "buffer", buffers[buf].size},
+                          r)
+            .status());
   }
   return absl::OkStatus();
 }
