@@ -43,6 +43,7 @@
 #include "server/cuda/gpu.h"
 #include "server/delivery/mapped_segment.h"
 #include "server/fd_channel.h"
+#include "server/peer/peer_plane.h"
 #include "server/policy/policy.h"
 #include "server/view_leases.h"
 
@@ -100,28 +101,12 @@ class Daemon {
   // the ids of the jobs it failed.
   std::vector<std::string> AbortLoads(const std::string& why);
 
-  // The peer plane (server/peer_plane.cc). A caller of the peer service
-  // passes when one of its certificate's names belongs to the peer set
-  // (hosts of `peers` and `peer_listen`, the `peer_dns` name and the
-  // addresses behind it); in plaintext, always (loopback or peer_insecure).
-  absl::StatusOr<PeerCaller> AuthorizePeer(PeerCaller caller) const;
-  // The peer TLS files (PEM), read from peer_tls_*; nullopt when peer TLS
-  // is off. A file that cannot be read is the error.
-  struct PeerTlsFiles {
-    std::string cert, key, ca;
-  };
-  absl::StatusOr<std::optional<PeerTlsFiles>> ReadPeerTls() const;
-  // Peer channels made from now on present `files` (Start; SIGHUP, once the
-  // peer server accepted them: PeerServer::Rotate).
-  void UsePeerTls(std::optional<PeerTlsFiles> files);
-  // Credentials for the peer service (mutual TLS: client certificates
-  // required and verified against the CA; plaintext for nullopt).
-  static std::shared_ptr<grpc::ServerCredentials> PeerServerCredentials(
-      const std::optional<PeerTlsFiles>& files);
-  std::optional<PeerTlsFiles> peer_tls();
+  // The peer plane (server/peer/peer_plane.h): the peer set, who may call
+  // the peer service, TLS, channels and health.
+  PeerPlane& peer_plane() { return peers_; }
 
   // Peer RPC bodies (multi-node jobs; see daemon_multinode.cc). `caller`
-  // passed AuthorizePeer; `cancelled` polls whether the call went away.
+  // passed PeerPlane::Authorize; `cancelled` polls whether the call went away.
   absl::StatusOr<peer::v1::PlanPart> PeerJoin(const PeerCaller& caller,
                                               const peer::v1::JoinRequest& request,
                                               const std::function<bool()>& cancelled);
@@ -235,40 +220,11 @@ class Daemon {
   // detached timers that could outlive the daemon).
   void RetireDistJob(const std::shared_ptr<DistJob>& dj, absl::Duration linger);
   void PurgeDistJobsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_);
-  // Other daemons' peer addresses (static list and DNS), without this one.
-  std::vector<std::string> PeerAddresses() const;
-  // A channel to `address` with this node's peer credentials (TLS: the
-  // server's certificate must name the address's host, or the peer_dns name
-  // for an address found through it). Shared: a reload replaces the cached
-  // stubs while calls on the old ones finish.
-  std::shared_ptr<peer::v1::Peer::Stub> PeerStub(const std::string& address);
-  struct PeerSet {
-    std::vector<std::string> others;       // every other daemon's address
-    std::set<std::string> members;         // every peer address, this one's included
-    std::set<std::string> names;           // what a peer certificate may be named
-    std::string dns_name;                  // host of peer_dns
-    std::set<std::string> dns_addresses;   // the addresses found through it
-    absl::Time resolved;
-  };
-  // The configured peer set, with peer_dns resolved at most every few
-  // seconds (`refresh`: now).
-  std::shared_ptr<const PeerSet> CurrentPeerSet(bool refresh = false) const;
-  // OK when `caller` may speak for the peer address `node`: `node` is in the
-  // peer set (re-resolved once when it is not) or, with `job_member`, a node
-  // of a job it joined (a pod that left the DNS answer mid-job stays one),
-  // and (TLS) the certificate names node's host, or the peer_dns name when
-  // node is found through it (or is a job member). Else PERMISSION_DENIED.
-  absl::Status SpeaksFor(const PeerCaller& caller, const std::string& node,
-                         bool job_member = false) const;
   // An authorization violation by `caller` inside job `dj`: logged, kept as
   // the job's failure on this node, and (coordinator) the job's outcome for
   // every node. Returns the PERMISSION_DENIED status naming the caller.
   absl::Status ViolationLocked(DistJob& dj, const PeerCaller& caller, absl::string_view what)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_);
-  // Every other daemon pinged in parallel (short deadline), the answer kept
-  // a few seconds so Status and metrics scrapes do not ping again.
-  std::vector<v1::PeerHealth> PeerHealth();
-
   absl::StatusOr<std::shared_ptr<RankSlot>> PrepareSlot(const Caller& caller,
                                                         const v1::LoadRequest& request);
   // cuda_ipc destinations (daemon_gpu.cc): validates the rank's device
@@ -449,7 +405,6 @@ class Daemon {
 
   // Const but for peer_listen, set once by SetPeerListen before it is read.
   DaemonConfig config_;
-  std::atomic<bool> peer_listen_bound_{false};
   // config_.direct_io, parsed once (ValidateConfig checked it).
   const ckpt::DirectIo direct_io_;
   const absl::Time started_;
@@ -465,6 +420,7 @@ class Daemon {
   Policy policy_;           // roots, access, limits, quotas
   MetadataCache metadata_;  // checkpoints opened
   Catalog catalog_;         // Inspect, Prefetch, Evict (after the parts it uses)
+  PeerPlane peers_;         // the peer set, TLS, channels, health
 
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
@@ -475,15 +431,6 @@ class Daemon {
   // Peers this node failed to connect NCCL links with, until when it keeps
   // their jobs on gRPC.
   std::map<std::string, absl::Time> nccl_unreachable_ ABSL_GUARDED_BY(peer_mu_);
-  mutable absl::Mutex peer_set_mu_;
-  mutable std::shared_ptr<const PeerSet> peer_set_ ABSL_GUARDED_BY(peer_set_mu_);
-  absl::Mutex stubs_mu_;
-  std::optional<PeerTlsFiles> peer_tls_ ABSL_GUARDED_BY(stubs_mu_);
-  std::map<std::string, std::shared_ptr<peer::v1::Peer::Stub>> stubs_ ABSL_GUARDED_BY(stubs_mu_);
-  absl::Mutex health_refresh_mu_;  // one refresh at a time
-  absl::Mutex health_mu_;
-  std::vector<v1::PeerHealth> health_ ABSL_GUARDED_BY(health_mu_);
-  absl::Time health_at_ ABSL_GUARDED_BY(health_mu_) = absl::InfinitePast();
 
   // Asynchronous saves: by job id, those persisting and those finished in
   // the last minutes (AwaitSave, Status); the persist thread's queue.

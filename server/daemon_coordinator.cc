@@ -38,7 +38,7 @@ using ckpt::TargetTensor;
 absl::StatusOr<peer::v1::PlanPart> Daemon::PeerJoin(const PeerCaller& caller,
                                                     const peer::v1::JoinRequest& req,
                                                     const std::function<bool()>& cancelled) {
-  const absl::Status who = SpeaksFor(caller, req.node());
+  const absl::Status who = peers_.SpeaksFor(caller, req.node());
   absl::MutexLock lock(&peer_mu_);
   auto it = dist_jobs_.find(req.job_id());
   if (!who.ok()) {
@@ -266,11 +266,11 @@ absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> Daemon::JoinCoordinat
     const peer::v1::JoinRequest& own, absl::Time deadline) {
   std::map<std::string, std::string> last_error;
   while (absl::Now() < deadline) {
-    for (const std::string& peer : PeerAddresses()) {
+    for (const std::string& peer : peers_.Others()) {
       grpc::ClientContext ctx;
       ctx.set_deadline(ToChrono(deadline));
       peer::v1::PlanPart part;
-      grpc::Status s = PeerStub(peer)->Join(&ctx, own, &part);
+      grpc::Status s = peers_.Stub(peer)->Join(&ctx, own, &part);
       if (s.ok()) return std::make_pair(std::move(part), peer);
       const auto code = s.error_code();
       if (code == grpc::StatusCode::FAILED_PRECONDITION) {
@@ -296,8 +296,8 @@ absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> Daemon::JoinCoordinat
 absl::StatusOr<peer::v1::CompleteResponse> Daemon::PeerComplete(
     const PeerCaller& caller, const peer::v1::CompleteRequest& req,
     const std::function<bool()>& cancelled) {
-  const absl::Status who_if_member = SpeaksFor(caller, req.node(), /*job_member=*/true);
-  const absl::Status who_otherwise = SpeaksFor(caller, req.node());
+  const absl::Status who_if_member = peers_.SpeaksFor(caller, req.node(), /*job_member=*/true);
+  const absl::Status who_otherwise = peers_.SpeaksFor(caller, req.node());
   absl::MutexLock lock(&peer_mu_);
   auto it = dist_jobs_.find(req.job_id());
   if (it == dist_jobs_.end() || !it->second->coordinator) {
@@ -401,7 +401,7 @@ absl::StatusOr<peer::v1::CompleteResponse> Daemon::AwaitOutcome(
       peer::v1::PingRequest pr;
       pr.set_node(config_.peer_listen);
       peer::v1::PingResponse resp;
-      grpc::Status s = PeerStub(n)->Ping(&ctx, pr, &resp);
+      grpc::Status s = peers_.Stub(n)->Ping(&ctx, pr, &resp);
       if (s.ok() && dj->save &&
           std::find(resp.jobs().begin(), resp.jobs().end(), dj->id) != resp.jobs().end()) {
         // Alive and still writing its part of the save: wait on, within

@@ -157,7 +157,7 @@ class Daemon::PeerReads final : public Daemon::RemoteReads {
       : d_(d), dj_(std::move(dj)), part_(part), me_(me),
         source_(me, dj_->id, nullptr, std::move(global_index), std::move(reader),
                 [this](uint32_t g, const ckpt::RangeView& v, uint64_t xxh3) { Publish(g, v, xxh3); },
-                [d](const std::string& a) { return d->PeerStub(a); },
+                [d](const std::string& a) { return d->peers_.Stub(a); },
                 [d, dj = dj_]() -> absl::Status {
                   absl::MutexLock lock(&d->peer_mu_);
                   return dj->violation;

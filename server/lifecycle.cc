@@ -216,7 +216,7 @@ void HandleSignals(const sigset_t& sigs, const DaemonConfig& config, Daemon& dae
                    std::atomic<int64_t>* loads_at_drain, absl::Time* drain_until) {
   int sig = 0;
   while (sigwait(&sigs, &sig) == 0 && sig == SIGHUP) {
-    auto files = daemon.ReadPeerTls();
+    auto files = daemon.peer_plane().ReadTls();
     absl::Status s = files.status();
     if (s.ok() && l.peer && !config.peer_tls_cert.empty()) s = l.peer->Rotate(*files);
     if (s.ok()) {

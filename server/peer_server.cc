@@ -12,11 +12,11 @@
 namespace ckptd {
 
 absl::StatusOr<std::unique_ptr<grpc::Server>> PeerServer::Build(
-    const std::optional<Daemon::PeerTlsFiles>& files, std::string* bound) {
+    const std::optional<PeerPlane::TlsFiles>& files, std::string* bound) {
   const DaemonConfig& c = daemon_->config();
   grpc::ServerBuilder pb;
   int port = 0;
-  pb.AddListeningPort(c.peer_listen, Daemon::PeerServerCredentials(files), &port);
+  pb.AddListeningPort(c.peer_listen, PeerPlane::ServerCredentials(files), &port);
   pb.SetMaxReceiveMessageSize(256 << 20);
   pb.SetMaxSendMessageSize(256 << 20);
   pb.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 1);  // the next server, on rotation
@@ -52,14 +52,14 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> PeerServer::Build(
 absl::StatusOr<std::unique_ptr<PeerServer>> PeerServer::Start(Daemon* daemon,
                                                               PeerService* service) {
   std::unique_ptr<PeerServer> p(new PeerServer(daemon, service));
-  auto s = p->Build(daemon->peer_tls(), &p->bound_);
+  auto s = p->Build(daemon->peer_plane().tls(), &p->bound_);
   if (!s.ok()) return s.status();
   absl::MutexLock lock(&p->mu_);
   p->current_ = std::move(*s);
   return p;
 }
 
-absl::Status PeerServer::Rotate(const std::optional<Daemon::PeerTlsFiles>& files) {
+absl::Status PeerServer::Rotate(const std::optional<PeerPlane::TlsFiles>& files) {
   auto next = Build(files);
   if (!next.ok()) return next.status();
   absl::MutexLock lock(&mu_);
@@ -69,7 +69,7 @@ absl::Status PeerServer::Rotate(const std::optional<Daemon::PeerTlsFiles>& files
                         std::chrono::milliseconds(absl::ToInt64Milliseconds(
                             daemon_->config().peer_timeout));
   retiring_.emplace_back([old, deadline] { old->Shutdown(deadline); });
-  daemon_->UsePeerTls(files);  // and this node's channels, now that the server took them
+  daemon_->peer_plane().UseTls(files);  // and this node's channels, now that the server took them
   spdlog::info("peer service on {}: new certificate in use; calls in flight finish on the old one",
                daemon_->config().peer_listen);
   return absl::OkStatus();

@@ -1,12 +1,12 @@
 // The peer service's gRPC server, with certificate rotation.
 //
-// Rotate() (SIGHUP, with the files Daemon::ReadPeerTls just read) starts a
+// Rotate() (SIGHUP, with the files PeerPlane::ReadTls just read) starts a
 // second server on the same port (gRPC sets SO_REUSEPORT) with the new
 // credentials and shuts the old one down in the background: the calls in
 // flight on it (joins, FetchRead streams, completions) finish there within
 // peer_timeout, so running jobs are not dropped, and new connections meet
 // the new certificate. Only then do this node's own channels switch
-// (Daemon::UsePeerTls). If the new server cannot start (e.g. a key that
+// (PeerPlane::UseTls). If the new server cannot start (e.g. a key that
 // does not match its certificate), nothing changes.
 #ifndef CKPTD_SERVER_PEER_SERVER_H_
 #define CKPTD_SERVER_PEER_SERVER_H_
@@ -36,7 +36,7 @@ class PeerServer {
   // peer_listen is a socket file of mode 0600.
   const std::string& bound_address() const { return bound_; }
 
-  absl::Status Rotate(const std::optional<Daemon::PeerTlsFiles>& files);
+  absl::Status Rotate(const std::optional<PeerPlane::TlsFiles>& files);
   // The standard health service's answer (Kubernetes probes the peer port).
   void SetServing(bool serving);
   // Stops accepting; calls in flight get until `deadline`.
@@ -45,7 +45,7 @@ class PeerServer {
  private:
   PeerServer(Daemon* daemon, PeerService* service) : daemon_(daemon), service_(service) {}
   // `bound`, if given, gets the address it listens on.
-  absl::StatusOr<std::unique_ptr<grpc::Server>> Build(const std::optional<Daemon::PeerTlsFiles>& files,
+  absl::StatusOr<std::unique_ptr<grpc::Server>> Build(const std::optional<PeerPlane::TlsFiles>& files,
                                                       std::string* bound = nullptr);
 
   Daemon* const daemon_;

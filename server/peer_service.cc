@@ -31,7 +31,7 @@ PeerCaller PeerCallerOf(const grpc::ServerContext& ctx) {
 grpc::Status PeerService::Run(const char* rpc, grpc::ServerContext* ctx,
                               const std::function<absl::Status(const PeerCaller&)>& body) {
   return RunCatching(rpc, ctx->peer(), [&] {
-    auto caller = daemon_->AuthorizePeer(PeerCallerOf(*ctx));
+    auto caller = daemon_->peer_plane().Authorize(PeerCallerOf(*ctx));
     if (!caller.ok()) return ToGrpc(caller.status());
     return ToGrpc(body(*caller));
   });

@@ -1,7 +1,7 @@
 // gRPC glue for the daemon-to-daemon Peer service (proto/peer.proto): every
 // call is mapped to its PeerCaller (the verified certificate's names, or the
 // source IP in plaintext), checked against the peer set (Daemon::
-// AuthorizePeer: PERMISSION_DENIED for a name outside it), and run with no
+// PeerPlane::Authorize: PERMISSION_DENIED for a name outside it), and run with no
 // exception escaping.
 #ifndef CKPTD_SERVER_PEER_SERVICE_H_
 #define CKPTD_SERVER_PEER_SERVICE_H_

@@ -1,6 +1,4 @@
-// The peer plane's identity and transport: who may call the peer service,
-// who may speak for which node address, the TLS credentials of both ends
-// (reloaded on SIGHUP), and the parallel, cached peer health of Status.
+// The peer plane (peer_plane.h).
 //
 // Identity is the certificate: with mutual TLS every peer presents a
 // certificate signed by peer_tls_ca, and its DNS/IP names (SANs) are what it
@@ -27,7 +25,7 @@
 #include "absl/strings/str_join.h"
 #include "absl/synchronization/blocking_counter.h"
 #include "core/base/status_macros.h"
-#include "server/daemon.h"
+#include "server/peer/peer_plane.h"
 #include "server/pem.h"
 
 namespace ckptd {
@@ -67,57 +65,72 @@ std::set<std::string> Resolve(const std::string& dns) {
 
 }  // namespace
 
-std::shared_ptr<const Daemon::PeerSet> Daemon::CurrentPeerSet(bool refresh) const {
+std::shared_ptr<const PeerPlane::PeerSet> PeerPlane::Current(bool refresh) const {
+  std::string listen;
   {
-    absl::MutexLock lock(&peer_set_mu_);
-    if (peer_set_ != nullptr && absl::Now() - peer_set_->resolved < kPeerSetTtl &&
-        (!refresh || config_.peer_dns.empty())) {
-      return peer_set_;
+    absl::MutexLock lock(&set_mu_);
+    if (set_ != nullptr && absl::Now() - set_->resolved < kPeerSetTtl &&
+        (!refresh || peer_dns_.empty())) {
+      return set_;
     }
+    listen = listen_;
   }
   auto set = std::make_shared<PeerSet>();
   set->resolved = absl::Now();
-  if (!config_.peer_listen.empty()) {
-    set->members.insert(config_.peer_listen);
-    set->names.insert(HostOf(config_.peer_listen));
+  if (!listen.empty()) {
+    set->members.insert(listen);
+    set->names.insert(HostOf(listen));
   }
-  for (const std::string& p : config_.peers) {
+  for (const std::string& p : peers_) {
     set->members.insert(p);
     set->names.insert(HostOf(p));
   }
-  if (!config_.peer_dns.empty()) {
-    set->dns_name = HostOf(config_.peer_dns);
+  if (!peer_dns_.empty()) {
+    set->dns_name = HostOf(peer_dns_);
     set->names.insert(set->dns_name);
-    set->dns_addresses = Resolve(config_.peer_dns);
+    set->dns_addresses = Resolve(peer_dns_);
     for (const std::string& a : set->dns_addresses) {
       set->members.insert(a);
       set->names.insert(HostOf(a));
     }
   }
   for (const std::string& m : set->members) {
-    if (m != config_.peer_listen) set->others.push_back(m);
+    if (m != listen) set->others.push_back(m);
   }
-  absl::MutexLock lock(&peer_set_mu_);
-  peer_set_ = std::move(set);
-  return peer_set_;
+  absl::MutexLock lock(&set_mu_);
+  set_ = std::move(set);
+  return set_;
 }
 
-std::vector<std::string> Daemon::PeerAddresses() const { return CurrentPeerSet()->others; }
+PeerPlane::PeerPlane(const DaemonConfig& config)
+    : peers_(config.peers),
+      peer_dns_(config.peer_dns),
+      tls_cert_(config.peer_tls_cert),
+      tls_key_(config.peer_tls_key),
+      tls_ca_(config.peer_tls_ca),
+      listen_(config.peer_listen) {}
 
-void Daemon::SetPeerListen(const std::string& bound) {
-  config_.peer_listen = bound;
+std::vector<std::string> PeerPlane::Others() const { return Current()->others; }
+
+std::string PeerPlane::listen() const {
+  absl::MutexLock lock(&set_mu_);
+  return listen_;
+}
+
+void PeerPlane::SetListen(const std::string& bound) {
   {
-    absl::MutexLock lock(&peer_set_mu_);
-    peer_set_ = nullptr;  // none yet; were there one, it named the unbound address
+    absl::MutexLock lock(&set_mu_);
+    listen_ = bound;
+    set_ = nullptr;  // none yet; were there one, it named the unbound address
   }
-  peer_listen_bound_.store(true, std::memory_order_release);
+  bound_.store(true, std::memory_order_release);
 }
 
-absl::StatusOr<PeerCaller> Daemon::AuthorizePeer(PeerCaller caller) const {
-  if (!peer_listen_bound_.load(std::memory_order_acquire)) {
+absl::StatusOr<PeerCaller> PeerPlane::Authorize(PeerCaller caller) const {
+  if (!bound_.load(std::memory_order_acquire)) {
     return absl::UnavailableError("peer service: starting (its address is not set yet)");
   }
-  const bool tls = !config_.peer_tls_ca.empty();
+  const bool tls = !tls_ca_.empty();
   if (!caller.verified) {
     if (tls) {
       return absl::UnauthenticatedError(
@@ -125,7 +138,7 @@ absl::StatusOr<PeerCaller> Daemon::AuthorizePeer(PeerCaller caller) const {
     }
     return caller;  // plaintext: a loopback peer_listen, or peer_insecure
   }
-  auto set = CurrentPeerSet();
+  auto set = Current();
   for (const std::string& n : caller.names) {
     if (set->names.count(n)) return caller;
   }
@@ -134,10 +147,10 @@ absl::StatusOr<PeerCaller> Daemon::AuthorizePeer(PeerCaller caller) const {
       absl::StrJoin(set->names, ", "), ")"));
 }
 
-absl::Status Daemon::SpeaksFor(const PeerCaller& caller, const std::string& node,
-                               bool job_member) const {
-  auto set = CurrentPeerSet();
-  if (!job_member && !set->members.count(node)) set = CurrentPeerSet(/*refresh=*/true);
+absl::Status PeerPlane::SpeaksFor(const PeerCaller& caller, const std::string& node,
+                                  bool job_member) const {
+  auto set = Current();
+  if (!job_member && !set->members.count(node)) set = Current(/*refresh=*/true);
   if (!job_member && !set->members.count(node)) {
     return absl::PermissionDeniedError(absl::StrCat(
         caller.Describe(), " speaks for node '", node, "', which is not in the peer set"));
@@ -155,28 +168,28 @@ absl::Status Daemon::SpeaksFor(const PeerCaller& caller, const std::string& node
       caller.Describe(), " speaks for node '", node, "', which its certificate does not name"));
 }
 
-absl::StatusOr<std::optional<Daemon::PeerTlsFiles>> Daemon::ReadPeerTls() const {
-  if (config_.peer_tls_cert.empty()) return std::optional<PeerTlsFiles>();
-  PeerTlsFiles t;
-  CKPT_ASSIGN_OR_RETURN(t.cert, ReadPem(config_.peer_tls_cert, "peer_tls_cert"));
-  CKPT_ASSIGN_OR_RETURN(t.key, ReadPem(config_.peer_tls_key, "peer_tls_key"));
-  CKPT_ASSIGN_OR_RETURN(t.ca, ReadPem(config_.peer_tls_ca, "peer_tls_ca"));
-  return std::optional<PeerTlsFiles>(std::move(t));
+absl::StatusOr<std::optional<PeerPlane::TlsFiles>> PeerPlane::ReadTls() const {
+  if (tls_cert_.empty()) return std::optional<TlsFiles>();
+  TlsFiles t;
+  CKPT_ASSIGN_OR_RETURN(t.cert, ReadPem(tls_cert_, "peer_tls_cert"));
+  CKPT_ASSIGN_OR_RETURN(t.key, ReadPem(tls_key_, "peer_tls_key"));
+  CKPT_ASSIGN_OR_RETURN(t.ca, ReadPem(tls_ca_, "peer_tls_ca"));
+  return std::optional<TlsFiles>(std::move(t));
 }
 
-void Daemon::UsePeerTls(std::optional<PeerTlsFiles> files) {
+void PeerPlane::UseTls(std::optional<TlsFiles> files) {
   absl::MutexLock lock(&stubs_mu_);
-  peer_tls_ = std::move(files);
+  tls_ = std::move(files);
   stubs_.clear();  // new channels present the new certificate; calls in flight keep theirs
 }
 
-std::optional<Daemon::PeerTlsFiles> Daemon::peer_tls() {
+std::optional<PeerPlane::TlsFiles> PeerPlane::tls() const {
   absl::MutexLock lock(&stubs_mu_);
-  return peer_tls_;
+  return tls_;
 }
 
-std::shared_ptr<grpc::ServerCredentials> Daemon::PeerServerCredentials(
-    const std::optional<PeerTlsFiles>& files) {
+std::shared_ptr<grpc::ServerCredentials> PeerPlane::ServerCredentials(
+    const std::optional<TlsFiles>& files) {
   if (!files) return grpc::InsecureServerCredentials();
   grpc::SslServerCredentialsOptions o(GRPC_SSL_REQUEST_AND_REQUIRE_CLIENT_CERTIFICATE_AND_VERIFY);
   o.pem_root_certs = files->ca;
@@ -184,8 +197,8 @@ std::shared_ptr<grpc::ServerCredentials> Daemon::PeerServerCredentials(
   return grpc::SslServerCredentials(o);
 }
 
-std::shared_ptr<peer::v1::Peer::Stub> Daemon::PeerStub(const std::string& address) {
-  auto set = CurrentPeerSet();
+std::shared_ptr<peer::v1::Peer::Stub> PeerPlane::Stub(const std::string& address) {
+  auto set = Current();
   absl::MutexLock lock(&stubs_mu_);
   auto& s = stubs_[address];
   if (!s) {
@@ -193,15 +206,15 @@ std::shared_ptr<peer::v1::Peer::Stub> Daemon::PeerStub(const std::string& addres
     args.SetMaxReceiveMessageSize(256 << 20);
     args.SetMaxSendMessageSize(256 << 20);
     std::shared_ptr<grpc::ChannelCredentials> creds;
-    if (peer_tls_) {
+    if (tls_) {
       grpc::SslCredentialsOptions o;
-      o.pem_root_certs = peer_tls_->ca;
-      o.pem_private_key = peer_tls_->key;
-      o.pem_cert_chain = peer_tls_->cert;
+      o.pem_root_certs = tls_->ca;
+      o.pem_private_key = tls_->key;
+      o.pem_cert_chain = tls_->cert;
       creds = grpc::SslCredentials(o);
       // Found only through peer_dns: its certificate names the service.
       bool listed = false;
-      for (const std::string& p : config_.peers) listed = listed || p == address;
+      for (const std::string& p : peers_) listed = listed || p == address;
       if (!listed && set->dns_addresses.count(address)) args.SetSslTargetNameOverride(set->dns_name);
     } else {
       creds = grpc::InsecureChannelCredentials();
@@ -211,13 +224,14 @@ std::shared_ptr<peer::v1::Peer::Stub> Daemon::PeerStub(const std::string& addres
   return s;
 }
 
-std::vector<v1::PeerHealth> Daemon::PeerHealth() {
+std::vector<v1::PeerHealth> PeerPlane::Health() {
   absl::MutexLock refresh(&health_refresh_mu_);
   {
     absl::MutexLock lock(&health_mu_);
     if (absl::Now() - health_at_ < kHealthTtl) return health_;
   }
-  const std::vector<std::string> peers = PeerAddresses();
+  const std::vector<std::string> peers = Others();
+  const std::string me = listen();
   struct Call {
     grpc::ClientContext ctx;
     peer::v1::PingRequest req;
@@ -231,8 +245,8 @@ std::vector<v1::PeerHealth> Daemon::PeerHealth() {
   for (const std::string& p : peers) {
     auto c = std::make_unique<Call>();
     c->ctx.set_deadline(std::chrono::system_clock::now() + kPingDeadline);
-    c->req.set_node(config_.peer_listen);
-    c->stub = PeerStub(p);
+    c->req.set_node(me);
+    c->stub = Stub(p);
     c->t0 = std::chrono::steady_clock::now();
     Call* raw = c.get();
     calls.push_back(std::move(c));
