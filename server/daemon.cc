@@ -7,7 +7,7 @@
 #include "server/daemon_internal.h"
 #include "ckptd_version.h"
 #include "proto/fd_socket.h"
-#include "server/metrics.h"
+#include "server/obs/metrics.h"
 
 #include <fcntl.h>
 #include <linux/capability.h>

@@ -35,17 +35,17 @@
 #include <grpcpp/security/server_credentials.h>
 
 #include "proto/peer.grpc.pb.h"
-#include "server/arena_pool.h"
+#include "server/delivery/arena_pool.h"
 #include "server/catalog/cache_filler.h"
 #include "server/catalog/catalog.h"
-#include "server/caller.h"
+#include "server/api/caller.h"
 #include "server/catalog/metadata_cache.h"
 #include "server/cuda/gpu.h"
 #include "server/delivery/mapped_segment.h"
-#include "server/fd_channel.h"
+#include "server/delivery/fd_channel.h"
 #include "server/peer/peer_plane.h"
 #include "server/policy/policy.h"
-#include "server/view_leases.h"
+#include "server/delivery/view_leases.h"
 
 namespace ckptd {
 

@@ -22,7 +22,7 @@
 #include "core/base/status_macros.h"
 #include "server/daemon.h"
 #include "server/daemon_internal.h"
-#include "server/metrics.h"
+#include "server/obs/metrics.h"
 
 namespace ckptd {
 

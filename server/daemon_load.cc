@@ -29,7 +29,7 @@
 #include "core/exec/executor.h"
 #include "server/daemon.h"
 #include "server/daemon_internal.h"
-#include "server/metrics.h"
+#include "server/obs/metrics.h"
 
 namespace ckptd {
 

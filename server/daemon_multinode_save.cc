@@ -30,7 +30,7 @@
 #include "server/daemon.h"
 #include "server/daemon_dist.h"
 #include "server/daemon_internal.h"
-#include "server/plan_codec.h"
+#include "server/multinode/plan_codec.h"
 
 namespace ckptd {
 

@@ -18,8 +18,8 @@
 #include "server/daemon.h"
 #include "server/daemon_dist.h"
 #include "server/daemon_internal.h"
-#include "server/peer_nccl.h"
-#include "server/plan_codec.h"
+#include "server/multinode/peer_nccl.h"
+#include "server/multinode/plan_codec.h"
 
 namespace ckptd {
 namespace {

@@ -11,7 +11,7 @@
 #include "absl/time/time.h"
 #include "ckptd_version.h"
 #include "core/base/status_macros.h"
-#include "server/memory_budget.h"
+#include "server/policy/memory_budget.h"
 #include "server/pem.h"
 
 ABSL_FLAG(std::string, config, "", "YAML config file (see config/ckptd.yaml)");

@@ -29,12 +29,12 @@
 #include "absl/time/time.h"
 #include "core/io/file.h"
 #include "server/daemon.h"
-#include "server/metrics.h"
-#include "server/peer_server.h"
-#include "server/peer_service.h"
+#include "server/obs/metrics.h"
+#include "server/peer/peer_server.h"
+#include "server/peer/peer_service.h"
 #include "server/pem.h"
-#include "server/service.h"
-#include "server/uds_listener.h"
+#include "server/api/service.h"
+#include "server/api/uds_listener.h"
 
 namespace ckptd {
 namespace {

@@ -17,7 +17,7 @@
 #include "core/cache/cache.h"
 #include "core/exec/executor.h"
 #include "proto/ckpt.pb.h"
-#include "server/caller.h"
+#include "server/api/caller.h"
 #include "server/catalog/cache_filler.h"
 #include "server/catalog/metadata_cache.h"
 #include "server/policy/policy.h"

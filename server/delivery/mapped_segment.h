@@ -17,7 +17,7 @@
 
 #include "absl/status/statusor.h"
 #include "core/cache/cache.h"
-#include "server/arena_pool.h"
+#include "server/delivery/arena_pool.h"
 
 namespace ckptd {
 

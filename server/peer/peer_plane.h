@@ -27,7 +27,7 @@
 #include "config/config.h"
 #include "proto/ckpt.pb.h"
 #include "proto/peer.grpc.pb.h"
-#include "server/caller.h"
+#include "server/api/caller.h"
 
 namespace ckptd {
 

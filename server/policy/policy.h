@@ -28,7 +28,7 @@
 #include "absl/synchronization/mutex.h"
 #include "config/config.h"
 #include "proto/ckpt.pb.h"
-#include "server/caller.h"
+#include "server/api/caller.h"
 
 namespace ckptd {
 

@@ -40,7 +40,7 @@
 #include "core/exec/executor.h"
 #include "core/plan/planner.h"
 #include "proto/peer.pb.h"
-#include "server/plan_codec.h"
+#include "server/multinode/plan_codec.h"
 #include "tests/fuzz/fuzz_model.h"
 #include "tests/fuzz/fuzz_util.h"
 

@@ -3,7 +3,7 @@
 // rendezvous links (a send blocks until the matching receive, as with NCCL)
 // while each node's "executor" takes its reads in order. A failing link must
 // make Take return nullopt (gRPC fallback), never hang.
-#include "server/peer_nccl.h"
+#include "server/multinode/peer_nccl.h"
 
 #include <condition_variable>
 #include <deque>

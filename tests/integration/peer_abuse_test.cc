@@ -22,7 +22,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/peer.grpc.pb.h"
-#include "server/plan_codec.h"
+#include "server/multinode/plan_codec.h"
 #include "tests/integration/certs.h"
 #include "tests/integration/daemon_process.h"
 #include "tests/integration/fixtures.h"

@@ -43,9 +43,9 @@ EXTENSIONS = (".h", ".cc", ".cu")
 
 # The peer plane and multi-node code; issue 32 moves them into server/peer
 # and server/multinode.
-ALLOWED_PEER_PROTO = {"server/daemon.h", "server/daemon_dist.h", "server/peer_nccl.h",
+ALLOWED_PEER_PROTO = {"server/daemon.h", "server/daemon_dist.h", "server/multinode/peer_nccl.h",
                       "server/peer/peer_plane.h",
-                      "server/peer_service.h", "server/plan_codec.h"}
+                      "server/peer/peer_service.h", "server/multinode/plan_codec.h"}
 PEER_PROTO = {"proto/peer.pb.h", "proto/peer.grpc.pb.h"}
 
 # Layer violations that exist and are accepted for now: {(file, included): reason}.
@@ -350,9 +350,9 @@ FS_CALL_ALLOWED = {"core/io/file_posix.cc"}
 OWN_FILES = {
     "core/cache/cache.cc": "a read-only view of the cache's own memfd (/proc/self/fd)",
     "server/lifecycle.cc": "the daemon's socket and port files",
-    "server/fd_channel.cc": "the fd-passing socket",
-    "server/uds_listener.cc": "the gRPC Unix socket",
-    "server/metrics.cc": "/proc/self for process metrics",
+    "server/delivery/fd_channel.cc": "the fd-passing socket",
+    "server/api/uds_listener.cc": "the gRPC Unix socket",
+    "server/obs/metrics.cc": "/proc/self for process metrics",
     "server/pem.h": "TLS files",
     "server/policy/policy.cc": "the socket's group (default access rule)",
 }

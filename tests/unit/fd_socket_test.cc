@@ -25,9 +25,9 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/fd_socket.h"
-#include "server/arena_pool.h"
-#include "server/fd_channel.h"
-#include "server/view_leases.h"
+#include "server/delivery/arena_pool.h"
+#include "server/delivery/fd_channel.h"
+#include "server/delivery/view_leases.h"
 #include "tests/testing/temp_dir.h"
 
 namespace ckptd {

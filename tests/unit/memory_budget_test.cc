@@ -1,7 +1,7 @@
 // server/memory_budget: reading cgroup memory limits (v1 and v2, the
 // smallest over the cgroup's ancestors) from a fake /sys/fs/cgroup, and
 // fitting the daemon's budgets into a limit.
-#include "server/memory_budget.h"
+#include "server/policy/memory_budget.h"
 
 #include <cstdlib>
 #include <filesystem>

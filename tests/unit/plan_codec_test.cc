@@ -3,7 +3,7 @@
 // node's local plan; every index, range, file, node and rank a corrupt or
 // malicious part could get wrong is refused with INVALID_ARGUMENT naming the
 // job, the sender and the field.
-#include "server/plan_codec.h"
+#include "server/multinode/plan_codec.h"
 
 #include <cstdint>
 #include <functional>

@@ -4,15 +4,15 @@
 // identified is UNAUTHENTICATED. No exception leaves a handler: one that
 // escapes the daemon's code becomes RESOURCE_EXHAUSTED (out of memory) or
 // INTERNAL naming the RPC, and is logged.
-#ifndef CKPTD_SERVER_SERVICE_H_
-#define CKPTD_SERVER_SERVICE_H_
+#ifndef CKPTD_SERVER_API_SERVICE_H_
+#define CKPTD_SERVER_API_SERVICE_H_
 
 #include <functional>
 #include <optional>
 #include <string>
 
 #include "proto/ckpt.grpc.pb.h"
-#include "server/caller.h"
+#include "server/api/caller.h"
 #include "server/daemon.h"
 
 namespace ckptd {
@@ -59,4 +59,4 @@ class CkptdService final : public v1::Ckptd::Service {
 
 }  // namespace ckptd
 
-#endif  // CKPTD_SERVER_SERVICE_H_
+#endif  // CKPTD_SERVER_API_SERVICE_H_

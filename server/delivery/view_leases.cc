@@ -1,4 +1,4 @@
-#include "server/view_leases.h"
+#include "server/delivery/view_leases.h"
 
 #include <fcntl.h>
 #include <unistd.h>

@@ -7,8 +7,8 @@
 // set of figures; what Status() does not carry (per-phase durations, peer
 // transfer bytes, job outcomes) comes from RecordLoadJob, called once per
 // load job by the daemon.
-#ifndef CKPTD_SERVER_METRICS_H_
-#define CKPTD_SERVER_METRICS_H_
+#ifndef CKPTD_SERVER_OBS_METRICS_H_
+#define CKPTD_SERVER_OBS_METRICS_H_
 
 #include <cstdint>
 #include <functional>
@@ -72,4 +72,4 @@ class MetricsServer {
 
 }  // namespace ckptd
 
-#endif  // CKPTD_SERVER_METRICS_H_
+#endif  // CKPTD_SERVER_OBS_METRICS_H_

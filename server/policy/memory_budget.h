@@ -4,8 +4,8 @@
 // working room) must fit the memory limit of its cgroup (and the machine's memory). Keys
 // the operator set are checked as they are, and start-up is refused naming
 // them; keys left at their defaults shrink to fit.
-#ifndef CKPTD_SERVER_MEMORY_BUDGET_H_
-#define CKPTD_SERVER_MEMORY_BUDGET_H_
+#ifndef CKPTD_SERVER_POLICY_MEMORY_BUDGET_H_
+#define CKPTD_SERVER_POLICY_MEMORY_BUDGET_H_
 
 #include <cstdint>
 #include <optional>
@@ -54,4 +54,4 @@ absl::Status FitMemoryBudgets(DaemonConfig* config, const MemoryLimit& limit,
 
 }  // namespace ckptd
 
-#endif  // CKPTD_SERVER_MEMORY_BUDGET_H_
+#endif  // CKPTD_SERVER_POLICY_MEMORY_BUDGET_H_

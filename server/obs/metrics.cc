@@ -1,4 +1,4 @@
-#include "server/metrics.h"
+#include "server/obs/metrics.h"
 
 #include <dirent.h>
 #include <time.h>

@@ -1,4 +1,4 @@
-#include "server/peer_nccl.h"
+#include "server/multinode/peer_nccl.h"
 
 #include <algorithm>
 #include <cstdlib>

@@ -1,11 +1,11 @@
-#include "server/service.h"
+#include "server/api/service.h"
 
 #include <new>
 
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
-#include "server/metrics.h"
+#include "server/obs/metrics.h"
 
 namespace ckptd {
 

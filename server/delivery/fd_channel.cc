@@ -1,4 +1,4 @@
-#include "server/fd_channel.h"
+#include "server/delivery/fd_channel.h"
 
 #include <sys/epoll.h>
 #include <sys/eventfd.h>

@@ -12,8 +12,8 @@
 // Received fds are checked (CheckSealedSegment: a tmpfs memfd sealed against
 // shrinking), held for a while under their token and the uid that sent them
 // (SO_PEERCRED), and taken by that uid only.
-#ifndef CKPTD_SERVER_FD_CHANNEL_H_
-#define CKPTD_SERVER_FD_CHANNEL_H_
+#ifndef CKPTD_SERVER_DELIVERY_FD_CHANNEL_H_
+#define CKPTD_SERVER_DELIVERY_FD_CHANNEL_H_
 
 #include <sys/types.h>
 
@@ -180,4 +180,4 @@ class FdReceiver {
 
 }  // namespace ckptd
 
-#endif  // CKPTD_SERVER_FD_CHANNEL_H_
+#endif  // CKPTD_SERVER_DELIVERY_FD_CHANNEL_H_

@@ -3,13 +3,13 @@
 // source IP in plaintext), checked against the peer set (Daemon::
 // PeerPlane::Authorize: PERMISSION_DENIED for a name outside it), and run with no
 // exception escaping.
-#ifndef CKPTD_SERVER_PEER_SERVICE_H_
-#define CKPTD_SERVER_PEER_SERVICE_H_
+#ifndef CKPTD_SERVER_PEER_PEER_SERVICE_H_
+#define CKPTD_SERVER_PEER_PEER_SERVICE_H_
 
 #include <functional>
 
 #include "proto/peer.grpc.pb.h"
-#include "server/caller.h"
+#include "server/api/caller.h"
 #include "server/daemon.h"
 
 namespace ckptd {
@@ -36,4 +36,4 @@ class PeerService final : public peer::v1::Peer::Service {
 
 }  // namespace ckptd
 
-#endif  // CKPTD_SERVER_PEER_SERVICE_H_
+#endif  // CKPTD_SERVER_PEER_PEER_SERVICE_H_

@@ -8,8 +8,8 @@
 // the new certificate. Only then do this node's own channels switch
 // (PeerPlane::UseTls). If the new server cannot start (e.g. a key that
 // does not match its certificate), nothing changes.
-#ifndef CKPTD_SERVER_PEER_SERVER_H_
-#define CKPTD_SERVER_PEER_SERVER_H_
+#ifndef CKPTD_SERVER_PEER_PEER_SERVER_H_
+#define CKPTD_SERVER_PEER_PEER_SERVER_H_
 
 #include <chrono>
 #include <memory>
@@ -22,7 +22,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "server/daemon.h"
-#include "server/peer_service.h"
+#include "server/peer/peer_service.h"
 
 namespace ckptd {
 
@@ -58,4 +58,4 @@ class PeerServer {
 
 }  // namespace ckptd
 
-#endif  // CKPTD_SERVER_PEER_SERVER_H_
+#endif  // CKPTD_SERVER_PEER_PEER_SERVER_H_

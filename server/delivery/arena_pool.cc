@@ -1,4 +1,4 @@
-#include "server/arena_pool.h"
+#include "server/delivery/arena_pool.h"
 
 #include <fcntl.h>
 #include <sys/mman.h>

@@ -1,4 +1,4 @@
-#include "server/uds_listener.h"
+#include "server/api/uds_listener.h"
 
 #include <fcntl.h>
 #include <poll.h>

@@ -14,8 +14,8 @@
 // every target byte of a successful load.
 //
 // Thread-safe.
-#ifndef CKPTD_SERVER_ARENA_POOL_H_
-#define CKPTD_SERVER_ARENA_POOL_H_
+#ifndef CKPTD_SERVER_DELIVERY_ARENA_POOL_H_
+#define CKPTD_SERVER_DELIVERY_ARENA_POOL_H_
 
 #include <sys/types.h>
 
@@ -30,7 +30,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "proto/fd_socket.h"
-#include "server/fd_channel.h"
+#include "server/delivery/fd_channel.h"
 
 namespace ckptd {
 
@@ -98,4 +98,4 @@ class ArenaPool final : public ArenaHandler {
 
 }  // namespace ckptd
 
-#endif  // CKPTD_SERVER_ARENA_POOL_H_
+#endif  // CKPTD_SERVER_DELIVERY_ARENA_POOL_H_

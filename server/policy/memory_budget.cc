@@ -1,4 +1,4 @@
-#include "server/memory_budget.h"
+#include "server/policy/memory_budget.h"
 
 #include <algorithm>
 #include <fstream>

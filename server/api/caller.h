@@ -5,8 +5,8 @@
 // uds_listener.h), never by anything they send. TCP callers act as the
 // configured tcp_uid. The daemon's own work (prefetch at start, tests)
 // acts as kSelf.
-#ifndef CKPTD_SERVER_CALLER_H_
-#define CKPTD_SERVER_CALLER_H_
+#ifndef CKPTD_SERVER_API_CALLER_H_
+#define CKPTD_SERVER_API_CALLER_H_
 
 #include <sys/types.h>
 
@@ -60,4 +60,4 @@ struct PeerCaller {
 
 }  // namespace ckptd
 
-#endif  // CKPTD_SERVER_CALLER_H_
+#endif  // CKPTD_SERVER_API_CALLER_H_

@@ -13,8 +13,8 @@
 // executor takes them. If anything fails, the links are aborted and every
 // read not yet received comes over gRPC as before (FetchRead still serves
 // every read until the job ends), so NCCL can only make a job faster.
-#ifndef CKPTD_SERVER_PEER_NCCL_H_
-#define CKPTD_SERVER_PEER_NCCL_H_
+#ifndef CKPTD_SERVER_MULTINODE_PEER_NCCL_H_
+#define CKPTD_SERVER_MULTINODE_PEER_NCCL_H_
 
 #include <atomic>
 #include <cstdint>
@@ -131,4 +131,4 @@ std::unique_ptr<NcclTransfers> StartNcclTransfers(gpu::GpuRuntime* gpu,
 
 }  // namespace ckptd
 
-#endif  // CKPTD_SERVER_PEER_NCCL_H_
+#endif  // CKPTD_SERVER_MULTINODE_PEER_NCCL_H_

@@ -24,8 +24,8 @@
 // that passed into the plan this node executes.
 //
 // Thread-compatible: pure functions of their inputs.
-#ifndef CKPTD_SERVER_PLAN_CODEC_H_
-#define CKPTD_SERVER_PLAN_CODEC_H_
+#ifndef CKPTD_SERVER_MULTINODE_PLAN_CODEC_H_
+#define CKPTD_SERVER_MULTINODE_PLAN_CODEC_H_
 
 #include <cstdint>
 #include <map>
@@ -160,4 +160,4 @@ absl::StatusOr<std::pair<std::string, ckpt::ShardMeta>> FromMsg(const peer::v1::
 
 }  // namespace ckptd
 
-#endif  // CKPTD_SERVER_PLAN_CODEC_H_
+#endif  // CKPTD_SERVER_MULTINODE_PLAN_CODEC_H_

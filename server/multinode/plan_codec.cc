@@ -1,4 +1,4 @@
-#include "server/plan_codec.h"
+#include "server/multinode/plan_codec.h"
 
 #include <algorithm>
 #include <cstdint>

@@ -1,10 +1,10 @@
-#include "server/peer_service.h"
+#include "server/peer/peer_service.h"
 
 #include <grpc/grpc_security_constants.h>
 
 #include "absl/strings/strip.h"
 #include "config/config.h"
-#include "server/service.h"
+#include "server/api/service.h"
 
 namespace ckptd {
 

@@ -9,8 +9,8 @@
 // ServerContext::peer() ("fd:N") back to that record. Fd numbers rotate
 // through a wide range so a number freed by a closed connection is not
 // reused while a call of that connection could still be queued.
-#ifndef CKPTD_SERVER_UDS_LISTENER_H_
-#define CKPTD_SERVER_UDS_LISTENER_H_
+#ifndef CKPTD_SERVER_API_UDS_LISTENER_H_
+#define CKPTD_SERVER_API_UDS_LISTENER_H_
 
 #include <sys/types.h>
 
@@ -24,7 +24,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
-#include "server/caller.h"
+#include "server/api/caller.h"
 
 namespace grpc {
 class Server;
@@ -74,4 +74,4 @@ class UdsListener {
 
 }  // namespace ckptd
 
-#endif  // CKPTD_SERVER_UDS_LISTENER_H_
+#endif  // CKPTD_SERVER_API_UDS_LISTENER_H_

@@ -1,4 +1,4 @@
-#include "server/peer_server.h"
+#include "server/peer/peer_server.h"
 
 #include <sys/stat.h>
 

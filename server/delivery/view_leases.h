@@ -3,8 +3,8 @@
 // is; the client takes their fds once ("VIEWS <token>"), copies, and closes
 // the connection; the Load call waits for that (or its deadline, or the
 // client leaving) before it lets go of the views and answers.
-#ifndef CKPTD_SERVER_VIEW_LEASES_H_
-#define CKPTD_SERVER_VIEW_LEASES_H_
+#ifndef CKPTD_SERVER_DELIVERY_VIEW_LEASES_H_
+#define CKPTD_SERVER_DELIVERY_VIEW_LEASES_H_
 
 #include <sys/types.h>
 
@@ -18,7 +18,7 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
-#include "server/fd_channel.h"
+#include "server/delivery/fd_channel.h"
 
 namespace ckptd {
 
@@ -55,4 +55,4 @@ class ViewLeases final : public ViewHandler {
 
 }  // namespace ckptd
 
-#endif  // CKPTD_SERVER_VIEW_LEASES_H_
+#endif  // CKPTD_SERVER_DELIVERY_VIEW_LEASES_H_
