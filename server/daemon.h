@@ -438,8 +438,12 @@ class Daemon {
   // Waits (at most until `deadline`) while an asynchronous save into `dir`
   // is persisting: a load of a version just saved waits for it to appear.
   void AwaitPersistsInto(const std::string& dir, absl::Time deadline) ABSL_LOCKS_EXCLUDED(save_mu_);
-  // The ids of the asynchronous saves still persisting (into `dir` if given).
-  std::vector<std::string> PersistingLocked(const std::string* dir = nullptr) const
+  // Waits (at most until `deadline`) until no asynchronous save (into `dir`
+  // if given) is persisting; returns the ids of those still persisting.
+  std::vector<std::string> AwaitPersisting(const std::string* dir, absl::Time deadline)
+      ABSL_LOCKS_EXCLUDED(save_mu_);
+  // The asynchronous saves still persisting (into `dir` if given), by id.
+  std::map<std::string, std::shared_ptr<PendingSave>> PersistingLocked(const std::string* dir) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(save_mu_);
   void FillSaveStatus(const Caller& caller, v1::StatusResponse* resp) ABSL_LOCKS_EXCLUDED(save_mu_);
   void FailJobLocked(Job& job, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

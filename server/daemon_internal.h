@@ -15,7 +15,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "core/exec/executor.h"
@@ -107,7 +109,9 @@ struct Daemon::Job {
 };
 
 // An asynchronous save between its ranks' answer and its end: the bytes it
-// holds, the plan, and (under Daemon::save_mu_) how it stands.
+// holds, the plan, and how it stands. All but the outcome is set before it
+// is registered in Daemon::saves_ and read-only after, except `held` and
+// `charges`, which the persist thread releases; `mu` guards the outcome.
 struct Daemon::PendingSave {
   NativeSave save;
   uid_t owner = 0;
@@ -120,10 +124,15 @@ struct Daemon::PendingSave {
   std::chrono::steady_clock::time_point staged;
   std::map<int, v1::SaveResponse> first_answers;  // per rank, for the final ones
   enum class State { kPersisting, kDurable, kFailed };
-  State state = State::kPersisting;       // guarded by save_mu_
-  absl::Status status;                    // guarded by save_mu_
-  std::map<int, v1::SaveResponse> final;  // guarded by save_mu_
-  absl::Time finished;                    // guarded by save_mu_
+  mutable absl::Mutex mu;
+  State state ABSL_GUARDED_BY(mu) = State::kPersisting;
+  absl::Status status ABSL_GUARDED_BY(mu);
+  std::map<int, v1::SaveResponse> final ABSL_GUARDED_BY(mu);
+  absl::Time finished ABSL_GUARDED_BY(mu);
+  bool Persisting() const ABSL_LOCKS_EXCLUDED(mu) {
+    absl::MutexLock lock(&mu);
+    return state == State::kPersisting;
+  }
 };
 
 // The source a load job's plan runs on: `inner`, behind a gate that ends
