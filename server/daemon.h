@@ -199,13 +199,13 @@ class Daemon {
   // join; the nodes and their joins, in node order.
   absl::Status GatherJoins(const std::shared_ptr<DistJob>& dj, const peer::v1::JoinRequest& own,
                            std::vector<std::string>* nodes,
-                           std::vector<peer::v1::JoinRequest>* joins) ABSL_LOCKS_EXCLUDED(peer_mu_);
+                           std::vector<peer::v1::JoinRequest>* joins);
   // Coordinator: the plan is made (or failed): the joiners get their parts;
   // returns this node's.
   absl::StatusOr<peer::v1::PlanPart> PublishParts(
       const std::shared_ptr<DistJob>& dj, const std::vector<std::string>& nodes,
       const std::string& own_node,
-      absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> parts) ABSL_LOCKS_EXCLUDED(peer_mu_);
+      absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> parts);
   // A save whose ranks span several daemons (daemon_multinode_save.cc):
   // two-phase, every node writes and fsyncs its ranks' files (prepare), and
   // only when every node did, each writes the version's metadata (commit).
@@ -260,11 +260,8 @@ class Daemon {
   // node is found through it (or is a job member). Else PERMISSION_DENIED.
   absl::Status SpeaksFor(const PeerCaller& caller, const std::string& node,
                          bool job_member = false) const;
-  // An authorization violation by `caller` inside job `dj`: logged, kept as
-  // the job's failure on this node, and (coordinator) the job's outcome for
-  // every node. Returns the PERMISSION_DENIED status naming the caller.
-  absl::Status ViolationLocked(DistJob& dj, const PeerCaller& caller, absl::string_view what)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_);
+  // The multi-node job `id` registered here, or null.
+  std::shared_ptr<DistJob> FindDistJob(const std::string& id) ABSL_LOCKS_EXCLUDED(peer_mu_);
   // Every other daemon pinged in parallel (short deadline), the answer kept
   // a few seconds so Status and metrics scrapes do not ping again.
   std::vector<v1::PeerHealth> PeerHealth();

@@ -150,7 +150,7 @@ absl::StatusOr<LocalSave> Daemon::AdoptSavePart(const Job& job,
       LocalSaveOf(part, PartContext(job, slots, coordinator), job.unique_id.value_or(0));
   const absl::Status& exec = local.status();
   {
-    absl::MutexLock lock(&peer_mu_);
+    absl::MutexLock lock(&dj->mu);
     if (exec.ok()) {
       dj->nodes.assign(part.nodes().begin(), part.nodes().end());
     } else {
@@ -292,7 +292,7 @@ void Daemon::RunDistributedSave(const std::shared_ptr<Job>& job,
     }
   }
   {
-    absl::MutexLock lock(&peer_mu_);
+    absl::MutexLock lock(&dj->mu);
     if (exec.ok() && !dj->violation.ok()) exec = dj->violation;
     if (!exec.ok()) dj->exec_status = exec;
   }
