@@ -306,7 +306,16 @@ class Daemon {
   absl::Status AwaitSlot(const std::shared_ptr<Job>& job, const std::shared_ptr<RankSlot>& slot,
                          int rank, uint32_t barrier_timeout_ms,
                          const std::function<bool(const v1::LoadEvent&)>& send,
-                         const std::function<bool()>& cancelled);
+                         const std::function<bool()>& cancelled) ABSL_LOCKS_EXCLUDED(mu_);
+  // AwaitSlot's rank while its job still waits for ranks: its client went
+  // away (the rank leaves, the job too once empty) or `deadline` passed (the
+  // job fails for every rank; `barrier` is named). The rank's status then;
+  // nullopt when neither holds or the job started meanwhile.
+  std::optional<absl::Status> LeaveBarrier(const std::shared_ptr<Job>& job,
+                                           const std::shared_ptr<RankSlot>& slot, int rank,
+                                           absl::Time deadline, absl::Duration barrier,
+                                           const std::function<bool()>& cancelled)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // A request's barrier_timeout_ms, or the configured barrier_timeout when 0.
   absl::Duration BarrierTimeout(uint32_t barrier_timeout_ms) const {
     return barrier_timeout_ms > 0 ? absl::Milliseconds(barrier_timeout_ms)
@@ -324,25 +333,25 @@ class Daemon {
                                               const std::vector<std::shared_ptr<RankSlot>>& slots,
                                               const ckpt::LoadPlan& plan,
                                               const std::map<std::string, ckpt::FileStamp>& stamps,
-                                              absl::string_view phase, RemoteReads* remote)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  // The job succeeded on this node: every rank not done yet gets its result
-  // (FillLoadResult, then `extra`), the job leaves the registry, and `rec`
-  // (completed from `fig` and `plan`) is logged and counted.
+                                              absl::string_view phase, RemoteReads* remote);
+  // The job succeeded on this node: the job leaves the registry, `rec`
+  // (completed from `fig` and `plan`) is logged and counted, and every rank
+  // not done yet gets its result (FillLoadResult, then `extra`).
   void FinishLoadJob(const std::shared_ptr<Job>& job,
                      const std::vector<std::shared_ptr<RankSlot>>& slots,
                      const ckpt::LoadPlan& plan, const JobFigures& fig, LoadJobRecord rec,
-                     const std::function<void(RankSlot&)>& extra) ABSL_LOCKS_EXCLUDED(mu_);
+                     const std::function<void(v1::LoadResult&)>& extra) ABSL_LOCKS_EXCLUDED(mu_);
   // Runs `run` (RunJob, RunSaveJob) failing the job on any exception.
   void RunGuarded(const std::shared_ptr<Job>& job, void (Daemon::*run)(const std::shared_ptr<Job>&));
   void RunSaveJob(const std::shared_ptr<Job>& job);
-  // PyTorch DCP saves (SaveRequest.format "pytorch-dcp"): the data files of
-  // a job, and the commit of its `.metadata` (SaveRequest.dcp_metadata).
-  // A save job is done: under mu_, `answer` fills each rank's SaveResponse,
-  // the ranks are released and the job leaves the registry.
+  // A save job is done: `answer` fills each rank's SaveResponse (under the
+  // slot's mu), the ranks are released and the job leaves the registry.
   void FinishSaveJob(const std::shared_ptr<Job>& job,
                      const std::vector<std::shared_ptr<RankSlot>>& slots,
-                     const std::function<void(RankSlot&)>& answer) ABSL_LOCKS_EXCLUDED(mu_);
+                     const std::function<void(const RankSlot&, v1::SaveResponse&)>& answer)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // PyTorch DCP saves (SaveRequest.format "pytorch-dcp"): the data files of
+  // a job, and the commit of its `.metadata` (SaveRequest.dcp_metadata).
   void WriteDcpSave(const std::shared_ptr<Job>& job,
                     const std::vector<std::shared_ptr<RankSlot>>& slots, const ckpt::SavePlan& plan,
                     std::shared_ptr<const ckpt::Directory> dir,
@@ -443,10 +452,13 @@ class Daemon {
   std::map<std::string, std::shared_ptr<PendingSave>> PersistingLocked(const std::string* dir) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(save_mu_);
   void FillSaveStatus(const Caller& caller, v1::StatusResponse* resp) ABSL_LOCKS_EXCLUDED(save_mu_);
-  void FailJobLocked(Job& job, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops `job` from the registry (if it is the one registered under its id).
+  void UnregisterLocked(const Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every rank of the job not done yet fails with `status`; the job leaves
+  // the registry.
   void FailJob(Job& job, const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
   // The job's registered slots, ascending rank.
-  std::vector<std::shared_ptr<RankSlot>> SlotsOf(const Job& job) ABSL_LOCKS_EXCLUDED(mu_);
+  static std::vector<std::shared_ptr<RankSlot>> SlotsOf(const Job& job);
 
   // Const but for peer_listen, set once by SetPeerListen before it is read.
   DaemonConfig config_;

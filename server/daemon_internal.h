@@ -58,10 +58,13 @@ class Daemon::SaveBufferCharge {
   uint64_t bytes_;
 };
 
+// One rank's call in a job. Everything but the outcome is set before the
+// slot is registered (Register) and read-only after, except the rank's
+// buffers (segment, stream_buffers, device, save_charge): the job's runner
+// uses them once the job runs, the rank's thread again once it is done.
 struct Daemon::RankSlot {
   v1::LoadRequest request;
   v1::SaveRequest save_request;  // Save jobs
-  v1::SaveResponse save_result;
   ckpt::RankTargets targets;
   std::unique_ptr<MappedSegment> segment;              // shm destination
   std::vector<std::vector<uint8_t>> stream_buffers;    // stream destination
@@ -78,11 +81,20 @@ struct Daemon::RankSlot {
   // long the call waited for it.
   std::unique_ptr<Daemon::SaveBufferCharge> save_charge;
   double buffer_wait_s = 0;
-  bool done = false;  // guarded by Daemon::mu_
-  absl::Status status;
-  v1::LoadResult result;
+
+  // The outcome, written by whoever ends the rank (the job's runner, a
+  // failure, the barrier's deadline); the rank's thread waits on `mu` for
+  // `done` (AwaitSlot), then reads its status and result.
+  mutable absl::Mutex mu;
+  bool done ABSL_GUARDED_BY(mu) = false;
+  absl::Status status ABSL_GUARDED_BY(mu);
+  v1::LoadResult result ABSL_GUARDED_BY(mu);
+  v1::SaveResponse save_result ABSL_GUARDED_BY(mu);
 };
 
+// A job of this node: its identity (kind ... expected) is set before it is
+// registered in Daemon::jobs_ and read-only after; `mu` guards its ranks,
+// state and phase.
 struct Daemon::Job {
   enum class State { kWaiting, kRunning, kFinished };
   JobKind kind = JobKind::kLoad;
@@ -92,11 +104,21 @@ struct Daemon::Job {
   uid_t owner = 0;  // the uid that created it: only it may join
   int world_size = 0;
   std::set<int> expected;
-  std::map<int, std::shared_ptr<RankSlot>> slots;
-  State state = State::kWaiting;
-  std::string phase = "waiting for ranks";
+
+  mutable absl::Mutex mu;
+  std::map<int, std::shared_ptr<RankSlot>> slots ABSL_GUARDED_BY(mu);
+  State state ABSL_GUARDED_BY(mu) = State::kWaiting;
+  std::string phase ABSL_GUARDED_BY(mu) = "waiting for ranks";
   std::atomic<uint64_t> progress{0};
   std::atomic<uint64_t> total{0};
+  // Every rank not done yet fails with `status` (each slot's mu taken in
+  // turn); the job is finished. Daemon::UnregisterLocked drops it.
+  void FailLocked(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  void SetPhase(absl::string_view now) ABSL_LOCKS_EXCLUDED(mu) {
+    absl::MutexLock lock(&mu);
+    phase = std::string(now);
+  }
+
   // Set once, by Daemon::AbortLoads (the drain ran out): the job's reads
   // stop at the next one (GatedSource) and its ranks get `abort_status`.
   absl::Mutex abort_mu;
@@ -203,7 +225,7 @@ inline bool AllRanksSkipVerify(const std::vector<std::shared_ptr<Daemon::RankSlo
 
 // Fills `slot.result` for plan rank `index` (not `done`: the caller marks it).
 void FillLoadResult(Daemon::RankSlot& slot, const ckpt::RankPlan& plan, size_t index,
-                    const JobFigures& figures);
+                    const JobFigures& figures) ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot.mu);
 
 // The reads of a multi-node load's part that other nodes serve
 // (RunDistributedJob): Daemon::RunNodePart runs the part on Wrap(storage),

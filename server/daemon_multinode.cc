@@ -452,10 +452,8 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job,
     auto it = dist_jobs_.find(job->id);
     if (it != dist_jobs_.end() && it->second == dj) dist_jobs_.erase(it);
   };
-  {
-    absl::MutexLock lock(&mu_);
-    job->phase = dj->coordinator ? "gathering the job's ranks from peers" : "joining the coordinator";
-  }
+  job->SetPhase(dj->coordinator ? "gathering the job's ranks from peers"
+                                : "joining the coordinator");
   // 1. The plan part of this node.
   peer::v1::PlanPart part;
   std::string coordinator = me;
@@ -513,10 +511,7 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job,
     if (!exec.ok()) dj->exec_status = exec;
   }
   // 4. Agree on the outcome with every node.
-  {
-    absl::MutexLock lock(&mu_);
-    job->phase = "waiting for the other nodes";
-  }
+  job->SetPhase("waiting for the other nodes");
   peer::v1::CompleteRequest done = CompletionOf(job->id, me, exec);
   done.set_bytes_read(stats.bytes_read);
   done.set_bytes_received(received);
@@ -543,11 +538,11 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job,
   rec.bytes_from_peers = received;
   rec.bytes_to_peers = sent;
   rec.job_bytes_read = outcome->job_bytes_read();
-  FinishLoadJob(job, slots, lp, fig, std::move(rec), [&](RankSlot& s) {
-    s.result.set_bytes_from_peers(received);
-    s.result.set_bytes_to_peers(sent);
-    for (const auto& n : part.nodes()) s.result.add_nodes(n);
-    s.result.set_job_bytes_read(outcome->job_bytes_read());
+  FinishLoadJob(job, slots, lp, fig, std::move(rec), [&](v1::LoadResult& r) {
+    r.set_bytes_from_peers(received);
+    r.set_bytes_to_peers(sent);
+    for (const auto& n : part.nodes()) r.add_nodes(n);
+    r.set_job_bytes_read(outcome->job_bytes_read());
   });
 }
 

@@ -222,8 +222,9 @@ void Daemon::StartAsyncSave(const std::shared_ptr<Job>& job,
     }
   }
   if (!refused.ok()) return FailJob(*job, refused);
-  FinishSaveJob(job, slots,
-                [&](RankSlot& s) { s.save_result = pending->first_answers.at(s.targets.rank); });
+  FinishSaveJob(job, slots, [&](const RankSlot& s, v1::SaveResponse& r) {
+    r = pending->first_answers.at(s.targets.rank);
+  });
   spdlog::info("save job={} path={} version={} ranks={}: {}B staged, persisting in the background",
                job->id, job->path, version, slots.size(), pending->bytes_staged);
 }
@@ -612,7 +613,7 @@ absl::StatusOr<v1::SaveResponse> Daemon::Save(const Caller& caller, const v1::Sa
   if (runner) RunGuarded(job, &Daemon::RunSaveJob);
   absl::Status status = AwaitSlot(job, slot, request.rank(), request.barrier_timeout_ms(), nullptr, cancelled);
   if (!status.ok()) return fail(status);
-  absl::MutexLock lock(&mu_);
+  absl::MutexLock lock(&slot->mu);
   v1::SaveResponse resp = slot->save_result;
   resp.set_seconds(Seconds(t0));
   if (request.async_save()) save_stall_us_ += static_cast<uint64_t>(resp.seconds() * 1e6);
@@ -674,8 +675,7 @@ void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
   auto saved = WriteNativeSave(save, lock->directory(), nullptr, nullptr);
   if (!saved.ok()) return fail_all(saved.status());
   metadata_.Drop(job->path);  // new files under a cached directory
-  FinishSaveJob(job, slots, [&](RankSlot& s) {
-    v1::SaveResponse& r = s.save_result;
+  FinishSaveJob(job, slots, [&](const RankSlot& s, v1::SaveResponse& r) {
     for (const auto& f : saved->files_of_rank[s.targets.rank]) r.add_files(f);
     r.set_bytes_written(saved->bytes);
     r.set_metadata_file(absl::StrCat(save.plan.unique_id, ".metadata"));
@@ -687,15 +687,16 @@ void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
 
 void Daemon::FinishSaveJob(const std::shared_ptr<Job>& job,
                            const std::vector<std::shared_ptr<RankSlot>>& slots,
-                           const std::function<void(RankSlot&)>& answer) {
+                           const std::function<void(const RankSlot&, v1::SaveResponse&)>& answer) {
   absl::MutexLock jobs_lock(&mu_);
+  absl::MutexLock job_lock(&job->mu);
   for (const auto& s : slots) {
-    answer(*s);
+    absl::MutexLock slot_lock(&s->mu);
+    answer(*s, s->save_result);
     s->done = true;
   }
   job->state = Job::State::kFinished;
-  auto it = jobs_.find(job->id);
-  if (it != jobs_.end() && it->second == job) jobs_.erase(it);
+  UnregisterLocked(*job);
 }
 
 }  // namespace ckptd
