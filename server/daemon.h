@@ -3,9 +3,29 @@
 // only translates messages and status codes; everything here is testable
 // without a network.
 //
-// Thread-safe: every RPC runs on its own gRPC thread. `mu_` guards the job
-// registry and every Job/RankSlot field not marked atomic. The policy
-// (quotas), the metadata cache and the data cache have their own locks.
+// Thread-safe: every RPC runs on its own gRPC thread. Each mutex guards
+// fields of its own object (ABSL_GUARDED_BY, checked by clang's
+// -Wthread-safety):
+//   mu_              the job registry (jobs_)
+//   Job::mu          a job's ranks (slots), state and phase
+//   RankSlot::mu     a rank's outcome (done, status, result, save_result)
+//   Job::abort_mu    the drain's abort of a job
+//   peer_mu_         the multi-node jobs (dist_jobs_), nccl_unreachable_
+//   DistJob::mu      a multi-node job's joins, plan, served reads, outcome
+//   save_mu_         the asynchronous saves (saves_, persist_queue_,
+//                    save_staged_, persist_stop_)
+//   PendingSave::mu  one asynchronous save's state and outcome
+// and peer_set_mu_, stubs_mu_, health_mu_ theirs. What a job, slot or save
+// is made with is set before it is registered and read-only after
+// (daemon_internal.h, daemon_dist.h). The policy (quotas), the metadata
+// cache and the data cache have their own locks.
+//
+// Lock order: mu_ before Job::mu before RankSlot::mu; mu_ before
+// Job::abort_mu (never held with Job::mu); peer_mu_ before DistJob::mu;
+// save_mu_ before PendingSave::mu. No thread holds two locks of one kind
+// (two jobs', two slots', ...), takes a registry's lock (mu_, peer_mu_,
+// save_mu_) while holding a job's, slot's or save's, or holds a lock of
+// the load jobs together with one of the multi-node jobs or the saves.
 #ifndef CKPTD_SERVER_DAEMON_H_
 #define CKPTD_SERVER_DAEMON_H_
 
