@@ -157,7 +157,7 @@ absl::Status Daemon::Load(const Caller& caller, const v1::LoadRequest& request,
   if (!status.ok()) return fail(status);
   v1::LoadResult result;
   {
-    absl::MutexLock lock(&mu_);
+    absl::MutexLock lock(&slot->mu);
     result = slot->result;
   }
   if (cancelled()) return fail(absl::CancelledError("client went away"));
@@ -229,6 +229,7 @@ v1::StatusResponse Daemon::Status(const Caller& caller) {
     absl::MutexLock lock(&mu_);
     for (const auto& [id, job] : jobs_) {
       if (!admin && job->owner != caller.uid) continue;  // others' jobs are not its business
+      absl::MutexLock job_lock(&job->mu);
       v1::JobStatus* js = resp.add_jobs();
       js->set_job_id(id);
       js->set_path(job->path);

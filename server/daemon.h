@@ -1,11 +1,30 @@
 // The ckptd daemon's engine room: job registry and barrier, checkpoint
-// metadata cache, data cache, destinations. The gRPC service (service.cc)
+// metadata cache, data cache, destinations. The gRPC service (api/service.cc)
 // only translates messages and status codes; everything here is testable
 // without a network.
 //
-// Thread-safe: every RPC runs on its own gRPC thread. `mu_` guards the job
-// registry and every Job/RankSlot field not marked atomic. The policy
-// (quotas), the metadata cache and the data cache have their own locks.
+// Thread-safe: every RPC runs on its own gRPC thread. Each mutex guards
+// fields of its own object (ABSL_GUARDED_BY, checked by clang's
+// -Wthread-safety):
+//   mu_              the job registry (jobs_)
+//   Job::mu          a job's ranks (slots), state and phase
+//   RankSlot::mu     a rank's outcome (done, status, result, save_result)
+//   Job::abort_mu    the drain's abort of a job
+//   peer_mu_         the multi-node jobs (dist_jobs_), nccl_unreachable_
+//   DistJob::mu      a multi-node job's joins, plan, served reads, outcome
+//   save_mu_         the asynchronous saves (saves_, persist_queue_,
+//                    save_staged_, persist_stop_)
+//   PendingSave::mu  one asynchronous save's state and outcome
+// What a job, slot or save is made with is set before it is registered and read-only after
+// (daemon_internal.h, daemon_dist.h). The policy (quotas), the metadata
+// cache, the data cache and the peer plane (PeerPlane) have their own locks.
+//
+// Lock order: mu_ before Job::mu before RankSlot::mu; mu_ before
+// Job::abort_mu (never held with Job::mu); peer_mu_ before DistJob::mu;
+// save_mu_ before PendingSave::mu. No thread holds two locks of one kind
+// (two jobs', two slots', ...), takes a registry's lock (mu_, peer_mu_,
+// save_mu_) while holding a job's, slot's or save's, or holds a lock of
+// the load jobs together with one of the multi-node jobs or the saves.
 #ifndef CKPTD_SERVER_DAEMON_H_
 #define CKPTD_SERVER_DAEMON_H_
 
@@ -184,13 +203,13 @@ class Daemon {
   // join; the nodes and their joins, in node order.
   absl::Status GatherJoins(const std::shared_ptr<DistJob>& dj, const peer::v1::JoinRequest& own,
                            std::vector<std::string>* nodes,
-                           std::vector<peer::v1::JoinRequest>* joins) ABSL_LOCKS_EXCLUDED(peer_mu_);
+                           std::vector<peer::v1::JoinRequest>* joins);
   // Coordinator: the plan is made (or failed): the joiners get their parts;
   // returns this node's.
   absl::StatusOr<peer::v1::PlanPart> PublishParts(
       const std::shared_ptr<DistJob>& dj, const std::vector<std::string>& nodes,
       const std::string& own_node,
-      absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> parts) ABSL_LOCKS_EXCLUDED(peer_mu_);
+      absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> parts);
   // A save whose ranks span several daemons (daemon_multinode_save.cc):
   // two-phase, every node writes and fsyncs its ranks' files (prepare), and
   // only when every node did, each writes the version's metadata (commit).
@@ -220,11 +239,9 @@ class Daemon {
   // detached timers that could outlive the daemon).
   void RetireDistJob(const std::shared_ptr<DistJob>& dj, absl::Duration linger);
   void PurgeDistJobsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_);
-  // An authorization violation by `caller` inside job `dj`: logged, kept as
-  // the job's failure on this node, and (coordinator) the job's outcome for
-  // every node. Returns the PERMISSION_DENIED status naming the caller.
-  absl::Status ViolationLocked(DistJob& dj, const PeerCaller& caller, absl::string_view what)
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_);
+  // The multi-node job `id` registered here, or null.
+  std::shared_ptr<DistJob> FindDistJob(const std::string& id) ABSL_LOCKS_EXCLUDED(peer_mu_);
+
   absl::StatusOr<std::shared_ptr<RankSlot>> PrepareSlot(const Caller& caller,
                                                         const v1::LoadRequest& request);
   // cuda_ipc destinations (daemon_gpu.cc): validates the rank's device
@@ -265,7 +282,16 @@ class Daemon {
   absl::Status AwaitSlot(const std::shared_ptr<Job>& job, const std::shared_ptr<RankSlot>& slot,
                          int rank, uint32_t barrier_timeout_ms,
                          const std::function<bool(const v1::LoadEvent&)>& send,
-                         const std::function<bool()>& cancelled);
+                         const std::function<bool()>& cancelled) ABSL_LOCKS_EXCLUDED(mu_);
+  // AwaitSlot's rank while its job still waits for ranks: its client went
+  // away (the rank leaves, the job too once empty) or `deadline` passed (the
+  // job fails for every rank; `barrier` is named). The rank's status then;
+  // nullopt when neither holds or the job started meanwhile.
+  std::optional<absl::Status> LeaveBarrier(const std::shared_ptr<Job>& job,
+                                           const std::shared_ptr<RankSlot>& slot, int rank,
+                                           absl::Time deadline, absl::Duration barrier,
+                                           const std::function<bool()>& cancelled)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // A request's barrier_timeout_ms, or the configured barrier_timeout when 0.
   absl::Duration BarrierTimeout(uint32_t barrier_timeout_ms) const {
     return barrier_timeout_ms > 0 ? absl::Milliseconds(barrier_timeout_ms)
@@ -283,25 +309,25 @@ class Daemon {
                                               const std::vector<std::shared_ptr<RankSlot>>& slots,
                                               const ckpt::LoadPlan& plan,
                                               const std::map<std::string, ckpt::FileStamp>& stamps,
-                                              absl::string_view phase, RemoteReads* remote)
-      ABSL_LOCKS_EXCLUDED(mu_);
-  // The job succeeded on this node: every rank not done yet gets its result
-  // (FillLoadResult, then `extra`), the job leaves the registry, and `rec`
-  // (completed from `fig` and `plan`) is logged and counted.
+                                              absl::string_view phase, RemoteReads* remote);
+  // The job succeeded on this node: the job leaves the registry, `rec`
+  // (completed from `fig` and `plan`) is logged and counted, and every rank
+  // not done yet gets its result (FillLoadResult, then `extra`).
   void FinishLoadJob(const std::shared_ptr<Job>& job,
                      const std::vector<std::shared_ptr<RankSlot>>& slots,
                      const ckpt::LoadPlan& plan, const JobFigures& fig, LoadJobRecord rec,
-                     const std::function<void(RankSlot&)>& extra) ABSL_LOCKS_EXCLUDED(mu_);
+                     const std::function<void(v1::LoadResult&)>& extra) ABSL_LOCKS_EXCLUDED(mu_);
   // Runs `run` (RunJob, RunSaveJob) failing the job on any exception.
   void RunGuarded(const std::shared_ptr<Job>& job, void (Daemon::*run)(const std::shared_ptr<Job>&));
   void RunSaveJob(const std::shared_ptr<Job>& job);
-  // PyTorch DCP saves (SaveRequest.format "pytorch-dcp"): the data files of
-  // a job, and the commit of its `.metadata` (SaveRequest.dcp_metadata).
-  // A save job is done: under mu_, `answer` fills each rank's SaveResponse,
-  // the ranks are released and the job leaves the registry.
+  // A save job is done: `answer` fills each rank's SaveResponse (under the
+  // slot's mu), the ranks are released and the job leaves the registry.
   void FinishSaveJob(const std::shared_ptr<Job>& job,
                      const std::vector<std::shared_ptr<RankSlot>>& slots,
-                     const std::function<void(RankSlot&)>& answer) ABSL_LOCKS_EXCLUDED(mu_);
+                     const std::function<void(const RankSlot&, v1::SaveResponse&)>& answer)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // PyTorch DCP saves (SaveRequest.format "pytorch-dcp"): the data files of
+  // a job, and the commit of its `.metadata` (SaveRequest.dcp_metadata).
   void WriteDcpSave(const std::shared_ptr<Job>& job,
                     const std::vector<std::shared_ptr<RankSlot>>& slots, const ckpt::SavePlan& plan,
                     std::shared_ptr<const ckpt::Directory> dir,
@@ -394,14 +420,21 @@ class Daemon {
   // Waits (at most until `deadline`) while an asynchronous save into `dir`
   // is persisting: a load of a version just saved waits for it to appear.
   void AwaitPersistsInto(const std::string& dir, absl::Time deadline) ABSL_LOCKS_EXCLUDED(save_mu_);
-  // The ids of the asynchronous saves still persisting (into `dir` if given).
-  std::vector<std::string> PersistingLocked(const std::string* dir = nullptr) const
+  // Waits (at most until `deadline`) until no asynchronous save (into `dir`
+  // if given) is persisting; returns the ids of those still persisting.
+  std::vector<std::string> AwaitPersisting(const std::string* dir, absl::Time deadline)
+      ABSL_LOCKS_EXCLUDED(save_mu_);
+  // The asynchronous saves still persisting (into `dir` if given), by id.
+  std::map<std::string, std::shared_ptr<PendingSave>> PersistingLocked(const std::string* dir) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(save_mu_);
   void FillSaveStatus(const Caller& caller, v1::StatusResponse* resp) ABSL_LOCKS_EXCLUDED(save_mu_);
-  void FailJobLocked(Job& job, const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Drops `job` from the registry (if it is the one registered under its id).
+  void UnregisterLocked(const Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Every rank of the job not done yet fails with `status`; the job leaves
+  // the registry.
   void FailJob(Job& job, const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
   // The job's registered slots, ascending rank.
-  std::vector<std::shared_ptr<RankSlot>> SlotsOf(const Job& job) ABSL_LOCKS_EXCLUDED(mu_);
+  static std::vector<std::shared_ptr<RankSlot>> SlotsOf(const Job& job);
 
   // Const but for peer_listen, set once by SetPeerListen before it is read.
   DaemonConfig config_;

@@ -39,27 +39,27 @@ absl::StatusOr<peer::v1::PlanPart> Daemon::PeerJoin(const PeerCaller& caller,
                                                     const peer::v1::JoinRequest& req,
                                                     const std::function<bool()>& cancelled) {
   const absl::Status who = peers_.SpeaksFor(caller, req.node());
-  absl::MutexLock lock(&peer_mu_);
-  auto it = dist_jobs_.find(req.job_id());
+  const std::shared_ptr<DistJob> dj = FindDistJob(req.job_id());
   if (!who.ok()) {
-    if (it != dist_jobs_.end() && it->second->coordinator) {
-      return ViolationLocked(*it->second, caller, absl::StrCat("tried to join: ", who.message()));
+    if (dj != nullptr && dj->coordinator) {
+      absl::MutexLock lock(&dj->mu);
+      return dj->ViolationLocked(caller, absl::StrCat("tried to join: ", who.message()));
     }
     return who;
   }
-  if (it == dist_jobs_.end()) {
+  if (dj == nullptr) {
     return absl::UnavailableError(absl::StrCat("job '", req.job_id(), "' is not known on ",
                                                config_.peer_listen, " yet"));
   }
-  std::shared_ptr<DistJob> dj = it->second;
   if (!dj->coordinator) {
     return absl::FailedPreconditionError(
         absl::StrCat(config_.peer_listen, " is not the coordinator of job '", req.job_id(), "'"));
   }
+  absl::MutexLock lock(&dj->mu);
   if (req.ranks_size() == 0) {
-    return ViolationLocked(*dj, caller,
-                           absl::StrCat("joined as '", req.node(),
-                                        "' with no ranks (a node joins only for ranks it serves)"));
+    return dj->ViolationLocked(caller, absl::StrCat("joined as '", req.node(),
+                                                    "' with no ranks (a node joins only for "
+                                                    "ranks it serves)"));
   }
   std::string mismatch;
   if (req.path() != dj->path) mismatch = absl::StrCat("checkpoint ", req.path(), " vs ", dj->path);
@@ -98,8 +98,8 @@ absl::StatusOr<peer::v1::PlanPart> Daemon::PeerJoin(const PeerCaller& caller,
   }
   dj->joins[req.node()] = req;
   for (const auto& r : req.ranks()) dj->ranks_joined.insert(r.rank());
-  auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) { return dj->planned; };
-  if (!AwaitOrCancel(&peer_mu_, absl::Condition(&ready), dj->deadline, cancelled)) {
+  auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(dj->mu) { return dj->planned; };
+  if (!AwaitOrCancel(&dj->mu, absl::Condition(&ready), dj->deadline, cancelled)) {
     return WaitFailed(cancelled, absl::StrCat("job '", req.job_id(),
                                               "': the coordinator did not plan before the deadline"));
   }
@@ -116,13 +116,13 @@ absl::Status Daemon::GatherJoins(const std::shared_ptr<DistJob>& dj,
                                  const peer::v1::JoinRequest& own,
                                  std::vector<std::string>* nodes,
                                  std::vector<peer::v1::JoinRequest>* joins) {
-  absl::MutexLock lock(&peer_mu_);
+  absl::MutexLock lock(&dj->mu);
   dj->joins[own.node()] = own;
   for (const auto& r : own.ranks()) dj->ranks_joined.insert(r.rank());
-  auto covered = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) {
+  auto covered = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(dj->mu) {
     return dj->planned || static_cast<int>(dj->ranks_joined.size()) == dj->world_size;
   };
-  peer_mu_.AwaitWithDeadline(absl::Condition(&covered), dj->deadline);
+  dj->mu.AwaitWithDeadline(absl::Condition(&covered), dj->deadline);
   if (dj->planned) return dj->plan_status;  // a joiner disagreed
   if (static_cast<int>(dj->ranks_joined.size()) != dj->world_size) {
     std::vector<int> missing;
@@ -149,7 +149,7 @@ absl::StatusOr<peer::v1::PlanPart> Daemon::PublishParts(
     const std::shared_ptr<DistJob>& dj, const std::vector<std::string>& nodes,
     const std::string& own_node,
     absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> parts) {
-  absl::MutexLock lock(&peer_mu_);
+  absl::MutexLock lock(&dj->mu);
   dj->nodes = nodes;
   if (!parts.ok()) {
     dj->plan_status = parts.status();
@@ -298,24 +298,22 @@ absl::StatusOr<peer::v1::CompleteResponse> Daemon::PeerComplete(
     const std::function<bool()>& cancelled) {
   const absl::Status who_if_member = peers_.SpeaksFor(caller, req.node(), /*job_member=*/true);
   const absl::Status who_otherwise = peers_.SpeaksFor(caller, req.node());
-  absl::MutexLock lock(&peer_mu_);
-  auto it = dist_jobs_.find(req.job_id());
-  if (it == dist_jobs_.end() || !it->second->coordinator) {
+  const std::shared_ptr<DistJob> dj = FindDistJob(req.job_id());
+  if (dj == nullptr || !dj->coordinator) {
     return absl::NotFoundError(absl::StrCat("job '", req.job_id(), "' is not coordinated by ",
                                             config_.peer_listen));
   }
-  std::shared_ptr<DistJob> dj = it->second;
+  absl::MutexLock lock(&dj->mu);
   const bool member =
       std::find(dj->nodes.begin(), dj->nodes.end(), req.node()) != dj->nodes.end();
   const absl::Status& who = member ? who_if_member : who_otherwise;
   if (!who.ok()) {
-    return ViolationLocked(*dj, caller, absl::StrCat("reported completion: ", who.message()));
+    return dj->ViolationLocked(caller, absl::StrCat("reported completion: ", who.message()));
   }
   if (!dj->planned ||
       std::find(dj->nodes.begin(), dj->nodes.end(), req.node()) == dj->nodes.end()) {
-    return ViolationLocked(*dj, caller,
-                           absl::StrCat("reported completion as '", req.node(),
-                                        "', which is not a node of the job"));
+    return dj->ViolationLocked(caller, absl::StrCat("reported completion as '", req.node(),
+                                                    "', which is not a node of the job"));
   }
   if (!dj->reported.insert(req.node()).second) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -323,11 +321,11 @@ absl::StatusOr<peer::v1::CompleteResponse> Daemon::PeerComplete(
   }
   // A node the coordinator already found down keeps that entry.
   dj->completes.emplace(req.node(), req);
-  auto finished = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) { return dj->finished; };
+  auto finished = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(dj->mu) { return dj->finished; };
   const absl::Time until =
       dj->save ? std::max(dj->outcome_deadline, absl::Now() + config_.peer_timeout)
                : absl::Now() + config_.peer_timeout;
-  if (!AwaitOrCancel(&peer_mu_, absl::Condition(&finished), until, cancelled)) {
+  if (!AwaitOrCancel(&dj->mu, absl::Condition(&finished), until, cancelled)) {
     return WaitFailed(cancelled, absl::StrCat("job '", req.job_id(),
                                               "': the coordinator did not conclude in time"));
   }
@@ -338,25 +336,25 @@ absl::StatusOr<peer::v1::CompleteResponse> Daemon::AwaitOutcome(
     const std::shared_ptr<DistJob>& dj, const peer::v1::CompleteRequest& own) {
   absl::Time deadline = absl::Now() + config_.peer_timeout;
   {
-    absl::MutexLock lock(&peer_mu_);
+    absl::MutexLock lock(&dj->mu);
     dj->completes[own.node()] = own;
     dj->reported.insert(own.node());
   }
   while (true) {
     std::vector<std::string> missing;
     {
-      absl::MutexLock lock(&peer_mu_);
+      absl::MutexLock lock(&dj->mu);
       // Concluded once every node reported, or one failed for a reason of
       // its own (not only because another node failed first: then the
       // cause is on its way and every rank should get it, not an echo).
-      auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) {
+      auto done = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(dj->mu) {
         if (dj->completes.size() == dj->nodes.size()) return true;
         for (const auto& [n, c] : dj->completes) {
           if (!c.ok() && !EchoOfAnotherFailure(c.error_code())) return true;
         }
         return false;
       };
-      peer_mu_.AwaitWithTimeout(absl::Condition(&done), absl::Milliseconds(300));
+      dj->mu.AwaitWithTimeout(absl::Condition(&done), absl::Milliseconds(300));
       peer::v1::CompleteResponse out;
       out.set_ok(true);
       uint64_t read = 0, written = 0;
@@ -410,7 +408,7 @@ absl::StatusOr<peer::v1::CompleteResponse> Daemon::AwaitOutcome(
                                                dj->outcome_deadline));
       }
       if (!s.ok()) {
-        absl::MutexLock lock(&peer_mu_);
+        absl::MutexLock lock(&dj->mu);
         peer::v1::CompleteRequest down;
         down.set_node(n);
         down.set_ok(false);

@@ -83,8 +83,7 @@ void Daemon::WriteDcpSave(const std::shared_ptr<Job>& job,
       bytes += items[i].nbytes;
     }
   }
-  FinishSaveJob(job, slots, [&](RankSlot& s) {
-    v1::SaveResponse& resp = s.save_result;
+  FinishSaveJob(job, slots, [&](const RankSlot& s, v1::SaveResponse& resp) {
     for (const auto& it : items_of_rank[s.targets.rank]) {
       if (resp.files_size() == 0) resp.add_files(it.file());
       *resp.add_items() = it;

@@ -14,8 +14,11 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
+#include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "core/exec/executor.h"
 #include "proto/peer.pb.h"
@@ -23,11 +26,10 @@
 
 namespace ckptd {
 
+// Everything down to `aoa` is set before the job is registered in
+// Daemon::dist_jobs_ and read-only after; `mu` guards the rest.
 struct Daemon::DistJob {
   std::string id;
-  // A finished job stays a little (late joiners get its error, slow fetchers
-  // their bytes) and is dropped by PurgeDistJobsLocked after this time.
-  absl::Time expires = absl::InfiniteFuture();
   bool coordinator = false;
   bool save = false;   // a multi-node save (daemon_multinode_save.cc), else a load
   bool overwrite = false;  // a save's (compared across nodes)
@@ -42,12 +44,17 @@ struct Daemon::DistJob {
   std::optional<int64_t> unique_id;
   int world_size = 0;
   std::string aoa;  // the job's AOA statements (compared across nodes)
+
+  absl::Mutex mu;
+  // A finished job stays a little (late joiners get its error, slow fetchers
+  // their bytes) and is dropped by PurgeDistJobsLocked after this time.
+  absl::Time expires ABSL_GUARDED_BY(mu) = absl::InfiniteFuture();
   // Coordinator: gathering and planning.
-  std::map<std::string, peer::v1::JoinRequest> joins;  // node -> its join
-  std::set<int> ranks_joined;
-  bool planned = false;
-  absl::Status plan_status;
-  std::map<std::string, peer::v1::PlanPart> parts;
+  std::map<std::string, peer::v1::JoinRequest> joins ABSL_GUARDED_BY(mu);  // node -> its join
+  std::set<int> ranks_joined ABSL_GUARDED_BY(mu);
+  bool planned ABSL_GUARDED_BY(mu) = false;
+  absl::Status plan_status ABSL_GUARDED_BY(mu);
+  std::map<std::string, peer::v1::PlanPart> parts ABSL_GUARDED_BY(mu);
   // Serving: reads this node does that other nodes need (global index).
   struct Served {
     bool ready = false;
@@ -58,19 +65,25 @@ struct Daemon::DistJob {
     std::set<std::string> fetched;  // who fetched it (once each)
     int remaining = 0;     // fetches still expected
   };
-  std::map<uint32_t, Served> served;
-  bool part_known = false;
-  absl::Status exec_status;
+  std::map<uint32_t, Served> served ABSL_GUARDED_BY(mu);
+  bool part_known ABSL_GUARDED_BY(mu) = false;
+  absl::Status exec_status ABSL_GUARDED_BY(mu);
   // The first authorization violation seen here (PERMISSION_DENIED naming
   // the caller): the job fails with it on this node.
-  absl::Status violation;
+  absl::Status violation ABSL_GUARDED_BY(mu);
   // Every node of the job (known once planned / the part arrived).
-  std::vector<std::string> nodes;
+  std::vector<std::string> nodes ABSL_GUARDED_BY(mu);
   // Coordinator: completion.
-  std::map<std::string, peer::v1::CompleteRequest> completes;
-  std::set<std::string> reported;  // nodes that sent Complete themselves
-  bool finished = false;
-  peer::v1::CompleteResponse outcome;
+  std::map<std::string, peer::v1::CompleteRequest> completes ABSL_GUARDED_BY(mu);
+  std::set<std::string> reported ABSL_GUARDED_BY(mu);  // nodes that sent Complete themselves
+  bool finished ABSL_GUARDED_BY(mu) = false;
+  peer::v1::CompleteResponse outcome ABSL_GUARDED_BY(mu);
+
+  // An authorization violation by `caller` inside this job: logged, kept as
+  // the job's failure on this node, and (coordinator) the job's outcome for
+  // every node. Returns the PERMISSION_DENIED status naming the caller.
+  absl::Status ViolationLocked(const PeerCaller& caller, absl::string_view what)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
 };
 
 // What every node of a multi-node job sends its coordinator: the job, this

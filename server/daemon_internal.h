@@ -15,7 +15,9 @@
 #include <string>
 #include <vector>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "core/exec/executor.h"
@@ -56,10 +58,13 @@ class Daemon::SaveBufferCharge {
   uint64_t bytes_;
 };
 
+// One rank's call in a job. Everything but the outcome is set before the
+// slot is registered (Register) and read-only after, except the rank's
+// buffers (segment, stream_buffers, device, save_charge): the job's runner
+// uses them once the job runs, the rank's thread again once it is done.
 struct Daemon::RankSlot {
   v1::LoadRequest request;
   v1::SaveRequest save_request;  // Save jobs
-  v1::SaveResponse save_result;
   ckpt::RankTargets targets;
   std::unique_ptr<MappedSegment> segment;              // shm destination
   std::vector<std::vector<uint8_t>> stream_buffers;    // stream destination
@@ -76,11 +81,20 @@ struct Daemon::RankSlot {
   // long the call waited for it.
   std::unique_ptr<Daemon::SaveBufferCharge> save_charge;
   double buffer_wait_s = 0;
-  bool done = false;  // guarded by Daemon::mu_
-  absl::Status status;
-  v1::LoadResult result;
+
+  // The outcome, written by whoever ends the rank (the job's runner, a
+  // failure, the barrier's deadline); the rank's thread waits on `mu` for
+  // `done` (AwaitSlot), then reads its status and result.
+  mutable absl::Mutex mu;
+  bool done ABSL_GUARDED_BY(mu) = false;
+  absl::Status status ABSL_GUARDED_BY(mu);
+  v1::LoadResult result ABSL_GUARDED_BY(mu);
+  v1::SaveResponse save_result ABSL_GUARDED_BY(mu);
 };
 
+// A job of this node: its identity (kind ... expected) is set before it is
+// registered in Daemon::jobs_ and read-only after; `mu` guards its ranks,
+// state and phase.
 struct Daemon::Job {
   enum class State { kWaiting, kRunning, kFinished };
   JobKind kind = JobKind::kLoad;
@@ -90,11 +104,21 @@ struct Daemon::Job {
   uid_t owner = 0;  // the uid that created it: only it may join
   int world_size = 0;
   std::set<int> expected;
-  std::map<int, std::shared_ptr<RankSlot>> slots;
-  State state = State::kWaiting;
-  std::string phase = "waiting for ranks";
+
+  mutable absl::Mutex mu;
+  std::map<int, std::shared_ptr<RankSlot>> slots ABSL_GUARDED_BY(mu);
+  State state ABSL_GUARDED_BY(mu) = State::kWaiting;
+  std::string phase ABSL_GUARDED_BY(mu) = "waiting for ranks";
   std::atomic<uint64_t> progress{0};
   std::atomic<uint64_t> total{0};
+  // Every rank not done yet fails with `status` (each slot's mu taken in
+  // turn); the job is finished. Daemon::UnregisterLocked drops it.
+  void FailLocked(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  void SetPhase(absl::string_view now) ABSL_LOCKS_EXCLUDED(mu) {
+    absl::MutexLock lock(&mu);
+    phase = std::string(now);
+  }
+
   // Set once, by Daemon::AbortLoads (the drain ran out): the job's reads
   // stop at the next one (GatedSource) and its ranks get `abort_status`.
   absl::Mutex abort_mu;
@@ -107,7 +131,9 @@ struct Daemon::Job {
 };
 
 // An asynchronous save between its ranks' answer and its end: the bytes it
-// holds, the plan, and (under Daemon::save_mu_) how it stands.
+// holds, the plan, and how it stands. All but the outcome is set before it
+// is registered in Daemon::saves_ and read-only after, except `held` and
+// `charges`, which the persist thread releases; `mu` guards the outcome.
 struct Daemon::PendingSave {
   NativeSave save;
   uid_t owner = 0;
@@ -120,10 +146,15 @@ struct Daemon::PendingSave {
   std::chrono::steady_clock::time_point staged;
   std::map<int, v1::SaveResponse> first_answers;  // per rank, for the final ones
   enum class State { kPersisting, kDurable, kFailed };
-  State state = State::kPersisting;       // guarded by save_mu_
-  absl::Status status;                    // guarded by save_mu_
-  std::map<int, v1::SaveResponse> final;  // guarded by save_mu_
-  absl::Time finished;                    // guarded by save_mu_
+  mutable absl::Mutex mu;
+  State state ABSL_GUARDED_BY(mu) = State::kPersisting;
+  absl::Status status ABSL_GUARDED_BY(mu);
+  std::map<int, v1::SaveResponse> final ABSL_GUARDED_BY(mu);
+  absl::Time finished ABSL_GUARDED_BY(mu);
+  bool Persisting() const ABSL_LOCKS_EXCLUDED(mu) {
+    absl::MutexLock lock(&mu);
+    return state == State::kPersisting;
+  }
 };
 
 // The source a load job's plan runs on: `inner`, behind a gate that ends
@@ -194,7 +225,7 @@ inline bool AllRanksSkipVerify(const std::vector<std::shared_ptr<Daemon::RankSlo
 
 // Fills `slot.result` for plan rank `index` (not `done`: the caller marks it).
 void FillLoadResult(Daemon::RankSlot& slot, const ckpt::RankPlan& plan, size_t index,
-                    const JobFigures& figures);
+                    const JobFigures& figures) ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot.mu);
 
 // The reads of a multi-node load's part that other nodes serve
 // (RunDistributedJob): Daemon::RunNodePart runs the part on Wrap(storage),

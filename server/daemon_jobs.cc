@@ -26,14 +26,18 @@
 
 namespace ckptd {
 
-void Daemon::FailJobLocked(Job& job, const absl::Status& status) {
-  for (auto& [r, slot] : job.slots) {
+void Daemon::Job::FailLocked(const absl::Status& status) {
+  for (auto& [r, slot] : slots) {
+    absl::MutexLock lock(&slot->mu);
     if (!slot->done) {
       slot->status = status;
       slot->done = true;
     }
   }
-  job.state = Job::State::kFinished;
+  state = State::kFinished;
+}
+
+void Daemon::UnregisterLocked(const Job& job) {
   auto it = jobs_.find(job.id);
   if (it != jobs_.end() && it->second.get() == &job) jobs_.erase(it);
 }
@@ -58,7 +62,9 @@ void Daemon::RunGuarded(const std::shared_ptr<Job>& job,
 
 void Daemon::FailJob(Job& job, const absl::Status& status) {
   absl::MutexLock lock(&mu_);
-  FailJobLocked(job, status);
+  absl::MutexLock job_lock(&job.mu);
+  job.FailLocked(status);
+  UnregisterLocked(job);
 }
 
 std::vector<std::string> Daemon::AbortLoads(const std::string& why) {
@@ -75,14 +81,18 @@ std::vector<std::string> Daemon::AbortLoads(const std::string& why) {
       job->aborted = true;
       job->abort_status = s;
     }
-    FailJobLocked(*job, s);  // every rank learns it now; the runner stops at its next read
+    {
+      absl::MutexLock job_lock(&job->mu);
+      job->FailLocked(s);  // every rank learns it now; the runner stops at its next read
+    }
+    UnregisterLocked(*job);
     ids.push_back(job->id);
   }
   return ids;
 }
 
 std::vector<std::shared_ptr<Daemon::RankSlot>> Daemon::SlotsOf(const Job& job) {
-  absl::MutexLock lock(&mu_);
+  absl::MutexLock lock(&job.mu);
   std::vector<std::shared_ptr<RankSlot>> slots;
   for (const auto& [r, s] : job.slots) slots.push_back(s);
   return slots;
@@ -97,11 +107,6 @@ absl::StatusOr<std::pair<std::shared_ptr<Daemon::Job>, bool>> Daemon::Register(
     return absl::PermissionDeniedError(absl::StrCat(
         "job '", key.id, "' belongs to another user (uid ", it->second->owner,
         "); rank ", key.rank, " of uid ", key.owner, " may not join it (use another job_id)"));
-  }
-  if (it != jobs_.end() && it->second->state == Job::State::kRunning) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("job '", key.id, "' is already running; rank ", key.rank,
-                     " came too late (use a new job_id)"));
   }
   std::shared_ptr<Job> job;
   if (it == jobs_.end()) {
@@ -127,24 +132,32 @@ absl::StatusOr<std::pair<std::shared_ptr<Daemon::Job>, bool>> Daemon::Register(
     jobs_[job->id] = job;
   } else {
     job = it->second;
-    std::string mismatch;
-    if (job->kind != key.kind) {
-      mismatch = "one side loads, the other saves";
-    } else if (job->path != key.path) {
-      mismatch = absl::StrCat("checkpoint ", key.path, " vs ", job->path);
-    } else if (job->unique_id != key.unique_id) {
-      auto version = [](const std::optional<int64_t>& u) {
-        return u ? absl::StrCat(*u) : std::string("unset (the newest)");
-      };
-      mismatch = absl::StrCat("unique_id ", version(key.unique_id), " vs ", version(job->unique_id));
-    } else if (job->world_size != key.world_size) {
-      mismatch = absl::StrCat("world_size ", key.world_size, " vs ", job->world_size);
-    }
-    if (!mismatch.empty()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat("job '", job->id, "' rank ", key.rank,
-                       " disagrees with the ranks already registered: ", mismatch));
-    }
+  }
+  // A job in the registry is waiting or running (it leaves it as it
+  // finishes, under mu_).
+  absl::MutexLock job_lock(&job->mu);
+  if (job->state == Job::State::kRunning) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("job '", key.id, "' is already running; rank ", key.rank,
+                     " came too late (use a new job_id)"));
+  }
+  std::string mismatch;
+  if (job->kind != key.kind) {
+    mismatch = "one side loads, the other saves";
+  } else if (job->path != key.path) {
+    mismatch = absl::StrCat("checkpoint ", key.path, " vs ", job->path);
+  } else if (job->unique_id != key.unique_id) {
+    auto version = [](const std::optional<int64_t>& u) {
+      return u ? absl::StrCat(*u) : std::string("unset (the newest)");
+    };
+    mismatch = absl::StrCat("unique_id ", version(key.unique_id), " vs ", version(job->unique_id));
+  } else if (job->world_size != key.world_size) {
+    mismatch = absl::StrCat("world_size ", key.world_size, " vs ", job->world_size);
+  }
+  if (!mismatch.empty()) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("job '", job->id, "' rank ", key.rank,
+                     " disagrees with the ranks already registered: ", mismatch));
   }
   if (!job->expected.count(key.rank)) {
     return absl::InvalidArgumentError(absl::StrCat("job '", job->id, "' rank ", key.rank,
@@ -166,6 +179,33 @@ absl::StatusOr<std::pair<std::shared_ptr<Daemon::Job>, bool>> Daemon::Register(
   return std::make_pair(job, runner);
 }
 
+std::optional<absl::Status> Daemon::LeaveBarrier(const std::shared_ptr<Job>& job,
+                                                 const std::shared_ptr<RankSlot>& slot, int rank,
+                                                 absl::Time deadline, absl::Duration barrier,
+                                                 const std::function<bool()>& cancelled) {
+  absl::MutexLock lock(&mu_);
+  absl::MutexLock job_lock(&job->mu);
+  if (job->state != Job::State::kWaiting) return std::nullopt;  // it started meanwhile
+  if (cancelled()) {
+    job->slots.erase(rank);
+    if (job->slots.empty()) UnregisterLocked(*job);
+    return absl::CancelledError(absl::StrCat("job '", job->id, "' rank ", rank,
+                                             ": client went away while waiting"));
+  }
+  if (absl::Now() < deadline) return std::nullopt;
+  std::vector<int> missing;
+  for (int r : job->expected) {
+    if (!job->slots.count(r)) missing.push_back(r);
+  }
+  job->FailLocked(absl::DeadlineExceededError(absl::StrCat(
+      "job '", job->id, "': ranks ", absl::StrJoin(missing, ","), " never registered within ",
+      absl::FormatDuration(barrier), " (", job->slots.size(), " of ", job->expected.size(),
+      " ranks came)")));
+  UnregisterLocked(*job);
+  absl::MutexLock slot_lock(&slot->mu);
+  return slot->status;
+}
+
 absl::Status Daemon::AwaitSlot(const std::shared_ptr<Job>& job,
                                const std::shared_ptr<RankSlot>& slot, int rank,
                                uint32_t barrier_timeout_ms,
@@ -176,39 +216,24 @@ absl::Status Daemon::AwaitSlot(const std::shared_ptr<Job>& job,
   std::string last_phase;
   uint64_t last_progress = 0;
   while (true) {
-    std::string phase;
-    uint64_t progress = 0, total = 0;
     {
-      absl::MutexLock lock(&mu_);
-      mu_.AwaitWithTimeout(absl::Condition(&slot->done), absl::Milliseconds(100));
+      absl::MutexLock lock(&slot->mu);
+      slot->mu.AwaitWithTimeout(absl::Condition(&slot->done), absl::Milliseconds(100));
       if (slot->done) return slot->status;
-      if (job->state == Job::State::kWaiting) {
-        if (cancelled()) {
-          job->slots.erase(rank);
-          if (job->slots.empty()) {
-            auto it = jobs_.find(job->id);
-            if (it != jobs_.end() && it->second == job) jobs_.erase(it);
-          }
-          return absl::CancelledError(absl::StrCat("job '", job->id, "' rank ", rank,
-                                                   ": client went away while waiting"));
-        }
-        if (absl::Now() >= deadline) {
-          std::vector<int> missing;
-          for (int r : job->expected) {
-            if (!job->slots.count(r)) missing.push_back(r);
-          }
-          FailJobLocked(*job, absl::DeadlineExceededError(absl::StrCat(
-                                  "job '", job->id, "': ranks ", absl::StrJoin(missing, ","),
-                                  " never registered within ", absl::FormatDuration(barrier), " (",
-                                  job->slots.size(), " of ", job->expected.size(),
-                                  " ranks came)")));
-          return slot->status;
-        }
-      }
-      phase = job->phase;
-      progress = job->progress.load();
-      total = job->total.load();
     }
+    std::string phase;
+    bool waiting = false;
+    {
+      absl::MutexLock lock(&job->mu);
+      waiting = job->state == Job::State::kWaiting;
+      phase = job->phase;
+    }
+    if (waiting && (cancelled() || absl::Now() >= deadline)) {
+      if (auto left = LeaveBarrier(job, slot, rank, deadline, barrier, cancelled)) return *left;
+      continue;
+    }
+    const uint64_t progress = job->progress.load();
+    const uint64_t total = job->total.load();
     if (send && (phase != last_phase || progress != last_progress)) {
       v1::LoadEvent ev;
       ev.set_progress(phase);

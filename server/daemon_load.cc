@@ -157,7 +157,7 @@ absl::StatusOr<ckpt::LoadStats> Daemon::RunNodePart(
     const auto& missing = plan.ranks[i].missing_keys;
     if (slots[i]->request.strict() && !missing.empty()) {
       skip[i] = true;
-      absl::MutexLock lock(&mu_);
+      absl::MutexLock lock(&slots[i]->mu);
       slots[i]->status = absl::NotFoundError(
           absl::StrCat("job '", job->id, "' rank ", slots[i]->request.rank(), ": ", job->path,
                        " has no tensor(s) ", absl::StrJoin(missing, ", ")));
@@ -171,7 +171,7 @@ absl::StatusOr<ckpt::LoadStats> Daemon::RunNodePart(
   uint64_t total = 0;
   for (const ckpt::ReadRange& r : plan.reads) total += r.length;
   {
-    absl::MutexLock lock(&mu_);
+    absl::MutexLock lock(&job->mu);
     job->phase = std::string(phase);
     job->total = total;
   }
@@ -237,7 +237,7 @@ absl::StatusOr<ckpt::LoadStats> Daemon::RunNodePart(
 void Daemon::FinishLoadJob(const std::shared_ptr<Job>& job,
                            const std::vector<std::shared_ptr<RankSlot>>& slots,
                            const ckpt::LoadPlan& plan, const JobFigures& fig, LoadJobRecord rec,
-                           const std::function<void(RankSlot&)>& extra) {
+                           const std::function<void(v1::LoadResult&)>& extra) {
   const ckpt::LoadStats& stats = *fig.stats;
   rec.bytes_read = stats.bytes_read;
   rec.bytes_read_direct = stats.bytes_read_direct;
@@ -249,20 +249,22 @@ void Daemon::FinishLoadJob(const std::shared_ptr<Job>& job,
   rec.read_s = stats.read_seconds;
   rec.copy_s = stats.copy_seconds;
   absl::MutexLock lock(&mu_);
-  for (size_t i = 0; i < slots.size(); ++i) {
-    if (slots[i]->done) continue;
-    FillLoadResult(*slots[i], plan.ranks[i], i, fig);
-    if (extra) extra(*slots[i]);
-    slots[i]->done = true;
-  }
+  absl::MutexLock job_lock(&job->mu);
   job->state = Job::State::kFinished;
   job->phase = "done";
-  auto it = jobs_.find(job->id);
-  if (it != jobs_.end() && it->second == job) jobs_.erase(it);
+  UnregisterLocked(*job);
   // Metrics and the job's log line, written before any rank can see its
-  // result (mu_ is held): a client that finished finds its job logged.
+  // result: a client that finished finds its job logged.
   rec.wall_s = Seconds(fig.start);
   RecordLoadJob(rec);
+  for (size_t i = 0; i < slots.size(); ++i) {
+    RankSlot& s = *slots[i];
+    absl::MutexLock slot_lock(&s.mu);
+    if (s.done) continue;
+    FillLoadResult(s, plan.ranks[i], i, fig);
+    if (extra) extra(s.result);
+    s.done = true;
+  }
 }
 
 }  // namespace ckptd

@@ -157,32 +157,46 @@ std::shared_ptr<Daemon::DistJob> Daemon::NewDistJob(const Job& job, const std::s
 void Daemon::PurgeDistJobsLocked() {
   const absl::Time now = absl::Now();
   for (auto it = dist_jobs_.begin(); it != dist_jobs_.end();) {
-    it = it->second->expires < now ? dist_jobs_.erase(it) : std::next(it);
+    bool expired = false;
+    {
+      DistJob& dj = *it->second;
+      absl::MutexLock lock(&dj.mu);
+      expired = dj.expires < now;
+    }  // (the map may hold the last reference: erased unlocked)
+    it = expired ? dist_jobs_.erase(it) : std::next(it);
   }
 }
 
 void Daemon::RetireDistJob(const std::shared_ptr<DistJob>& dj, absl::Duration linger) {
   absl::MutexLock lock(&peer_mu_);
-  dj->expires = absl::Now() + linger;
+  {
+    absl::MutexLock job_lock(&dj->mu);
+    dj->expires = absl::Now() + linger;
+  }
   PurgeDistJobsLocked();
 }
 
-absl::Status Daemon::ViolationLocked(DistJob& dj, const PeerCaller& caller,
-                                     absl::string_view what) {
-  absl::Status s = absl::PermissionDeniedError(
-      absl::StrCat("job '", dj.id, "': ", caller.Describe(), " ", what));
+std::shared_ptr<Daemon::DistJob> Daemon::FindDistJob(const std::string& id) {
+  absl::MutexLock lock(&peer_mu_);
+  auto it = dist_jobs_.find(id);
+  return it == dist_jobs_.end() ? nullptr : it->second;
+}
+
+absl::Status Daemon::DistJob::ViolationLocked(const PeerCaller& caller, absl::string_view what) {
+  absl::Status s =
+      absl::PermissionDeniedError(absl::StrCat("job '", id, "': ", caller.Describe(), " ", what));
   spdlog::warn("peer plane: {}", std::string(s.message()));
-  if (dj.violation.ok()) dj.violation = s;
-  if (dj.coordinator) {
-    if (!dj.planned) {
-      dj.plan_status = s;
-      dj.planned = true;
-    } else if (!dj.finished) {
+  if (violation.ok()) violation = s;
+  if (coordinator) {
+    if (!planned) {
+      plan_status = s;
+      planned = true;
+    } else if (!finished) {
       peer::v1::CompleteRequest c;
       c.set_ok(false);
       c.set_error(std::string(s.message()));
       c.set_error_code(static_cast<int>(s.code()));
-      dj.completes.emplace("(authorization)", std::move(c));
+      completes.emplace("(authorization)", std::move(c));
     }
   }
   return s;
@@ -196,6 +210,7 @@ peer::v1::PingResponse Daemon::PeerPing(const PeerCaller& caller, const peer::v1
   absl::MutexLock lock(&peer_mu_);
   PurgeDistJobsLocked();
   for (const auto& [id, dj] : dist_jobs_) {
+    absl::MutexLock job_lock(&dj->mu);
     const bool member = std::find(dj->nodes.begin(), dj->nodes.end(), req.node()) != dj->nodes.end() ||
                         dj->joins.count(req.node()) > 0;
     if (member) r.add_jobs(id);
@@ -228,36 +243,34 @@ absl::Status Daemon::PeerFetchRead(const PeerCaller& caller,
   const absl::Status who_otherwise = peers_.SpeaksFor(caller, req.node());
   const std::string& me = config_.peer_listen;
   const uint32_t g = req.read();
-  std::shared_ptr<DistJob> dj;
   ckpt::RangeView view;
   uint64_t length = 0, xxh3 = 0;
   const absl::Time deadline = absl::Now() + config_.peer_timeout;
+  const std::shared_ptr<DistJob> dj = FindDistJob(req.job_id());
+  if (dj == nullptr) {
+    return absl::NotFoundError(absl::StrCat(
+        me, ": job '", req.job_id(),
+        "' is not running here (finished, failed, or never started on this node): a late or "
+        "unplanned fetch of read ", g));
+  }
   {
-    absl::MutexLock lock(&peer_mu_);
-    auto it = dist_jobs_.find(req.job_id());
-    if (it == dist_jobs_.end()) {
-      return absl::NotFoundError(absl::StrCat(
-          me, ": job '", req.job_id(),
-          "' is not running here (finished, failed, or never started on this node): a late or "
-          "unplanned fetch of read ", g));
-    }
-    dj = it->second;
+    absl::MutexLock lock(&dj->mu);
     // A node of the job (checked again below, once the part is known) keeps
     // its standing if it left the peer_dns answer since it joined.
     const bool member =
         std::find(dj->nodes.begin(), dj->nodes.end(), req.node()) != dj->nodes.end();
     const absl::Status& who = member ? who_if_member : who_otherwise;
     if (!who.ok()) {
-      return ViolationLocked(*dj, caller, absl::StrCat("fetched read ", g, ": ", who.message()));
+      return dj->ViolationLocked(caller, absl::StrCat("fetched read ", g, ": ", who.message()));
     }
-    auto over = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) {
+    auto over = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(dj->mu) {
       return !dj->exec_status.ok() || !dj->violation.ok();
     };
-    auto part_known = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) {
+    auto part_known = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(dj->mu) {
       return dj->part_known || over();
     };
     // Why nothing is served any more: this node's part failed, or a violation.
-    auto ended = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) -> absl::Status {
+    auto ended = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(dj->mu) -> absl::Status {
       if (!dj->exec_status.ok()) {
         return absl::AbortedError(absl::StrCat(me, " failed its part of job '", req.job_id(),
                                                "': ", dj->exec_status.message()));
@@ -265,30 +278,29 @@ absl::Status Daemon::PeerFetchRead(const PeerCaller& caller,
       if (!dj->violation.ok()) return absl::AbortedError(std::string(dj->violation.message()));
       return absl::OkStatus();
     };
-    if (!AwaitOrCancel(&peer_mu_, absl::Condition(&part_known), deadline, cancelled)) {
+    if (!AwaitOrCancel(&dj->mu, absl::Condition(&part_known), deadline, cancelled)) {
       return WaitFailed(cancelled, absl::StrCat(me, ": job '", req.job_id(),
                                                 "' had no plan part within ",
                                                 absl::FormatDuration(config_.peer_timeout)));
     }
     CKPT_RETURN_IF_ERROR(ended());
     if (std::find(dj->nodes.begin(), dj->nodes.end(), req.node()) == dj->nodes.end()) {
-      return ViolationLocked(*dj, caller, absl::StrCat("fetched read ", g, " as '", req.node(),
-                                                       "', which is not a node of the job"));
+      return dj->ViolationLocked(caller, absl::StrCat("fetched read ", g, " as '", req.node(),
+                                                      "', which is not a node of the job"));
     }
     auto sv = dj->served.find(g);
     if (sv == dj->served.end() || !sv->second.needers.count(req.node())) {
-      return ViolationLocked(*dj, caller,
-                             absl::StrCat("fetched read ", g, " as '", req.node(),
-                                          "', whose part does not need it from ", me));
+      return dj->ViolationLocked(caller, absl::StrCat("fetched read ", g, " as '", req.node(),
+                                                      "', whose part does not need it from ", me));
     }
     DistJob::Served& served = sv->second;
     if (!served.fetched.insert(req.node()).second) {
-      return ViolationLocked(*dj, caller,
-                             absl::StrCat("fetched read ", g, " as '", req.node(),
-                                          "' a second time (a node fetches a read once)"));
+      return dj->ViolationLocked(caller,
+                                 absl::StrCat("fetched read ", g, " as '", req.node(),
+                                              "' a second time (a node fetches a read once)"));
     }
-    auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_) { return served.ready || over(); };
-    if (!AwaitOrCancel(&peer_mu_, absl::Condition(&ready), deadline, cancelled)) {
+    auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(dj->mu) { return served.ready || over(); };
+    if (!AwaitOrCancel(&dj->mu, absl::Condition(&ready), deadline, cancelled)) {
       return WaitFailed(cancelled, absl::StrCat(me, ": read ", g, " of job '", req.job_id(),
                                                 "' was not available within ",
                                                 absl::FormatDuration(config_.peer_timeout)));
@@ -315,7 +327,7 @@ absl::Status Daemon::PeerFetchRead(const PeerCaller& caller,
     }
     if (!send(c)) return absl::CancelledError("the fetching node went away");
   }
-  absl::MutexLock lock(&peer_mu_);
+  absl::MutexLock lock(&dj->mu);
   auto sv = dj->served.find(g);  // found above; entries are never erased
   if (sv != dj->served.end() && --sv->second.remaining <= 0) {
     sv->second.view = ckpt::RangeView{};  // unpin
@@ -396,7 +408,7 @@ absl::Status Daemon::AdoptPart(const Job& job, const std::vector<std::shared_ptr
   LocalPart& mine = *out;
   if (exec.ok()) mine = *std::move(local);
   {
-    absl::MutexLock lock(&peer_mu_);
+    absl::MutexLock lock(&dj->mu);
     if (exec.ok()) {
       for (ServedRead& s : mine.served) {
         DistJob::Served& sv = dj->served[s.read];
@@ -440,10 +452,8 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job,
     auto it = dist_jobs_.find(job->id);
     if (it != dist_jobs_.end() && it->second == dj) dist_jobs_.erase(it);
   };
-  {
-    absl::MutexLock lock(&mu_);
-    job->phase = dj->coordinator ? "gathering the job's ranks from peers" : "joining the coordinator";
-  }
+  job->SetPhase(dj->coordinator ? "gathering the job's ranks from peers"
+                                : "joining the coordinator");
   // 1. The plan part of this node.
   peer::v1::PlanPart part;
   std::string coordinator = me;
@@ -494,17 +504,14 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job,
     }
   }
   {
-    absl::MutexLock lock(&peer_mu_);
+    absl::MutexLock lock(&dj->mu);
     // A violation seen here fails this node's part (and so the job), even
     // when every read went through before it.
     if (exec.ok() && !dj->violation.ok()) exec = dj->violation;
     if (!exec.ok()) dj->exec_status = exec;
   }
   // 4. Agree on the outcome with every node.
-  {
-    absl::MutexLock lock(&mu_);
-    job->phase = "waiting for the other nodes";
-  }
+  job->SetPhase("waiting for the other nodes");
   peer::v1::CompleteRequest done = CompletionOf(job->id, me, exec);
   done.set_bytes_read(stats.bytes_read);
   done.set_bytes_received(received);
@@ -531,11 +538,11 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job,
   rec.bytes_from_peers = received;
   rec.bytes_to_peers = sent;
   rec.job_bytes_read = outcome->job_bytes_read();
-  FinishLoadJob(job, slots, lp, fig, std::move(rec), [&](RankSlot& s) {
-    s.result.set_bytes_from_peers(received);
-    s.result.set_bytes_to_peers(sent);
-    for (const auto& n : part.nodes()) s.result.add_nodes(n);
-    s.result.set_job_bytes_read(outcome->job_bytes_read());
+  FinishLoadJob(job, slots, lp, fig, std::move(rec), [&](v1::LoadResult& r) {
+    r.set_bytes_from_peers(received);
+    r.set_bytes_to_peers(sent);
+    for (const auto& n : part.nodes()) r.add_nodes(n);
+    r.set_job_bytes_read(outcome->job_bytes_read());
   });
 }
 

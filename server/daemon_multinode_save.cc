@@ -150,7 +150,7 @@ absl::StatusOr<LocalSave> Daemon::AdoptSavePart(const Job& job,
       LocalSaveOf(part, PartContext(job, slots, coordinator), job.unique_id.value_or(0));
   const absl::Status& exec = local.status();
   {
-    absl::MutexLock lock(&peer_mu_);
+    absl::MutexLock lock(&dj->mu);
     if (exec.ok()) {
       dj->nodes.assign(part.nodes().begin(), part.nodes().end());
     } else {
@@ -213,7 +213,7 @@ absl::StatusOr<Daemon::NativeSaved> Daemon::WriteSavePart(
     for (const auto& t : w) total += t.num_bytes();
   }
   {
-    absl::MutexLock lock(&mu_);
+    absl::MutexLock lock(&job->mu);
     job->phase = "writing (multi-node save)";
     job->total = total;
   }
@@ -250,10 +250,7 @@ void Daemon::RunDistributedSave(const std::shared_ptr<Job>& job,
   kind.overwrite = first.overwrite();
   const bool coordinates = job->expected.count(kSaveCoordinatorRank) > 0;
   std::shared_ptr<DistJob> dj = NewDistJob(*job, first.path(), coordinates, kind);
-  {
-    absl::MutexLock lock(&mu_);
-    job->phase = coordinates ? "gathering the save's ranks from peers" : "joining the coordinator";
-  }
+  job->SetPhase(coordinates ? "gathering the save's ranks from peers" : "joining the coordinator");
   // 1. The plan: what this node's ranks write.
   peer::v1::PlanPart part;
   std::string coordinator = me;
@@ -292,14 +289,11 @@ void Daemon::RunDistributedSave(const std::shared_ptr<Job>& job,
     }
   }
   {
-    absl::MutexLock lock(&peer_mu_);
+    absl::MutexLock lock(&dj->mu);
     if (exec.ok() && !dj->violation.ok()) exec = dj->violation;
     if (!exec.ok()) dj->exec_status = exec;
   }
-  {
-    absl::MutexLock lock(&mu_);
-    job->phase = "waiting for the other nodes to prepare";
-  }
+  job->SetPhase("waiting for the other nodes to prepare");
   peer::v1::CompleteRequest done = CompletionOf(job->id, me, exec);
   done.set_bytes_written(written.bytes);
   for (const auto& [name, shard] : written.shards) ToMsg(name, shard, done.add_shards());
@@ -309,17 +303,13 @@ void Daemon::RunDistributedSave(const std::shared_ptr<Job>& job,
   if (!final_status.ok()) return fail_all(final_status);
   // 3. Commit: every node prepared; the version's metadata, from every
   // node's shards, here.
-  {
-    absl::MutexLock lock(&mu_);
-    job->phase = "committing";
-  }
+  job->SetPhase("committing");
   if (absl::Status c = CommitSave(*job, *local, *outcome, coordinator); !c.ok()) {
     return fail_all(ckpt::Annotate(c, absl::StrCat("save job '", job->id, "' on ", me,
                                                    ": every node prepared, the commit failed")));
   }
   metadata_.Drop(job->path);
-  FinishSaveJob(job, slots, [&](RankSlot& s) {
-    v1::SaveResponse& r = s.save_result;
+  FinishSaveJob(job, slots, [&](const RankSlot& s, v1::SaveResponse& r) {
     for (const auto& f : written.files_of_rank[s.targets.rank]) r.add_files(f);
     r.set_bytes_written(outcome->job_bytes_written());
     r.set_metadata_file(absl::StrCat(version, ".metadata"));

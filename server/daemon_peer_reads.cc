@@ -158,8 +158,8 @@ class Daemon::PeerReads final : public Daemon::RemoteReads {
         source_(me, dj_->id, nullptr, std::move(global_index), std::move(reader),
                 [this](uint32_t g, const ckpt::RangeView& v, uint64_t xxh3) { Publish(g, v, xxh3); },
                 [d](const std::string& a) { return d->peers_.Stub(a); },
-                [d, dj = dj_]() -> absl::Status {
-                  absl::MutexLock lock(&d->peer_mu_);
+                [dj = dj_]() -> absl::Status {
+                  absl::MutexLock lock(&dj->mu);
                   return dj->violation;
                 },
                 d->config_.peer_timeout) {}
@@ -198,7 +198,7 @@ class Daemon::PeerReads final : public Daemon::RemoteReads {
  private:
   // One of this node's reads, verified: kept for the peers that need it.
   void Publish(uint32_t g, const ckpt::RangeView& v, uint64_t xxh3) {
-    absl::MutexLock lock(&d_->peer_mu_);
+    absl::MutexLock lock(&dj_->mu);
     auto it = dj_->served.find(g);
     if (it == dj_->served.end()) return;
     it->second.view = v;
@@ -209,16 +209,15 @@ class Daemon::PeerReads final : public Daemon::RemoteReads {
 
   // What the NCCL links send for read `g`, once this node has it.
   absl::StatusOr<NcclTransfers::Bytes> Served(uint32_t g, absl::Time deadline) {
-    absl::MutexLock lock(&d_->peer_mu_);
-    DistJob& dj = *dj_;
-    auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(d_->peer_mu_) {
-      auto it = dj.served.find(g);
-      return it == dj.served.end() || it->second.ready || !dj.exec_status.ok() ||
-             !dj.violation.ok();
+    absl::MutexLock lock(&dj_->mu);
+    auto ready = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(dj_->mu) {
+      auto it = dj_->served.find(g);
+      return it == dj_->served.end() || it->second.ready || !dj_->exec_status.ok() ||
+             !dj_->violation.ok();
     };
-    d_->peer_mu_.AwaitWithDeadline(absl::Condition(&ready), deadline);
-    auto it = dj.served.find(g);
-    if (it == dj.served.end() || !it->second.ready || it->second.view.data == nullptr) {
+    dj_->mu.AwaitWithDeadline(absl::Condition(&ready), deadline);
+    auto it = dj_->served.find(g);
+    if (it == dj_->served.end() || !it->second.ready || it->second.view.data == nullptr) {
       return absl::UnavailableError(absl::StrCat("read ", g, " is not available to send"));
     }
     NcclTransfers::Bytes b{it->second.view, it->second.xxh3};

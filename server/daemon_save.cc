@@ -177,7 +177,7 @@ void Daemon::StartAsyncSave(const std::shared_ptr<Job>& job,
     // each holds its ranks' segments mapped until it is durable.
     uint64_t owned = 0;
     for (const auto& [id, other] : saves_) {
-      owned += other->owner == job->owner && other->state == PendingSave::State::kPersisting;
+      owned += other->owner == job->owner && other->Persisting();
     }
     if (refused.ok() && owned >= config_.limits.max_jobs_per_uid) {
       refused = absl::ResourceExhaustedError(absl::StrCat(
@@ -186,7 +186,7 @@ void Daemon::StartAsyncSave(const std::shared_ptr<Job>& job,
           config_.limits.max_jobs_per_uid, "); wait for one (SaveFuture.result)"));
     }
     for (const auto& [id, other] : saves_) {
-      if (!refused.ok() || other->state != PendingSave::State::kPersisting) continue;
+      if (!refused.ok() || !other->Persisting()) continue;
       if (id == job->id) {
         refused = absl::AlreadyExistsError(absl::StrCat(
             "save job '", job->id, "': an asynchronous save job of that id is still persisting"));
@@ -210,6 +210,7 @@ void Daemon::StartAsyncSave(const std::shared_ptr<Job>& job,
       // Forget finished saves past their time (the oldest first when too many).
       std::vector<std::pair<absl::Time, std::string>> finished;
       for (const auto& [id, other] : saves_) {
+        absl::MutexLock other_lock(&other->mu);
         if (other->state != PendingSave::State::kPersisting) finished.push_back({other->finished, id});
       }
       std::sort(finished.begin(), finished.end());
@@ -227,8 +228,9 @@ void Daemon::StartAsyncSave(const std::shared_ptr<Job>& job,
     }
   }
   if (!refused.ok()) return FailJob(*job, refused);
-  FinishSaveJob(job, slots,
-                [&](RankSlot& s) { s.save_result = pending->first_answers.at(s.targets.rank); });
+  FinishSaveJob(job, slots, [&](const RankSlot& s, v1::SaveResponse& r) {
+    r = pending->first_answers.at(s.targets.rank);
+  });
   spdlog::info("save job={} path={} version={} ranks={}: {}B staged, persisting in the background",
                job->id, job->path, version, slots.size(), pending->bytes_staged);
 }
@@ -248,6 +250,7 @@ void Daemon::PersistLoop() {
         // Saves not begun are abandoned untouched (no directory, lock or
         // old metadata touched): their versions never appear.
         for (const auto& p : persist_queue_) {
+          absl::MutexLock save_lock(&p->mu);
           p->state = PendingSave::State::kFailed;
           p->status = absl::UnavailableError(absl::StrCat(
               "save job '", p->save.id, "': the daemon stopped before its version was written"));
@@ -316,8 +319,9 @@ void Daemon::Persist(PendingSave& p) {
   } else {
     ++saves_failed_;
   }
+  absl::Status failed;
   {
-    absl::MutexLock lock(&save_mu_);
+    absl::MutexLock lock(&p.mu);
     p.finished = absl::Now();
     if (saved.ok()) {
       p.state = PendingSave::State::kDurable;
@@ -333,6 +337,7 @@ void Daemon::Persist(PendingSave& p) {
     } else {
       p.state = PendingSave::State::kFailed;
       p.status = ckpt::Annotate(saved.status(), what);
+      failed = p.status;
     }
   }
   if (saved.ok()) {
@@ -340,7 +345,7 @@ void Daemon::Persist(PendingSave& p) {
                  save.id, save.path, save.plan.unique_id, saved->bytes, persist_s, total_s);
   } else {
     spdlog::warn("save job={} path={} version={}: persist failed, the version is not visible: {}",
-                 save.id, save.path, save.plan.unique_id, p.status.ToString());
+                 save.id, save.path, save.plan.unique_id, failed.ToString());
   }
 }
 
@@ -362,20 +367,39 @@ void Daemon::PublishSaved(const std::string& dir, const std::vector<std::string>
   }
 }
 
-std::vector<std::string> Daemon::PersistingLocked(const std::string* dir) const {
-  std::vector<std::string> ids;
+std::map<std::string, std::shared_ptr<Daemon::PendingSave>> Daemon::PersistingLocked(
+    const std::string* dir) const {
+  std::map<std::string, std::shared_ptr<PendingSave>> persisting;
   for (const auto& [id, p] : saves_) {
-    if (p->state == PendingSave::State::kPersisting && (dir == nullptr || p->save.path == *dir)) {
-      ids.push_back(id);
-    }
+    if ((dir == nullptr || p->save.path == *dir) && p->Persisting()) persisting[id] = p;
   }
-  return ids;
+  return persisting;
+}
+
+std::vector<std::string> Daemon::AwaitPersisting(const std::string* dir, absl::Time deadline) {
+  while (true) {
+    std::map<std::string, std::shared_ptr<PendingSave>> persisting;
+    {
+      absl::MutexLock lock(&save_mu_);
+      persisting = PersistingLocked(dir);
+    }
+    if (persisting.empty() || absl::Now() >= deadline) {
+      std::vector<std::string> ids;
+      for (const auto& [id, p] : persisting) ids.push_back(id);
+      return ids;
+    }
+    // One at a time: the others, and saves queued since, are looked at again.
+    const std::shared_ptr<PendingSave>& p = persisting.begin()->second;
+    absl::MutexLock lock(&p->mu);
+    auto finished = [&p]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->mu) {
+      return p->state != PendingSave::State::kPersisting;
+    };
+    p->mu.AwaitWithDeadline(absl::Condition(&finished), deadline);
+  }
 }
 
 void Daemon::AwaitPersistsInto(const std::string& dir, absl::Time deadline) {
-  absl::MutexLock lock(&save_mu_);
-  auto idle = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(save_mu_) { return PersistingLocked(&dir).empty(); };
-  save_mu_.AwaitWithDeadline(absl::Condition(&idle), deadline);
+  AwaitPersisting(&dir, deadline);
 }
 
 absl::StatusOr<v1::SaveResponse> Daemon::AwaitSave(const Caller& caller,
@@ -386,22 +410,26 @@ absl::StatusOr<v1::SaveResponse> Daemon::AwaitSave(const Caller& caller,
   const absl::Time deadline =
       absl::Now() + std::min(absl::Milliseconds(request.timeout_ms()),
                              config_.limits.max_barrier_timeout);
-  absl::MutexLock lock(&save_mu_);
-  auto it = saves_.find(request.job_id());
-  if (it == saves_.end() || (it->second->owner != caller.uid && !policy_.IsAdmin(caller))) {
-    return absl::NotFoundError(absl::StrCat(
-        "no asynchronous ", what, " of ", caller.Describe(),
-        " (finished ones are kept for ", absl::FormatDuration(kKeepFinished), ")"));
+  std::shared_ptr<PendingSave> p;
+  {
+    absl::MutexLock lock(&save_mu_);
+    auto it = saves_.find(request.job_id());
+    if (it == saves_.end() || (it->second->owner != caller.uid && !policy_.IsAdmin(caller))) {
+      return absl::NotFoundError(absl::StrCat(
+          "no asynchronous ", what, " of ", caller.Describe(),
+          " (finished ones are kept for ", absl::FormatDuration(kKeepFinished), ")"));
+    }
+    p = it->second;
   }
-  std::shared_ptr<PendingSave> p = it->second;
   if (!p->first_answers.count(request.rank())) {
     return absl::InvalidArgumentError(
         absl::StrCat(what, " has no rank ", request.rank(), " on this daemon"));
   }
-  auto finished = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(save_mu_) {
+  absl::MutexLock lock(&p->mu);
+  auto finished = [&p]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->mu) {
     return p->state != PendingSave::State::kPersisting;
   };
-  AwaitOrCancel(&save_mu_, absl::Condition(&finished), deadline, cancelled);
+  AwaitOrCancel(&p->mu, absl::Condition(&finished), deadline, cancelled);
   if (p->state == PendingSave::State::kFailed) return p->status;
   if (p->state == PendingSave::State::kDurable) return p->final.at(request.rank());
   return absl::DeadlineExceededError(absl::StrCat(
@@ -410,10 +438,7 @@ absl::StatusOr<v1::SaveResponse> Daemon::AwaitSave(const Caller& caller,
 }
 
 std::vector<std::string> Daemon::AwaitPersists(absl::Duration timeout) {
-  absl::MutexLock lock(&save_mu_);
-  auto idle = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(save_mu_) { return PersistingLocked().empty(); };
-  save_mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
-  return PersistingLocked();
+  return AwaitPersisting(nullptr, absl::Now() + timeout);
 }
 
 void Daemon::FillSaveStatus(const Caller& caller, v1::StatusResponse* resp) {
@@ -423,6 +448,7 @@ void Daemon::FillSaveStatus(const Caller& caller, v1::StatusResponse* resp) {
   resp->set_save_staged_bytes(save_staged_);
   for (const auto& [id, p] : saves_) {
     if (!admin && p->owner != caller.uid) continue;
+    absl::MutexLock save_lock(&p->mu);
     v1::SaveStatus* s = resp->add_saves();
     s->set_job_id(id);
     s->set_path(p->save.path);
@@ -592,7 +618,7 @@ absl::StatusOr<v1::SaveResponse> Daemon::Save(const Caller& caller, const v1::Sa
   if (runner) RunGuarded(job, &Daemon::RunSaveJob);
   absl::Status status = AwaitSlot(job, slot, request.rank(), request.barrier_timeout_ms(), nullptr, cancelled);
   if (!status.ok()) return fail(status);
-  absl::MutexLock lock(&mu_);
+  absl::MutexLock lock(&slot->mu);
   v1::SaveResponse resp = slot->save_result;
   resp.set_seconds(Seconds(t0));
   if (request.async_save()) save_stall_us_ += static_cast<uint64_t>(resp.seconds() * 1e6);
@@ -654,8 +680,7 @@ void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
   auto saved = WriteNativeSave(save, lock->directory(), nullptr, nullptr);
   if (!saved.ok()) return fail_all(saved.status());
   metadata_.Drop(job->path);  // new files under a cached directory
-  FinishSaveJob(job, slots, [&](RankSlot& s) {
-    v1::SaveResponse& r = s.save_result;
+  FinishSaveJob(job, slots, [&](const RankSlot& s, v1::SaveResponse& r) {
     for (const auto& f : saved->files_of_rank[s.targets.rank]) r.add_files(f);
     r.set_bytes_written(saved->bytes);
     r.set_metadata_file(absl::StrCat(save.plan.unique_id, ".metadata"));
@@ -667,15 +692,16 @@ void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
 
 void Daemon::FinishSaveJob(const std::shared_ptr<Job>& job,
                            const std::vector<std::shared_ptr<RankSlot>>& slots,
-                           const std::function<void(RankSlot&)>& answer) {
+                           const std::function<void(const RankSlot&, v1::SaveResponse&)>& answer) {
   absl::MutexLock jobs_lock(&mu_);
+  absl::MutexLock job_lock(&job->mu);
   for (const auto& s : slots) {
-    answer(*s);
+    absl::MutexLock slot_lock(&s->mu);
+    answer(*s, s->save_result);
     s->done = true;
   }
   job->state = Job::State::kFinished;
-  auto it = jobs_.find(job->id);
-  if (it != jobs_.end() && it->second == job) jobs_.erase(it);
+  UnregisterLocked(*job);
 }
 
 }  // namespace ckptd

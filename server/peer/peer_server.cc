@@ -22,7 +22,7 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> PeerServer::Build(
   pb.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 1);  // the next server, on rotation
   pb.RegisterService(service_);
   // A Unix socket is created owner-only (no window with a wider mode): the
-  // plaintext peer plane on one machine is guarded by the file's mode.
+  // plaintext peer plane on one machine is protected by the file's mode.
   const bool unix_socket = IsUnixAddress(c.peer_listen);
   const mode_t old_umask = unix_socket ? ::umask(0177) : 0;
   std::unique_ptr<grpc::Server> s = pb.BuildAndStart();

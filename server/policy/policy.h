@@ -9,7 +9,7 @@
 // CheckAccess (the caller's right to the checkpoint), then Reserve (the
 // caller's share, held by the returned Reservation for the call's life).
 //
-// Thread-safe: the quotas are guarded by the policy's own mutex; everything
+// Thread-safe: the quotas are under the policy's own mutex (ABSL_GUARDED_BY); everything
 // else is read-only after construction. Knows nothing of jobs or gRPC.
 #ifndef CKPTD_SERVER_POLICY_POLICY_H_
 #define CKPTD_SERVER_POLICY_POLICY_H_
