@@ -197,8 +197,27 @@ class Daemon {
       const std::shared_ptr<DistJob>& dj, const peer::v1::PlanPart& part,
       std::map<std::pair<std::string, uint64_t>, uint32_t> global_index,
       std::vector<std::string> reader);
-  absl::StatusOr<peer::v1::PlanPart> CoordinatePlan(const std::shared_ptr<DistJob>& dj,
-                                                    const peer::v1::JoinRequest& own);
+  // What a coordinator makes of every node's join (`nodes` and their
+  // `joins`, in node order; `t0` when the job began gathering): each node's
+  // part of the plan, by node.
+  using PartsPlanner = std::function<absl::StatusOr<std::map<std::string, peer::v1::PlanPart>>(
+      const std::vector<std::string>& nodes, const std::vector<peer::v1::JoinRequest>& joins,
+      std::chrono::steady_clock::time_point t0)>;
+  // Step 1 of every multi-node job, load or save: this node's plan part and
+  // the coordinator it came from. The coordinator gathers every node's join,
+  // plans with `plan` and publishes the parts; any other node joins it and
+  // checks where its part came from. On failure `dj` is retired (on the
+  // coordinator after a short linger, so late joiners still get the error).
+  absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> PlanPartOf(
+      const std::shared_ptr<DistJob>& dj, const peer::v1::JoinRequest& own,
+      const PartsPlanner& plan);
+  // The planners of a multi-node load and save (PartsPlanner).
+  absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> PlanLoadParts(
+      const DistJob& dj, const std::vector<std::string>& nodes,
+      const std::vector<peer::v1::JoinRequest>& joins, std::chrono::steady_clock::time_point t0);
+  absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> PlanSaveParts(
+      const DistJob& dj, const std::vector<std::string>& nodes,
+      const std::vector<peer::v1::JoinRequest>& joins, std::chrono::steady_clock::time_point t0);
   // Coordinator: waits (until dj->deadline) for every rank of the job to
   // join; the nodes and their joins, in node order.
   absl::Status GatherJoins(const std::shared_ptr<DistJob>& dj, const peer::v1::JoinRequest& own,
@@ -215,8 +234,6 @@ class Daemon {
   // only when every node did, each writes the version's metadata (commit).
   void RunDistributedSave(const std::shared_ptr<Job>& job,
                           const std::vector<std::shared_ptr<RankSlot>>& slots);
-  absl::StatusOr<peer::v1::PlanPart> CoordinateSave(const std::shared_ptr<DistJob>& dj,
-                                                    const peer::v1::JoinRequest& own);
   // A multi-node job's record on this node, registered in dist_jobs_ (the
   // fields a joiner is compared with are set before it is visible).
   struct DistJobKind {

@@ -1,6 +1,6 @@
 // The coordinator of a multi-node job (the node serving coordinator_rank):
 // gathers every node's join (PeerJoin, GatherJoins), plans the job once
-// across the nodes (CoordinatePlan) and hands each its part (PublishParts),
+// across the nodes (PlanPartOf, PlanLoadParts) and hands each its part (PublishParts),
 // then collects every node's completion and decides the job's outcome
 // (PeerComplete, AwaitOutcome). docs/multi-node.md tells the protocol.
 #include <dirent.h>
@@ -166,100 +166,121 @@ absl::StatusOr<peer::v1::PlanPart> Daemon::PublishParts(
   return part->second;
 }
 
-absl::StatusOr<peer::v1::PlanPart> Daemon::CoordinatePlan(const std::shared_ptr<DistJob>& dj,
-                                                          const peer::v1::JoinRequest& own) {
-  const auto t0 = std::chrono::steady_clock::now();
-  // Every rank is in: plan once for the whole job.
-  std::vector<std::string> nodes;
-  std::vector<peer::v1::JoinRequest> joins;
-  CKPT_RETURN_IF_ERROR(GatherJoins(dj, own, &nodes, &joins));
-  auto plan_all = [&]() -> absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> {
-    CKPT_ASSIGN_OR_RETURN(auto opened,
-                          metadata_.Open(dj->local_dir, dj->unique_id, /*all_files_local=*/false));
-    std::vector<std::pair<int, int>> rank_node;  // rank -> node index
-    std::map<int, const peer::v1::RankTargetsMsg*> by_rank;
-    for (size_t n = 0; n < joins.size(); ++n) {
-      for (const auto& r : joins[n].ranks()) {
-        by_rank[r.rank()] = &r;
-        rank_node.push_back({r.rank(), static_cast<int>(n)});
+absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> Daemon::PlanPartOf(
+    const std::shared_ptr<DistJob>& dj, const peer::v1::JoinRequest& own,
+    const PartsPlanner& plan) {
+  if (dj->coordinator) {
+    const auto t0 = std::chrono::steady_clock::now();
+    // Every rank is in: plan once for the whole job.
+    std::vector<std::string> nodes;
+    std::vector<peer::v1::JoinRequest> joins;
+    const absl::Status gathered = GatherJoins(dj, own, &nodes, &joins);
+    absl::StatusOr<peer::v1::PlanPart> part =
+        gathered.ok() ? PublishParts(dj, nodes, own.node(), plan(nodes, joins, t0))
+                      : absl::StatusOr<peer::v1::PlanPart>(gathered);
+    if (!part.ok()) {
+      RetireDistJob(dj, absl::Seconds(2));  // late joiners still get the error
+      return part.status();
+    }
+    return std::make_pair(*std::move(part), own.node());
+  }
+  auto p = JoinCoordinator(own, dj->deadline);
+  absl::Status origin = p.ok() ? CheckPartOrigin(p->first, dj->id, own.node(), p->second)
+                               : p.status();
+  if (!origin.ok()) {
+    RetireDistJob(dj, absl::ZeroDuration());
+    return origin;
+  }
+  return p;
+}
+
+absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> Daemon::PlanLoadParts(
+    const DistJob& dj, const std::vector<std::string>& nodes,
+    const std::vector<peer::v1::JoinRequest>& joins, std::chrono::steady_clock::time_point t0) {
+  CKPT_ASSIGN_OR_RETURN(auto opened,
+                        metadata_.Open(dj.local_dir, dj.unique_id, /*all_files_local=*/false));
+  std::vector<std::pair<int, int>> rank_node;  // rank -> node index
+  std::map<int, const peer::v1::RankTargetsMsg*> by_rank;
+  for (size_t n = 0; n < joins.size(); ++n) {
+    for (const auto& r : joins[n].ranks()) {
+      by_rank[r.rank()] = &r;
+      rank_node.push_back({r.rank(), static_cast<int>(n)});
+    }
+  }
+  std::sort(rank_node.begin(), rank_node.end());
+  std::vector<ckpt::RankTargets> ranks;
+  std::vector<int> node_of_rank;
+  for (const auto& [rank, node] : rank_node) {
+    ckpt::RankTargets rt;
+    rt.rank = rank;
+    for (const auto& t : by_rank[rank]->targets()) {
+      CKPT_ASSIGN_OR_RETURN(TargetTensor tt, FromMsg(t));
+      rt.tensors.push_back(std::move(tt));
+    }
+    ranks.push_back(std::move(rt));
+    node_of_rank.push_back(node);
+  }
+  ckpt::PlanOptions po;
+  po.max_read_bytes = config_.io_request_size;
+  CKPT_ASSIGN_OR_RETURN(ckpt::LoadPlan plan,
+                        ckpt::PlanLoadWithAoa(opened->checkpoint.metadata, dj.aoa, ranks, po,
+                                              "aoa_config"));
+  std::vector<std::set<std::string>> readable(joins.size());
+  for (size_t n = 0; n < joins.size(); ++n) {
+    for (const auto& f : joins[n].readable()) readable[n].insert(f.name());
+  }
+  CKPT_ASSIGN_OR_RETURN(ckpt::ReadAssignment assign, ckpt::AssignReads(plan, node_of_rank, readable));
+  const double plan_s = Seconds(t0);
+  std::map<std::string, peer::v1::PlanPart> parts;
+  for (size_t n = 0; n < nodes.size(); ++n) {
+    peer::v1::PlanPart& part = parts[nodes[n]];
+    part.set_job_id(dj.id);
+    for (const auto& f : plan.files) part.add_files(f);
+    for (size_t i = 0; i < plan.reads.size(); ++i) {
+      peer::v1::ReadMsg* rm = part.add_reads();
+      ToMsg(plan.reads[i], rm);
+      if (assign.reader[i] >= 0) rm->set_reader(nodes[assign.reader[i]]);
+      for (int m : assign.needed_by[i]) rm->add_needed_by(nodes[m]);
+    }
+    for (size_t r = 0; r < plan.ranks.size(); ++r) {
+      if (node_of_rank[r] == static_cast<int>(n)) ToMsg(plan.ranks[r], part.add_ranks());
+    }
+    for (const auto& k : plan.unexpected_keys) part.add_unexpected_keys(k);
+    for (const auto& [a, b] : plan.renamed_keys) (*part.mutable_renamed_keys())[a] = b;
+    for (const auto& nn : nodes) part.add_nodes(nn);
+    part.set_job_bytes_to_read(plan.bytes_to_read);
+    part.set_format(ckpt::FormatName(opened->checkpoint.format));
+    part.set_unique_id(opened->checkpoint.unique_id.value_or(0));
+    part.set_plan_s(plan_s);
+  }
+  std::string balance;
+  for (size_t n = 0; n < nodes.size(); ++n) {
+    balance += absl::StrCat(n ? " " : "", nodes[n], "=", assign.bytes_per_node[n], "B");
+  }
+  spdlog::info("coordinator job={} nodes={} ranks={} reads={} plan={:.4f}s storage reads: {}",
+               dj.id, nodes.size(), ranks.size(), plan.reads.size(), plan_s, balance);
+  // NCCL between the nodes when every one of them can (peer_nccl.h).
+  bool nccl = nodes.size() > 1;
+  for (const auto& j : joins) nccl = nccl && j.nccl();
+  for (const auto& j : joins) {
+    for (const auto& u : j.nccl_unreachable()) {
+      if (nccl && std::find(nodes.begin(), nodes.end(), u) != nodes.end()) {
+        spdlog::info("coordinator job={}: {} recently failed to connect NCCL links with {}; "
+                     "peers use gRPC", dj.id, j.node(), u);
+        nccl = false;
       }
     }
-    std::sort(rank_node.begin(), rank_node.end());
-    std::vector<ckpt::RankTargets> ranks;
-    std::vector<int> node_of_rank;
-    for (const auto& [rank, node] : rank_node) {
-      ckpt::RankTargets rt;
-      rt.rank = rank;
-      for (const auto& t : by_rank[rank]->targets()) {
-        CKPT_ASSIGN_OR_RETURN(TargetTensor tt, FromMsg(t));
-        rt.tensors.push_back(std::move(tt));
-      }
-      ranks.push_back(std::move(rt));
-      node_of_rank.push_back(node);
+  }
+  if (nccl) {
+    auto id = gpu_->NewNcclId();
+    if (id.ok()) {
+      for (auto& [n, p] : parts) p.set_nccl_id(*id);
+    } else {
+      spdlog::warn("coordinator job={}: no NCCL id ({}); peers use gRPC", dj.id,
+                   id.status().ToString());
     }
-    ckpt::PlanOptions po;
-    po.max_read_bytes = config_.io_request_size;
-    CKPT_ASSIGN_OR_RETURN(ckpt::LoadPlan plan,
-                          ckpt::PlanLoadWithAoa(opened->checkpoint.metadata, dj->aoa, ranks, po,
-                                                "aoa_config"));
-    std::vector<std::set<std::string>> readable(joins.size());
-    for (size_t n = 0; n < joins.size(); ++n) {
-      for (const auto& f : joins[n].readable()) readable[n].insert(f.name());
-    }
-    CKPT_ASSIGN_OR_RETURN(ckpt::ReadAssignment assign, ckpt::AssignReads(plan, node_of_rank, readable));
-    const double plan_s = Seconds(t0);
-    std::map<std::string, peer::v1::PlanPart> parts;
-    for (size_t n = 0; n < nodes.size(); ++n) {
-      peer::v1::PlanPart& part = parts[nodes[n]];
-      part.set_job_id(dj->id);
-      for (const auto& f : plan.files) part.add_files(f);
-      for (size_t i = 0; i < plan.reads.size(); ++i) {
-        peer::v1::ReadMsg* rm = part.add_reads();
-        ToMsg(plan.reads[i], rm);
-        if (assign.reader[i] >= 0) rm->set_reader(nodes[assign.reader[i]]);
-        for (int m : assign.needed_by[i]) rm->add_needed_by(nodes[m]);
-      }
-      for (size_t r = 0; r < plan.ranks.size(); ++r) {
-        if (node_of_rank[r] == static_cast<int>(n)) ToMsg(plan.ranks[r], part.add_ranks());
-      }
-      for (const auto& k : plan.unexpected_keys) part.add_unexpected_keys(k);
-      for (const auto& [a, b] : plan.renamed_keys) (*part.mutable_renamed_keys())[a] = b;
-      for (const auto& nn : nodes) part.add_nodes(nn);
-      part.set_job_bytes_to_read(plan.bytes_to_read);
-      part.set_format(ckpt::FormatName(opened->checkpoint.format));
-      part.set_unique_id(opened->checkpoint.unique_id.value_or(0));
-      part.set_plan_s(plan_s);
-    }
-    std::string balance;
-    for (size_t n = 0; n < nodes.size(); ++n) {
-      balance += absl::StrCat(n ? " " : "", nodes[n], "=", assign.bytes_per_node[n], "B");
-    }
-    spdlog::info("coordinator job={} nodes={} ranks={} reads={} plan={:.4f}s storage reads: {}",
-                 dj->id, nodes.size(), ranks.size(), plan.reads.size(), plan_s, balance);
-    // NCCL between the nodes when every one of them can (peer_nccl.h).
-    bool nccl = nodes.size() > 1;
-    for (const auto& j : joins) nccl = nccl && j.nccl();
-    for (const auto& j : joins) {
-      for (const auto& u : j.nccl_unreachable()) {
-        if (nccl && std::find(nodes.begin(), nodes.end(), u) != nodes.end()) {
-          spdlog::info("coordinator job={}: {} recently failed to connect NCCL links with {}; "
-                       "peers use gRPC", dj->id, j.node(), u);
-          nccl = false;
-        }
-      }
-    }
-    if (nccl) {
-      auto id = gpu_->NewNcclId();
-      if (id.ok()) {
-        for (auto& [n, p] : parts) p.set_nccl_id(*id);
-      } else {
-        spdlog::warn("coordinator job={}: no NCCL id ({}); peers use gRPC", dj->id,
-                     id.status().ToString());
-      }
-    }
-    return parts;
-  };
-  return PublishParts(dj, nodes, own.node(), plan_all());
+  }
+  return parts;
 }
 
 absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> Daemon::JoinCoordinator(

@@ -84,6 +84,15 @@ struct Daemon::DistJob {
   // every node. Returns the PERMISSION_DENIED status naming the caller.
   absl::Status ViolationLocked(const PeerCaller& caller, absl::string_view what)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // This node's part ended with `exec`: a violation seen here fails it even
+  // when all of its work went through; a failure is kept as the job's on
+  // this node. Returns the part's status.
+  absl::Status EndPart(absl::Status exec) ABSL_LOCKS_EXCLUDED(mu) {
+    absl::MutexLock lock(&mu);
+    if (exec.ok() && !violation.ok()) exec = violation;
+    if (!exec.ok()) exec_status = exec;
+    return exec;
+  }
 };
 
 // What every node of a multi-node job sends its coordinator: the job, this

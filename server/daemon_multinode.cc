@@ -161,7 +161,7 @@ void Daemon::PurgeDistJobsLocked() {
     {
       DistJob& dj = *it->second;
       absl::MutexLock lock(&dj.mu);
-      expired = dj.expires < now;
+      expired = dj.expires <= now;
     }  // (the map may hold the last reference: erased unlocked)
     it = expired ? dist_jobs_.erase(it) : std::next(it);
   }
@@ -447,37 +447,15 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job,
   kind.aoa = slots.front()->request.aoa_config();
   std::shared_ptr<DistJob> dj = NewDistJob(*job, slots.front()->request.path(),
                                            job->expected.count(coord_rank) > 0, kind);
-  auto cleanup = [&] {
-    absl::MutexLock lock(&peer_mu_);
-    auto it = dist_jobs_.find(job->id);
-    if (it != dist_jobs_.end() && it->second == dj) dist_jobs_.erase(it);
-  };
   job->SetPhase(dj->coordinator ? "gathering the job's ranks from peers"
                                 : "joining the coordinator");
   // 1. The plan part of this node.
-  peer::v1::PlanPart part;
-  std::string coordinator = me;
-  if (dj->coordinator) {
-    auto p = CoordinatePlan(dj, own);
-    if (!p.ok()) {
-      fail_all(p.status());
-      RetireDistJob(dj, absl::Seconds(2));  // late joiners still get the error
-      return;
-    }
-    part = std::move(*p);
-  } else {
-    auto p = JoinCoordinator(own, dj->deadline);
-    if (!p.ok()) {
-      cleanup();
-      return fail_all(p.status());
-    }
-    part = std::move(p->first);
-    coordinator = p->second;
-    if (absl::Status s = CheckPartOrigin(part, job->id, me, coordinator); !s.ok()) {
-      cleanup();
-      return fail_all(s);
-    }
-  }
+  auto planned = PlanPartOf(
+      dj, own, [&](const auto& nodes, const auto& joins, auto t0) {
+        return PlanLoadParts(*dj, nodes, joins, t0);
+      });
+  if (!planned.ok()) return fail_all(planned.status());
+  const auto& [part, coordinator] = *planned;
 
   // 2. This node's share of the part.
   LocalPart mine;
@@ -503,13 +481,7 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job,
       exec = st.status();
     }
   }
-  {
-    absl::MutexLock lock(&dj->mu);
-    // A violation seen here fails this node's part (and so the job), even
-    // when every read went through before it.
-    if (exec.ok() && !dj->violation.ok()) exec = dj->violation;
-    if (!exec.ok()) dj->exec_status = exec;
-  }
+  exec = dj->EndPart(std::move(exec));
   // 4. Agree on the outcome with every node.
   job->SetPhase("waiting for the other nodes");
   peer::v1::CompleteRequest done = CompletionOf(job->id, me, exec);

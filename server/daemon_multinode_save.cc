@@ -39,90 +39,84 @@ namespace {
 constexpr int kSaveCoordinatorRank = 0;
 }  // namespace
 
-absl::StatusOr<peer::v1::PlanPart> Daemon::CoordinateSave(const std::shared_ptr<DistJob>& dj,
-                                                          const peer::v1::JoinRequest& own) {
-  const auto t0 = std::chrono::steady_clock::now();
-  std::vector<std::string> nodes;
-  std::vector<peer::v1::JoinRequest> joins;
-  CKPT_RETURN_IF_ERROR(GatherJoins(dj, own, &nodes, &joins));
-  auto plan_all = [&]() -> absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> {
-    std::vector<ckpt::RankTargets> ranks;
-    std::vector<int> node_of_rank(static_cast<size_t>(dj->world_size), 0);
-    std::map<std::string, std::vector<std::string>> flat;
-    std::map<std::string, std::string> flat_from;  // key -> the node that sent it first
-    for (size_t n = 0; n < joins.size(); ++n) {
-      for (const auto& r : joins[n].ranks()) {
-        ckpt::RankTargets rt;
-        rt.rank = r.rank();
-        for (const auto& t : r.targets()) {
-          auto tt = FromMsg(t);
-          if (!tt.ok()) return ckpt::Annotate(tt.status(), absl::StrCat("node ", nodes[n], " rank ", r.rank()));
-          rt.tensors.push_back(*std::move(tt));
-        }
-        node_of_rank[static_cast<size_t>(r.rank())] = static_cast<int>(n);
-        ranks.push_back(std::move(rt));
+absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> Daemon::PlanSaveParts(
+    const DistJob& dj, const std::vector<std::string>& nodes,
+    const std::vector<peer::v1::JoinRequest>& joins, std::chrono::steady_clock::time_point t0) {
+  std::vector<ckpt::RankTargets> ranks;
+  std::vector<int> node_of_rank(static_cast<size_t>(dj.world_size), 0);
+  std::map<std::string, std::vector<std::string>> flat;
+  std::map<std::string, std::string> flat_from;  // key -> the node that sent it first
+  for (size_t n = 0; n < joins.size(); ++n) {
+    for (const auto& r : joins[n].ranks()) {
+      ckpt::RankTargets rt;
+      rt.rank = r.rank();
+      for (const auto& t : r.targets()) {
+        auto tt = FromMsg(t);
+        if (!tt.ok()) return ckpt::Annotate(tt.status(), absl::StrCat("node ", nodes[n], " rank ", r.rank()));
+        rt.tensors.push_back(*std::move(tt));
       }
-      for (const auto& [key, parts] : joins[n].save().flat_mapping()) {
-        std::vector<std::string> p(parts.parts().begin(), parts.parts().end());
-        auto [it, inserted] = flat.emplace(key, p);
-        if (inserted) {
-          flat_from[key] = nodes[n];
-        } else if (it->second != p) {
-          return absl::InvalidArgumentError(absl::StrCat(
-              "save job '", dj->id, "': flat_mapping of '", key, "' differs between nodes ",
-              flat_from[key], " and ", nodes[n]));
-        }
+      node_of_rank[static_cast<size_t>(r.rank())] = static_cast<int>(n);
+      ranks.push_back(std::move(rt));
+    }
+    for (const auto& [key, parts] : joins[n].save().flat_mapping()) {
+      std::vector<std::string> p(parts.parts().begin(), parts.parts().end());
+      auto [it, inserted] = flat.emplace(key, p);
+      if (inserted) {
+        flat_from[key] = nodes[n];
+      } else if (it->second != p) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "save job '", dj.id, "': flat_mapping of '", key, "' differs between nodes ",
+            flat_from[key], " and ", nodes[n]));
       }
     }
-    CKPT_ASSIGN_OR_RETURN(ckpt::SavePlan plan,
-                          ckpt::PlanSave(ranks, dj->world_size, dj->unique_id.value_or(0),
-                                         node_of_rank));
-    std::vector<uint64_t> bytes_of_node(nodes.size(), 0);
-    size_t shards = 0;
-    for (int r = 0; r < dj->world_size; ++r) {
-      for (const auto& t : plan.writes[static_cast<size_t>(r)]) {
-        bytes_of_node[static_cast<size_t>(node_of_rank[static_cast<size_t>(r)])] += t.num_bytes();
-        ++shards;
-      }
+  }
+  CKPT_ASSIGN_OR_RETURN(ckpt::SavePlan plan,
+                        ckpt::PlanSave(ranks, dj.world_size, dj.unique_id.value_or(0),
+                                       node_of_rank));
+  std::vector<uint64_t> bytes_of_node(nodes.size(), 0);
+  size_t shards = 0;
+  for (int r = 0; r < dj.world_size; ++r) {
+    for (const auto& t : plan.writes[static_cast<size_t>(r)]) {
+      bytes_of_node[static_cast<size_t>(node_of_rank[static_cast<size_t>(r)])] += t.num_bytes();
+      ++shards;
     }
-    std::map<std::string, peer::v1::PlanPart> parts;
-    for (size_t n = 0; n < nodes.size(); ++n) {
-      peer::v1::PlanPart& part = parts[nodes[n]];
-      part.set_job_id(dj->id);
-      for (const auto& nn : nodes) part.add_nodes(nn);
-      part.set_unique_id(plan.unique_id);
-      part.set_format("ckptd");
-      part.set_plan_s(Seconds(t0));
-      peer::v1::SavePart* sp = part.mutable_save();
-      sp->set_unique_id(plan.unique_id);
-      sp->set_checksum_block(plan.checksum_block);
-      sp->set_overwrite(dj->overwrite);
-      for (const auto& [name, info] : plan.tensors) {
-        peer::v1::TensorInfoMsg* t = sp->add_tensors();
-        t->set_name(name);
-        t->set_dtype(std::string(ckpt::DTypeName(info.first)));
-        for (int64_t d : info.second) t->add_global_shape(d);
-      }
-      for (int r = 0; r < dj->world_size; ++r) {
-        if (node_of_rank[static_cast<size_t>(r)] != static_cast<int>(n)) continue;
-        peer::v1::RankTargetsMsg* w = sp->add_writes();
-        w->set_rank(r);
-        for (const auto& t : plan.writes[static_cast<size_t>(r)]) ToMsg(t, w->add_targets());
-      }
-      for (const auto& [key, p] : flat) {
-        auto* kp = &(*sp->mutable_flat_mapping())[key];
-        for (const auto& s : p) kp->add_parts(s);
-      }
+  }
+  std::map<std::string, peer::v1::PlanPart> parts;
+  for (size_t n = 0; n < nodes.size(); ++n) {
+    peer::v1::PlanPart& part = parts[nodes[n]];
+    part.set_job_id(dj.id);
+    for (const auto& nn : nodes) part.add_nodes(nn);
+    part.set_unique_id(plan.unique_id);
+    part.set_format("ckptd");
+    part.set_plan_s(Seconds(t0));
+    peer::v1::SavePart* sp = part.mutable_save();
+    sp->set_unique_id(plan.unique_id);
+    sp->set_checksum_block(plan.checksum_block);
+    sp->set_overwrite(dj.overwrite);
+    for (const auto& [name, info] : plan.tensors) {
+      peer::v1::TensorInfoMsg* t = sp->add_tensors();
+      t->set_name(name);
+      t->set_dtype(std::string(ckpt::DTypeName(info.first)));
+      for (int64_t d : info.second) t->add_global_shape(d);
     }
-    std::string balance;
-    for (size_t n = 0; n < nodes.size(); ++n) {
-      absl::StrAppend(&balance, n ? " " : "", nodes[n], "=", bytes_of_node[n], "B");
+    for (int r = 0; r < dj.world_size; ++r) {
+      if (node_of_rank[static_cast<size_t>(r)] != static_cast<int>(n)) continue;
+      peer::v1::RankTargetsMsg* w = sp->add_writes();
+      w->set_rank(r);
+      for (const auto& t : plan.writes[static_cast<size_t>(r)]) ToMsg(t, w->add_targets());
     }
-    spdlog::info("coordinator save job={} nodes={} ranks={} shards={} plan={:.4f}s bytes to write: {}",
-                 dj->id, nodes.size(), ranks.size(), shards, Seconds(t0), balance);
-    return parts;
-  };
-  return PublishParts(dj, nodes, own.node(), plan_all());
+    for (const auto& [key, p] : flat) {
+      auto* kp = &(*sp->mutable_flat_mapping())[key];
+      for (const auto& s : p) kp->add_parts(s);
+    }
+  }
+  std::string balance;
+  for (size_t n = 0; n < nodes.size(); ++n) {
+    absl::StrAppend(&balance, n ? " " : "", nodes[n], "=", bytes_of_node[n], "B");
+  }
+  spdlog::info("coordinator save job={} nodes={} ranks={} shards={} plan={:.4f}s bytes to write: {}",
+               dj.id, nodes.size(), ranks.size(), shards, Seconds(t0), balance);
+  return parts;
 }
 
 // What this node's ranks of a multi-node save tell the coordinator: their
@@ -252,26 +246,12 @@ void Daemon::RunDistributedSave(const std::shared_ptr<Job>& job,
   std::shared_ptr<DistJob> dj = NewDistJob(*job, first.path(), coordinates, kind);
   job->SetPhase(coordinates ? "gathering the save's ranks from peers" : "joining the coordinator");
   // 1. The plan: what this node's ranks write.
-  peer::v1::PlanPart part;
-  std::string coordinator = me;
-  if (coordinates) {
-    auto p = CoordinateSave(dj, own);
-    if (!p.ok()) {
-      fail_all(p.status());
-      RetireDistJob(dj, absl::Seconds(2));  // late joiners still get the error
-      return;
-    }
-    part = std::move(*p);
-  } else {
-    auto p = JoinCoordinator(own, dj->deadline);
-    absl::Status origin = p.ok() ? CheckPartOrigin(p->first, job->id, me, p->second) : p.status();
-    if (!origin.ok()) {
-      RetireDistJob(dj, absl::ZeroDuration());
-      return fail_all(origin);
-    }
-    part = std::move(p->first);
-    coordinator = p->second;
-  }
+  auto planned = PlanPartOf(
+      dj, own, [&](const auto& nodes, const auto& joins, auto t0) {
+        return PlanSaveParts(*dj, nodes, joins, t0);
+      });
+  if (!planned.ok()) return fail_all(planned.status());
+  const auto& [part, coordinator] = *planned;
   absl::StatusOr<LocalSave> local = AdoptSavePart(*job, slots, dj, part, coordinator);
   absl::Status exec = local.status();
   if (config_.testing_delay_part > absl::ZeroDuration()) {
@@ -288,11 +268,7 @@ void Daemon::RunDistributedSave(const std::shared_ptr<Job>& job,
       exec = ckpt::Annotate(w.status(), absl::StrCat("save job '", job->id, "' on ", me));
     }
   }
-  {
-    absl::MutexLock lock(&dj->mu);
-    if (exec.ok() && !dj->violation.ok()) exec = dj->violation;
-    if (!exec.ok()) dj->exec_status = exec;
-  }
+  exec = dj->EndPart(std::move(exec));
   job->SetPhase("waiting for the other nodes to prepare");
   peer::v1::CompleteRequest done = CompletionOf(job->id, me, exec);
   done.set_bytes_written(written.bytes);

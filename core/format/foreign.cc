@@ -164,4 +164,23 @@ bool StoredDTypeCompatible(DType metadata, DType file) {
 
 
 
+absl::StatusOr<MetadataDicts> MetadataDictsOf(const pickle::Document& doc, ForeignTag tag,
+                                              absl::string_view format,
+                                              absl::string_view storage_field) {
+  CKPT_ASSIGN_OR_RETURN(const pickle::Object* root, doc.Obj(doc.root, "metadata"));
+  if (doc.Tag(*root) != tag) {
+    return doc.Error(absl::StrCat("root is ", doc.ClassName(*root), ", not ", format));
+  }
+  std::optional<pickle::Value> sdm = doc.Field(*root, "state_dict_metadata");
+  std::optional<pickle::Value> st = doc.Field(*root, storage_field);
+  if (!sdm || !st) {
+    return doc.Error(absl::StrCat("Metadata without state_dict_metadata/", storage_field));
+  }
+  MetadataDicts out;
+  out.root = root;
+  CKPT_ASSIGN_OR_RETURN(out.tensors, doc.DictItems(*sdm, "state_dict_metadata"));
+  CKPT_ASSIGN_OR_RETURN(out.storage, doc.DictItems(*st, storage_field));
+  return out;
+}
+
 }  // namespace ckpt

@@ -78,6 +78,19 @@ bool LooksPickled(absl::string_view head);
 // an 8-bit float as uint8/int8.
 bool StoredDTypeCompatible(DType metadata, DType file);
 
+// The two dictionaries of a pickled checkpoint Metadata (Paddle's or
+// torch's): its root must be the record `tag` (`format` names it in the
+// error: "Paddle's Metadata"), with the fields state_dict_metadata and
+// `storage_field` (storage_metadata / storage_data), both dicts.
+struct MetadataDicts {
+  const pickle::Object* root = nullptr;                 // the Metadata record
+  const std::vector<pickle::Value>* tensors = nullptr;  // state_dict_metadata's items
+  const std::vector<pickle::Value>* storage = nullptr;  // `storage_field`'s items
+};
+absl::StatusOr<MetadataDicts> MetadataDictsOf(const pickle::Document& doc, ForeignTag tag,
+                                              absl::string_view format,
+                                              absl::string_view storage_field);
+
 }  // namespace ckpt
 
 #endif  // CKPTD_CORE_FOREIGN_H_

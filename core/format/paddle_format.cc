@@ -419,16 +419,12 @@ absl::Status ReadFlatMapping(const Document& doc, const Object& root,
 }  // namespace
 
 absl::StatusOr<CheckpointMetadata> PaddleMetadataToModel(const Document& doc) {
-  CKPT_ASSIGN_OR_RETURN(const Object* root, doc.Obj(doc.root, "metadata"));
-  if (doc.Tag(*root) != kTagPdMetadata) {
-    return doc.Error(absl::StrCat("root is ", doc.ClassName(*root), ", not Paddle's Metadata"));
-  }
-  std::optional<Value> sdm = doc.Field(*root, "state_dict_metadata");
-  std::optional<Value> stm = doc.Field(*root, "storage_metadata");
-  if (!sdm || !stm) return doc.Error("Metadata without state_dict_metadata/storage_metadata");
-  CKPT_ASSIGN_OR_RETURN(const std::vector<Value>* tensors,
-                        doc.DictItems(*sdm, "state_dict_metadata"));
-  CKPT_ASSIGN_OR_RETURN(const std::vector<Value>* storage, doc.DictItems(*stm, "storage_metadata"));
+  CKPT_ASSIGN_OR_RETURN(const MetadataDicts dicts,
+                        MetadataDictsOf(doc, kTagPdMetadata, "Paddle's Metadata",
+                                        "storage_metadata"));
+  const Object* root = dicts.root;
+  const std::vector<Value>* tensors = dicts.tensors;
+  const std::vector<Value>* storage = dicts.storage;
 
   CheckpointMetadata m;
   std::map<std::string, std::vector<Ltm>> infos;

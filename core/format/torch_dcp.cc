@@ -415,16 +415,10 @@ absl::StatusOr<ShardMeta> ChunkShard(const Document& doc, const Directory& dir,
 absl::StatusOr<CheckpointMetadata> TorchDcpToModel(const Document& doc, const Directory& dir,
                                                    std::vector<std::string>* skipped,
                                                    std::map<std::string, FileStamp>* stamps) {
-  CKPT_ASSIGN_OR_RETURN(const Object* root, doc.Obj(doc.root, "metadata"));
-  if (doc.Tag(*root) != kTagTMetadata) {
-    return doc.Error(absl::StrCat("root is ", doc.ClassName(*root), ", not torch DCP Metadata"));
-  }
-  std::optional<Value> sdm = doc.Field(*root, "state_dict_metadata");
-  std::optional<Value> sd = doc.Field(*root, "storage_data");
-  if (!sdm || !sd) return doc.Error("Metadata without state_dict_metadata/storage_data");
-  CKPT_ASSIGN_OR_RETURN(const std::vector<Value>* tensors,
-                        doc.DictItems(*sdm, "state_dict_metadata"));
-  CKPT_ASSIGN_OR_RETURN(const std::vector<Value>* storage, doc.DictItems(*sd, "storage_data"));
+  CKPT_ASSIGN_OR_RETURN(const MetadataDicts dicts,
+                        MetadataDictsOf(doc, kTagTMetadata, "torch DCP Metadata", "storage_data"));
+  const std::vector<Value>* tensors = dicts.tensors;
+  const std::vector<Value>* storage = dicts.storage;
 
   CKPT_ASSIGN_OR_RETURN(const StorageItems items, ReadStorageItems(doc, storage));
 
