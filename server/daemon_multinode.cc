@@ -390,7 +390,6 @@ PlanPartContext Daemon::PartContext(const Job& job,
 absl::Status Daemon::AdoptPart(const Job& job, const std::vector<std::shared_ptr<RankSlot>>& slots,
                                const std::shared_ptr<DistJob>& dj, const peer::v1::PlanPart& part,
                                const std::string& coordinator, LocalPart* out) {
-  const std::string& me = config_.peer_listen;
   // Every index, range, file, node and rank in it is checked first
   // (server/plan_codec.h): a part that fails is this node's failure,
   // reported to the coordinator like any other.
@@ -455,7 +454,8 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job,
         return PlanLoadParts(*dj, nodes, joins, t0);
       });
   if (!planned.ok()) return fail_all(planned.status());
-  const auto& [part, coordinator] = *planned;
+  const peer::v1::PlanPart& part = planned->first;
+  const std::string& coordinator = planned->second;
 
   // 2. This node's share of the part.
   LocalPart mine;

@@ -251,7 +251,8 @@ void Daemon::RunDistributedSave(const std::shared_ptr<Job>& job,
         return PlanSaveParts(*dj, nodes, joins, t0);
       });
   if (!planned.ok()) return fail_all(planned.status());
-  const auto& [part, coordinator] = *planned;
+  const peer::v1::PlanPart& part = planned->first;
+  const std::string& coordinator = planned->second;
   absl::StatusOr<LocalSave> local = AdoptSavePart(*job, slots, dj, part, coordinator);
   absl::Status exec = local.status();
   if (config_.testing_delay_part > absl::ZeroDuration()) {
