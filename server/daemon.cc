@@ -5,6 +5,7 @@
 // daemon_save.cc and daemon_dcp.cc, multi-node jobs daemon_multinode*.cc.
 #include "server/daemon.h"
 #include "server/daemon_internal.h"
+#include "server/delivery/destination.h"
 #include "ckptd_version.h"
 #include "proto/fd_socket.h"
 #include "server/obs/metrics.h"
@@ -37,6 +38,7 @@
 #include "core/io/file.h"
 #include "core/format/foreign.h"
 #include "core/base/status_macros.h"
+#include "core/cache/cache_view.h"
 #include "core/format/torch_dcp.h"
 #include "core/write/writer.h"
 
@@ -105,9 +107,6 @@ void Daemon::Stop() {
   if (persist_thread_.joinable()) persist_thread_.join();
 }
 
-// Maps the client's segment `shm` for the targets `indices` of `req` (all
-// of them for an shm destination; the host-memory ones of a cuda_ipc
-// destination): every one inside the segment, no two overlapping.
 absl::Status Daemon::Load(const Caller& caller, const v1::LoadRequest& request,
                           const std::function<bool(const v1::LoadEvent&)>& send,
                           const std::function<bool()>& cancelled) {
@@ -134,7 +133,7 @@ absl::Status Daemon::Load(const Caller& caller, const v1::LoadRequest& request,
   std::shared_ptr<RankSlot> slot = *prepared;
   slot->cancelled = cancelled;
   // Nothing more is written into a client that cancelled or went away.
-  if (slot->process_memory) slot->process_memory->StopWhen(cancelled);
+  slot->destination->StopWhen(cancelled);
   slot->registered = absl::Now();
   slot->start = std::chrono::steady_clock::now();
 
@@ -161,11 +160,11 @@ absl::Status Daemon::Load(const Caller& caller, const v1::LoadRequest& request,
     result = slot->result;
   }
   if (cancelled()) return fail(absl::CancelledError("client went away"));
-  if (slot->views) {
-    if (absl::Status v = DeliverViews(caller, *slot, who, send, cancelled); !v.ok()) {
+  if (ckpt::ViewRecorder* views = slot->destination->views()) {
+    if (absl::Status v = DeliverViews(caller, *views, who, send, cancelled); !v.ok()) {
       return fail(v);
     }
-    result.set_bytes_from_views(slot->views->bytes_recorded());
+    result.set_bytes_from_views(views->bytes_recorded());
   }
   result.mutable_timings()->set_total_s(Seconds(slot->start));
   if (request.has_stream()) {
@@ -173,8 +172,9 @@ absl::Status Daemon::Load(const Caller& caller, const v1::LoadRequest& request,
     chunk = std::min<uint64_t>(std::max<uint64_t>(chunk, 4096), 64u << 20);
     // Room for the message around the chunk under limits.max_message_bytes.
     chunk = std::min<uint64_t>(chunk, config_.limits.max_message_bytes - (64u << 10));
-    for (size_t t = 0; t < slot->stream_buffers.size(); ++t) {
-      const auto& buf = slot->stream_buffers[t];
+    const std::vector<std::vector<uint8_t>>& streamed = slot->destination->streamed();
+    for (size_t t = 0; t < streamed.size(); ++t) {
+      const auto& buf = streamed[t];
       for (uint64_t off = 0; off < buf.size(); off += chunk) {
         v1::LoadEvent ev;
         v1::StreamChunk* c = ev.mutable_data();

@@ -60,6 +60,7 @@
 #include "server/api/caller.h"
 #include "server/catalog/metadata_cache.h"
 #include "server/cuda/gpu.h"
+#include "server/delivery/destination.h"
 #include "server/delivery/mapped_segment.h"
 #include "server/delivery/fd_channel.h"
 #include "server/peer/peer_plane.h"
@@ -259,34 +260,46 @@ class Daemon {
   // The multi-node job `id` registered here, or null.
   std::shared_ptr<DistJob> FindDistJob(const std::string& id) ABSL_LOCKS_EXCLUDED(peer_mu_);
 
+  // A rank's slot: the request's targets checked and its destination opened
+  // (daemon_destinations.cc).
   absl::StatusOr<std::shared_ptr<RankSlot>> PrepareSlot(const Caller& caller,
                                                         const v1::LoadRequest& request);
-  // cuda_ipc destinations (daemon_gpu.cc): validates the rank's device
-  // targets and opens its buffers; the delivery of a job's ranks.
+  // The destination of `request` (shm, cuda_ipc, process_memory or stream),
+  // checked and opened: what the daemon alone knows (the caller, the fd
+  // socket, lent arenas, the data cache, the GPU runtime) handed to
+  // delivery/destination.h's implementations.
+  absl::StatusOr<std::unique_ptr<Destination>> OpenDestination(const Caller& caller,
+                                                               const v1::LoadRequest& request,
+                                                               const ckpt::RankTargets& targets,
+                                                               const std::string& who);
+  // The segment `shm` names: an arena this daemon lent, or the caller's
+  // sealed memfd taken from the fd socket (not mapped yet).
+  absl::StatusOr<SegmentSource> SegmentSourceOf(const Caller& caller,
+                                                const v1::ShmDestination& shm,
+                                                const std::string& who);
+  // process_memory destinations: checks the caller (on the Unix socket, of
+  // the daemon's uid) and the cookie's size; ProcessDestination::Open does
+  // the rest (core/exec/process_memory.h).
+  absl::StatusOr<std::unique_ptr<Destination>> OpenProcessDestination(
+      const Caller& caller, const v1::LoadRequest& request,
+      const std::vector<TargetPlace>& targets, const std::string& who);
+  // cuda_ipc destinations (daemon_gpu.cc): the host segment of the dest_host
+  // targets, then the rank's device buffers checked and opened.
+  absl::StatusOr<std::unique_ptr<Destination>> OpenDeviceDestination(
+      const Caller& caller, const v1::LoadRequest& request, std::vector<TargetPlace> targets,
+      const std::string& who);
   // A save's device tensors (SaveRequest.cuda_ipc): copied device -> host
   // into the daemon's own memory, with the dest_host targets' bytes, and the
-  // client's IPC handles closed; `request`'s targets then point into
-  // slot.segment as an shm save's do. The caller waits only for this.
+  // client's IPC handles closed; `request`'s targets then point into the
+  // slot's new segment destination as an shm save's do. The caller waits
+  // only for this.
   absl::Status StageDeviceSave(const std::string& who, v1::SaveRequest& request, RankSlot& slot);
-  absl::Status PrepareShmSegment(const Caller& caller, const v1::ShmDestination& shm,
-                                 const v1::LoadRequest& request, const std::vector<int>& indices,
-                                 const std::string& who, RankSlot& slot);
-  absl::Status PrepareDeviceSlot(const v1::LoadRequest& request, const std::string& who,
-                                 RankSlot& slot);
   // process_memory with views: offers the rank's cache views to its client
-  // and waits until it copied them (server/view_leases.h).
-  absl::Status DeliverViews(const Caller& caller, RankSlot& slot, const std::string& who,
+  // and waits until it copied them (server/delivery/view_leases.h).
+  absl::Status DeliverViews(const Caller& caller, ckpt::ViewRecorder& views,
+                            const std::string& who,
                             const std::function<bool(const v1::LoadEvent&)>& send,
                             const std::function<bool()>& cancelled);
-  // process_memory destinations: checks the caller's targets and cookie,
-  // opens its process (core/exec/process_memory.h).
-  absl::Status PrepareProcessSlot(const Caller& caller, const v1::LoadRequest& request,
-                                  const std::string& who, RankSlot& slot);
-  absl::StatusOr<std::unique_ptr<ckpt::Delivery>> JobDelivery(
-      const std::vector<std::shared_ptr<RankSlot>>& slots, std::vector<std::vector<void*>> dests);
-  // JobDelivery without process_memory ranks: host or device.
-  absl::StatusOr<std::unique_ptr<ckpt::Delivery>> JobDeliveryOf(
-      const std::vector<std::shared_ptr<RankSlot>>& slots, std::vector<std::vector<void*>> dests);
   // Adds `slot` to its job (created on first use); returns the job and
   // whether this caller completed the barrier and must run the job.
   absl::StatusOr<std::pair<std::shared_ptr<Job>, bool>> Register(

@@ -1,5 +1,6 @@
 // Where a rank's bytes go: each Load (and Save) request's destination is
-// checked and opened here before its rank joins a job (PrepareSlot): a
+// checked and opened here before its rank joins a job (PrepareSlot,
+// OpenDestination), as one of delivery/destination.h's kinds: a
 // shared-memory segment (a lent arena or the client's sealed memfd), the
 // client's own process memory (process_memory, with cache views), stream
 // buffers, or device memory (daemon_gpu.cc).
@@ -23,10 +24,10 @@
 #include "absl/strings/str_join.h"
 #include "core/io/file.h"
 #include "core/base/status_macros.h"
+#include "core/cache/cache_view.h"
 #include "server/daemon.h"
 #include "server/daemon_internal.h"
-#include "server/delivery/target_ranges.h"
-#include "core/exec/process_memory.h"
+#include "server/delivery/destination.h"
 #include "proto/fd_socket.h"
 
 namespace ckptd {
@@ -41,9 +42,6 @@ ckpt::Shape ToShape(const google::protobuf::RepeatedField<int64_t>& r) {
   return ckpt::Shape(r.begin(), r.end());
 }
 
-// Why a process_memory destination cannot be used. Where the kernel
-// refuses (another uid, no pidfd), FAILED_PRECONDITION before the job
-// registers: the client then falls back to shm (docs/grpc-api.md, "Transports").
 // Whether this process holds CAP_SYS_PTRACE in its effective set.
 bool HasCapSysPtrace() {
   __user_cap_header_struct header{_LINUX_CAPABILITY_VERSION_3, 0};
@@ -52,15 +50,18 @@ bool HasCapSysPtrace() {
   return (data[CAP_SYS_PTRACE / 32].effective & (1u << (CAP_SYS_PTRACE % 32))) != 0;
 }
 
-absl::Status ToProcessMemoryError(const absl::Status& s, const std::string& who) {
-  if (absl::IsPermissionDenied(s) || absl::IsFailedPrecondition(s)) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "process_memory unavailable for ", who, ": ", s.message(), "; use shm"));
-  }
-  return s;
-}
-
 }  // namespace
+
+std::vector<TargetPlace> PlacesOf(const google::protobuf::RepeatedPtrField<v1::Target>& requested,
+                                  const ckpt::RankTargets& targets) {
+  std::vector<TargetPlace> places;
+  for (int i = 0; i < requested.size(); ++i) {
+    const v1::Target& t = requested[i];
+    places.push_back({t.name(), t.dest_offset(), targets.tensors[i].num_bytes(), t.dest_host(),
+                      t.dest_buffer()});
+  }
+  return places;
+}
 
 absl::StatusOr<std::shared_ptr<Daemon::RankSlot>> Daemon::PrepareSlot(
     const Caller& caller, const v1::LoadRequest& req) {
@@ -99,55 +100,45 @@ absl::StatusOr<std::shared_ptr<Daemon::RankSlot>> Daemon::PrepareSlot(
                                         absl::StrCat("job '", req.job_id(), "'")));
     slot->targets.tensors.push_back(std::move(tt));
   }
-  if (req.has_shm()) {
-    std::vector<int> all(req.targets_size());
-    for (int i = 0; i < req.targets_size(); ++i) all[i] = i;
-    CKPT_RETURN_IF_ERROR(PrepareShmSegment(caller, req.shm(), req, all, who, *slot));
-  } else if (req.has_cuda_ipc()) {
-    // Targets in host memory (dest_host: a CPU tensor of a GPU state dict)
-    // go to the destination's shm segment, the rest to device memory.
-    std::vector<int> host;
-    for (int i = 0; i < req.targets_size(); ++i) {
-      if (req.targets(i).dest_host()) host.push_back(i);
-    }
-    if (!host.empty()) {
-      if (!req.cuda_ipc().has_host()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            who, ": tensor '", req.targets(host[0]).name(),
-            "' is marked dest_host but the cuda_ipc destination has no host segment"));
-      }
-      CKPT_RETURN_IF_ERROR(PrepareShmSegment(caller, req.cuda_ipc().host(), req, host, who, *slot));
-    }
-    CKPT_RETURN_IF_ERROR(PrepareDeviceSlot(req, who, *slot));
-  } else if (req.has_process_memory()) {
-    CKPT_RETURN_IF_ERROR(PrepareProcessSlot(caller, req, who, *slot));
-  } else if (!req.has_stream()) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(who, ": no destination (shm, process_memory, stream or cuda_ipc)"));
-  }
+  CKPT_ASSIGN_OR_RETURN(slot->destination, OpenDestination(caller, req, slot->targets, who));
   return slot;
 }
 
-absl::Status Daemon::PrepareShmSegment(const Caller& caller, const v1::ShmDestination& shm,
-                                       const v1::LoadRequest& req, const std::vector<int>& indices,
-                                       const std::string& who, RankSlot& slot) {
-  int fd = -1;
-  std::string what;
-  uint64_t size = shm.size();
+absl::StatusOr<std::unique_ptr<Destination>> Daemon::OpenDestination(
+    const Caller& caller, const v1::LoadRequest& req, const ckpt::RankTargets& targets,
+    const std::string& who) {
+  std::vector<TargetPlace> places = PlacesOf(req.targets(), targets);
+  if (req.has_shm()) {
+    CKPT_ASSIGN_OR_RETURN(SegmentSource source, SegmentSourceOf(caller, req.shm(), who));
+    return SegmentDestination::Open(who, std::move(source), std::move(places));
+  }
+  if (req.has_cuda_ipc()) return OpenDeviceDestination(caller, req, std::move(places), who);
+  if (req.has_process_memory()) return OpenProcessDestination(caller, req, places, who);
+  if (req.has_stream()) return std::unique_ptr<Destination>(new StreamDestination);
+  return absl::InvalidArgumentError(
+      absl::StrCat(who, ": no destination (shm, process_memory, stream or cuda_ipc)"));
+}
+
+absl::StatusOr<SegmentSource> Daemon::SegmentSourceOf(const Caller& caller,
+                                                      const v1::ShmDestination& shm,
+                                                      const std::string& who) {
+  SegmentSource source;
+  source.size = shm.size();
   if (!shm.arena_token().empty()) {
     // An arena this daemon lent: already mapped and faulted in.
     auto arena = arenas_->Find(shm.arena_token(), caller.uid);
     if (!arena.ok()) return ckpt::Annotate(arena.status(), who);
-    if (size == 0) size = (*arena)->size();
-    if (size > (*arena)->size()) {
+    if (source.size == 0) source.size = (*arena)->size();
+    if (source.size > (*arena)->size()) {
       return absl::InvalidArgumentError(absl::StrCat(who, ": shm arena holds ", (*arena)->size(),
-                                                     " bytes but the request declares ", size));
+                                                     " bytes but the request declares ",
+                                                     source.size));
     }
-    slot.segment = MappedSegment::Borrow(std::move(*arena));
+    source.arena = std::move(*arena);
   } else if (!shm.fd_token().empty()) {
     if (!fd_receiver_) return absl::FailedPreconditionError("this daemon has no fd socket");
-    CKPT_ASSIGN_OR_RETURN(fd, fd_receiver_->Take(shm.fd_token(), caller.uid));
-    what = absl::StrCat(who, ": shm segment (memfd)");
+    CKPT_ASSIGN_OR_RETURN(source.fd, fd_receiver_->Take(shm.fd_token(), caller.uid));
+    source.what = absl::StrCat(who, ": shm segment (memfd)");
   } else if (!shm.name().empty()) {
     return absl::InvalidArgumentError(absl::StrCat(
         who, ": shm.name ('", shm.name(), "') is no longer accepted: a named /dev/shm segment "
@@ -157,26 +148,12 @@ absl::Status Daemon::PrepareShmSegment(const Caller& caller, const v1::ShmDestin
     return absl::InvalidArgumentError(
         absl::StrCat(who, ": shm destination needs arena_token or fd_token"));
   }
-  // Every target inside the segment and no two overlapping, checked before
-  // anything is mapped; only the bytes up to the end of the last target are.
-  std::vector<TargetRange> ranges;
-  for (int i : indices) {
-    ranges.push_back({req.targets(i).name(), req.targets(i).dest_offset(),
-                      slot.targets.tensors[i].num_bytes()});
-  }
-  auto needed = CheckTargetRanges(who, {"segment", "segment", size}, ranges);
-  if (!needed.ok()) {
-    if (fd >= 0) ::close(fd);
-    return needed.status();
-  }
-  if (!slot.segment) {
-    CKPT_ASSIGN_OR_RETURN(slot.segment, MappedSegment::Map(fd, *needed, what));
-  }
-  return absl::OkStatus();
+  return source;
 }
 
-absl::Status Daemon::PrepareProcessSlot(const Caller& caller, const v1::LoadRequest& req,
-                                        const std::string& who, RankSlot& slot) {
+absl::StatusOr<std::unique_ptr<Destination>> Daemon::OpenProcessDestination(
+    const Caller& caller, const v1::LoadRequest& req, const std::vector<TargetPlace>& targets,
+    const std::string& who) {
   const v1::ProcessMemoryDestination& pm = req.process_memory();
   if (caller.via != Caller::Via::kUnix || caller.pid <= 0) {
     return absl::FailedPreconditionError(absl::StrCat(
@@ -200,50 +177,16 @@ absl::Status Daemon::PrepareProcessSlot(const Caller& caller, const v1::LoadRequ
         absl::StrCat(who, ": process_memory cookie must be 16 to 64 bytes, not ",
                      pm.cookie().size()));
   }
-  // Targets: no address wraps, no two overlap (a client that overlapped
-  // them would only garble its own tensors, but it is a bug worth naming).
-  std::vector<TargetRange> targets;
-  ckpt::RemoteRank remote;
-  for (int i = 0; i < req.targets_size(); ++i) {
-    targets.push_back(
-        {req.targets(i).name(), req.targets(i).dest_offset(), slot.targets.tensors[i].num_bytes()});
-    remote.targets.push_back({req.targets(i).dest_offset()});
-  }
-  CKPT_RETURN_IF_ERROR(
-      CheckTargetRanges(who, {"process's memory", "memory", std::nullopt}, targets).status());
-  // The ranges the client's views may cover.
-  std::vector<std::pair<uint64_t, uint64_t>> ranges;
-  for (const TargetRange& t : targets) {
-    if (t.bytes > 0) ranges.push_back({t.begin, t.begin + t.bytes});
-  }
-  std::sort(ranges.begin(), ranges.end());
-  auto memory = ckpt::ProcessMemory::Open(
-      {caller.pid, absl::StrCat(who, " (pid ", caller.pid, ")")});
-  if (!memory.ok()) return ToProcessMemoryError(memory.status(), who);
-  std::string seen(pm.cookie().size(), '\0');
-  absl::Status read = (*memory)->Read(pm.cookie_address(), seen.data(), seen.size());
-  if (!read.ok()) return ToProcessMemoryError(read, who);
-  if (seen != pm.cookie()) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        who, ": process_memory: the cookie at the given address of pid ", caller.pid,
-        " does not match the request (is the caller the process that connected?)"));
-  }
-  slot.process_memory = std::shared_ptr<ckpt::ProcessMemory>(std::move(*memory));
-  remote.memory = slot.process_memory;
-  if (pm.views() && fd_receiver_ && cache_.CanExport()) {
-    // Cached bytes are left to the client to copy (core/cache/cache_view.h).
-    slot.views = std::make_shared<ckpt::ViewRecorder>(&cache_, caller.uid, slot.process_memory,
-                                                      std::move(ranges));
-    remote.memory = slot.views;
-  }
-  slot.process = std::move(remote);
-  return absl::OkStatus();
+  // Cached bytes are left to the client to copy (core/cache/cache_view.h).
+  const bool views = pm.views() && fd_receiver_ && cache_.CanExport();
+  return ProcessDestination::Open(who, caller.pid, targets, pm.cookie_address(), pm.cookie(),
+                                  views ? &cache_ : nullptr, caller.uid);
 }
 
-absl::Status Daemon::DeliverViews(const Caller& caller, RankSlot& slot, const std::string& who,
+absl::Status Daemon::DeliverViews(const Caller& caller, ckpt::ViewRecorder& rec,
+                                  const std::string& who,
                                   const std::function<bool(const v1::LoadEvent&)>& send,
                                   const std::function<bool()>& cancelled) {
-  ckpt::ViewRecorder& rec = *slot.views;
   const std::vector<ckpt::ViewRecorder::Copy> copies = rec.copies();
   if (copies.empty()) {
     rec.Release();

@@ -21,10 +21,9 @@
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "core/exec/executor.h"
-#include "core/cache/cache_view.h"
-#include "core/exec/process_memory.h"
 #include "server/await.h"
 #include "server/daemon.h"
+#include "server/delivery/destination.h"
 
 namespace ckptd {
 
@@ -60,20 +59,15 @@ class Daemon::SaveBufferCharge {
 
 // One rank's call in a job. Everything but the outcome is set before the
 // slot is registered (Register) and read-only after, except the rank's
-// buffers (segment, stream_buffers, device, save_charge): the job's runner
-// uses them once the job runs, the rank's thread again once it is done.
+// destination and save_charge: the job's runner uses them once the job runs,
+// the rank's thread again once it is done.
 struct Daemon::RankSlot {
   v1::LoadRequest request;
   v1::SaveRequest save_request;  // Save jobs
   ckpt::RankTargets targets;
-  std::unique_ptr<MappedSegment> segment;              // shm destination
-  std::vector<std::vector<uint8_t>> stream_buffers;    // stream destination
-  std::shared_ptr<const gpu::DeviceBuffers> device;    // cuda_ipc destination
-  std::optional<ckpt::RemoteRank> process;             // process_memory destination
-  std::shared_ptr<ckpt::ProcessMemory> process_memory;  // the same memory, typed
-  // process_memory with views: what the client copies itself (the rank's
-  // RemoteRank memory then; it writes the rest into process_memory).
-  std::shared_ptr<ckpt::ViewRecorder> views;
+  // Where the rank's tensors go (shm, stream, process_memory, cuda_ipc):
+  // set by PrepareSlot; an asynchronous save hands it to its PendingSave.
+  std::unique_ptr<Destination> destination;
   std::function<bool()> cancelled;
   absl::Time registered;
   std::chrono::steady_clock::time_point start;
@@ -137,9 +131,10 @@ struct Daemon::Job {
 struct Daemon::PendingSave {
   NativeSave save;
   uid_t owner = 0;
-  // The ranks' bytes (their own segments, or the daemon's copies of lent
-  // arenas) and the save_buffer room they hold, released once persisted.
-  std::vector<std::unique_ptr<MappedSegment>> held;
+  // The ranks' destinations holding their bytes (their own segments, or the
+  // daemon's copies) and the save_buffer room they hold, released once
+  // persisted.
+  std::vector<std::unique_ptr<Destination>> held;
   std::vector<std::unique_ptr<SaveBufferCharge>> charges;
   uint64_t bytes_staged = 0;
   std::atomic<uint64_t> bytes_persisted{0};
@@ -204,15 +199,16 @@ struct JobFigures {
   double plan_s = 0;
 };
 
-// Pointers to a rank's target buffers: into its shared-memory segment, or
-// stream buffers allocated now.
-std::vector<void*> PrepareDestinations(Daemon::RankSlot& slot, const ckpt::RankPlan& plan);
+// Where each of `requested` (a Load's or Save's targets, in request order)
+// lands in the rank's destination; `targets` are the same, parsed.
+std::vector<TargetPlace> PlacesOf(const google::protobuf::RepeatedPtrField<v1::Target>& requested,
+                                  const ckpt::RankTargets& targets);
 
 // Closes a job's device mappings once its copies are done: `delivery` (its
-// streams waited for) and every slot's cuda_ipc buffers are released, before
-// any rank is told it is done (a client may free that memory right after).
-void ReleaseDeviceBuffers(absl::StatusOr<std::unique_ptr<ckpt::Delivery>>& delivery,
-                          const std::vector<std::shared_ptr<Daemon::RankSlot>>& slots);
+// streams waited for) and every slot's destination are released, before any
+// rank is told it is done (a client may free that memory right after).
+void ReleaseDestinations(absl::StatusOr<std::unique_ptr<ckpt::Delivery>>& delivery,
+                         const std::vector<std::shared_ptr<Daemon::RankSlot>>& slots);
 
 // Whether every rank of a job asked skip_verify (only then are the job's
 // reads left unverified, and nothing they read is cached).

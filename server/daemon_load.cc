@@ -29,32 +29,10 @@
 #include "core/exec/executor.h"
 #include "server/daemon.h"
 #include "server/daemon_internal.h"
+#include "server/delivery/destination.h"
 #include "server/obs/metrics.h"
 
 namespace ckptd {
-
-std::vector<void*> PrepareDestinations(Daemon::RankSlot& s, const ckpt::RankPlan& plan) {
-  std::vector<void*> dests;
-  if (s.segment) {  // with device buffers too: the dest_host targets only
-    for (int t = 0; t < s.request.targets_size(); ++t) {
-      const v1::Target& target = s.request.targets(t);
-      dests.push_back(s.device && !target.dest_host() ? nullptr
-                                                      : s.segment->data() + target.dest_offset());
-    }
-    return dests;
-  }
-  if (s.device) return dests;  // device buffers: Daemon::JobDelivery
-  if (s.process) return std::vector<void*>(plan.targets.size(), nullptr);  // JobDelivery
-  // Only targets the checkpoint has get a buffer (their bytes were checked
-  // against limits.max_stream_bytes when the rank registered).
-  const std::set<std::string> missing(plan.missing_keys.begin(), plan.missing_keys.end());
-  s.stream_buffers.resize(plan.targets.size());
-  for (size_t t = 0; t < plan.targets.size(); ++t) {
-    if (!missing.count(plan.targets[t].name)) s.stream_buffers[t].resize(plan.targets[t].num_bytes());
-    dests.push_back(s.stream_buffers[t].data());
-  }
-  return dests;
-}
 
 void FillLoadResult(Daemon::RankSlot& s, const ckpt::RankPlan& rp, size_t index,
                     const JobFigures& f) {
@@ -164,9 +142,9 @@ absl::StatusOr<ckpt::LoadStats> Daemon::RunNodePart(
       slots[i]->done = true;
     }
   }
-  std::vector<std::vector<void*>> dests;
+  std::vector<RankDelivery> parts;
   for (size_t i = 0; i < slots.size(); ++i) {
-    dests.push_back(PrepareDestinations(*slots[i], plan.ranks[i]));
+    parts.push_back(slots[i]->destination->Prepare(plan.ranks[i]));
   }
   uint64_t total = 0;
   for (const ckpt::ReadRange& r : plan.reads) total += r.length;
@@ -181,7 +159,7 @@ absl::StatusOr<ckpt::LoadStats> Daemon::RunNodePart(
   ckpt::CachingSource storage(job->path, &cache_, stamps, storage_options);
   GatedSource source(remote != nullptr ? remote->Wrap(&storage) : &storage, job.get(),
                      config_.testing_delay_read);
-  auto delivery = JobDelivery(slots, std::move(dests));
+  auto delivery = JobDelivery(*gpu_, std::move(parts));
   ckpt::ExecuteOptions eo;
   eo.threads = config_.io_threads;
   eo.direct_io = direct_io_;
@@ -201,7 +179,7 @@ absl::StatusOr<ckpt::LoadStats> Daemon::RunNodePart(
   if (stats.ok()) {
     if (absl::Status c = storage.CheckOpenedFilesUnchanged(); !c.ok()) stats = c;
   }
-  ReleaseDeviceBuffers(delivery, slots);
+  ReleaseDestinations(delivery, slots);
   if (remote != nullptr) remote->Ended(stats.status());
   if (stats.ok()) {
     if (absl::Status a = job->AbortStatus(); !a.ok()) stats = a;  // aborted as it finished

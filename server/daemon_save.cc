@@ -28,6 +28,7 @@
 #include "core/write/writer.h"
 #include "server/daemon.h"
 #include "server/daemon_internal.h"
+#include "server/delivery/destination.h"
 
 namespace ckptd {
 
@@ -106,7 +107,7 @@ Daemon::NativeSave Daemon::NativeSaveOf(const Job& job,
     save.ranks.push_back(s->targets);
     for (int t = 0; t < s->save_request.targets_size(); ++t) {
       save.where[{s->targets.rank, s->targets.tensors[t].name}] =
-          s->segment->data() + s->save_request.targets(t).dest_offset();
+          s->destination->segment()->data() + s->save_request.targets(t).dest_offset();
     }
     for (const auto& [k, v] : s->save_request.flat_mapping()) {
       save.flat_mapping[k] = std::vector<std::string>(v.parts().begin(), v.parts().end());
@@ -199,7 +200,7 @@ void Daemon::StartAsyncSave(const std::shared_ptr<Job>& job,
     if (refused.ok()) {
       for (const auto& s : slots) {
         pending->bytes_staged += s->save_charge ? s->save_charge->bytes() : 0;
-        pending->held.push_back(std::move(s->segment));
+        pending->held.push_back(std::move(s->destination));
         if (s->save_charge) pending->charges.push_back(std::move(s->save_charge));
         v1::SaveResponse& r = pending->first_answers[s->targets.rank];
         r.set_persisted(false);
@@ -543,18 +544,20 @@ absl::StatusOr<std::shared_ptr<Daemon::RankSlot>> Daemon::PrepareSaveSlot(
                                    cancelled, &slot->buffer_wait_s);
     if (!charge.ok()) return charge.status();
     slot->save_charge = std::move(*charge);
-    if (!request.handed_over() && !slot->device) {
+    // (Device tensors are copied when staged, below.)
+    if (!request.handed_over() && !request.has_cuda_ipc()) {
       std::vector<std::pair<uint64_t, uint64_t>> ranges;
       for (int t = 0; t < request.targets_size(); ++t) {
         ranges.emplace_back(request.targets(t).dest_offset(), slot->targets.tensors[t].num_bytes());
       }
-      auto copy = MappedSegment::CopyOf(*slot->segment, ranges, who);
+      auto copy = MappedSegment::CopyOf(*slot->destination->segment(), ranges, who);
       if (!copy.ok()) return copy.status();
-      slot->segment = std::move(*copy);
+      slot->destination = std::make_unique<SegmentDestination>(
+          std::move(*copy), PlacesOf(request.targets(), slot->targets));
     }
   }
   slot->save_request = request;
-  if (slot->device) {  // its targets then point into the daemon's own copy
+  if (request.has_cuda_ipc()) {  // its targets then point into the daemon's own copy
     if (absl::Status s = StageDeviceSave(who, slot->save_request, *slot); !s.ok()) return s;
   }
   return slot;
