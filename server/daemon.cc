@@ -4,6 +4,7 @@
 // job registry daemon_jobs.cc, destinations daemon_destinations.cc, saves
 // daemon_save.cc and daemon_dcp.cc, multi-node jobs daemon_multinode*.cc.
 #include "server/daemon.h"
+#include "server/peer/peer_plane.h"
 #include "server/daemon_internal.h"
 #include "server/delivery/destination.h"
 #include "ckptd_version.h"
@@ -66,13 +67,13 @@ Daemon::Daemon(DaemonConfig config)
       metadata_(config_.limits.metadata_cache_entries, config_.limits.max_metadata_bytes),
       catalog_(Catalog::Parts{&policy_, &metadata_, &cache_, filler_.get(), config_.io_request_size,
                               config_.io_threads, direct_io_, &bytes_read_total_}),
-      peers_(config_) {}
+      peers_(std::make_unique<PeerPlane>(config_)) {}
 
 Daemon::~Daemon() { Stop(); }
 
 void Daemon::SetPeerListen(const std::string& bound) {
   config_.peer_listen = bound;
-  peers_.SetListen(bound);
+  peers_->SetListen(bound);
 }
 
 absl::Status Daemon::Start() {
@@ -82,8 +83,8 @@ absl::Status Daemon::Start() {
         "config: nccl_device ", config_.nccl_device, " but this daemon sees ",
         gpu_->device_count(), " CUDA device(s) (check CUDA_VISIBLE_DEVICES)"));
   }
-  CKPT_ASSIGN_OR_RETURN(auto tls, peers_.ReadTls());
-  peers_.UseTls(std::move(tls));
+  CKPT_ASSIGN_OR_RETURN(auto tls, peers_->ReadTls());
+  peers_->UseTls(std::move(tls));
   if (!config_.socket.empty()) {
     // An fd token outlives the longest barrier wait of the load naming it.
     const absl::Duration ttl = config_.testing_fd_token_ttl > absl::ZeroDuration()
@@ -282,7 +283,7 @@ v1::StatusResponse Daemon::Status(const Caller& caller) {
   resp.set_gpu(gpu_->Describe());
   resp.set_cache_pinned_bytes(gpu_->pinned_bytes());
   resp.set_peer_address(config_.peer_listen);
-  for (v1::PeerHealth& ph : peers_.Health()) *resp.add_peers() = std::move(ph);
+  for (v1::PeerHealth& ph : peers_->Health()) *resp.add_peers() = std::move(ph);
   {
     resp.set_metadata_cache_entries(metadata_.size());
   }

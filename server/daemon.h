@@ -53,7 +53,6 @@
 #include "proto/ckpt.pb.h"
 #include <grpcpp/security/server_credentials.h>
 
-#include "proto/peer.grpc.pb.h"
 #include "server/delivery/arena_pool.h"
 #include "server/catalog/cache_filler.h"
 #include "server/catalog/catalog.h"
@@ -63,11 +62,25 @@
 #include "server/delivery/destination.h"
 #include "server/delivery/mapped_segment.h"
 #include "server/delivery/fd_channel.h"
-#include "server/peer/peer_plane.h"
 #include "server/policy/policy.h"
 #include "server/delivery/view_leases.h"
 
 namespace ckptd {
+
+// The peer protocol's messages (proto/peer.proto), named here only: the
+// files of the multi-node code include it (daemon_dist.h), the rest of the
+// daemon does not see it.
+namespace peer::v1 {
+class Chunk;
+class CompleteRequest;
+class CompleteResponse;
+class FetchReadRequest;
+class JoinRequest;
+class PingRequest;
+class PingResponse;
+class PlanPart;
+}  // namespace peer::v1
+class PeerPlane;  // server/peer/peer_plane.h
 
 struct JobFigures;     // daemon_internal.h
 struct LoadJobRecord;  // metrics.h
@@ -123,7 +136,7 @@ class Daemon {
 
   // The peer plane (server/peer/peer_plane.h): the peer set, who may call
   // the peer service, TLS, channels and health.
-  PeerPlane& peer_plane() { return peers_; }
+  PeerPlane& peer_plane() { return *peers_; }
 
   // Peer RPC bodies (multi-node jobs; see daemon_multinode.cc). `caller`
   // passed PeerPlane::Authorize; `cancelled` polls whether the call went away.
@@ -483,7 +496,7 @@ class Daemon {
   Policy policy_;           // roots, access, limits, quotas
   MetadataCache metadata_;  // checkpoints opened
   Catalog catalog_;         // Inspect, Prefetch, Evict (after the parts it uses)
-  PeerPlane peers_;         // the peer set, TLS, channels, health
+  std::unique_ptr<PeerPlane> peers_;  // the peer set, TLS, channels, health
 
   absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);

@@ -25,6 +25,7 @@
 #include "core/base/status_macros.h"
 #include "core/base/xxh3.h"
 #include "server/daemon.h"
+#include "server/peer/peer_plane.h"
 #include "server/daemon_dist.h"
 #include "server/daemon_internal.h"
 #include "server/obs/metrics.h"
@@ -38,7 +39,7 @@ using ckpt::TargetTensor;
 absl::StatusOr<peer::v1::PlanPart> Daemon::PeerJoin(const PeerCaller& caller,
                                                     const peer::v1::JoinRequest& req,
                                                     const std::function<bool()>& cancelled) {
-  const absl::Status who = peers_.SpeaksFor(caller, req.node());
+  const absl::Status who = peers_->SpeaksFor(caller, req.node());
   const std::shared_ptr<DistJob> dj = FindDistJob(req.job_id());
   if (!who.ok()) {
     if (dj != nullptr && dj->coordinator) {
@@ -287,11 +288,11 @@ absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> Daemon::JoinCoordinat
     const peer::v1::JoinRequest& own, absl::Time deadline) {
   std::map<std::string, std::string> last_error;
   while (absl::Now() < deadline) {
-    for (const std::string& peer : peers_.Others()) {
+    for (const std::string& peer : peers_->Others()) {
       grpc::ClientContext ctx;
       ctx.set_deadline(ToChrono(deadline));
       peer::v1::PlanPart part;
-      grpc::Status s = peers_.Stub(peer)->Join(&ctx, own, &part);
+      grpc::Status s = peers_->Stub(peer)->Join(&ctx, own, &part);
       if (s.ok()) return std::make_pair(std::move(part), peer);
       const auto code = s.error_code();
       if (code == grpc::StatusCode::FAILED_PRECONDITION) {
@@ -317,8 +318,8 @@ absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> Daemon::JoinCoordinat
 absl::StatusOr<peer::v1::CompleteResponse> Daemon::PeerComplete(
     const PeerCaller& caller, const peer::v1::CompleteRequest& req,
     const std::function<bool()>& cancelled) {
-  const absl::Status who_if_member = peers_.SpeaksFor(caller, req.node(), /*job_member=*/true);
-  const absl::Status who_otherwise = peers_.SpeaksFor(caller, req.node());
+  const absl::Status who_if_member = peers_->SpeaksFor(caller, req.node(), /*job_member=*/true);
+  const absl::Status who_otherwise = peers_->SpeaksFor(caller, req.node());
   const std::shared_ptr<DistJob> dj = FindDistJob(req.job_id());
   if (dj == nullptr || !dj->coordinator) {
     return absl::NotFoundError(absl::StrCat("job '", req.job_id(), "' is not coordinated by ",
@@ -420,7 +421,7 @@ absl::StatusOr<peer::v1::CompleteResponse> Daemon::AwaitOutcome(
       peer::v1::PingRequest pr;
       pr.set_node(config_.peer_listen);
       peer::v1::PingResponse resp;
-      grpc::Status s = peers_.Stub(n)->Ping(&ctx, pr, &resp);
+      grpc::Status s = peers_->Stub(n)->Ping(&ctx, pr, &resp);
       if (s.ok() && dj->save &&
           std::find(resp.jobs().begin(), resp.jobs().end(), dj->id) != resp.jobs().end()) {
         // Alive and still writing its part of the save: wait on, within

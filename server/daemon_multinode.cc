@@ -36,6 +36,7 @@
 #include "core/base/status_macros.h"
 #include "core/base/xxh3.h"
 #include "server/daemon.h"
+#include "server/peer/peer_plane.h"
 #include "server/daemon_dist.h"
 #include "server/daemon_internal.h"
 #include "server/obs/metrics.h"
@@ -206,7 +207,7 @@ peer::v1::PingResponse Daemon::PeerPing(const PeerCaller& caller, const peer::v1
   peer::v1::PingResponse r;
   r.set_node(config_.peer_listen);
   // Job ids only to a node of the job, speaking for an address it may.
-  if (req.node().empty() || !peers_.SpeaksFor(caller, req.node()).ok()) return r;
+  if (req.node().empty() || !peers_->SpeaksFor(caller, req.node()).ok()) return r;
   absl::MutexLock lock(&peer_mu_);
   PurgeDistJobsLocked();
   for (const auto& [id, dj] : dist_jobs_) {
@@ -229,7 +230,7 @@ absl::StatusOr<peer::v1::CompleteResponse> Daemon::ReportCompletion(
   grpc::ClientContext ctx;
   ctx.set_deadline(ToChrono(until + absl::Seconds(5)));
   peer::v1::CompleteResponse resp;
-  grpc::Status s = peers_.Stub(coordinator)->Complete(&ctx, done, &resp);
+  grpc::Status s = peers_->Stub(coordinator)->Complete(&ctx, done, &resp);
   if (s.ok()) return resp;
   return absl::UnavailableError(absl::StrCat("coordinator ", coordinator,
                                              " did not confirm the job: ", s.error_message()));
@@ -239,8 +240,8 @@ absl::Status Daemon::PeerFetchRead(const PeerCaller& caller,
                                    const peer::v1::FetchReadRequest& req,
                                    const std::function<bool(const peer::v1::Chunk&)>& send,
                                    const std::function<bool()>& cancelled) {
-  const absl::Status who_if_member = peers_.SpeaksFor(caller, req.node(), /*job_member=*/true);
-  const absl::Status who_otherwise = peers_.SpeaksFor(caller, req.node());
+  const absl::Status who_if_member = peers_->SpeaksFor(caller, req.node(), /*job_member=*/true);
+  const absl::Status who_otherwise = peers_->SpeaksFor(caller, req.node());
   const std::string& me = config_.peer_listen;
   const uint32_t g = req.read();
   ckpt::RangeView view;

@@ -16,6 +16,7 @@
 #include "core/base/status_macros.h"
 #include "core/base/xxh3.h"
 #include "server/daemon.h"
+#include "server/peer/peer_plane.h"
 #include "server/daemon_dist.h"
 #include "server/daemon_internal.h"
 #include "server/multinode/peer_nccl.h"
@@ -157,7 +158,7 @@ class Daemon::PeerReads final : public Daemon::RemoteReads {
       : d_(d), dj_(std::move(dj)), part_(part), me_(me),
         source_(me, dj_->id, nullptr, std::move(global_index), std::move(reader),
                 [this](uint32_t g, const ckpt::RangeView& v, uint64_t xxh3) { Publish(g, v, xxh3); },
-                [d](const std::string& a) { return d->peers_.Stub(a); },
+                [d](const std::string& a) { return d->peers_->Stub(a); },
                 [dj = dj_]() -> absl::Status {
                   absl::MutexLock lock(&dj->mu);
                   return dj->violation;

@@ -1,3 +1,4 @@
+#include "server/peer/peer_plane.h"
 #include "server/lifecycle.h"
 
 #include <fcntl.h>

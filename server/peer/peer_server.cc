@@ -1,3 +1,4 @@
+#include "server/peer/peer_plane.h"
 #include "server/peer/peer_server.h"
 
 #include <sys/stat.h>

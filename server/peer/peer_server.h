@@ -21,6 +21,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "server/peer/peer_plane.h"
 #include "server/daemon.h"
 #include "server/peer/peer_service.h"
 

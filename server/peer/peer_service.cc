@@ -1,3 +1,4 @@
+#include "server/peer/peer_plane.h"
 #include "server/peer/peer_service.h"
 
 #include <grpc/grpc_security_constants.h>
