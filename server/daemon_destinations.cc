@@ -55,6 +55,7 @@ bool HasCapSysPtrace() {
 std::vector<TargetPlace> PlacesOf(const google::protobuf::RepeatedPtrField<v1::Target>& requested,
                                   const ckpt::RankTargets& targets) {
   std::vector<TargetPlace> places;
+  places.reserve(static_cast<size_t>(requested.size()));
   for (int i = 0; i < requested.size(); ++i) {
     const v1::Target& t = requested[i];
     places.push_back({t.name(), t.dest_offset(), targets.tensors[i].num_bytes(), t.dest_host(),

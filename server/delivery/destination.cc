@@ -76,6 +76,7 @@ absl::StatusOr<std::unique_ptr<MappedSegment>> OpenSegment(const std::string& wh
   // Every target inside the segment and no two overlapping, checked before
   // anything is mapped; only the bytes up to the end of the last target are.
   std::vector<TargetRange> ranges;
+  ranges.reserve(targets.size());
   for (const TargetPlace& t : targets) ranges.push_back({t.name, t.offset, t.bytes});
   auto needed = CheckTargetRanges(who, {"segment", "segment", source.size}, ranges);
   if (!needed.ok()) {
@@ -119,6 +120,7 @@ absl::StatusOr<std::unique_ptr<Destination>> ProcessDestination::Open(
   // Targets: no address wraps, no two overlap (a client that overlapped
   // them would only garble its own tensors, but it is a bug worth naming).
   std::vector<TargetRange> checked;
+  checked.reserve(targets.size());
   ckpt::RemoteRank remote;
   for (const TargetPlace& t : targets) {
     checked.push_back({t.name, t.offset, t.bytes});

@@ -12,12 +12,13 @@
 #include <vector>
 
 #include "absl/status/statusor.h"
+#include "absl/strings/string_view.h"
 
 namespace ckptd {
 
 // One target's bytes in its region: [begin, begin + bytes).
 struct TargetRange {
-  std::string name;  // the tensor, for messages
+  absl::string_view name;  // the tensor, for messages (owned by the caller)
   uint64_t begin = 0;
   uint64_t bytes = 0;
 };
