@@ -273,10 +273,17 @@ class Daemon {
   // The multi-node job `id` registered here, or null.
   std::shared_ptr<DistJob> FindDistJob(const std::string& id) ABSL_LOCKS_EXCLUDED(peer_mu_);
 
-  // A rank's slot: the request's targets checked and its destination opened
-  // (daemon_destinations.cc).
+  // A Load's rank slot: its targets checked (NewRankSlot) and its
+  // destination opened (daemon_destinations.cc).
   absl::StatusOr<std::shared_ptr<RankSlot>> PrepareSlot(const Caller& caller,
                                                         const v1::LoadRequest& request);
+  // What a Load's and a Save's rank share: who it is (job, rank, world,
+  // node_ranks) and its targets, checked into a new slot with no destination
+  // yet. `verb` ("Load", "Save") names the call in errors.
+  static absl::StatusOr<std::shared_ptr<RankSlot>> NewRankSlot(
+      absl::string_view verb, const std::string& job_id, int rank, int world_size,
+      const google::protobuf::RepeatedField<int32_t>& node_ranks,
+      const google::protobuf::RepeatedPtrField<v1::Target>& targets);
   // The destination of `request` (shm, cuda_ipc, process_memory or stream),
   // checked and opened: what the daemon alone knows (the caller, the fd
   // socket, lent arenas, the data cache, the GPU runtime) handed to
@@ -299,8 +306,8 @@ class Daemon {
   // cuda_ipc destinations (daemon_gpu.cc): the host segment of the dest_host
   // targets, then the rank's device buffers checked and opened.
   absl::StatusOr<std::unique_ptr<Destination>> OpenDeviceDestination(
-      const Caller& caller, const v1::LoadRequest& request, std::vector<TargetPlace> targets,
-      const std::string& who);
+      const Caller& caller, const v1::CudaIpcDestination& cuda_ipc,
+      std::vector<TargetPlace> targets, const std::string& who);
   // A save's device tensors (SaveRequest.cuda_ipc): copied device -> host
   // into the daemon's own memory, with the dest_host targets' bytes, and the
   // client's IPC handles closed; `request`'s targets then point into the

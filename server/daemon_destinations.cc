@@ -66,26 +66,38 @@ std::vector<TargetPlace> PlacesOf(const google::protobuf::RepeatedPtrField<v1::T
 
 absl::StatusOr<std::shared_ptr<Daemon::RankSlot>> Daemon::PrepareSlot(
     const Caller& caller, const v1::LoadRequest& req) {
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<RankSlot> slot,
+                        NewRankSlot("Load", req.job_id(), req.rank(), req.world_size(),
+                                    req.node_ranks(), req.targets()));
+  slot->request = req;
   const std::string who = absl::StrCat("job '", req.job_id(), "' rank ", req.rank());
-  if (req.job_id().empty()) return absl::InvalidArgumentError("Load: job_id is empty");
-  if (req.world_size() < 1 || req.world_size() > (1 << 20)) {
-    return absl::InvalidArgumentError(absl::StrCat(who, ": world_size ", req.world_size(),
+  CKPT_ASSIGN_OR_RETURN(slot->destination, OpenDestination(caller, req, slot->targets, who));
+  return slot;
+}
+
+absl::StatusOr<std::shared_ptr<Daemon::RankSlot>> Daemon::NewRankSlot(
+    absl::string_view verb, const std::string& job_id, int rank, int world_size,
+    const google::protobuf::RepeatedField<int32_t>& node_ranks,
+    const google::protobuf::RepeatedPtrField<v1::Target>& targets) {
+  const std::string who = absl::StrCat("job '", job_id, "' rank ", rank);
+  if (job_id.empty()) return absl::InvalidArgumentError(absl::StrCat(verb, ": job_id is empty"));
+  if (world_size < 1 || world_size > (1 << 20)) {
+    return absl::InvalidArgumentError(absl::StrCat(who, ": world_size ", world_size,
                                                    " is not in [1, 2^20]"));
   }
-  if (req.rank() < 0 || req.rank() >= req.world_size()) {
+  if (rank < 0 || rank >= world_size) {
     return absl::InvalidArgumentError(
-        absl::StrCat(who, ": rank is outside world_size ", req.world_size()));
+        absl::StrCat(who, ": rank is outside world_size ", world_size));
   }
-  for (int r : req.node_ranks()) {
-    if (r < 0 || r >= req.world_size()) {
+  for (int r : node_ranks) {
+    if (r < 0 || r >= world_size) {
       return absl::InvalidArgumentError(absl::StrCat(who, ": node_ranks entry ", r,
-                                                     " is outside world_size ", req.world_size()));
+                                                     " is outside world_size ", world_size));
     }
   }
   auto slot = std::make_shared<RankSlot>();
-  slot->request = req;
-  slot->targets.rank = req.rank();
-  for (const v1::Target& t : req.targets()) {
+  slot->targets.rank = rank;
+  for (const v1::Target& t : targets) {
     TargetTensor tt;
     tt.name = t.name();
     auto dt = ckpt::ParseDType(t.dtype());
@@ -97,11 +109,10 @@ absl::StatusOr<std::shared_ptr<Daemon::RankSlot>> Daemon::PrepareSlot(
     tt.global_shape = ToShape(t.global_shape());
     tt.box = Box{ToShape(t.offset()), ToShape(t.shape())};
     if (t.has_flat_range()) tt.flat_range = ckpt::FlatRange{t.flat_range().begin(), t.flat_range().end()};
-    CKPT_RETURN_IF_ERROR(ckpt::Annotate(ckpt::ValidateTarget(req.rank(), tt),
-                                        absl::StrCat("job '", req.job_id(), "'")));
+    CKPT_RETURN_IF_ERROR(ckpt::Annotate(ckpt::ValidateTarget(rank, tt),
+                                        absl::StrCat("job '", job_id, "'")));
     slot->targets.tensors.push_back(std::move(tt));
   }
-  CKPT_ASSIGN_OR_RETURN(slot->destination, OpenDestination(caller, req, slot->targets, who));
   return slot;
 }
 
@@ -113,7 +124,9 @@ absl::StatusOr<std::unique_ptr<Destination>> Daemon::OpenDestination(
     CKPT_ASSIGN_OR_RETURN(SegmentSource source, SegmentSourceOf(caller, req.shm(), who));
     return SegmentDestination::Open(who, std::move(source), std::move(places));
   }
-  if (req.has_cuda_ipc()) return OpenDeviceDestination(caller, req, std::move(places), who);
+  if (req.has_cuda_ipc()) {
+    return OpenDeviceDestination(caller, req.cuda_ipc(), std::move(places), who);
+  }
   if (req.has_process_memory()) return OpenProcessDestination(caller, req, places, who);
   if (req.has_stream()) return std::unique_ptr<Destination>(new StreamDestination);
   return absl::InvalidArgumentError(

@@ -12,8 +12,8 @@
 namespace ckptd {
 
 absl::StatusOr<std::unique_ptr<Destination>> Daemon::OpenDeviceDestination(
-    const Caller& caller, const v1::LoadRequest& req, std::vector<TargetPlace> targets,
-    const std::string& who) {
+    const Caller& caller, const v1::CudaIpcDestination& cuda_ipc,
+    std::vector<TargetPlace> targets, const std::string& who) {
   // Targets in host memory (dest_host: a CPU tensor of a GPU state dict)
   // go to the destination's shm segment, the rest to device memory.
   std::vector<TargetPlace> host;
@@ -22,16 +22,16 @@ absl::StatusOr<std::unique_ptr<Destination>> Daemon::OpenDeviceDestination(
   }
   std::unique_ptr<MappedSegment> segment;
   if (!host.empty()) {
-    if (!req.cuda_ipc().has_host()) {
+    if (!cuda_ipc.has_host()) {
       return absl::InvalidArgumentError(absl::StrCat(
           who, ": tensor '", host[0].name,
           "' is marked dest_host but the cuda_ipc destination has no host segment"));
     }
-    CKPT_ASSIGN_OR_RETURN(SegmentSource source, SegmentSourceOf(caller, req.cuda_ipc().host(), who));
+    CKPT_ASSIGN_OR_RETURN(SegmentSource source, SegmentSourceOf(caller, cuda_ipc.host(), who));
     CKPT_ASSIGN_OR_RETURN(segment, OpenSegment(who, std::move(source), host));
   }
   std::vector<gpu::IpcBuffer> buffers;
-  for (const v1::CudaBuffer& b : req.cuda_ipc().buffers()) {
+  for (const v1::CudaBuffer& b : cuda_ipc.buffers()) {
     buffers.push_back(gpu::IpcBuffer{b.ipc_handle(), b.device(), b.device_uuid(), b.size()});
   }
   return DeviceDestination::Open(*gpu_, who, buffers, std::move(targets), std::move(segment));

@@ -520,21 +520,22 @@ absl::Status Daemon::CheckSaveDir(const Caller& caller, const v1::SaveRequest& r
 absl::StatusOr<std::shared_ptr<Daemon::RankSlot>> Daemon::PrepareSaveSlot(
     const Caller& caller, const v1::SaveRequest& request, const std::string& who, uint64_t bytes,
     const std::function<bool()>& cancelled) {
-  // Reuse the Load validation of targets and segment.
-  v1::LoadRequest as_load;
-  as_load.set_job_id(request.job_id());
-  as_load.set_rank(request.rank());
-  as_load.set_world_size(request.world_size());
-  *as_load.mutable_targets() = request.targets();
+  // The rank and its targets checked as a Load's; its bytes in a segment
+  // (or device tensors, staged below), checked as a Load's destination.
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<RankSlot> slot,
+                        NewRankSlot("Save", request.job_id(), request.rank(),
+                                    request.world_size(), request.node_ranks(),
+                                    request.targets()));
+  const std::string rank_who = absl::StrCat("job '", request.job_id(), "' rank ", request.rank());
+  std::vector<TargetPlace> places = PlacesOf(request.targets(), slot->targets);
   if (request.has_cuda_ipc()) {
-    *as_load.mutable_cuda_ipc() = request.cuda_ipc();  // device tensors: staged below
+    CKPT_ASSIGN_OR_RETURN(slot->destination, OpenDeviceDestination(caller, request.cuda_ipc(),
+                                                                   std::move(places), rank_who));
   } else {
-    *as_load.mutable_shm() = request.shm();
+    CKPT_ASSIGN_OR_RETURN(SegmentSource source, SegmentSourceOf(caller, request.shm(), rank_who));
+    CKPT_ASSIGN_OR_RETURN(slot->destination,
+                          SegmentDestination::Open(rank_who, std::move(source), std::move(places)));
   }
-  *as_load.mutable_node_ranks() = request.node_ranks();
-  auto prepared = PrepareSlot(caller, as_load);
-  if (!prepared.ok()) return prepared.status();
-  std::shared_ptr<RankSlot> slot = *prepared;
   if (request.async_save()) {
     // The rank's bytes must outlive its call: save_buffer room first (the
     // call waits here while earlier persists hold it), then the daemon's own
