@@ -2,8 +2,9 @@
 // safetensors.
 //
 // Saving is split in three steps so callers never hold every rank's data at
-// once: PlanSave decides which rank writes which shard (replicated shards
-// once, balanced over the ranks holding them by bytes), each rank's file is
+// once: PlanSave (core/plan/save_plan.h) decides which rank writes which
+// shard (replicated shards once, balanced over the ranks holding them by
+// bytes), each rank's file is
 // written with WriteRankFile, and FinishSave writes `{uid}.metadata` last —
 // the metadata file is the commit point.
 //
@@ -36,35 +37,10 @@
 #include "core/io/file.h"
 #include "core/format/metadata.h"
 #include "core/plan/planner.h"
+#include "core/plan/save_plan.h"
 #include "core/format/safetensors.h"
 
 namespace ckpt {
-
-struct SavePlan {
-  int64_t unique_id = 0;
-  uint64_t checksum_block = kChecksumBlock;  // bytes per recorded checksum
-  int world_size = 0;
-  // writes[r]: the targets rank r writes into `{r}_{uid}.safetensors`.
-  std::vector<std::vector<TargetTensor>> writes;
-  // Tensor dtype and global shape (checked identical across ranks).
-  std::map<std::string, std::pair<DType, Shape>> tensors;
-};
-
-// Ranks holding the same (name, box, flat range) are replicas: one of them,
-// the one with the fewest bytes assigned so far (ties: lowest rank), writes
-// it. Errors: a rank outside [0, world_size), a tensor twice on one rank,
-// replicas or ranks disagreeing on dtype or global shape, boxes out of bounds.
-absl::StatusOr<SavePlan> PlanSave(const std::vector<RankTargets>& ranks, int world_size,
-                                  int64_t unique_id, uint64_t checksum_block = kChecksumBlock);
-// The same for ranks spread over nodes (a multi-node save: every node writes
-// its own ranks' files). `node_of_rank[r]` is rank r's node (world_size
-// entries, each >= 0). A replicated shard goes to the node with the fewest
-// bytes to write so far, then to that node's holder with the fewest (ties:
-// lowest node, lowest rank): storage bandwidth is per node, so the nodes'
-// bytes are what must balance.
-absl::StatusOr<SavePlan> PlanSave(const std::vector<RankTargets>& ranks, int world_size,
-                                  int64_t unique_id, const std::vector<int>& node_of_rank,
-                                  uint64_t checksum_block = kChecksumBlock);
 
 // Checks that version `unique_id` may be written into `dir`: when
 // `{uid}.metadata` exists, ALREADY_EXISTS "<dir>: version <uid> already
