@@ -40,12 +40,6 @@ namespace {
 constexpr absl::Duration kKeepFinished = absl::Minutes(10);
 constexpr size_t kMaxFinished = 256;
 
-// Whether `dir` holds a committed PyTorch DCP checkpoint (its .metadata).
-absl::StatusOr<bool> DcpCommitted(const std::string& dir) {
-  CKPT_ASSIGN_OR_RETURN(auto d, ckpt::Directory::Open(dir, /*confine=*/true));
-  return d->Exists(".metadata");
-}
-
 // The persist thread yields to loads: CPU nice 10, best-effort I/O at the
 // lowest level (ioprio_set has no glibc wrapper).
 void LowerPriority() {
@@ -505,7 +499,8 @@ absl::Status Daemon::CheckSaveDir(const Caller& caller, const v1::SaveRequest& r
     }
     if (absl::Status a = policy_.CheckAccess(caller, dir, Policy::Access::kSave); !a.ok()) return a;
     // Early answer for the ranks; RunSaveJob checks again under the directory lock.
-    auto exists = dcp ? DcpCommitted(dir) : ckpt::VersionExists(dir, request.unique_id());
+    auto exists = dcp ? ckpt::CommitFileExists(dir, ".metadata")
+                      : ckpt::VersionExists(dir, request.unique_id());
     if (!request.overwrite() && exists.ok() && *exists) {
       return absl::AlreadyExistsError(
           dcp ? absl::StrCat("Save: ", DcpCheckpointExists(dir))

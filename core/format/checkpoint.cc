@@ -265,13 +265,17 @@ absl::StatusOr<std::vector<int64_t>> ListVersions(const std::string& dir) {
   return VersionsIn(names);
 }
 
-absl::StatusOr<bool> VersionExists(const std::string& dir, int64_t unique_id) {
+absl::StatusOr<bool> CommitFileExists(const std::string& dir, const std::string& name) {
   auto d = Directory::Open(dir, /*confine=*/true);
   if (!d.ok()) {
     if (absl::IsNotFound(d.status())) return false;
     return d.status();
   }
-  return (*d)->Exists(absl::StrCat(unique_id, ".metadata"));
+  return (*d)->Exists(name);
+}
+
+absl::StatusOr<bool> VersionExists(const std::string& dir, int64_t unique_id) {
+  return CommitFileExists(dir, absl::StrCat(unique_id, ".metadata"));
 }
 
 absl::StatusOr<Checkpoint> OpenCheckpoint(const std::string& dir, const OpenOptions& options) {

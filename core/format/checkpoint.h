@@ -79,9 +79,12 @@ absl::StatusOr<Checkpoint> OpenCheckpoint(const std::string& dir, const OpenOpti
 // exact: uid 1 is never `11.metadata`.
 absl::StatusOr<std::vector<int64_t>> ListVersions(const std::string& dir);
 
-// Whether version `unique_id` exists in `dir`: its `{uid}.metadata` (the
-// commit point of a save) is present (as any kind of file, so a symlink
+// Whether the commit file `name` of a checkpoint (`{uid}.metadata`, DCP's
+// `.metadata`) is present in `dir` (as any kind of file, so a symlink
 // squatting the name counts too). false when `dir` does not exist.
+absl::StatusOr<bool> CommitFileExists(const std::string& dir, const std::string& name);
+// Whether version `unique_id` exists in `dir`: CommitFileExists of its
+// `{uid}.metadata`, the commit point of a save.
 absl::StatusOr<bool> VersionExists(const std::string& dir, int64_t unique_id);
 
 // Opens a checkpoint whose metadata file `metadata_file` (in `dir`, the
