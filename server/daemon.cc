@@ -67,7 +67,9 @@ Daemon::Daemon(DaemonConfig config)
       metadata_(config_.limits.metadata_cache_entries, config_.limits.max_metadata_bytes),
       catalog_(Catalog::Parts{&policy_, &metadata_, &cache_, filler_.get(), config_.io_request_size,
                               config_.io_threads, direct_io_, &bytes_read_total_}),
-      peers_(std::make_unique<PeerPlane>(config_)) {}
+      peers_(std::make_unique<PeerPlane>(config_)),
+      jobs_(config_.limits.max_jobs_per_uid),
+      save_buffer_(config_.save_buffer) {}
 
 Daemon::~Daemon() { Stop(); }
 
@@ -101,11 +103,30 @@ absl::Status Daemon::Start() {
 void Daemon::Stop() {
   if (fd_receiver_) fd_receiver_->Stop();
   filler_->Stop();
+  save_buffer_.Stop();
   {
     absl::MutexLock lock(&save_mu_);
     persist_stop_ = true;
   }
   if (persist_thread_.joinable()) persist_thread_.join();
+}
+
+void Daemon::RunGuarded(const std::shared_ptr<Job>& job,
+                        void (Daemon::*run)(const std::shared_ptr<Job>&)) {
+  // An exception must not leave the job running with its other ranks
+  // waiting for ever: it fails the job for all of them.
+  try {
+    (this->*run)(job);
+    return;
+  } catch (const std::bad_alloc&) {
+    spdlog::error("job {}: out of memory", job->id);
+    jobs_.Fail(*job, absl::ResourceExhaustedError(
+                      absl::StrCat("job '", job->id, "': the daemon ran out of memory running it")));
+  } catch (const std::exception& e) {
+    spdlog::error("job {}: unexpected exception (a ckptd bug): {}", job->id, e.what());
+    jobs_.Fail(*job, absl::InternalError(
+                      absl::StrCat("job '", job->id, "': internal error (a ckptd bug): ", e.what())));
+  }
 }
 
 absl::Status Daemon::Load(const Caller& caller, const v1::LoadRequest& request,
@@ -143,7 +164,7 @@ absl::Status Daemon::Load(const Caller& caller, const v1::LoadRequest& request,
              std::vector<int>(request.node_ranks().begin(), request.node_ranks().end())};
   if (request.has_unique_id()) key.unique_id = request.unique_id();
   size_t registered = 0, expected = 0;
-  auto reg = Register(key, slot, &registered, &expected);
+  auto reg = jobs_.Register(key, slot, &registered, &expected);
   if (!reg.ok()) return fail(reg.status());
   auto [job, runner] = *reg;
   {
@@ -153,7 +174,8 @@ absl::Status Daemon::Load(const Caller& caller, const v1::LoadRequest& request,
     send(ev);
   }
   if (runner) RunGuarded(job, &Daemon::RunJob);
-  absl::Status status = AwaitSlot(job, slot, request.rank(), request.barrier_timeout_ms(), send, cancelled);
+  absl::Status status = jobs_.AwaitSlot(job, slot, request.rank(),
+                                         BarrierTimeout(request.barrier_timeout_ms()), send, cancelled);
   if (!status.ok()) return fail(status);
   v1::LoadResult result;
   {
@@ -226,22 +248,7 @@ v1::StatusResponse Daemon::Status(const Caller& caller) {
   }
   resp.set_uptime_s(absl::ToDoubleSeconds(absl::Now() - started_));
   const bool admin = policy_.IsAdmin(caller);
-  {
-    absl::MutexLock lock(&mu_);
-    for (const auto& [id, job] : jobs_) {
-      if (!admin && job->owner != caller.uid) continue;  // others' jobs are not its business
-      absl::MutexLock job_lock(&job->mu);
-      v1::JobStatus* js = resp.add_jobs();
-      js->set_job_id(id);
-      js->set_path(job->path);
-      js->set_world_size(job->world_size);
-      for (const auto& [r, s] : job->slots) js->add_registered_ranks(r);
-      for (int r : job->expected) {
-        if (!job->slots.count(r)) js->add_waiting_for(r);
-      }
-      js->set_state(job->phase);
-    }
-  }
+  jobs_.Describe(admin, caller.uid, &resp);
   ckpt::CacheStats cs = cache_.stats();
   resp.set_cache_budget_bytes(cs.budget_bytes);
   resp.set_cache_bytes(cs.bytes);

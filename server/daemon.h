@@ -5,26 +5,22 @@
 //
 // Thread-safe: every RPC runs on its own gRPC thread. Each mutex guards
 // fields of its own object (ABSL_GUARDED_BY, checked by clang's
-// -Wthread-safety):
-//   mu_              the job registry (jobs_)
-//   Job::mu          a job's ranks (slots), state and phase
-//   RankSlot::mu     a rank's outcome (done, status, result, save_result)
-//   Job::abort_mu    the drain's abort of a job
+// -Wthread-safety); the components have their own (server/jobs/registry.h:
+// the registry, Job::mu, RankSlot::mu; save/save_buffer.h; the policy, the
+// metadata and data caches, the peer plane). The daemon's own:
 //   peer_mu_         the multi-node jobs (dist_jobs_), nccl_unreachable_
 //   DistJob::mu      a multi-node job's joins, plan, served reads, outcome
 //   save_mu_         the asynchronous saves (saves_, persist_queue_,
-//                    save_staged_, persist_stop_)
+//                    persist_stop_)
 //   PendingSave::mu  one asynchronous save's state and outcome
-// What a job, slot or save is made with is set before it is registered and read-only after
-// (daemon_internal.h, daemon_dist.h). The policy (quotas), the metadata
-// cache, the data cache and the peer plane (PeerPlane) have their own locks.
+// What a multi-node job or a save is made with is set before it is
+// registered and read-only after (daemon_internal.h, daemon_dist.h).
 //
-// Lock order: mu_ before Job::mu before RankSlot::mu; mu_ before
-// Job::abort_mu (never held with Job::mu); peer_mu_ before DistJob::mu;
-// save_mu_ before PendingSave::mu. No thread holds two locks of one kind
-// (two jobs', two slots', ...), takes a registry's lock (mu_, peer_mu_,
-// save_mu_) while holding a job's, slot's or save's, or holds a lock of
-// the load jobs together with one of the multi-node jobs or the saves.
+// Lock order: the job registry's locks (registry.h) are never held together
+// with peer_mu_, DistJob::mu, save_mu_ or PendingSave::mu; peer_mu_ before
+// DistJob::mu; save_mu_ before PendingSave::mu. No thread holds two locks
+// of one kind or takes a registry's lock (peer_mu_, save_mu_) while holding
+// a job's or save's.
 #ifndef CKPTD_SERVER_DAEMON_H_
 #define CKPTD_SERVER_DAEMON_H_
 
@@ -62,7 +58,9 @@
 #include "server/delivery/destination.h"
 #include "server/delivery/mapped_segment.h"
 #include "server/delivery/fd_channel.h"
+#include "server/jobs/registry.h"
 #include "server/policy/policy.h"
+#include "server/save/save_buffer.h"
 #include "server/delivery/view_leases.h"
 
 namespace ckptd {
@@ -132,7 +130,7 @@ class Daemon {
   // still waiting or running fails now, each of its ranks with UNAVAILABLE
   // "job '<id>': <why>"; a running job stops before its next read. Returns
   // the ids of the jobs it failed.
-  std::vector<std::string> AbortLoads(const std::string& why);
+  std::vector<std::string> AbortLoads(const std::string& why) { return jobs_.AbortLoads(why); }
 
   // The peer plane (server/peer/peer_plane.h): the peer set, who may call
   // the peer service, TLS, channels and health.
@@ -159,26 +157,10 @@ class Daemon {
   // refused (UNAVAILABLE).
   void SetPeerListen(const std::string& bound);
 
-  struct RankSlot;  // public for the helpers in daemon_internal.h
-  struct Job;
   struct PendingSave;
-  // save_buffer bytes held for one rank of an asynchronous save; given back
-  // when destroyed.
-  class SaveBufferCharge;
 
 
  private:
-  enum class JobKind { kLoad, kSave };
-  struct JobKey {
-    JobKind kind;
-    std::string id;
-    std::string path;
-    std::optional<int64_t> unique_id;
-    uid_t owner;
-    int world_size;
-    int rank;
-    std::vector<int> node_ranks;
-  };
   struct DistJob;
   // Runs a job whose ranks span several daemons (node_ranks a strict subset
   // of the world; RunJob calls it): join the coordinator (or be it), run
@@ -320,28 +302,6 @@ class Daemon {
                             const std::string& who,
                             const std::function<bool(const v1::LoadEvent&)>& send,
                             const std::function<bool()>& cancelled);
-  // Adds `slot` to its job (created on first use); returns the job and
-  // whether this caller completed the barrier and must run the job.
-  absl::StatusOr<std::pair<std::shared_ptr<Job>, bool>> Register(
-      const JobKey& key, const std::shared_ptr<RankSlot>& slot, size_t* registered,
-      size_t* expected);
-  // Waits until the job has filled `slot` (progress events through `send`),
-  // the client leaves, or the barrier deadline passes (failing the job for
-  // every waiting rank, naming the ranks that never came). The deadline is
-  // the request's barrier_timeout_ms, or the configured one when 0.
-  absl::Status AwaitSlot(const std::shared_ptr<Job>& job, const std::shared_ptr<RankSlot>& slot,
-                         int rank, uint32_t barrier_timeout_ms,
-                         const std::function<bool(const v1::LoadEvent&)>& send,
-                         const std::function<bool()>& cancelled) ABSL_LOCKS_EXCLUDED(mu_);
-  // AwaitSlot's rank while its job still waits for ranks: its client went
-  // away (the rank leaves, the job too once empty) or `deadline` passed (the
-  // job fails for every rank; `barrier` is named). The rank's status then;
-  // nullopt when neither holds or the job started meanwhile.
-  std::optional<absl::Status> LeaveBarrier(const std::shared_ptr<Job>& job,
-                                           const std::shared_ptr<RankSlot>& slot, int rank,
-                                           absl::Time deadline, absl::Duration barrier,
-                                           const std::function<bool()>& cancelled)
-      ABSL_LOCKS_EXCLUDED(mu_);
   // A request's barrier_timeout_ms, or the configured barrier_timeout when 0.
   absl::Duration BarrierTimeout(uint32_t barrier_timeout_ms) const {
     return barrier_timeout_ms > 0 ? absl::Milliseconds(barrier_timeout_ms)
@@ -366,7 +326,7 @@ class Daemon {
   void FinishLoadJob(const std::shared_ptr<Job>& job,
                      const std::vector<std::shared_ptr<RankSlot>>& slots,
                      const ckpt::LoadPlan& plan, const JobFigures& fig, LoadJobRecord rec,
-                     const std::function<void(v1::LoadResult&)>& extra) ABSL_LOCKS_EXCLUDED(mu_);
+                     const std::function<void(v1::LoadResult&)>& extra);
   // Runs `run` (RunJob, RunSaveJob) failing the job on any exception.
   void RunGuarded(const std::shared_ptr<Job>& job, void (Daemon::*run)(const std::shared_ptr<Job>&));
   void RunSaveJob(const std::shared_ptr<Job>& job);
@@ -374,15 +334,14 @@ class Daemon {
   // slot's mu), the ranks are released and the job leaves the registry.
   void FinishSaveJob(const std::shared_ptr<Job>& job,
                      const std::vector<std::shared_ptr<RankSlot>>& slots,
-                     const std::function<void(const RankSlot&, v1::SaveResponse&)>& answer)
-      ABSL_LOCKS_EXCLUDED(mu_);
+                     const std::function<void(const RankSlot&, v1::SaveResponse&)>& answer);
   // PyTorch DCP saves (SaveRequest.format "pytorch-dcp"): the data files of
   // a job, and the commit of its `.metadata` (SaveRequest.dcp_metadata).
   void WriteDcpSave(const std::shared_ptr<Job>& job,
                     const std::vector<std::shared_ptr<RankSlot>>& slots, const ckpt::SavePlan& plan,
                     std::shared_ptr<const ckpt::Directory> dir,
                     const std::map<std::pair<int, std::string>, const uint8_t*>& where,
-                    std::chrono::steady_clock::time_point t0) ABSL_LOCKS_EXCLUDED(mu_);
+                    std::chrono::steady_clock::time_point t0);
   absl::StatusOr<v1::SaveResponse> CommitDcp(const Caller& caller, const v1::SaveRequest& request,
                                              const std::string& parent, const std::string& dir);
   // Native saves (daemon_save.cc). What writing one version needs, taken
@@ -451,12 +410,6 @@ class Daemon {
   // `outcome`, written here (or found identical, in a shared directory).
   absl::Status CommitSave(const Job& job, const LocalSave& local,
                           const peer::v1::CompleteResponse& outcome, const std::string& coordinator);
-  // Reserves save_buffer room for `bytes`, waiting for earlier persists while
-  // it is full (until `deadline` or the caller leaves); *waited_s says how
-  // long. RESOURCE_EXHAUSTED when `bytes` alone exceed save_buffer.
-  absl::StatusOr<std::unique_ptr<SaveBufferCharge>> ChargeSaveBuffer(
-      const std::string& who, uint64_t bytes, absl::Time deadline,
-      const std::function<bool()>& cancelled, double* waited_s) ABSL_LOCKS_EXCLUDED(save_mu_);
   // An asynchronous save job's ranks are all in and its plan holds: their
   // bytes move into a PendingSave queued for the persist thread, and every
   // rank gets its first answer (persisted false).
@@ -478,14 +431,6 @@ class Daemon {
   std::map<std::string, std::shared_ptr<PendingSave>> PersistingLocked(const std::string* dir) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(save_mu_);
   void FillSaveStatus(const Caller& caller, v1::StatusResponse* resp) ABSL_LOCKS_EXCLUDED(save_mu_);
-  // Drops `job` from the registry (if it is the one registered under its id).
-  void UnregisterLocked(const Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
-  // Every rank of the job not done yet fails with `status`; the job leaves
-  // the registry.
-  void FailJob(Job& job, const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);
-  // The job's registered slots, ascending rank.
-  static std::vector<std::shared_ptr<RankSlot>> SlotsOf(const Job& job);
-
   // Const but for peer_listen, set once by SetPeerListen before it is read.
   DaemonConfig config_;
   // config_.direct_io, parsed once (ValidateConfig checked it).
@@ -505,8 +450,7 @@ class Daemon {
   Catalog catalog_;         // Inspect, Prefetch, Evict (after the parts it uses)
   std::unique_ptr<PeerPlane> peers_;  // the peer set, TLS, channels, health
 
-  absl::Mutex mu_;
-  std::map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
+  JobRegistry jobs_;  // the jobs waiting or running, and their barrier
 
   // Multi-node jobs this daemon takes part in (coordinating or not).
   absl::Mutex peer_mu_;
@@ -517,10 +461,10 @@ class Daemon {
 
   // Asynchronous saves: by job id, those persisting and those finished in
   // the last minutes (AwaitSave, Status); the persist thread's queue.
+  SaveBuffer save_buffer_;  // before the saves that hold its charges
   absl::Mutex save_mu_;
   std::map<std::string, std::shared_ptr<PendingSave>> saves_ ABSL_GUARDED_BY(save_mu_);
   std::deque<std::shared_ptr<PendingSave>> persist_queue_ ABSL_GUARDED_BY(save_mu_);
-  uint64_t save_staged_ ABSL_GUARDED_BY(save_mu_) = 0;  // save_buffer bytes charged
   bool persist_stop_ ABSL_GUARDED_BY(save_mu_) = false;
   std::thread persist_thread_;  // started by the first asynchronous save
   std::atomic<uint64_t> saves_durable_{0}, saves_failed_{0}, save_bytes_persisted_{0};

@@ -43,7 +43,7 @@ void Daemon::WriteDcpSave(const std::shared_ptr<Job>& job,
   std::map<int, std::vector<v1::SavedItem>> items_of_rank;
   uint64_t bytes = 0;
   if (absl::Status s = ckpt::WriteFileAtomicIn(dir, kDcpPending, job->id); !s.ok()) {
-    return FailJob(*job, s);
+    return jobs_.Fail(*job, s);
   }
   for (int r = 0; r < job->world_size; ++r) {
     if (!job->expected.count(r) || plan.writes[r].empty()) continue;
@@ -52,7 +52,7 @@ void Daemon::WriteDcpSave(const std::shared_ptr<Job>& job,
       const std::string what = absl::StrCat("save job '", job->id, "' rank ", r, " tensor '",
                                             t.name, "'");
       if (t.flat_range) {
-        return FailJob(*job, absl::InvalidArgumentError(absl::StrCat(
+        return jobs_.Fail(*job, absl::InvalidArgumentError(absl::StrCat(
                                  what, ": a flat range cannot be saved as PyTorch DCP (its "
                                  "chunks are boxes)")));
       }
@@ -65,14 +65,14 @@ void Daemon::WriteDcpSave(const std::shared_ptr<Job>& job,
       w.raw = raw.count(t.name) > 0;
       if (w.raw && (t.dtype != ckpt::DType::kU8 || t.global_shape.size() != 1 ||
                     t.box.shape != t.global_shape)) {
-        return FailJob(*job, absl::InvalidArgumentError(absl::StrCat(
+        return jobs_.Fail(*job, absl::InvalidArgumentError(absl::StrCat(
                                  what, ": a raw target must be a whole 1-D U8 tensor")));
       }
       items.push_back(std::move(w));
     }
     const std::string file = absl::StrCat("__", r, "_", plan.unique_id, ".distcp");
     auto written = ckpt::WriteDcpDataFile(dir, file, items);
-    if (!written.ok()) return FailJob(*job, written.status());
+    if (!written.ok()) return jobs_.Fail(*job, written.status());
     for (size_t i = 0; i < items.size(); ++i) {
       v1::SavedItem it;
       it.set_name(items[i].name);

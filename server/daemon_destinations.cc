@@ -64,7 +64,7 @@ std::vector<TargetPlace> PlacesOf(const google::protobuf::RepeatedPtrField<v1::T
   return places;
 }
 
-absl::StatusOr<std::shared_ptr<Daemon::RankSlot>> Daemon::PrepareSlot(
+absl::StatusOr<std::shared_ptr<RankSlot>> Daemon::PrepareSlot(
     const Caller& caller, const v1::LoadRequest& req) {
   CKPT_ASSIGN_OR_RETURN(std::shared_ptr<RankSlot> slot,
                         NewRankSlot("Load", req.job_id(), req.rank(), req.world_size(),
@@ -75,7 +75,7 @@ absl::StatusOr<std::shared_ptr<Daemon::RankSlot>> Daemon::PrepareSlot(
   return slot;
 }
 
-absl::StatusOr<std::shared_ptr<Daemon::RankSlot>> Daemon::NewRankSlot(
+absl::StatusOr<std::shared_ptr<RankSlot>> Daemon::NewRankSlot(
     absl::string_view verb, const std::string& job_id, int rank, int world_size,
     const google::protobuf::RepeatedField<int32_t>& node_ranks,
     const google::protobuf::RepeatedPtrField<v1::Target>& targets) {

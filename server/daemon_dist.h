@@ -97,8 +97,8 @@ struct Daemon::DistJob {
 
 // What every node of a multi-node job sends its coordinator: the job, this
 // node's ranks and their targets (loads add their files, saves SaveJoin).
-peer::v1::JoinRequest BaseJoin(const Daemon::Job& job,
-                               const std::vector<std::shared_ptr<Daemon::RankSlot>>& slots,
+peer::v1::JoinRequest BaseJoin(const Job& job,
+                               const std::vector<std::shared_ptr<RankSlot>>& slots,
                                const std::string& node, const std::string& path, int coordinator_rank);
 
 // A part from `coordinator` must name this job, and both this node and the

@@ -65,7 +65,7 @@ absl::Status Daemon::StageDeviceSave(const std::string& who, v1::SaveRequest& re
 }
 
 void ReleaseDestinations(absl::StatusOr<std::unique_ptr<ckpt::Delivery>>& delivery,
-                         const std::vector<std::shared_ptr<Daemon::RankSlot>>& slots) {
+                         const std::vector<std::shared_ptr<RankSlot>>& slots) {
   if (delivery.ok()) delivery->reset();
   for (const auto& s : slots) s->destination->Release();
 }

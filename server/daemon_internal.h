@@ -24,6 +24,7 @@
 #include "server/await.h"
 #include "server/daemon.h"
 #include "server/delivery/destination.h"
+#include "server/jobs/job.h"
 
 namespace ckptd {
 
@@ -44,86 +45,6 @@ inline double Seconds(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-class Daemon::SaveBufferCharge {
- public:
-  SaveBufferCharge(Daemon* d, uint64_t bytes) : d_(d), bytes_(bytes) {}
-  SaveBufferCharge(const SaveBufferCharge&) = delete;
-  SaveBufferCharge& operator=(const SaveBufferCharge&) = delete;
-  ~SaveBufferCharge();
-  uint64_t bytes() const { return bytes_; }
-
- private:
-  Daemon* d_;
-  uint64_t bytes_;
-};
-
-// One rank's call in a job. Everything but the outcome is set before the
-// slot is registered (Register) and read-only after, except the rank's
-// destination and save_charge: the job's runner uses them once the job runs,
-// the rank's thread again once it is done.
-struct Daemon::RankSlot {
-  v1::LoadRequest request;
-  v1::SaveRequest save_request;  // Save jobs
-  ckpt::RankTargets targets;
-  // Where the rank's tensors go (shm, stream, process_memory, cuda_ipc):
-  // set by PrepareSlot; an asynchronous save hands it to its PendingSave.
-  std::unique_ptr<Destination> destination;
-  std::function<bool()> cancelled;
-  absl::Time registered;
-  std::chrono::steady_clock::time_point start;
-  // Asynchronous saves: the save_buffer room this rank's bytes hold, and how
-  // long the call waited for it.
-  std::unique_ptr<Daemon::SaveBufferCharge> save_charge;
-  double buffer_wait_s = 0;
-
-  // The outcome, written by whoever ends the rank (the job's runner, a
-  // failure, the barrier's deadline); the rank's thread waits on `mu` for
-  // `done` (AwaitSlot), then reads its status and result.
-  mutable absl::Mutex mu;
-  bool done ABSL_GUARDED_BY(mu) = false;
-  absl::Status status ABSL_GUARDED_BY(mu);
-  v1::LoadResult result ABSL_GUARDED_BY(mu);
-  v1::SaveResponse save_result ABSL_GUARDED_BY(mu);
-};
-
-// A job of this node: its identity (kind ... expected) is set before it is
-// registered in Daemon::jobs_ and read-only after; `mu` guards its ranks,
-// state and phase.
-struct Daemon::Job {
-  enum class State { kWaiting, kRunning, kFinished };
-  JobKind kind = JobKind::kLoad;
-  std::string id;
-  std::string path;
-  std::optional<int64_t> unique_id;
-  uid_t owner = 0;  // the uid that created it: only it may join
-  int world_size = 0;
-  std::set<int> expected;
-
-  mutable absl::Mutex mu;
-  std::map<int, std::shared_ptr<RankSlot>> slots ABSL_GUARDED_BY(mu);
-  State state ABSL_GUARDED_BY(mu) = State::kWaiting;
-  std::string phase ABSL_GUARDED_BY(mu) = "waiting for ranks";
-  std::atomic<uint64_t> progress{0};
-  std::atomic<uint64_t> total{0};
-  // Every rank not done yet fails with `status` (each slot's mu taken in
-  // turn); the job is finished. Daemon::UnregisterLocked drops it.
-  void FailLocked(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
-  void SetPhase(absl::string_view now) ABSL_LOCKS_EXCLUDED(mu) {
-    absl::MutexLock lock(&mu);
-    phase = std::string(now);
-  }
-
-  // Set once, by Daemon::AbortLoads (the drain ran out): the job's reads
-  // stop at the next one (GatedSource) and its ranks get `abort_status`.
-  absl::Mutex abort_mu;
-  bool aborted ABSL_GUARDED_BY(abort_mu) = false;
-  absl::Status abort_status ABSL_GUARDED_BY(abort_mu);
-  absl::Status AbortStatus() {
-    absl::MutexLock lock(&abort_mu);
-    return abort_status;
-  }
-};
-
 // An asynchronous save between its ranks' answer and its end: the bytes it
 // holds, the plan, and how it stands. All but the outcome is set before it
 // is registered in Daemon::saves_ and read-only after, except `held` and
@@ -135,7 +56,7 @@ struct Daemon::PendingSave {
   // daemon's copies) and the save_buffer room they hold, released once
   // persisted.
   std::vector<std::unique_ptr<Destination>> held;
-  std::vector<std::unique_ptr<SaveBufferCharge>> charges;
+  std::vector<std::unique_ptr<SaveBuffer::Charge>> charges;
   uint64_t bytes_staged = 0;
   std::atomic<uint64_t> bytes_persisted{0};
   std::chrono::steady_clock::time_point staged;
@@ -158,7 +79,7 @@ struct Daemon::PendingSave {
 // when the job is aborted.
 class GatedSource final : public ckpt::RangeSource {
  public:
-  GatedSource(ckpt::RangeSource* inner, Daemon::Job* job, absl::Duration delay)
+  GatedSource(ckpt::RangeSource* inner, Job* job, absl::Duration delay)
       : inner_(inner), job_(job), delay_(delay) {}
   absl::StatusOr<ckpt::RangeView> Fetch(
       const std::string& file, uint64_t offset, uint64_t n, std::vector<uint8_t>& scratch,
@@ -182,7 +103,7 @@ class GatedSource final : public ckpt::RangeSource {
     return job_->aborted ? job_->abort_status : absl::OkStatus();
   }
   ckpt::RangeSource* const inner_;
-  Daemon::Job* const job_;
+  Job* const job_;
   const absl::Duration delay_;
 };
 
@@ -208,11 +129,11 @@ std::vector<TargetPlace> PlacesOf(const google::protobuf::RepeatedPtrField<v1::T
 // streams waited for) and every slot's destination are released, before any
 // rank is told it is done (a client may free that memory right after).
 void ReleaseDestinations(absl::StatusOr<std::unique_ptr<ckpt::Delivery>>& delivery,
-                         const std::vector<std::shared_ptr<Daemon::RankSlot>>& slots);
+                         const std::vector<std::shared_ptr<RankSlot>>& slots);
 
 // Whether every rank of a job asked skip_verify (only then are the job's
 // reads left unverified, and nothing they read is cached).
-inline bool AllRanksSkipVerify(const std::vector<std::shared_ptr<Daemon::RankSlot>>& slots) {
+inline bool AllRanksSkipVerify(const std::vector<std::shared_ptr<RankSlot>>& slots) {
   for (const auto& s : slots) {
     if (!s->request.skip_verify()) return false;
   }
@@ -220,7 +141,7 @@ inline bool AllRanksSkipVerify(const std::vector<std::shared_ptr<Daemon::RankSlo
 }
 
 // Fills `slot.result` for plan rank `index` (not `done`: the caller marks it).
-void FillLoadResult(Daemon::RankSlot& slot, const ckpt::RankPlan& plan, size_t index,
+void FillLoadResult(RankSlot& slot, const ckpt::RankPlan& plan, size_t index,
                     const JobFigures& figures) ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot.mu);
 
 // The reads of a multi-node load's part that other nodes serve

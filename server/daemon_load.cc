@@ -34,7 +34,7 @@
 
 namespace ckptd {
 
-void FillLoadResult(Daemon::RankSlot& s, const ckpt::RankPlan& rp, size_t index,
+void FillLoadResult(RankSlot& s, const ckpt::RankPlan& rp, size_t index,
                     const JobFigures& f) {
   v1::LoadResult& r = s.result;
   for (const auto& k : rp.missing_keys) r.add_missing_keys(k);
@@ -64,7 +64,7 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
   auto fail_all = [&](const absl::Status& s) {
     RecordLoadJob(LoadJobRecord{job->id, job->path, distributed ? config_.peer_listen : "",
                                 slots.size(), s});
-    FailJob(*job, s);
+    jobs_.Fail(*job, s);
   };
   // AOA statements (LoadRequest.aoa_config): the same text from every rank
   // (multi-node: the coordinator checks every node sends the same).
@@ -226,23 +226,20 @@ void Daemon::FinishLoadJob(const std::shared_ptr<Job>& job,
   rec.plan_s = fig.plan_s;
   rec.read_s = stats.read_seconds;
   rec.copy_s = stats.copy_seconds;
-  absl::MutexLock lock(&mu_);
-  absl::MutexLock job_lock(&job->mu);
-  job->state = Job::State::kFinished;
-  job->phase = "done";
-  UnregisterLocked(*job);
-  // Metrics and the job's log line, written before any rank can see its
-  // result: a client that finished finds its job logged.
-  rec.wall_s = Seconds(fig.start);
-  RecordLoadJob(rec);
-  for (size_t i = 0; i < slots.size(); ++i) {
-    RankSlot& s = *slots[i];
-    absl::MutexLock slot_lock(&s.mu);
-    if (s.done) continue;
-    FillLoadResult(s, plan.ranks[i], i, fig);
-    if (extra) extra(s.result);
-    s.done = true;
-  }
+  jobs_.Finish(*job, [&] {
+    // Metrics and the job's log line, written before any rank can see its
+    // result: a client that finished finds its job logged.
+    rec.wall_s = Seconds(fig.start);
+    RecordLoadJob(rec);
+    for (size_t i = 0; i < slots.size(); ++i) {
+      RankSlot& s = *slots[i];
+      absl::MutexLock slot_lock(&s.mu);
+      if (s.done) continue;
+      FillLoadResult(s, plan.ranks[i], i, fig);
+      if (extra) extra(s.result);
+      s.done = true;
+    }
+  });
 }
 
 }  // namespace ckptd

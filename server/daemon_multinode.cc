@@ -85,8 +85,8 @@ std::vector<peer::v1::FileInfo> ListReadable(const std::string& dir) {
 
 }  // namespace
 
-peer::v1::JoinRequest BaseJoin(const Daemon::Job& job,
-                               const std::vector<std::shared_ptr<Daemon::RankSlot>>& slots,
+peer::v1::JoinRequest BaseJoin(const Job& job,
+                               const std::vector<std::shared_ptr<RankSlot>>& slots,
                                const std::string& node, const std::string& path, int coordinator_rank) {
   peer::v1::JoinRequest own;
   own.set_job_id(job.id);
@@ -435,7 +435,7 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job,
                                std::chrono::steady_clock::time_point t_start) {
   auto fail_all = [&](const absl::Status& s) {
     RecordLoadJob(LoadJobRecord{job->id, job->path, config_.peer_listen, slots.size(), s});
-    FailJob(*job, s);
+    jobs_.Fail(*job, s);
   };
   const std::string me = config_.peer_listen;
   absl::StatusOr<peer::v1::JoinRequest> joined = LoadJoinOf(*job, slots);

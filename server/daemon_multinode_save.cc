@@ -121,8 +121,8 @@ absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> Daemon::PlanSaveParts(
 
 // What this node's ranks of a multi-node save tell the coordinator: their
 // targets, the save's overwrite and every rank's flat mapping.
-peer::v1::JoinRequest SaveJoinOf(const Daemon::Job& job,
-                                 const std::vector<std::shared_ptr<Daemon::RankSlot>>& slots,
+peer::v1::JoinRequest SaveJoinOf(const Job& job,
+                                 const std::vector<std::shared_ptr<RankSlot>>& slots,
                                  const std::string& me) {
   const v1::SaveRequest& first = slots.front()->save_request;
   peer::v1::JoinRequest own = BaseJoin(job, slots, me, first.path(), kSaveCoordinatorRank);
@@ -224,7 +224,7 @@ void Daemon::RunDistributedSave(const std::shared_ptr<Job>& job,
   const std::string me = config_.peer_listen;
   auto fail_all = [&](const absl::Status& s) {
     spdlog::warn("multi-node save job={} failed on {}: {}", job->id, me, s.ToString());
-    FailJob(*job, s);
+    jobs_.Fail(*job, s);
   };
   if (me.empty()) {
     return fail_all(absl::FailedPreconditionError(absl::StrCat(

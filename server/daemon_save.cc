@@ -50,43 +50,6 @@ void LowerPriority() {
 }
 }  // namespace
 
-Daemon::SaveBufferCharge::~SaveBufferCharge() {
-  absl::MutexLock lock(&d_->save_mu_);
-  d_->save_staged_ -= bytes_;
-}
-
-absl::StatusOr<std::unique_ptr<Daemon::SaveBufferCharge>> Daemon::ChargeSaveBuffer(
-    const std::string& who, uint64_t bytes, absl::Time deadline,
-    const std::function<bool()>& cancelled, double* waited_s) {
-  if (bytes > config_.save_buffer) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        who, ": ", bytes, " bytes to stage exceed save_buffer (", config_.save_buffer,
-        " bytes); raise save_buffer or save without async_save"));
-  }
-  const absl::Time t0 = absl::Now();
-  absl::MutexLock lock(&save_mu_);
-  auto fits = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(save_mu_) {
-    return save_staged_ + bytes <= config_.save_buffer;
-  };
-  auto fits_or_stopping = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(save_mu_) {
-    return fits() || persist_stop_;
-  };
-  AwaitOrCancel(&save_mu_, absl::Condition(&fits_or_stopping), deadline, cancelled);
-  if (!fits()) {
-    if (persist_stop_) return absl::UnavailableError(absl::StrCat(who, ": the daemon is stopping"));
-    if (cancelled && cancelled()) {
-      return absl::CancelledError(absl::StrCat(who, ": the client left while waiting for save_buffer"));
-    }
-    return absl::DeadlineExceededError(absl::StrCat(
-        who, ": save_buffer stayed full (", save_staged_, " of ", config_.save_buffer,
-        " bytes held by saves still persisting, ", bytes, " needed) for ",
-        absl::FormatDuration(absl::Now() - t0)));
-  }
-  save_staged_ += bytes;
-  *waited_s = absl::ToDoubleSeconds(absl::Now() - t0);
-  return std::make_unique<SaveBufferCharge>(this, bytes);
-}
-
 Daemon::NativeSave Daemon::NativeSaveOf(const Job& job,
                                         const std::vector<std::shared_ptr<RankSlot>>& slots,
                                         ckpt::SavePlan plan) {
@@ -160,7 +123,7 @@ void Daemon::StartAsyncSave(const std::shared_ptr<Job>& job,
   pending->owner = job->owner;
   pending->staged = std::chrono::steady_clock::now();
   const int64_t version = pending->save.plan.unique_id;
-  absl::Status refused;  // decided under save_mu_, reported after (FailJob takes mu_)
+  absl::Status refused;  // decided under save_mu_, reported after (jobs_.Fail takes the registry lock)
   std::vector<std::shared_ptr<PendingSave>> forgotten;
   {
     absl::MutexLock lock(&save_mu_);
@@ -222,7 +185,7 @@ void Daemon::StartAsyncSave(const std::shared_ptr<Job>& job,
       if (!persist_thread_.joinable()) persist_thread_ = std::thread([this] { PersistLoop(); });
     }
   }
-  if (!refused.ok()) return FailJob(*job, refused);
+  if (!refused.ok()) return jobs_.Fail(*job, refused);
   FinishSaveJob(job, slots, [&](const RankSlot& s, v1::SaveResponse& r) {
     r = pending->first_answers.at(s.targets.rank);
   });
@@ -440,7 +403,7 @@ void Daemon::FillSaveStatus(const Caller& caller, v1::StatusResponse* resp) {
   const bool admin = policy_.IsAdmin(caller);
   absl::MutexLock lock(&save_mu_);
   resp->set_save_buffer_bytes(config_.save_buffer);
-  resp->set_save_staged_bytes(save_staged_);
+  resp->set_save_staged_bytes(save_buffer_.held());
   for (const auto& [id, p] : saves_) {
     if (!admin && p->owner != caller.uid) continue;
     absl::MutexLock save_lock(&p->mu);
@@ -512,7 +475,7 @@ absl::Status Daemon::CheckSaveDir(const Caller& caller, const v1::SaveRequest& r
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::shared_ptr<Daemon::RankSlot>> Daemon::PrepareSaveSlot(
+absl::StatusOr<std::shared_ptr<RankSlot>> Daemon::PrepareSaveSlot(
     const Caller& caller, const v1::SaveRequest& request, const std::string& who, uint64_t bytes,
     const std::function<bool()>& cancelled) {
   // The rank and its targets checked as a Load's; its bytes in a segment
@@ -535,7 +498,7 @@ absl::StatusOr<std::shared_ptr<Daemon::RankSlot>> Daemon::PrepareSaveSlot(
     // The rank's bytes must outlive its call: save_buffer room first (the
     // call waits here while earlier persists hold it), then the daemon's own
     // copy unless the client handed its segment over for good.
-    auto charge = ChargeSaveBuffer(who, bytes,
+    auto charge = save_buffer_.Reserve(who, bytes,
                                    absl::Now() + BarrierTimeout(request.barrier_timeout_ms()),
                                    cancelled, &slot->buffer_wait_s);
     if (!charge.ok()) return charge.status();
@@ -611,11 +574,12 @@ absl::StatusOr<v1::SaveResponse> Daemon::Save(const Caller& caller, const v1::Sa
              request.world_size(),
              request.rank(), std::vector<int>(request.node_ranks().begin(), request.node_ranks().end())};
   size_t registered = 0, expected = 0;
-  auto reg = Register(key, slot, &registered, &expected);
+  auto reg = jobs_.Register(key, slot, &registered, &expected);
   if (!reg.ok()) return fail(reg.status());
   auto [job, runner] = *reg;
   if (runner) RunGuarded(job, &Daemon::RunSaveJob);
-  absl::Status status = AwaitSlot(job, slot, request.rank(), request.barrier_timeout_ms(), nullptr, cancelled);
+  absl::Status status = jobs_.AwaitSlot(job, slot, request.rank(),
+                                         BarrierTimeout(request.barrier_timeout_ms()), nullptr, cancelled);
   if (!status.ok()) return fail(status);
   absl::MutexLock lock(&slot->mu);
   v1::SaveResponse resp = slot->save_result;
@@ -627,7 +591,7 @@ absl::StatusOr<v1::SaveResponse> Daemon::Save(const Caller& caller, const v1::Sa
 void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
   const auto t0 = std::chrono::steady_clock::now();
   const std::vector<std::shared_ptr<RankSlot>> slots = SlotsOf(*job);
-  auto fail_all = [&](const absl::Status& s) { FailJob(*job, s); };
+  auto fail_all = [&](const absl::Status& s) { jobs_.Fail(*job, s); };
   std::vector<ckpt::RankTargets> ranks;
   for (const auto& s : slots) ranks.push_back(s->targets);
   auto plan = ckpt::PlanSave(ranks, job->world_size, job->unique_id.value_or(0));
@@ -692,15 +656,13 @@ void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
 void Daemon::FinishSaveJob(const std::shared_ptr<Job>& job,
                            const std::vector<std::shared_ptr<RankSlot>>& slots,
                            const std::function<void(const RankSlot&, v1::SaveResponse&)>& answer) {
-  absl::MutexLock jobs_lock(&mu_);
-  absl::MutexLock job_lock(&job->mu);
-  for (const auto& s : slots) {
-    absl::MutexLock slot_lock(&s->mu);
-    answer(*s, s->save_result);
-    s->done = true;
-  }
-  job->state = Job::State::kFinished;
-  UnregisterLocked(*job);
+  jobs_.Finish(*job, [&] {
+    for (const auto& s : slots) {
+      absl::MutexLock slot_lock(&s->mu);
+      answer(*s, s->save_result);
+      s->done = true;
+    }
+  });
 }
 
 }  // namespace ckptd

@@ -1,73 +1,32 @@
-// The job registry and barrier: ranks register into jobs by id (Register),
-// the rank that completes the barrier runs the job (RunGuarded), the others
-// wait for their slot to be filled or the barrier deadline (AwaitSlot); a
-// failure reaches every rank of the job (FailJob, AbortLoads).
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "server/jobs/registry.h"
 
-#include <algorithm>
-#include <chrono>
-#include <cstring>
-#include <set>
-
-#include <spdlog/spdlog.h>
-
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "core/io/file.h"
-#include "core/base/status_macros.h"
-#include "server/daemon.h"
-#include "server/daemon_internal.h"
-#include "server/obs/metrics.h"
 
 namespace ckptd {
 
-void Daemon::Job::FailLocked(const absl::Status& status) {
-  for (auto& [r, slot] : slots) {
-    absl::MutexLock lock(&slot->mu);
-    if (!slot->done) {
-      slot->status = status;
-      slot->done = true;
-    }
-  }
-  state = State::kFinished;
-}
-
-void Daemon::UnregisterLocked(const Job& job) {
+void JobRegistry::UnregisterLocked(const Job& job) {
   auto it = jobs_.find(job.id);
   if (it != jobs_.end() && it->second.get() == &job) jobs_.erase(it);
 }
 
-void Daemon::RunGuarded(const std::shared_ptr<Job>& job,
-                        void (Daemon::*run)(const std::shared_ptr<Job>&)) {
-  // An exception must not leave the job running with its other ranks
-  // waiting for ever: it fails the job for all of them.
-  try {
-    (this->*run)(job);
-    return;
-  } catch (const std::bad_alloc&) {
-    spdlog::error("job {}: out of memory", job->id);
-    FailJob(*job, absl::ResourceExhaustedError(
-                      absl::StrCat("job '", job->id, "': the daemon ran out of memory running it")));
-  } catch (const std::exception& e) {
-    spdlog::error("job {}: unexpected exception (a ckptd bug): {}", job->id, e.what());
-    FailJob(*job, absl::InternalError(
-                      absl::StrCat("job '", job->id, "': internal error (a ckptd bug): ", e.what())));
-  }
-}
-
-void Daemon::FailJob(Job& job, const absl::Status& status) {
+void JobRegistry::Fail(Job& job, const absl::Status& status) {
   absl::MutexLock lock(&mu_);
   absl::MutexLock job_lock(&job.mu);
   job.FailLocked(status);
   UnregisterLocked(job);
 }
 
-std::vector<std::string> Daemon::AbortLoads(const std::string& why) {
+void JobRegistry::Finish(Job& job, const std::function<void()>& answer_ranks) {
+  absl::MutexLock lock(&mu_);
+  absl::MutexLock job_lock(&job.mu);
+  job.state = Job::State::kFinished;
+  job.phase = "done";
+  UnregisterLocked(job);
+  answer_ranks();
+}
+
+std::vector<std::string> JobRegistry::AbortLoads(const std::string& why) {
   std::vector<std::string> ids;
   absl::MutexLock lock(&mu_);
   std::vector<std::shared_ptr<Job>> loads;
@@ -91,14 +50,7 @@ std::vector<std::string> Daemon::AbortLoads(const std::string& why) {
   return ids;
 }
 
-std::vector<std::shared_ptr<Daemon::RankSlot>> Daemon::SlotsOf(const Job& job) {
-  absl::MutexLock lock(&job.mu);
-  std::vector<std::shared_ptr<RankSlot>> slots;
-  for (const auto& [r, s] : job.slots) slots.push_back(s);
-  return slots;
-}
-
-absl::StatusOr<std::pair<std::shared_ptr<Daemon::Job>, bool>> Daemon::Register(
+absl::StatusOr<std::pair<std::shared_ptr<Job>, bool>> JobRegistry::Register(
     const JobKey& key, const std::shared_ptr<RankSlot>& slot, size_t* registered,
     size_t* expected) {
   absl::MutexLock lock(&mu_);
@@ -112,10 +64,10 @@ absl::StatusOr<std::pair<std::shared_ptr<Daemon::Job>, bool>> Daemon::Register(
   if (it == jobs_.end()) {
     uint64_t owned = 0;
     for (const auto& [id, j] : jobs_) owned += j->owner == key.owner;
-    if (owned >= config_.limits.max_jobs_per_uid) {
+    if (owned >= max_jobs_per_uid_) {
       return absl::ResourceExhaustedError(absl::StrCat(
           "job '", key.id, "': uid ", key.owner, " already has ", owned,
-          " jobs waiting or running (limits.max_jobs_per_uid ", config_.limits.max_jobs_per_uid, ")"));
+          " jobs waiting or running (limits.max_jobs_per_uid ", max_jobs_per_uid_, ")"));
     }
     job = std::make_shared<Job>();
     job->id = key.id;
@@ -179,10 +131,10 @@ absl::StatusOr<std::pair<std::shared_ptr<Daemon::Job>, bool>> Daemon::Register(
   return std::make_pair(job, runner);
 }
 
-std::optional<absl::Status> Daemon::LeaveBarrier(const std::shared_ptr<Job>& job,
-                                                 const std::shared_ptr<RankSlot>& slot, int rank,
-                                                 absl::Time deadline, absl::Duration barrier,
-                                                 const std::function<bool()>& cancelled) {
+std::optional<absl::Status> JobRegistry::LeaveBarrier(const std::shared_ptr<Job>& job,
+                                                      const std::shared_ptr<RankSlot>& slot, int rank,
+                                                      absl::Time deadline, absl::Duration barrier,
+                                                      const std::function<bool()>& cancelled) {
   absl::MutexLock lock(&mu_);
   absl::MutexLock job_lock(&job->mu);
   if (job->state != Job::State::kWaiting) return std::nullopt;  // it started meanwhile
@@ -206,12 +158,11 @@ std::optional<absl::Status> Daemon::LeaveBarrier(const std::shared_ptr<Job>& job
   return slot->status;
 }
 
-absl::Status Daemon::AwaitSlot(const std::shared_ptr<Job>& job,
+absl::Status JobRegistry::AwaitSlot(const std::shared_ptr<Job>& job,
                                const std::shared_ptr<RankSlot>& slot, int rank,
-                               uint32_t barrier_timeout_ms,
+                               absl::Duration barrier,
                                const std::function<bool(const v1::LoadEvent&)>& send,
                                const std::function<bool()>& cancelled) {
-  const absl::Duration barrier = BarrierTimeout(barrier_timeout_ms);
   const absl::Time deadline = slot->registered + barrier;
   std::string last_phase;
   uint64_t last_progress = 0;
@@ -243,6 +194,23 @@ absl::Status Daemon::AwaitSlot(const std::shared_ptr<Job>& job,
       last_phase = phase;
       last_progress = progress;
     }
+  }
+}
+
+void JobRegistry::Describe(bool all, uid_t uid, v1::StatusResponse* resp) const {
+  absl::MutexLock lock(&mu_);
+  for (const auto& [id, job] : jobs_) {
+    if (!all && job->owner != uid) continue;  // others' jobs are not its business
+    absl::MutexLock job_lock(&job->mu);
+    v1::JobStatus* js = resp->add_jobs();
+    js->set_job_id(id);
+    js->set_path(job->path);
+    js->set_world_size(job->world_size);
+    for (const auto& [r, s] : job->slots) js->add_registered_ranks(r);
+    for (int r : job->expected) {
+      if (!job->slots.count(r)) js->add_waiting_for(r);
+    }
+    js->set_state(job->phase);
   }
 }
 
