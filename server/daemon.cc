@@ -4,6 +4,7 @@
 // job registry daemon_jobs.cc, destinations daemon_destinations.cc, saves
 // daemon_save.cc and daemon_dcp.cc, multi-node jobs daemon_multinode*.cc.
 #include "server/daemon.h"
+#include "server/multinode/dist_jobs.h"
 #include "server/peer/peer_plane.h"
 #include "server/daemon_internal.h"
 #include "server/delivery/destination.h"
@@ -69,7 +70,15 @@ Daemon::Daemon(DaemonConfig config)
                               config_.io_threads, direct_io_, &bytes_read_total_}),
       peers_(std::make_unique<PeerPlane>(config_)),
       jobs_(config_.limits.max_jobs_per_uid),
-      save_buffer_(config_.save_buffer) {}
+      dist_jobs_(std::make_unique<DistJobs>(config_, peers_.get(), gpu_.get())),
+      save_buffer_(config_.save_buffer),
+      async_saves_(AsyncSaves::Options{config_.limits.max_jobs_per_uid, config_.save_buffer,
+                                       config_.limits.max_barrier_timeout,
+                                       config_.testing_delay_persist},
+                   &save_buffer_, [this](const std::string& dir, const std::vector<std::string>& files) {
+                     metadata_.Drop(dir);  // new files under a cached directory
+                     PublishSaved(dir, files);
+                   }) {}
 
 Daemon::~Daemon() { Stop(); }
 
@@ -104,11 +113,7 @@ void Daemon::Stop() {
   if (fd_receiver_) fd_receiver_->Stop();
   filler_->Stop();
   save_buffer_.Stop();
-  {
-    absl::MutexLock lock(&save_mu_);
-    persist_stop_ = true;
-  }
-  if (persist_thread_.joinable()) persist_thread_.join();
+  async_saves_.Stop();
 }
 
 void Daemon::RunGuarded(const std::shared_ptr<Job>& job,
@@ -264,7 +269,7 @@ v1::StatusResponse Daemon::Status(const Caller& caller) {
   resp.set_cache_fills(fill.fills);
   resp.set_cache_fill_bytes(fill.bytes);
   resp.set_cache_fills_failed(fill.failed);
-  FillSaveStatus(caller, &resp);
+  async_saves_.Describe(caller, admin, &resp);
   std::map<std::string, bool> readable;  // checkpoint directory -> caller may read it
   for (const auto& [path, be] : cache_.Files()) {
     if (!admin) {

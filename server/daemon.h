@@ -6,21 +6,15 @@
 // Thread-safe: every RPC runs on its own gRPC thread. Each mutex guards
 // fields of its own object (ABSL_GUARDED_BY, checked by clang's
 // -Wthread-safety); the components have their own (server/jobs/registry.h:
-// the registry, Job::mu, RankSlot::mu; save/save_buffer.h; the policy, the
-// metadata and data caches, the peer plane). The daemon's own:
-//   peer_mu_         the multi-node jobs (dist_jobs_), nccl_unreachable_
-//   DistJob::mu      a multi-node job's joins, plan, served reads, outcome
-//   save_mu_         the asynchronous saves (saves_, persist_queue_,
-//                    persist_stop_)
-//   PendingSave::mu  one asynchronous save's state and outcome
-// What a multi-node job or a save is made with is set before it is
-// registered and read-only after (daemon_internal.h, daemon_dist.h).
+// the registry, Job::mu, RankSlot::mu; multinode/dist_jobs.h: the
+// multi-node jobs, DistJob::mu; save/async_saves.h: the asynchronous
+// saves, PendingSave::mu; save/save_buffer.h; the policy, the metadata and
+// data caches, the peer plane). The daemon holds no lock of its own: what
+// it is made with is set before it serves and read-only after.
 //
-// Lock order: the job registry's locks (registry.h) are never held together
-// with peer_mu_, DistJob::mu, save_mu_ or PendingSave::mu; peer_mu_ before
-// DistJob::mu; save_mu_ before PendingSave::mu. No thread holds two locks
-// of one kind or takes a registry's lock (peer_mu_, save_mu_) while holding
-// a job's or save's.
+// Lock order: each component's locks are taken inside that component; no
+// thread holds the locks of two of them (the jobs', the multi-node jobs',
+// the asynchronous saves') together.
 #ifndef CKPTD_SERVER_DAEMON_H_
 #define CKPTD_SERVER_DAEMON_H_
 
@@ -60,13 +54,15 @@
 #include "server/delivery/fd_channel.h"
 #include "server/jobs/registry.h"
 #include "server/policy/policy.h"
+#include "server/save/async_saves.h"
+#include "server/save/native_save.h"
 #include "server/save/save_buffer.h"
 #include "server/delivery/view_leases.h"
 
 namespace ckptd {
 
 // The peer protocol's messages (proto/peer.proto), named here only: the
-// files of the multi-node code include it (daemon_dist.h), the rest of the
+// files of the multi-node code include it (multinode/dist_jobs.h), the rest of the
 // daemon does not see it.
 namespace peer::v1 {
 class Chunk;
@@ -78,7 +74,10 @@ class PingRequest;
 class PingResponse;
 class PlanPart;
 }  // namespace peer::v1
-class PeerPlane;  // server/peer/peer_plane.h
+class PeerPlane;     // server/peer/peer_plane.h
+class DistJobs;      // server/multinode/dist_jobs.h
+struct DistJob;      // server/multinode/dist_job.h
+class RemoteReads;   // server/multinode/dist_job.h
 
 struct JobFigures;     // daemon_internal.h
 struct LoadJobRecord;  // metrics.h
@@ -135,19 +134,9 @@ class Daemon {
   // The peer plane (server/peer/peer_plane.h): the peer set, who may call
   // the peer service, TLS, channels and health.
   PeerPlane& peer_plane() { return *peers_; }
-
-  // Peer RPC bodies (multi-node jobs; see daemon_multinode.cc). `caller`
-  // passed PeerPlane::Authorize; `cancelled` polls whether the call went away.
-  absl::StatusOr<peer::v1::PlanPart> PeerJoin(const PeerCaller& caller,
-                                              const peer::v1::JoinRequest& request,
-                                              const std::function<bool()>& cancelled);
-  absl::Status PeerFetchRead(const PeerCaller& caller, const peer::v1::FetchReadRequest& request,
-                             const std::function<bool(const peer::v1::Chunk&)>& send,
-                             const std::function<bool()>& cancelled);
-  absl::StatusOr<peer::v1::CompleteResponse> PeerComplete(const PeerCaller& caller,
-                                                          const peer::v1::CompleteRequest& request,
-                                                          const std::function<bool()>& cancelled);
-  peer::v1::PingResponse PeerPing(const PeerCaller& caller, const peer::v1::PingRequest& request);
+  // The multi-node jobs of this node and the protocol between their nodes
+  // (server/multinode/dist_jobs.h): the peer service's calls go there.
+  DistJobs& dist_jobs() { return *dist_jobs_; }
 
   const DaemonConfig& config() const { return config_; }
   // This node's peer address once the peer server has bound it: main calls
@@ -157,11 +146,9 @@ class Daemon {
   // refused (UNAVAILABLE).
   void SetPeerListen(const std::string& bound);
 
-  struct PendingSave;
 
 
  private:
-  struct DistJob;
   // Runs a job whose ranks span several daemons (node_ranks a strict subset
   // of the world; RunJob calls it): join the coordinator (or be it), run
   // this node's part of the plan (RunNodePart) with remote reads fetched
@@ -177,84 +164,18 @@ class Daemon {
   // the job, this node and its ranks' targets.
   PlanPartContext PartContext(const Job& job, const std::vector<std::shared_ptr<RankSlot>>& slots,
                               const std::string& coordinator) const;
-  // This node's share of `part` from `coordinator`, checked
-  // (server/plan_codec.h) into *out, and the reads it serves to peers
-  // registered in `dj`. A refused part is this node's failure (returned).
-  absl::Status AdoptPart(const Job& job, const std::vector<std::shared_ptr<RankSlot>>& slots,
-                         const std::shared_ptr<DistJob>& dj, const peer::v1::PlanPart& part,
-                         const std::string& coordinator, LocalPart* out);
-  // The reads peers serve to a multi-node part (daemon_internal.h) and their
-  // implementation over the peer plane and NCCL (daemon_multinode.cc).
-  class RemoteReads;
-  class PeerReads;
-  // The peer reads of this node's part `part` of job `dj` (global read
-  // indices and their readers from LocalPartOf).
-  std::unique_ptr<RemoteReads> PeerReadsFor(
-      const std::shared_ptr<DistJob>& dj, const peer::v1::PlanPart& part,
-      std::map<std::pair<std::string, uint64_t>, uint32_t> global_index,
-      std::vector<std::string> reader);
-  // What a coordinator makes of every node's join (`nodes` and their
-  // `joins`, in node order; `t0` when the job began gathering): each node's
-  // part of the plan, by node.
-  using PartsPlanner = std::function<absl::StatusOr<std::map<std::string, peer::v1::PlanPart>>(
-      const std::vector<std::string>& nodes, const std::vector<peer::v1::JoinRequest>& joins,
-      std::chrono::steady_clock::time_point t0)>;
-  // Step 1 of every multi-node job, load or save: this node's plan part and
-  // the coordinator it came from. The coordinator gathers every node's join,
-  // plans with `plan` and publishes the parts; any other node joins it and
-  // checks where its part came from. On failure `dj` is retired (on the
-  // coordinator after a short linger, so late joiners still get the error).
-  absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> PlanPartOf(
-      const std::shared_ptr<DistJob>& dj, const peer::v1::JoinRequest& own,
-      const PartsPlanner& plan);
-  // The planners of a multi-node load and save (PartsPlanner).
+  // The planners of a multi-node load and save (DistJobs::PartsPlanner).
   absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> PlanLoadParts(
       const DistJob& dj, const std::vector<std::string>& nodes,
       const std::vector<peer::v1::JoinRequest>& joins, std::chrono::steady_clock::time_point t0);
   absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> PlanSaveParts(
       const DistJob& dj, const std::vector<std::string>& nodes,
       const std::vector<peer::v1::JoinRequest>& joins, std::chrono::steady_clock::time_point t0);
-  // Coordinator: waits (until dj->deadline) for every rank of the job to
-  // join; the nodes and their joins, in node order.
-  absl::Status GatherJoins(const std::shared_ptr<DistJob>& dj, const peer::v1::JoinRequest& own,
-                           std::vector<std::string>* nodes,
-                           std::vector<peer::v1::JoinRequest>* joins);
-  // Coordinator: the plan is made (or failed): the joiners get their parts;
-  // returns this node's.
-  absl::StatusOr<peer::v1::PlanPart> PublishParts(
-      const std::shared_ptr<DistJob>& dj, const std::vector<std::string>& nodes,
-      const std::string& own_node,
-      absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> parts);
   // A save whose ranks span several daemons (daemon_multinode_save.cc):
   // two-phase, every node writes and fsyncs its ranks' files (prepare), and
   // only when every node did, each writes the version's metadata (commit).
   void RunDistributedSave(const std::shared_ptr<Job>& job,
                           const std::vector<std::shared_ptr<RankSlot>>& slots);
-  // A multi-node job's record on this node, registered in dist_jobs_ (the
-  // fields a joiner is compared with are set before it is visible).
-  struct DistJobKind {
-    std::string aoa;  // a load's AOA statements
-    bool save = false;
-    bool overwrite = false;
-  };
-  std::shared_ptr<DistJob> NewDistJob(const Job& job, const std::string& path, bool coordinator,
-                                      const DistJobKind& kind) ABSL_LOCKS_EXCLUDED(peer_mu_);
-  absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> JoinCoordinator(
-      const peer::v1::JoinRequest& own, absl::Time deadline);
-  absl::StatusOr<peer::v1::CompleteResponse> AwaitOutcome(const std::shared_ptr<DistJob>& dj,
-                                                          const peer::v1::CompleteRequest& own);
-  // This node's part is done (`done`): the coordinator concludes the job
-  // (AwaitOutcome here, or Complete sent to `coordinator`), bounded.
-  absl::StatusOr<peer::v1::CompleteResponse> ReportCompletion(const std::shared_ptr<DistJob>& dj,
-                                                              const std::string& coordinator,
-                                                              const peer::v1::CompleteRequest& done);
-  // Finished multi-node jobs linger briefly, then are dropped here (no
-  // detached timers that could outlive the daemon).
-  void RetireDistJob(const std::shared_ptr<DistJob>& dj, absl::Duration linger);
-  void PurgeDistJobsLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(peer_mu_);
-  // The multi-node job `id` registered here, or null.
-  std::shared_ptr<DistJob> FindDistJob(const std::string& id) ABSL_LOCKS_EXCLUDED(peer_mu_);
-
   // A Load's rank slot: its targets checked (NewRankSlot) and its
   // destination opened (daemon_destinations.cc).
   absl::StatusOr<std::shared_ptr<RankSlot>> PrepareSlot(const Caller& caller,
@@ -344,41 +265,6 @@ class Daemon {
                     std::chrono::steady_clock::time_point t0);
   absl::StatusOr<v1::SaveResponse> CommitDcp(const Caller& caller, const v1::SaveRequest& request,
                                              const std::string& parent, const std::string& dir);
-  // Native saves (daemon_save.cc). What writing one version needs, taken
-  // from the job's ranks, and what it wrote.
-  struct NativeSave {
-    std::string id, path;
-    int world_size = 0;
-    std::set<int> expected;
-    ckpt::SavePlan plan;
-    bool overwrite = false;
-    // Where each rank's copy of a shard lives: (rank, name) -> bytes.
-    std::map<std::pair<int, std::string>, const uint8_t*> where;
-    std::map<std::string, std::vector<std::string>> flat_mapping;
-    std::vector<ckpt::RankTargets> ranks;
-  };
-  struct NativeSaved {
-    std::map<int, std::set<std::string>> files_of_rank;
-    std::vector<std::string> files;
-    uint64_t bytes = 0;
-    std::vector<std::pair<std::string, ckpt::ShardMeta>> shards;  // (tensor, shard) written
-  };
-  static NativeSave NativeSaveOf(const Job& job, const std::vector<std::shared_ptr<RankSlot>>& slots,
-                                 ckpt::SavePlan plan);
-  // Writes the data files of `save`'s ranks (`expected`) into `dir`, each
-  // fsynced and renamed, the directory fsynced; WriteNativeSave then writes
-  // the metadata (a multi-node save writes it once every node wrote).
-  static absl::StatusOr<NativeSaved> WriteNativeFiles(const NativeSave& save,
-                                                      std::shared_ptr<const ckpt::Directory> dir,
-                                                      std::atomic<uint64_t>* persisted,
-                                                      const std::function<absl::Status()>& between);
-  // Writes the data files and then the metadata of `save` into `dir` (locked
-  // by the caller, PrepareSave done). `persisted` (optional) counts the data
-  // bytes written; `between` runs before each file and may stop the write.
-  absl::StatusOr<NativeSaved> WriteNativeSave(const NativeSave& save,
-                                              std::shared_ptr<const ckpt::Directory> dir,
-                                              std::atomic<uint64_t>* persisted,
-                                              const std::function<absl::Status()>& between);
   // A Save's output directory: (its resolved parent, the directory), which
   // need not exist yet; a relative path is under the first root.
   absl::StatusOr<std::pair<std::string, std::string>> ResolveSaveDir(
@@ -411,26 +297,15 @@ class Daemon {
   absl::Status CommitSave(const Job& job, const LocalSave& local,
                           const peer::v1::CompleteResponse& outcome, const std::string& coordinator);
   // An asynchronous save job's ranks are all in and its plan holds: their
-  // bytes move into a PendingSave queued for the persist thread, and every
-  // rank gets its first answer (persisted false).
+  // bytes move into a pending save queued for the persist thread
+  // (AsyncSaves::Start), and every rank gets its first answer (persisted
+  // false).
   void StartAsyncSave(const std::shared_ptr<Job>& job,
                       const std::vector<std::shared_ptr<RankSlot>>& slots, ckpt::SavePlan plan);
-  void PersistLoop();
-  void Persist(PendingSave& save);
   // Puts the files of a version just made durable into the data cache (read
   // back from the page cache), so loading it right away reads no storage.
   void PublishSaved(const std::string& dir, const std::vector<std::string>& files);
-  // Waits (at most until `deadline`) while an asynchronous save into `dir`
-  // is persisting: a load of a version just saved waits for it to appear.
-  void AwaitPersistsInto(const std::string& dir, absl::Time deadline) ABSL_LOCKS_EXCLUDED(save_mu_);
-  // Waits (at most until `deadline`) until no asynchronous save (into `dir`
-  // if given) is persisting; returns the ids of those still persisting.
-  std::vector<std::string> AwaitPersisting(const std::string* dir, absl::Time deadline)
-      ABSL_LOCKS_EXCLUDED(save_mu_);
-  // The asynchronous saves still persisting (into `dir` if given), by id.
-  std::map<std::string, std::shared_ptr<PendingSave>> PersistingLocked(const std::string* dir) const
-      ABSL_EXCLUSIVE_LOCKS_REQUIRED(save_mu_);
-  void FillSaveStatus(const Caller& caller, v1::StatusResponse* resp) ABSL_LOCKS_EXCLUDED(save_mu_);
+
   // Const but for peer_listen, set once by SetPeerListen before it is read.
   DaemonConfig config_;
   // config_.direct_io, parsed once (ValidateConfig checked it).
@@ -453,22 +328,10 @@ class Daemon {
   JobRegistry jobs_;  // the jobs waiting or running, and their barrier
 
   // Multi-node jobs this daemon takes part in (coordinating or not).
-  absl::Mutex peer_mu_;
-  std::map<std::string, std::shared_ptr<DistJob>> dist_jobs_ ABSL_GUARDED_BY(peer_mu_);
-  // Peers this node failed to connect NCCL links with, until when it keeps
-  // their jobs on gRPC.
-  std::map<std::string, absl::Time> nccl_unreachable_ ABSL_GUARDED_BY(peer_mu_);
+  std::unique_ptr<DistJobs> dist_jobs_;
 
-  // Asynchronous saves: by job id, those persisting and those finished in
-  // the last minutes (AwaitSave, Status); the persist thread's queue.
   SaveBuffer save_buffer_;  // before the saves that hold its charges
-  absl::Mutex save_mu_;
-  std::map<std::string, std::shared_ptr<PendingSave>> saves_ ABSL_GUARDED_BY(save_mu_);
-  std::deque<std::shared_ptr<PendingSave>> persist_queue_ ABSL_GUARDED_BY(save_mu_);
-  bool persist_stop_ ABSL_GUARDED_BY(save_mu_) = false;
-  std::thread persist_thread_;  // started by the first asynchronous save
-  std::atomic<uint64_t> saves_durable_{0}, saves_failed_{0}, save_bytes_persisted_{0};
-  std::atomic<uint64_t> save_stall_us_{0}, save_persist_us_{0};
+  AsyncSaves async_saves_;  // the asynchronous saves and their persist thread
 
   std::atomic<uint64_t> loads_started_{0}, loads_succeeded_{0}, loads_failed_{0};
   std::atomic<uint64_t> bytes_read_total_{0}, bytes_delivered_total_{0};

@@ -45,34 +45,6 @@ inline double Seconds(std::chrono::steady_clock::time_point t0) {
   return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-// An asynchronous save between its ranks' answer and its end: the bytes it
-// holds, the plan, and how it stands. All but the outcome is set before it
-// is registered in Daemon::saves_ and read-only after, except `held` and
-// `charges`, which the persist thread releases; `mu` guards the outcome.
-struct Daemon::PendingSave {
-  NativeSave save;
-  uid_t owner = 0;
-  // The ranks' destinations holding their bytes (their own segments, or the
-  // daemon's copies) and the save_buffer room they hold, released once
-  // persisted.
-  std::vector<std::unique_ptr<Destination>> held;
-  std::vector<std::unique_ptr<SaveBuffer::Charge>> charges;
-  uint64_t bytes_staged = 0;
-  std::atomic<uint64_t> bytes_persisted{0};
-  std::chrono::steady_clock::time_point staged;
-  std::map<int, v1::SaveResponse> first_answers;  // per rank, for the final ones
-  enum class State { kPersisting, kDurable, kFailed };
-  mutable absl::Mutex mu;
-  State state ABSL_GUARDED_BY(mu) = State::kPersisting;
-  absl::Status status ABSL_GUARDED_BY(mu);
-  std::map<int, v1::SaveResponse> final ABSL_GUARDED_BY(mu);
-  absl::Time finished ABSL_GUARDED_BY(mu);
-  bool Persisting() const ABSL_LOCKS_EXCLUDED(mu) {
-    absl::MutexLock lock(&mu);
-    return state == State::kPersisting;
-  }
-};
-
 // The source a load job's plan runs on: `inner`, behind a gate that ends
 // the job once it is aborted (Daemon::AbortLoads) and, for tests only
 // (--testing-delay-read-ms), pauses before each read; the pause ends early
@@ -143,22 +115,6 @@ inline bool AllRanksSkipVerify(const std::vector<std::shared_ptr<RankSlot>>& slo
 // Fills `slot.result` for plan rank `index` (not `done`: the caller marks it).
 void FillLoadResult(RankSlot& slot, const ckpt::RankPlan& plan, size_t index,
                     const JobFigures& figures) ABSL_EXCLUSIVE_LOCKS_REQUIRED(slot.mu);
-
-// The reads of a multi-node load's part that other nodes serve
-// (RunDistributedJob): Daemon::RunNodePart runs the part on Wrap(storage),
-// then tells how the execution ended.
-class Daemon::RemoteReads {
- public:
-  virtual ~RemoteReads() = default;
-  // The source the part runs on: `storage` (this node's data cache and
-  // files) for its own reads, peers for the others.
-  virtual ckpt::RangeSource* Wrap(ckpt::RangeSource* storage) = 0;
-  // The part's execution ended with `status` (device mappings closed).
-  virtual void Ended(const absl::Status& status) = 0;
-  // Bytes received from peers, and of this node's reads sent to them.
-  virtual uint64_t bytes_received() const = 0;
-  virtual uint64_t bytes_sent() const = 0;
-};
 
 }  // namespace ckptd
 

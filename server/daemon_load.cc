@@ -29,6 +29,7 @@
 #include "core/exec/executor.h"
 #include "server/daemon.h"
 #include "server/daemon_internal.h"
+#include "server/multinode/remote_reads.h"
 #include "server/delivery/destination.h"
 #include "server/obs/metrics.h"
 
@@ -81,7 +82,7 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
   // join (or its plan) no longer than that.
   const absl::Duration wait =
       distributed ? std::min(config_.load_timeout, config_.peer_timeout) : config_.load_timeout;
-  AwaitPersistsInto(job->path, absl::Now() + wait);
+  async_saves_.AwaitPersisting(&job->path, absl::Now() + wait);
   // The previous load's background fill of this checkpoint first: what the
   // cache serves does not depend on timing (server/catalog/cache_filler.h).
   if (!filler_->Wait(job->path + "/", wait)) {

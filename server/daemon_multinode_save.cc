@@ -28,7 +28,7 @@
 #include "core/base/status_macros.h"
 #include "core/write/writer.h"
 #include "server/daemon.h"
-#include "server/daemon_dist.h"
+#include "server/multinode/dist_jobs.h"
 #include "server/daemon_internal.h"
 #include "server/multinode/plan_codec.h"
 
@@ -195,7 +195,7 @@ absl::Status Daemon::CommitSave(const Job& job, const LocalSave& local,
   return ckpt::WriteFileAtomicIn(lock.directory(), name, json);
 }
 
-absl::StatusOr<Daemon::NativeSaved> Daemon::WriteSavePart(
+absl::StatusOr<NativeSaved> Daemon::WriteSavePart(
     const std::shared_ptr<Job>& job, const std::vector<std::shared_ptr<RankSlot>>& slots,
     const LocalSave& local) {
   const int64_t version = job->unique_id.value_or(0);
@@ -243,10 +243,10 @@ void Daemon::RunDistributedSave(const std::shared_ptr<Job>& job,
   kind.save = true;
   kind.overwrite = first.overwrite();
   const bool coordinates = job->expected.count(kSaveCoordinatorRank) > 0;
-  std::shared_ptr<DistJob> dj = NewDistJob(*job, first.path(), coordinates, kind);
+  std::shared_ptr<DistJob> dj = dist_jobs_->New(*job, first.path(), coordinates, kind);
   job->SetPhase(coordinates ? "gathering the save's ranks from peers" : "joining the coordinator");
   // 1. The plan: what this node's ranks write.
-  auto planned = PlanPartOf(
+  auto planned = dist_jobs_->PlanPartOf(
       dj, own, [&](const auto& nodes, const auto& joins, auto t0) {
         return PlanSaveParts(*dj, nodes, joins, t0);
       });
@@ -274,8 +274,8 @@ void Daemon::RunDistributedSave(const std::shared_ptr<Job>& job,
   peer::v1::CompleteRequest done = CompletionOf(job->id, me, exec);
   done.set_bytes_written(written.bytes);
   for (const auto& [name, shard] : written.shards) ToMsg(name, shard, done.add_shards());
-  absl::StatusOr<peer::v1::CompleteResponse> outcome = ReportCompletion(dj, coordinator, done);
-  RetireDistJob(dj, absl::Seconds(1));
+  absl::StatusOr<peer::v1::CompleteResponse> outcome = dist_jobs_->ReportCompletion(dj, coordinator, done);
+  dist_jobs_->Retire(dj, absl::Seconds(1));
   absl::Status final_status = JobOutcome(job->id, exec, outcome);
   if (!final_status.ok()) return fail_all(final_status);
   // 3. Commit: every node prepared; the version's metadata, from every

@@ -34,277 +34,17 @@ namespace ckptd {
 
 using ckpt::TargetTensor;
 
-namespace {
-// Finished asynchronous saves stay for AwaitSave and Status this long (and
-// at most this many).
-constexpr absl::Duration kKeepFinished = absl::Minutes(10);
-constexpr size_t kMaxFinished = 256;
-
-// The persist thread yields to loads: CPU nice 10, best-effort I/O at the
-// lowest level (ioprio_set has no glibc wrapper).
-void LowerPriority() {
-  const pid_t tid = static_cast<pid_t>(::syscall(SYS_gettid));
-  ::setpriority(PRIO_PROCESS, static_cast<id_t>(tid), 10);
-  constexpr int kWhoProcess = 1, kClassBestEffort = 2, kClassShift = 13;
-  ::syscall(SYS_ioprio_set, kWhoProcess, tid, (kClassBestEffort << kClassShift) | 7);
-}
-}  // namespace
-
-Daemon::NativeSave Daemon::NativeSaveOf(const Job& job,
-                                        const std::vector<std::shared_ptr<RankSlot>>& slots,
-                                        ckpt::SavePlan plan) {
-  NativeSave save;
-  save.id = job.id;
-  save.path = job.path;
-  save.world_size = job.world_size;
-  save.expected = job.expected;
-  save.plan = std::move(plan);
-  save.overwrite = slots.front()->save_request.overwrite();
-  for (const auto& s : slots) {
-    save.ranks.push_back(s->targets);
-    for (int t = 0; t < s->save_request.targets_size(); ++t) {
-      save.where[{s->targets.rank, s->targets.tensors[t].name}] =
-          s->destination->segment()->data() + s->save_request.targets(t).dest_offset();
-    }
-    for (const auto& [k, v] : s->save_request.flat_mapping()) {
-      save.flat_mapping[k] = std::vector<std::string>(v.parts().begin(), v.parts().end());
-    }
-  }
-  return save;
-}
-
-absl::StatusOr<Daemon::NativeSaved> Daemon::WriteNativeFiles(
-    const NativeSave& save, std::shared_ptr<const ckpt::Directory> dir,
-    std::atomic<uint64_t>* persisted, const std::function<absl::Status()>& between) {
-  NativeSaved out;
-  std::vector<std::pair<std::string, ckpt::ShardMeta>>& written = out.shards;
-  for (int r = 0; r < save.world_size; ++r) {
-    if (!save.expected.count(r)) continue;
-    if (between) CKPT_RETURN_IF_ERROR(between());
-    std::vector<const void*> data;
-    for (const TargetTensor& t : save.plan.writes[r]) data.push_back(save.where.at({r, t.name}));
-    CKPT_ASSIGN_OR_RETURN(auto shards, ckpt::WriteRankFile(dir, save.plan, r, data));
-    std::set<std::string> files;
-    for (auto& sh : shards) {
-      out.bytes += sh.second.nbytes;
-      if (persisted) *persisted += sh.second.nbytes;
-      files.insert(sh.second.file);
-      written.push_back(std::move(sh));
-    }
-    out.files.insert(out.files.end(), files.begin(), files.end());
-  }
-  // Every rank learns which files hold the shards it handed over.
-  for (const auto& [name, meta] : written) {
-    for (const ckpt::RankTargets& rank : save.ranks) {
-      for (const TargetTensor& t : rank.tensors) {
-        if (t.name == name && t.box == meta.box && t.flat_range == meta.flat_range) {
-          out.files_of_rank[rank.rank].insert(meta.file);
-        }
-      }
-    }
-  }
-  return out;
-}
-
-absl::StatusOr<Daemon::NativeSaved> Daemon::WriteNativeSave(
-    const NativeSave& save, std::shared_ptr<const ckpt::Directory> dir,
-    std::atomic<uint64_t>* persisted, const std::function<absl::Status()>& between) {
-  CKPT_ASSIGN_OR_RETURN(NativeSaved out, WriteNativeFiles(save, dir, persisted, between));
-  if (between) CKPT_RETURN_IF_ERROR(between());
-  CKPT_RETURN_IF_ERROR(ckpt::FinishSave(dir, save.plan, out.shards, save.flat_mapping));
-  return out;
-}
-
 void Daemon::StartAsyncSave(const std::shared_ptr<Job>& job,
                             const std::vector<std::shared_ptr<RankSlot>>& slots,
                             ckpt::SavePlan plan) {
-  auto pending = std::make_shared<PendingSave>();
-  pending->save = NativeSaveOf(*job, slots, std::move(plan));
-  pending->owner = job->owner;
-  pending->staged = std::chrono::steady_clock::now();
-  const int64_t version = pending->save.plan.unique_id;
-  absl::Status refused;  // decided under save_mu_, reported after (jobs_.Fail takes the registry lock)
-  std::vector<std::shared_ptr<PendingSave>> forgotten;
-  {
-    absl::MutexLock lock(&save_mu_);
-    if (persist_stop_) {
-      refused = absl::UnavailableError(
-          absl::StrCat("save job '", job->id, "': the daemon is stopping"));
-    }
-    // Saves persisting count among the owner's jobs (limits.max_jobs_per_uid):
-    // each holds its ranks' segments mapped until it is durable.
-    uint64_t owned = 0;
-    for (const auto& [id, other] : saves_) {
-      owned += other->owner == job->owner && other->Persisting();
-    }
-    if (refused.ok() && owned >= config_.limits.max_jobs_per_uid) {
-      refused = absl::ResourceExhaustedError(absl::StrCat(
-          "save job '", job->id, "': uid ", job->owner, " already has ", owned,
-          " asynchronous saves persisting (limits.max_jobs_per_uid ",
-          config_.limits.max_jobs_per_uid, "); wait for one (SaveFuture.result)"));
-    }
-    for (const auto& [id, other] : saves_) {
-      if (!refused.ok() || !other->Persisting()) continue;
-      if (id == job->id) {
-        refused = absl::AlreadyExistsError(absl::StrCat(
-            "save job '", job->id, "': an asynchronous save job of that id is still persisting"));
-      } else if (other->save.path == job->path && other->save.plan.unique_id == version) {
-        refused = absl::AlreadyExistsError(absl::StrCat(
-            "save job '", job->id, "': version ", version, " of ", job->path,
-            " is being saved by job '", id, "' (still persisting); choose another unique_id"));
-      }
-    }
-    if (refused.ok()) {
-      for (const auto& s : slots) {
-        pending->bytes_staged += s->save_charge ? s->save_charge->bytes() : 0;
-        pending->held.push_back(std::move(s->destination));
-        if (s->save_charge) pending->charges.push_back(std::move(s->save_charge));
-        v1::SaveResponse& r = pending->first_answers[s->targets.rank];
-        r.set_persisted(false);
-        r.set_buffer_wait_s(s->buffer_wait_s);
-        r.set_metadata_file(absl::StrCat(version, ".metadata"));
-      }
-      for (auto& [rank, r] : pending->first_answers) r.set_bytes_staged(pending->bytes_staged);
-      // Forget finished saves past their time (the oldest first when too many).
-      std::vector<std::pair<absl::Time, std::string>> finished;
-      for (const auto& [id, other] : saves_) {
-        absl::MutexLock other_lock(&other->mu);
-        if (other->state != PendingSave::State::kPersisting) finished.push_back({other->finished, id});
-      }
-      std::sort(finished.begin(), finished.end());
-      for (size_t i = 0; i < finished.size(); ++i) {
-        if (finished[i].first < absl::Now() - kKeepFinished || finished.size() - i > kMaxFinished) {
-          auto it = saves_.find(finished[i].second);
-          forgotten.push_back(std::move(it->second));  // destroyed after save_mu_ is released
-          saves_.erase(it);
-        }
-      }
-      if (auto it = saves_.find(job->id); it != saves_.end()) forgotten.push_back(it->second);
-      saves_[job->id] = pending;
-      persist_queue_.push_back(pending);
-      if (!persist_thread_.joinable()) persist_thread_ = std::thread([this] { PersistLoop(); });
-    }
-  }
-  if (!refused.ok()) return jobs_.Fail(*job, refused);
+  auto pending = async_saves_.Start(*job, slots, std::move(plan));
+  if (!pending.ok()) return jobs_.Fail(*job, pending.status());
+  const PendingSave& p = **pending;
   FinishSaveJob(job, slots, [&](const RankSlot& s, v1::SaveResponse& r) {
-    r = pending->first_answers.at(s.targets.rank);
+    r = p.first_answers.at(s.targets.rank);
   });
   spdlog::info("save job={} path={} version={} ranks={}: {}B staged, persisting in the background",
-               job->id, job->path, version, slots.size(), pending->bytes_staged);
-}
-
-void Daemon::PersistLoop() {
-  LowerPriority();
-  while (true) {
-    std::shared_ptr<PendingSave> next;
-    std::deque<std::shared_ptr<PendingSave>> abandoned;
-    {
-      absl::MutexLock lock(&save_mu_);
-      auto ready = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(save_mu_) {
-        return persist_stop_ || !persist_queue_.empty();
-      };
-      save_mu_.Await(absl::Condition(&ready));
-      if (persist_stop_) {
-        // Saves not begun are abandoned untouched (no directory, lock or
-        // old metadata touched): their versions never appear.
-        for (const auto& p : persist_queue_) {
-          absl::MutexLock save_lock(&p->mu);
-          p->state = PendingSave::State::kFailed;
-          p->status = absl::UnavailableError(absl::StrCat(
-              "save job '", p->save.id, "': the daemon stopped before its version was written"));
-          p->finished = absl::Now();
-          ++saves_failed_;
-          spdlog::warn("save job={} path={} version={}: abandoned at stop, not written", p->save.id,
-                       p->save.path, p->save.plan.unique_id);
-        }
-        abandoned.swap(persist_queue_);
-      } else {
-        next = persist_queue_.front();
-        persist_queue_.pop_front();
-      }
-    }
-    if (next == nullptr) {
-      for (const auto& p : abandoned) {  // memory and save_buffer back (outside save_mu_)
-        p->held.clear();
-        p->charges.clear();
-      }
-      return;
-    }
-    Persist(*next);
-  }
-}
-
-void Daemon::Persist(PendingSave& p) {
-  const NativeSave& save = p.save;
-  const auto t0 = std::chrono::steady_clock::now();
-  const std::string what = absl::StrCat("save job '", save.id, "'");
-  auto between = [&]() -> absl::Status {
-    if (config_.testing_delay_persist > absl::ZeroDuration()) {
-      absl::SleepFor(config_.testing_delay_persist);
-    }
-    absl::MutexLock lock(&save_mu_);
-    if (persist_stop_) {
-      return absl::UnavailableError(
-          "the daemon stopped before the version was durable (it was not written)");
-    }
-    return absl::OkStatus();
-  };
-  auto run = [&]() -> absl::StatusOr<NativeSaved> {
-    CKPT_RETURN_IF_ERROR(ckpt::MakeDirs(save.path));
-    // Another writer of the directory (a synchronous save, ckptctl shard)
-    // may hold its lock a while: wait for it, within reason.
-    CKPT_ASSIGN_OR_RETURN(auto lock, ckpt::LockDirectory(save.path, 60'000));
-    CKPT_RETURN_IF_ERROR(ckpt::PrepareSave(*lock.directory(), save.plan.unique_id, save.overwrite));
-    return WriteNativeSave(save, lock.directory(), &p.bytes_persisted, between);
-  };
-  absl::StatusOr<NativeSaved> saved = run();
-  const double persist_s = Seconds(t0);
-  if (saved.ok()) {
-    metadata_.Drop(save.path);
-    PublishSaved(save.path, saved->files);
-  }
-  const double total_s = Seconds(p.staged);
-  // The bytes are no longer needed: the memory and save_buffer go back
-  // before anyone can see the save finished.
-  p.held.clear();
-  p.charges.clear();
-  // The counters move before the outcome is visible (a caller that saw it
-  // finished sees them counted).
-  save_persist_us_ += static_cast<uint64_t>(persist_s * 1e6);
-  if (saved.ok()) {
-    ++saves_durable_;
-    save_bytes_persisted_ += saved->bytes;
-  } else {
-    ++saves_failed_;
-  }
-  absl::Status failed;
-  {
-    absl::MutexLock lock(&p.mu);
-    p.finished = absl::Now();
-    if (saved.ok()) {
-      p.state = PendingSave::State::kDurable;
-      for (auto& [rank, first] : p.first_answers) {
-        v1::SaveResponse r = first;
-        for (const auto& f : saved->files_of_rank[rank]) r.add_files(f);
-        r.set_bytes_written(saved->bytes);
-        r.set_persisted(true);
-        r.set_persist_s(persist_s);
-        r.set_seconds(total_s);
-        p.final[rank] = std::move(r);
-      }
-    } else {
-      p.state = PendingSave::State::kFailed;
-      p.status = ckpt::Annotate(saved.status(), what);
-      failed = p.status;
-    }
-  }
-  if (saved.ok()) {
-    spdlog::info("save job={} path={} version={}: durable, {}B in {:.3f}s ({:.3f}s after staging)",
-                 save.id, save.path, save.plan.unique_id, saved->bytes, persist_s, total_s);
-  } else {
-    spdlog::warn("save job={} path={} version={}: persist failed, the version is not visible: {}",
-                 save.id, save.path, save.plan.unique_id, failed.ToString());
-  }
+               job->id, job->path, p.save.plan.unique_id, slots.size(), p.bytes_staged);
 }
 
 void Daemon::PublishSaved(const std::string& dir, const std::vector<std::string>& files) {
@@ -325,106 +65,14 @@ void Daemon::PublishSaved(const std::string& dir, const std::vector<std::string>
   }
 }
 
-std::map<std::string, std::shared_ptr<Daemon::PendingSave>> Daemon::PersistingLocked(
-    const std::string* dir) const {
-  std::map<std::string, std::shared_ptr<PendingSave>> persisting;
-  for (const auto& [id, p] : saves_) {
-    if ((dir == nullptr || p->save.path == *dir) && p->Persisting()) persisting[id] = p;
-  }
-  return persisting;
-}
-
-std::vector<std::string> Daemon::AwaitPersisting(const std::string* dir, absl::Time deadline) {
-  while (true) {
-    std::map<std::string, std::shared_ptr<PendingSave>> persisting;
-    {
-      absl::MutexLock lock(&save_mu_);
-      persisting = PersistingLocked(dir);
-    }
-    if (persisting.empty() || absl::Now() >= deadline) {
-      std::vector<std::string> ids;
-      for (const auto& [id, p] : persisting) ids.push_back(id);
-      return ids;
-    }
-    // One at a time: the others, and saves queued since, are looked at again.
-    const std::shared_ptr<PendingSave>& p = persisting.begin()->second;
-    absl::MutexLock lock(&p->mu);
-    auto finished = [&p]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->mu) {
-      return p->state != PendingSave::State::kPersisting;
-    };
-    p->mu.AwaitWithDeadline(absl::Condition(&finished), deadline);
-  }
-}
-
-void Daemon::AwaitPersistsInto(const std::string& dir, absl::Time deadline) {
-  AwaitPersisting(&dir, deadline);
-}
-
 absl::StatusOr<v1::SaveResponse> Daemon::AwaitSave(const Caller& caller,
                                                    const v1::AwaitSaveRequest& request,
                                                    const std::function<bool()>& cancelled) {
-  const std::string what = absl::StrCat("save job '", request.job_id(), "'");
-  // A call holds a handler thread while it waits: at most max_barrier_timeout.
-  const absl::Time deadline =
-      absl::Now() + std::min(absl::Milliseconds(request.timeout_ms()),
-                             config_.limits.max_barrier_timeout);
-  std::shared_ptr<PendingSave> p;
-  {
-    absl::MutexLock lock(&save_mu_);
-    auto it = saves_.find(request.job_id());
-    if (it == saves_.end() || (it->second->owner != caller.uid && !policy_.IsAdmin(caller))) {
-      return absl::NotFoundError(absl::StrCat(
-          "no asynchronous ", what, " of ", caller.Describe(),
-          " (finished ones are kept for ", absl::FormatDuration(kKeepFinished), ")"));
-    }
-    p = it->second;
-  }
-  if (!p->first_answers.count(request.rank())) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(what, " has no rank ", request.rank(), " on this daemon"));
-  }
-  absl::MutexLock lock(&p->mu);
-  auto finished = [&p]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->mu) {
-    return p->state != PendingSave::State::kPersisting;
-  };
-  AwaitOrCancel(&p->mu, absl::Condition(&finished), deadline, cancelled);
-  if (p->state == PendingSave::State::kFailed) return p->status;
-  if (p->state == PendingSave::State::kDurable) return p->final.at(request.rank());
-  return absl::DeadlineExceededError(absl::StrCat(
-      what, " is still persisting (", p->bytes_persisted.load(), " of ", p->bytes_staged,
-      " bytes written; the version becomes visible once durable)"));
+  return async_saves_.Await(caller, policy_.IsAdmin(caller), request, cancelled);
 }
 
 std::vector<std::string> Daemon::AwaitPersists(absl::Duration timeout) {
-  return AwaitPersisting(nullptr, absl::Now() + timeout);
-}
-
-void Daemon::FillSaveStatus(const Caller& caller, v1::StatusResponse* resp) {
-  const bool admin = policy_.IsAdmin(caller);
-  absl::MutexLock lock(&save_mu_);
-  resp->set_save_buffer_bytes(config_.save_buffer);
-  resp->set_save_staged_bytes(save_buffer_.held());
-  for (const auto& [id, p] : saves_) {
-    if (!admin && p->owner != caller.uid) continue;
-    absl::MutexLock save_lock(&p->mu);
-    v1::SaveStatus* s = resp->add_saves();
-    s->set_job_id(id);
-    s->set_path(p->save.path);
-    s->set_unique_id(p->save.plan.unique_id);
-    s->set_state(p->state == PendingSave::State::kPersisting ? "persisting"
-                 : p->state == PendingSave::State::kDurable  ? "durable"
-                                                             : "failed");
-    s->set_bytes_staged(p->bytes_staged);
-    s->set_bytes_persisted(p->bytes_persisted.load());
-    s->set_age_s(Seconds(p->staged));
-    if (!p->status.ok()) s->set_error(std::string(p->status.message()));
-    s->set_owner_uid(p->owner);
-  }
-  resp->set_saves_durable(saves_durable_);
-  resp->set_saves_failed(saves_failed_);
-  resp->set_save_bytes_persisted_total(save_bytes_persisted_);
-  resp->set_save_persist_seconds_total(static_cast<double>(save_persist_us_) / 1e6);
-  resp->set_save_stall_seconds_total(static_cast<double>(save_stall_us_) / 1e6);
+  return async_saves_.AwaitPersisting(nullptr, absl::Now() + timeout);
 }
 
 absl::StatusOr<std::pair<std::string, std::string>> Daemon::ResolveSaveDir(
@@ -584,7 +232,7 @@ absl::StatusOr<v1::SaveResponse> Daemon::Save(const Caller& caller, const v1::Sa
   absl::MutexLock lock(&slot->mu);
   v1::SaveResponse resp = slot->save_result;
   resp.set_seconds(Seconds(t0));
-  if (request.async_save()) save_stall_us_ += static_cast<uint64_t>(resp.seconds() * 1e6);
+  if (request.async_save()) async_saves_.AddStall(resp.seconds());
   return resp;
 }
 

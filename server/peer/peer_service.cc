@@ -5,6 +5,7 @@
 
 #include "absl/strings/strip.h"
 #include "config/config.h"
+#include "server/multinode/dist_jobs.h"
 #include "server/api/service.h"
 
 namespace ckptd {
@@ -41,7 +42,7 @@ grpc::Status PeerService::Run(const char* rpc, grpc::ServerContext* ctx,
 grpc::Status PeerService::Join(grpc::ServerContext* ctx, const peer::v1::JoinRequest* req,
                                peer::v1::PlanPart* resp) {
   return Run("Join", ctx, [&](const PeerCaller& c) -> absl::Status {
-    auto r = daemon_->PeerJoin(c, *req, [ctx] { return ctx->IsCancelled(); });
+    auto r = daemon_->dist_jobs().PeerJoin(c, *req, [ctx] { return ctx->IsCancelled(); });
     if (!r.ok()) return r.status();
     *resp = std::move(*r);
     return absl::OkStatus();
@@ -51,7 +52,7 @@ grpc::Status PeerService::Join(grpc::ServerContext* ctx, const peer::v1::JoinReq
 grpc::Status PeerService::FetchRead(grpc::ServerContext* ctx, const peer::v1::FetchReadRequest* req,
                                     grpc::ServerWriter<peer::v1::Chunk>* writer) {
   return Run("FetchRead", ctx, [&](const PeerCaller& c) {
-    return daemon_->PeerFetchRead(
+    return daemon_->dist_jobs().PeerFetchRead(
         c, *req, [writer](const peer::v1::Chunk& chunk) { return writer->Write(chunk); },
         [ctx] { return ctx->IsCancelled(); });
   });
@@ -60,7 +61,7 @@ grpc::Status PeerService::FetchRead(grpc::ServerContext* ctx, const peer::v1::Fe
 grpc::Status PeerService::Complete(grpc::ServerContext* ctx, const peer::v1::CompleteRequest* req,
                                    peer::v1::CompleteResponse* resp) {
   return Run("Complete", ctx, [&](const PeerCaller& c) -> absl::Status {
-    auto r = daemon_->PeerComplete(c, *req, [ctx] { return ctx->IsCancelled(); });
+    auto r = daemon_->dist_jobs().PeerComplete(c, *req, [ctx] { return ctx->IsCancelled(); });
     if (!r.ok()) return r.status();
     *resp = std::move(*r);
     return absl::OkStatus();
@@ -70,7 +71,7 @@ grpc::Status PeerService::Complete(grpc::ServerContext* ctx, const peer::v1::Com
 grpc::Status PeerService::Ping(grpc::ServerContext* ctx, const peer::v1::PingRequest* req,
                                peer::v1::PingResponse* resp) {
   return Run("Ping", ctx, [&](const PeerCaller& c) {
-    *resp = daemon_->PeerPing(c, *req);
+    *resp = daemon_->dist_jobs().PeerPing(c, *req);
     return absl::OkStatus();
   });
 }

@@ -43,7 +43,8 @@ EXTENSIONS = (".h", ".cc", ".cu")
 
 # The peer plane and multi-node code; issue 32 moves them into server/peer
 # and server/multinode.
-ALLOWED_PEER_PROTO = {"server/daemon_dist.h", "server/multinode/peer_nccl.h",
+ALLOWED_PEER_PROTO = {"server/multinode/dist_job.h", "server/multinode/dist_jobs.h",
+                      "server/multinode/peer_nccl.h",
                       "server/peer/peer_plane.h",
                       "server/peer/peer_service.h", "server/multinode/plan_codec.h"}
 PEER_PROTO = {"proto/peer.pb.h", "proto/peer.grpc.pb.h"}

@@ -1,12 +1,17 @@
-// Private to the daemon's multi-node files (daemon_multinode.cc: loads,
-// daemon_multinode_save.cc: saves): a multi-node job's record on one node
-// and the helpers both use.
-#ifndef CKPTD_SERVER_DAEMON_DIST_H_
-#define CKPTD_SERVER_DAEMON_DIST_H_
+// A multi-node job's record on one node (DistJob) and what the nodes of
+// such a job say to each other beside it: the join every node sends, the
+// checks a part from the coordinator passes, how a node's own outcome and
+// the job's combine.
+//
+// Thread-safety: a DistJob's identity is set before DistJobs registers it and
+// read-only after; its `mu` guards the rest (ABSL_GUARDED_BY).
+#ifndef CKPTD_SERVER_MULTINODE_DIST_JOB_H_
+#define CKPTD_SERVER_MULTINODE_DIST_JOB_H_
 
 #include <chrono>
 #include <functional>
 #include <map>
+#include <memory>
 #include <optional>
 #include <set>
 #include <string>
@@ -16,19 +21,29 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
 #include "core/exec/executor.h"
 #include "proto/peer.pb.h"
-#include "server/daemon.h"
+#include "server/api/caller.h"
+#include "server/jobs/job.h"
+#include "server/multinode/remote_reads.h"
 
 namespace ckptd {
 
+// What a multi-node job is, as the nodes compare it (DistJobs::New).
+struct DistJobKind {
+  std::string aoa;  // a load's AOA statements
+  bool save = false;
+  bool overwrite = false;
+};
+
 // Everything down to `aoa` is set before the job is registered in
-// Daemon::dist_jobs_ and read-only after; `mu` guards the rest.
-struct Daemon::DistJob {
+// DistJobs (dist_jobs.h) and read-only after; `mu` guards the rest.
+struct DistJob {
   std::string id;
   bool coordinator = false;
   bool save = false;   // a multi-node save (daemon_multinode_save.cc), else a load
@@ -47,7 +62,7 @@ struct Daemon::DistJob {
 
   absl::Mutex mu;
   // A finished job stays a little (late joiners get its error, slow fetchers
-  // their bytes) and is dropped by PurgeDistJobsLocked after this time.
+  // their bytes) and is dropped by DistJobs after this time.
   absl::Time expires ABSL_GUARDED_BY(mu) = absl::InfiniteFuture();
   // Coordinator: gathering and planning.
   std::map<std::string, peer::v1::JoinRequest> joins ABSL_GUARDED_BY(mu);  // node -> its join
@@ -152,4 +167,4 @@ inline absl::Status WaitFailed(const std::function<bool()>& cancelled, const std
 
 }  // namespace ckptd
 
-#endif  // CKPTD_SERVER_DAEMON_DIST_H_
+#endif  // CKPTD_SERVER_MULTINODE_DIST_JOB_H_

@@ -1,7 +1,7 @@
 // The reads of a multi-node load's part that other nodes make (peer fetches
 // over gRPC, or NCCL links between GPU nodes), and this node's own reads
-// kept for the peers that need them: Daemon::PeerReadsFor, the RemoteReads
-// that RunNodePart runs a multi-node part on.
+// kept for the peers that need them: DistJobs::PeerReadsFor, the
+// RemoteReads the load runs a multi-node part on.
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -12,15 +12,12 @@
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
-#include "core/exec/executor.h"
 #include "core/base/status_macros.h"
 #include "core/base/xxh3.h"
-#include "server/daemon.h"
-#include "server/peer/peer_plane.h"
-#include "server/daemon_dist.h"
-#include "server/daemon_internal.h"
+#include "core/exec/executor.h"
+#include "server/multinode/dist_jobs.h"
 #include "server/multinode/peer_nccl.h"
-#include "server/multinode/plan_codec.h"
+#include "server/peer/peer_plane.h"
 
 namespace ckptd {
 namespace {
@@ -150,9 +147,9 @@ class DistSource final : public ckpt::RangeSource {
 // A multi-node part's reads that other nodes make: fetched over gRPC or
 // received on NCCL links, and this node's own reads published for the peers
 // that need them (DistJob::served).
-class Daemon::PeerReads final : public Daemon::RemoteReads {
+class PeerReads final : public RemoteReads {
  public:
-  PeerReads(Daemon* d, std::shared_ptr<DistJob> dj, const peer::v1::PlanPart& part,
+  PeerReads(DistJobs* d, std::shared_ptr<DistJob> dj, const peer::v1::PlanPart& part,
             const std::string& me, std::map<std::pair<std::string, uint64_t>, uint32_t> global_index,
             std::vector<std::string> reader)
       : d_(d), dj_(std::move(dj)), part_(part), me_(me),
@@ -169,7 +166,7 @@ class Daemon::PeerReads final : public Daemon::RemoteReads {
     source_.set_storage(storage);
     const DaemonConfig& c = d_->config_;
     nccl_ = StartNcclTransfers(
-        d_->gpu_.get(), part_, me_, c.nccl_device, c.peer_timeout,
+        d_->gpu_, part_, me_, c.nccl_device, c.peer_timeout,
         std::min(c.nccl_connect_timeout, c.peer_timeout),
         [this](uint32_t g, absl::Time deadline) { return Served(g, deadline); });
     source_.set_links(nccl_.get());
@@ -180,10 +177,7 @@ class Daemon::PeerReads final : public Daemon::RemoteReads {
     if (nccl_ == nullptr) return;
     if (nccl_->connect_failed()) {
       // Remembered: this node's next jobs with these peers stay on gRPC.
-      absl::MutexLock lock(&d_->peer_mu_);
-      for (const auto& n : part_.nodes()) {
-        if (n != me_) d_->nccl_unreachable_[n] = absl::Now() + absl::Minutes(5);
-      }
+      d_->MarkNcclUnreachable({part_.nodes().begin(), part_.nodes().end()});
     }
     // Our own part is done; peers may still be receiving our reads.
     if (status.ok()) {
@@ -232,7 +226,7 @@ class Daemon::PeerReads final : public Daemon::RemoteReads {
     return b;
   }
 
-  Daemon* const d_;
+  DistJobs* const d_;
   const std::shared_ptr<DistJob> dj_;
   const peer::v1::PlanPart& part_;
   const std::string me_;
@@ -241,7 +235,7 @@ class Daemon::PeerReads final : public Daemon::RemoteReads {
   std::atomic<uint64_t> sent_{0};
 };
 
-std::unique_ptr<Daemon::RemoteReads> Daemon::PeerReadsFor(
+std::unique_ptr<RemoteReads> DistJobs::PeerReadsFor(
     const std::shared_ptr<DistJob>& dj, const peer::v1::PlanPart& part,
     std::map<std::pair<std::string, uint64_t>, uint32_t> global_index,
     std::vector<std::string> reader) {

@@ -1,13 +1,10 @@
-// The coordinator of a multi-node job (the node serving coordinator_rank):
-// gathers every node's join (PeerJoin, GatherJoins), plans the job once
-// across the nodes (PlanPartOf, PlanLoadParts) and hands each its part (PublishParts),
-// then collects every node's completion and decides the job's outcome
-// (PeerComplete, AwaitOutcome). docs/multi-node.md tells the protocol.
-#include <dirent.h>
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <sys/socket.h>
-
+// The coordinator's side of a multi-node job (the node serving
+// coordinator_rank) and a joiner's way to it: the coordinator gathers every
+// node's join (PeerJoin, GatherJoins), plans the job once across the nodes
+// with the planner its caller gives (PlanPartOf) and hands each node its
+// part (PublishParts); then it collects every node's completion and decides
+// the job's outcome (PeerComplete, AwaitOutcome). docs/multi-node.md tells
+// the protocol.
 #include <algorithm>
 #include <chrono>
 #include <thread>
@@ -15,32 +12,19 @@
 #include <grpcpp/grpcpp.h>
 #include <spdlog/spdlog.h>
 
-#include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "core/plan/aoa.h"
-#include "core/plan/balancer.h"
-#include "core/exec/executor.h"
-#include "core/base/status_macros.h"
-#include "core/base/xxh3.h"
-#include "server/daemon.h"
+#include "server/await.h"
+#include "server/multinode/dist_jobs.h"
 #include "server/peer/peer_plane.h"
-#include "server/daemon_dist.h"
-#include "server/daemon_internal.h"
-#include "server/obs/metrics.h"
-#include "server/multinode/peer_nccl.h"
-#include "server/multinode/plan_codec.h"
 
 namespace ckptd {
 
-using ckpt::TargetTensor;
-
-absl::StatusOr<peer::v1::PlanPart> Daemon::PeerJoin(const PeerCaller& caller,
+absl::StatusOr<peer::v1::PlanPart> DistJobs::PeerJoin(const PeerCaller& caller,
                                                     const peer::v1::JoinRequest& req,
                                                     const std::function<bool()>& cancelled) {
   const absl::Status who = peers_->SpeaksFor(caller, req.node());
-  const std::shared_ptr<DistJob> dj = FindDistJob(req.job_id());
+  const std::shared_ptr<DistJob> dj = Find(req.job_id());
   if (!who.ok()) {
     if (dj != nullptr && dj->coordinator) {
       absl::MutexLock lock(&dj->mu);
@@ -113,7 +97,7 @@ absl::StatusOr<peer::v1::PlanPart> Daemon::PeerJoin(const PeerCaller& caller,
   return part->second;
 }
 
-absl::Status Daemon::GatherJoins(const std::shared_ptr<DistJob>& dj,
+absl::Status DistJobs::GatherJoins(const std::shared_ptr<DistJob>& dj,
                                  const peer::v1::JoinRequest& own,
                                  std::vector<std::string>* nodes,
                                  std::vector<peer::v1::JoinRequest>* joins) {
@@ -146,7 +130,7 @@ absl::Status Daemon::GatherJoins(const std::shared_ptr<DistJob>& dj,
   return absl::OkStatus();
 }
 
-absl::StatusOr<peer::v1::PlanPart> Daemon::PublishParts(
+absl::StatusOr<peer::v1::PlanPart> DistJobs::PublishParts(
     const std::shared_ptr<DistJob>& dj, const std::vector<std::string>& nodes,
     const std::string& own_node,
     absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> parts) {
@@ -167,7 +151,7 @@ absl::StatusOr<peer::v1::PlanPart> Daemon::PublishParts(
   return part->second;
 }
 
-absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> Daemon::PlanPartOf(
+absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> DistJobs::PlanPartOf(
     const std::shared_ptr<DistJob>& dj, const peer::v1::JoinRequest& own,
     const PartsPlanner& plan) {
   if (dj->coordinator) {
@@ -180,7 +164,7 @@ absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> Daemon::PlanPartOf(
         gathered.ok() ? PublishParts(dj, nodes, own.node(), plan(nodes, joins, t0))
                       : absl::StatusOr<peer::v1::PlanPart>(gathered);
     if (!part.ok()) {
-      RetireDistJob(dj, absl::Seconds(2));  // late joiners still get the error
+      Retire(dj, absl::Seconds(2));  // late joiners still get the error
       return part.status();
     }
     return std::make_pair(*std::move(part), own.node());
@@ -189,102 +173,13 @@ absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> Daemon::PlanPartOf(
   absl::Status origin = p.ok() ? CheckPartOrigin(p->first, dj->id, own.node(), p->second)
                                : p.status();
   if (!origin.ok()) {
-    RetireDistJob(dj, absl::ZeroDuration());
+    Retire(dj, absl::ZeroDuration());
     return origin;
   }
   return p;
 }
 
-absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> Daemon::PlanLoadParts(
-    const DistJob& dj, const std::vector<std::string>& nodes,
-    const std::vector<peer::v1::JoinRequest>& joins, std::chrono::steady_clock::time_point t0) {
-  CKPT_ASSIGN_OR_RETURN(auto opened,
-                        metadata_.Open(dj.local_dir, dj.unique_id, /*all_files_local=*/false));
-  std::vector<std::pair<int, int>> rank_node;  // rank -> node index
-  std::map<int, const peer::v1::RankTargetsMsg*> by_rank;
-  for (size_t n = 0; n < joins.size(); ++n) {
-    for (const auto& r : joins[n].ranks()) {
-      by_rank[r.rank()] = &r;
-      rank_node.push_back({r.rank(), static_cast<int>(n)});
-    }
-  }
-  std::sort(rank_node.begin(), rank_node.end());
-  std::vector<ckpt::RankTargets> ranks;
-  std::vector<int> node_of_rank;
-  for (const auto& [rank, node] : rank_node) {
-    ckpt::RankTargets rt;
-    rt.rank = rank;
-    for (const auto& t : by_rank[rank]->targets()) {
-      CKPT_ASSIGN_OR_RETURN(TargetTensor tt, FromMsg(t));
-      rt.tensors.push_back(std::move(tt));
-    }
-    ranks.push_back(std::move(rt));
-    node_of_rank.push_back(node);
-  }
-  ckpt::PlanOptions po;
-  po.max_read_bytes = config_.io_request_size;
-  CKPT_ASSIGN_OR_RETURN(ckpt::LoadPlan plan,
-                        ckpt::PlanLoadWithAoa(opened->checkpoint.metadata, dj.aoa, ranks, po,
-                                              "aoa_config"));
-  std::vector<std::set<std::string>> readable(joins.size());
-  for (size_t n = 0; n < joins.size(); ++n) {
-    for (const auto& f : joins[n].readable()) readable[n].insert(f.name());
-  }
-  CKPT_ASSIGN_OR_RETURN(ckpt::ReadAssignment assign, ckpt::AssignReads(plan, node_of_rank, readable));
-  const double plan_s = Seconds(t0);
-  std::map<std::string, peer::v1::PlanPart> parts;
-  for (size_t n = 0; n < nodes.size(); ++n) {
-    peer::v1::PlanPart& part = parts[nodes[n]];
-    part.set_job_id(dj.id);
-    for (const auto& f : plan.files) part.add_files(f);
-    for (size_t i = 0; i < plan.reads.size(); ++i) {
-      peer::v1::ReadMsg* rm = part.add_reads();
-      ToMsg(plan.reads[i], rm);
-      if (assign.reader[i] >= 0) rm->set_reader(nodes[assign.reader[i]]);
-      for (int m : assign.needed_by[i]) rm->add_needed_by(nodes[m]);
-    }
-    for (size_t r = 0; r < plan.ranks.size(); ++r) {
-      if (node_of_rank[r] == static_cast<int>(n)) ToMsg(plan.ranks[r], part.add_ranks());
-    }
-    for (const auto& k : plan.unexpected_keys) part.add_unexpected_keys(k);
-    for (const auto& [a, b] : plan.renamed_keys) (*part.mutable_renamed_keys())[a] = b;
-    for (const auto& nn : nodes) part.add_nodes(nn);
-    part.set_job_bytes_to_read(plan.bytes_to_read);
-    part.set_format(ckpt::FormatName(opened->checkpoint.format));
-    part.set_unique_id(opened->checkpoint.unique_id.value_or(0));
-    part.set_plan_s(plan_s);
-  }
-  std::string balance;
-  for (size_t n = 0; n < nodes.size(); ++n) {
-    balance += absl::StrCat(n ? " " : "", nodes[n], "=", assign.bytes_per_node[n], "B");
-  }
-  spdlog::info("coordinator job={} nodes={} ranks={} reads={} plan={:.4f}s storage reads: {}",
-               dj.id, nodes.size(), ranks.size(), plan.reads.size(), plan_s, balance);
-  // NCCL between the nodes when every one of them can (peer_nccl.h).
-  bool nccl = nodes.size() > 1;
-  for (const auto& j : joins) nccl = nccl && j.nccl();
-  for (const auto& j : joins) {
-    for (const auto& u : j.nccl_unreachable()) {
-      if (nccl && std::find(nodes.begin(), nodes.end(), u) != nodes.end()) {
-        spdlog::info("coordinator job={}: {} recently failed to connect NCCL links with {}; "
-                     "peers use gRPC", dj.id, j.node(), u);
-        nccl = false;
-      }
-    }
-  }
-  if (nccl) {
-    auto id = gpu_->NewNcclId();
-    if (id.ok()) {
-      for (auto& [n, p] : parts) p.set_nccl_id(*id);
-    } else {
-      spdlog::warn("coordinator job={}: no NCCL id ({}); peers use gRPC", dj.id,
-                   id.status().ToString());
-    }
-  }
-  return parts;
-}
-
-absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> Daemon::JoinCoordinator(
+absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> DistJobs::JoinCoordinator(
     const peer::v1::JoinRequest& own, absl::Time deadline) {
   std::map<std::string, std::string> last_error;
   while (absl::Now() < deadline) {
@@ -315,12 +210,12 @@ absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> Daemon::JoinCoordinat
       tried.empty() ? std::string("none configured") : absl::StrJoin(tried, "; ")));
 }
 
-absl::StatusOr<peer::v1::CompleteResponse> Daemon::PeerComplete(
+absl::StatusOr<peer::v1::CompleteResponse> DistJobs::PeerComplete(
     const PeerCaller& caller, const peer::v1::CompleteRequest& req,
     const std::function<bool()>& cancelled) {
   const absl::Status who_if_member = peers_->SpeaksFor(caller, req.node(), /*job_member=*/true);
   const absl::Status who_otherwise = peers_->SpeaksFor(caller, req.node());
-  const std::shared_ptr<DistJob> dj = FindDistJob(req.job_id());
+  const std::shared_ptr<DistJob> dj = Find(req.job_id());
   if (dj == nullptr || !dj->coordinator) {
     return absl::NotFoundError(absl::StrCat("job '", req.job_id(), "' is not coordinated by ",
                                             config_.peer_listen));
@@ -354,7 +249,7 @@ absl::StatusOr<peer::v1::CompleteResponse> Daemon::PeerComplete(
   return dj->outcome;
 }
 
-absl::StatusOr<peer::v1::CompleteResponse> Daemon::AwaitOutcome(
+absl::StatusOr<peer::v1::CompleteResponse> DistJobs::AwaitOutcome(
     const std::shared_ptr<DistJob>& dj, const peer::v1::CompleteRequest& own) {
   absl::Time deadline = absl::Now() + config_.peer_timeout;
   {
