@@ -1,5 +1,5 @@
 // Waiting under a mutex with a deadline, for as long as the caller is
-// there: shared by the daemon's waits (daemon_internal.h) and the cache
+// there: shared by the daemon's waits (jobs, saves, multi-node jobs) and the cache
 // views' (view_leases.h).
 #ifndef CKPTD_SERVER_AWAIT_H_
 #define CKPTD_SERVER_AWAIT_H_

@@ -1,48 +1,21 @@
-// The daemon's facade: builds its components in order (daemon.h), starts and
-// stops them, and answers the RPCs that only forward (Inspect, Prefetch,
-// Evict) or report (Version, Status). The load path is daemon_load.cc, the
-// job registry daemon_jobs.cc, destinations daemon_destinations.cc, saves
-// daemon_save.cc and daemon_dcp.cc, multi-node jobs daemon_multinode*.cc.
+// The daemon's facade (daemon.h): builds its components in order, starts
+// and stops them, forwards the RPCs to them and reports Version and Status.
 #include "server/daemon.h"
-#include "server/multinode/dist_jobs.h"
-#include "server/peer/peer_plane.h"
-#include "server/daemon_internal.h"
-#include "server/delivery/destination.h"
-#include "ckptd_version.h"
-#include "proto/fd_socket.h"
-#include "server/obs/metrics.h"
 
-#include <fcntl.h>
-#include <linux/capability.h>
-#include <stdlib.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+#include <cstdlib>
+#include <utility>
 
-#include <algorithm>
-#include <chrono>
-#include <cstring>
-#include <deque>
-#include <limits>
-#include <thread>
-#include <tuple>
-
-#include <grpcpp/grpcpp.h>
 #include <spdlog/spdlog.h>
 
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
-#include "core/plan/aoa.h"
-#include "core/exec/executor.h"
-#include "core/io/file.h"
-#include "core/format/foreign.h"
+#include "ckptd_version.h"
 #include "core/base/status_macros.h"
-#include "core/cache/cache_view.h"
-#include "core/format/torch_dcp.h"
-#include "core/write/writer.h"
+#include "proto/fd_socket.h"
+#include "server/multinode/dist_jobs.h"
+#include "server/multinode/multinode_load.h"
+#include "server/multinode/multinode_save.h"
+#include "server/obs/metrics.h"
+#include "server/peer/peer_plane.h"
 
 namespace ckptd {
 
@@ -64,10 +37,12 @@ Daemon::Daemon(DaemonConfig config)
       cache_(config_.cache_budget, gpu_->host_allocator()),
       arenas_(std::make_unique<ArenaPool>(config_.arena_pool, config_.arena_limit)),
       filler_(std::make_unique<CacheFiller>(&cache_)),
+      opener_(DestinationOpener::Parts{arenas_.get(), &view_leases_, &cache_, gpu_.get(),
+                                       config_.load_timeout}),
       policy_(config_),
       metadata_(config_.limits.metadata_cache_entries, config_.limits.max_metadata_bytes),
       catalog_(Catalog::Parts{&policy_, &metadata_, &cache_, filler_.get(), config_.io_request_size,
-                              config_.io_threads, direct_io_, &bytes_read_total_}),
+                              config_.io_threads, direct_io_, &load_counters_.bytes_read}),
       peers_(std::make_unique<PeerPlane>(config_)),
       jobs_(config_.limits.max_jobs_per_uid),
       dist_jobs_(std::make_unique<DistJobs>(config_, peers_.get(), gpu_.get())),
@@ -77,8 +52,26 @@ Daemon::Daemon(DaemonConfig config)
                                        config_.testing_delay_persist},
                    &save_buffer_, [this](const std::string& dir, const std::vector<std::string>& files) {
                      metadata_.Drop(dir);  // new files under a cached directory
-                     PublishSaved(dir, files);
-                   }) {}
+                     PublishSaved(&cache_, dir, files);
+                   }),
+      loads_(Loads::Parts{&config_, direct_io_, &policy_, &metadata_, &cache_, filler_.get(),
+                          gpu_.get(), &opener_, &jobs_, &async_saves_, &load_counters_}),
+      multinode_load_(std::make_unique<MultiNodeLoad>(MultiNodeLoad::Parts{
+          &config_, &metadata_, gpu_.get(), &jobs_, dist_jobs_.get(), &loads_})),
+      saves_(Saves::Parts{&config_, &policy_, &metadata_, &opener_, &jobs_, &save_buffer_,
+                          &async_saves_}),
+      multinode_save_(std::make_unique<MultiNodeSave>(
+          MultiNodeSave::Parts{&config_, &metadata_, &jobs_, dist_jobs_.get()})) {
+  loads_.SetMultiNode([this](const std::shared_ptr<Job>& job,
+                             const std::vector<std::shared_ptr<RankSlot>>& slots,
+                             std::chrono::steady_clock::time_point start) {
+    multinode_load_->Run(job, slots, start);
+  });
+  saves_.SetMultiNode([this](const std::shared_ptr<Job>& job,
+                             const std::vector<std::shared_ptr<RankSlot>>& slots) {
+    multinode_save_->Run(job, slots);
+  });
+}
 
 Daemon::~Daemon() { Stop(); }
 
@@ -105,6 +98,7 @@ absl::Status Daemon::Start() {
                                                           config_.socket_mode, ttl,
                                                           arenas_.get(), FdReceiverLimits(),
                                                           &view_leases_));
+    opener_.SetFdReceiver(fd_receiver_.get());
   }
   return absl::OkStatus();
 }
@@ -116,109 +110,25 @@ void Daemon::Stop() {
   async_saves_.Stop();
 }
 
-void Daemon::RunGuarded(const std::shared_ptr<Job>& job,
-                        void (Daemon::*run)(const std::shared_ptr<Job>&)) {
-  // An exception must not leave the job running with its other ranks
-  // waiting for ever: it fails the job for all of them.
-  try {
-    (this->*run)(job);
-    return;
-  } catch (const std::bad_alloc&) {
-    spdlog::error("job {}: out of memory", job->id);
-    jobs_.Fail(*job, absl::ResourceExhaustedError(
-                      absl::StrCat("job '", job->id, "': the daemon ran out of memory running it")));
-  } catch (const std::exception& e) {
-    spdlog::error("job {}: unexpected exception (a ckptd bug): {}", job->id, e.what());
-    jobs_.Fail(*job, absl::InternalError(
-                      absl::StrCat("job '", job->id, "': internal error (a ckptd bug): ", e.what())));
-  }
-}
-
 absl::Status Daemon::Load(const Caller& caller, const v1::LoadRequest& request,
                           const std::function<bool(const v1::LoadEvent&)>& send,
                           const std::function<bool()>& cancelled) {
-  ++loads_started_;
-  auto fail = [&](absl::Status s) {
-    ++loads_failed_;
-    spdlog::warn("load job={} rank={} path={} failed: {}", request.job_id(), request.rank(),
-                 request.path(), s.ToString());
-    return s;
-  };
-  const std::string who = absl::StrCat("job '", request.job_id(), "' rank ", request.rank());
-  // Checked before anything is allocated for the request: its shape against
-  // the limits, the caller's right to the checkpoint, the caller's share.
-  auto bytes = policy_.CheckRequestLimits(who, request.targets(), request.world_size(),
-                                  request.node_ranks_size(), request.barrier_timeout_ms());
-  if (!bytes.ok()) return fail(bytes.status());
-  auto resolved = policy_.ResolvePath(request.path());
-  if (!resolved.ok()) return fail(resolved.status());
-  if (absl::Status a = policy_.CheckAccess(caller, *resolved, Policy::Access::kRead); !a.ok()) return fail(a);
-  auto reservation = policy_.Reserve(caller, who, *bytes, request.has_stream() ? *bytes : 0);
-  if (!reservation.ok()) return fail(reservation.status());
-  auto prepared = PrepareSlot(caller, request);
-  if (!prepared.ok()) return fail(prepared.status());
-  std::shared_ptr<RankSlot> slot = *prepared;
-  slot->cancelled = cancelled;
-  // Nothing more is written into a client that cancelled or went away.
-  slot->destination->StopWhen(cancelled);
-  slot->registered = absl::Now();
-  slot->start = std::chrono::steady_clock::now();
+  return loads_.Load(caller, request, send, cancelled);
+}
 
-  JobKey key{JobKind::kLoad, request.job_id(), *resolved, std::nullopt, caller.uid,
-             request.world_size(), request.rank(),
-             std::vector<int>(request.node_ranks().begin(), request.node_ranks().end())};
-  if (request.has_unique_id()) key.unique_id = request.unique_id();
-  size_t registered = 0, expected = 0;
-  auto reg = jobs_.Register(key, slot, &registered, &expected);
-  if (!reg.ok()) return fail(reg.status());
-  auto [job, runner] = *reg;
-  {
-    v1::LoadEvent ev;
-    ev.set_progress(absl::StrCat("registered rank ", request.rank(), " (", registered, " of ",
-                                 expected, " ranks of job '", request.job_id(), "')"));
-    send(ev);
-  }
-  if (runner) RunGuarded(job, &Daemon::RunJob);
-  absl::Status status = jobs_.AwaitSlot(job, slot, request.rank(),
-                                         BarrierTimeout(request.barrier_timeout_ms()), send, cancelled);
-  if (!status.ok()) return fail(status);
-  v1::LoadResult result;
-  {
-    absl::MutexLock lock(&slot->mu);
-    result = slot->result;
-  }
-  if (cancelled()) return fail(absl::CancelledError("client went away"));
-  if (ckpt::ViewRecorder* views = slot->destination->views()) {
-    if (absl::Status v = DeliverViews(caller, *views, who, send, cancelled); !v.ok()) {
-      return fail(v);
-    }
-    result.set_bytes_from_views(views->bytes_recorded());
-  }
-  result.mutable_timings()->set_total_s(Seconds(slot->start));
-  if (request.has_stream()) {
-    uint64_t chunk = request.stream().chunk_bytes() ? request.stream().chunk_bytes() : (4u << 20);
-    chunk = std::min<uint64_t>(std::max<uint64_t>(chunk, 4096), 64u << 20);
-    // Room for the message around the chunk under limits.max_message_bytes.
-    chunk = std::min<uint64_t>(chunk, config_.limits.max_message_bytes - (64u << 10));
-    const std::vector<std::vector<uint8_t>>& streamed = slot->destination->streamed();
-    for (size_t t = 0; t < streamed.size(); ++t) {
-      const auto& buf = streamed[t];
-      for (uint64_t off = 0; off < buf.size(); off += chunk) {
-        v1::LoadEvent ev;
-        v1::StreamChunk* c = ev.mutable_data();
-        c->set_target(static_cast<uint32_t>(t));
-        c->set_offset(off);
-        c->set_data(buf.data() + off, std::min<uint64_t>(chunk, buf.size() - off));
-        if (!send(ev)) return fail(absl::CancelledError("client went away during streaming"));
-      }
-    }
-  }
-  v1::LoadEvent done;
-  *done.mutable_result() = result;
-  send(done);
-  ++loads_succeeded_;
-  bytes_delivered_total_ += result.bytes_delivered();
-  return absl::OkStatus();
+absl::StatusOr<v1::SaveResponse> Daemon::Save(const Caller& caller, const v1::SaveRequest& request,
+                                              const std::function<bool()>& cancelled) {
+  return saves_.Save(caller, request, cancelled);
+}
+
+absl::StatusOr<v1::SaveResponse> Daemon::AwaitSave(const Caller& caller,
+                                                   const v1::AwaitSaveRequest& request,
+                                                   const std::function<bool()>& cancelled) {
+  return async_saves_.Await(caller, policy_.IsAdmin(caller), request, cancelled);
+}
+
+std::vector<std::string> Daemon::AwaitPersists(absl::Duration timeout) {
+  return async_saves_.AwaitPersisting(nullptr, absl::Now() + timeout);
 }
 
 absl::StatusOr<v1::InspectResponse> Daemon::Inspect(const Caller& caller,
@@ -286,11 +196,11 @@ v1::StatusResponse Daemon::Status(const Caller& caller) {
     f->set_bytes(be.first);
     f->set_entries(be.second);
   }
-  resp.set_loads_started(loads_started_);
-  resp.set_loads_succeeded(loads_succeeded_);
-  resp.set_loads_failed(loads_failed_);
-  resp.set_bytes_read_total(bytes_read_total_);
-  resp.set_bytes_delivered_total(bytes_delivered_total_);
+  resp.set_loads_started(load_counters_.started);
+  resp.set_loads_succeeded(load_counters_.succeeded);
+  resp.set_loads_failed(load_counters_.failed);
+  resp.set_bytes_read_total(load_counters_.bytes_read);
+  resp.set_bytes_delivered_total(load_counters_.bytes_delivered);
   for (const auto& r : config_.roots) resp.add_roots(r);
   resp.set_gpu(gpu_->Describe());
   resp.set_cache_pinned_bytes(gpu_->pinned_bytes());

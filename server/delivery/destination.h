@@ -15,7 +15,7 @@
 // mapped, opened or written (CheckTargetRanges, target_ranges.h; for device
 // buffers through gpu::ValidateDeviceTargets). What the daemon alone knows
 // (the caller, the fd socket, lent arenas, the data cache, the GPU runtime)
-// is handed in by the daemon (server/daemon_destinations.cc), which opens
+// is handed in by the daemon (server/delivery/opener.h), which opens
 // the destination of each Load and Save request.
 //
 // Thread-safety: a destination belongs to one rank slot. It is set before

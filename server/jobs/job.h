@@ -23,6 +23,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/status.h"
+#include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
 #include "absl/synchronization/mutex.h"
 #include "absl/time/time.h"
@@ -100,6 +101,19 @@ struct Job {
     return abort_status;
   }
 };
+
+// What a Load's and a Save's rank share: who it is (job, rank, world,
+// node_ranks) and its targets, checked into a new slot with no destination
+// yet. `verb` ("Load", "Save") names the call in errors.
+absl::StatusOr<std::shared_ptr<RankSlot>> NewRankSlot(
+    absl::string_view verb, const std::string& job_id, int rank, int world_size,
+    const google::protobuf::RepeatedField<int32_t>& node_ranks,
+    const google::protobuf::RepeatedPtrField<v1::Target>& targets);
+
+// Seconds since `t0` (job and rank timings).
+inline double Seconds(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
 
 // The job's registered slots, ascending rank.
 std::vector<std::shared_ptr<RankSlot>> SlotsOf(const Job& job);

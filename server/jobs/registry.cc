@@ -1,5 +1,10 @@
 #include "server/jobs/registry.h"
 
+#include <exception>
+#include <new>
+
+#include <spdlog/spdlog.h>
+
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 
@@ -15,6 +20,21 @@ void JobRegistry::Fail(Job& job, const absl::Status& status) {
   absl::MutexLock job_lock(&job.mu);
   job.FailLocked(status);
   UnregisterLocked(job);
+}
+
+void JobRegistry::RunGuarded(Job& job, const std::function<void()>& run) {
+  try {
+    run();
+    return;
+  } catch (const std::bad_alloc&) {
+    spdlog::error("job {}: out of memory", job.id);
+    Fail(job, absl::ResourceExhaustedError(
+                  absl::StrCat("job '", job.id, "': the daemon ran out of memory running it")));
+  } catch (const std::exception& e) {
+    spdlog::error("job {}: unexpected exception (a ckptd bug): {}", job.id, e.what());
+    Fail(job, absl::InternalError(
+                  absl::StrCat("job '", job.id, "': internal error (a ckptd bug): ", e.what())));
+  }
 }
 
 void JobRegistry::Finish(Job& job, const std::function<void()>& answer_ranks) {

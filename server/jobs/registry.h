@@ -46,6 +46,11 @@ struct JobKey {
   std::vector<int> node_ranks;  // empty: every rank of the world is on this node
 };
 
+// A request's barrier_timeout_ms, or `configured` (barrier_timeout) when 0.
+inline absl::Duration BarrierTimeout(uint32_t barrier_timeout_ms, absl::Duration configured) {
+  return barrier_timeout_ms > 0 ? absl::Milliseconds(barrier_timeout_ms) : configured;
+}
+
 class JobRegistry {
  public:
   // A uid may have at most `max_jobs_per_uid` jobs waiting or running.
@@ -66,6 +71,10 @@ class JobRegistry {
                          int rank, absl::Duration barrier,
                          const std::function<bool(const v1::LoadEvent&)>& send,
                          const std::function<bool()>& cancelled) ABSL_LOCKS_EXCLUDED(mu_);
+  // Runs `run` (the job's runner: a load or a save) failing the job for
+  // every rank on any exception (a ckptd bug or out of memory), so no rank
+  // waits for ever.
+  void RunGuarded(Job& job, const std::function<void()>& run) ABSL_LOCKS_EXCLUDED(mu_);
   // Every rank of the job not done yet fails with `status`; the job leaves
   // the registry.
   void Fail(Job& job, const absl::Status& status) ABSL_LOCKS_EXCLUDED(mu_);

@@ -78,4 +78,15 @@ absl::Status JobOutcome(const std::string& job_id, const absl::Status& exec,
   return final_status;
 }
 
+PlanPartContext PartContextOf(const Job& job, const std::vector<std::shared_ptr<RankSlot>>& slots,
+                              const std::string& me, const std::string& coordinator) {
+  PlanPartContext pctx;
+  pctx.job_id = job.id;
+  pctx.node = me;
+  pctx.sender = coordinator;
+  pctx.world_size = job.world_size;
+  for (const auto& s : slots) pctx.ranks.push_back(&s->targets);
+  return pctx;
+}
+
 }  // namespace ckptd

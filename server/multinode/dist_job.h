@@ -30,6 +30,7 @@
 #include "proto/peer.pb.h"
 #include "server/api/caller.h"
 #include "server/jobs/job.h"
+#include "server/multinode/plan_codec.h"
 #include "server/multinode/remote_reads.h"
 
 namespace ckptd {
@@ -46,7 +47,7 @@ struct DistJobKind {
 struct DistJob {
   std::string id;
   bool coordinator = false;
-  bool save = false;   // a multi-node save (daemon_multinode_save.cc), else a load
+  bool save = false;   // a multi-node save (multinode_save.cc), else a load
   bool overwrite = false;  // a save's (compared across nodes)
   absl::Time deadline;  // for joining and planning
   // How long the outcome may take once this node reported (Complete): a
@@ -115,6 +116,11 @@ struct DistJob {
 peer::v1::JoinRequest BaseJoin(const Job& job,
                                const std::vector<std::shared_ptr<RankSlot>>& slots,
                                const std::string& node, const std::string& path, int coordinator_rank);
+
+// What LocalPartOf/LocalSaveOf check a part from `coordinator` against:
+// job `job`, this node (`me`) and its ranks' targets (`slots`).
+PlanPartContext PartContextOf(const Job& job, const std::vector<std::shared_ptr<RankSlot>>& slots,
+                              const std::string& me, const std::string& coordinator);
 
 // A part from `coordinator` must name this job, and both this node and the
 // coordinator among its nodes (PERMISSION_DENIED otherwise).

@@ -4,7 +4,7 @@
 // anything by it.
 //
 // A PlanPart is one node's share of a multi-node job's plan, made by the
-// job's coordinator (server/daemon_multinode.cc). To the node that receives
+// job's coordinator (server/multinode/multinode_load.cc). To the node that receives
 // it, it is untrusted bytes: a faulty or malicious coordinator (or a bug)
 // may name files, reads, targets or nodes that do not exist, byte ranges
 // that overlap, overflow or leave their read, regions outside a buffer,

@@ -3,7 +3,7 @@
 // Identity is the certificate: with mutual TLS every peer presents a
 // certificate signed by peer_tls_ca, and its DNS/IP names (SANs) are what it
 // is. A name must belong to the peer set to call at all; inside a job a node
-// may only use an address its certificate names (daemon_multinode.cc).
+// may only use an address its certificate names (multinode/dist_jobs.cc).
 // Two ways to name nodes:
 //  - static `peers` (host:port): each node's certificate names its host;
 //    channels verify the server's certificate against that host.

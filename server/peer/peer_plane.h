@@ -2,7 +2,7 @@
 // peer service and speak for which node address, the TLS credentials of both
 // ends (reloaded on SIGHUP), channels to the other daemons, and their cached
 // health for Status. Owned by the Daemon; the multi-node coordinator and
-// participant use it (server/daemon_coordinator.cc, daemon_multinode.cc),
+// participant use it (server/multinode/dist_jobs.h),
 // the peer server and service authenticate through it.
 //
 // Thread-safe: the peer set, the channels (with the TLS files) and the

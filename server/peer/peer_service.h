@@ -1,7 +1,8 @@
 // gRPC glue for the daemon-to-daemon Peer service (proto/peer.proto): every
 // call is mapped to its PeerCaller (the verified certificate's names, or the
-// source IP in plaintext), checked against the peer set (Daemon::
-// PeerPlane::Authorize: PERMISSION_DENIED for a name outside it), and run with no
+// source IP in plaintext), checked against the peer set
+// (PeerPlane::Authorize: PERMISSION_DENIED for a name outside it), and run
+// by the multi-node jobs (DistJobs, server/multinode/dist_jobs.h) with no
 // exception escaping.
 #ifndef CKPTD_SERVER_PEER_PEER_SERVICE_H_
 #define CKPTD_SERVER_PEER_PEER_SERVICE_H_

@@ -31,10 +31,6 @@ void LowerPriority() {
   constexpr int kWhoProcess = 1, kClassBestEffort = 2, kClassShift = 13;
   ::syscall(SYS_ioprio_set, kWhoProcess, tid, (kClassBestEffort << kClassShift) | 7);
 }
-double Seconds(std::chrono::steady_clock::time_point t0) {
-  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-}
-
 }  // namespace
 
 AsyncSaves::AsyncSaves(Options options, const SaveBuffer* buffer, DurableFn durable)

@@ -17,6 +17,8 @@
 //     node lost is found by Ping within peer_timeout) and no node writes
 //     metadata: no version appears.
 // docs/saving.md ("Saves across nodes") tells the rules to users.
+#include "server/multinode/multinode_save.h"
+
 #include <algorithm>
 #include <chrono>
 
@@ -24,13 +26,11 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "core/io/file.h"
 #include "core/base/status_macros.h"
+#include "core/io/file.h"
 #include "core/write/writer.h"
-#include "server/daemon.h"
-#include "server/multinode/dist_jobs.h"
-#include "server/daemon_internal.h"
-#include "server/multinode/plan_codec.h"
+#include "server/save/native_save.h"
+#include "server/save/saves.h"
 
 namespace ckptd {
 
@@ -39,7 +39,7 @@ namespace {
 constexpr int kSaveCoordinatorRank = 0;
 }  // namespace
 
-absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> Daemon::PlanSaveParts(
+absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> MultiNodeSave::PlanParts(
     const DistJob& dj, const std::vector<std::string>& nodes,
     const std::vector<peer::v1::JoinRequest>& joins, std::chrono::steady_clock::time_point t0) {
   std::vector<ckpt::RankTargets> ranks;
@@ -135,13 +135,13 @@ peer::v1::JoinRequest SaveJoinOf(const Job& job,
   return own;
 }
 
-absl::StatusOr<LocalSave> Daemon::AdoptSavePart(const Job& job,
+absl::StatusOr<LocalSave> MultiNodeSave::AdoptPart(const Job& job,
                                                 const std::vector<std::shared_ptr<RankSlot>>& slots,
                                                 const std::shared_ptr<DistJob>& dj,
                                                 const peer::v1::PlanPart& part,
                                                 const std::string& coordinator) {
   absl::StatusOr<LocalSave> local =
-      LocalSaveOf(part, PartContext(job, slots, coordinator), job.unique_id.value_or(0));
+      LocalSaveOf(part, PartContextOf(job, slots, p_.config->peer_listen, coordinator), job.unique_id.value_or(0));
   const absl::Status& exec = local.status();
   {
     absl::MutexLock lock(&dj->mu);
@@ -164,7 +164,7 @@ absl::StatusOr<LocalSave> Daemon::AdoptSavePart(const Job& job,
   return local;
 }
 
-absl::Status Daemon::CommitSave(const Job& job, const LocalSave& local,
+absl::Status MultiNodeSave::Commit(const Job& job, const LocalSave& local,
                                 const peer::v1::CompleteResponse& outcome,
                                 const std::string& coordinator) {
   const int64_t version = job.unique_id.value_or(0);
@@ -195,7 +195,7 @@ absl::Status Daemon::CommitSave(const Job& job, const LocalSave& local,
   return ckpt::WriteFileAtomicIn(lock.directory(), name, json);
 }
 
-absl::StatusOr<NativeSaved> Daemon::WriteSavePart(
+absl::StatusOr<NativeSaved> MultiNodeSave::WritePart(
     const std::shared_ptr<Job>& job, const std::vector<std::shared_ptr<RankSlot>>& slots,
     const LocalSave& local) {
   const int64_t version = job->unique_id.value_or(0);
@@ -218,13 +218,13 @@ absl::StatusOr<NativeSaved> Daemon::WriteSavePart(
 }
 
 
-void Daemon::RunDistributedSave(const std::shared_ptr<Job>& job,
+void MultiNodeSave::Run(const std::shared_ptr<Job>& job,
                                 const std::vector<std::shared_ptr<RankSlot>>& slots) {
   const auto t0 = std::chrono::steady_clock::now();
-  const std::string me = config_.peer_listen;
+  const std::string me = p_.config->peer_listen;
   auto fail_all = [&](const absl::Status& s) {
     spdlog::warn("multi-node save job={} failed on {}: {}", job->id, me, s.ToString());
-    jobs_.Fail(*job, s);
+    p_.jobs->Fail(*job, s);
   };
   if (me.empty()) {
     return fail_all(absl::FailedPreconditionError(absl::StrCat(
@@ -243,26 +243,26 @@ void Daemon::RunDistributedSave(const std::shared_ptr<Job>& job,
   kind.save = true;
   kind.overwrite = first.overwrite();
   const bool coordinates = job->expected.count(kSaveCoordinatorRank) > 0;
-  std::shared_ptr<DistJob> dj = dist_jobs_->New(*job, first.path(), coordinates, kind);
+  std::shared_ptr<DistJob> dj = p_.dist_jobs->New(*job, first.path(), coordinates, kind);
   job->SetPhase(coordinates ? "gathering the save's ranks from peers" : "joining the coordinator");
   // 1. The plan: what this node's ranks write.
-  auto planned = dist_jobs_->PlanPartOf(
+  auto planned = p_.dist_jobs->PlanPartOf(
       dj, own, [&](const auto& nodes, const auto& joins, auto t0) {
-        return PlanSaveParts(*dj, nodes, joins, t0);
+        return PlanParts(*dj, nodes, joins, t0);
       });
   if (!planned.ok()) return fail_all(planned.status());
   const peer::v1::PlanPart& part = planned->first;
   const std::string& coordinator = planned->second;
-  absl::StatusOr<LocalSave> local = AdoptSavePart(*job, slots, dj, part, coordinator);
+  absl::StatusOr<LocalSave> local = AdoptPart(*job, slots, dj, part, coordinator);
   absl::Status exec = local.status();
-  if (config_.testing_delay_part > absl::ZeroDuration()) {
-    absl::SleepFor(config_.testing_delay_part);  // fault injection for tests only
+  if (p_.config->testing_delay_part > absl::ZeroDuration()) {
+    absl::SleepFor(p_.config->testing_delay_part);  // fault injection for tests only
   }
   // 2. Prepare: this node's ranks' data files, durable.
   NativeSaved written;
   const int64_t version = job->unique_id.value_or(0);
   if (exec.ok()) {
-    auto w = WriteSavePart(job, slots, *local);
+    auto w = WritePart(job, slots, *local);
     if (w.ok()) {
       written = *std::move(w);
     } else {
@@ -274,19 +274,19 @@ void Daemon::RunDistributedSave(const std::shared_ptr<Job>& job,
   peer::v1::CompleteRequest done = CompletionOf(job->id, me, exec);
   done.set_bytes_written(written.bytes);
   for (const auto& [name, shard] : written.shards) ToMsg(name, shard, done.add_shards());
-  absl::StatusOr<peer::v1::CompleteResponse> outcome = dist_jobs_->ReportCompletion(dj, coordinator, done);
-  dist_jobs_->Retire(dj, absl::Seconds(1));
+  absl::StatusOr<peer::v1::CompleteResponse> outcome = p_.dist_jobs->ReportCompletion(dj, coordinator, done);
+  p_.dist_jobs->Retire(dj, absl::Seconds(1));
   absl::Status final_status = JobOutcome(job->id, exec, outcome);
   if (!final_status.ok()) return fail_all(final_status);
   // 3. Commit: every node prepared; the version's metadata, from every
   // node's shards, here.
   job->SetPhase("committing");
-  if (absl::Status c = CommitSave(*job, *local, *outcome, coordinator); !c.ok()) {
+  if (absl::Status c = Commit(*job, *local, *outcome, coordinator); !c.ok()) {
     return fail_all(ckpt::Annotate(c, absl::StrCat("save job '", job->id, "' on ", me,
                                                    ": every node prepared, the commit failed")));
   }
-  metadata_.Drop(job->path);
-  FinishSaveJob(job, slots, [&](const RankSlot& s, v1::SaveResponse& r) {
+  p_.metadata->Drop(job->path);
+  FinishSaveJob(*p_.jobs, *job, slots, [&](const RankSlot& s, v1::SaveResponse& r) {
     for (const auto& f : written.files_of_rank[s.targets.rank]) r.add_files(f);
     r.set_bytes_written(outcome->job_bytes_written());
     r.set_metadata_file(absl::StrCat(version, ".metadata"));

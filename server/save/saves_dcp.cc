@@ -2,15 +2,8 @@
 // ckptd.torch.DaemonStorageWriter): the job's data files, written as DCP
 // lays them out, and the commit of its `.metadata` (SaveRequest.dcp_metadata)
 // by the job that wrote them.
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
 #include <algorithm>
 #include <chrono>
-#include <cstring>
 #include <set>
 
 #include <spdlog/spdlog.h>
@@ -18,19 +11,19 @@
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
-#include "core/io/file.h"
 #include "core/base/status_macros.h"
-#include "server/daemon.h"
-#include "server/daemon_internal.h"
 #include "core/format/foreign.h"
 #include "core/format/torch_dcp.h"
+#include "core/io/file.h"
 #include "core/write/writer.h"
+#include "server/save/dcp.h"
+#include "server/save/saves.h"
 
 namespace ckptd {
 
 using ckpt::TargetTensor;
 
-void Daemon::WriteDcpSave(const std::shared_ptr<Job>& job,
+void Saves::WriteDcpSave(const std::shared_ptr<Job>& job,
                           const std::vector<std::shared_ptr<RankSlot>>& slots,
                           const ckpt::SavePlan& plan,
                           std::shared_ptr<const ckpt::Directory> dir,
@@ -43,7 +36,7 @@ void Daemon::WriteDcpSave(const std::shared_ptr<Job>& job,
   std::map<int, std::vector<v1::SavedItem>> items_of_rank;
   uint64_t bytes = 0;
   if (absl::Status s = ckpt::WriteFileAtomicIn(dir, kDcpPending, job->id); !s.ok()) {
-    return jobs_.Fail(*job, s);
+    return p_.jobs->Fail(*job, s);
   }
   for (int r = 0; r < job->world_size; ++r) {
     if (!job->expected.count(r) || plan.writes[r].empty()) continue;
@@ -52,7 +45,7 @@ void Daemon::WriteDcpSave(const std::shared_ptr<Job>& job,
       const std::string what = absl::StrCat("save job '", job->id, "' rank ", r, " tensor '",
                                             t.name, "'");
       if (t.flat_range) {
-        return jobs_.Fail(*job, absl::InvalidArgumentError(absl::StrCat(
+        return p_.jobs->Fail(*job, absl::InvalidArgumentError(absl::StrCat(
                                  what, ": a flat range cannot be saved as PyTorch DCP (its "
                                  "chunks are boxes)")));
       }
@@ -65,14 +58,14 @@ void Daemon::WriteDcpSave(const std::shared_ptr<Job>& job,
       w.raw = raw.count(t.name) > 0;
       if (w.raw && (t.dtype != ckpt::DType::kU8 || t.global_shape.size() != 1 ||
                     t.box.shape != t.global_shape)) {
-        return jobs_.Fail(*job, absl::InvalidArgumentError(absl::StrCat(
+        return p_.jobs->Fail(*job, absl::InvalidArgumentError(absl::StrCat(
                                  what, ": a raw target must be a whole 1-D U8 tensor")));
       }
       items.push_back(std::move(w));
     }
     const std::string file = absl::StrCat("__", r, "_", plan.unique_id, ".distcp");
     auto written = ckpt::WriteDcpDataFile(dir, file, items);
-    if (!written.ok()) return jobs_.Fail(*job, written.status());
+    if (!written.ok()) return p_.jobs->Fail(*job, written.status());
     for (size_t i = 0; i < items.size(); ++i) {
       v1::SavedItem it;
       it.set_name(items[i].name);
@@ -83,7 +76,7 @@ void Daemon::WriteDcpSave(const std::shared_ptr<Job>& job,
       bytes += items[i].nbytes;
     }
   }
-  FinishSaveJob(job, slots, [&](const RankSlot& s, v1::SaveResponse& resp) {
+  FinishSaveJob(*p_.jobs, *job, slots, [&](const RankSlot& s, v1::SaveResponse& resp) {
     for (const auto& it : items_of_rank[s.targets.rank]) {
       if (resp.files_size() == 0) resp.add_files(it.file());
       *resp.add_items() = it;
@@ -95,7 +88,7 @@ void Daemon::WriteDcpSave(const std::shared_ptr<Job>& job,
                Seconds(t0));
 }
 
-absl::StatusOr<v1::SaveResponse> Daemon::CommitDcp(const Caller& caller,
+absl::StatusOr<v1::SaveResponse> Saves::CommitDcp(const Caller& caller,
                                                    const v1::SaveRequest& request,
                                                    const std::string& parent,
                                                    const std::string& dir) {
@@ -104,21 +97,21 @@ absl::StatusOr<v1::SaveResponse> Daemon::CommitDcp(const Caller& caller,
     return absl::InvalidArgumentError(
         absl::StrCat(what, ": a dcp_metadata request carries no targets (world_size 1)"));
   }
-  if (request.dcp_metadata().size() > config_.limits.max_metadata_bytes) {
+  if (request.dcp_metadata().size() > p_.config->limits.max_metadata_bytes) {
     return absl::ResourceExhaustedError(absl::StrCat(
         what, ": dcp_metadata of ", request.dcp_metadata().size(), " bytes is over "
-        "limits.max_metadata_bytes (", config_.limits.max_metadata_bytes, ")"));
+        "limits.max_metadata_bytes (", p_.config->limits.max_metadata_bytes, ")"));
   }
   auto kind = ckpt::Storage::Default()->Kind(dir);
   if (!kind.ok() || *kind != ckpt::PathKind::kDirectory) {
     return absl::NotFoundError(absl::StrCat(what, ": no such directory (save the data first)"));
   }
-  CKPT_RETURN_IF_ERROR(policy_.CheckAccess(caller, parent, Policy::Access::kSave));
-  CKPT_RETURN_IF_ERROR(policy_.CheckAccess(caller, dir, Policy::Access::kSave));
+  CKPT_RETURN_IF_ERROR(p_.policy->CheckAccess(caller, parent, Policy::Access::kSave));
+  CKPT_RETURN_IF_ERROR(p_.policy->CheckAccess(caller, dir, Policy::Access::kSave));
   // A commit reads the whole checkpoint's metadata back: it counts as one of
   // the caller's calls in flight, its metadata bytes against its share.
   CKPT_ASSIGN_OR_RETURN(auto reservation,
-                        policy_.Reserve(caller, what, request.dcp_metadata().size(), 0));
+                        p_.policy->Reserve(caller, what, request.dcp_metadata().size(), 0));
   auto lock = ckpt::LockDirectory(dir, 0);
   if (!lock.ok()) return ckpt::Annotate(lock.status(), what);
   const ckpt::Directory& d = *lock->directory();
@@ -162,7 +155,7 @@ absl::StatusOr<v1::SaveResponse> Daemon::CommitDcp(const Caller& caller,
       ckpt::WriteFileAtomicIn(lock->directory(), ".metadata", request.dcp_metadata()));
   if (absl::Status s = d.Remove(kDcpPending); !s.ok()) spdlog::warn("{}", s.ToString());
   CKPT_RETURN_IF_ERROR(d.Sync());
-  metadata_.Drop(dir);
+  p_.metadata->Drop(dir);
   spdlog::info("save commit path={} format={} tensors={} bytes={}", dir, kDcpFormat,
                c.metadata.tensors.size(), request.dcp_metadata().size());
   v1::SaveResponse resp;

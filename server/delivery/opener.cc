@@ -1,46 +1,17 @@
-// Where a rank's bytes go: each Load (and Save) request's destination is
-// checked and opened here before its rank joins a job (PrepareSlot,
-// OpenDestination), as one of delivery/destination.h's kinds: a
-// shared-memory segment (a lent arena or the client's sealed memfd), the
-// client's own process memory (process_memory, with cache views), stream
-// buffers, or device memory (daemon_gpu.cc).
+#include "server/delivery/opener.h"
+
 #include <linux/capability.h>
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
 
-#include <algorithm>
-#include <chrono>
-#include <cstring>
-#include <set>
+#include <utility>
 
-#include <spdlog/spdlog.h>
-
-#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_format.h"
-#include "absl/strings/str_join.h"
-#include "core/io/file.h"
 #include "core/base/status_macros.h"
-#include "core/cache/cache_view.h"
-#include "server/daemon.h"
-#include "server/daemon_internal.h"
-#include "server/delivery/destination.h"
-#include "proto/fd_socket.h"
 
 namespace ckptd {
 
-using ckpt::Box;
-using ckpt::DType;
-using ckpt::TargetTensor;
-
 namespace {
-
-ckpt::Shape ToShape(const google::protobuf::RepeatedField<int64_t>& r) {
-  return ckpt::Shape(r.begin(), r.end());
-}
 
 // Whether this process holds CAP_SYS_PTRACE in its effective set.
 bool HasCapSysPtrace() {
@@ -64,59 +35,9 @@ std::vector<TargetPlace> PlacesOf(const google::protobuf::RepeatedPtrField<v1::T
   return places;
 }
 
-absl::StatusOr<std::shared_ptr<RankSlot>> Daemon::PrepareSlot(
-    const Caller& caller, const v1::LoadRequest& req) {
-  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<RankSlot> slot,
-                        NewRankSlot("Load", req.job_id(), req.rank(), req.world_size(),
-                                    req.node_ranks(), req.targets()));
-  slot->request = req;
-  const std::string who = absl::StrCat("job '", req.job_id(), "' rank ", req.rank());
-  CKPT_ASSIGN_OR_RETURN(slot->destination, OpenDestination(caller, req, slot->targets, who));
-  return slot;
-}
+DestinationOpener::DestinationOpener(Parts parts) : parts_(parts) {}
 
-absl::StatusOr<std::shared_ptr<RankSlot>> Daemon::NewRankSlot(
-    absl::string_view verb, const std::string& job_id, int rank, int world_size,
-    const google::protobuf::RepeatedField<int32_t>& node_ranks,
-    const google::protobuf::RepeatedPtrField<v1::Target>& targets) {
-  const std::string who = absl::StrCat("job '", job_id, "' rank ", rank);
-  if (job_id.empty()) return absl::InvalidArgumentError(absl::StrCat(verb, ": job_id is empty"));
-  if (world_size < 1 || world_size > (1 << 20)) {
-    return absl::InvalidArgumentError(absl::StrCat(who, ": world_size ", world_size,
-                                                   " is not in [1, 2^20]"));
-  }
-  if (rank < 0 || rank >= world_size) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(who, ": rank is outside world_size ", world_size));
-  }
-  for (int r : node_ranks) {
-    if (r < 0 || r >= world_size) {
-      return absl::InvalidArgumentError(absl::StrCat(who, ": node_ranks entry ", r,
-                                                     " is outside world_size ", world_size));
-    }
-  }
-  auto slot = std::make_shared<RankSlot>();
-  slot->targets.rank = rank;
-  for (const v1::Target& t : targets) {
-    TargetTensor tt;
-    tt.name = t.name();
-    auto dt = ckpt::ParseDType(t.dtype());
-    if (!dt.ok()) {
-      return absl::InvalidArgumentError(
-          absl::StrCat(who, " tensor '", t.name(), "': ", dt.status().message()));
-    }
-    tt.dtype = *dt;
-    tt.global_shape = ToShape(t.global_shape());
-    tt.box = Box{ToShape(t.offset()), ToShape(t.shape())};
-    if (t.has_flat_range()) tt.flat_range = ckpt::FlatRange{t.flat_range().begin(), t.flat_range().end()};
-    CKPT_RETURN_IF_ERROR(ckpt::Annotate(ckpt::ValidateTarget(rank, tt),
-                                        absl::StrCat("job '", job_id, "'")));
-    slot->targets.tensors.push_back(std::move(tt));
-  }
-  return slot;
-}
-
-absl::StatusOr<std::unique_ptr<Destination>> Daemon::OpenDestination(
+absl::StatusOr<std::unique_ptr<Destination>> DestinationOpener::Open(
     const Caller& caller, const v1::LoadRequest& req, const ckpt::RankTargets& targets,
     const std::string& who) {
   std::vector<TargetPlace> places = PlacesOf(req.targets(), targets);
@@ -125,22 +46,22 @@ absl::StatusOr<std::unique_ptr<Destination>> Daemon::OpenDestination(
     return SegmentDestination::Open(who, std::move(source), std::move(places));
   }
   if (req.has_cuda_ipc()) {
-    return OpenDeviceDestination(caller, req.cuda_ipc(), std::move(places), who);
+    return OpenDevice(caller, req.cuda_ipc(), std::move(places), who);
   }
-  if (req.has_process_memory()) return OpenProcessDestination(caller, req, places, who);
+  if (req.has_process_memory()) return OpenProcess(caller, req, places, who);
   if (req.has_stream()) return std::unique_ptr<Destination>(new StreamDestination);
   return absl::InvalidArgumentError(
       absl::StrCat(who, ": no destination (shm, process_memory, stream or cuda_ipc)"));
 }
 
-absl::StatusOr<SegmentSource> Daemon::SegmentSourceOf(const Caller& caller,
+absl::StatusOr<SegmentSource> DestinationOpener::SegmentSourceOf(const Caller& caller,
                                                       const v1::ShmDestination& shm,
                                                       const std::string& who) {
   SegmentSource source;
   source.size = shm.size();
   if (!shm.arena_token().empty()) {
     // An arena this daemon lent: already mapped and faulted in.
-    auto arena = arenas_->Find(shm.arena_token(), caller.uid);
+    auto arena = parts_.arenas->Find(shm.arena_token(), caller.uid);
     if (!arena.ok()) return ckpt::Annotate(arena.status(), who);
     if (source.size == 0) source.size = (*arena)->size();
     if (source.size > (*arena)->size()) {
@@ -165,7 +86,7 @@ absl::StatusOr<SegmentSource> Daemon::SegmentSourceOf(const Caller& caller,
   return source;
 }
 
-absl::StatusOr<std::unique_ptr<Destination>> Daemon::OpenProcessDestination(
+absl::StatusOr<std::unique_ptr<Destination>> DestinationOpener::OpenProcess(
     const Caller& caller, const v1::LoadRequest& req, const std::vector<TargetPlace>& targets,
     const std::string& who) {
   const v1::ProcessMemoryDestination& pm = req.process_memory();
@@ -192,12 +113,12 @@ absl::StatusOr<std::unique_ptr<Destination>> Daemon::OpenProcessDestination(
                      pm.cookie().size()));
   }
   // Cached bytes are left to the client to copy (core/cache/cache_view.h).
-  const bool views = pm.views() && fd_receiver_ && cache_.CanExport();
+  const bool views = pm.views() && fd_receiver_ && parts_.cache->CanExport();
   return ProcessDestination::Open(who, caller.pid, targets, pm.cookie_address(), pm.cookie(),
-                                  views ? &cache_ : nullptr, caller.uid);
+                                  views ? parts_.cache : nullptr, caller.uid);
 }
 
-absl::Status Daemon::DeliverViews(const Caller& caller, ckpt::ViewRecorder& rec,
+absl::Status DestinationOpener::DeliverViews(const Caller& caller, ckpt::ViewRecorder& rec,
                                   const std::string& who,
                                   const std::function<bool(const v1::LoadEvent&)>& send,
                                   const std::function<bool()>& cancelled) {
@@ -225,18 +146,72 @@ absl::Status Daemon::DeliverViews(const Caller& caller, ckpt::ViewRecorder& rec,
     m->set_dst_stride(c.dst_stride);
   }
   cv->set_bytes(rec.bytes_recorded());
-  const std::string token = view_leases_.Offer(caller.uid, std::move(fds), who);
+  const std::string token = parts_.view_leases->Offer(caller.uid, std::move(fds), who);
   cv->set_token(token);
   // The client copies while the views are held; they are let go once it is
   // done, gone, or out of time (then the rank fails: its tensors may be
   // half-filled).
-  absl::Status s = send(ev) ? view_leases_.AwaitDone(token, absl::Now() + config_.load_timeout,
+  absl::Status s = send(ev) ? parts_.view_leases->AwaitDone(token, absl::Now() + parts_.load_timeout,
                                                      cancelled)
                             : absl::CancelledError(absl::StrCat(who, ": client went away"));
-  view_leases_.Withdraw(token);
+  parts_.view_leases->Withdraw(token);
   if (fd_receiver_) fd_receiver_->EndViews(token);
   rec.Release();
   return s;
+}
+
+absl::StatusOr<std::unique_ptr<Destination>> DestinationOpener::OpenDevice(
+    const Caller& caller, const v1::CudaIpcDestination& cuda_ipc,
+    std::vector<TargetPlace> targets, const std::string& who) {
+  // Targets in host memory (dest_host: a CPU tensor of a GPU state dict)
+  // go to the destination's shm segment, the rest to device memory.
+  std::vector<TargetPlace> host;
+  for (const TargetPlace& t : targets) {
+    if (t.host) host.push_back(t);
+  }
+  std::unique_ptr<MappedSegment> segment;
+  if (!host.empty()) {
+    if (!cuda_ipc.has_host()) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          who, ": tensor '", host[0].name,
+          "' is marked dest_host but the cuda_ipc destination has no host segment"));
+    }
+    CKPT_ASSIGN_OR_RETURN(SegmentSource source, SegmentSourceOf(caller, cuda_ipc.host(), who));
+    CKPT_ASSIGN_OR_RETURN(segment, OpenSegment(who, std::move(source), host));
+  }
+  std::vector<gpu::IpcBuffer> buffers;
+  for (const v1::CudaBuffer& b : cuda_ipc.buffers()) {
+    buffers.push_back(gpu::IpcBuffer{b.ipc_handle(), b.device(), b.device_uuid(), b.size()});
+  }
+  return DeviceDestination::Open(*parts_.gpu, who, buffers, std::move(targets), std::move(segment));
+}
+
+absl::Status DestinationOpener::StageDeviceSave(const std::string& who, v1::SaveRequest& request,
+                                                const ckpt::RankTargets& targets,
+                                                std::unique_ptr<Destination>* destination) {
+  // The rank's bytes packed (64-byte aligned) into one private buffer.
+  std::vector<uint64_t> at(request.targets_size());
+  uint64_t size = 0;
+  for (int t = 0; t < request.targets_size(); ++t) {
+    at[t] = size;
+    size = (size + targets.tensors[t].num_bytes() + 63) / 64 * 64;
+  }
+  CKPT_ASSIGN_OR_RETURN(auto staged, MappedSegment::Private(parts_.gpu->host_allocator(), size,
+                                                            absl::StrCat(who, ": staging")));
+  std::vector<uint8_t*> to;
+  for (int t = 0; t < request.targets_size(); ++t) to.push_back(staged->data() + at[t]);
+  CKPT_RETURN_IF_ERROR((*destination)->CopyTargetsTo(*parts_.gpu, to, who));
+  for (int t = 0; t < request.targets_size(); ++t) {
+    v1::Target* target = request.mutable_targets(t);
+    target->set_dest_offset(at[t]);
+    target->clear_dest_host();
+    target->clear_dest_buffer();
+  }
+  request.clear_cuda_ipc();
+  // The client's IPC handles are closed here (the device destination goes).
+  *destination = std::make_unique<SegmentDestination>(std::move(staged),
+                                                      PlacesOf(request.targets(), targets));
+  return absl::OkStatus();
 }
 
 }  // namespace ckptd

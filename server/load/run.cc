@@ -1,42 +1,59 @@
-// The one load path (docs/architecture.md). Every load job, single- or
-// multi-node, runs the same steps on each node it touches:
-//
-//   RunJob          one aoa_config per job; waits for persists into the
-//                   directory and for the previous load's cache fill; then
-//                   plans the whole job here, or (RunDistributedJob,
-//                   daemon_multinode.cc) joins the job's coordinator for this
-//                   node's part of a plan made across nodes;
-//   RunNodePart     strict ranks missing keys fail alone; destinations; the
-//                   storage source (data cache + files, fresh memory deferred
-//                   to the cache filler), wrapped by peers' reads for a
-//                   multi-node part; execution under load_timeout and the
-//                   drain's abort; the file-change check; device mappings
-//                   closed; the background cache fill queued;
-//   FinishLoadJob   every rank's result, the job out of the registry, its
-//                   log line and metrics.
-//
-// The multi-node code adds only joining, planning across nodes, peer fetches
-// and agreeing on the outcome.
+// The load runner: RunJob, RunNodePart and FinishLoadJob (loads.h tells
+// the steps), and what they share on a job's way.
 #include <algorithm>
 #include <chrono>
 #include <set>
 
 #include <spdlog/spdlog.h>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "absl/synchronization/mutex.h"
 #include "core/plan/aoa.h"
 #include "core/exec/executor.h"
-#include "server/daemon.h"
-#include "server/daemon_internal.h"
-#include "server/multinode/remote_reads.h"
-#include "server/delivery/destination.h"
-#include "server/obs/metrics.h"
+#include "server/load/loads.h"
 
 namespace ckptd {
+namespace {
 
-void FillLoadResult(RankSlot& s, const ckpt::RankPlan& rp, size_t index,
-                    const JobFigures& f) {
+// The source a load job's plan runs on: `inner`, behind a gate that ends
+// the job once it is aborted (JobRegistry::AbortLoads) and, for tests only
+// (--testing-delay-read-ms), pauses before each read; the pause ends early
+// when the job is aborted.
+class GatedSource final : public ckpt::RangeSource {
+ public:
+  GatedSource(ckpt::RangeSource* inner, Job* job, absl::Duration delay)
+      : inner_(inner), job_(job), delay_(delay) {}
+  absl::StatusOr<ckpt::RangeView> Fetch(
+      const std::string& file, uint64_t offset, uint64_t n, std::vector<uint8_t>& scratch,
+      const std::function<absl::Status(const uint8_t*)>& verify) override {
+    if (absl::Status s = Gate(); !s.ok()) return s;
+    return inner_->Fetch(file, offset, n, scratch, verify);
+  }
+  absl::StatusOr<std::unique_ptr<Fill>> BeginFill(const std::string& file, uint64_t offset,
+                                                  uint64_t n, bool verify,
+                                                  std::optional<ckpt::RangeView>* served) override {
+    if (absl::Status s = Gate(); !s.ok()) return s;
+    return inner_->BeginFill(file, offset, n, verify, served);
+  }
+
+ private:
+  absl::Status Gate() {
+    absl::MutexLock lock(&job_->abort_mu);
+    if (delay_ > absl::ZeroDuration()) {
+      job_->abort_mu.AwaitWithTimeout(absl::Condition(&job_->aborted), delay_);
+    }
+    return job_->aborted ? job_->abort_status : absl::OkStatus();
+  }
+  ckpt::RangeSource* const inner_;
+  Job* const job_;
+  const absl::Duration delay_;
+};
+
+// Fills `s.result` for plan rank `index` (not `done`: the caller marks it).
+void FillLoadResult(RankSlot& s, const ckpt::RankPlan& rp, size_t index, const JobFigures& f)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(s.mu) {
   v1::LoadResult& r = s.result;
   for (const auto& k : rp.missing_keys) r.add_missing_keys(k);
   for (const auto& k : f.unexpected_keys) r.add_unexpected_keys(k);
@@ -58,14 +75,35 @@ void FillLoadResult(RankSlot& s, const ckpt::RankPlan& rp, size_t index,
   tm->set_wait_s(std::chrono::duration<double>(f.start - s.start).count());
 }
 
-void Daemon::RunJob(const std::shared_ptr<Job>& job) {
+
+// Closes a job's device mappings once its copies are done: `delivery` (its
+// streams waited for) and every slot's destination are released, before any
+// rank is told it is done (a client may free that memory right after).
+void ReleaseDestinations(absl::StatusOr<std::unique_ptr<ckpt::Delivery>>& delivery,
+                         const std::vector<std::shared_ptr<RankSlot>>& slots) {
+  if (delivery.ok()) delivery->reset();
+  for (const auto& s : slots) s->destination->Release();
+}
+
+// Whether every rank of a job asked skip_verify (only then are the job's
+// reads left unverified, and nothing they read is cached).
+inline bool AllRanksSkipVerify(const std::vector<std::shared_ptr<RankSlot>>& slots) {
+  for (const auto& s : slots) {
+    if (!s->request.skip_verify()) return false;
+  }
+  return !slots.empty();
+}
+
+}  // namespace
+
+void Loads::RunJob(const std::shared_ptr<Job>& job) {
   const auto t_start = std::chrono::steady_clock::now();
   const std::vector<std::shared_ptr<RankSlot>> slots = SlotsOf(*job);
   const bool distributed = static_cast<int>(job->expected.size()) < job->world_size;
   auto fail_all = [&](const absl::Status& s) {
-    RecordLoadJob(LoadJobRecord{job->id, job->path, distributed ? config_.peer_listen : "",
+    RecordLoadJob(LoadJobRecord{job->id, job->path, distributed ? p_.config->peer_listen : "",
                                 slots.size(), s});
-    jobs_.Fail(*job, s);
+    p_.jobs->Fail(*job, s);
   };
   // AOA statements (LoadRequest.aoa_config): the same text from every rank
   // (multi-node: the coordinator checks every node sends the same).
@@ -81,18 +119,18 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
   // of a multi-node job waits at most peer_timeout: its peers wait for its
   // join (or its plan) no longer than that.
   const absl::Duration wait =
-      distributed ? std::min(config_.load_timeout, config_.peer_timeout) : config_.load_timeout;
-  async_saves_.AwaitPersisting(&job->path, absl::Now() + wait);
+      distributed ? std::min(p_.config->load_timeout, p_.config->peer_timeout) : p_.config->load_timeout;
+  p_.async_saves->AwaitPersisting(&job->path, absl::Now() + wait);
   // The previous load's background fill of this checkpoint first: what the
   // cache serves does not depend on timing (server/catalog/cache_filler.h).
-  if (!filler_->Wait(job->path + "/", wait)) {
+  if (!p_.filler->Wait(job->path + "/", wait)) {
     spdlog::warn("job {}: the cache fill of {} did not finish in time; loading anyway", job->id,
                  job->path);
   }
-  if (distributed) return RunDistributedJob(job, slots, t_start);
+  if (distributed) return multi_node_(job, slots, t_start);
 
   auto t0 = std::chrono::steady_clock::now();
-  auto opened = metadata_.Open(job->path, job->unique_id);
+  auto opened = p_.metadata->Open(job->path, job->unique_id);
   if (!opened.ok()) return fail_all(opened.status());
   const double list_s = Seconds(t0);
   const ckpt::Checkpoint& ckpt = (*opened)->checkpoint;
@@ -101,7 +139,7 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
   std::vector<ckpt::RankTargets> ranks;
   for (const auto& s : slots) ranks.push_back(s->targets);
   ckpt::PlanOptions po;
-  po.max_read_bytes = config_.io_request_size;
+  po.max_read_bytes = p_.config->io_request_size;
   auto plan = ckpt::PlanLoadWithAoa(ckpt.metadata, slots.front()->request.aoa_config(), ranks, po,
                                     "aoa_config");
   if (!plan.ok()) return fail_all(plan.status());
@@ -125,7 +163,7 @@ void Daemon::RunJob(const std::shared_ptr<Job>& job) {
   FinishLoadJob(job, slots, *plan, fig, std::move(rec), nullptr);
 }
 
-absl::StatusOr<ckpt::LoadStats> Daemon::RunNodePart(
+absl::StatusOr<ckpt::LoadStats> Loads::RunNodePart(
     const std::shared_ptr<Job>& job, const std::vector<std::shared_ptr<RankSlot>>& slots,
     const ckpt::LoadPlan& plan, const std::map<std::string, ckpt::FileStamp>& stamps,
     absl::string_view phase, RemoteReads* remote) {
@@ -157,13 +195,13 @@ absl::StatusOr<ckpt::LoadStats> Daemon::RunNodePart(
   ckpt::SourceOptions storage_options;
   storage_options.defer_fresh_memory = true;  // filled afterwards by filler_
   storage_options.tenant = job->owner;        // the uid whose loads may view these entries
-  ckpt::CachingSource storage(job->path, &cache_, stamps, storage_options);
+  ckpt::CachingSource storage(job->path, p_.cache, stamps, storage_options);
   GatedSource source(remote != nullptr ? remote->Wrap(&storage) : &storage, job.get(),
-                     config_.testing_delay_read);
-  auto delivery = JobDelivery(*gpu_, std::move(parts));
+                     p_.config->testing_delay_read);
+  auto delivery = JobDelivery(*p_.gpu, std::move(parts));
   ckpt::ExecuteOptions eo;
-  eo.threads = config_.io_threads;
-  eo.direct_io = direct_io_;
+  eo.threads = p_.config->io_threads;
+  eo.direct_io = p_.direct_io;
   // skip_verify is one rank's wish for its own delivery; the bytes are shared
   // with every rank of the job (and the cache, and peers), so they are
   // verified unless every rank asks not to (and then nothing read is cached:
@@ -172,7 +210,7 @@ absl::StatusOr<ckpt::LoadStats> Daemon::RunNodePart(
   eo.progress_bytes = &job->progress;
   eo.skip_rank = [&](size_t i) { return skip[i] || slots[i]->cancelled(); };
   eo.deadline = std::chrono::steady_clock::now() +
-                std::chrono::milliseconds(absl::ToInt64Milliseconds(config_.load_timeout));
+                std::chrono::milliseconds(absl::ToInt64Milliseconds(p_.config->load_timeout));
   auto stats = delivery.ok() ? ckpt::ExecutePlan(plan, source, **delivery, eo)
                              : absl::StatusOr<ckpt::LoadStats>(delivery.status());
   // A file changed after its last read, before the load ends, fails it too
@@ -189,12 +227,12 @@ absl::StatusOr<ckpt::LoadStats> Daemon::RunNodePart(
     absl::Status s = stats.status();
     if (absl::IsDeadlineExceeded(s)) {  // the executor's deadline: load_timeout
       s = absl::DeadlineExceededError(absl::StrCat("job '", job->id, "': load_timeout ",
-                                                   absl::FormatDuration(config_.load_timeout),
+                                                   absl::FormatDuration(p_.config->load_timeout),
                                                    " ran out: ", s.message()));
     }
     return s;
   }
-  bytes_read_total_ += stats->bytes_read;
+  p_.counters->bytes_read += stats->bytes_read;
   // Reads delivered without being kept (no warm memory for them): filled
   // into the cache in the background, before this checkpoint's next load.
   if (auto deferred = storage.Deferred(); !deferred.empty()) {
@@ -204,16 +242,16 @@ absl::StatusOr<ckpt::LoadStats> Daemon::RunNodePart(
     uint64_t bytes = 0;  // no more than the cache can hold (it would evict its own fill)
     for (const ckpt::ReadRange& rr : plan.reads) {
       if (!d.count({plan.files[rr.file], rr.offset})) continue;
-      if (bytes + rr.length > config_.cache_budget) break;
+      if (bytes + rr.length > p_.config->cache_budget) break;
       bytes += rr.length;
       fill.reads.push_back(rr);
     }
-    filler_->Submit(job->path, stamps, std::move(fill), job->owner);
+    p_.filler->Submit(job->path, stamps, std::move(fill), job->owner);
   }
   return stats;
 }
 
-void Daemon::FinishLoadJob(const std::shared_ptr<Job>& job,
+void Loads::FinishLoadJob(const std::shared_ptr<Job>& job,
                            const std::vector<std::shared_ptr<RankSlot>>& slots,
                            const ckpt::LoadPlan& plan, const JobFigures& fig, LoadJobRecord rec,
                            const std::function<void(v1::LoadResult&)>& extra) {
@@ -227,7 +265,7 @@ void Daemon::FinishLoadJob(const std::shared_ptr<Job>& job,
   rec.plan_s = fig.plan_s;
   rec.read_s = stats.read_seconds;
   rec.copy_s = stats.copy_seconds;
-  jobs_.Finish(*job, [&] {
+  p_.jobs->Finish(*job, [&] {
     // Metrics and the job's log line, written before any rank can see its
     // result: a client that finished finds its job logged.
     rec.wall_s = Seconds(fig.start);

@@ -1,5 +1,4 @@
-// Multi-node jobs: the coordinator, the node-aware load balancer's use, and
-// daemon-to-daemon transfer over the peer service.
+// A load whose ranks span several daemons (multinode_load.h), on one node.
 //
 // Flow for a job whose ranks span several daemons:
 //  1. Each daemon waits for its own ranks (the local barrier in Load).
@@ -14,32 +13,19 @@
 //     answers all of them with one outcome, so all nodes succeed or fail
 //     together. Every wait is bounded by peer_timeout and names who it
 //     waited for.
-#include <dirent.h>
-#include <arpa/inet.h>
-#include <netdb.h>
-#include <sys/socket.h>
+#include "server/multinode/multinode_load.h"
 
 #include <algorithm>
 #include <chrono>
-#include <thread>
 
-#include <grpcpp/grpcpp.h>
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/match.h"
-#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
-#include "absl/strings/str_join.h"
+#include "core/base/status_macros.h"
+#include "core/format/checkpoint.h"
 #include "core/plan/aoa.h"
 #include "core/plan/balancer.h"
-#include "core/exec/executor.h"
-#include "core/base/status_macros.h"
-#include "core/base/xxh3.h"
-#include "server/daemon.h"
-#include "server/peer/peer_plane.h"
-#include "server/multinode/dist_jobs.h"
-#include "server/daemon_internal.h"
-#include "server/obs/metrics.h"
 #include "server/multinode/peer_nccl.h"
 #include "server/multinode/plan_codec.h"
 
@@ -85,11 +71,11 @@ std::vector<peer::v1::FileInfo> ListReadable(const std::string& dir) {
 
 }  // namespace
 
-absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> Daemon::PlanLoadParts(
+absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> MultiNodeLoad::PlanParts(
     const DistJob& dj, const std::vector<std::string>& nodes,
     const std::vector<peer::v1::JoinRequest>& joins, std::chrono::steady_clock::time_point t0) {
   CKPT_ASSIGN_OR_RETURN(auto opened,
-                        metadata_.Open(dj.local_dir, dj.unique_id, /*all_files_local=*/false));
+                        p_.metadata->Open(dj.local_dir, dj.unique_id, /*all_files_local=*/false));
   std::vector<std::pair<int, int>> rank_node;  // rank -> node index
   std::map<int, const peer::v1::RankTargetsMsg*> by_rank;
   for (size_t n = 0; n < joins.size(); ++n) {
@@ -112,7 +98,7 @@ absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> Daemon::PlanLoadParts(
     node_of_rank.push_back(node);
   }
   ckpt::PlanOptions po;
-  po.max_read_bytes = config_.io_request_size;
+  po.max_read_bytes = p_.config->io_request_size;
   CKPT_ASSIGN_OR_RETURN(ckpt::LoadPlan plan,
                         ckpt::PlanLoadWithAoa(opened->checkpoint.metadata, dj.aoa, ranks, po,
                                               "aoa_config"));
@@ -163,7 +149,7 @@ absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> Daemon::PlanLoadParts(
     }
   }
   if (nccl) {
-    auto id = gpu_->NewNcclId();
+    auto id = p_.gpu->NewNcclId();
     if (id.ok()) {
       for (auto& [n, p] : parts) p.set_nccl_id(*id);
     } else {
@@ -174,9 +160,9 @@ absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> Daemon::PlanLoadParts(
   return parts;
 }
 
-absl::StatusOr<peer::v1::JoinRequest> Daemon::LoadJoinOf(
+absl::StatusOr<peer::v1::JoinRequest> MultiNodeLoad::JoinOf(
     const Job& job, const std::vector<std::shared_ptr<RankSlot>>& slots) {
-  const std::string& me = config_.peer_listen;
+  const std::string& me = p_.config->peer_listen;
   if (me.empty()) {
     return absl::FailedPreconditionError(absl::StrCat(
         "job '", job.id, "' spans several daemons (this one serves ", job.expected.size(),
@@ -196,48 +182,36 @@ absl::StatusOr<peer::v1::JoinRequest> Daemon::LoadJoinOf(
     }
   }
   peer::v1::JoinRequest own = BaseJoin(job, slots, me, slots.front()->request.path(), coord_rank);
-  own.set_nccl(NcclWanted(*gpu_));
-  for (const std::string& n : dist_jobs_->NcclUnreachable()) own.add_nccl_unreachable(n);
+  own.set_nccl(NcclWanted(*p_.gpu));
+  for (const std::string& n : p_.dist_jobs->NcclUnreachable()) own.add_nccl_unreachable(n);
   own.set_aoa_config(slots.front()->request.aoa_config());
   for (auto& f : ListReadable(job.path)) *own.add_readable() = std::move(f);
   return own;
 }
 
-PlanPartContext Daemon::PartContext(const Job& job,
-                                    const std::vector<std::shared_ptr<RankSlot>>& slots,
-                                    const std::string& coordinator) const {
-  PlanPartContext pctx;
-  pctx.job_id = job.id;
-  pctx.node = config_.peer_listen;
-  pctx.sender = coordinator;
-  pctx.world_size = job.world_size;
-  for (const auto& s : slots) pctx.ranks.push_back(&s->targets);
-  return pctx;
-}
-
-void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job,
+void MultiNodeLoad::Run(const std::shared_ptr<Job>& job,
                                const std::vector<std::shared_ptr<RankSlot>>& slots,
                                std::chrono::steady_clock::time_point t_start) {
   auto fail_all = [&](const absl::Status& s) {
-    RecordLoadJob(LoadJobRecord{job->id, job->path, config_.peer_listen, slots.size(), s});
-    jobs_.Fail(*job, s);
+    RecordLoadJob(LoadJobRecord{job->id, job->path, p_.config->peer_listen, slots.size(), s});
+    p_.jobs->Fail(*job, s);
   };
-  const std::string me = config_.peer_listen;
-  absl::StatusOr<peer::v1::JoinRequest> joined = LoadJoinOf(*job, slots);
+  const std::string me = p_.config->peer_listen;
+  absl::StatusOr<peer::v1::JoinRequest> joined = JoinOf(*job, slots);
   if (!joined.ok()) return fail_all(joined.status());
   const peer::v1::JoinRequest& own = *joined;
   const int coord_rank = own.coordinator_rank();
 
   DistJobKind kind;
   kind.aoa = slots.front()->request.aoa_config();
-  std::shared_ptr<DistJob> dj = dist_jobs_->New(*job, slots.front()->request.path(),
+  std::shared_ptr<DistJob> dj = p_.dist_jobs->New(*job, slots.front()->request.path(),
                                                job->expected.count(coord_rank) > 0, kind);
   job->SetPhase(dj->coordinator ? "gathering the job's ranks from peers"
                                 : "joining the coordinator");
   // 1. The plan part of this node.
-  auto planned = dist_jobs_->PlanPartOf(
+  auto planned = p_.dist_jobs->PlanPartOf(
       dj, own, [&](const auto& nodes, const auto& joins, auto t0) {
-        return PlanLoadParts(*dj, nodes, joins, t0);
+        return PlanParts(*dj, nodes, joins, t0);
       });
   if (!planned.ok()) return fail_all(planned.status());
   const peer::v1::PlanPart& part = planned->first;
@@ -246,11 +220,11 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job,
   // 2. This node's share of the part.
   LocalPart mine;
   absl::Status exec =
-      dist_jobs_->AdoptPart(dj, part, coordinator, PartContext(*job, slots, coordinator), &mine);
+      p_.dist_jobs->AdoptPart(dj, part, coordinator, PartContextOf(*job, slots, me, coordinator), &mine);
   ckpt::LoadPlan& lp = mine.plan;
   // 3. Execute.
-  if (config_.testing_delay_part > absl::ZeroDuration()) {
-    absl::SleepFor(config_.testing_delay_part);  // fault injection for tests only
+  if (p_.config->testing_delay_part > absl::ZeroDuration()) {
+    absl::SleepFor(p_.config->testing_delay_part);  // fault injection for tests only
   }
   std::map<std::string, ckpt::FileStamp> stamps;  // none when the part was refused
   if (exec.ok()) exec = StampLocalFiles(job->path, mine.local_files, me, &stamps);
@@ -258,8 +232,8 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job,
   uint64_t received = 0, sent = 0;
   if (exec.ok()) {
     std::unique_ptr<RemoteReads> peers =
-        dist_jobs_->PeerReadsFor(dj, part, std::move(mine.global_index), std::move(mine.reader));
-    auto st = RunNodePart(job, slots, lp, stamps, "reading (multi-node)", peers.get());
+        p_.dist_jobs->PeerReadsFor(dj, part, std::move(mine.global_index), std::move(mine.reader));
+    auto st = p_.loads->RunNodePart(job, slots, lp, stamps, "reading (multi-node)", peers.get());
     received = peers->bytes_received();
     sent = peers->bytes_sent();
     if (st.ok()) {
@@ -275,9 +249,9 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job,
   done.set_bytes_read(stats.bytes_read);
   done.set_bytes_received(received);
   done.set_bytes_sent(sent);
-  absl::StatusOr<peer::v1::CompleteResponse> outcome = dist_jobs_->ReportCompletion(dj, coordinator, done);
+  absl::StatusOr<peer::v1::CompleteResponse> outcome = p_.dist_jobs->ReportCompletion(dj, coordinator, done);
   // Every node has completed (the outcome says so): its fetches are done.
-  dist_jobs_->Retire(dj, absl::Seconds(1));
+  p_.dist_jobs->Retire(dj, absl::Seconds(1));
   absl::Status final_status = JobOutcome(job->id, exec, outcome);
   if (!final_status.ok()) {
     spdlog::warn("multi-node job={} failed on {}: {}", job->id, me, final_status.ToString());
@@ -297,7 +271,7 @@ void Daemon::RunDistributedJob(const std::shared_ptr<Job>& job,
   rec.bytes_from_peers = received;
   rec.bytes_to_peers = sent;
   rec.job_bytes_read = outcome->job_bytes_read();
-  FinishLoadJob(job, slots, lp, fig, std::move(rec), [&](v1::LoadResult& r) {
+  p_.loads->FinishLoadJob(job, slots, lp, fig, std::move(rec), [&](v1::LoadResult& r) {
     r.set_bytes_from_peers(received);
     r.set_bytes_to_peers(sent);
     for (const auto& n : part.nodes()) r.add_nodes(n);

@@ -1,88 +1,59 @@
-// Native saves, and asynchronous saves (SaveRequest.async_save): the job's
-// ranks hand their bytes over, get their answer once the daemon holds a
-// consistent copy, and one persist thread writes the versions in the
-// background, in the order their jobs completed. docs/saving.md tells the
-// rules; the code follows them:
-//  - staged bytes count against save_buffer, charged per rank before any
-//    copy; a rank waits (bounded by its barrier timeout) while it is full;
-//  - a version is written as any native save is (core/write/writer.h: data files
-//    under temporary names, fsynced, renamed; the metadata last), so a
-//    daemon killed at any point leaves no part of it visible;
-//  - the persist thread runs at a low CPU and I/O priority: loads win;
-//  - once durable, the version's files are put into the data cache, and a
-//    load of a directory with a save still persisting waits for it.
-#include <fcntl.h>
-#include <sys/mman.h>
-#include <sys/resource.h>
-#include <sys/stat.h>
-#include <sys/syscall.h>
-#include <unistd.h>
+// Save's checks and a save job's run (saves.h).
+#include "server/save/saves.h"
 
-#include <cstring>
+#include <algorithm>
+#include <chrono>
 
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
-#include "core/io/file.h"
 #include "core/base/status_macros.h"
+#include "core/format/checkpoint.h"
+#include "core/io/file.h"
 #include "core/write/writer.h"
-#include "server/daemon.h"
-#include "server/daemon_internal.h"
-#include "server/delivery/destination.h"
+#include "server/save/dcp.h"
+#include "server/save/native_save.h"
 
 namespace ckptd {
 
-using ckpt::TargetTensor;
-
-void Daemon::StartAsyncSave(const std::shared_ptr<Job>& job,
-                            const std::vector<std::shared_ptr<RankSlot>>& slots,
-                            ckpt::SavePlan plan) {
-  auto pending = async_saves_.Start(*job, slots, std::move(plan));
-  if (!pending.ok()) return jobs_.Fail(*job, pending.status());
-  const PendingSave& p = **pending;
-  FinishSaveJob(job, slots, [&](const RankSlot& s, v1::SaveResponse& r) {
-    r = p.first_answers.at(s.targets.rank);
+void FinishSaveJob(JobRegistry& jobs, Job& job, const std::vector<std::shared_ptr<RankSlot>>& slots,
+                   const std::function<void(const RankSlot&, v1::SaveResponse&)>& answer) {
+  jobs.Finish(job, [&] {
+    for (const auto& s : slots) {
+      absl::MutexLock slot_lock(&s->mu);
+      answer(*s, s->save_result);
+      s->done = true;
+    }
   });
-  spdlog::info("save job={} path={} version={} ranks={}: {}B staged, persisting in the background",
-               job->id, job->path, p.save.plan.unique_id, slots.size(), p.bytes_staged);
 }
 
-void Daemon::PublishSaved(const std::string& dir, const std::vector<std::string>& files) {
+void PublishSaved(ckpt::HostCache* cache, const std::string& dir,
+                  const std::vector<std::string>& files) {
   for (const std::string& name : files) {
     const std::string path = ckpt::JoinPath(dir, name);
     auto f = ckpt::OpenFile(path);
     if (!f.ok()) continue;
     auto before = (*f)->Stamp();
     const uint64_t n = (*f)->size();
-    if (!before.ok() || !cache_.CanHold(n)) continue;
-    auto pending = cache_.Reserve(n);
+    if (!before.ok() || !cache->CanHold(n)) continue;
+    auto pending = cache->Reserve(n);
     if (pending == nullptr) continue;
-    if (!(*f)->Read(0, n, cache_.PendingData(pending)).ok()) continue;
+    if (!(*f)->Read(0, n, cache->PendingData(pending)).ok()) continue;
     // Published only when the file is still the one just written.
     auto after = ckpt::StatFile(path);
     if (!after.ok() || !(*after == *before)) continue;
-    cache_.Publish(std::move(pending), path, *before, 0);
+    cache->Publish(std::move(pending), path, *before, 0);
   }
 }
 
-absl::StatusOr<v1::SaveResponse> Daemon::AwaitSave(const Caller& caller,
-                                                   const v1::AwaitSaveRequest& request,
-                                                   const std::function<bool()>& cancelled) {
-  return async_saves_.Await(caller, policy_.IsAdmin(caller), request, cancelled);
-}
-
-std::vector<std::string> Daemon::AwaitPersists(absl::Duration timeout) {
-  return async_saves_.AwaitPersisting(nullptr, absl::Now() + timeout);
-}
-
-absl::StatusOr<std::pair<std::string, std::string>> Daemon::ResolveSaveDir(
+absl::StatusOr<std::pair<std::string, std::string>> Saves::ResolveSaveDir(
     const v1::SaveRequest& request) const {
   // The output directory may not exist yet: resolve its parent. A relative
   // path is under the first root (as for loads), so the nodes of a
   // multi-node save can name node-local directories that live at different
   // places.
   std::string out = request.path();
-  if (!out.empty() && out[0] != '/') out = ckpt::JoinPath(config_.roots.front(), out);
+  if (!out.empty() && out[0] != '/') out = ckpt::JoinPath(p_.config->roots.front(), out);
   while (out.size() > 1 && out.back() == '/') out.pop_back();
   const size_t slash = out.rfind('/');
   if (out.empty() || slash == std::string::npos) {
@@ -90,7 +61,7 @@ absl::StatusOr<std::pair<std::string, std::string>> Daemon::ResolveSaveDir(
         absl::StrCat("Save: path '", request.path(), "' names no directory"));
   }
   const std::string leaf = out.substr(slash + 1);
-  auto parent = policy_.ResolvePath(slash == 0 ? "/" : out.substr(0, slash));
+  auto parent = p_.policy->ResolvePath(slash == 0 ? "/" : out.substr(0, slash));
   if (!parent.ok()) return parent.status();
   if (!ckpt::IsPlainFileName(leaf)) {
     return absl::InvalidArgumentError(absl::StrCat("Save: bad directory name '", leaf, "'"));
@@ -98,7 +69,7 @@ absl::StatusOr<std::pair<std::string, std::string>> Daemon::ResolveSaveDir(
   return std::make_pair(*parent, ckpt::JoinPath(*parent, leaf));
 }
 
-absl::Status Daemon::CheckSaveDir(const Caller& caller, const v1::SaveRequest& request,
+absl::Status Saves::CheckSaveDir(const Caller& caller, const v1::SaveRequest& request,
                                   const std::string& dir, bool dcp) const {
   auto kind = ckpt::Storage::Default()->Kind(dir);
   if (kind.ok() && *kind != ckpt::PathKind::kMissing) {
@@ -108,7 +79,7 @@ absl::Status Daemon::CheckSaveDir(const Caller& caller, const v1::SaveRequest& r
           *kind == ckpt::PathKind::kSymlink ? " is a symbolic link" : " is not a directory",
           "; save into a real directory inside a root"));
     }
-    if (absl::Status a = policy_.CheckAccess(caller, dir, Policy::Access::kSave); !a.ok()) return a;
+    if (absl::Status a = p_.policy->CheckAccess(caller, dir, Policy::Access::kSave); !a.ok()) return a;
     // Early answer for the ranks; RunSaveJob checks again under the directory lock.
     auto exists = dcp ? ckpt::CommitFileExists(dir, ".metadata")
                       : ckpt::VersionExists(dir, request.unique_id());
@@ -123,7 +94,7 @@ absl::Status Daemon::CheckSaveDir(const Caller& caller, const v1::SaveRequest& r
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::shared_ptr<RankSlot>> Daemon::PrepareSaveSlot(
+absl::StatusOr<std::shared_ptr<RankSlot>> Saves::PrepareSaveSlot(
     const Caller& caller, const v1::SaveRequest& request, const std::string& who, uint64_t bytes,
     const std::function<bool()>& cancelled) {
   // The rank and its targets checked as a Load's; its bytes in a segment
@@ -135,10 +106,10 @@ absl::StatusOr<std::shared_ptr<RankSlot>> Daemon::PrepareSaveSlot(
   const std::string rank_who = absl::StrCat("job '", request.job_id(), "' rank ", request.rank());
   std::vector<TargetPlace> places = PlacesOf(request.targets(), slot->targets);
   if (request.has_cuda_ipc()) {
-    CKPT_ASSIGN_OR_RETURN(slot->destination, OpenDeviceDestination(caller, request.cuda_ipc(),
+    CKPT_ASSIGN_OR_RETURN(slot->destination, p_.opener->OpenDevice(caller, request.cuda_ipc(),
                                                                    std::move(places), rank_who));
   } else {
-    CKPT_ASSIGN_OR_RETURN(SegmentSource source, SegmentSourceOf(caller, request.shm(), rank_who));
+    CKPT_ASSIGN_OR_RETURN(SegmentSource source, p_.opener->SegmentSourceOf(caller, request.shm(), rank_who));
     CKPT_ASSIGN_OR_RETURN(slot->destination,
                           SegmentDestination::Open(rank_who, std::move(source), std::move(places)));
   }
@@ -146,8 +117,8 @@ absl::StatusOr<std::shared_ptr<RankSlot>> Daemon::PrepareSaveSlot(
     // The rank's bytes must outlive its call: save_buffer room first (the
     // call waits here while earlier persists hold it), then the daemon's own
     // copy unless the client handed its segment over for good.
-    auto charge = save_buffer_.Reserve(who, bytes,
-                                   absl::Now() + BarrierTimeout(request.barrier_timeout_ms()),
+    auto charge = p_.save_buffer->Reserve(who, bytes,
+                                   absl::Now() + BarrierTimeout(request.barrier_timeout_ms(), p_.config->barrier_timeout),
                                    cancelled, &slot->buffer_wait_s);
     if (!charge.ok()) return charge.status();
     slot->save_charge = std::move(*charge);
@@ -165,12 +136,13 @@ absl::StatusOr<std::shared_ptr<RankSlot>> Daemon::PrepareSaveSlot(
   }
   slot->save_request = request;
   if (request.has_cuda_ipc()) {  // its targets then point into the daemon's own copy
-    if (absl::Status s = StageDeviceSave(who, slot->save_request, *slot); !s.ok()) return s;
+    if (absl::Status s = p_.opener->StageDeviceSave(who, slot->save_request, slot->targets,
+                                                        &slot->destination); !s.ok()) return s;
   }
   return slot;
 }
 
-absl::StatusOr<v1::SaveResponse> Daemon::Save(const Caller& caller, const v1::SaveRequest& request,
+absl::StatusOr<v1::SaveResponse> Saves::Save(const Caller& caller, const v1::SaveRequest& request,
                                               const std::function<bool()>& cancelled) {
   const auto t0 = std::chrono::steady_clock::now();
   auto fail = [&](absl::Status s) {
@@ -200,17 +172,17 @@ absl::StatusOr<v1::SaveResponse> Daemon::Save(const Caller& caller, const v1::Sa
     return resp;
   }
   const std::string who = absl::StrCat("save job '", request.job_id(), "' rank ", request.rank());
-  auto bytes = policy_.CheckRequestLimits(who, request.targets(), request.world_size(),
+  auto bytes = p_.policy->CheckRequestLimits(who, request.targets(), request.world_size(),
                                   request.node_ranks_size(), request.barrier_timeout_ms());
   if (!bytes.ok()) return fail(bytes.status());
-  if (absl::Status a = policy_.CheckAccess(caller, parent, Policy::Access::kSave); !a.ok()) return fail(a);
+  if (absl::Status a = p_.policy->CheckAccess(caller, parent, Policy::Access::kSave); !a.ok()) return fail(a);
   if (request.async_save() && dcp) {
     return fail(absl::InvalidArgumentError(absl::StrCat(
         who, ": async_save is for the native format (PyTorch DCP's own async_save stages on the "
              "client side and calls ckptd.torch.DaemonStorageWriter from a thread)")));
   }
   if (absl::Status e = CheckSaveDir(caller, request, dir, dcp); !e.ok()) return fail(e);
-  auto reservation = policy_.Reserve(caller, who, *bytes, 0);
+  auto reservation = p_.policy->Reserve(caller, who, *bytes, 0);
   if (!reservation.ok()) return fail(reservation.status());
   auto prepared = PrepareSaveSlot(caller, request, who, *bytes, cancelled);
   if (!prepared.ok()) return fail(prepared.status());
@@ -222,24 +194,26 @@ absl::StatusOr<v1::SaveResponse> Daemon::Save(const Caller& caller, const v1::Sa
              request.world_size(),
              request.rank(), std::vector<int>(request.node_ranks().begin(), request.node_ranks().end())};
   size_t registered = 0, expected = 0;
-  auto reg = jobs_.Register(key, slot, &registered, &expected);
+  auto reg = p_.jobs->Register(key, slot, &registered, &expected);
   if (!reg.ok()) return fail(reg.status());
-  auto [job, runner] = *reg;
-  if (runner) RunGuarded(job, &Daemon::RunSaveJob);
-  absl::Status status = jobs_.AwaitSlot(job, slot, request.rank(),
-                                         BarrierTimeout(request.barrier_timeout_ms()), nullptr, cancelled);
+  const std::shared_ptr<Job> job = reg->first;
+  const bool runner = reg->second;
+  if (runner) p_.jobs->RunGuarded(*job, [&] { RunSaveJob(job); });
+  absl::Status status = p_.jobs->AwaitSlot(
+      job, slot, request.rank(),
+      BarrierTimeout(request.barrier_timeout_ms(), p_.config->barrier_timeout), nullptr, cancelled);
   if (!status.ok()) return fail(status);
   absl::MutexLock lock(&slot->mu);
   v1::SaveResponse resp = slot->save_result;
   resp.set_seconds(Seconds(t0));
-  if (request.async_save()) async_saves_.AddStall(resp.seconds());
+  if (request.async_save()) p_.async_saves->AddStall(resp.seconds());
   return resp;
 }
 
-void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
+void Saves::RunSaveJob(const std::shared_ptr<Job>& job) {
   const auto t0 = std::chrono::steady_clock::now();
   const std::vector<std::shared_ptr<RankSlot>> slots = SlotsOf(*job);
-  auto fail_all = [&](const absl::Status& s) { jobs_.Fail(*job, s); };
+  auto fail_all = [&](const absl::Status& s) { p_.jobs->Fail(*job, s); };
   std::vector<ckpt::RankTargets> ranks;
   for (const auto& s : slots) ranks.push_back(s->targets);
   auto plan = ckpt::PlanSave(ranks, job->world_size, job->unique_id.value_or(0));
@@ -267,7 +241,7 @@ void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
   // Ranks on several daemons: a two-phase save with the others (a PyTorch
   // DCP save's data files are per rank; its coordinator commits .metadata).
   if (!dcp && static_cast<int>(job->expected.size()) < job->world_size) {
-    return RunDistributedSave(job, slots);
+    return multi_node_(job, slots);
   }
   if (async) return StartAsyncSave(job, slots, *std::move(plan));
   if (absl::Status s = ckpt::MakeDirs(job->path); !s.ok()) return fail_all(s);
@@ -290,8 +264,8 @@ void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
   if (dcp) return WriteDcpSave(job, slots, save.plan, lock->directory(), save.where, t0);
   auto saved = WriteNativeSave(save, lock->directory(), nullptr, nullptr);
   if (!saved.ok()) return fail_all(saved.status());
-  metadata_.Drop(job->path);  // new files under a cached directory
-  FinishSaveJob(job, slots, [&](const RankSlot& s, v1::SaveResponse& r) {
+  p_.metadata->Drop(job->path);  // new files under a cached directory
+  FinishSaveJob(*p_.jobs, *job, slots, [&](const RankSlot& s, v1::SaveResponse& r) {
     for (const auto& f : saved->files_of_rank[s.targets.rank]) r.add_files(f);
     r.set_bytes_written(saved->bytes);
     r.set_metadata_file(absl::StrCat(save.plan.unique_id, ".metadata"));
@@ -301,16 +275,17 @@ void Daemon::RunSaveJob(const std::shared_ptr<Job>& job) {
                slots.size(), saved->bytes, Seconds(t0));
 }
 
-void Daemon::FinishSaveJob(const std::shared_ptr<Job>& job,
-                           const std::vector<std::shared_ptr<RankSlot>>& slots,
-                           const std::function<void(const RankSlot&, v1::SaveResponse&)>& answer) {
-  jobs_.Finish(*job, [&] {
-    for (const auto& s : slots) {
-      absl::MutexLock slot_lock(&s->mu);
-      answer(*s, s->save_result);
-      s->done = true;
-    }
+void Saves::StartAsyncSave(const std::shared_ptr<Job>& job,
+                            const std::vector<std::shared_ptr<RankSlot>>& slots,
+                            ckpt::SavePlan plan) {
+  auto pending = p_.async_saves->Start(*job, slots, std::move(plan));
+  if (!pending.ok()) return p_.jobs->Fail(*job, pending.status());
+  const PendingSave& p = **pending;
+  FinishSaveJob(*p_.jobs, *job, slots, [&](const RankSlot& s, v1::SaveResponse& r) {
+    r = p.first_answers.at(s.targets.rank);
   });
+  spdlog::info("save job={} path={} version={} ranks={}: {}B staged, persisting in the background",
+               job->id, job->path, p.save.plan.unique_id, slots.size(), p.bytes_staged);
 }
 
 }  // namespace ckptd

@@ -1,0 +1,113 @@
+#include "server/load/loads.h"
+
+#include <algorithm>
+#include <chrono>
+
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/str_cat.h"
+#include "core/base/status_macros.h"
+
+namespace ckptd {
+
+absl::StatusOr<std::shared_ptr<RankSlot>> Loads::PrepareSlot(
+    const Caller& caller, const v1::LoadRequest& req) {
+  CKPT_ASSIGN_OR_RETURN(std::shared_ptr<RankSlot> slot,
+                        NewRankSlot("Load", req.job_id(), req.rank(), req.world_size(),
+                                    req.node_ranks(), req.targets()));
+  slot->request = req;
+  const std::string who = absl::StrCat("job '", req.job_id(), "' rank ", req.rank());
+  CKPT_ASSIGN_OR_RETURN(slot->destination, p_.opener->Open(caller, req, slot->targets, who));
+  return slot;
+}
+
+absl::Status Loads::Load(const Caller& caller, const v1::LoadRequest& request,
+                          const std::function<bool(const v1::LoadEvent&)>& send,
+                          const std::function<bool()>& cancelled) {
+  ++p_.counters->started;
+  auto fail = [&](absl::Status s) {
+    ++p_.counters->failed;
+    spdlog::warn("load job={} rank={} path={} failed: {}", request.job_id(), request.rank(),
+                 request.path(), s.ToString());
+    return s;
+  };
+  const std::string who = absl::StrCat("job '", request.job_id(), "' rank ", request.rank());
+  // Checked before anything is allocated for the request: its shape against
+  // the limits, the caller's right to the checkpoint, the caller's share.
+  auto bytes = p_.policy->CheckRequestLimits(who, request.targets(), request.world_size(),
+                                  request.node_ranks_size(), request.barrier_timeout_ms());
+  if (!bytes.ok()) return fail(bytes.status());
+  auto resolved = p_.policy->ResolvePath(request.path());
+  if (!resolved.ok()) return fail(resolved.status());
+  if (absl::Status a = p_.policy->CheckAccess(caller, *resolved, Policy::Access::kRead); !a.ok()) return fail(a);
+  auto reservation = p_.policy->Reserve(caller, who, *bytes, request.has_stream() ? *bytes : 0);
+  if (!reservation.ok()) return fail(reservation.status());
+  auto prepared = PrepareSlot(caller, request);
+  if (!prepared.ok()) return fail(prepared.status());
+  std::shared_ptr<RankSlot> slot = *prepared;
+  slot->cancelled = cancelled;
+  // Nothing more is written into a client that cancelled or went away.
+  slot->destination->StopWhen(cancelled);
+  slot->registered = absl::Now();
+  slot->start = std::chrono::steady_clock::now();
+
+  JobKey key{JobKind::kLoad, request.job_id(), *resolved, std::nullopt, caller.uid,
+             request.world_size(), request.rank(),
+             std::vector<int>(request.node_ranks().begin(), request.node_ranks().end())};
+  if (request.has_unique_id()) key.unique_id = request.unique_id();
+  size_t registered = 0, expected = 0;
+  auto reg = p_.jobs->Register(key, slot, &registered, &expected);
+  if (!reg.ok()) return fail(reg.status());
+  const std::shared_ptr<Job> job = reg->first;
+  const bool runner = reg->second;
+  {
+    v1::LoadEvent ev;
+    ev.set_progress(absl::StrCat("registered rank ", request.rank(), " (", registered, " of ",
+                                 expected, " ranks of job '", request.job_id(), "')"));
+    send(ev);
+  }
+  if (runner) p_.jobs->RunGuarded(*job, [&] { RunJob(job); });
+  absl::Status status = p_.jobs->AwaitSlot(
+      job, slot, request.rank(),
+      BarrierTimeout(request.barrier_timeout_ms(), p_.config->barrier_timeout), send, cancelled);
+  if (!status.ok()) return fail(status);
+  v1::LoadResult result;
+  {
+    absl::MutexLock lock(&slot->mu);
+    result = slot->result;
+  }
+  if (cancelled()) return fail(absl::CancelledError("client went away"));
+  if (ckpt::ViewRecorder* views = slot->destination->views()) {
+    if (absl::Status v = p_.opener->DeliverViews(caller, *views, who, send, cancelled); !v.ok()) {
+      return fail(v);
+    }
+    result.set_bytes_from_views(views->bytes_recorded());
+  }
+  result.mutable_timings()->set_total_s(Seconds(slot->start));
+  if (request.has_stream()) {
+    uint64_t chunk = request.stream().chunk_bytes() ? request.stream().chunk_bytes() : (4u << 20);
+    chunk = std::min<uint64_t>(std::max<uint64_t>(chunk, 4096), 64u << 20);
+    // Room for the message around the chunk under limits.max_message_bytes.
+    chunk = std::min<uint64_t>(chunk, p_.config->limits.max_message_bytes - (64u << 10));
+    const std::vector<std::vector<uint8_t>>& streamed = slot->destination->streamed();
+    for (size_t t = 0; t < streamed.size(); ++t) {
+      const auto& buf = streamed[t];
+      for (uint64_t off = 0; off < buf.size(); off += chunk) {
+        v1::LoadEvent ev;
+        v1::StreamChunk* c = ev.mutable_data();
+        c->set_target(static_cast<uint32_t>(t));
+        c->set_offset(off);
+        c->set_data(buf.data() + off, std::min<uint64_t>(chunk, buf.size() - off));
+        if (!send(ev)) return fail(absl::CancelledError("client went away during streaming"));
+      }
+    }
+  }
+  v1::LoadEvent done;
+  *done.mutable_result() = result;
+  send(done);
+  ++p_.counters->succeeded;
+  p_.counters->bytes_delivered += result.bytes_delivered();
+  return absl::OkStatus();
+}
+
+}  // namespace ckptd
