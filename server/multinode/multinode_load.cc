@@ -210,9 +210,7 @@ void MultiNodeLoad::Run(const std::shared_ptr<Job>& job,
                                 : "joining the coordinator");
   // 1. The plan part of this node.
   auto planned = p_.dist_jobs->PlanPartOf(
-      dj, own, [&](const auto& nodes, const auto& joins, auto t0) {
-        return PlanParts(*dj, nodes, joins, t0);
-      });
+      dj, own, [&](const auto&... gathered) { return PlanParts(*dj, gathered...); });
   if (!planned.ok()) return fail_all(planned.status());
   const peer::v1::PlanPart& part = planned->first;
   const std::string& coordinator = planned->second;

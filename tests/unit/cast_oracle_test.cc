@@ -218,5 +218,31 @@ INSTANTIATE_TEST_SUITE_P(AllFloatPairs, CastOracle, ::testing::ValuesIn(Pairs())
                                   std::string(DTypeName(info.param.second));
                          });
 
+// The BF16 -> F32 fast path (8 at a time, then one by one) for every count
+// up to 40 and every alignment of both buffers: each F32 is its BF16 in the
+// top half, exactly, and nothing past `count` is written.
+TEST(CastFastPath, Bf16ToF32EveryCountAndAlignment) {
+  std::mt19937 rng(7);
+  for (size_t count = 0; count <= 40; ++count) {
+    for (size_t src_off = 0; src_off < 4; ++src_off) {
+      for (size_t dst_off = 0; dst_off < 4; ++dst_off) {
+        std::vector<uint8_t> src(2 * count + src_off), dst(4 * count + dst_off + 8, 0xAB);
+        for (auto& b : src) b = static_cast<uint8_t>(rng());
+        ConvertElements(src.data() + src_off, DType::kBF16, dst.data() + dst_off, DType::kF32,
+                        count);
+        for (size_t i = 0; i < count; ++i) {
+          uint16_t h;
+          uint32_t f;
+          std::memcpy(&h, src.data() + src_off + 2 * i, 2);
+          std::memcpy(&f, dst.data() + dst_off + 4 * i, 4);
+          ASSERT_EQ(f, static_cast<uint32_t>(h) << 16) << "count " << count << " element " << i;
+        }
+        for (size_t k = 0; k < dst_off; ++k) ASSERT_EQ(dst[k], 0xAB);
+        for (size_t k = dst_off + 4 * count; k < dst.size(); ++k) ASSERT_EQ(dst[k], 0xAB);
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace ckpt
