@@ -85,7 +85,7 @@ struct Listeners {
 // "host:0" becomes "host:N" in config->peer_listen: the node's identity.
 absl::Status StartPeerService(DaemonConfig* config, Daemon* daemon, PeerService* service,
                               Listeners* l) {
-  auto ps = PeerServer::Start(daemon, service);
+  auto ps = PeerServer::Start(daemon->config(), &daemon->peer_plane(), service);
   if (!ps.ok()) return ps.status();
   l->peer = std::move(*ps);
   config->peer_listen = l->peer->bound_address();
@@ -323,7 +323,7 @@ int RunDaemon(DaemonConfig config, const std::vector<std::string>& budget_notes)
   grpc::EnableDefaultHealthCheckService(true);  // every server below has grpc.health.v1
   // The services outlive the servers that call them (declared first,
   // destroyed last), also those a SIGHUP rotation is still retiring.
-  PeerService peer_service(&daemon);
+  PeerService peer_service(&daemon.peer_plane(), &daemon.dist_jobs());
   std::optional<CkptdService> service;
   Listeners l;
   // The peer service is up before the client socket appears, so a node whose

@@ -14,7 +14,7 @@ namespace ckptd {
 
 absl::StatusOr<std::unique_ptr<grpc::Server>> PeerServer::Build(
     const std::optional<PeerPlane::TlsFiles>& files, std::string* bound) {
-  const DaemonConfig& c = daemon_->config();
+  const DaemonConfig& c = config_;
   grpc::ServerBuilder pb;
   int port = 0;
   pb.AddListeningPort(c.peer_listen, PeerPlane::ServerCredentials(files), &port);
@@ -50,10 +50,11 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> PeerServer::Build(
   return s;
 }
 
-absl::StatusOr<std::unique_ptr<PeerServer>> PeerServer::Start(Daemon* daemon,
+absl::StatusOr<std::unique_ptr<PeerServer>> PeerServer::Start(const DaemonConfig& config,
+                                                              PeerPlane* plane,
                                                               PeerService* service) {
-  std::unique_ptr<PeerServer> p(new PeerServer(daemon, service));
-  auto s = p->Build(daemon->peer_plane().tls(), &p->bound_);
+  std::unique_ptr<PeerServer> p(new PeerServer(config, plane, service));
+  auto s = p->Build(plane->tls(), &p->bound_);
   if (!s.ok()) return s.status();
   absl::MutexLock lock(&p->mu_);
   p->current_ = std::move(*s);
@@ -68,11 +69,11 @@ absl::Status PeerServer::Rotate(const std::optional<PeerPlane::TlsFiles>& files)
   current_ = std::move(*next);
   const auto deadline = std::chrono::system_clock::now() +
                         std::chrono::milliseconds(absl::ToInt64Milliseconds(
-                            daemon_->config().peer_timeout));
+                            config_.peer_timeout));
   retiring_.emplace_back([old, deadline] { old->Shutdown(deadline); });
-  daemon_->peer_plane().UseTls(files);  // and this node's channels, now that the server took them
+  plane_->UseTls(files);  // and this node's channels, now that the server took them
   spdlog::info("peer service on {}: new certificate in use; calls in flight finish on the old one",
-               daemon_->config().peer_listen);
+               config_.peer_listen);
   return absl::OkStatus();
 }
 

@@ -22,14 +22,17 @@
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
 #include "server/peer/peer_plane.h"
-#include "server/daemon.h"
+#include "config/config.h"
 #include "server/peer/peer_service.h"
 
 namespace ckptd {
 
 class PeerServer {
  public:
-  static absl::StatusOr<std::unique_ptr<PeerServer>> Start(Daemon* daemon, PeerService* service);
+  // Serves `service` on config.peer_listen with `plane`'s TLS files; both
+  // outlive it (config.peer_listen and peer_timeout are read at each use).
+  static absl::StatusOr<std::unique_ptr<PeerServer>> Start(const DaemonConfig& config,
+                                                           PeerPlane* plane, PeerService* service);
   ~PeerServer();
 
   // The address it listens on: peer_listen with the port the kernel picked
@@ -44,12 +47,14 @@ class PeerServer {
   void Shutdown(std::chrono::system_clock::time_point deadline);
 
  private:
-  PeerServer(Daemon* daemon, PeerService* service) : daemon_(daemon), service_(service) {}
+  PeerServer(const DaemonConfig& config, PeerPlane* plane, PeerService* service)
+      : config_(config), plane_(plane), service_(service) {}
   // `bound`, if given, gets the address it listens on.
   absl::StatusOr<std::unique_ptr<grpc::Server>> Build(const std::optional<PeerPlane::TlsFiles>& files,
                                                       std::string* bound = nullptr);
 
-  Daemon* const daemon_;
+  const DaemonConfig& config_;
+  PeerPlane* const plane_;
   PeerService* const service_;
   std::string bound_;
   absl::Mutex mu_;

@@ -5,7 +5,6 @@
 
 #include "absl/strings/strip.h"
 #include "config/config.h"
-#include "server/multinode/dist_jobs.h"
 #include "server/api/service.h"
 
 namespace ckptd {
@@ -33,7 +32,7 @@ PeerCaller PeerCallerOf(const grpc::ServerContext& ctx) {
 grpc::Status PeerService::Run(const char* rpc, grpc::ServerContext* ctx,
                               const std::function<absl::Status(const PeerCaller&)>& body) {
   return RunCatching(rpc, ctx->peer(), [&] {
-    auto caller = daemon_->peer_plane().Authorize(PeerCallerOf(*ctx));
+    auto caller = plane_->Authorize(PeerCallerOf(*ctx));
     if (!caller.ok()) return ToGrpc(caller.status());
     return ToGrpc(body(*caller));
   });
@@ -42,7 +41,7 @@ grpc::Status PeerService::Run(const char* rpc, grpc::ServerContext* ctx,
 grpc::Status PeerService::Join(grpc::ServerContext* ctx, const peer::v1::JoinRequest* req,
                                peer::v1::PlanPart* resp) {
   return Run("Join", ctx, [&](const PeerCaller& c) -> absl::Status {
-    auto r = daemon_->dist_jobs().PeerJoin(c, *req, [ctx] { return ctx->IsCancelled(); });
+    auto r = jobs_->PeerJoin(c, *req, [ctx] { return ctx->IsCancelled(); });
     if (!r.ok()) return r.status();
     *resp = std::move(*r);
     return absl::OkStatus();
@@ -52,7 +51,7 @@ grpc::Status PeerService::Join(grpc::ServerContext* ctx, const peer::v1::JoinReq
 grpc::Status PeerService::FetchRead(grpc::ServerContext* ctx, const peer::v1::FetchReadRequest* req,
                                     grpc::ServerWriter<peer::v1::Chunk>* writer) {
   return Run("FetchRead", ctx, [&](const PeerCaller& c) {
-    return daemon_->dist_jobs().PeerFetchRead(
+    return jobs_->PeerFetchRead(
         c, *req, [writer](const peer::v1::Chunk& chunk) { return writer->Write(chunk); },
         [ctx] { return ctx->IsCancelled(); });
   });
@@ -61,7 +60,7 @@ grpc::Status PeerService::FetchRead(grpc::ServerContext* ctx, const peer::v1::Fe
 grpc::Status PeerService::Complete(grpc::ServerContext* ctx, const peer::v1::CompleteRequest* req,
                                    peer::v1::CompleteResponse* resp) {
   return Run("Complete", ctx, [&](const PeerCaller& c) -> absl::Status {
-    auto r = daemon_->dist_jobs().PeerComplete(c, *req, [ctx] { return ctx->IsCancelled(); });
+    auto r = jobs_->PeerComplete(c, *req, [ctx] { return ctx->IsCancelled(); });
     if (!r.ok()) return r.status();
     *resp = std::move(*r);
     return absl::OkStatus();
@@ -71,7 +70,7 @@ grpc::Status PeerService::Complete(grpc::ServerContext* ctx, const peer::v1::Com
 grpc::Status PeerService::Ping(grpc::ServerContext* ctx, const peer::v1::PingRequest* req,
                                peer::v1::PingResponse* resp) {
   return Run("Ping", ctx, [&](const PeerCaller& c) {
-    *resp = daemon_->dist_jobs().PeerPing(c, *req);
+    *resp = jobs_->PeerPing(c, *req);
     return absl::OkStatus();
   });
 }

@@ -11,7 +11,8 @@
 
 #include "proto/peer.grpc.pb.h"
 #include "server/api/caller.h"
-#include "server/daemon.h"
+#include "server/multinode/dist_jobs.h"
+#include "server/peer/peer_plane.h"
 
 namespace ckptd {
 
@@ -19,7 +20,8 @@ PeerCaller PeerCallerOf(const grpc::ServerContext& ctx);
 
 class PeerService final : public peer::v1::Peer::Service {
  public:
-  explicit PeerService(Daemon* daemon) : daemon_(daemon) {}
+  // `plane` authorizes each call, `jobs` runs it; both outlive the service.
+  PeerService(PeerPlane* plane, DistJobs* jobs) : plane_(plane), jobs_(jobs) {}
   grpc::Status Join(grpc::ServerContext* ctx, const peer::v1::JoinRequest* req,
                     peer::v1::PlanPart* resp) override;
   grpc::Status FetchRead(grpc::ServerContext* ctx, const peer::v1::FetchReadRequest* req,
@@ -32,7 +34,8 @@ class PeerService final : public peer::v1::Peer::Service {
  private:
   grpc::Status Run(const char* rpc, grpc::ServerContext* ctx,
                    const std::function<absl::Status(const PeerCaller&)>& body);
-  Daemon* const daemon_;
+  PeerPlane* const plane_;
+  DistJobs* const jobs_;
 };
 
 }  // namespace ckptd
