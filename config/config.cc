@@ -1,5 +1,8 @@
 #include "config/config.h"
 
+#include <arpa/inet.h>
+#include <netinet/in.h>
+
 #include <cmath>
 #include <set>
 
@@ -185,7 +188,16 @@ std::string HostOf(const std::string& address) {
 bool IsLoopbackAddress(const std::string& address) {
   if (IsUnixAddress(address)) return true;
   const std::string host = HostOf(address);
-  return host == "localhost" || host == "::1" || absl::StartsWith(host, "127.");
+  if (host == "localhost") return true;
+  // Parsed, never matched by prefix: "127.evil.example" is a name anyone's
+  // DNS may point anywhere, not a loopback address.
+  in_addr v4{};
+  if (inet_pton(AF_INET, host.c_str(), &v4) == 1) return (ntohl(v4.s_addr) >> 24) == 127;
+  in6_addr v6{};
+  if (inet_pton(AF_INET6, host.c_str(), &v6) == 1) {
+    return IN6_IS_ADDR_LOOPBACK(&v6) || (IN6_IS_ADDR_V4MAPPED(&v6) && v6.s6_addr[12] == 127);
+  }
+  return false;
 }
 
 absl::StatusOr<uint64_t> ParseBytes(const std::string& text) {

@@ -156,8 +156,10 @@ std::string ConfigToYaml(const DaemonConfig& config);
 
 // The host part of "host:port" ("[v6]:port" gives "v6"; no port: all of it).
 std::string HostOf(const std::string& address);
-// Whether "host:port" is a loopback address (localhost, 127.0.0.0/8, ::1),
-// or a Unix socket ("unix:/path": local to this machine).
+// Whether "host:port" is a loopback address (localhost, an address that
+// parses into 127.0.0.0/8, ::1 or ::ffff:127.0.0.0/104; a host name that
+// merely starts with "127." is not), or a Unix socket ("unix:/path": local
+// to this machine).
 bool IsLoopbackAddress(const std::string& address);
 // Whether `address` is a gRPC Unix socket address "unix:PATH".
 bool IsUnixAddress(const std::string& address);

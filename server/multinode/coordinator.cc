@@ -19,6 +19,23 @@
 #include "server/peer/peer_plane.h"
 
 namespace ckptd {
+namespace {
+
+// Why rank `rank`, already joined, may not join again from `node`: names
+// the node it joined from first.
+std::string RankJoinedTwice(const DistJob& dj, int rank, const std::string& node)
+    ABSL_EXCLUSIVE_LOCKS_REQUIRED(dj.mu) {
+  std::string first = "another node";
+  for (const auto& [n, j] : dj.joins) {
+    for (const auto& r : j.ranks()) {
+      if (r.rank() == rank) first = n;
+    }
+  }
+  return absl::StrCat("rank ", rank, " joined from both ", first, " and ", node,
+                      " (a rank belongs to one node)");
+}
+
+}  // namespace
 
 absl::StatusOr<peer::v1::PlanPart> DistJobs::PeerJoin(const PeerCaller& caller,
                                                     const peer::v1::JoinRequest& req,
@@ -63,8 +80,10 @@ absl::StatusOr<peer::v1::PlanPart> DistJobs::PeerJoin(const PeerCaller& caller,
     mismatch = "overwrite (all ranks must set it or none)";
   }
   for (const auto& r : req.ranks()) {
-    if (r.rank() < 0 || r.rank() >= dj->world_size || dj->ranks_joined.count(r.rank())) {
-      mismatch = absl::StrCat("rank ", r.rank(), " is outside the world or already joined");
+    if (r.rank() < 0 || r.rank() >= dj->world_size) {
+      mismatch = absl::StrCat("rank ", r.rank(), " is outside the world of ", dj->world_size);
+    } else if (dj->ranks_joined.count(r.rank())) {
+      mismatch = RankJoinedTwice(*dj, r.rank(), req.node());
     }
   }
   if (!mismatch.empty()) {
@@ -102,6 +121,16 @@ absl::Status DistJobs::GatherJoins(const std::shared_ptr<DistJob>& dj,
                                  std::vector<std::string>* nodes,
                                  std::vector<peer::v1::JoinRequest>* joins) {
   absl::MutexLock lock(&dj->mu);
+  // A peer that joined first for one of this node's own ranks fails the job
+  // (never merged): a rank belongs to one node.
+  for (const auto& r : own.ranks()) {
+    if (!dj->planned && dj->ranks_joined.count(r.rank())) {
+      dj->plan_status = absl::InvalidArgumentError(
+          absl::StrCat("job '", dj->id, "': ", RankJoinedTwice(*dj, r.rank(), own.node())));
+      dj->planned = true;
+    }
+  }
+  if (dj->planned) return dj->plan_status;
   dj->joins[own.node()] = own;
   for (const auto& r : own.ranks()) dj->ranks_joined.insert(r.rank());
   auto covered = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(dj->mu) {

@@ -421,6 +421,29 @@ TEST_F(PeerAbuse, JoinWithoutRanksOrForAnotherNodeFailsTheJob) {
   EXPECT_TRUE(nodes_[0]->Alive());
 }
 
+// A member joining for a rank another node serves (the coordinator's own
+// rank 0) fails the job naming both nodes, whichever of the two joins came
+// first (issue 33: before, a join that came first was merged with the
+// coordinator's). The daemon keeps serving.
+TEST_F(PeerAbuse, ARankJoinedFromTwoNodesFailsTheJobNamingBoth) {
+  GiveAllFilesToA();
+  Start(0);
+  const Layout load = MakeLayout(2, 1, false);
+  const std::string lf = WriteLayout(load, "load2.json");
+  pid_t rank0 = StartRank(0, lf, "twice");
+  WaitForJob("twice");
+  pv1::PlanPart part;
+  grpc::Status s = JoinAs("twice", X(), load, {0, 1}, &node_, &part);
+  EXPECT_EQ(s.error_code(), grpc::StatusCode::INVALID_ARGUMENT) << s.error_message();
+  EXPECT_THAT(s.error_message(), HasSubstr("rank 0 joined from both"));
+  EXPECT_THAT(s.error_message(), HasSubstr(X()));
+  const auto t0 = std::chrono::steady_clock::now();
+  EXPECT_NE(WaitExit(rank0, std::chrono::seconds(20)), 0);
+  EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));  // not the barrier
+  EXPECT_THAT(Slurp(tmp_.Sub("twice.log")), HasSubstr("rank 0 joined from both"));
+  EXPECT_TRUE(nodes_[0]->Alive());
+}
+
 // Node B flips one byte of every read it serves: every rank of the job
 // fails with DATA_LOSS naming B, and nothing is written as a result.
 TEST_F(PeerAbuse, FlippedByteFailsEveryRankWithDataLoss) {
