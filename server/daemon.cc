@@ -47,7 +47,7 @@ Daemon::Daemon(DaemonConfig config)
       jobs_(config_.limits.max_jobs_per_uid),
       dist_jobs_(std::make_unique<DistJobs>(config_, peers_.get(), gpu_.get())),
       save_buffer_(config_.save_buffer),
-      async_saves_(AsyncSaves::Options{config_.limits.max_jobs_per_uid, config_.save_buffer,
+      async_saves_(AsyncSaves::Options{config_.limits.max_jobs_per_uid,
                                        config_.limits.max_barrier_timeout,
                                        config_.testing_delay_persist},
                    &save_buffer_, [this](const std::string& dir, const std::vector<std::string>& files) {
@@ -206,9 +206,7 @@ v1::StatusResponse Daemon::Status(const Caller& caller) {
   resp.set_cache_pinned_bytes(gpu_->pinned_bytes());
   resp.set_peer_address(config_.peer_listen);
   for (v1::PeerHealth& ph : peers_->Health()) *resp.add_peers() = std::move(ph);
-  {
-    resp.set_metadata_cache_entries(metadata_.size());
-  }
+  resp.set_metadata_cache_entries(metadata_.size());
   return resp;
 }
 

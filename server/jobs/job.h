@@ -76,6 +76,9 @@ struct Job {
   uid_t owner = 0;  // the uid that created it: only it may join
   int world_size = 0;
   std::set<int> expected;
+  // Whether the job's ranks span several daemons (this node serves fewer
+  // than the world): its loads and saves go through the multi-node code.
+  bool SpansNodes() const { return static_cast<int>(expected.size()) < world_size; }
 
   mutable absl::Mutex mu;
   std::map<int, std::shared_ptr<RankSlot>> slots ABSL_GUARDED_BY(mu);

@@ -11,12 +11,11 @@
 namespace ckptd {
 
 absl::StatusOr<std::shared_ptr<RankSlot>> Loads::PrepareSlot(
-    const Caller& caller, const v1::LoadRequest& req) {
+    const Caller& caller, const v1::LoadRequest& req, const std::string& who) {
   CKPT_ASSIGN_OR_RETURN(std::shared_ptr<RankSlot> slot,
                         NewRankSlot("Load", req.job_id(), req.rank(), req.world_size(),
                                     req.node_ranks(), req.targets()));
   slot->request = req;
-  const std::string who = absl::StrCat("job '", req.job_id(), "' rank ", req.rank());
   CKPT_ASSIGN_OR_RETURN(slot->destination, p_.opener->Open(caller, req, slot->targets, who));
   return slot;
 }
@@ -42,7 +41,7 @@ absl::Status Loads::Load(const Caller& caller, const v1::LoadRequest& request,
   if (absl::Status a = p_.policy->CheckAccess(caller, *resolved, Policy::Access::kRead); !a.ok()) return fail(a);
   auto reservation = p_.policy->Reserve(caller, who, *bytes, request.has_stream() ? *bytes : 0);
   if (!reservation.ok()) return fail(reservation.status());
-  auto prepared = PrepareSlot(caller, request);
+  auto prepared = PrepareSlot(caller, request, who);
   if (!prepared.ok()) return fail(prepared.status());
   std::shared_ptr<RankSlot> slot = *prepared;
   slot->cancelled = cancelled;

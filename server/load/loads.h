@@ -120,6 +120,10 @@ class Loads {
                                               const ckpt::LoadPlan& plan,
                                               const std::map<std::string, ckpt::FileStamp>& stamps,
                                               absl::string_view phase, RemoteReads* remote);
+  // The job failed on this node (`node`: its peer address in a multi-node
+  // job, else empty): logged and counted, then every rank not done yet
+  // fails with `status` and the job leaves the registry.
+  void FailLoadJob(Job& job, size_t ranks, const std::string& node, const absl::Status& status);
   // The job succeeded on this node: the job leaves the registry, `rec`
   // (completed from `fig` and `plan`) is logged and counted, and every rank
   // not done yet gets its result (its part of `fig`, then `extra`).
@@ -130,9 +134,10 @@ class Loads {
 
  private:
   // A Load's rank slot: its targets checked (NewRankSlot) and its
-  // destination opened (DestinationOpener).
+  // destination opened (DestinationOpener); `who` names the rank in errors.
   absl::StatusOr<std::shared_ptr<RankSlot>> PrepareSlot(const Caller& caller,
-                                                        const v1::LoadRequest& request);
+                                                        const v1::LoadRequest& request,
+                                                        const std::string& who);
   // Every load job starts here, single- or multi-node.
   void RunJob(const std::shared_ptr<Job>& job);
 

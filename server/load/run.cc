@@ -99,11 +99,9 @@ inline bool AllRanksSkipVerify(const std::vector<std::shared_ptr<RankSlot>>& slo
 void Loads::RunJob(const std::shared_ptr<Job>& job) {
   const auto t_start = std::chrono::steady_clock::now();
   const std::vector<std::shared_ptr<RankSlot>> slots = SlotsOf(*job);
-  const bool distributed = static_cast<int>(job->expected.size()) < job->world_size;
+  const bool distributed = job->SpansNodes();
   auto fail_all = [&](const absl::Status& s) {
-    RecordLoadJob(LoadJobRecord{job->id, job->path, distributed ? p_.config->peer_listen : "",
-                                slots.size(), s});
-    p_.jobs->Fail(*job, s);
+    FailLoadJob(*job, slots.size(), distributed ? p_.config->peer_listen : "", s);
   };
   // AOA statements (LoadRequest.aoa_config): the same text from every rank
   // (multi-node: the coordinator checks every node sends the same).
@@ -249,6 +247,12 @@ absl::StatusOr<ckpt::LoadStats> Loads::RunNodePart(
     p_.filler->Submit(job->path, stamps, std::move(fill), job->owner);
   }
   return stats;
+}
+
+void Loads::FailLoadJob(Job& job, size_t ranks, const std::string& node,
+                        const absl::Status& status) {
+  RecordLoadJob(LoadJobRecord{job.id, job.path, node, ranks, status});
+  p_.jobs->Fail(job, status);
 }
 
 void Loads::FinishLoadJob(const std::shared_ptr<Job>& job,

@@ -193,8 +193,7 @@ void MultiNodeLoad::Run(const std::shared_ptr<Job>& job,
                                const std::vector<std::shared_ptr<RankSlot>>& slots,
                                std::chrono::steady_clock::time_point t_start) {
   auto fail_all = [&](const absl::Status& s) {
-    RecordLoadJob(LoadJobRecord{job->id, job->path, p_.config->peer_listen, slots.size(), s});
-    p_.jobs->Fail(*job, s);
+    p_.loads->FailLoadJob(*job, slots.size(), p_.config->peer_listen, s);
   };
   const std::string me = p_.config->peer_listen;
   absl::StatusOr<peer::v1::JoinRequest> joined = JoinOf(*job, slots);

@@ -298,7 +298,7 @@ absl::StatusOr<v1::SaveResponse> AsyncSaves::Await(const Caller& caller, bool ad
 
 void AsyncSaves::Describe(const Caller& caller, bool admin, v1::StatusResponse* resp) const {
   absl::MutexLock lock(&mu_);
-  resp->set_save_buffer_bytes(options_.save_buffer);
+  resp->set_save_buffer_bytes(buffer_->capacity());
   resp->set_save_staged_bytes(buffer_->held());
   for (const auto& [id, p] : saves_) {
     if (!admin && p->owner != caller.uid) continue;

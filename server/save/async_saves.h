@@ -77,7 +77,6 @@ class AsyncSaves {
  public:
   struct Options {
     uint64_t max_jobs_per_uid = 64;        // limits.max_jobs_per_uid: saves persisting count
-    uint64_t save_buffer = 0;              // reported by Describe
     absl::Duration max_wait;               // limits.max_barrier_timeout: AwaitSave's longest
     absl::Duration testing_delay_persist;  // tests only: a pause before each file
   };

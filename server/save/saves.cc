@@ -240,7 +240,7 @@ void Saves::RunSaveJob(const std::shared_ptr<Job>& job) {
   const bool dcp = format == kDcpFormat;
   // Ranks on several daemons: a two-phase save with the others (a PyTorch
   // DCP save's data files are per rank; its coordinator commits .metadata).
-  if (!dcp && static_cast<int>(job->expected.size()) < job->world_size) {
+  if (!dcp && job->SpansNodes()) {
     return multi_node_(job, slots);
   }
   if (async) return StartAsyncSave(job, slots, *std::move(plan));
