@@ -74,17 +74,23 @@ absl::StatusOr<std::unique_ptr<MappedSegment>> OpenSegment(const std::string& wh
                                                            SegmentSource source,
                                                            const std::vector<TargetPlace>& targets) {
   // Every target inside the segment and no two overlapping, checked before
-  // anything is mapped; only the bytes up to the end of the last target are.
+  // anything is mapped; only the bytes up to the end of the last target are,
+  // and only the targets' pages are faulted in (Policy::CheckRequestLimits
+  // charged those and refused a span far larger).
   std::vector<TargetRange> ranges;
+  std::vector<std::pair<uint64_t, uint64_t>> used;
   ranges.reserve(targets.size());
-  for (const TargetPlace& t : targets) ranges.push_back({t.name, t.offset, t.bytes});
+  for (const TargetPlace& t : targets) {
+    ranges.push_back({t.name, t.offset, t.bytes});
+    used.emplace_back(t.offset, t.bytes);
+  }
   auto needed = CheckTargetRanges(who, {"segment", "segment", source.size}, ranges);
   if (!needed.ok()) {
     if (source.fd >= 0) ::close(source.fd);
     return needed.status();
   }
   if (source.arena) return MappedSegment::Borrow(std::move(source.arena));
-  return MappedSegment::Map(source.fd, *needed, source.what);
+  return MappedSegment::Map(source.fd, *needed, used, source.what);
 }
 
 absl::StatusOr<std::unique_ptr<Destination>> SegmentDestination::Open(

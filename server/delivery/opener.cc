@@ -189,13 +189,12 @@ absl::StatusOr<std::unique_ptr<Destination>> DestinationOpener::OpenDevice(
 absl::Status DestinationOpener::StageDeviceSave(const std::string& who, v1::SaveRequest& request,
                                                 const ckpt::RankTargets& targets,
                                                 std::unique_ptr<Destination>* destination) {
-  // The rank's bytes packed (64-byte aligned) into one private buffer.
-  std::vector<uint64_t> at(request.targets_size());
+  // The rank's bytes packed into one private buffer (exactly their sum, as
+  // charged).
+  std::vector<uint64_t> sizes;
+  for (int t = 0; t < request.targets_size(); ++t) sizes.push_back(targets.tensors[t].num_bytes());
   uint64_t size = 0;
-  for (int t = 0; t < request.targets_size(); ++t) {
-    at[t] = size;
-    size = (size + targets.tensors[t].num_bytes() + 63) / 64 * 64;
-  }
+  const std::vector<uint64_t> at = PackedOffsets(sizes, &size);
   CKPT_ASSIGN_OR_RETURN(auto staged, MappedSegment::Private(parts_.gpu->host_allocator(), size,
                                                             absl::StrCat(who, ": staging")));
   std::vector<uint8_t*> to;

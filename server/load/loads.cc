@@ -33,8 +33,12 @@ absl::Status Loads::Load(const Caller& caller, const v1::LoadRequest& request,
   const std::string who = absl::StrCat("job '", request.job_id(), "' rank ", request.rank());
   // Checked before anything is allocated for the request: its shape against
   // the limits, the caller's right to the checkpoint, the caller's share.
-  auto bytes = p_.policy->CheckRequestLimits(who, request.targets(), request.world_size(),
-                                  request.node_ranks_size(), request.barrier_timeout_ms());
+  auto bytes = p_.policy->CheckRequestLimits(
+      who, request.targets(), request.world_size(), request.node_ranks_size(),
+      request.barrier_timeout_ms(),
+      request.has_shm()        ? Policy::Mapped::kAll
+      : request.has_cuda_ipc() ? Policy::Mapped::kHostOnly
+                               : Policy::Mapped::kNone);
   if (!bytes.ok()) return fail(bytes.status());
   auto resolved = p_.policy->ResolvePath(request.path());
   if (!resolved.ok()) return fail(resolved.status());

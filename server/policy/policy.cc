@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <utility>
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
@@ -191,7 +192,7 @@ absl::StatusOr<std::unique_ptr<Policy::Reservation>> Policy::Reserve(const Calle
 
 absl::StatusOr<uint64_t> Policy::CheckRequestLimits(
     const std::string& who, const google::protobuf::RepeatedPtrField<v1::Target>& targets,
-    int world_size, int node_ranks, uint32_t barrier_timeout_ms) const {
+    int world_size, int node_ranks, uint32_t barrier_timeout_ms, Mapped mapped) const {
   const Limits& l = limits_;
   if (static_cast<uint64_t>(targets.size()) > l.max_targets_per_request) {
     return absl::ResourceExhaustedError(absl::StrCat(who, ": ", targets.size(),
@@ -210,7 +211,9 @@ absl::StatusOr<uint64_t> Policy::CheckRequestLimits(
         " on this daemon exceed limits.max_ranks_per_job ", l.max_ranks_per_job));
   }
   // Destination bytes from the shapes alone (nothing allocated yet).
-  uint64_t total = 0;
+  uint64_t declared = 0, total = 0;  // total: of the targets not mapped
+  // [begin, end) of the mapped targets, for their pages.
+  std::vector<std::pair<uint64_t, uint64_t>> in_segment;
   for (const v1::Target& t : targets) {
     uint64_t n = 1;
     bool overflow = false;
@@ -232,12 +235,48 @@ absl::StatusOr<uint64_t> Policy::CheckRequestLimits(
       return absl::ResourceExhaustedError(
           absl::StrCat(who, " tensor '", t.name(), "': its box has more bytes than fit in 60 bits"));
     }
-    total += n * item;
-    if (total > l.max_request_bytes) {
+    const uint64_t bytes = n * item;
+    const bool is_mapped = mapped == Mapped::kAll || (mapped == Mapped::kHostOnly && t.dest_host());
+    if (is_mapped) {
+      // An end past 2^64 is refused by the destination's range check.
+      if (bytes > 0 && t.dest_offset() <= UINT64_MAX - bytes) {
+        in_segment.emplace_back(t.dest_offset(), t.dest_offset() + bytes);
+      }
+    } else {
+      total += bytes;
+    }
+    declared += bytes;
+    if (declared > l.max_request_bytes) {
       return absl::ResourceExhaustedError(absl::StrCat(
-          who, ": the targets need ", total, "+ destination bytes (tensor '", t.name(),
+          who, ": the targets need ", declared, "+ destination bytes (tensor '", t.name(),
           "' among them), above limits.max_request_bytes ", l.max_request_bytes));
     }
+  }
+  if (in_segment.empty()) return total;
+  // The pages the mapped targets touch, each counted once.
+  constexpr uint64_t kPage = 4096;
+  std::sort(in_segment.begin(), in_segment.end());
+  uint64_t pages = 0, covered = 0, span = 0;  // covered: the page-aligned end so far
+  for (const auto& [begin, end] : in_segment) {
+    const uint64_t first = std::max(begin / kPage * kPage, covered);
+    const uint64_t last = end > UINT64_MAX - kPage ? UINT64_MAX / kPage * kPage
+                                                   : (end + kPage - 1) / kPage * kPage;
+    if (last > first) pages += last - first;
+    covered = std::max(covered, last);
+    span = std::max(span, end);
+  }
+  constexpr uint64_t kSlack = uint64_t{1} << 30;
+  if (span - std::min(span, 8 * pages) > kSlack) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        who, ": the targets span ", span, " bytes of their segment but fill only ", pages,
+        " (in 4 KiB pages); a segment more than 8x plus 1 GiB larger than its targets is refused "
+        "(pack the targets closer)"));
+  }
+  total += pages;
+  if (total > l.max_request_bytes) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        who, ": the targets need ", total, " destination bytes (whole 4 KiB pages where mapped), "
+        "above limits.max_request_bytes ", l.max_request_bytes));
   }
   return total;
 }

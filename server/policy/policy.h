@@ -50,11 +50,23 @@ class Policy {
   // Whether `caller` may read (or save into) `resolved`, a path ResolvePath
   // returned: the root's access rule, then the directory's mode bits.
   absl::Status CheckAccess(const Caller& caller, const std::string& resolved, Access access) const;
+  // Which of a request's targets the daemon maps into its own address space
+  // at their dest_offset (a client's shared-memory segment).
+  enum class Mapped {
+    kNone,      // stream, process_memory: nothing of the client's is mapped
+    kAll,       // shm: every target, in the segment
+    kHostOnly,  // cuda_ipc: the dest_host targets, in the host segment
+  };
   // A request's shape against the limits, before anything is allocated for
-  // it; returns its destination bytes (from the targets' boxes).
+  // it; returns the bytes the request is charged (per request, per uid,
+  // save_buffer): what the daemon maps or copies for it, not what the
+  // request declares. A mapped target costs the pages it touches (the
+  // daemon populates only those); the rest their bytes. Mapped targets that
+  // span far more of their segment than the pages they touch (more than 8x
+  // plus 1 GiB: a sparse segment) are INVALID_ARGUMENT naming both sizes.
   absl::StatusOr<uint64_t> CheckRequestLimits(
       const std::string& who, const google::protobuf::RepeatedPtrField<v1::Target>& targets,
-      int world_size, int node_ranks, uint32_t barrier_timeout_ms) const;
+      int world_size, int node_ranks, uint32_t barrier_timeout_ms, Mapped mapped) const;
 
   // A Load/Save call's share of its uid's quotas; given back when destroyed.
   // Must not outlive the Policy.

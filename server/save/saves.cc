@@ -124,14 +124,21 @@ absl::StatusOr<std::shared_ptr<RankSlot>> Saves::PrepareSaveSlot(
     slot->save_charge = std::move(*charge);
     // (Device tensors are copied when staged, below.)
     if (!request.handed_over() && !request.has_cuda_ipc()) {
+      // Only the targets' bytes, packed: the copy costs what was charged.
       std::vector<std::pair<uint64_t, uint64_t>> ranges;
       for (int t = 0; t < request.targets_size(); ++t) {
         ranges.emplace_back(request.targets(t).dest_offset(), slot->targets.tensors[t].num_bytes());
       }
-      auto copy = MappedSegment::CopyOf(*slot->destination->segment(), ranges, who);
+      std::vector<uint64_t> at;
+      auto copy = MappedSegment::CopyOf(*slot->destination->segment(), ranges, who, &at);
       if (!copy.ok()) return copy.status();
+      slot->save_request = request;
+      for (int t = 0; t < request.targets_size(); ++t) {
+        slot->save_request.mutable_targets(t)->set_dest_offset(at[t]);
+      }
       slot->destination = std::make_unique<SegmentDestination>(
-          std::move(*copy), PlacesOf(request.targets(), slot->targets));
+          std::move(*copy), PlacesOf(slot->save_request.targets(), slot->targets));
+      return slot;
     }
   }
   slot->save_request = request;
@@ -172,8 +179,10 @@ absl::StatusOr<v1::SaveResponse> Saves::Save(const Caller& caller, const v1::Sav
     return resp;
   }
   const std::string who = absl::StrCat("save job '", request.job_id(), "' rank ", request.rank());
-  auto bytes = p_.policy->CheckRequestLimits(who, request.targets(), request.world_size(),
-                                  request.node_ranks_size(), request.barrier_timeout_ms());
+  auto bytes = p_.policy->CheckRequestLimits(
+      who, request.targets(), request.world_size(), request.node_ranks_size(),
+      request.barrier_timeout_ms(),
+      request.has_cuda_ipc() ? Policy::Mapped::kHostOnly : Policy::Mapped::kAll);
   if (!bytes.ok()) return fail(bytes.status());
   if (absl::Status a = p_.policy->CheckAccess(caller, parent, Policy::Access::kSave); !a.ok()) return fail(a);
   if (request.async_save() && dcp) {

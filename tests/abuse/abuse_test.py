@@ -1605,6 +1605,102 @@ class AbuseTest(unittest.TestCase):
         self.assertTrue(mine.value.persisted)
         self.assertTrue(os.path.exists(os.path.join(path, "0.metadata")))
 
+    # === 21. memory is charged by what is mapped (issue 33) ===========================
+
+    def hwm(self):
+        """The daemon's VmHWM in bytes."""
+        with open(f"/proc/{self.daemon.pid}/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+        return 0
+
+    def reset_hwm(self):
+        """Sets the daemon's VmHWM back to its RSS (clear_refs 5); its value."""
+        with open(f"/proc/{self.daemon.pid}/clear_refs", "w") as f:
+            f.write("5")
+        return self.hwm()
+
+    def stream_bytes(self, rpc, size):
+        out = bytearray(size)
+        for ev in rpc.events:
+            if ev.WhichOneof("event") == "data":
+                out[ev.data.offset:ev.data.offset + len(ev.data.data)] = ev.data.data
+        return bytes(out)
+
+    def test_21_memory_is_charged_by_what_is_mapped(self):
+        """A request is charged (per request, per uid, save_buffer) by what the
+        daemon maps or copies, and the daemon populates only the targets' pages:
+        (a) a sparse 6 GiB memfd with one small target at its end is
+        INVALID_ARGUMENT naming both sizes, before anything is mapped; (b) a
+        sparse 1 GiB memfd with one small target at 768 MiB loads, and the
+        daemon's VmHWM grows by far less than the 768 MiB an up-front
+        MAP_POPULATE of the span faulted in; (c) an asynchronous save of one
+        small target at 768 MiB of a sparse memfd copies only the target (the
+        daemon's copy was the whole span), and the version it writes is exact."""
+        n = "model.norm.weight"
+        dt, a = self.ref[n]
+        gib = 1 << 30
+        # (a) 6 GiB, the target at its last bytes.
+        big = memfd(6 * gib)
+        self.cleanups.append(lambda: os.close(big))
+        reply, token = send_fd(self.fd_socket, big)
+        self.assertTrue(reply.startswith("OK"), reply)
+        req = self.load_req(self.hf, [target(n, dt, a.shape, dest_offset=6 * gib - a.nbytes)])
+        req.shm.fd_token, req.shm.size = token, 6 * gib
+        hwm0 = self.reset_hwm()
+        t0 = time.monotonic()
+        rpc = raw_load(self.stub, req, timeout=60)
+        self.assertRpc(rpc, "INVALID_ARGUMENT", "span", str(6 * gib), "fill only",
+                       what="one small target at the end of a sparse 6 GiB memfd")
+        self.assertLess(time.monotonic() - t0, 5, "refusing the sparse segment took long")
+        self.assertLess(self.hwm() - hwm0, 64 << 20,
+                        f"VmHWM grew by {(self.hwm() - hwm0) >> 20} MiB: {self.daemon.memory()}")
+        # (b) 1 GiB, the target at 768 MiB: loads, populating one page.
+        sparse = memfd(gib)
+        self.cleanups.append(lambda: os.close(sparse))
+        reply, token = send_fd(self.fd_socket, sparse)
+        self.assertTrue(reply.startswith("OK"), reply)
+        at = 768 << 20
+        req = self.load_req(self.hf, [target(n, dt, a.shape, dest_offset=at)])
+        req.shm.fd_token, req.shm.size = token, gib
+        hwm0 = self.reset_hwm()
+        rpc = raw_load(self.stub, req, timeout=60)
+        grew = self.hwm() - hwm0
+        self.assertRpc(rpc, "OK", what="one small target at 768 MiB of a sparse 1 GiB memfd")
+        mm = mmap.mmap(sparse, gib)
+        self.cleanups.append(mm.close)
+        self.assertEqual(mm[at:at + a.nbytes], a.tobytes())
+        self.assertLess(grew, 64 << 20, f"VmHWM grew by {grew >> 20} MiB for a {a.nbytes}-byte "
+                                        f"target: {self.daemon.memory()}")
+        # (c) an asynchronous save of 4 KiB at 768 MiB of a sparse memfd.
+        w = np.arange(1024, dtype=np.float32) * 0.5
+        src = memfd(gib, seals=0)
+        self.cleanups.append(lambda: os.close(src))
+        os.pwrite(src, w.tobytes(), at)
+        fcntl.fcntl(src, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        reply, token = send_fd(self.fd_socket, src)
+        self.assertTrue(reply.startswith("OK"), reply)
+        job = self.job("sparse-async")
+        path = os.path.join(self.root, f"sparse-async-{os.getpid()}-{self.counter}")
+        req = pb2.SaveRequest(job_id=job, rank=0, world_size=1, path=path, unique_id=0,
+                              targets=[target("w", "F32", [1024], dest_offset=at)])
+        req.shm.fd_token, req.shm.size = token, gib
+        req.async_save = True
+        hwm0 = self.reset_hwm()
+        first = call("Save", self.stub.Save, req, timeout=60)
+        self.assertRpc(first, "OK", what="an asynchronous save from a sparse 1 GiB memfd")
+        done = call("AwaitSave", self.stub.AwaitSave,
+                    pb2.AwaitSaveRequest(job_id=job, rank=0, timeout_ms=60000), timeout=90)
+        grew = self.hwm() - hwm0
+        self.assertRpc(done, "OK", what="awaiting the asynchronous save")
+        self.assertTrue(done.value.persisted)
+        self.assertLess(grew, 64 << 20, f"VmHWM grew by {grew >> 20} MiB for a 4 KiB async "
+                                        f"save: {self.daemon.memory()}")
+        back = self.stream_load(path, [target("w", "F32", [1024])])
+        self.assertRpc(back, "OK", what="loading the version the asynchronous save wrote")
+        self.assertEqual(self.stream_bytes(back, w.nbytes), w.tobytes())
+
 
 def file_tensors(path):
     """name -> (begin, end) file offsets of each tensor's bytes (numpy-free
