@@ -10,8 +10,10 @@
 #include <cstdlib>
 #include <cstring>
 #include <map>
+#include <memory>
 #include <optional>
 #include <random>
+#include <set>
 
 #include <grpcpp/grpcpp.h>
 
@@ -184,61 +186,68 @@ uint64_t TensorSpec::num_bytes() const {
 namespace {
 
 // Read-only mappings of the daemon's cache blocks (Transport::kCacheView),
-// kept across loads: a block recycled for the next load is not mapped again
-// (a new mapping costs a page-table entry per 4 KiB on first touch). Keyed by
-// the block's key (CacheViews.view_keys: random, never reused); at most kMax,
-// least recently used dropped.
-// They cost address space, not memory: the pages are the daemon's cache.
+// kept from one load to the next: a block the next load uses again is not
+// mapped again (a new mapping costs a page-table entry per 4 KiB on first
+// touch). Keyed by the block's key (CacheViews.view_keys: random, never
+// reused). Only the latest load's are kept (Keep): a block the daemon has
+// freed cannot have its pages reclaimed while any process maps it (its
+// memfd is sealed against writes, hole punching included), so a mapping of
+// a block no load uses any more would hold its memory. A load copying from
+// a mapping holds a reference to it: another thread's Keep never unmaps it
+// under the copy. Thread-safe.
 class ViewMappings {
  public:
-  static constexpr size_t kMax = 1024;
-  ~ViewMappings() {
-    for (auto& [key, m] : maps_) ::munmap(m.data, m.size);
-  }
+  struct Mapping {
+    Mapping(uint8_t* d, uint64_t n) : data(d), size(n) {}
+    Mapping(const Mapping&) = delete;
+    Mapping& operator=(const Mapping&) = delete;
+    ~Mapping() { ::munmap(data, size); }
+    uint8_t* const data;
+    const uint64_t size;
+  };
   // The first `size` bytes of the memfd `fd` (the view named `key`), mapped
-  // read-only.
-  absl::StatusOr<const uint8_t*> Map(uint64_t key, int fd, uint64_t size) {
+  // read-only; kept until a later Keep leaves it out and nobody holds it.
+  absl::StatusOr<std::shared_ptr<const Mapping>> Map(uint64_t key, int fd, uint64_t size) {
     struct stat st;
     if (::fstat(fd, &st) != 0) return absl::DataLossError("a cache view cannot be stat'ed");
     if (static_cast<uint64_t>(st.st_size) < size) {
       return absl::DataLossError(
           absl::StrCat("a cache view holds ", st.st_size, " bytes, not ", size));
     }
-    absl::MutexLock lock(&mu_);
-    auto it = maps_.find(key);
-    if (it != maps_.end() && it->second.size >= size) {
-      it->second.used = ++clock_;
-      return it->second.data;
+    {
+      absl::MutexLock lock(&mu_);
+      auto it = maps_.find(key);
+      if (it != maps_.end() && it->second->size >= size) return it->second;
     }
     void* p = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
     if (p == MAP_FAILED) {
       return absl::ResourceExhaustedError(
           absl::StrCat("mapping a cache view of ", size, " bytes: ", std::strerror(errno)));
     }
-    if (it != maps_.end()) {
-      ::munmap(it->second.data, it->second.size);
-      maps_.erase(it);
+    auto m = std::make_shared<const Mapping>(static_cast<uint8_t*>(p), size);
+    absl::MutexLock lock(&mu_);
+    maps_[key] = m;
+    return m;
+  }
+  // Drops the mappings of every key but `keys` (those of the load just
+  // done); each is unmapped once no load holds it.
+  void Keep(const google::protobuf::RepeatedField<uint64_t>& keys) {
+    const std::set<uint64_t> keep(keys.begin(), keys.end());
+    std::vector<std::shared_ptr<const Mapping>> dropped;  // unmapped outside the lock
+    absl::MutexLock lock(&mu_);
+    for (auto it = maps_.begin(); it != maps_.end();) {
+      if (keep.count(it->first)) {
+        ++it;
+      } else {
+        dropped.push_back(std::move(it->second));
+        it = maps_.erase(it);
+      }
     }
-    while (maps_.size() >= kMax) {
-      auto oldest = std::min_element(maps_.begin(), maps_.end(), [](const auto& a, const auto& b) {
-        return a.second.used < b.second.used;
-      });
-      ::munmap(oldest->second.data, oldest->second.size);
-      maps_.erase(oldest);
-    }
-    maps_[key] = Mapping{static_cast<uint8_t*>(p), size, ++clock_};
-    return static_cast<const uint8_t*>(p);
   }
 
  private:
-  struct Mapping {
-    uint8_t* data = nullptr;
-    uint64_t size = 0;
-    uint64_t used = 0;
-  };
   absl::Mutex mu_;
-  std::map<uint64_t, Mapping> maps_ ABSL_GUARDED_BY(mu_);
-  uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;
+  std::map<uint64_t, std::shared_ptr<const Mapping>> maps_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace
@@ -479,12 +488,12 @@ absl::Status CopyViews(const v1::CacheViews& views, const LoadSpec& spec,
   }
   CKPT_ASSIGN_OR_RETURN(ViewGrant grant, RequestViews(fd_socket, views.token(), n, timeout));
   absl::Status status;
-  std::vector<const uint8_t*> src(n);
+  // Held for the copies: another load's Keep cannot unmap them meanwhile.
+  std::vector<std::shared_ptr<const ViewMappings::Mapping>> src(n);
   for (size_t i = 0; i < n && status.ok(); ++i) {
-    absl::StatusOr<const uint8_t*> m =
-        mappings.Map(views.view_keys(i), grant.fds[i], views.view_bytes(i));
+    auto m = mappings.Map(views.view_keys(i), grant.fds[i], views.view_bytes(i));
     if (m.ok()) {
-      src[i] = *m;
+      src[i] = *std::move(m);
     } else {
       status = m.status();
     }
@@ -494,10 +503,11 @@ absl::Status CopyViews(const v1::CacheViews& views, const LoadSpec& spec,
     if (!status.ok()) break;
     for (uint64_t i = 0; i < c.count(); ++i) {
       std::memcpy(reinterpret_cast<void*>(c.address() + i * c.dst_stride()),
-                  src[c.view()] + c.offset() + i * c.src_stride(), c.length());
+                  src[c.view()]->data + c.offset() + i * c.src_stride(), c.length());
     }
   }
   ::close(grant.lease);  // done: the daemon lets go of the views
+  mappings.Keep(views.view_keys());
   return status;
 }
 

@@ -19,6 +19,14 @@
 
 namespace ckpt {
 
+namespace {
+#ifdef F_SEAL_FUTURE_WRITE
+constexpr int kSealFutureWrite = F_SEAL_FUTURE_WRITE;
+#else
+constexpr int kSealFutureWrite = 0x0010;  // Linux 5.1
+#endif
+}  // namespace
+
 // The default entry memory: blocks recycled across entries. A freed block is
 // kept for the next entry of the same size, already faulted in: a cold load
 // then writes memory at copy speed instead of taking a page fault per 4 KiB
@@ -76,7 +84,7 @@ class HostCache::BlockPool final : public HostAllocator {
     if (memfd) {
       fd = ::memfd_create("ckptd-cache", MFD_CLOEXEC | MFD_ALLOW_SEALING);
       if (fd >= 0 && (::ftruncate(fd, static_cast<off_t>(n)) != 0 || ::fchmod(fd, 0400) != 0 ||
-                      ::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW | F_SEAL_SEAL) != 0)) {
+                      ::fcntl(fd, F_ADD_SEALS, F_SEAL_SHRINK | F_SEAL_GROW) != 0)) {
         ::close(fd);
         fd = -1;
       }
@@ -101,6 +109,25 @@ class HostCache::BlockPool final : public HostAllocator {
     if (fd >= 0) {
       constexpr int kPopulateWrite = 23;  // MADV_POPULATE_WRITE
       (void)::madvise(p, n, kPopulateWrite);
+      // Read-only for everyone else from here on: no write() and no new
+      // writable mapping, whatever a holder of a view does to its descriptor
+      // (fchmod, reopening /proc/self/fd/N read-write); the daemon's own
+      // mapping, made above, stays writable. Then no more seals (a holder
+      // cannot add F_SEAL_WRITE, which would fail the daemon's next fill).
+      if (::fcntl(fd, F_ADD_SEALS, kSealFutureWrite | F_SEAL_SEAL) != 0) {
+        // Linux < 5.1 (no F_SEAL_FUTURE_WRITE): not exported, anonymous.
+        ::munmap(p, n);
+        ::close(fd);
+        ForgetMemfd();
+        fd = -1;
+        memfd = false;
+        p = ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE,
+                   -1, 0);
+        if (p == MAP_FAILED) return nullptr;
+        b.p = static_cast<uint8_t*>(p);
+      }
+    }
+    if (fd >= 0) {
       // The descriptor clients get: read-only (a new open file description).
       // The mapping keeps the memfd itself.
       b.ro_fd = ::open(absl::StrCat("/proc/self/fd/", fd).c_str(), O_RDONLY | O_CLOEXEC);
@@ -247,11 +274,11 @@ class HostCache::BlockPool final : public HostAllocator {
     absl::MutexLock lock(&mu_);
     --memfd_blocks_;
   }
-  // A block exported to anyone: its pages are punched out first (through
-  // the daemon's writable mapping), so a client's mapping neither sees them
-  // nor keeps them allocated.
+  // A block exported to anyone cannot have its pages punched out (the
+  // write seal refuses that too): they stay while a client maps them (the
+  // clients keep only their latest load's mappings) and are never written
+  // again, as the memfd is closed here.
   void Destroy(const Block& b) {
-    if (!b.exported.empty() && b.shared) ::madvise(b.p, b.n, MADV_REMOVE);
     ::munmap(b.p, b.n);
     if (b.ro_fd >= 0) {
       ::close(b.ro_fd);

@@ -116,8 +116,15 @@ absl::StatusOr<std::shared_ptr<RankSlot>> Saves::PrepareSaveSlot(
   if (request.async_save()) {
     // The rank's bytes must outlive its call: save_buffer room first (the
     // call waits here while earlier persists hold it), then the daemon's own
-    // copy unless the client handed its segment over for good.
-    auto charge = p_.save_buffer->Reserve(who, bytes,
+    // copy unless the client handed its segment over for good. Charged what
+    // is held: a handed-over segment's mapped pages (`bytes`), else the
+    // copy, packed (exactly the targets' bytes).
+    uint64_t held = bytes;
+    if (!request.handed_over() || request.has_cuda_ipc()) {
+      held = 0;
+      for (const ckpt::TargetTensor& t : slot->targets.tensors) held += t.num_bytes();
+    }
+    auto charge = p_.save_buffer->Reserve(who, held,
                                    absl::Now() + BarrierTimeout(request.barrier_timeout_ms(), p_.config->barrier_timeout),
                                    cancelled, &slot->buffer_wait_s);
     if (!charge.ok()) return charge.status();

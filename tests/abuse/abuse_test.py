@@ -1701,6 +1701,59 @@ class AbuseTest(unittest.TestCase):
         self.assertRpc(back, "OK", what="loading the version the asynchronous save wrote")
         self.assertEqual(self.stream_bytes(back, w.nbytes), w.tobytes())
 
+    # === 22. cache views stay read-only (issue 33) ====================================
+
+    def test_22_a_cache_view_cannot_be_made_writable(self):
+        """A client of the daemon's uid gets read-only cache views; it chmods each
+        view's memfd and reopens it read-write through /proc/self/fd: every
+        write() and every writable mapping is refused (EPERM: the daemon seals
+        its blocks F_SEAL_FUTURE_WRITE once it has mapped them), its own load is
+        exact, and a later load served from the cache is byte-exact."""
+        from ckptd import _views
+        name = "model.layers.0.mlp.up_proj.weight"
+        dt, full = self.ref[name]
+        if dt != "F32":
+            self.skipTest(f"{name} is {dt}")
+        ckptd.prefetch(self.tp2, socket=self.daemon.socket)
+        tried = []
+        original = _views._mapping
+
+        def hostile(key, fd, size):
+            os.fchmod(fd, 0o600)
+            rw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+            try:
+                try:
+                    os.pwrite(rw, b"\xff" * 64, 0)
+                    tried.append(("pwrite", "succeeded"))
+                except OSError as e:
+                    tried.append(("pwrite", errno.errorcode.get(e.errno, e.errno)))
+                try:
+                    mmap.mmap(rw, size, flags=mmap.MAP_SHARED,
+                              prot=mmap.PROT_READ | mmap.PROT_WRITE).close()
+                    tried.append(("writable mmap", "succeeded"))
+                except OSError as e:
+                    tried.append(("writable mmap", errno.errorcode.get(e.errno, e.errno)))
+            finally:
+                os.close(rw)
+            return original(key, fd, size)
+
+        part = np.full(full.shape, np.nan, np.float32)
+        _views._mapping = hostile
+        try:
+            rep = ckptd.load_state_dict({name: part}, self.tp2, socket=self.daemon.socket,
+                                        transport="cache_view")
+        finally:
+            _views._mapping = original
+        self.assertEqual(rep.transport, "cache_view")
+        self.assertGreater(rep.bytes_from_views, 0)
+        self.assertTrue(tried, "no view was mapped")
+        self.assertEqual(set(r for _, r in tried), {"EPERM"}, f"attempts: {tried}")
+        np.testing.assert_array_equal(part, full)
+        # Served from the cache again (a stream load: the daemon copies).
+        rpc = self.stream_load(self.tp2, [target(name, dt, full.shape)])
+        self.assertRpc(rpc, "OK", what="a load from the cache after the attempts")
+        self.assertEqual(self.stream_bytes(rpc, full.nbytes), full.tobytes())
+
 
 def file_tensors(path):
     """name -> (begin, end) file offsets of each tensor's bytes (numpy-free

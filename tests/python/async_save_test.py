@@ -92,7 +92,11 @@ class AsyncSaveTest(unittest.TestCase):
                 self.assertIsInstance(f, ckptd.SaveFuture)
                 self.assertFalse(f.staged.persisted)
                 self.assertGreater(f.staged.stall_s, 0)
-                self.assertEqual(f.staged.bytes_staged, 2 * full["w"].nbytes + 16)  # both ranks
+                # Both ranks; the segments the client hands over are charged the
+                # pages the daemon maps (w's half and step on each rank: at most
+                # a page more per tensor).
+                self.assertGreaterEqual(f.staged.bytes_staged, 2 * full["w"].nbytes + 16)
+                self.assertLessEqual(f.staged.bytes_staged, 2 * full["w"].nbytes + 16 + 4 * 4096)
             reps = [f.result(timeout=60) for f in futs]
             for rep in reps:
                 self.assertTrue(rep.persisted)

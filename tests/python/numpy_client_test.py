@@ -357,6 +357,23 @@ class NumpyClientTest(unittest.TestCase):
             self.assertEqual(rep.bytes_delivered, part.nbytes)
             self.assertFalse(rep.zero_copy)
             np.testing.assert_array_equal(part, full[:, half:])
+        # Only the latest load's mappings are kept (a freed block's pages stay
+        # while mapped): after a load of another tensor, exactly its views.
+        from ckptd import _views
+        self.assertTrue(_views._maps)
+        seen, keep = [], _views._keep
+        _views._keep = lambda keys: (seen.append(set(keys)), keep(keys))
+        try:
+            other_name = "model.layers.1.mlp.up_proj.weight"
+            other = np.full(self.full(other_name).shape, np.nan, np.float32)
+            rep = ckptd.load_state_dict({other_name: other}, self.tp2, socket=self.sock,
+                                        transport="cache_view")
+        finally:
+            _views._keep = keep
+        self.assertEqual(rep.bytes_from_views, other.nbytes)
+        np.testing.assert_array_equal(other, self.full(other_name))
+        self.assertEqual(len(seen), 1)
+        self.assertEqual(set(_views._maps), seen[0])
         # "auto" picks it on the daemon of this uid.
         part[:] = np.nan
         rep = ckptd.load_state_dict(sd, self.tp2, socket=self.sock)

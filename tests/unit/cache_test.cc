@@ -158,6 +158,24 @@ TEST(HostCacheExport, GivesAReadOnlyDescriptorOfTheEntrysBlockThatCannotChangeIt
   ASSERT_NE(m, MAP_FAILED);
   EXPECT_EQ(static_cast<uint8_t*>(m)[4096], 5);  // the entry's bytes
   EXPECT_NE(::mprotect(m, kBlock, PROT_READ | PROT_WRITE), 0);
+  // A holder of the daemon's uid (which owns the memfd) makes it writable
+  // again and reopens it read-write through /proc: the seal still refuses
+  // every write and every writable mapping, and further seals.
+  EXPECT_EQ(seals & (F_SEAL_FUTURE_WRITE | F_SEAL_SEAL), F_SEAL_FUTURE_WRITE | F_SEAL_SEAL);
+  ASSERT_EQ(::fchmod(r->fd, 0600), 0);
+  const int rw = ::open(("/proc/self/fd/" + std::to_string(r->fd)).c_str(), O_RDWR | O_CLOEXEC);
+  ASSERT_GE(rw, 0) << std::strerror(errno);
+  EXPECT_LT(::pwrite(rw, "x", 1, 4096), 0);
+  EXPECT_EQ(errno, EPERM);
+  EXPECT_EQ(::mmap(nullptr, kBlock, PROT_READ | PROT_WRITE, MAP_SHARED, rw, 0), MAP_FAILED);
+  EXPECT_EQ(errno, EPERM);
+  EXPECT_NE(::fallocate(rw, FALLOC_FL_PUNCH_HOLE | FALLOC_FL_KEEP_SIZE, 0, 4096), 0);
+  EXPECT_NE(::fcntl(rw, F_ADD_SEALS, F_SEAL_WRITE), 0);
+  ::close(rw);
+  EXPECT_EQ(static_cast<uint8_t*>(m)[4096], 5);  // unchanged
+  // The daemon's own mapping, made before the seal, still fills it.
+  const_cast<uint8_t*>(v.data)[4096] = 6;
+  EXPECT_EQ(static_cast<uint8_t*>(m)[4096], 6);
   ::munmap(m, kBlock);
 }
 
@@ -184,7 +202,10 @@ TEST(HostCacheExport, ABlockIsRecycledOnlyForTheTenantItWasExportedTo) {
   EXPECT_TRUE(c.Lookup("/c", st, 0, 1).has_value());
 }
 
-TEST(HostCacheExport, ABlockShownToTwoTenantsIsPunchedOutAndClosedWhenFreed) {
+// Its pages cannot be punched out (the write seal refuses that too): a
+// client's mapping keeps the bytes it was shown, and nothing is ever written
+// there again.
+TEST(HostCacheExport, ABlockShownToTwoTenantsIsClosedWhenFreedAndNeverWrittenAgain) {
   HostCache c(8 * kBlock);
   RangeView v = Put(c, "/a", 0, kBlock, 9, 7);
   std::optional<ExportedRange> r7 = c.Export(v.data, kBlock, 7);
@@ -208,7 +229,10 @@ TEST(HostCacheExport, ABlockShownToTwoTenantsIsPunchedOutAndClosedWhenFreed) {
   EXPECT_EQ(c.blocks(), blocks - 1);
   EXPECT_FALSE(c.HasRecycled(kBlock, 7));
   EXPECT_FALSE(c.HasRecycled(kBlock, 8));
-  EXPECT_EQ(seen[100], 0);  // punched out of the client's mapping too
+  EXPECT_EQ(seen[100], 9);  // what it was shown, nothing newer
+  RangeView w = Put(c, "/b", 0, kBlock, 3, 7);  // the next entry: other memory
+  EXPECT_EQ(w.data[100], 3);
+  EXPECT_EQ(seen[100], 9);
   ::munmap(m, kBlock);
 }
 

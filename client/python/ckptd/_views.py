@@ -7,16 +7,16 @@ runs of `length` bytes) and the client takes the views' read-only memfds on
 the fd socket ("VIEWS <token>"), maps them, copies every run into its
 tensors, and closes that connection, which tells the daemon it is done.
 
-Mappings are kept across loads (keyed by the view's key, CacheViews.view_keys:
-random and never reused, so a block the daemon recycles for the next load is
-not mapped again: a new mapping costs a page-table entry per 4 KiB on first
-touch), up to _MAX_MAPPINGS of them. They cost address space and one
-descriptor each (Python's mmap keeps a duplicate of the fd), not memory: the
-pages are the daemon's cache, and a block the daemon frees is punched out of
-them.
+Mappings are kept from one load to the next (keyed by the view's key,
+CacheViews.view_keys: random and never reused, so a block the next load uses
+again is not mapped again: a new mapping costs a page-table entry per 4 KiB on
+first touch), but only the latest load's: the daemon seals its blocks against
+writes (F_SEAL_FUTURE_WRITE, so no holder of a view can change cached bytes),
+which also stops it punching a freed block's pages out, so a mapping of a block
+no load uses any more would keep that memory. They cost address space and one
+descriptor each (Python's mmap keeps a duplicate of the fd).
 """
 import bisect
-import collections
 import ctypes
 import mmap
 import os
@@ -28,9 +28,8 @@ from numpy.lib.stride_tricks import as_strided
 from ._shm import MAX_VIEW_FDS, take_views
 from .errors import CkptdError
 
-_MAX_MAPPINGS = 64
 _lock = threading.Lock()
-_maps = collections.OrderedDict()  # view key -> (mmap, uint8 array)
+_maps = {}  # view key -> (mmap, uint8 array)
 
 
 def _mapping(key, fd, size):
@@ -40,16 +39,22 @@ def _mapping(key, fd, size):
     with _lock:
         hit = _maps.get(key)
         if hit is not None and len(hit[1]) >= size:
-            _maps.move_to_end(key)
             return hit[1]
     m = mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
     a = np.frombuffer(m, np.uint8)
     with _lock:
         _maps[key] = (m, a)
-        _maps.move_to_end(key)
-        while len(_maps) > _MAX_MAPPINGS:
-            _maps.popitem(last=False)  # unmapped once no array refers to it
     return a
+
+
+def _keep(keys):
+    """Drops the mappings of every view but `keys` (the load just done's); each
+    is unmapped once no array refers to it (a copy in another thread holds its
+    own)."""
+    keep = set(keys)
+    with _lock:
+        for key in [k for k in _maps if k not in keep]:
+            del _maps[key]
 
 
 def mapped_views():
@@ -104,3 +109,4 @@ def copy_views(fd_socket, views, targets, timeout=10.0):
                                      writeable=False))
     finally:
         sock.close()  # done: the daemon lets go of the views
+        _keep(views.view_keys)
