@@ -185,6 +185,9 @@ absl::Status WriteFileAtomicIn(std::shared_ptr<const Directory> dir, const std::
 // directory); POSIX: flock(LOCK_EX). Released when destroyed (or when the
 // process dies: flock locks go with their open file description). The lock
 // file is left in place (unlinking it would race with the next locker).
+// It is mode 0600 (made so if an earlier version left it open to others):
+// flock works on a read-only descriptor, so only its owner (the daemon's
+// uid, or whoever ran `ckptctl shard` first) and root may open it.
 // Movable.
 inline constexpr char kLockFileName[] = ".ckptd.lock";
 class DirLock {

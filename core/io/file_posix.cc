@@ -589,9 +589,12 @@ class PosixStorage final : public Storage {
     if (!opened.ok()) return opened.status();
     const auto* d = static_cast<const PosixDirectory*>(opened->get());
     const std::string lock_path = JoinPath(dir, kLockFileName);
+    // 0600: flock works on a descriptor opened for reading, so a lock file
+    // anyone may open is one anyone who can read the directory could hold
+    // forever, blocking every save into it.
     const int fd =
         ::openat(d->fd(), kLockFileName,
-                 O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK | O_NOCTTY, 0644);
+                 O_RDWR | O_CREAT | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK | O_NOCTTY, 0600);
     if (fd < 0) {
       if (errno == ELOOP) {
         return absl::PermissionDeniedError(
@@ -604,6 +607,10 @@ class PosixStorage final : public Storage {
     if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
       return absl::FailedPreconditionError(absl::StrCat(lock_path, ": not a regular file"));
     }
+    // A lock file an earlier version made 0644: closed to others from now on
+    // (by its owner, or root; a process that opened it before keeps its
+    // descriptor).
+    if ((st.st_mode & 077) != 0) (void)::fchmod(fd, 0600);
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::milliseconds(wait_ms);
     while (true) {
       if (::flock(fd, LOCK_EX | LOCK_NB) == 0) return DirLock(*std::move(opened), std::move(held));

@@ -37,8 +37,9 @@ namespace ckptd {
 enum class JobKind { kLoad, kSave };
 
 // One rank's call in a job. Everything but the outcome is set before the
-// slot is registered and read-only after, except the rank's destination and
-// save_charge: the job's runner uses them once the job runs, the rank's
+// slot is registered and read-only after, except the rank's destination,
+// save_request and save_charge: the job's runner uses them (an asynchronous
+// save's staging rewrites the first two) once the job runs, the rank's
 // thread again once it is done.
 struct RankSlot {
   v1::LoadRequest request;
@@ -50,8 +51,11 @@ struct RankSlot {
   std::function<bool()> cancelled;
   absl::Time registered;
   std::chrono::steady_clock::time_point start;
-  // Asynchronous saves: the save_buffer room this rank's bytes hold, and how
-  // long the call waited for it.
+  // Asynchronous saves: the save_buffer bytes this rank holds once staged
+  // (its handed-over segment's mapped pages, or its copy), the room charged
+  // for the job after its barrier (on one of its slots), and how long the
+  // job waited for it.
+  uint64_t save_buffer_bytes = 0;
   std::unique_ptr<SaveBuffer::Charge> save_charge;
   double buffer_wait_s = 0;
 

@@ -73,15 +73,19 @@ absl::StatusOr<std::shared_ptr<const PendingSave>> AsyncSaves::Start(
           " asynchronous saves persisting (limits.max_jobs_per_uid ",
           options_.max_jobs_per_uid, "); wait for one (SaveFuture.result)"));
     }
-    for (const auto& [id, other] : saves_) {
+    const SaveKey key{job.owner, job.id};
+    for (const auto& [other_key, other] : saves_) {
       if (!refused.ok() || !other->Persisting()) continue;
-      if (id == job.id) {
+      const std::string& id = other_key.second;
+      if (other_key == key) {
         refused = absl::AlreadyExistsError(absl::StrCat(
             "save job '", job.id, "': an asynchronous save job of that id is still persisting"));
       } else if (other->save.path == job.path && other->save.plan.unique_id == version) {
         refused = absl::AlreadyExistsError(absl::StrCat(
             "save job '", job.id, "': version ", version, " of ", job.path,
-            " is being saved by job '", id, "' (still persisting); choose another unique_id"));
+            " is being saved by ",
+            other->owner == job.owner ? absl::StrCat("job '", id, "'") : "another uid's job",
+            " (still persisting); choose another unique_id"));
       }
     }
     if (refused.ok()) {
@@ -96,10 +100,12 @@ absl::StatusOr<std::shared_ptr<const PendingSave>> AsyncSaves::Start(
       }
       for (auto& [rank, r] : pending->first_answers) r.set_bytes_staged(pending->bytes_staged);
       // Forget finished saves past their time (the oldest first when too many).
-      std::vector<std::pair<absl::Time, std::string>> finished;
-      for (const auto& [id, other] : saves_) {
+      std::vector<std::pair<absl::Time, SaveKey>> finished;
+      for (const auto& [other_key, other] : saves_) {
         absl::MutexLock other_lock(&other->mu);
-        if (other->state != PendingSave::State::kPersisting) finished.push_back({other->finished, id});
+        if (other->state != PendingSave::State::kPersisting) {
+          finished.push_back({other->finished, other_key});
+        }
       }
       std::sort(finished.begin(), finished.end());
       for (size_t i = 0; i < finished.size(); ++i) {
@@ -109,8 +115,8 @@ absl::StatusOr<std::shared_ptr<const PendingSave>> AsyncSaves::Start(
           saves_.erase(it);
         }
       }
-      if (auto it = saves_.find(job.id); it != saves_.end()) forgotten.push_back(it->second);
-      saves_[job.id] = pending;
+      if (auto it = saves_.find(key); it != saves_.end()) forgotten.push_back(it->second);
+      saves_[key] = pending;
       queue_.push_back(pending);
       if (!thread_.joinable()) thread_ = std::thread([this] { PersistLoop(); });
     }
@@ -230,25 +236,25 @@ void AsyncSaves::Persist(PendingSave& p) {
   }
 }
 
-std::map<std::string, std::shared_ptr<PendingSave>> AsyncSaves::PersistingLocked(
+std::map<AsyncSaves::SaveKey, std::shared_ptr<PendingSave>> AsyncSaves::PersistingLocked(
     const std::string* dir) const {
-  std::map<std::string, std::shared_ptr<PendingSave>> persisting;
-  for (const auto& [id, p] : saves_) {
-    if ((dir == nullptr || p->save.path == *dir) && p->Persisting()) persisting[id] = p;
+  std::map<SaveKey, std::shared_ptr<PendingSave>> persisting;
+  for (const auto& [key, p] : saves_) {
+    if ((dir == nullptr || p->save.path == *dir) && p->Persisting()) persisting[key] = p;
   }
   return persisting;
 }
 
 std::vector<std::string> AsyncSaves::AwaitPersisting(const std::string* dir, absl::Time deadline) {
   while (true) {
-    std::map<std::string, std::shared_ptr<PendingSave>> persisting;
+    std::map<SaveKey, std::shared_ptr<PendingSave>> persisting;
     {
       absl::MutexLock lock(&mu_);
       persisting = PersistingLocked(dir);
     }
     if (persisting.empty() || absl::Now() >= deadline) {
       std::vector<std::string> ids;
-      for (const auto& [id, p] : persisting) ids.push_back(id);
+      for (const auto& [key, p] : persisting) ids.push_back(key.second);
       return ids;
     }
     // One at a time: the others, and saves queued since, are looked at again.
@@ -272,8 +278,12 @@ absl::StatusOr<v1::SaveResponse> AsyncSaves::Await(const Caller& caller, bool ad
   std::shared_ptr<PendingSave> p;
   {
     absl::MutexLock lock(&mu_);
-    auto it = saves_.find(request.job_id());
-    if (it == saves_.end() || (it->second->owner != caller.uid && !admin)) {
+    auto it = saves_.find(SaveKey{caller.uid, request.job_id()});
+    if (it == saves_.end() && admin) {  // another uid's job of that id
+      it = std::find_if(saves_.begin(), saves_.end(),
+                        [&](const auto& e) { return e.first.second == request.job_id(); });
+    }
+    if (it == saves_.end()) {
       return absl::NotFoundError(absl::StrCat(
           "no asynchronous ", what, " of ", caller.Describe(),
           " (finished ones are kept for ", absl::FormatDuration(kKeepFinished), ")"));
@@ -300,11 +310,11 @@ void AsyncSaves::Describe(const Caller& caller, bool admin, v1::StatusResponse* 
   absl::MutexLock lock(&mu_);
   resp->set_save_buffer_bytes(buffer_->capacity());
   resp->set_save_staged_bytes(buffer_->held());
-  for (const auto& [id, p] : saves_) {
+  for (const auto& [key, p] : saves_) {
     if (!admin && p->owner != caller.uid) continue;
     absl::MutexLock save_lock(&p->mu);
     v1::SaveStatus* s = resp->add_saves();
-    s->set_job_id(id);
+    s->set_job_id(key.second);
     s->set_path(p->save.path);
     s->set_unique_id(p->save.plan.unique_id);
     s->set_state(p->state == PendingSave::State::kPersisting ? "persisting"

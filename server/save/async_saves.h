@@ -28,6 +28,7 @@
 #include <memory>
 #include <string>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
@@ -91,14 +92,14 @@ class AsyncSaves {
   // queued for the persist thread, whose first_answers the ranks get now
   // (persisted false). Refused (the slots left as they were) while the
   // daemon stops, when the owner has max_jobs_per_uid saves persisting, or
-  // when the job id or the version is being saved already.
+  // when the owner's job of that id or the version is being saved already.
   absl::StatusOr<std::shared_ptr<const PendingSave>> Start(
       const Job& job, const std::vector<std::shared_ptr<RankSlot>>& slots, ckpt::SavePlan plan)
       ABSL_LOCKS_EXCLUDED(mu_);
-  // The outcome of save job `request.job_id()` for one of its ranks, waiting
-  // up to request.timeout_ms() (at most max_wait) for it to become durable
-  // (DEADLINE_EXCEEDED while it still persists). Only the job's owner or an
-  // admin (`admin`) may ask.
+  // The outcome of the caller's save job `request.job_id()` for one of its
+  // ranks, waiting up to request.timeout_ms() (at most max_wait) for it to
+  // become durable (DEADLINE_EXCEEDED while it still persists). An admin
+  // (`admin`) may ask for another uid's job of that id (its own first).
   absl::StatusOr<v1::SaveResponse> Await(const Caller& caller, bool admin,
                                          const v1::AwaitSaveRequest& request,
                                          const std::function<bool()>& cancelled)
@@ -119,17 +120,20 @@ class AsyncSaves {
  private:
   void PersistLoop() ABSL_LOCKS_EXCLUDED(mu_);
   void Persist(PendingSave& save) ABSL_LOCKS_EXCLUDED(mu_);
-  // The saves still persisting (into `dir` if given), by id.
-  std::map<std::string, std::shared_ptr<PendingSave>> PersistingLocked(const std::string* dir) const
+  // A save's record: its owner and job id (job ids are the clients' own
+  // names: two uids may pick the same one).
+  using SaveKey = std::pair<uid_t, std::string>;
+  // The saves still persisting (into `dir` if given).
+  std::map<SaveKey, std::shared_ptr<PendingSave>> PersistingLocked(const std::string* dir) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   const Options options_;
   const SaveBuffer* const buffer_;
   const DurableFn durable_;
   mutable absl::Mutex mu_;
-  // By job id: those persisting and those finished in the last minutes
-  // (Await, Describe); the persist thread's queue.
-  std::map<std::string, std::shared_ptr<PendingSave>> saves_ ABSL_GUARDED_BY(mu_);
+  // By owner and job id: those persisting and those finished in the last
+  // minutes (Await, Describe); the persist thread's queue.
+  std::map<SaveKey, std::shared_ptr<PendingSave>> saves_ ABSL_GUARDED_BY(mu_);
   std::deque<std::shared_ptr<PendingSave>> queue_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
   std::thread thread_;  // started by the first save (under mu_)

@@ -11,14 +11,17 @@ SaveBuffer::Charge::~Charge() {
   buffer_->held_ -= bytes_;
 }
 
+absl::Status SaveBuffer::CheckSize(const std::string& who, uint64_t bytes) const {
+  if (bytes <= capacity_) return absl::OkStatus();
+  return absl::ResourceExhaustedError(absl::StrCat(
+      who, ": ", bytes, " bytes to stage exceed save_buffer (", capacity_,
+      " bytes); raise save_buffer or save without async_save"));
+}
+
 absl::StatusOr<std::unique_ptr<SaveBuffer::Charge>> SaveBuffer::Reserve(
     const std::string& who, uint64_t bytes, absl::Time deadline,
     const std::function<bool()>& cancelled, double* waited_s) {
-  if (bytes > capacity_) {
-    return absl::ResourceExhaustedError(absl::StrCat(
-        who, ": ", bytes, " bytes to stage exceed save_buffer (", capacity_,
-        " bytes); raise save_buffer or save without async_save"));
-  }
+  if (absl::Status s = CheckSize(who, bytes); !s.ok()) return s;
   const absl::Time t0 = absl::Now();
   absl::MutexLock lock(&mu_);
   auto fits = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return held_ + bytes <= capacity_; };

@@ -1,9 +1,10 @@
 // The save_buffer: host memory an asynchronous save's ranks hold between
-// their answer and the persist (docs/daemon.md, save_buffer). A rank charges
-// its bytes before it is answered and gives them back when the persist thread
-// has written them (the Charge is destroyed).
+// their answer and the persist (docs/daemon.md, save_buffer). A job charges
+// its ranks' bytes once all of them are in (after its barrier: a rank that
+// never comes holds none of it), before they are answered, and gives them
+// back when the persist thread has written them (the Charge is destroyed).
 //
-// Owned by the daemon; charged by Save's rank threads, released by the
+// Owned by the daemon; charged by save jobs' runners, released by the
 // persist thread. Thread-safe: `mu_` guards the bytes held and the stop flag.
 #ifndef CKPTD_SERVER_SAVE_SAVE_BUFFER_H_
 #define CKPTD_SERVER_SAVE_SAVE_BUFFER_H_
@@ -39,6 +40,10 @@ class SaveBuffer {
   };
 
   explicit SaveBuffer(uint64_t capacity) : capacity_(capacity) {}
+
+  // RESOURCE_EXHAUSTED naming `who` when `bytes` alone exceed the capacity
+  // (no wait would make room).
+  absl::Status CheckSize(const std::string& who, uint64_t bytes) const;
 
   // Reserves room for `bytes`, waiting while the buffer is full (for earlier
   // saves to persist) until `deadline`, the caller leaves (`cancelled`) or

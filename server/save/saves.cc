@@ -2,7 +2,10 @@
 #include "server/save/saves.h"
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <thread>
+#include <utility>
 
 #include <spdlog/spdlog.h>
 
@@ -95,8 +98,7 @@ absl::Status Saves::CheckSaveDir(const Caller& caller, const v1::SaveRequest& re
 }
 
 absl::StatusOr<std::shared_ptr<RankSlot>> Saves::PrepareSaveSlot(
-    const Caller& caller, const v1::SaveRequest& request, const std::string& who, uint64_t bytes,
-    const std::function<bool()>& cancelled) {
+    const Caller& caller, const v1::SaveRequest& request, const std::string& who, uint64_t bytes) {
   // The rank and its targets checked as a Load's; its bytes in a segment
   // (or device tensors, staged below), checked as a Load's destination.
   CKPT_ASSIGN_OR_RETURN(std::shared_ptr<RankSlot> slot,
@@ -114,39 +116,17 @@ absl::StatusOr<std::shared_ptr<RankSlot>> Saves::PrepareSaveSlot(
                           SegmentDestination::Open(rank_who, std::move(source), std::move(places)));
   }
   if (request.async_save()) {
-    // The rank's bytes must outlive its call: save_buffer room first (the
-    // call waits here while earlier persists hold it), then the daemon's own
-    // copy unless the client handed its segment over for good. Charged what
-    // is held: a handed-over segment's mapped pages (`bytes`), else the
-    // copy, packed (exactly the targets' bytes).
-    uint64_t held = bytes;
+    // What the rank will hold of save_buffer once staged (after the barrier,
+    // StageAsyncSave): its handed-over segment's mapped pages (`bytes`, as
+    // charged), else its copy, packed (exactly the targets' bytes).
+    slot->save_buffer_bytes = bytes;
     if (!request.handed_over() || request.has_cuda_ipc()) {
-      held = 0;
-      for (const ckpt::TargetTensor& t : slot->targets.tensors) held += t.num_bytes();
-    }
-    auto charge = p_.save_buffer->Reserve(who, held,
-                                   absl::Now() + BarrierTimeout(request.barrier_timeout_ms(), p_.config->barrier_timeout),
-                                   cancelled, &slot->buffer_wait_s);
-    if (!charge.ok()) return charge.status();
-    slot->save_charge = std::move(*charge);
-    // (Device tensors are copied when staged, below.)
-    if (!request.handed_over() && !request.has_cuda_ipc()) {
-      // Only the targets' bytes, packed: the copy costs what was charged.
-      std::vector<std::pair<uint64_t, uint64_t>> ranges;
-      for (int t = 0; t < request.targets_size(); ++t) {
-        ranges.emplace_back(request.targets(t).dest_offset(), slot->targets.tensors[t].num_bytes());
+      slot->save_buffer_bytes = 0;
+      for (const ckpt::TargetTensor& t : slot->targets.tensors) {
+        slot->save_buffer_bytes += t.num_bytes();
       }
-      std::vector<uint64_t> at;
-      auto copy = MappedSegment::CopyOf(*slot->destination->segment(), ranges, who, &at);
-      if (!copy.ok()) return copy.status();
-      slot->save_request = request;
-      for (int t = 0; t < request.targets_size(); ++t) {
-        slot->save_request.mutable_targets(t)->set_dest_offset(at[t]);
-      }
-      slot->destination = std::make_unique<SegmentDestination>(
-          std::move(*copy), PlacesOf(slot->save_request.targets(), slot->targets));
-      return slot;
     }
+    if (absl::Status s = p_.save_buffer->CheckSize(who, slot->save_buffer_bytes); !s.ok()) return s;
   }
   slot->save_request = request;
   if (request.has_cuda_ipc()) {  // its targets then point into the daemon's own copy
@@ -200,7 +180,7 @@ absl::StatusOr<v1::SaveResponse> Saves::Save(const Caller& caller, const v1::Sav
   if (absl::Status e = CheckSaveDir(caller, request, dir, dcp); !e.ok()) return fail(e);
   auto reservation = p_.policy->Reserve(caller, who, *bytes, 0);
   if (!reservation.ok()) return fail(reservation.status());
-  auto prepared = PrepareSaveSlot(caller, request, who, *bytes, cancelled);
+  auto prepared = PrepareSaveSlot(caller, request, who, *bytes);
   if (!prepared.ok()) return fail(prepared.status());
   std::shared_ptr<RankSlot> slot = *prepared;
   slot->cancelled = cancelled;
@@ -291,9 +271,75 @@ void Saves::RunSaveJob(const std::shared_ptr<Job>& job) {
                slots.size(), saved->bytes, Seconds(t0));
 }
 
+absl::Status Saves::StageAsyncSave(Job& job,
+                                   const std::vector<std::shared_ptr<RankSlot>>& slots) {
+  const std::string who = absl::StrCat("save job '", job.id, "'");
+  uint64_t bytes = 0;
+  for (const auto& s : slots) bytes += s->save_buffer_bytes;
+  // Room first (waiting while earlier persists hold it), charged now that
+  // every rank is in: a rank that never comes holds none of it.
+  const v1::SaveRequest& first = slots.front()->save_request;
+  const absl::Time deadline =
+      absl::Now() + BarrierTimeout(first.barrier_timeout_ms(), p_.config->barrier_timeout);
+  auto any_left = [&slots] {
+    for (const auto& s : slots) {
+      if (s->cancelled && s->cancelled()) return true;
+    }
+    return false;
+  };
+  double waited_s = 0;
+  job.SetPhase("waiting for save_buffer room (earlier saves persisting)");
+  CKPT_ASSIGN_OR_RETURN(auto charge,
+                        p_.save_buffer->Reserve(who, bytes, deadline, any_left, &waited_s));
+  for (const auto& s : slots) s->buffer_wait_s = waited_s;
+  slots.front()->save_charge = std::move(charge);
+  job.SetPhase("staging");
+  // The daemon's own copy of each rank's bytes whose segment was not handed
+  // over for good (device tensors were copied when staged): only the
+  // targets' bytes, packed. The ranks' copies run in parallel.
+  std::vector<RankSlot*> to_copy;
+  for (const auto& s : slots) {
+    if (!s->save_request.handed_over() && !s->save_request.has_cuda_ipc()) to_copy.push_back(s.get());
+  }
+  std::vector<absl::Status> copied(to_copy.size());
+  std::atomic<size_t> next{0};
+  auto copy_ranks = [&] {
+    for (size_t i = next++; i < to_copy.size(); i = next++) {
+      RankSlot& s = *to_copy[i];
+      std::vector<std::pair<uint64_t, uint64_t>> ranges;
+      for (int t = 0; t < s.save_request.targets_size(); ++t) {
+        ranges.emplace_back(s.save_request.targets(t).dest_offset(),
+                            s.targets.tensors[t].num_bytes());
+      }
+      std::vector<uint64_t> at;
+      auto copy = MappedSegment::CopyOf(*s.destination->segment(), ranges,
+                                        absl::StrCat(who, " rank ", s.targets.rank), &at);
+      if (!copy.ok()) {
+        copied[i] = copy.status();
+        continue;
+      }
+      for (int t = 0; t < s.save_request.targets_size(); ++t) {
+        s.save_request.mutable_targets(t)->set_dest_offset(at[t]);
+      }
+      s.destination = std::make_unique<SegmentDestination>(
+          std::move(*copy), PlacesOf(s.save_request.targets(), s.targets));
+    }
+  };
+  const size_t threads = std::min<size_t>(to_copy.size(), kStageThreads);
+  std::vector<std::thread> helpers;
+  for (size_t i = 1; i < threads; ++i) helpers.emplace_back(copy_ranks);
+  copy_ranks();
+  for (std::thread& t : helpers) t.join();
+  for (const absl::Status& s : copied) CKPT_RETURN_IF_ERROR(s);
+  return absl::OkStatus();
+}
+
 void Saves::StartAsyncSave(const std::shared_ptr<Job>& job,
                             const std::vector<std::shared_ptr<RankSlot>>& slots,
                             ckpt::SavePlan plan) {
+  if (absl::Status staged = StageAsyncSave(*job, slots); !staged.ok()) {
+    return p_.jobs->Fail(*job, staged);
+  }
   auto pending = p_.async_saves->Start(*job, slots, std::move(plan));
   if (!pending.ok()) return p_.jobs->Fail(*job, pending.status());
   const PendingSave& p = **pending;

@@ -94,17 +94,24 @@ class Saves {
   // into, without the version (or DCP checkpoint) unless overwrite is set.
   absl::Status CheckSaveDir(const Caller& caller, const v1::SaveRequest& request,
                             const std::string& dir, bool dcp) const;
-  // The rank's slot of a save: its targets and segment checked as a load's,
-  // (async_save) save_buffer charged and the bytes copied unless handed
-  // over, device tensors staged to host.
+  // The rank's slot of a save: its targets and segment checked as a load's
+  // (`bytes`: what CheckRequestLimits charged), device tensors staged to
+  // host, and (async_save) what it will hold of save_buffer, refused when
+  // more than all of it.
   absl::StatusOr<std::shared_ptr<RankSlot>> PrepareSaveSlot(const Caller& caller,
                                                             const v1::SaveRequest& request,
-                                                            const std::string& who, uint64_t bytes,
-                                                            const std::function<bool()>& cancelled);
-  // An asynchronous save job's ranks are all in and its plan holds: their
-  // bytes move into a pending save queued for the persist thread
-  // (AsyncSaves::Start), and every rank gets its first answer (persisted
-  // false).
+                                                            const std::string& who, uint64_t bytes);
+  // Ranks copying their bytes at once when an asynchronous save is staged.
+  static constexpr size_t kStageThreads = 8;
+  // An asynchronous save job's ranks are all in: its save_buffer room
+  // charged (waiting for persists to free it, until the barrier timeout or
+  // every client left), then the daemon's own copy of each rank's bytes
+  // whose segment was not handed over.
+  absl::Status StageAsyncSave(Job& job, const std::vector<std::shared_ptr<RankSlot>>& slots);
+  // An asynchronous save job's ranks are all in and its plan holds: staged
+  // (StageAsyncSave), their bytes move into a pending save queued for the
+  // persist thread (AsyncSaves::Start), and every rank gets its first answer
+  // (persisted false).
   void StartAsyncSave(const std::shared_ptr<Job>& job,
                       const std::vector<std::shared_ptr<RankSlot>>& slots, ckpt::SavePlan plan);
   // PyTorch DCP saves (SaveRequest.format "pytorch-dcp", saves_dcp.cc): the data

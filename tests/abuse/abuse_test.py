@@ -636,9 +636,10 @@ class AbuseTest(unittest.TestCase):
         os.chmod(path, 0o644)
         return path
 
-    def peer_calls(self, calls, timeout=120):
-        """Runs `calls` (peer.py) as uid 65534; one result dict per call."""
-        spec = self.peer_spec({"socket": self.daemon.socket, "calls": calls})
+    def peer_calls(self, calls, timeout=120, socket=None):
+        """Runs `calls` (peer.py) as uid 65534 against the suite's daemon (or
+        the one at `socket`); one result dict per call."""
+        spec = self.peer_spec({"socket": socket or self.daemon.socket, "calls": calls})
         p = subprocess.run(self.setpriv + ["/usr/bin/python3", "peer.py", "calls", spec],
                            cwd=self.peer_dir, env=self.peer_env(), stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True, timeout=timeout)
@@ -1753,6 +1754,142 @@ class AbuseTest(unittest.TestCase):
         rpc = self.stream_load(self.tp2, [target(name, dt, full.shape)])
         self.assertRpc(rpc, "OK", what="a load from the cache after the attempts")
         self.assertEqual(self.stream_bytes(rpc, full.nbytes), full.tobytes())
+
+    # === 23. locks and buffers no other uid can hold (issue 33) =======================
+
+    def test_23_a_reader_cannot_hold_the_save_lock(self):
+        """uid 65534 may read a checkpoint directory but not open its save lock
+        (flock works on a read-only descriptor: a 0644 lock file let any reader
+        hold it forever and every save into the directory got ABORTED); a lock
+        file an earlier version left 0644 is closed to others at the next save.
+        Root's save goes through while uid 65534 tries."""
+        self.need_other_uid()
+        d = os.path.join(self.shared, f"locked-{os.getpid()}-{self.counter}")
+        x = np.arange(256, dtype=np.float32)
+        self.assertRpc(self.raw_save(d, {"x": x}, 0), "OK", what="root's first save")
+        os.chmod(d, 0o755)
+        lock = os.path.join(d, ".ckptd.lock")
+        self.assertEqual(os.stat(lock).st_mode & 0o777, 0o600)
+        os.chmod(lock, 0o644)  # as an earlier version left it
+        self.assertRpc(self.raw_save(d, {"x": x}, 1), "OK", what="root's second save")
+        self.assertEqual(os.stat(lock).st_mode & 0o777, 0o600, "the old lock file stayed 0644")
+        holder = subprocess.Popen(
+            self.setpriv + ["/usr/bin/python3", "-c",
+                            "import fcntl, os, sys, time\n"
+                            "try:\n"
+                            "    fd = os.open(sys.argv[1], os.O_RDONLY)\n"
+                            "    fcntl.flock(fd, fcntl.LOCK_EX)\n"
+                            "    print('HELD', flush=True)\n"
+                            "    time.sleep(20)\n"
+                            "except OSError as e:\n"
+                            "    print('REFUSED', e.errno, flush=True)\n", lock],
+            stdout=subprocess.PIPE, text=True)
+        self.cleanups.append(holder.kill)
+        said = holder.stdout.readline().split()
+        self.assertEqual(said[:2], ["REFUSED", str(errno.EACCES)],
+                         f"uid {OTHER_UID} opening the save lock: {said}")
+        self.assertRpc(self.raw_save(d, {"x": x * 2}, 2), "OK",
+                       what="root's save while another uid tried the lock")
+
+    def other_uid_dir(self, what):
+        """A new directory of uid 65534 under the savable root."""
+        d = os.path.join(self.savable, f"{what}-{os.getpid()}-{self.counter}")
+        os.makedirs(d)
+        os.chown(d, OTHER_UID, OTHER_UID)
+        os.chmod(d, 0o755)
+        self.cleanups.append(lambda: shutil.rmtree(d, ignore_errors=True))
+        return d
+
+    def test_24_a_rank_that_never_comes_holds_no_save_buffer(self):
+        """save_buffer is charged once a job's ranks are all in: rank 0 of a
+        2-rank asynchronous save whose rank 1 never comes holds none of it
+        (Status: 0 bytes staged), and another uid's asynchronous save of more
+        than the room left beside rank 0's bytes goes through at once (it used
+        to wait for rank 0's barrier to time out)."""
+        self.need_other_uid()
+        cfg = os.path.join(self.base, f"save-buffer-{self.counter}.yaml")
+        write_config(cfg, [self.root, self.savable], extra=(
+            "save_buffer: 4MiB\n"
+            "access:\n"
+            f"  - root: {json.dumps(self.savable)}\n"
+            f"    save_uids: [{OTHER_UID}]\n"))
+        dmn = Daemon(cfg)
+        self.cleanups.append(dmn.stop)
+        path = os.path.join(self.root, f"sb-{os.getpid()}-{self.counter}")
+        big = np.arange(3 << 18, dtype=np.float32)  # 3 MiB
+        req = self.save_request(path, {"w": big}, 0, job=self.job("sb-half"), world=2,
+                                boxes={"w": ([2 * big.size], [0])}, dmn=dmn,
+                                barrier_timeout_ms=60000)
+        req.async_save = True
+        waiting = dmn.stub.Save.future(req, timeout=90)
+        self.cleanups.append(waiting.cancel)
+        deadline = time.monotonic() + 10
+        while True:
+            st = call("Status", dmn.stub.Status, pb2.StatusRequest(), timeout=10)
+            self.assertRpc(st, "OK", what="Status")
+            if any(j.job_id == req.job_id for j in st.value.jobs) or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        self.assertTrue(any(j.job_id == req.job_id for j in st.value.jobs), "rank 0 never registered")
+        self.assertEqual(st.value.save_staged_bytes, 0,
+                         "rank 0 of an incomplete job holds save_buffer")
+        # Another uid: 2 MiB, more than the 1 MiB left beside rank 0's 3 MiB.
+        other = os.path.join(self.other_uid_dir("sb"), "ckpt")
+        t0 = time.monotonic()
+        out = self.peer_calls([
+            {"memfd": "m", "size": 2 << 20},
+            {"rpc": "Save", "timeout": 60, "request": {
+                "job_id": "sb-other", "rank": 0, "world_size": 1, "path": other,
+                "unique_id": 0, "async_save": True,
+                "shm": {"fd_token": "${m}", "size": 2 << 20},
+                "targets": [{"name": "o", "dtype": "U8", "global_shape": [2 << 20],
+                             "offset": [0], "shape": [2 << 20]}]}},
+            {"rpc": "AwaitSave", "request": {"job_id": "sb-other", "rank": 0,
+                                             "timeout_ms": 60000}, "timeout": 90}],
+            socket=dmn.socket)
+        self.assertRpc(out[1], "OK", what=f"uid {OTHER_UID}'s asynchronous save")
+        self.assertRpc(out[2], "OK", what=f"uid {OTHER_UID} awaiting its save")
+        self.assertLess(time.monotonic() - t0, 30, "the other uid's save waited for room")
+        waiting.cancel()
+
+    def test_25_save_records_are_per_uid(self):
+        """Two uids pick the same job id for asynchronous saves at once (job ids
+        are the clients' own names): both go through, each AwaitSave finds its
+        own uid's save, and neither error names the other's job."""
+        self.need_other_uid()
+        cfg = os.path.join(self.base, f"records-{self.counter}.yaml")
+        write_config(cfg, [self.root, self.savable], extra=(
+            "access:\n"
+            f"  - root: {json.dumps(self.savable)}\n"
+            f"    save_uids: [{OTHER_UID}]\n"))
+        dmn = Daemon(cfg, "--testing_delay_persist_ms=1500")
+        self.cleanups.append(dmn.stop)
+        job = self.job("same-id")
+        mine = os.path.join(self.root, f"rec-{os.getpid()}-{self.counter}")
+        req = self.save_request(mine, {"w": np.arange(64, dtype=np.float32)}, 0, job=job, dmn=dmn)
+        req.async_save = True
+        first = call("Save", dmn.stub.Save, req, timeout=60)
+        self.assertRpc(first, "OK", what="root's asynchronous save")
+        self.assertFalse(first.value.persisted)
+        theirs = os.path.join(self.other_uid_dir("rec"), "ckpt")
+        out = self.peer_calls([
+            {"memfd": "m", "size": 4096},
+            {"rpc": "Save", "timeout": 60, "request": {
+                "job_id": job, "rank": 0, "world_size": 1, "path": theirs, "unique_id": 0,
+                "async_save": True, "shm": {"fd_token": "${m}", "size": 4096},
+                "targets": [{"name": "o", "dtype": "U8", "global_shape": [4096],
+                             "offset": [0], "shape": [4096]}]}},
+            {"rpc": "AwaitSave", "request": {"job_id": job, "rank": 0, "timeout_ms": 60000},
+             "timeout": 90}],
+            socket=dmn.socket)
+        self.assertRpc(out[1], "OK", what=f"uid {OTHER_UID}'s save of the same job id")
+        self.assertRpc(out[2], "OK", what=f"uid {OTHER_UID} awaiting its own save")
+        self.assertTrue(os.path.exists(os.path.join(theirs, "0.metadata")))
+        done = call("AwaitSave", dmn.stub.AwaitSave,
+                    pb2.AwaitSaveRequest(job_id=job, rank=0, timeout_ms=60000), timeout=90)
+        self.assertRpc(done, "OK", what="root awaiting its own save")
+        self.assertTrue(done.value.persisted)
+        self.assertTrue(os.path.exists(os.path.join(mine, "0.metadata")))
 
 
 def file_tensors(path):

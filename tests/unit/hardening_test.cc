@@ -652,6 +652,24 @@ TEST(DirLock, ASecondWriterIsRefusedUntilTheFirstLetsGo) {
   release.join();
 }
 
+// flock works on a read-only descriptor: a lock file others may open is one
+// anyone who can read the directory could hold forever.
+TEST(DirLock, OnlyItsOwnerMayOpenTheLockFile) {
+  testing::TempDir tmp;
+  const std::string dir = tmp.Sub("ckpt");
+  ASSERT_TRUE(MakeDirs(dir).ok());
+  const std::string lock = dir + "/" + kLockFileName;
+  ASSERT_TRUE(LockDirectory(dir).ok());
+  struct stat st;
+  ASSERT_EQ(::stat(lock.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  // One an earlier version left 0644 is closed to others when next taken.
+  ASSERT_EQ(::chmod(lock.c_str(), 0644), 0);
+  ASSERT_TRUE(LockDirectory(dir).ok());
+  ASSERT_EQ(::stat(lock.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+}
+
 TEST(DirLock, ASymlinkedDirectoryIsRefused) {
   testing::TempDir tmp;
   ASSERT_TRUE(MakeDirs(tmp.Sub("real")).ok());
