@@ -50,8 +50,9 @@ Daemon::Daemon(DaemonConfig config)
       async_saves_(AsyncSaves::Options{config_.limits.max_jobs_per_uid,
                                        config_.limits.max_barrier_timeout,
                                        config_.testing_delay_persist},
-                   &save_buffer_, [this](const std::string& dir, const std::vector<std::string>& files) {
-                     metadata_.Drop(dir);  // new files under a cached directory
+                   &save_buffer_,
+                   [this](const ckpt::Directory& dir, const std::vector<std::string>& files) {
+                     metadata_.Drop(dir.path());  // new files under a cached directory
                      PublishSaved(&cache_, dir, files);
                    }),
       loads_(Loads::Parts{&config_, direct_io_, &policy_, &metadata_, &cache_, filler_.get(),

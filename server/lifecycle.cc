@@ -217,9 +217,14 @@ void HandleSignals(const sigset_t& sigs, const DaemonConfig& config, Daemon& dae
                    std::atomic<int64_t>* loads_at_drain, absl::Time* drain_until) {
   int sig = 0;
   while (sigwait(&sigs, &sig) == 0 && sig == SIGHUP) {
+    if (!l.peer || config.peer_tls_cert.empty()) {
+      spdlog::info("SIGHUP: no peer TLS is configured; nothing to reload (what SIGHUP reloads: "
+                   "the peer TLS files)");
+      continue;
+    }
     auto files = daemon.peer_plane().ReadTls();
     absl::Status s = files.status();
-    if (s.ok() && l.peer && !config.peer_tls_cert.empty()) s = l.peer->Rotate(*files);
+    if (s.ok()) s = l.peer->Rotate(*files);
     if (s.ok()) {
       spdlog::info("SIGHUP: peer TLS files reloaded");
     } else {

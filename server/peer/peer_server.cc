@@ -64,14 +64,31 @@ absl::StatusOr<std::unique_ptr<PeerServer>> PeerServer::Start(const DaemonConfig
 absl::Status PeerServer::Rotate(const std::optional<PeerPlane::TlsFiles>& files) {
   auto next = Build(files);
   if (!next.ok()) return next.status();
-  absl::MutexLock lock(&mu_);
-  std::shared_ptr<grpc::Server> old(std::move(current_));
-  current_ = std::move(*next);
-  const auto deadline = std::chrono::system_clock::now() +
-                        std::chrono::milliseconds(absl::ToInt64Milliseconds(
-                            config_.peer_timeout));
-  retiring_.emplace_back([old, deadline] { old->Shutdown(deadline); });
-  plane_->UseTls(files);  // and this node's channels, now that the server took them
+  std::vector<std::thread> finished;  // joined outside the lock
+  {
+    absl::MutexLock lock(&mu_);
+    std::shared_ptr<grpc::Server> old(std::move(current_));
+    current_ = std::move(*next);
+    const auto deadline = std::chrono::system_clock::now() +
+                          std::chrono::milliseconds(absl::ToInt64Milliseconds(
+                              config_.peer_timeout));
+    for (auto it = retiring_.begin(); it != retiring_.end();) {
+      if (it->done->load()) {
+        finished.push_back(std::move(it->thread));
+        it = retiring_.erase(it);
+      } else {
+        ++it;
+      }
+    }
+    auto done = std::make_shared<std::atomic<bool>>(false);
+    retiring_.push_back({std::thread([old, deadline, done] {
+                           old->Shutdown(deadline);
+                           done->store(true);
+                         }),
+                         done});
+    plane_->UseTls(files);  // and this node's channels, now that the server took them
+  }
+  for (std::thread& t : finished) t.join();
   spdlog::info("peer service on {}: new certificate in use; calls in flight finish on the old one",
                config_.peer_listen);
   return absl::OkStatus();
@@ -88,13 +105,13 @@ void PeerServer::Shutdown(std::chrono::system_clock::time_point deadline) {
 }
 
 PeerServer::~PeerServer() {
-  std::vector<std::thread> threads;
+  std::vector<Retiring> threads;
   {
     absl::MutexLock lock(&mu_);
     threads = std::move(retiring_);
     if (current_) current_->Shutdown(std::chrono::system_clock::now());
   }
-  for (auto& t : threads) t.join();
+  for (auto& t : threads) t.thread.join();
 }
 
 }  // namespace ckptd

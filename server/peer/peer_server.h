@@ -13,6 +13,8 @@
 
 #include <chrono>
 #include <memory>
+#include <atomic>
+#include <memory>
 #include <thread>
 #include <vector>
 
@@ -59,7 +61,14 @@ class PeerServer {
   std::string bound_;
   absl::Mutex mu_;
   std::unique_ptr<grpc::Server> current_ ABSL_GUARDED_BY(mu_);
-  std::vector<std::thread> retiring_ ABSL_GUARDED_BY(mu_);
+  // Servers a rotation replaced, each shut down (calls in flight given up
+  // to peer_timeout) by a thread of its own; joined at the next rotation
+  // once done, or at destruction.
+  struct Retiring {
+    std::thread thread;
+    std::shared_ptr<std::atomic<bool>> done;
+  };
+  std::vector<Retiring> retiring_ ABSL_GUARDED_BY(mu_);
 };
 
 }  // namespace ckptd

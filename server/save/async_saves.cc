@@ -187,11 +187,12 @@ void AsyncSaves::Persist(PendingSave& p) {
     // may hold its lock a while: wait for it, within reason.
     CKPT_ASSIGN_OR_RETURN(auto lock, ckpt::LockDirectory(save.path, 60'000));
     CKPT_RETURN_IF_ERROR(ckpt::PrepareSave(*lock.directory(), save.plan.unique_id, save.overwrite));
-    return WriteNativeSave(save, lock.directory(), &p.bytes_persisted, between);
+    auto saved = WriteNativeSave(save, lock.directory(), &p.bytes_persisted, between);
+    if (saved.ok()) durable_(*lock.directory(), saved->files);
+    return saved;
   };
   absl::StatusOr<NativeSaved> saved = run();
   const double persist_s = Seconds(t0);
-  if (saved.ok()) durable_(save.path, saved->files);
   const double total_s = Seconds(p.staged);
   // The bytes are no longer needed: the memory and save_buffer go back
   // before anyone can see the save finished.

@@ -82,8 +82,9 @@ class AsyncSaves {
     absl::Duration testing_delay_persist;  // tests only: a pause before each file
   };
   // `durable(dir, files)` runs on the persist thread once a version is
-  // durable, before its outcome is visible.
-  using DurableFn = std::function<void(const std::string& dir, const std::vector<std::string>& files)>;
+  // durable, before its outcome is visible, with the directory still locked.
+  using DurableFn =
+      std::function<void(const ckpt::Directory& dir, const std::vector<std::string>& files)>;
   AsyncSaves(Options options, const SaveBuffer* buffer, DurableFn durable);
   ~AsyncSaves();  // Stop
 

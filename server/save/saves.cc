@@ -30,11 +30,12 @@ void FinishSaveJob(JobRegistry& jobs, Job& job, const std::vector<std::shared_pt
   });
 }
 
-void PublishSaved(ckpt::HostCache* cache, const std::string& dir,
+void PublishSaved(ckpt::HostCache* cache, const ckpt::Directory& dir,
                   const std::vector<std::string>& files) {
   for (const std::string& name : files) {
-    const std::string path = ckpt::JoinPath(dir, name);
-    auto f = ckpt::OpenFile(path);
+    // Beneath the directory the save locked and wrote (confined as it was
+    // opened), not by path: a path could lead elsewhere by now.
+    auto f = dir.OpenFile(name);
     if (!f.ok()) continue;
     auto before = (*f)->Stamp();
     const uint64_t n = (*f)->size();
@@ -43,9 +44,9 @@ void PublishSaved(ckpt::HostCache* cache, const std::string& dir,
     if (pending == nullptr) continue;
     if (!(*f)->Read(0, n, cache->PendingData(pending)).ok()) continue;
     // Published only when the file is still the one just written.
-    auto after = ckpt::StatFile(path);
+    auto after = dir.Stat(name);
     if (!after.ok() || !(*after == *before)) continue;
-    cache->Publish(std::move(pending), path, *before, 0);
+    cache->Publish(std::move(pending), ckpt::JoinPath(dir.path(), name), *before, 0);
   }
 }
 

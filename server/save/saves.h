@@ -52,10 +52,11 @@ namespace ckptd {
 void FinishSaveJob(JobRegistry& jobs, Job& job, const std::vector<std::shared_ptr<RankSlot>>& slots,
                    const std::function<void(const RankSlot&, v1::SaveResponse&)>& answer);
 
-// Puts the files of a version just made durable into `cache` (read back
-// from the page cache), so loading it right away reads no storage; a file
-// that changed meanwhile is left out.
-void PublishSaved(ckpt::HostCache* cache, const std::string& dir,
+// Puts the files of a version just made durable in `dir` (the directory the
+// save locked, still locked) into `cache` (read back from the page cache),
+// so loading it right away reads no storage; a file that changed meanwhile
+// is left out.
+void PublishSaved(ckpt::HostCache* cache, const ckpt::Directory& dir,
                   const std::vector<std::string>& files);
 
 class Saves {
