@@ -1,5 +1,6 @@
 // ckptctl — the admin CLI of ckptd. Offline subcommands run in-process and
 // need no daemon.
+#include <sys/random.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
@@ -19,6 +20,7 @@
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/status/status.h"
+#include "absl/strings/escaping.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/numbers.h"
@@ -112,6 +114,9 @@ Online (through a running ckptd; --daemon SOCKET, default /run/ckptd/ckptd.sock)
       The same load, as one client per rank (threads of this process), each
       registering with its node's daemon; ranks are spread over the sockets in
       contiguous blocks. Writes DIR/rank{r}.safetensors and the job's report.
+      A job spanning several daemons needs a job key: a fresh one when this
+      process runs every rank; with --ranks split over processes, give them
+      all the same CKPTD_JOB_KEY (16 to 64 bytes).
   ckptctl status [--daemon S] [--json]
       Jobs, asynchronous saves in flight, cache contents and bytes, memory
       budget, totals, uptime.
@@ -623,6 +628,19 @@ absl::Status LoadViaDaemon(const std::string& dir, const Layout& layout) {
       ranks.push_back(v);
     }
   }
+  // The job key (LoadRequest.job_key): $CKPTD_JOB_KEY, else, when this
+  // process runs every rank of the world, a fresh one (ranks split over
+  // several ckptctl processes with --ranks share CKPTD_JOB_KEY).
+  std::string job_key;
+  const char* env_key = std::getenv("CKPTD_JOB_KEY");
+  if ((env_key == nullptr || *env_key == '\0') &&
+      static_cast<int>(ranks.size()) == layout.world_size) {
+    uint8_t raw[16];
+    if (::getrandom(raw, sizeof(raw), 0) == static_cast<ssize_t>(sizeof(raw))) {
+      job_key = absl::BytesToHexString(
+          absl::string_view(reinterpret_cast<const char*>(raw), sizeof(raw)));
+    }
+  }
   // Ranks in contiguous blocks over the daemons: block b holds ranks
   // [b*per, (b+1)*per).
   const int n_daemons = static_cast<int>(sockets.size());
@@ -652,6 +670,7 @@ absl::Status LoadViaDaemon(const std::string& dir, const Layout& layout) {
       spec.strict = absl::GetFlag(FLAGS_strict);
       spec.skip_verify = !absl::GetFlag(FLAGS_verify);
       spec.aoa = aoa;
+      spec.job_key = job_key;  // empty: the client takes $CKPTD_JOB_KEY
       spec.transport = *ckptd::ParseTransport(transport);  // checked above
       if (absl::GetFlag(FLAGS_barrier_timeout_ms) > 0) {
         spec.barrier_timeout = absl::Milliseconds(absl::GetFlag(FLAGS_barrier_timeout_ms));

@@ -436,6 +436,13 @@ void Populate(const LoadSpec& spec) {
 }
 
 // The daemon may not write this process (refused before the job registered).
+// A spec's job key, or the environment's CKPTD_JOB_KEY.
+std::string JobKeyOf(const std::string& key) {
+  if (!key.empty()) return key;
+  const char* env = std::getenv("CKPTD_JOB_KEY");
+  return env != nullptr ? std::string(env) : std::string();
+}
+
 bool ProcessMemoryRefused(const absl::Status& s) {
   return absl::IsFailedPrecondition(s) && absl::StrContains(s.message(), "process_memory");
 }
@@ -540,6 +547,7 @@ absl::StatusOr<LoadReport> Client::Load(const LoadSpec& spec,
   req.set_strict(spec.strict);
   req.set_skip_verify(spec.skip_verify);
   req.set_aoa_config(spec.aoa);
+  req.set_job_key(JobKeyOf(spec.job_key));
 
   // Segment layout: tensors with their own buffers get a slot in a private
   // arena; tensors without buffers must already live in spec.arena.
@@ -703,6 +711,7 @@ absl::StatusOr<v1::SaveResponse> Client::SaveCall(const SaveSpec& spec, bool asy
   req.set_path(spec.path);
   req.set_unique_id(spec.unique_id);
   req.set_overwrite(spec.overwrite);
+  req.set_job_key(JobKeyOf(spec.job_key));
   for (int r : spec.node_ranks) req.add_node_ranks(r);
   if (spec.barrier_timeout > absl::ZeroDuration()) {
     req.set_barrier_timeout_ms(static_cast<uint32_t>(absl::ToInt64Milliseconds(spec.barrier_timeout)));

@@ -120,6 +120,10 @@ struct LoadSpec {
   // AOA statements applied while loading (LoadRequest.aoa_config); every
   // rank of the job passes the same text. Empty: none.
   std::string aoa;
+  // The job's shared secret (LoadRequest.job_key: 16 to 64 bytes, the same
+  // on every rank; jobs spanning several daemons need one). Empty: the
+  // environment's CKPTD_JOB_KEY, if set.
+  std::string job_key;
 };
 
 struct SaveSpec {
@@ -138,6 +142,8 @@ struct SaveSpec {
   absl::Duration barrier_timeout = absl::ZeroDuration();
   // Replace version unique_id if it exists (else the daemon answers ALREADY_EXISTS).
   bool overwrite = false;
+  // As LoadSpec::job_key.
+  std::string job_key;
 };
 
 class Client;

@@ -29,7 +29,7 @@ const std::set<std::string>& KnownKeys() {
       "tcp_tls_cert",  "tcp_tls_key",     "tcp_tls_ca",      "insecure_tcp",
       "tcp_uid",       "admin_uids",      "access",          "limits",
       "peer_tls_cert", "peer_tls_key",    "peer_tls_ca",     "peer_insecure",
-      "nccl_connect_timeout", "nccl_device", "port_file", "memory_limit", "save_buffer"};
+      "peer_unkeyed_jobs", "nccl_connect_timeout", "nccl_device", "port_file", "memory_limit", "save_buffer"};
   return *keys;
 }
 
@@ -310,9 +310,11 @@ absl::StatusOr<DaemonConfig> ParseConfig(const std::string& yaml, const std::str
         c.tcp_tls_key = s;
       } else if (key == "tcp_tls_ca") {
         c.tcp_tls_ca = s;
-      } else if (key == "insecure_tcp" || key == "peer_insecure") {
+      } else if (key == "insecure_tcp" || key == "peer_insecure" || key == "peer_unkeyed_jobs") {
         if (s != "true" && s != "false") return Bad(source, key, "must be true or false");
-        (key == "insecure_tcp" ? c.insecure_tcp : c.peer_insecure) = s == "true";
+        (key == "insecure_tcp"    ? c.insecure_tcp
+         : key == "peer_insecure" ? c.peer_insecure
+                                  : c.peer_unkeyed_jobs) = s == "true";
       } else if (key == "peer_tls_cert") {
         c.peer_tls_cert = s;
       } else if (key == "peer_tls_key") {
@@ -564,6 +566,8 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   out << YAML::Key << "peer_tls_key" << YAML::Value << c.peer_tls_key;
   out << YAML::Key << "peer_tls_ca" << YAML::Value << c.peer_tls_ca;
   out << YAML::Key << "peer_insecure" << YAML::Value << (c.peer_insecure ? "true" : "false");
+  out << YAML::Key << "peer_unkeyed_jobs" << YAML::Value
+      << (c.peer_unkeyed_jobs ? "true" : "false");
   out << YAML::Key << "nccl_connect_timeout" << YAML::Value
       << absl::FormatDuration(c.nccl_connect_timeout);
   out << YAML::Key << "nccl_device" << YAML::Value << c.nccl_device;

@@ -110,6 +110,11 @@ struct DaemonConfig {
   std::string peer_tls_key;
   std::string peer_tls_ca;
   bool peer_insecure = false;
+  // Multi-node jobs whose ranks sent no job_key (LoadRequest/SaveRequest):
+  // refused unless this is set. Without a key any node of the peer set
+  // that knows a job's id could join it first for a rank and be served the
+  // job's bytes (docs/security.md, "Job keys").
+  bool peer_unkeyed_jobs = false;
   // Connecting a job's NCCL links (GPU nodes) gives up after this; the reads
   // then move over gRPC, and NCCL stays off for that pair of nodes a while.
   absl::Duration nccl_connect_timeout = absl::Seconds(5);

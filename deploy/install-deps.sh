@@ -17,7 +17,7 @@ BUILD_PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libyaml-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libsimdjson-dev libspdlog-dev libfmt-dev libxxhash-dev liburing-dev zlib1g-dev
-  prometheus-cpp-dev libsystemd-dev
+  prometheus-cpp-dev libsystemd-dev libssl-dev
   python3
   clang-14 libclang-rt-14-dev llvm-14
   patchelf
@@ -41,7 +41,7 @@ TEST_PACKAGES=(
 RUNTIME_PACKAGES=(
   libgrpc++1.51 libprotobuf32 libabsl20220623 libyaml-cpp0.7 libspdlog1.10 libfmt9
   libxxhash0 liburing2 libprometheus-cpp-pull1.0 libprometheus-cpp-core1.0 libsystemd0
-  libsimdjson14
+  libsimdjson14 libssl3
 )
 
 mode=all

@@ -57,6 +57,9 @@ ABSL_FLAG(std::string, peer_tls_ca, "", "multi-node: PEM CA that signs every pee
 ABSL_FLAG(bool, peer_insecure, false,
           "multi-node: plaintext peer service on a non-loopback --peer-listen (anyone who reaches it "
           "can join jobs and read or alter their bytes)");
+ABSL_FLAG(bool, peer_unkeyed_jobs, false,
+          "multi-node: accept jobs whose ranks sent no job_key (any node of the peer set that "
+          "knows a job's id could then join it and be served its bytes)");
 ABSL_FLAG(std::string, nccl_connect_timeout, "", "multi-node GPU: e.g. 5s (overrides the config)");
 ABSL_FLAG(bool, testing_corrupt_served, false,
           "testing only: flip a byte of every read served to peers (fault injection)");
@@ -236,6 +239,7 @@ absl::StatusOr<StartupConfig> ConfigFromFlags() {
   if (!absl::GetFlag(FLAGS_peer_tls_key).empty()) config.peer_tls_key = absl::GetFlag(FLAGS_peer_tls_key);
   if (!absl::GetFlag(FLAGS_peer_tls_ca).empty()) config.peer_tls_ca = absl::GetFlag(FLAGS_peer_tls_ca);
   if (absl::GetFlag(FLAGS_peer_insecure)) config.peer_insecure = true;
+  if (absl::GetFlag(FLAGS_peer_unkeyed_jobs)) config.peer_unkeyed_jobs = true;
   if (!absl::GetFlag(FLAGS_nccl_connect_timeout).empty()) {
     auto d = ParseDuration(absl::GetFlag(FLAGS_nccl_connect_timeout));
     if (!d.ok()) return absl::InvalidArgumentError(absl::StrCat("--nccl_connect_timeout: ", d.status().message()));

@@ -15,6 +15,15 @@ ckpt::Shape ToShape(const google::protobuf::RepeatedField<int64_t>& r) {
 }
 }  // namespace
 
+absl::Status CheckJobKey(const std::string& who, const std::string& key) {
+  if (key.empty() || (key.size() >= kMinJobKeyBytes && key.size() <= kMaxJobKeyBytes)) {
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat(who, ": job_key must be ", kMinJobKeyBytes,
+                                                 " to ", kMaxJobKeyBytes, " bytes, not ",
+                                                 key.size()));
+}
+
 absl::StatusOr<std::shared_ptr<RankSlot>> NewRankSlot(
     absl::string_view verb, const std::string& job_id, int rank, int world_size,
     const google::protobuf::RepeatedField<int32_t>& node_ranks,

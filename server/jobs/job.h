@@ -80,6 +80,9 @@ struct Job {
   uid_t owner = 0;  // the uid that created it: only it may join
   int world_size = 0;
   std::set<int> expected;
+  // The ranks' job_key (the same on every rank; empty: none): a multi-node
+  // job's proof of membership to other nodes (server/multinode/job_mac.h).
+  std::string job_key;
   // Whether the job's ranks span several daemons (this node serves fewer
   // than the world): its loads and saves go through the multi-node code.
   bool SpansNodes() const { return static_cast<int>(expected.size()) < world_size; }
@@ -108,6 +111,12 @@ struct Job {
     return abort_status;
   }
 };
+
+// A request's job_key: empty (none) or 16 to 64 bytes; INVALID_ARGUMENT
+// naming `who` and the size else.
+inline constexpr size_t kMinJobKeyBytes = 16;
+inline constexpr size_t kMaxJobKeyBytes = 64;
+absl::Status CheckJobKey(const std::string& who, const std::string& key);
 
 // What a Load's and a Save's rank share: who it is (job, rank, world,
 // node_ranks) and its targets, checked into a new slot with no destination

@@ -96,6 +96,7 @@ absl::StatusOr<std::pair<std::shared_ptr<Job>, bool>> JobRegistry::Register(
     job->path = key.path;
     job->unique_id = key.unique_id;
     job->world_size = key.world_size;
+    job->job_key = key.job_key;
     if (key.node_ranks.empty()) {
       for (int r = 0; r < key.world_size; ++r) job->expected.insert(r);
     } else {
@@ -125,6 +126,10 @@ absl::StatusOr<std::pair<std::shared_ptr<Job>, bool>> JobRegistry::Register(
     mismatch = absl::StrCat("unique_id ", version(key.unique_id), " vs ", version(job->unique_id));
   } else if (job->world_size != key.world_size) {
     mismatch = absl::StrCat("world_size ", key.world_size, " vs ", job->world_size);
+  } else if (job->job_key != key.job_key) {
+    mismatch = key.job_key.empty() || job->job_key.empty()
+                   ? "job_key (some ranks sent one, others none)"
+                   : "job_key (the ranks sent different keys)";
   }
   if (!mismatch.empty()) {
     return absl::InvalidArgumentError(

@@ -44,6 +44,7 @@ struct JobKey {
   int world_size;
   int rank;
   std::vector<int> node_ranks;  // empty: every rank of the world is on this node
+  std::string job_key;          // the request's job_key (checked: CheckJobKey)
 };
 
 // A request's barrier_timeout_ms, or `configured` (barrier_timeout) when 0.

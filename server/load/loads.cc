@@ -45,6 +45,7 @@ absl::Status Loads::Load(const Caller& caller, const v1::LoadRequest& request,
   if (absl::Status a = p_.policy->CheckAccess(caller, *resolved, Policy::Access::kRead); !a.ok()) return fail(a);
   auto reservation = p_.policy->Reserve(caller, who, *bytes, request.has_stream() ? *bytes : 0);
   if (!reservation.ok()) return fail(reservation.status());
+  if (absl::Status k = CheckJobKey(who, request.job_key()); !k.ok()) return fail(k);
   auto prepared = PrepareSlot(caller, request, who);
   if (!prepared.ok()) return fail(prepared.status());
   std::shared_ptr<RankSlot> slot = *prepared;
@@ -56,7 +57,8 @@ absl::Status Loads::Load(const Caller& caller, const v1::LoadRequest& request,
 
   JobKey key{JobKind::kLoad, request.job_id(), *resolved, std::nullopt, caller.uid,
              request.world_size(), request.rank(),
-             std::vector<int>(request.node_ranks().begin(), request.node_ranks().end())};
+             std::vector<int>(request.node_ranks().begin(), request.node_ranks().end()),
+             request.job_key()};
   if (request.has_unique_id()) key.unique_id = request.unique_id();
   size_t registered = 0, expected = 0;
   auto reg = p_.jobs->Register(key, slot, &registered, &expected);

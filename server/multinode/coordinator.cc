@@ -16,6 +16,7 @@
 #include "absl/strings/str_join.h"
 #include "server/await.h"
 #include "server/multinode/dist_jobs.h"
+#include "server/multinode/job_mac.h"
 #include "server/peer/peer_plane.h"
 
 namespace ckptd {
@@ -45,7 +46,7 @@ absl::StatusOr<peer::v1::PlanPart> DistJobs::PeerJoin(const PeerCaller& caller,
   if (!who.ok()) {
     if (dj != nullptr && dj->coordinator) {
       absl::MutexLock lock(&dj->mu);
-      return dj->ViolationLocked(caller, absl::StrCat("tried to join: ", who.message()));
+      return dj->RefuseLocked(caller, req.node(), absl::StrCat("tried to join: ", who.message()));
     }
     return who;
   }
@@ -58,6 +59,19 @@ absl::StatusOr<peer::v1::PlanPart> DistJobs::PeerJoin(const PeerCaller& caller,
         absl::StrCat(config_.peer_listen, " is not the coordinator of job '", req.job_id(), "'"));
   }
   absl::MutexLock lock(&dj->mu);
+  // Proof first: a node without the ranks' key neither joins nor, by
+  // disagreeing with the job, fails it.
+  if (!MacMatches(req.job_mac(), JoinMac(dj->job_key, req.job_id(), req.node()))) {
+    const std::string why = dj->job_key.empty() ? "its ranks sent a job_key, the coordinator's none"
+                            : req.job_mac().empty()
+                                ? "its ranks sent no job_key"
+                                : "its ranks' job_key is not the coordinator's ranks' key";
+    return dj->RefuseLocked(
+        caller, req.node(),
+        absl::StrCat("joined as '", req.node(), "', refused by the coordinator ",
+                     config_.peer_listen, ": ", why,
+                     " (every rank of a multi-node job sends the same job_key)"));
+  }
   if (req.ranks_size() == 0) {
     return dj->ViolationLocked(caller, absl::StrCat("joined as '", req.node(),
                                                     "' with no ranks (a node joins only for "
@@ -143,12 +157,15 @@ absl::Status DistJobs::GatherJoins(const std::shared_ptr<DistJob>& dj,
     for (int r = 0; r < dj->world_size; ++r) {
       if (!dj->ranks_joined.count(r)) missing.push_back(r);
     }
-    std::vector<std::string> joined;
+    std::vector<std::string> joined, refused;
     for (const auto& [n, j] : dj->joins) joined.push_back(n);
+    for (const auto& [n, why] : dj->refused) refused.push_back(why);
     dj->plan_status = absl::DeadlineExceededError(absl::StrCat(
         "job '", dj->id, "': ranks ", absl::StrJoin(missing, ","),
         " never joined from other nodes within ", absl::FormatDuration(config_.peer_timeout),
-        " (nodes joined: ", absl::StrJoin(joined, ", "), ")"));
+        " (nodes joined: ", absl::StrJoin(joined, ", "),
+        refused.empty() ? "" : absl::StrCat("; joins refused: ", absl::StrJoin(refused, "; ")),
+        ")"));
     dj->planned = true;
     return dj->plan_status;
   }
@@ -169,6 +186,9 @@ absl::StatusOr<peer::v1::PlanPart> DistJobs::PublishParts(
     dj->plan_status = parts.status();
   } else {
     dj->parts = std::move(*parts);
+    for (auto& [node, part] : dj->parts) {
+      part.set_coordinator_mac(PlanMac(dj->job_key, dj->id, own_node, node));
+    }
   }
   dj->planned = true;
   if (!dj->plan_status.ok()) return dj->plan_status;
@@ -198,7 +218,7 @@ absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> DistJobs::PlanPartOf(
     }
     return std::make_pair(*std::move(part), own.node());
   }
-  auto p = JoinCoordinator(own, dj->deadline);
+  auto p = JoinCoordinator(own, dj->job_key, dj->deadline);
   absl::Status origin = p.ok() ? CheckPartOrigin(p->first, dj->id, own.node(), p->second)
                                : p.status();
   if (!origin.ok()) {
@@ -209,7 +229,7 @@ absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> DistJobs::PlanPartOf(
 }
 
 absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> DistJobs::JoinCoordinator(
-    const peer::v1::JoinRequest& own, absl::Time deadline) {
+    const peer::v1::JoinRequest& own, const std::string& job_key, absl::Time deadline) {
   std::map<std::string, std::string> last_error;
   while (absl::Now() < deadline) {
     for (const std::string& peer : peers_->Others()) {
@@ -217,7 +237,17 @@ absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> DistJobs::JoinCoordin
       ctx.set_deadline(ToChrono(deadline));
       peer::v1::PlanPart part;
       grpc::Status s = peers_->Stub(peer)->Join(&ctx, own, &part);
-      if (s.ok()) return std::make_pair(std::move(part), peer);
+      if (s.ok()) {
+        // Only a coordinator whose ranks hold the job's key can make the MAC.
+        if (MacMatches(part.coordinator_mac(),
+                       PlanMac(job_key, own.job_id(), peer, own.node()))) {
+          return std::make_pair(std::move(part), peer);
+        }
+        spdlog::warn("job={}: {} answered as its coordinator without proof of the job key; "
+                     "ignored", own.job_id(), peer);
+        last_error[peer] = "answered as the coordinator without proof of the job key";
+        continue;
+      }
       const auto code = s.error_code();
       if (code == grpc::StatusCode::FAILED_PRECONDITION) {
         last_error[peer] = "not the coordinator";
@@ -254,12 +284,14 @@ absl::StatusOr<peer::v1::CompleteResponse> DistJobs::PeerComplete(
       std::find(dj->nodes.begin(), dj->nodes.end(), req.node()) != dj->nodes.end();
   const absl::Status& who = member ? who_if_member : who_otherwise;
   if (!who.ok()) {
-    return dj->ViolationLocked(caller, absl::StrCat("reported completion: ", who.message()));
+    return dj->RefuseLocked(caller, req.node(),
+                            absl::StrCat("reported completion: ", who.message()));
   }
   if (!dj->planned ||
       std::find(dj->nodes.begin(), dj->nodes.end(), req.node()) == dj->nodes.end()) {
-    return dj->ViolationLocked(caller, absl::StrCat("reported completion as '", req.node(),
-                                                    "', which is not a node of the job"));
+    return dj->RefuseLocked(caller, req.node(),
+                            absl::StrCat("reported completion as '", req.node(),
+                                         "', which is not a node of the job"));
   }
   if (!dj->reported.insert(req.node()).second) {
     return absl::FailedPreconditionError(absl::StrCat(

@@ -4,9 +4,23 @@
 
 #include <spdlog/spdlog.h>
 
+#include "server/multinode/job_mac.h"
 #include "server/multinode/plan_codec.h"
 
 namespace ckptd {
+
+absl::Status DistJob::RefuseLocked(const PeerCaller& caller, const std::string& node,
+                                   absl::string_view what) {
+  absl::Status s =
+      absl::PermissionDeniedError(absl::StrCat("job '", id, "': ", caller.Describe(), " ", what));
+  spdlog::warn("peer plane: {} (refused; the job goes on)", std::string(s.message()));
+  // At most a few kept (`node` may be any name the caller made up).
+  constexpr size_t kMaxRefusedKept = 16;
+  if (refused.size() < kMaxRefusedKept || refused.count(node)) {
+    refused[node] = absl::StrCat(caller.Describe(), " ", what);
+  }
+  return s;
+}
 
 absl::Status DistJob::ViolationLocked(const PeerCaller& caller, absl::string_view what) {
   absl::Status s =
@@ -28,6 +42,17 @@ absl::Status DistJob::ViolationLocked(const PeerCaller& caller, absl::string_vie
   return s;
 }
 
+absl::Status CheckJobKeyed(const Job& job, bool unkeyed_allowed) {
+  if (!job.job_key.empty() || unkeyed_allowed) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "job '", job.id, "' spans several daemons (this one serves ", job.expected.size(), " of ",
+      job.world_size, " ranks) but its ranks sent no job_key: give every rank the same secret "
+      "of ", kMinJobKeyBytes, " to ", kMaxJobKeyBytes, " bytes (CKPTD_JOB_KEY; the Python "
+      "client agrees on one over torch.distributed when it is initialised), or set "
+      "peer_unkeyed_jobs: true on every daemon (any node of the peer set that knows the job id "
+      "could then join it and be served its bytes)"));
+}
+
 peer::v1::JoinRequest BaseJoin(const Job& job,
                                const std::vector<std::shared_ptr<RankSlot>>& slots,
                                const std::string& node, const std::string& path, int coordinator_rank) {
@@ -38,6 +63,7 @@ peer::v1::JoinRequest BaseJoin(const Job& job,
   if (job.unique_id) own.set_unique_id(*job.unique_id);
   own.set_world_size(job.world_size);
   own.set_coordinator_rank(coordinator_rank);
+  own.set_job_mac(JoinMac(job.job_key, job.id, node));
   for (const auto& s : slots) {
     peer::v1::RankTargetsMsg* rm = own.add_ranks();
     rm->set_rank(s->targets.rank);

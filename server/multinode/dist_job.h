@@ -60,6 +60,7 @@ struct DistJob {
   std::optional<int64_t> unique_id;
   int world_size = 0;
   std::string aoa;  // the job's AOA statements (compared across nodes)
+  std::string job_key;  // the ranks' key (Job::job_key): MACs (job_mac.h)
 
   absl::Mutex mu;
   // A finished job stays a little (late joiners get its error, slow fetchers
@@ -68,6 +69,9 @@ struct DistJob {
   // Coordinator: gathering and planning.
   std::map<std::string, peer::v1::JoinRequest> joins ABSL_GUARDED_BY(mu);  // node -> its join
   std::set<int> ranks_joined ABSL_GUARDED_BY(mu);
+  // Joins refused for want of the job key's proof: node -> why (named when
+  // the job then times out waiting for that node's ranks).
+  std::map<std::string, std::string> refused ABSL_GUARDED_BY(mu);
   bool planned ABSL_GUARDED_BY(mu) = false;
   absl::Status plan_status ABSL_GUARDED_BY(mu);
   std::map<std::string, peer::v1::PlanPart> parts ABSL_GUARDED_BY(mu);
@@ -95,11 +99,18 @@ struct DistJob {
   bool finished ABSL_GUARDED_BY(mu) = false;
   peer::v1::CompleteResponse outcome ABSL_GUARDED_BY(mu);
 
-  // An authorization violation by `caller` inside this job: logged, kept as
-  // the job's failure on this node, and (coordinator) the job's outcome for
-  // every node. Returns the PERMISSION_DENIED status naming the caller.
+  // An authorization violation by `caller`, a node of this job (one whose
+  // join proved the job key): logged, kept as the job's failure on this
+  // node, and (coordinator) the job's outcome for every node. Returns the
+  // PERMISSION_DENIED status naming the caller.
   absl::Status ViolationLocked(const PeerCaller& caller, absl::string_view what)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
+  // What `caller`, not a proven node of this job, tried to do as `node`:
+  // refused (PERMISSION_DENIED naming it) and logged, and kept in `refused`
+  // for the job's error should it then time out; the job goes on (a peer
+  // that knows only a job's id can neither join it nor fail it).
+  absl::Status RefuseLocked(const PeerCaller& caller, const std::string& node,
+                            absl::string_view what) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu);
   // This node's part ended with `exec`: a violation seen here fails it even
   // when all of its work went through; a failure is kept as the job's on
   // this node. Returns the part's status.
@@ -111,8 +122,15 @@ struct DistJob {
   }
 };
 
+// A job spanning several daemons needs its ranks' job_key (the proof of
+// membership its join carries) unless this daemon allows unkeyed jobs
+// (`unkeyed_allowed`: config peer_unkeyed_jobs): FAILED_PRECONDITION saying
+// how to set one.
+absl::Status CheckJobKeyed(const Job& job, bool unkeyed_allowed);
+
 // What every node of a multi-node job sends its coordinator: the job, this
-// node's ranks and their targets (loads add their files, saves SaveJoin).
+// node's ranks and their targets (loads add their files, saves SaveJoin),
+// and the MAC of the job and this node under the ranks' key.
 peer::v1::JoinRequest BaseJoin(const Job& job,
                                const std::vector<std::shared_ptr<RankSlot>>& slots,
                                const std::string& node, const std::string& path, int coordinator_rank);

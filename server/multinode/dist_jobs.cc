@@ -30,6 +30,7 @@ std::shared_ptr<DistJob> DistJobs::New(const Job& job, const std::string& path,
   dj->unique_id = job.unique_id;
   dj->world_size = job.world_size;
   dj->aoa = kind.aoa;
+  dj->job_key = job.job_key;
   absl::MutexLock lock(&mu_);
   PurgeLocked();
   jobs_[job.id] = dj;
@@ -123,7 +124,15 @@ absl::Status DistJobs::PeerFetchRead(const PeerCaller& caller,
         std::find(dj->nodes.begin(), dj->nodes.end(), req.node()) != dj->nodes.end();
     const absl::Status& who = member ? who_if_member : who_otherwise;
     if (!who.ok()) {
-      return dj->ViolationLocked(caller, absl::StrCat("fetched read ", g, ": ", who.message()));
+      return dj->RefuseLocked(caller, req.node(),
+                              absl::StrCat("fetched read ", g, ": ", who.message()));
+    }
+    // The coordinator knows every node that joined: no need to wait for the
+    // plan to refuse one that did not.
+    if (!member && dj->coordinator && !dj->joins.count(req.node())) {
+      return dj->RefuseLocked(caller, req.node(),
+                              absl::StrCat("fetched read ", g, " as '", req.node(),
+                                           "', which is not a node of the job"));
     }
     auto over = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(dj->mu) {
       return !dj->exec_status.ok() || !dj->violation.ok();
@@ -147,8 +156,9 @@ absl::Status DistJobs::PeerFetchRead(const PeerCaller& caller,
     }
     CKPT_RETURN_IF_ERROR(ended());
     if (std::find(dj->nodes.begin(), dj->nodes.end(), req.node()) == dj->nodes.end()) {
-      return dj->ViolationLocked(caller, absl::StrCat("fetched read ", g, " as '", req.node(),
-                                                      "', which is not a node of the job"));
+      return dj->RefuseLocked(caller, req.node(),
+                              absl::StrCat("fetched read ", g, " as '", req.node(),
+                                           "', which is not a node of the job"));
     }
     auto sv = dj->served.find(g);
     if (sv == dj->served.end() || !sv->second.needers.count(req.node())) {

@@ -128,9 +128,11 @@ class DistJobs {
       const std::shared_ptr<DistJob>& dj, const std::vector<std::string>& nodes,
       const std::string& own_node,
       absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> parts);
-  // Any other node: its part from the coordinator, found among the peers.
+  // Any other node: its part from the coordinator, found among the peers:
+  // the first that answers with the MAC only a holder of `job_key` makes
+  // (an answer without it is ignored).
   absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> JoinCoordinator(
-      const peer::v1::JoinRequest& own, absl::Time deadline);
+      const peer::v1::JoinRequest& own, const std::string& job_key, absl::Time deadline);
   // Coordinator: every node's completion gathered (nodes that went away
   // found by Ping), the job's outcome.
   absl::StatusOr<peer::v1::CompleteResponse> AwaitOutcome(const std::shared_ptr<DistJob>& dj,

@@ -168,6 +168,7 @@ absl::StatusOr<peer::v1::JoinRequest> MultiNodeLoad::JoinOf(
         "job '", job.id, "' spans several daemons (this one serves ", job.expected.size(),
         " of ", job.world_size, " ranks) but this daemon has no peer_listen configured"));
   }
+  CKPT_RETURN_IF_ERROR(CheckJobKeyed(job, p_.config->peer_unkeyed_jobs));
   const int coord_rank = slots.front()->request.coordinator_rank();
   for (const auto& s : slots) {
     if (s->request.path() != slots.front()->request.path()) {

@@ -238,6 +238,9 @@ void MultiNodeSave::Run(const std::shared_ptr<Job>& job,
         job->world_size, " ranks, ", job->expected.size(),
         " of them here); save across nodes without async_save")));
   }
+  if (absl::Status k = CheckJobKeyed(*job, p_.config->peer_unkeyed_jobs); !k.ok()) {
+    return fail_all(k);
+  }
   const peer::v1::JoinRequest own = SaveJoinOf(*job, slots, me);
   DistJobKind kind;
   kind.save = true;

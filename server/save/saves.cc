@@ -181,6 +181,7 @@ absl::StatusOr<v1::SaveResponse> Saves::Save(const Caller& caller, const v1::Sav
   if (absl::Status e = CheckSaveDir(caller, request, dir, dcp); !e.ok()) return fail(e);
   auto reservation = p_.policy->Reserve(caller, who, *bytes, 0);
   if (!reservation.ok()) return fail(reservation.status());
+  if (absl::Status k = CheckJobKey(who, request.job_key()); !k.ok()) return fail(k);
   auto prepared = PrepareSaveSlot(caller, request, who, *bytes);
   if (!prepared.ok()) return fail(prepared.status());
   std::shared_ptr<RankSlot> slot = *prepared;
@@ -189,7 +190,8 @@ absl::StatusOr<v1::SaveResponse> Saves::Save(const Caller& caller, const v1::Sav
   slot->start = t0;
   JobKey key{JobKind::kSave, request.job_id(), dir, request.unique_id(), caller.uid,
              request.world_size(),
-             request.rank(), std::vector<int>(request.node_ranks().begin(), request.node_ranks().end())};
+             request.rank(), std::vector<int>(request.node_ranks().begin(), request.node_ranks().end()),
+             request.job_key()};
   size_t registered = 0, expected = 0;
   auto reg = p_.jobs->Register(key, slot, &registered, &expected);
   if (!reg.ok()) return fail(reg.status());

@@ -17,7 +17,7 @@ Sources:
     saved by Debian's torch 1.13): metadata pickles, numpy data pickles,
     torch.save zip items and their data.pkl;
   - config/ckptd.yaml, tests/cli/aoa_cli_test.sh's AOA config, forms from docs/;
-  - plan parts encoded with protoc's Python code for proto/peer.proto.
+  - plan parts and joins encoded with protoc's Python code for proto/peer.proto.
 Every seed is small (the largest few KiB). DCP values are random, so a rerun
 changes those bytes; the structure stays.
 """
@@ -470,6 +470,34 @@ def plan_seeds(tmp):
     put("plan_codec", "refused-copy-outside-read", p.SerializeToString())
 
 
+# job_mac: serialized ckptd.peer.v1.JoinRequest carrying a job_mac.
+
+def job_mac_seeds(tmp):
+    sys.path.insert(0, tmp)  # peer_pb2, made by plan_seeds
+    import hashlib  # noqa: E402
+    import hmac  # noqa: E402
+    import peer_pb2 as pb  # noqa: E402
+    key = b"fuzz-job-key-0123456789abcdef"  # job_mac_fuzz.cc kKey
+
+    def mac(*fields):
+        return hmac.new(key, b"".join(f.encode() + b"\0" for f in fields), hashlib.sha256).digest()
+
+    j = pb.JoinRequest(job_id="torchelastic-run/load/0", node="10.0.0.2:7071", path="ckpt",
+                       world_size=16, coordinator_rank=0)
+    j.ranks.add(rank=8)
+    j.job_mac = mac("ckptd/1 join", j.job_id, j.node)
+    put("job_mac", "valid-join", j.SerializeToString())
+    j.job_mac = mac("ckptd/1 plan", j.job_id, j.path, j.node)
+    put("job_mac", "plan-proof", j.SerializeToString())
+    j.job_mac = b"\x00" * 32
+    put("job_mac", "wrong-proof", j.SerializeToString())
+    j.ClearField("job_mac")
+    put("job_mac", "no-proof", j.SerializeToString())
+    j.job_mac = b"a-client-job-key-of-24b"
+    put("job_mac", "key-sized", j.SerializeToString())
+    put("job_mac", "empty", b"")
+
+
 # ---------------------------------------------------------------------------
 
 def main():
@@ -505,6 +533,7 @@ def main():
         config_seeds()
         fd_socket_seeds()
         plan_seeds(os.path.join(tmp, "py"))
+        job_mac_seeds(os.path.join(tmp, "py"))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     total = 0

@@ -25,6 +25,7 @@ namespace ckpt {
 namespace {
 
 using ::testing::HasSubstr;
+using ::testing::Not;
 namespace fs = std::filesystem;
 using testing::Await;
 using testing::DaemonProcess;
@@ -36,9 +37,15 @@ using testing::FreePort;
 
 // Every case runs twice: plaintext on loopback, and with mutual TLS
 // (certificates made at test time, tests/integration/certs.h).
+// The job key every rank process (ckptctl) and this test's own clients
+// send (CKPTD_JOB_KEY, read by the C++ client): a job spanning several
+// daemons needs one.
+constexpr char kJobKey[] = "multinode-test-job-key-1234567890";
+
 class MultiNode : public ::testing::TestWithParam<bool> {
  protected:
   void SetUp() override {
+    ::setenv("CKPTD_JOB_KEY", kJobKey, 1);
     if (GetParam()) {
       const std::string certs = tmp_.Sub("certs");
       ASSERT_TRUE(MakeDirs(certs).ok());
@@ -248,6 +255,27 @@ TEST_P(MultiNode, NodeLocalFilesReshardedByteExactReadOnce) {
   for (int n = 0; n < kNodes; ++n) total += BytesRead(n);
   EXPECT_EQ(total, unique);
   EXPECT_THAT(Slurp(nodes_[0]->log()), HasSubstr("coordinator job=local nodes=4 ranks=8"));
+}
+
+// A job spanning several daemons whose ranks sent no job key is refused
+// before any daemon contacts another, naming what to set; a daemon set to
+// allow unkeyed jobs runs it.
+TEST_P(MultiNode, AJobWithoutAKeyIsRefusedUnlessUnkeyedJobsAreAllowed) {
+  ::unsetenv("CKPTD_JOB_KEY");
+  const std::vector<std::string> roots = NodeLocalCheckpoint(2, 4, false);
+  StartNodes(roots);
+  const Layout load = MakeLayout(4, 1, false);
+  const std::string lf = WriteLayout(load, "load4.json");
+  EXPECT_THAT(RunJob("ckpt", lf, 4, "unkeyed", tmp_.Sub("out-unkeyed")),
+              ::testing::Each(::testing::Ne(0)));
+  const std::string log = Slurp(tmp_.Sub("unkeyed.log"));
+  EXPECT_THAT(log, HasSubstr("but its ranks sent no job_key"));
+  EXPECT_THAT(log, HasSubstr("CKPTD_JOB_KEY"));
+  EXPECT_THAT(Slurp(nodes_[0]->log()), Not(HasSubstr("coordinator job=unkeyed")));
+  StartNodes(roots, {"--peer_unkeyed_jobs"});
+  EXPECT_THAT(RunJob("ckpt", lf, 4, "allowed", tmp_.Sub("out-allowed")), ::testing::Each(0))
+      << Slurp(tmp_.Sub("allowed.log"));
+  ASSERT_TRUE(LayoutMatchesOracle(tmp_.Sub("out-allowed"), load, full_));
 }
 
 // (b) Shared storage: every node sees every file; reading is split by bytes.

@@ -22,6 +22,7 @@
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "proto/peer.grpc.pb.h"
+#include "server/multinode/job_mac.h"
 #include "server/multinode/plan_codec.h"
 #include "tests/integration/certs.h"
 #include "tests/integration/daemon_process.h"
@@ -43,9 +44,14 @@ namespace pv1 = ckptd::peer::v1;
 
 std::string Addr(int port) { return "127.0.0.1:" + std::to_string(port); }
 
+// The key the job's rank processes share (CKPTD_JOB_KEY); this test, as a
+// node of the peer set, does not hold it unless a case says so.
+constexpr char kJobKey[] = "peer-abuse-test-job-key-0123456789";
+
 class PeerAbuse : public ::testing::Test {
  protected:
   void SetUp() override {
+    ::setenv("CKPTD_JOB_KEY", kJobKey, 1);  // the rank processes' (C++ client)
     certs_ = tmp_.Sub("certs");
     ASSERT_TRUE(MakeDirs(certs_).ok());
     ASSERT_TRUE(testing::MakeCa(certs_, "ca")) << Slurp(certs_ + "/openssl.log");
@@ -197,11 +203,15 @@ class PeerAbuse : public ::testing::Test {
   }
   // Joins daemon A's job `job` as node X (or `node`) with `ranks` of `load`,
   // retrying until A knows the job.
+  // Joins `job` as `node` for `ranks`, with the MAC of `key` (the job's own
+  // kJobKey when this node holds it; "" none).
   grpc::Status JoinAs(const std::string& job, const std::string& node, const Layout& load,
-                      std::vector<int> ranks, const CertFiles* as, pv1::PlanPart* part) {
+                      std::vector<int> ranks, const CertFiles* as, pv1::PlanPart* part,
+                      const std::string& key = kJobKey) {
     pv1::JoinRequest req;
     req.set_job_id(job);
     req.set_node(node);
+    req.set_job_mac(ckptd::JoinMac(key, job, node));
     req.set_path("ckpt");
     req.set_world_size(load.world_size);
     req.set_coordinator_rank(0);
@@ -318,10 +328,14 @@ TEST_F(PeerAbuse, StrangersAreTurnedAwayOnEveryRpc) {
   EXPECT_EQ(resp.node(), Addr(ports_[0]));
 }
 
-// A member of a job: sees its job in Ping (a non-member does not), gets its
-// read once with the serving node's xxh3, is refused a second fetch (the
-// job fails, naming it), never crashes the server with a third; a peer that
-// is not a node of the job cannot complete it.
+// A member of the peer set that knows the job's id but not its key (issue
+// 33: before, it joined first for rank 1 and was served the job's bytes):
+// its join is refused with no key and with a wrong one, and so is a fetch.
+// Then a member of the job (its join proves the key): sees its job in Ping
+// (a non-member does not), gets its read once with the serving node's xxh3,
+// is refused a second fetch (the job fails, naming it), never crashes the
+// server with a third; a peer that is not a node of the job cannot complete
+// it.
 TEST_F(PeerAbuse, MemberFetchingAReadThreeTimesNeverCrashesTheServer) {
   GiveAllFilesToA();
   Start(0);
@@ -329,8 +343,23 @@ TEST_F(PeerAbuse, MemberFetchingAReadThreeTimesNeverCrashesTheServer) {
   const std::string lf = WriteLayout(load, "load2.json");
   pid_t rank0 = StartRank(0, lf, "fetch3");
   pv1::PlanPart part;
+  for (const std::string key : {"", "not-the-job-key-but-long-enough"}) {
+    grpc::Status s = JoinAs("fetch3", X(), load, {1}, &node_, &part, key);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr("refused by the coordinator"));
+    EXPECT_THAT(s.error_message(), HasSubstr(key.empty() ? "its ranks sent no job_key"
+                                                         : "is not the coordinator's ranks' key"));
+  }
+  {
+    std::string bytes;
+    grpc::Status s = Fetch("fetch3", 0, X(), &node_, &bytes, nullptr);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+    EXPECT_TRUE(bytes.empty()) << "a node without the key was served " << bytes.size() << " bytes";
+  }
   grpc::Status joined = JoinAs("fetch3", X(), load, {1}, &node_, &part);
   ASSERT_TRUE(joined.ok()) << joined.error_message() << Slurp(nodes_[0]->log());
+  EXPECT_EQ(part.coordinator_mac(), ckptd::PlanMac(kJobKey, "fetch3", Addr(ports_[0]), X()))
+      << "the part proves the coordinator holds the key";
   EXPECT_THAT(part.nodes(), ::testing::UnorderedElementsAre(Addr(ports_[0]), X()));
   int g = -1;
   for (int i = 0; i < part.reads_size() && g < 0; ++i) {
@@ -389,8 +418,11 @@ TEST_F(PeerAbuse, MemberFetchingAReadThreeTimesNeverCrashesTheServer) {
   EXPECT_TRUE(nodes_[0]->Alive()) << Slurp(nodes_[0]->log());
 }
 
-// Join with no ranks, and Join for an address the certificate does not
-// name: PERMISSION_DENIED, and the job fails for its ranks with that name.
+// Join with no ranks (by a holder of the job key): PERMISSION_DENIED, and
+// the job fails for its ranks with that name. Join for an address the
+// certificate does not name: PERMISSION_DENIED, and the job goes on (such a
+// caller proves nothing) until its deadline, whose error names the refused
+// join.
 TEST_F(PeerAbuse, JoinWithoutRanksOrForAnotherNodeFailsTheJob) {
   GiveAllFilesToA();
   Start(0);
@@ -415,10 +447,47 @@ TEST_F(PeerAbuse, JoinWithoutRanksOrForAnotherNodeFailsTheJob) {
     EXPECT_NE(WaitExit(rank0, std::chrono::seconds(20)), 0);
     EXPECT_LT(std::chrono::steady_clock::now() - t0, std::chrono::seconds(10));  // not the barrier
     const std::string log = Slurp(tmp_.Sub(std::string(c.job) + ".log"));
-    EXPECT_THAT(log, HasSubstr("PERMISSION_DENIED"));
+    if (std::string(c.job) == "noranks") {
+      EXPECT_THAT(log, HasSubstr("PERMISSION_DENIED"));
+    } else {  // the join's deadline (--peer-timeout 4s), naming the refused join
+      EXPECT_THAT(log, HasSubstr("ranks 1 never joined"));
+      EXPECT_THAT(log, HasSubstr("joins refused"));
+    }
     EXPECT_THAT(log, HasSubstr(c.says));
   }
   EXPECT_TRUE(nodes_[0]->Alive());
+}
+
+// A member of the peer set without the job key neither joins the job nor
+// fails it: its joins (no key, a wrong key) and a fetch are refused, and
+// when the node that serves rank 1 joins, the job completes byte-exact.
+TEST_F(PeerAbuse, ANodeWithoutTheJobKeyNeitherJoinsNorFailsTheJob) {
+  Start(0);
+  Start(1);
+  const Layout load = MakeLayout(2, 1, false);
+  const std::string lf = WriteLayout(load, "load2.json");
+  pid_t rank0 = StartRank(0, lf, "keyed");
+  WaitForJob("keyed");
+  pv1::PlanPart part;
+  for (const std::string key : {"", "not-the-job-key-but-long-enough"}) {
+    grpc::Status s = JoinAs("keyed", X(), load, {1}, &node_, &part, key);
+    EXPECT_EQ(s.error_code(), grpc::StatusCode::PERMISSION_DENIED) << s.error_message();
+  }
+  grpc::Status f = Fetch("keyed", 0, X(), &node_, nullptr, nullptr);
+  EXPECT_EQ(f.error_code(), grpc::StatusCode::PERMISSION_DENIED) << f.error_message();
+  EXPECT_THAT(f.error_message(), HasSubstr("not a node of the job"));
+  pid_t rank1 = StartRank(1, lf, "keyed");
+  EXPECT_EQ(WaitExit(rank0, std::chrono::seconds(30)), 0) << Slurp(tmp_.Sub("keyed.log"));
+  EXPECT_EQ(WaitExit(rank1, std::chrono::seconds(30)), 0) << Slurp(tmp_.Sub("keyed.log"));
+  OfflineLoadOptions lo;
+  auto res = LoadOffline(tmp_.Sub("full"), load, lo);
+  ASSERT_TRUE(res.ok()) << res.status();
+  ASSERT_TRUE(WriteRankOutputs(*res, tmp_.Sub("expected-keyed")).ok());
+  for (int r = 0; r < 2; ++r) {
+    const std::string file = "/rank" + std::to_string(r) + ".safetensors";
+    EXPECT_EQ(Slurp(tmp_.Sub("out-keyed") + file), Slurp(tmp_.Sub("expected-keyed") + file)) << r;
+  }
+  EXPECT_THAT(Slurp(nodes_[0]->log()), HasSubstr("refused; the job goes on"));
 }
 
 // A member joining for a rank another node serves (the coordinator's own

@@ -3,6 +3,7 @@ job (torch.multiprocessing, 4 ranks) that saves a model + optimizer state with
 one sharding; 2 ranks load it with another; values must be exact."""
 import json
 import os
+import socket
 import tempfile
 import time
 import unittest
@@ -148,6 +149,28 @@ def load_worker(rank, sock, path, out_dir):
         json.dump(rep.as_dict(), f)
 
 
+def key_worker(rank, sock, port, out_dir):
+    """Two processes of a job spanning two daemons agree on a job key over
+    torch.distributed (gloo); the environment's CKPTD_JOB_KEY wins over it."""
+    import torch.distributed as dist
+    from ckptd import client
+    os.environ.pop("CKPTD_JOB_KEY", None)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=2)
+    try:
+        node_ranks = [2 * rank, 2 * rank + 1]  # this process stands for one node of 4 ranks
+        key = client.resolve_job_key(None, 4, node_ranks)
+        again = client.resolve_job_key(None, 4, node_ranks)  # once per process: no collective
+        one_node = client.resolve_job_key(None, 4, [])        # not multi-node: none
+        os.environ["CKPTD_JOB_KEY"] = "from-the-environment-0123"
+        env = client.resolve_job_key(None, 4, node_ranks)
+    finally:
+        dist.destroy_process_group()
+    with open(os.path.join(out_dir, f"key{rank}.json"), "w") as f:
+        json.dump({"key": key.decode(), "again": again.decode(), "one_node": one_node.decode(),
+                   "env": env.decode()}, f)
+
+
 @unittest.skipIf(torch is None, "torch is not installed [needs: torch]")
 class TorchClientTest(unittest.TestCase):
     @classmethod
@@ -240,6 +263,27 @@ class TorchClientTest(unittest.TestCase):
         rep = ckptd.load_state_dict({"net.w": m.weight}, path, socket=self.sock)
         self.assertTrue(torch.equal(m.weight.detach(), w.float()))
         self.assertTrue(m.weight.requires_grad)
+
+    def test_ranks_agree_on_a_job_key_over_torch_distributed(self):
+        """docs/multi-node.md: without CKPTD_JOB_KEY, the ranks of a multi-node
+        job agree on one over torch.distributed (rank 0 draws 32 random bytes
+        as 64 hex digits); explicit and short keys are checked."""
+        with socket.socket() as probe:  # a free port for the process group
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        reps = self.spawn(key_worker, 2, port)
+        self.assertEqual(reps[0]["key"], reps[1]["key"])
+        self.assertRegex(reps[0]["key"], r"^[0-9a-f]{64}$")
+        for r in reps:
+            self.assertEqual(r["again"], r["key"])
+            self.assertEqual(r["one_node"], "")
+            self.assertEqual(r["env"], "from-the-environment-0123")
+        from ckptd import client
+        self.assertEqual(client.resolve_job_key(b"x" * 16, 4, [0]), b"x" * 16)
+        with self.assertRaises(ckptd.CkptdError) as e:
+            client.resolve_job_key("short", 4, [0])
+        self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
+        self.assertIn("16 to 64 bytes", e.exception.message)
 
     def test_daemon_not_running(self):
         t0 = time.monotonic()

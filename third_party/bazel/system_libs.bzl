@@ -41,6 +41,7 @@ _PACKAGES = {
     "simdjson": ["simdjson"],
     "prometheus_cpp": ["prometheus-cpp-pull", "prometheus-cpp-core"],
     "systemd": ["libsystemd"],
+    "crypto": ["libcrypto"],  # HMAC-SHA256 of multi-node job keys (server/multinode/job_mac.h)
 }
 
 def _pkg_config(ctx, args):

@@ -5,9 +5,11 @@ import itertools
 import json
 import os
 import re
+import secrets
 import shutil
 import socket as _socket
 import subprocess
+import sys
 import threading
 import time
 
@@ -66,6 +68,42 @@ def resolve_ranks(rank=None, world_size=None, node_ranks=None):
             first = rank - local_rank
             node_ranks = list(range(max(first, 0), min(first + local_world, world_size)))
     return rank, world_size, [int(r) for r in node_ranks]
+
+
+_dist_key = None  # the key agreed over torch.distributed's default group (resolve_job_key)
+_dist_key_lock = threading.Lock()
+
+
+def resolve_job_key(job_key, world_size, node_ranks):
+    """The job's shared secret (LoadRequest.job_key) as bytes, or b"" for none.
+
+    `job_key` as given (str or bytes, 16 to 64 bytes); else $CKPTD_JOB_KEY; else,
+    for a job spanning several daemons (node_ranks fewer than the world) in a
+    process where torch.distributed is initialised, one key rank 0 draws and
+    broadcasts over the default process group (once per process: every rank of
+    such a job calls this at the same point, as it calls load/save). The key goes
+    to this node's daemon only; with it the daemons prove to each other that
+    their ranks belong to the job (docs/security.md, "Job keys").
+    """
+    global _dist_key
+    if not job_key:  # None, "" or b"": none given
+        job_key = os.environ.get("CKPTD_JOB_KEY") or None
+    if job_key is None and node_ranks and len(node_ranks) < world_size:
+        dist = sys.modules.get("torch.distributed")
+        if dist is not None and dist.is_available() and dist.is_initialized():
+            with _dist_key_lock:
+                if _dist_key is None:
+                    box = [secrets.token_hex(32) if dist.get_rank() == 0 else None]
+                    dist.broadcast_object_list(box, src=0)
+                    _dist_key = box[0]
+                job_key = _dist_key
+    if job_key is None:
+        return b""
+    key = job_key.encode() if isinstance(job_key, str) else bytes(job_key)
+    if not 16 <= len(key) <= 64:
+        raise CkptdError("INVALID_ARGUMENT",
+                         f"job_key must be 16 to 64 bytes, not {len(key)} (CKPTD_JOB_KEY)")
+    return key
 
 
 _counters = {}
@@ -577,12 +615,13 @@ class Client:
     def load_state_dict(self, state_dict, path, *, rank=None, world_size=None, job_id=None,
                         unique_id=None, timeout=600.0, strict=False, node_ranks=None,
                         barrier_timeout=None, verify=True, transport="auto", progress=None,
-                        aoa=None):
+                        aoa=None, job_key=None):
         """See ckptd.load_state_dict."""
         t0 = time.perf_counter()
         entries, skipped = flatten(state_dict)
         rank, world_size, node_ranks = resolve_ranks(rank, world_size, node_ranks)
         job_id = resolve_job_id(job_id, "load", world_size)
+        job_key = resolve_job_key(job_key, world_size, node_ranks)
         if transport == "auto":
             # See "Transports" in docs/grpc-api.md: the first that applies; a
             # refusal before the job registered sends the same job id over shm.
@@ -600,7 +639,7 @@ class Client:
                         state_dict, path, rank=rank, world_size=world_size, job_id=job_id,
                         unique_id=unique_id, timeout=timeout, strict=strict,
                         node_ranks=node_ranks, barrier_timeout=barrier_timeout, verify=verify,
-                        transport=first, progress=progress, aoa=aoa)
+                        transport=first, progress=progress, aoa=aoa, job_key=job_key)
                 except CkptdError as err:
                     if not refused(err):
                         raise
@@ -611,7 +650,7 @@ class Client:
                 raise CkptdError("INVALID_ARGUMENT", f"'{e.key}': the numpy array is read-only")
         req = self.pb2.LoadRequest(job_id=job_id, rank=rank, world_size=world_size,
                                    path=_abs(path), node_ranks=node_ranks, strict=bool(strict),
-                                   skip_verify=not verify)
+                                   skip_verify=not verify, job_key=job_key)
         if unique_id is not None:
             req.unique_id = int(unique_id)
         if aoa:
@@ -783,7 +822,7 @@ class Client:
     def save_state_dict(self, state_dict, path, *, rank=None, world_size=None, unique_id=None,
                         job_id=None, timeout=600.0, node_ranks=None, barrier_timeout=None,
                         overwrite=False, format=None, raw_keys=(), async_save=False,
-                        _device=True):
+                        _device=True, job_key=None):
         """See ckptd.save_state_dict. format="pytorch-dcp" (with raw_keys, the keys of
         whole 1-D uint8 arrays written as they are) is ckptd.torch.DaemonStorageWriter's:
         data files only, committed by commit_dcp_metadata."""
@@ -793,13 +832,15 @@ class Client:
         entries, skipped = flatten(state_dict)
         rank, world_size, node_ranks = resolve_ranks(rank, world_size, node_ranks)
         job_id = resolve_job_id(job_id, "save", world_size)
+        job_key = resolve_job_key(job_key, world_size, node_ranks)
         path = _abs(path)
         if unique_id is None:
             unique_id = next_unique_id(path, rank)
         req = self.pb2.SaveRequest(job_id=job_id, rank=rank, world_size=world_size, path=path,
                                    unique_id=int(unique_id), node_ranks=node_ranks,
                                    overwrite=bool(overwrite), format=format or "",
-                                   raw_targets=list(raw_keys), async_save=bool(async_save))
+                                   raw_targets=list(raw_keys), async_save=bool(async_save),
+                                   job_key=job_key)
         if barrier_timeout is not None:
             req.barrier_timeout_ms = max(1, int(barrier_timeout * 1000))
         for e in entries:
@@ -876,7 +917,7 @@ class Client:
                     state_dict, path, rank=rank, world_size=world_size, unique_id=unique_id,
                     job_id=job_id, timeout=timeout, node_ranks=node_ranks,
                     barrier_timeout=barrier_timeout, overwrite=overwrite, format=format,
-                    raw_keys=raw_keys, async_save=async_save, _device=False)
+                    raw_keys=raw_keys, async_save=async_save, _device=False, job_key=job_key)
             timings["client_rpc_s"] = time.perf_counter() - t1
             if async_save:
                 future = SaveFuture(self.socket, report, rank)
@@ -1063,7 +1104,7 @@ def next_unique_id(path, rank=None):
 def load_state_dict(state_dict, path, *, rank=None, world_size=None, job_id=None, unique_id=None,
                     socket=None, timeout=600.0, strict=False, node_ranks=None,
                     barrier_timeout=None, verify=True, transport="auto", progress=None,
-                    aoa=None):
+                    aoa=None, job_key=None):
     """Fills the tensors of `state_dict` in place from checkpoint `path`, through ckptd.
 
     state_dict: a dict (nested dicts are flattened with "."; int keys become
@@ -1086,6 +1127,11 @@ def load_state_dict(state_dict, path, *, rank=None, world_size=None, job_id=None
     aoa: tensor transformations applied while resharding (docs/aoa.md):
       the statements as one string or a list of lines; every rank passes the
       same.
+    job_key: the job's shared secret (16 to 64 bytes, str or bytes; the same on
+      every rank), sent to this node's daemon only: a job spanning several
+      daemons needs one (docs/security.md, "Job keys"). Default
+      $CKPTD_JOB_KEY, else (multi-node, torch.distributed initialised) one
+      rank 0 draws and broadcasts once per process (resolve_job_key).
 
     transport: how the bytes reach the tensors (report.transport says which
       did). "auto" (default) tries, in order:
@@ -1115,7 +1161,8 @@ def load_state_dict(state_dict, path, *, rank=None, world_size=None, job_id=None
                                  job_id=job_id, unique_id=unique_id, timeout=timeout,
                                  strict=strict, node_ranks=node_ranks,
                                  barrier_timeout=barrier_timeout, verify=verify,
-                                 transport=transport, progress=progress, aoa=aoa)
+                                 transport=transport, progress=progress, aoa=aoa,
+                                 job_key=job_key)
 
 
 def commit_dcp_metadata(path, metadata, job_id, *, overwrite=False, socket=None, timeout=600.0):
@@ -1127,7 +1174,7 @@ def commit_dcp_metadata(path, metadata, job_id, *, overwrite=False, socket=None,
 
 def save_state_dict(state_dict, path, *, rank=None, world_size=None, unique_id=None, job_id=None,
                     socket=None, timeout=600.0, node_ranks=None, barrier_timeout=None,
-                    overwrite=False, async_save=False):
+                    overwrite=False, async_save=False, job_key=None):
     """Saves `state_dict` (as for load_state_dict) as version `unique_id` of `path`.
 
     Every rank of the job calls it with its own part; when all have, the
@@ -1145,12 +1192,14 @@ def save_state_dict(state_dict, path, *, rank=None, world_size=None, unique_id=N
     visible only once durable; SaveFuture.result() waits for that. Staged bytes
     count against the daemon's save_buffer; when it is full the call waits for
     earlier saves (report.buffer_wait_s). See docs/saving.md.
+    job_key: as for load_state_dict (multi-node saves).
     """
     with Client(socket) as c:
         return c.save_state_dict(state_dict, path, rank=rank, world_size=world_size,
                                  unique_id=unique_id, job_id=job_id, timeout=timeout,
                                  node_ranks=node_ranks, barrier_timeout=barrier_timeout,
-                                 overwrite=overwrite, async_save=async_save)
+                                 overwrite=overwrite, async_save=async_save,
+                                 job_key=job_key)
 
 
 def inspect(path, *, unique_id=None, socket=None, timeout=60.0):

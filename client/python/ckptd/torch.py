@@ -33,6 +33,7 @@ import enum
 import io
 import os
 import pickle
+import secrets
 import socket as _socket
 import stat
 import uuid
@@ -96,17 +97,21 @@ def _assign_job(plans, key):
     """The coordinator's part for a reader or writer: one ckptd job id for every rank,
     ckptd ranks numbered over the plans whose storage_data[key] is true (ranks with
     nothing to move stay out of the job), and node_ranks when the ranks talk to more
-    than one daemon (a multi-node job)."""
+    than one daemon (a multi-node job) with a fresh job key, which DCP hands each rank
+    over the job's process group with its plan: the daemons prove with it that their
+    ranks belong to the job (docs/security.md, "Job keys")."""
     job_id = f"dcp-{uuid.uuid4().hex}"
     members = [i for i, p in enumerate(plans) if p.storage_data[key]]
     rank_of = {i: r for r, i in enumerate(members)}
     nodes = [plans[i].storage_data["node"] for i in members]
+    job_key = secrets.token_hex(32) if len(set(nodes)) > 1 else None
     out = []
     for i, p in enumerate(plans):
         sd = {"job_id": job_id, "world_size": len(members), "rank": rank_of.get(i)}
-        if i in rank_of and len(set(nodes)) > 1:
+        if i in rank_of and job_key is not None:
             node = p.storage_data["node"]
             sd["node_ranks"] = [r for r, n in enumerate(nodes) if n == node]
+            sd["job_key"] = job_key
         out.append(dataclasses.replace(p, storage_data=sd))
     return out
 
@@ -379,7 +384,7 @@ class DaemonStorageReader(_DaemonStorage, _st.StorageReader):
                 node_ranks=sd.get("node_ranks", []), job_id=sd["job_id"], unique_id=uid,
                 socket=self.socket, timeout=self.timeout, strict=True,
                 barrier_timeout=self.barrier_timeout, verify=self.verify,
-                transport=self.transport, aoa=self.aoa)
+                transport=self.transport, aoa=self.aoa, job_key=sd.get("job_key"))
         for item, dest, buf in pending:
             if buf is not dest:
                 dest.copy_(buf)
@@ -509,7 +514,8 @@ class DaemonStorageWriter(_DaemonStorage, _st.StorageWriter):
                     state, self.path, rank=sd["rank"], world_size=sd["world_size"],
                     node_ranks=sd.get("node_ranks", []), job_id=sd["job_id"], unique_id=0,
                     timeout=self.timeout, barrier_timeout=self.barrier_timeout,
-                    overwrite=self.overwrite, format="pytorch-dcp", raw_keys=raw)
+                    overwrite=self.overwrite, format="pytorch-dcp", raw_keys=raw,
+                    job_key=sd.get("job_key"))
             where = {it.name: it for it in self.last_report.items}
             for item in plan.items:
                 it = where.get(item.index.fqn)
