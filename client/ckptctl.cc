@@ -55,7 +55,9 @@ ABSL_FLAG(int, threads, 2, "I/O and copy threads");
 ABSL_FLAG(int, fill_byte, -1,
           "load: fill the destination buffers with this byte (0-255) before loading, so an "
           "element a load failed to write shows (-1: zero-filled)");
-ABSL_FLAG(bool, strict, false, "load: fail when a requested key is missing from the checkpoint");
+ABSL_FLAG(bool, strict, true,
+          "load: fail when a requested key is missing from the checkpoint (the default, as "
+          "torch's load_state_dict); --strict=false loads the rest and reports the missing keys");
 ABSL_FLAG(std::string, aoa, "",
           "load: file of AOA statements (rename, split, concat, transpose, cast, fused "
           "layouts) applied while loading; see docs/aoa.md");
@@ -93,7 +95,7 @@ Usage:
   ckptctl shard SRC --layout L.json --out DIR [--unique_id N] [--src_unique_id M]
       Cut the tensors of SRC per the layout and write a native checkpoint, as if
       each rank had saved its part (replicas written once).
-  ckptctl load CKPT --layout L.json --out DIR [--unique_id N] [--json] [--strict]
+  ckptctl load CKPT --layout L.json --out DIR [--unique_id N] [--json] [--strict=false]
                [--aoa FILE] [--direct_io never|auto|always] [--fill_byte B]
       Load every rank of the layout (resharding) and write DIR/rank{r}.safetensors,
       then report bytes read, missing and unexpected keys. --aoa applies the AOA
@@ -110,7 +112,7 @@ Usage:
 
 Online (through a running ckptd; --daemon SOCKET, default /run/ckptd/ckptd.sock):
   ckptctl load CKPT --layout L.json --out DIR --daemon S1[,S2...] [--ranks R,...]
-               [--job_id ID] [--transport auto|cache_view|process_memory|shm|stream] [--json] [--strict]
+               [--job_id ID] [--transport auto|cache_view|process_memory|shm|stream] [--json] [--strict=false]
       The same load, as one client per rank (threads of this process), each
       registering with its node's daemon; ranks are spread over the sockets in
       contiguous blocks. Writes DIR/rank{r}.safetensors and the job's report.
@@ -238,8 +240,13 @@ absl::Status Load(const std::string& dir) {
   }
   CKPT_ASSIGN_OR_RETURN(OfflineLoadResult res, LoadOffline(dir, layout, lo));
   if (absl::GetFlag(FLAGS_strict) && !res.plan.missing_keys.empty()) {
-    return absl::NotFoundError(absl::StrCat(dir, ": missing keys: ",
-                                            absl::StrJoin(res.plan.missing_keys, ", ")));
+    const auto& missing = res.plan.missing_keys;
+    const std::vector<std::string> named(missing.begin(),
+                                         missing.begin() + std::min<size_t>(missing.size(), 8));
+    return absl::NotFoundError(absl::StrCat(
+        dir, ": missing keys: ", absl::StrJoin(named, ", "),
+        missing.size() > named.size() ? absl::StrCat(", ... (", missing.size(), " missing)") : "",
+        " (--strict=false loads the rest and reports them)"));
   }
   auto t0 = std::chrono::steady_clock::now();
   CKPT_RETURN_IF_ERROR(WriteRankOutputs(res, absl::GetFlag(FLAGS_out)));

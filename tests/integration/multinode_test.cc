@@ -533,7 +533,7 @@ TEST_P(MultiNode, StrictFailsEveryRankMissingAKeyOnEveryNode) {
                                        "--out", tmp_.Sub("out-" + job), "--daemon", Sockets(),
                                        "--ranks", std::to_string(r), "--job-id", job,
                                        "--fill_byte=165"};
-      if (strict.count(r)) argv.push_back("--strict");
+      argv.push_back(strict.count(r) ? "--strict" : "--strict=false");
       pids.push_back(Spawn(argv, tmp_.Sub(job + "-rank" + std::to_string(r) + ".log")));
     }
     std::vector<int> codes;

@@ -148,7 +148,7 @@ class NumpyClientTest(unittest.TestCase):
         sd = {"model": {"norm": {"weight": np.zeros(64, np.float32)},
                         "extra": {"weight": sentinel}},
               "epoch": 3, "param_groups": [{"lr": 0.1}]}
-        r = ckptd.load_state_dict(sd, self.hf, socket=self.sock)
+        r = ckptd.load_state_dict(sd, self.hf, socket=self.sock, strict=False)
         self.assertEqual(r.missing_keys, ["model.extra.weight"])
         self.assertEqual(sorted(r.skipped_keys), ["epoch", "param_groups"])
         self.assertIn("lm_head.weight", r.unexpected_keys)
@@ -162,6 +162,43 @@ class NumpyClientTest(unittest.TestCase):
             ckptd.load_state_dict(sd, self.hf, socket=self.sock, strict=True)
         self.assertEqual(cm.exception.code, "NOT_FOUND")
         self.assertIn("nope", cm.exception.message)
+
+    def test_written_as_for_torch(self):
+        """issue 37: a script written as for torch works as its author expects:
+        loads are strict by default (a typo'd prefix raises, naming the first
+        keys and how many), errors are the builtins a script catches
+        (FileNotFoundError, ValueError, PermissionError), and pickle as
+        themselves."""
+        import pickle
+        typo = {f"modle.layers.{i}.weight": np.zeros(4, np.float32) for i in range(12)}
+        with self.assertRaises(FileNotFoundError) as cm:
+            ckptd.load_state_dict(typo, self.hf, socket=self.sock)
+        err = cm.exception
+        self.assertIsInstance(err, ckptd.NotFoundError)
+        self.assertIsInstance(err, ckptd.CkptdError)
+        self.assertEqual(err.code, "NOT_FOUND")
+        self.assertIn("modle.layers.0.weight", err.message)
+        self.assertIn("(12 missing)", err.message)
+        back = pickle.loads(pickle.dumps(err))
+        self.assertIs(type(back), ckptd.NotFoundError)
+        self.assertEqual((back.code, back.message), (err.code, err.message))
+        # No checkpoint there.
+        with self.assertRaises(FileNotFoundError):
+            ckptd.load_state_dict({"x": np.zeros(1, np.float32)},
+                                  os.path.join(self.root, "no-such-checkpoint"), socket=self.sock)
+        # A box outside the tensor: a bad argument.
+        with self.assertRaises(ValueError) as cm:
+            ckptd.load_state_dict(
+                {"model.norm.weight": ckptd.ShardedTensor(np.zeros(8, np.float32), (64,), (60,))},
+                self.hf, socket=self.sock)
+        self.assertIsInstance(cm.exception, ckptd.InvalidArgumentError)
+        # Outside the daemon's roots.
+        with self.assertRaises(PermissionError):
+            ckptd.load_state_dict({"x": np.zeros(1, np.float32)}, "/etc", socket=self.sock)
+        # Still a CkptdError with its code, for code written before.
+        with self.assertRaises(ckptd.CkptdError) as cm:
+            ckptd.load_state_dict(typo, self.hf, socket=self.sock)
+        self.assertEqual(cm.exception.code, "NOT_FOUND")
 
     def test_zero_copy_arena(self):
         arena = ckptd.SharedArena(1 << 20)
@@ -454,7 +491,8 @@ class NumpyClientTest(unittest.TestCase):
         self.assertEqual(r.missing_keys, [])
         np.testing.assert_array_equal(w, full)
         np.testing.assert_array_equal(b, bias)
-        r = ckptd.load_state_dict({"layer": {"w": w, "b": b}}, out, socket=self.sock)
+        r = ckptd.load_state_dict({"layer": {"w": w, "b": b}}, out, socket=self.sock,
+                                  strict=False)
         self.assertEqual(r.missing_keys, ["layer.b"])
         np.testing.assert_array_equal(w, full * 2)
 

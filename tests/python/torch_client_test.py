@@ -137,7 +137,7 @@ def load_worker(rank, sock, path, out_dir):
     ref, _, _ = reference()
     sd = load_layout(ref, rank)
     rep = ckptd.load_state_dict(sd, path, rank=rank, world_size=LOAD_WORLD, job_id="torch-load",
-                                socket=sock)
+                                socket=sock, strict=False)
     check(ref, sd)
     # bf16 in the checkpoint, float32 wanted: ckptd casts (exactly, widening).
     emb = torch.zeros(64, 32)

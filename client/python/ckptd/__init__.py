@@ -12,10 +12,16 @@ from .client import (CheckpointInfo, Client, LoadReport, SaveFuture, SaveReport,
                      TensorInfo, commit_dcp_metadata, default_socket, evict, find_ckptctl,
                      inspect, load_state_dict, merge, prefetch, release_staging,
                      save_state_dict, status)
-from .errors import CkptdError
+from .errors import (AbortedError, AlreadyExistsError, CancelledError, CkptdError, DataLossError,
+                     DeadlineExceededError, FailedPreconditionError, InvalidArgumentError,
+                     NotFoundError, PermissionDeniedError, ResourceExhaustedError,
+                     UnavailableError, UnimplementedError)
 from ._version import __version__  # VERSION at the top of the source tree
 
 __all__ = [
+    "AbortedError", "AlreadyExistsError", "CancelledError", "DataLossError",
+    "DeadlineExceededError", "FailedPreconditionError", "InvalidArgumentError", "NotFoundError",
+    "PermissionDeniedError", "ResourceExhaustedError", "UnavailableError", "UnimplementedError",
     "CheckpointInfo", "CkptdError", "Client", "LoadReport", "SaveFuture", "SaveReport",
     "SavedItem",
     "ShardInfo", "ShardedTensor", "SharedArena", "TensorInfo", "commit_dcp_metadata",

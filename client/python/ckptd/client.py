@@ -613,7 +613,7 @@ class Client:
         return sent, dict(zip(host, host_offsets)), size
 
     def load_state_dict(self, state_dict, path, *, rank=None, world_size=None, job_id=None,
-                        unique_id=None, timeout=600.0, strict=False, node_ranks=None,
+                        unique_id=None, timeout=600.0, strict=True, node_ranks=None,
                         barrier_timeout=None, verify=True, transport="auto", progress=None,
                         aoa=None, job_key=None):
         """See ckptd.load_state_dict."""
@@ -1102,7 +1102,7 @@ def next_unique_id(path, rank=None):
 # --- module-level API -----------------------------------------------------------
 
 def load_state_dict(state_dict, path, *, rank=None, world_size=None, job_id=None, unique_id=None,
-                    socket=None, timeout=600.0, strict=False, node_ranks=None,
+                    socket=None, timeout=600.0, strict=True, node_ranks=None,
                     barrier_timeout=None, verify=True, transport="auto", progress=None,
                     aoa=None, job_key=None):
     """Fills the tensors of `state_dict` in place from checkpoint `path`, through ckptd.
@@ -1122,8 +1122,11 @@ def load_state_dict(state_dict, path, *, rank=None, world_size=None, job_id=None
     socket: the daemon's Unix socket; default $CKPTD_SOCKET or
       /run/ckptd/ckptd.sock.
     timeout: seconds for the whole call (waiting for the other ranks included).
-    strict: missing keys fail the load (CkptdError NOT_FOUND).
-    Keys missing from the checkpoint are reported and left untouched.
+    strict: (default True, as torch's Module.load_state_dict) a key of
+      `state_dict` the checkpoint lacks fails the load with NotFoundError (a
+      FileNotFoundError) naming the first few and how many, and nothing of
+      this rank is reported as loaded. strict=False loads the rest and reports
+      the absent keys in report.missing_keys, their tensors left untouched.
     aoa: tensor transformations applied while resharding (docs/aoa.md):
       the statements as one string or a list of lines; every rank passes the
       same.
