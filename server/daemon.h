@@ -95,6 +95,9 @@ class Daemon {
   // persisting; returns the ids of those that did not finish (Stop then
   // abandons them: their versions never become visible).
   std::vector<std::string> AwaitPersists(absl::Duration timeout);
+  // SIGTERM: AwaitSave calls end by `until` (the drain's end), so a client
+  // waiting on a save does not hold the drain open (AsyncSaves::Drain).
+  void DrainSaves(absl::Time until) { async_saves_.Drain(until); }
   absl::StatusOr<v1::PrefetchResponse> Prefetch(const Caller& caller,
                                                 const v1::PrefetchRequest& request);
   absl::StatusOr<v1::EvictResponse> Evict(const Caller& caller, const v1::EvictRequest& request);

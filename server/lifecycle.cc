@@ -185,6 +185,7 @@ void Drain(const DaemonConfig& config, Daemon& daemon, Listeners& l) {
   if (l.peer) l.peer->SetServing(false);
   const auto drain = std::chrono::system_clock::now() +
                      std::chrono::milliseconds(absl::ToInt64Milliseconds(config.drain_timeout));
+  daemon.DrainSaves(absl::FromChrono(drain));  // a client awaiting a save does not hold it open
   // Without the abort, a running job would read on to its end while its
   // ranks got a bare CANCELLED.
   constexpr auto kDrainGrace = std::chrono::seconds(2);

@@ -246,6 +246,8 @@ std::map<AsyncSaves::SaveKey, std::shared_ptr<PendingSave>> AsyncSaves::Persisti
   return persisting;
 }
 
+void AsyncSaves::Drain(absl::Time until) { drain_until_ns_.store(absl::ToUnixNanos(until)); }
+
 std::vector<std::string> AsyncSaves::AwaitPersisting(const std::string* dir, absl::Time deadline) {
   while (true) {
     std::map<SaveKey, std::shared_ptr<PendingSave>> persisting;
@@ -276,6 +278,10 @@ absl::StatusOr<v1::SaveResponse> AsyncSaves::Await(const Caller& caller, bool ad
   const absl::Time deadline =
       absl::Now() + std::min(absl::Milliseconds(request.timeout_ms()),
                              options_.max_wait);
+  // A drain that begins meanwhile ends the wait at its end.
+  auto drain_until = [this] { return absl::FromUnixNanos(drain_until_ns_.load()); };
+  auto drained = [&] { return absl::Now() >= drain_until(); };
+  auto stop = [&] { return (cancelled && cancelled()) || drained(); };
   std::shared_ptr<PendingSave> p;
   {
     absl::MutexLock lock(&mu_);
@@ -299,9 +305,16 @@ absl::StatusOr<v1::SaveResponse> AsyncSaves::Await(const Caller& caller, bool ad
   auto finished = [&p]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(p->mu) {
     return p->state != PendingSave::State::kPersisting;
   };
-  AwaitOrCancel(&p->mu, absl::Condition(&finished), deadline, cancelled);
+  AwaitOrCancel(&p->mu, absl::Condition(&finished), deadline, stop);
   if (p->state == PendingSave::State::kFailed) return p->status;
   if (p->state == PendingSave::State::kDurable) return p->final.at(request.rank());
+  if (drained()) {
+    return absl::UnavailableError(absl::StrCat(
+        what, ": ckptd is stopping and the save was still persisting when its drain_timeout "
+              "ran out (", p->bytes_persisted.load(), " of ", p->bytes_staged,
+        " bytes written); its version appears only if it became durable: inspect the "
+              "checkpoint once ckptd is back"));
+  }
   return absl::DeadlineExceededError(absl::StrCat(
       what, " is still persisting (", p->bytes_persisted.load(), " of ", p->bytes_staged,
       " bytes written; the version becomes visible once durable)"));

@@ -105,6 +105,10 @@ class AsyncSaves {
                                          const v1::AwaitSaveRequest& request,
                                          const std::function<bool()>& cancelled)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // The daemon is draining until `until`: Await calls wait no longer than
+  // that, then answer UNAVAILABLE for a save still persisting (its outcome
+  // is then the drain's: durable, or abandoned).
+  void Drain(absl::Time until);
   // Waits (at most until `deadline`) until no save (into `dir` if given) is
   // persisting; returns the ids of those still persisting.
   std::vector<std::string> AwaitPersisting(const std::string* dir, absl::Time deadline)
@@ -137,6 +141,9 @@ class AsyncSaves {
   std::map<SaveKey, std::shared_ptr<PendingSave>> saves_ ABSL_GUARDED_BY(mu_);
   std::deque<std::shared_ptr<PendingSave>> queue_ ABSL_GUARDED_BY(mu_);
   bool stop_ ABSL_GUARDED_BY(mu_) = false;
+  // Drain's `until` (absl::ToUnixNanos; INT64_MAX: not draining); atomic: the
+  // waits in Await read it under a PendingSave's mu (lock order).
+  std::atomic<int64_t> drain_until_ns_{INT64_MAX};
   std::thread thread_;  // started by the first save (under mu_)
   std::atomic<uint64_t> durable_count_{0}, failed_{0}, bytes_persisted_{0};
   std::atomic<uint64_t> stall_us_{0}, persist_us_{0};

@@ -306,6 +306,40 @@ class AsyncSaveTest(unittest.TestCase):
             for i in range(3):
                 assert_same(self, load_whole(d.socket, out, i)[0], make_state(40 + i))
 
+    def test_the_future_is_a_concurrent_futures_future(self):
+        """issue 37: async_save returns a concurrent.futures.Future, as DCP's
+        async_save: callbacks run once durable (at once when added after),
+        concurrent.futures.wait works, cancel() is honest (False: the daemon
+        persists a staged save whatever happens here), result(timeout) while
+        persisting raises a TimeoutError, and polling opens no connection per
+        poll (one waiting thread per future)."""
+        import concurrent.futures
+        with testlib.Daemon(self.root, "--testing-delay-persist-ms", "700") as d:
+            out = os.path.join(self.root, "ckpt")
+            f = ckptd.save_state_dict(make_state(21), out, rank=0, world_size=1, job_id="fut",
+                                      socket=d.socket, async_save=True)
+            self.assertIsInstance(f, concurrent.futures.Future)
+            self.assertTrue(f.running())
+            self.assertFalse(f.cancel())
+            self.assertFalse(f.cancelled())
+            with self.assertRaises(TimeoutError) as cm:
+                f.result(timeout=0.01)
+            self.assertIsInstance(cm.exception, ckptd.DeadlineExceededError)
+            seen = []
+            f.add_done_callback(lambda fut: seen.append(fut.result().persisted))
+            done, pending = concurrent.futures.wait([f], timeout=60)
+            self.assertEqual((len(done), len(pending)), (1, 0))
+            self.assertTrue(f.result().persisted)
+            deadline = time.monotonic() + 5
+            while not seen and time.monotonic() < deadline:
+                time.sleep(0.01)
+            self.assertEqual(seen, [True])
+            late = []
+            f.add_done_callback(late.append)  # already done: runs at once
+            self.assertEqual(late, [f])
+            self.assertIsNone(f.exception())
+            assert_same(self, load_whole(d.socket, out)[0], make_state(21))
+
     def test_failed_persist_is_never_visible(self):
         with testlib.Daemon(self.root, "--testing-delay-persist-ms", "200") as d:
             out = os.path.join(self.root, "ckpt")

@@ -1,4 +1,5 @@
 """The ckptd client: connection, load/save of state dicts, admin calls."""
+import concurrent.futures
 import ctypes
 import dataclasses
 import itertools
@@ -302,79 +303,86 @@ class SaveReport:
         return dataclasses.asdict(self)
 
 
-class SaveFuture:
-    """The outcome of save_state_dict(..., async_save=True).
+class SaveFuture(concurrent.futures.Future):
+    """The outcome of save_state_dict(..., async_save=True): a
+    concurrent.futures.Future, as DCP's async_save returns.
 
     The call returned once the daemon held a copy of this rank's bytes: the
     tensors may change from then on. The daemon writes the version in the
     background, even if this process exits; the version becomes visible only
-    once it is durable. result() waits for that and returns the SaveReport
-    (files, bytes_written, persist_s), or raises the CkptdError that failed
-    it; timeout=None waits as long as it takes.
+    once it is durable. The future is done then: result() returns the
+    SaveReport (files, bytes_written, persist_s) or raises the CkptdError that
+    failed the save; add_done_callback() runs once it is done (on the waiting
+    thread, or at once if already done). result(timeout) raises
+    DeadlineExceededError (a TimeoutError, and so a
+    concurrent.futures.TimeoutError) while it still persists.
+
+    cancel() returns False: the future is running from the start, as the
+    daemon persists a staged save whatever this process does. One thread per
+    future waits on one connection to the daemon (AwaitSave, long waits), so
+    polling opens nothing.
+
+    `staged` is the report of the call itself (persisted False).
     """
 
+    # How long one AwaitSave waits (the daemon caps it at max_barrier_timeout).
+    _WAIT_S = 300.0
+
     def __init__(self, socket, report, rank):
+        super().__init__()
         self._socket = socket
         self._rank = rank
-        self._lock = threading.Lock()
-        self._report = None
-        self._error = None
-        self.staged = report  # the report of the call itself (persisted False)
+        self.staged = report
+        self.set_running_or_notify_cancel()  # cannot be cancelled: the daemon persists it
+        threading.Thread(target=self._wait, daemon=True,
+                         name=f"ckptd-await-{report.job_id}-{rank}").start()
 
-    def _poll(self, wait):
-        """One AwaitSave of at most `wait` seconds; True once finished."""
-        with self._lock:
-            if self._report is not None or self._error is not None:
-                return True
+    def _wait(self):
+        try:
             with Client(self._socket) as c:
-                req = c.pb2.AwaitSaveRequest(job_id=self.staged.job_id, rank=self._rank,
-                                             timeout_ms=max(0, int(wait * 1000)))
-                try:
-                    r = c._call("AwaitSave", c.stub.AwaitSave, req, wait + 30.0)
-                except CkptdError as err:
-                    if err.code == "DEADLINE_EXCEEDED":
-                        return False
-                    self._error = err
-                    return True
-            rep = dataclasses.replace(self.staged)
-            rep.files = list(r.files)
-            rep.bytes_written = r.bytes_written
-            rep.persisted = r.persisted
-            rep.persist_s = r.persist_s
-            rep.timings = {**rep.timings, "persist_s": r.persist_s,
-                           "staged_to_durable_s": r.seconds}
-            self._report = rep
-            return True
-
-    def done(self):
-        """Whether the save has finished (durable or failed); does not wait."""
-        return self._poll(0.0)
+                while True:
+                    req = c.pb2.AwaitSaveRequest(job_id=self.staged.job_id, rank=self._rank,
+                                                 timeout_ms=int(self._WAIT_S * 1000))
+                    try:
+                        r = c._call("AwaitSave", c.stub.AwaitSave, req, self._WAIT_S + 30.0)
+                    except CkptdError as err:
+                        if err.code == "DEADLINE_EXCEEDED":
+                            continue  # still persisting
+                        raise
+                    break
+        except BaseException as err:  # noqa: BLE001 - the future carries it
+            self.set_exception(err)
+            return
+        rep = dataclasses.replace(self.staged)
+        rep.files = list(r.files)
+        rep.bytes_written = r.bytes_written
+        rep.persisted = r.persisted
+        rep.persist_s = r.persist_s
+        rep.timings = {**rep.timings, "persist_s": r.persist_s,
+                       "staged_to_durable_s": r.seconds}
+        self.set_result(rep)
 
     def result(self, timeout=None):
         """The final SaveReport (persisted True). Raises the save's CkptdError, or
-        CkptdError DEADLINE_EXCEEDED if it is still persisting after `timeout` s."""
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = 10.0 if deadline is None else max(0.0, min(10.0, deadline - time.monotonic()))
-            if self._poll(left):
-                break
-            if deadline is not None and time.monotonic() >= deadline:
-                raise CkptdError("DEADLINE_EXCEEDED",
-                                 f"save job '{self.staged.job_id}' is still persisting after "
-                                 f"{timeout} s")
-        if self._error is not None:
-            raise self._error
-        return self._report
+        DeadlineExceededError if it is still persisting after `timeout` s."""
+        try:
+            return super().result(timeout)
+        except concurrent.futures.TimeoutError:
+            if self.done():
+                raise  # the save itself failed with a TimeoutError
+            raise CkptdError("DEADLINE_EXCEEDED",
+                             f"save job '{self.staged.job_id}' is still persisting after "
+                             f"{timeout} s") from None
 
     def exception(self, timeout=None):
-        """The CkptdError that failed the save, or None once it is durable."""
+        """The CkptdError that failed the save, or None once it is durable; raises
+        DeadlineExceededError if neither after `timeout` s."""
         try:
-            self.result(timeout)
-        except CkptdError as err:
-            if self._error is err:
-                return err
-            raise
-        return None
+            return super().exception(timeout)
+        except concurrent.futures.TimeoutError:
+            raise CkptdError("DEADLINE_EXCEEDED",
+                             f"save job '{self.staged.job_id}' is still persisting after "
+                             f"{timeout} s") from None
 
 
 @dataclasses.dataclass
