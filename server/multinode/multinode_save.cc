@@ -291,6 +291,7 @@ void MultiNodeSave::Run(const std::shared_ptr<Job>& job,
     for (const auto& f : written.files_of_rank[s.targets.rank]) r.add_files(f);
     r.set_bytes_written(outcome->job_bytes_written());
     r.set_metadata_file(absl::StrCat(version, ".metadata"));
+    r.set_unique_id(version);
     r.set_persisted(true);
   });
   spdlog::info("multi-node save job={} path={} version={} nodes={} ranks here={}: {}B written "

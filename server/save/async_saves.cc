@@ -97,6 +97,7 @@ absl::StatusOr<std::shared_ptr<const PendingSave>> AsyncSaves::Start(
         r.set_persisted(false);
         r.set_buffer_wait_s(s->buffer_wait_s);
         r.set_metadata_file(absl::StrCat(version, ".metadata"));
+        r.set_unique_id(version);
       }
       for (auto& [rank, r] : pending->first_answers) r.set_bytes_staged(pending->bytes_staged);
       // Forget finished saves past their time (the oldest first when too many).
@@ -244,6 +245,15 @@ std::map<AsyncSaves::SaveKey, std::shared_ptr<PendingSave>> AsyncSaves::Persisti
     if ((dir == nullptr || p->save.path == *dir) && p->Persisting()) persisting[key] = p;
   }
   return persisting;
+}
+
+std::optional<int64_t> AsyncSaves::NewestPersisting(const std::string& dir) const {
+  std::optional<int64_t> newest;
+  absl::MutexLock lock(&mu_);
+  for (const auto& [key, p] : PersistingLocked(&dir)) {
+    newest = std::max(newest.value_or(INT64_MIN), p->save.plan.unique_id);
+  }
+  return newest;
 }
 
 void AsyncSaves::Drain(absl::Time until) { drain_until_ns_.store(absl::ToUnixNanos(until)); }

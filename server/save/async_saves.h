@@ -26,6 +26,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 #include <utility>
@@ -113,6 +114,8 @@ class AsyncSaves {
   // persisting; returns the ids of those still persisting.
   std::vector<std::string> AwaitPersisting(const std::string* dir, absl::Time deadline)
       ABSL_LOCKS_EXCLUDED(mu_);
+  // The newest version still persisting into `dir`, if any.
+  std::optional<int64_t> NewestPersisting(const std::string& dir) const ABSL_LOCKS_EXCLUDED(mu_);
   // Status: the saves (only `caller`'s unless `admin`) and the counters.
   void Describe(const Caller& caller, bool admin, v1::StatusResponse* resp) const
       ABSL_LOCKS_EXCLUDED(mu_);

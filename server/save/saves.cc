@@ -73,6 +73,20 @@ absl::StatusOr<std::pair<std::string, std::string>> Saves::ResolveSaveDir(
   return std::make_pair(*parent, ckpt::JoinPath(*parent, leaf));
 }
 
+absl::StatusOr<int64_t> Saves::NextVersion(const std::string& dir) const {
+  int64_t newest = -1;
+  auto kind = ckpt::Storage::Default()->Kind(dir);
+  if (kind.ok() && *kind == ckpt::PathKind::kDirectory) {
+    CKPT_ASSIGN_OR_RETURN(std::vector<int64_t> versions, ckpt::ListVersions(dir));
+    if (!versions.empty()) newest = versions.back();
+  }
+  if (auto persisting = p_.async_saves->NewestPersisting(dir)) newest = std::max(newest, *persisting);
+  if (newest == INT64_MAX) {
+    return absl::OutOfRangeError(absl::StrCat(dir, " holds version ", newest, ": no next one"));
+  }
+  return newest + 1;
+}
+
 absl::Status Saves::CheckSaveDir(const Caller& caller, const v1::SaveRequest& request,
                                   const std::string& dir, bool dcp) const {
   auto kind = ckpt::Storage::Default()->Kind(dir);
@@ -87,7 +101,7 @@ absl::Status Saves::CheckSaveDir(const Caller& caller, const v1::SaveRequest& re
     // Early answer for the ranks; RunSaveJob checks again under the directory lock.
     auto exists = dcp ? ckpt::CommitFileExists(dir, ".metadata")
                       : ckpt::VersionExists(dir, request.unique_id());
-    if (!request.overwrite() && exists.ok() && *exists) {
+    if (!request.overwrite() && !request.next_unique_id() && exists.ok() && *exists) {
       return absl::AlreadyExistsError(
           dcp ? absl::StrCat("Save: ", DcpCheckpointExists(dir))
               : absl::StrCat("Save: version ", request.unique_id(), " already exists in ", dir,
@@ -178,6 +192,18 @@ absl::StatusOr<v1::SaveResponse> Saves::Save(const Caller& caller, const v1::Sav
         who, ": async_save is for the native format (PyTorch DCP's own async_save stages on the "
              "client side and calls ckptd.torch.DaemonStorageWriter from a thread)")));
   }
+  if (request.next_unique_id()) {
+    // One daemon sees the directory; the nodes of a save across nodes each
+    // write their own copy of it.
+    const bool spans = request.node_ranks_size() > 0 && request.node_ranks_size() < request.world_size();
+    if (dcp || spans || request.unique_id() != 0) {
+      return fail(absl::InvalidArgumentError(absl::StrCat(
+          who, ": next_unique_id (the daemon picks the version) is for native saves on one daemon, "
+               "with unique_id 0",
+          dcp ? "; this is a pytorch-dcp save" : spans ? "; this save spans several daemons: name "
+                                                         "its unique_id" : "")));
+    }
+  }
   if (absl::Status e = CheckSaveDir(caller, request, dir, dcp); !e.ok()) return fail(e);
   auto reservation = p_.policy->Reserve(caller, who, *bytes, 0);
   if (!reservation.ok()) return fail(reservation.status());
@@ -188,7 +214,10 @@ absl::StatusOr<v1::SaveResponse> Saves::Save(const Caller& caller, const v1::Sav
   slot->cancelled = cancelled;
   slot->registered = absl::Now();
   slot->start = t0;
-  JobKey key{JobKind::kSave, request.job_id(), dir, request.unique_id(), caller.uid,
+  // No version yet when the daemon picks it (the job's runner does).
+  JobKey key{JobKind::kSave, request.job_id(), dir,
+             request.next_unique_id() ? std::nullopt : std::optional<int64_t>(request.unique_id()),
+             caller.uid,
              request.world_size(),
              request.rank(), std::vector<int>(request.node_ranks().begin(), request.node_ranks().end()),
              request.job_key()};
@@ -215,7 +244,13 @@ void Saves::RunSaveJob(const std::shared_ptr<Job>& job) {
   auto fail_all = [&](const absl::Status& s) { p_.jobs->Fail(*job, s); };
   std::vector<ckpt::RankTargets> ranks;
   for (const auto& s : slots) ranks.push_back(s->targets);
-  auto plan = ckpt::PlanSave(ranks, job->world_size, job->unique_id.value_or(0));
+  int64_t version = job->unique_id.value_or(0);
+  if (!job->unique_id) {  // SaveRequest.next_unique_id: the daemon picks it
+    auto next = NextVersion(job->path);
+    if (!next.ok()) return fail_all(ckpt::Annotate(next.status(), absl::StrCat("save job '", job->id, "'")));
+    version = *next;
+  }
+  auto plan = ckpt::PlanSave(ranks, job->world_size, version);
   if (!plan.ok()) return fail_all(plan.status());
   bool overwrite = slots.front()->save_request.overwrite();
   const bool async = slots.front()->save_request.async_save();
@@ -268,6 +303,7 @@ void Saves::RunSaveJob(const std::shared_ptr<Job>& job) {
     for (const auto& f : saved->files_of_rank[s.targets.rank]) r.add_files(f);
     r.set_bytes_written(saved->bytes);
     r.set_metadata_file(absl::StrCat(save.plan.unique_id, ".metadata"));
+    r.set_unique_id(save.plan.unique_id);
     r.set_persisted(true);
   });
   spdlog::info("save job={} path={} ranks={} written={}B in {:.3f}s", job->id, job->path,

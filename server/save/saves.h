@@ -91,6 +91,9 @@ class Saves {
   // need not exist yet; a relative path is under the first root.
   absl::StatusOr<std::pair<std::string, std::string>> ResolveSaveDir(
       const v1::SaveRequest& request) const;
+  // The version a save with next_unique_id writes into `dir`: one more than
+  // the newest there, visible or still persisting; 0 if none.
+  absl::StatusOr<int64_t> NextVersion(const std::string& dir) const;
   // An existing output directory: a real directory the caller may save
   // into, without the version (or DCP checkpoint) unless overwrite is set.
   absl::Status CheckSaveDir(const Caller& caller, const v1::SaveRequest& request,

@@ -8,6 +8,7 @@ Values are checked against the arrays the test made (never against the
 daemon's own output); the files are also read with testlib's independent
 safetensors reader. --testing-delay-persist-ms (a pause before each file a
 persist writes) keeps a persist in flight long enough to act during it."""
+import json
 import os
 import signal
 import subprocess
@@ -305,6 +306,47 @@ class AsyncSaveTest(unittest.TestCase):
             self.assertEqual(ckptd.inspect(out, socket=d.socket).versions, [0, 1, 2])
             for i in range(3):
                 assert_same(self, load_whole(d.socket, out, i)[0], make_state(40 + i))
+
+    def test_the_daemon_picks_the_version_for_every_process(self):
+        """issue 37: unique_id=None is the daemon's choice (one more than the
+        newest visible or persisting version), so a new process (a restarted
+        job, which never saw this process's saves) saving while one persists
+        gets the next version, and the two ranks of a job agree without
+        listing the directory (both asynchronous: a synchronous save does not wait
+        for the directory's lock)."""
+        with testlib.Daemon(self.root, "--testing-delay-persist-ms", "500") as d:
+            out = os.path.join(self.root, "ckpt")
+            first = ckptd.save_state_dict(make_state(50), out, rank=0, world_size=1,
+                                          socket=d.socket, job_id="p0", async_save=True)
+            self.assertEqual(first.staged.unique_id, 0)
+            self.assertFalse(first.done())
+            child = textwrap.dedent(f"""
+                import json, sys
+                sys.path[:0] = {sys.path!r}
+                import numpy as np, ckptd
+                full = {{"w": np.arange(64, dtype=np.float32)}}
+                reps = []
+                import threading
+                def rank(r):
+                    sd = {{"w": ckptd.ShardedTensor(full["w"][r * 32:(r + 1) * 32].copy(), (64,),
+                                                   (r * 32,))}}
+                    f = ckptd.save_state_dict(sd, {out!r}, rank=r, world_size=2, job_id="p1",
+                                              socket={d.socket!r}, async_save=True)
+                    reps.append((f.staged.unique_id, f.result(timeout=60).unique_id))
+                ts = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+                [t.start() for t in ts]; [t.join() for t in ts]
+                print(json.dumps(sorted(reps)))
+            """)
+            r = subprocess.run([sys.executable, "-c", child], capture_output=True, text=True,
+                               timeout=120)
+            self.assertEqual(r.returncode, 0, r.stderr[-3000:])
+            self.assertEqual(json.loads(r.stdout.strip().splitlines()[-1]), [[1, 1], [1, 1]],
+                             r.stderr[-3000:])
+            first.result(timeout=60)
+            self.assertEqual(ckptd.inspect(out, socket=d.socket).versions, [0, 1])
+            got = {"w": np.zeros(64, np.float32)}
+            ckptd.load_state_dict(got, out, unique_id=1, socket=d.socket)
+            np.testing.assert_array_equal(got["w"], np.arange(64, dtype=np.float32))
 
     def test_the_future_is_a_concurrent_futures_future(self):
         """issue 37: async_save returns a concurrent.futures.Future, as DCP's

@@ -842,10 +842,17 @@ class Client:
         job_id = resolve_job_id(job_id, "save", world_size)
         job_key = resolve_job_key(job_key, world_size, node_ranks)
         path = _abs(path)
-        if unique_id is None:
+        # unique_id=None: the daemon picks the version (one more than the newest
+        # there, visible or persisting; the same for every rank of the job). A
+        # save across daemons (each writes its own copy of the directory) still
+        # lists it here.
+        spans = bool(node_ranks) and len(node_ranks) < world_size
+        pick = unique_id is None and not format and not spans
+        if unique_id is None and not pick:
             unique_id = next_unique_id(path, rank)
         req = self.pb2.SaveRequest(job_id=job_id, rank=rank, world_size=world_size, path=path,
-                                   unique_id=int(unique_id), node_ranks=node_ranks,
+                                   unique_id=0 if pick else int(unique_id),
+                                   next_unique_id=pick, node_ranks=node_ranks,
                                    overwrite=bool(overwrite), format=format or "",
                                    raw_targets=list(raw_keys), async_save=bool(async_save),
                                    job_key=job_key)
@@ -854,9 +861,10 @@ class Client:
         for e in entries:
             if len(e.path) > 1:
                 req.flat_mapping[e.key].parts.extend(e.path)
-        if not format:
+        if not format and not pick:
             _note_saved_uid(path, rank, unique_id)  # tried: the next save takes the one after
-        report = SaveReport(job_id=job_id, unique_id=int(unique_id), skipped_keys=skipped)
+        report = SaveReport(job_id=job_id, unique_id=-1 if pick else int(unique_id),
+                            skipped_keys=skipped)
         timings = {}
         seg = slot = None
         future = None
@@ -942,6 +950,8 @@ class Client:
         report.files = list(r.files)
         report.items = [SavedItem(i.name, i.file, i.offset, i.length) for i in r.items]
         report.metadata_file = r.metadata_file
+        if pick:
+            report.unique_id = r.unique_id
         report.bytes_written = r.bytes_written
         report.timings = {"daemon_s": r.seconds, **timings, "total_s": time.perf_counter() - t0}
         report.persisted = r.persisted
