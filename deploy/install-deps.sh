@@ -30,10 +30,11 @@ BUILD_PACKAGES=(
 # server, from the prometheus package), the peer-plane tests' certificates
 # (openssl), and `pip install client/python` into a venv, offline
 # (python3-venv, python3-pip, python3-setuptools, python3-wheel; the stubs it
-# generates need protobuf-compiler and protobuf-compiler-grpc, above).
+# generates need protobuf-compiler and protobuf-compiler-grpc, above), and
+# `python3 -m build` of its sdist and wheel (python3-build).
 TEST_PACKAGES=(
   python3-numpy python3-grpcio python3-protobuf python3-torch
-  python3-venv python3-pip python3-setuptools python3-wheel
+  python3-venv python3-pip python3-setuptools python3-wheel python3-build
   python3-yaml systemd prometheus openssl
 )
 # What ckptd and ckptctl load at run time (tests/ops checks this list against

@@ -8,8 +8,10 @@ At build time (build_py) this writes into the built package ckptd/:
   grpc_tools.protoc` where only grpcio-tools is installed;
 - _version.py with the version and API level of VERSION.
 
-Both files are read from the ckptd source tree this directory sits in
-(client/python/../../), or from $CKPTD_SOURCE_ROOT. Nothing is downloaded:
+Both files are read from $CKPTD_SOURCE_ROOT, else from _ckptd_source/ beside
+this file (an unpacked sdist: the sdist command puts VERSION and
+proto/ckpt.proto there), else from the ckptd source tree this directory sits
+in (client/python/../../). Nothing is downloaded:
 
     python3 -m venv --system-site-packages v
     v/bin/pip install --no-build-isolation client/python
@@ -24,6 +26,7 @@ import sys
 
 from setuptools import setup
 from setuptools.command.build_py import build_py as _build_py
+from setuptools.command.sdist import sdist as _sdist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 STUBS = ("ckpt_pb2.py", "ckpt_pb2_grpc.py")
@@ -34,8 +37,17 @@ class BuildError(SystemExit):
         super().__init__(f"ckptd setup.py: error: {msg}")
 
 
+# What an sdist carries of the source tree (the sdist command copies them).
+SDIST_SOURCE = "_ckptd_source"
+SOURCE_FILES = ("VERSION", os.path.join("proto", "ckpt.proto"))
+
+
 def source_root():
-    root = os.environ.get("CKPTD_SOURCE_ROOT") or os.path.join(HERE, "..", "..")
+    root = os.environ.get("CKPTD_SOURCE_ROOT")
+    if not root:
+        bundled = os.path.join(HERE, SDIST_SOURCE)
+        root = bundled if os.path.isfile(os.path.join(bundled, "VERSION")) else \
+            os.path.join(HERE, "..", "..")
     return os.path.abspath(root)
 
 
@@ -127,4 +139,16 @@ class build_py(_build_py):
         return outs + [f for f in getattr(self, "_generated", []) if f not in outs]
 
 
-setup(version=read_version()[0], cmdclass={"build_py": build_py})
+class sdist(_sdist):
+    """An sdist that builds anywhere: VERSION and proto/ckpt.proto of the source
+    tree go into it (_ckptd_source/), where build_py then finds them."""
+
+    def make_release_tree(self, base_dir, files):
+        super().make_release_tree(base_dir, files)
+        for rel in SOURCE_FILES:
+            dst = os.path.join(base_dir, SDIST_SOURCE, rel)
+            os.makedirs(os.path.dirname(dst), exist_ok=True)
+            shutil.copyfile(source_file(rel), dst)
+
+
+setup(version=read_version()[0], cmdclass={"build_py": build_py, "sdist": sdist})

@@ -197,6 +197,39 @@ class InstallTest(unittest.TestCase):
         self.assertIn(f"__version__ = {VERSION!r}", version_py)
         self.assertIn(f"API_LEVEL = {API_LEVEL!r}", version_py)
 
+    def test_python_m_build_sdist_and_wheel_install_offline(self):
+        """issue 37: `python3 -m build` (sdist, then the wheel built from the
+        unpacked sdist, as pip does from PyPI) works on client/python alone: the
+        sdist carries VERSION and proto/ckpt.proto. Each installs into a fresh
+        venv with no index and imports from elsewhere with its stubs."""
+        have = subprocess.run([PY, "-c", "import build"], capture_output=True).returncode == 0
+        if not have:
+            self.skipTest("python3-build is not installed (deploy/install-deps.sh) "
+                          "[needs: python3-build]")
+        dist = os.path.join(self.tmp, "dist")
+        run([PY, "-m", "build", "--no-isolation", "--outdir", dist, self.pkg], env=self.env,
+            cwd=self.tmp)
+        sdist = os.path.join(dist, f"ckptd-{VERSION}.tar.gz")
+        wheel = os.path.join(dist, f"ckptd-{VERSION}-py3-none-any.whl")
+        self.assertTrue(os.path.isfile(sdist), os.listdir(dist))
+        self.assertTrue(os.path.isfile(wheel), os.listdir(dist))
+        for what, artifact in (("sdist", sdist), ("wheel", wheel)):
+            with self.subTest(what):
+                venv = os.path.join(self.tmp, f"venv-{what}")
+                run([PY, "-m", "venv", "--system-site-packages", venv], env=self.env)
+                run([os.path.join(venv, "bin", "pip"), "install", "--no-build-isolation",
+                     "--no-index", artifact], env=self.env, cwd=self.tmp)
+                elsewhere = os.path.join(self.tmp, f"use-{what}")
+                os.makedirs(elsewhere, exist_ok=True)
+                out = run([os.path.join(venv, "bin", "python"), "-c",
+                           "import ckptd, ckptd.ckpt_pb2 as p; "
+                           "print(ckptd.__version__, ckptd._version.API_LEVEL, "
+                           "'next_unique_id' in p.SaveRequest.DESCRIPTOR.fields_by_name, "
+                           "ckptd.__file__)"], env=self.env, cwd=elsewhere)
+                version, level, stubs, where = out.split()
+                self.assertEqual((version, int(level), stubs), (VERSION, API_LEVEL, "True"))
+                self.assertTrue(where.startswith(venv), where)
+
     def test_missing_proto_is_a_clear_error(self):
         broken = os.path.join(self.tmp, "broken")
         pkg = source_copy(broken)
