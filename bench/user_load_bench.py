@@ -234,7 +234,7 @@ class Rank:
                 sd = self.sharded(dests)
             self.dcp.load_state_dict(sd, self.dcp.FileSystemReader(self.cfg["ckpt"]))
         elif op == "dcpd":  # the drop-in: DCP's own call, ckptd's reader
-            from ckptd.torch import DaemonStorageReader
+            from ckptd.dcp import DaemonStorageReader
             reader = DaemonStorageReader(self.cfg["ckpt"], socket=self.cfg["socket"])
             self.dcp.load_state_dict(sd, reader)
             rep = reader.last_report
@@ -463,7 +463,7 @@ def main():
                                                      fresh=kind == "fresh"))
                 add(f"ckptd {kind} warm", ranks.run("ckptd", f"ckptd-{kind}-warm",
                                                      fresh=kind == "fresh"))
-            # The drop-in: DCP's load_state_dict with ckptd.torch.DaemonStorageReader.
+            # The drop-in: DCP's load_state_dict with ckptd.dcp.DaemonStorageReader.
             evict()
             add("dcpd touched cold", ranks.run("dcpd", "dcp-daemon-reader-touched-cold"))
             add("dcpd touched warm", ranks.run("dcpd", "dcp-daemon-reader-touched-warm"))

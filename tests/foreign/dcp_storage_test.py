@@ -1,4 +1,4 @@
-"""ckptd.torch.DaemonStorageReader and DaemonStorageWriter under PyTorch DCP's own
+"""ckptd.dcp.DaemonStorageReader and DaemonStorageWriter under PyTorch DCP's own
 load_state_dict / save_state_dict (Debian's torch 1.13), against a real ckptd daemon.
 
 The checkpoints: real DCP checkpoints written by torch itself (dcp_gen.py: 2 gloo
@@ -38,7 +38,7 @@ import ckptd
 import testlib
 
 if torch is not None:
-    from ckptd.torch import DaemonStorageReader, DaemonStorageWriter
+    from ckptd.dcp import DaemonStorageReader, DaemonStorageWriter
 
 WORLD = 2
 POISON_INT = -7777777
@@ -327,7 +327,7 @@ class DaemonStorageReaderTest(testlib.DaemonTestCase):
         self.assertTrue(same(load["w"], torch.arange(6, dtype=torch.float32)))
 
     def test_entries_outside_the_checkpoint_directory_are_refused(self):
-        from ckptd.torch import _read_plain_file
+        from ckptd.dcp import _read_plain_file
         d = os.path.join(self.gen, "ckpt")
         for name in ("../gen/ckpt/.metadata", "/etc/passwd", "..", ""):
             with self.assertRaises(ckptd.CkptdError, msg=name) as cm:
@@ -390,7 +390,7 @@ class DaemonStorageReaderTest(testlib.DaemonTestCase):
             reader.read_metadata()
         self.assertFalse(os.path.exists(marker))
         # And the client's own unpickler, fed the same bytes directly.
-        from ckptd.torch import _MetadataUnpickler
+        from ckptd.dcp import _MetadataUnpickler
         import io
         with self.assertRaises(ckptd.CkptdError) as cm:
             _MetadataUnpickler(io.BytesIO(payload)).load()

@@ -4,7 +4,7 @@
     import torch.distributed._shard.checkpoint as dcp
 
 The patch lives in the Python client (client/python/ckptd/_dcp_compat.py, which
-ckptd.torch uses); this loads that file by path, so a test helper needs neither
+ckptd.dcp uses); this loads that file by path, so a test helper needs neither
 the package's dependencies nor PYTHONPATH.
 """
 import importlib.util

@@ -285,6 +285,23 @@ class TorchClientTest(unittest.TestCase):
         self.assertEqual(e.exception.code, "INVALID_ARGUMENT")
         self.assertIn("16 to 64 bytes", e.exception.message)
 
+    def test_ckptd_torch_is_a_deprecated_alias_of_ckptd_dcp(self):
+        """issue 37: the DCP module is ckptd.dcp (`from ckptd import torch` shadowed
+        the real torch); the old name still works for one API level, warning."""
+        import importlib
+        import sys
+        import warnings
+        import ckptd.dcp
+        sys.modules.pop("ckptd.torch", None)
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            old = importlib.import_module("ckptd.torch")
+        self.assertTrue(any(issubclass(w.category, DeprecationWarning) and
+                            "ckptd.dcp" in str(w.message) for w in seen), seen)
+        self.assertIs(old.DaemonStorageReader, ckptd.dcp.DaemonStorageReader)
+        self.assertIs(old.DaemonStorageWriter, ckptd.dcp.DaemonStorageWriter)
+        self.assertIs(old._assign_job, ckptd.dcp._assign_job)
+
     def test_daemon_not_running(self):
         t0 = time.monotonic()
         with self.assertRaises(ckptd.CkptdError) as cm:

@@ -23,10 +23,9 @@ __all__ = [
     "DeadlineExceededError", "FailedPreconditionError", "InvalidArgumentError", "NotFoundError",
     "PermissionDeniedError", "ResourceExhaustedError", "UnavailableError", "UnimplementedError",
     "CheckpointInfo", "CkptdError", "Client", "LoadReport", "SaveFuture", "SaveReport",
-    "SavedItem",
-    "ShardInfo", "ShardedTensor", "SharedArena", "TensorInfo", "commit_dcp_metadata",
-    "default_socket", "dtype_name", "evict",
-    "find_ckptctl", "inspect", "load_state_dict", "merge", "prefetch", "release_staging",
-    "save_state_dict",
-    "status",
+    "SavedItem", "ShardInfo", "ShardedTensor", "SharedArena", "TensorInfo", "dtype_name",
+    "evict", "inspect", "load_state_dict", "merge", "prefetch", "save_state_dict", "status",
 ]
+# Also importable, not exported by `from ckptd import *` (helpers, not the API):
+# commit_dcp_metadata (ckptd.dcp's commit), default_socket, find_ckptctl,
+# release_staging.

@@ -8,7 +8,7 @@ Under Python 3.11, importing torch.distributed._shard fails on a dataclass field
 in sharded_tensor/metadata.py (`field(default=TensorProperties())`: a mutable default). A
 meta-path finder rewrites that one line at import time: system files stay untouched and
 nothing is written to __pycache__ for the patched module. Importing this module installs
-the finder once (importing it again does nothing). Used by ckptd.torch (only when
+the finder once (importing it again does nothing). Used by ckptd.dcp (only when
 torch has no torch.distributed.checkpoint, i.e. before 2.0), and through
 tests/foreign/torch13_dcp.py by tests/foreign/dcp_gen.py and bench/user_load_bench.py.
 Standard library only: the test helpers load this file by path.

@@ -544,7 +544,7 @@ class Client:
 
     # -- admin --
 
-    def inspect(self, path, unique_id=None, timeout=60.0):
+    def inspect(self, path, *, unique_id=None, timeout=60.0):
         req = self.pb2.InspectRequest(path=_abs(path))
         if unique_id is not None:
             req.unique_id = int(unique_id)
@@ -559,17 +559,17 @@ class Client:
         return CheckpointInfo(r.path, r.format, r.unique_id, list(r.versions), tensors,
                               dict(r.files), r.total_bytes)
 
-    def status(self, timeout=60.0):
+    def status(self, *, timeout=60.0):
         return _message_dict(self._call("Status", self.stub.Status, self.pb2.StatusRequest(),
                                         timeout))
 
-    def prefetch(self, path, unique_id=None, tensors=(), timeout=600.0):
+    def prefetch(self, path, *, unique_id=None, tensors=(), timeout=600.0):
         req = self.pb2.PrefetchRequest(path=_abs(path), tensors=list(tensors))
         if unique_id is not None:
             req.unique_id = int(unique_id)
         return _message_dict(self._call("Prefetch", self.stub.Prefetch, req, timeout))
 
-    def evict(self, path, timeout=60.0):
+    def evict(self, path, *, timeout=60.0):
         return _message_dict(self._call("Evict", self.stub.Evict,
                                         self.pb2.EvictRequest(path=_abs(path)), timeout))
 
@@ -832,7 +832,7 @@ class Client:
                         overwrite=False, format=None, raw_keys=(), async_save=False,
                         _device=True, job_key=None):
         """See ckptd.save_state_dict. format="pytorch-dcp" (with raw_keys, the keys of
-        whole 1-D uint8 arrays written as they are) is ckptd.torch.DaemonStorageWriter's:
+        whole 1-D uint8 arrays written as they are) is ckptd.dcp.DaemonStorageWriter's:
         data files only, committed by commit_dcp_metadata."""
         t0 = time.perf_counter()
         if self.tcp:
@@ -1187,7 +1187,7 @@ def load_state_dict(state_dict, path, *, rank=None, world_size=None, job_id=None
 
 
 def commit_dcp_metadata(path, metadata, job_id, *, overwrite=False, socket=None, timeout=600.0):
-    """See Client.commit_dcp_metadata (ckptd.torch.DaemonStorageWriter's commit)."""
+    """See Client.commit_dcp_metadata (ckptd.dcp.DaemonStorageWriter's commit)."""
     with Client(socket) as c:
         return c.commit_dcp_metadata(path, metadata, job_id, overwrite=overwrite,
                                      timeout=timeout)
