@@ -49,6 +49,13 @@ absl::StatusOr<std::string> Policy::ResolvePath(const std::string& path) const {
   const std::string full = path[0] == '/' ? path : ckpt::JoinPath(roots_.front(), path);
   auto canonical = ckpt::Storage::Default()->Canonical(full);
   if (!canonical.ok()) {
+    // A path that does not exist outside the roots is as refused as one
+    // that does: NOT_FOUND there would tell any client what exists.
+    if (absl::IsNotFound(canonical.status()) && !WouldBeInsideRoots(full)) {
+      return absl::PermissionDeniedError(absl::StrCat(
+          path, " is outside the checkpoint roots this daemon serves (",
+          absl::StrJoin(roots_, ", "), ")"));
+    }
     // Named as the caller named it ("<path>: <why>").
     absl::string_view why = canonical.status().message();
     if (absl::StartsWith(why, full + ": ")) why.remove_prefix(full.size() + 2);
@@ -61,6 +68,25 @@ absl::StatusOr<std::string> Policy::ResolvePath(const std::string& path) const {
   return absl::PermissionDeniedError(absl::StrCat(
       path, " (", real, ") is outside the checkpoint roots this daemon serves (",
       absl::StrJoin(roots_, ", "), ")"));
+}
+
+bool Policy::WouldBeInsideRoots(const std::string& full) const {
+  // The nearest ancestor that exists, resolved, and the rest of the path
+  // after it: where `full` would be. A ".." in the rest could lead anywhere.
+  std::string head = full, tail;
+  while (head.size() > 1) {
+    const size_t slash = head.rfind('/');
+    if (slash == std::string::npos) return false;
+    const std::string part = head.substr(slash + 1);
+    if (part == "..") return false;
+    if (!part.empty() && part != ".") tail = tail.empty() ? part : part + "/" + tail;
+    head = slash == 0 ? "/" : head.substr(0, slash);
+    auto resolved = ckpt::Storage::Default()->Canonical(head);
+    if (resolved.ok()) {
+      return RootOf(tail.empty() ? *resolved : ckpt::JoinPath(*resolved, tail), nullptr) != nullptr;
+    }
+  }
+  return false;
 }
 
 bool Policy::IsAdmin(const Caller& caller) const {

@@ -45,7 +45,8 @@ class Policy {
   bool IsAdmin(const Caller& caller) const;
   // realpath(path) inside one of the roots (a relative path names a
   // checkpoint under the first root), else PERMISSION_DENIED; NOT_FOUND when
-  // it does not exist.
+  // it does not exist inside them (outside, a path that does not exist is
+  // PERMISSION_DENIED too: the answer tells nothing of what exists there).
   absl::StatusOr<std::string> ResolvePath(const std::string& path) const;
   // Whether `caller` may read (or save into) `resolved`, a path ResolvePath
   // returned: the root's access rule, then the directory's mode bits.
@@ -96,6 +97,9 @@ class Policy {
     uint64_t ranks = 0;  // Load/Save calls in flight
     uint64_t bytes = 0;  // their destination bytes
   };
+  // Whether `full`, which does not exist, would lie inside a root: its
+  // nearest existing ancestor resolved, plus the rest (no "..").
+  bool WouldBeInsideRoots(const std::string& full) const;
   // The configured root (the deepest, when roots nest) holding `real`, a
   // resolved path, and its own resolved form in *real_root; null if none.
   const std::string* RootOf(const std::string& real, std::string* real_root) const;

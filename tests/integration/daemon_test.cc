@@ -318,6 +318,19 @@ TEST_F(BadRequests, EachGetsTheRightCodeAndMessage) {
   st = LoadOne(s, d);
   EXPECT_EQ(st.code(), absl::StatusCode::kPermissionDenied) << st;
   EXPECT_THAT(std::string(st.message()), HasSubstr("outside the checkpoint roots"));
+  // A path that does not exist outside the roots gets the same answer (a
+  // NOT_FOUND would tell any client what exists there); inside, NOT_FOUND.
+  for (const std::string p : {"/etc/no-such-ckptd-dir", "/no-such-top/x", "/etc/../etc/nope"}) {
+    s.path = p;
+    st = LoadOne(s, d);
+    EXPECT_EQ(st.code(), absl::StatusCode::kPermissionDenied) << p << ": " << st;
+  }
+  s.path = root_ + "/no-such-checkpoint";
+  st = LoadOne(s, d);
+  EXPECT_EQ(st.code(), absl::StatusCode::kNotFound) << st;
+  s.path = root_ + "/a/../no-such-checkpoint";  // a ".." after what does not exist
+  st = LoadOne(s, d);
+  EXPECT_EQ(st.code(), absl::StatusCode::kPermissionDenied) << st;
 
   // A segment too small for the declared tensors.
   auto arena = ckptd::ShmArena::Create(1024);
