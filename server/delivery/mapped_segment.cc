@@ -15,6 +15,7 @@
 #include "absl/synchronization/mutex.h"
 #include "core/base/status_macros.h"
 #include "proto/fd_socket.h"
+#include "server/delivery/target_ranges.h"
 
 namespace ckptd {
 
@@ -74,17 +75,12 @@ absl::StatusOr<std::unique_ptr<MappedSegment>> MappedSegment::Map(
   // would fault in every page of the mapping, holes of a sparse memfd
   // included, charged to the daemon. Adjacent ranges go in one call.
   // Without MADV_POPULATE_WRITE (before Linux 5.14) pages fault as written.
-  std::vector<std::pair<uint64_t, uint64_t>> pages;  // [begin, end), page-aligned
-  const uint64_t page = static_cast<uint64_t>(::sysconf(_SC_PAGESIZE));
+  std::vector<std::pair<uint64_t, uint64_t>> ranges;  // [begin, end) inside the mapping
   for (const auto& [offset, n] : used) {
-    if (n == 0 || offset >= size) continue;
-    const uint64_t end = std::min(size, offset + n);  // in range: CheckTargetRanges
-    pages.emplace_back(offset / page * page, (end + page - 1) / page * page);
+    if (offset < size) ranges.emplace_back(offset, std::min(size, offset + n));  // CheckTargetRanges
   }
-  std::sort(pages.begin(), pages.end());
-  for (size_t i = 0; i < pages.size();) {
-    uint64_t begin = pages[i].first, end = pages[i].second;
-    for (++i; i < pages.size() && pages[i].first <= end; ++i) end = std::max(end, pages[i].second);
+  for (const auto& [begin, end] :
+       PageRuns(std::move(ranges), static_cast<uint64_t>(::sysconf(_SC_PAGESIZE)))) {
     if (::madvise(segment->data_ + begin, end - begin, MADV_POPULATE_WRITE) != 0 &&
         errno != EINVAL) {
       // EFAULT/ENOMEM: the memfd cannot hold the pages (out of memory or

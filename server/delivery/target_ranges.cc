@@ -50,4 +50,23 @@ absl::StatusOr<uint64_t> CheckTargetRanges(const std::string& who, const TargetR
   return end;
 }
 
+std::vector<std::pair<uint64_t, uint64_t>> PageRuns(
+    std::vector<std::pair<uint64_t, uint64_t>> ranges, uint64_t page) {
+  std::sort(ranges.begin(), ranges.end());
+  std::vector<std::pair<uint64_t, uint64_t>> runs;
+  for (const auto& [begin, end] : ranges) {
+    if (end <= begin) continue;
+    const uint64_t first = begin / page * page;
+    const uint64_t last = end > UINT64_MAX - (page - 1) ? UINT64_MAX / page * page
+                                                        : (end + page - 1) / page * page;
+    if (last <= first) continue;  // within the last partial page below 2^64
+    if (!runs.empty() && first <= runs.back().second) {
+      runs.back().second = std::max(runs.back().second, last);
+    } else {
+      runs.emplace_back(first, last);
+    }
+  }
+  return runs;
+}
+
 }  // namespace ckptd

@@ -9,6 +9,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
@@ -40,6 +41,16 @@ struct TargetRegion {
 // overlap.
 absl::StatusOr<uint64_t> CheckTargetRanges(const std::string& who, const TargetRegion& region,
                                            const std::vector<TargetRange>& targets);
+
+// The pages a destination's targets touch: `ranges` ([begin, end) bytes, in
+// any order; empty ones touch nothing) rounded out to multiples of `page`
+// and merged where they touch or overlap, as sorted [begin, end) runs. What
+// the daemon faults in when it maps a segment (MappedSegment::Map) and what
+// a request is charged for it (Policy::CheckRequestLimits: the runs'
+// lengths summed). An end within a page of 2^64 rounds down to the last
+// whole page (a range inside that last partial page touches none).
+std::vector<std::pair<uint64_t, uint64_t>> PageRuns(
+    std::vector<std::pair<uint64_t, uint64_t>> ranges, uint64_t page);
 
 }  // namespace ckptd
 

@@ -16,6 +16,7 @@
 #include "absl/time/time.h"
 #include "core/base/dtype.h"
 #include "core/io/file.h"
+#include "server/delivery/target_ranges.h"
 
 namespace ckptd {
 
@@ -279,18 +280,11 @@ absl::StatusOr<uint64_t> Policy::CheckRequestLimits(
     }
   }
   if (in_segment.empty()) return total;
-  // The pages the mapped targets touch, each counted once.
-  constexpr uint64_t kPage = 4096;
-  std::sort(in_segment.begin(), in_segment.end());
-  uint64_t pages = 0, covered = 0, span = 0;  // covered: the page-aligned end so far
-  for (const auto& [begin, end] : in_segment) {
-    const uint64_t first = std::max(begin / kPage * kPage, covered);
-    const uint64_t last = end > UINT64_MAX - kPage ? UINT64_MAX / kPage * kPage
-                                                   : (end + kPage - 1) / kPage * kPage;
-    if (last > first) pages += last - first;
-    covered = std::max(covered, last);
-    span = std::max(span, end);
-  }
+  // The pages the mapped targets touch (what MappedSegment::Map faults in),
+  // each counted once.
+  uint64_t pages = 0, span = 0;
+  for (const auto& [first, last] : PageRuns(in_segment, 4096)) pages += last - first;
+  for (const auto& [begin, end] : in_segment) span = std::max(span, end);
   constexpr uint64_t kSlack = uint64_t{1} << 30;
   if (span - std::min(span, 8 * pages) > kSlack) {
     return absl::InvalidArgumentError(absl::StrCat(

@@ -56,5 +56,19 @@ TEST(TargetRanges, AnAddressSpaceRefusesNullAndWrappingAndNamesAddresses) {
               HasSubstr("overlap in the process's memory at address 0x1008"));
 }
 
+// The pages a segment's targets touch: rounded out, merged where they touch
+// or overlap, sorted; empty ranges touch nothing; an end by 2^64 stays in range.
+TEST(PageRuns, RoundsOutMergesAndSorts) {
+  using Runs = std::vector<std::pair<uint64_t, uint64_t>>;
+  EXPECT_EQ(PageRuns({{8190, 8206}, {0, 4}, {100, 104}, {1 << 20, (1 << 20) + 4}, {500, 500}},
+                     4096),
+            (Runs{{0, 12288}, {1 << 20, (1 << 20) + 4096}}));
+  EXPECT_EQ(PageRuns({{0, 4096}, {4096, 4097}}, 4096), (Runs{{0, 8192}}));  // touching: one run
+  EXPECT_EQ(PageRuns({}, 4096), Runs{});
+  const uint64_t top = UINT64_MAX / 4096 * 4096;
+  EXPECT_EQ(PageRuns({{top - 10, UINT64_MAX}}, 4096), (Runs{{top - 4096, top}}));
+  EXPECT_EQ(PageRuns({{UINT64_MAX - 10, UINT64_MAX}}, 4096), Runs{});  // no whole page
+}
+
 }  // namespace
 }  // namespace ckptd
