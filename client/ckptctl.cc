@@ -26,6 +26,7 @@
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_split.h"
 #include "core/plan/aoa.h"
+#include "core/plan/planner.h"
 #include "core/format/checkpoint.h"
 #include "core/tools/convert.h"
 #include "core/format/foreign.h"
@@ -240,13 +241,9 @@ absl::Status Load(const std::string& dir) {
   }
   CKPT_ASSIGN_OR_RETURN(OfflineLoadResult res, LoadOffline(dir, layout, lo));
   if (absl::GetFlag(FLAGS_strict) && !res.plan.missing_keys.empty()) {
-    const auto& missing = res.plan.missing_keys;
-    const std::vector<std::string> named(missing.begin(),
-                                         missing.begin() + std::min<size_t>(missing.size(), 8));
-    return absl::NotFoundError(absl::StrCat(
-        dir, ": missing keys: ", absl::StrJoin(named, ", "),
-        missing.size() > named.size() ? absl::StrCat(", ... (", missing.size(), " missing)") : "",
-        " (--strict=false loads the rest and reports them)"));
+    return absl::NotFoundError(absl::StrCat(dir, ": missing keys: ",
+                                            MissingKeysText(res.plan.missing_keys),
+                                            " (--strict=false loads the rest and reports them)"));
   }
   auto t0 = std::chrono::steady_clock::now();
   CKPT_RETURN_IF_ERROR(WriteRankOutputs(res, absl::GetFlag(FLAGS_out)));

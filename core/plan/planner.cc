@@ -500,4 +500,12 @@ absl::StatusOr<LoadPlan> PlanLoad(const CheckpointMetadata& metadata,
   return std::move(b).Finish();
 }
 
+std::string MissingKeysText(const std::vector<std::string>& missing) {
+  constexpr size_t kNamed = 8;
+  const size_t named = std::min(missing.size(), kNamed);
+  std::string text = absl::StrJoin(missing.begin(), missing.begin() + named, ", ");
+  if (missing.size() > named) absl::StrAppend(&text, ", ... (", missing.size(), " missing)");
+  return text;
+}
+
 }  // namespace ckpt

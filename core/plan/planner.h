@@ -109,6 +109,10 @@ struct LoadPlan {
   uint64_t bytes_to_deliver() const;
 };
 
+// Missing keys as a strict load's error names them: the first eight, then
+// "..., (N missing)" when there are more (a typo'd prefix misses them all).
+std::string MissingKeysText(const std::vector<std::string>& missing);
+
 absl::StatusOr<LoadPlan> PlanLoad(const CheckpointMetadata& metadata,
                                   const std::vector<RankTargets>& ranks,
                                   const PlanOptions& options = {});

@@ -173,14 +173,9 @@ absl::StatusOr<ckpt::LoadStats> Loads::RunNodePart(
     if (slots[i]->request.strict() && !missing.empty()) {
       skip[i] = true;
       absl::MutexLock lock(&slots[i]->mu);
-      // The first few by name and how many (a typo'd prefix misses them all).
-      constexpr size_t kNamed = 8;
-      const std::vector<std::string> named(missing.begin(),
-                                           missing.begin() + std::min(missing.size(), kNamed));
       slots[i]->status = absl::NotFoundError(absl::StrCat(
           "job '", job->id, "' rank ", slots[i]->request.rank(), ": ", job->path,
-          " has no tensor(s) ", absl::StrJoin(named, ", "),
-          missing.size() > kNamed ? absl::StrCat(", ... (", missing.size(), " missing)") : "",
+          " has no tensor(s) ", ckpt::MissingKeysText(missing),
           " (a strict load; strict=False loads the rest and reports them as missing_keys)"));
       slots[i]->done = true;
     }

@@ -685,5 +685,14 @@ TEST_F(BadInput, UnconvertibleTargetDtype) {
                         "the requested I8"));
 }
 
+// A strict load's error names the first eight missing keys and how many.
+TEST(MissingKeysText, NamesTheFirstEightAndTheCount) {
+  EXPECT_EQ(MissingKeysText({"a", "b"}), "a, b");
+  std::vector<std::string> twelve;
+  for (int i = 0; i < 12; ++i) twelve.push_back("k" + std::to_string(i));
+  EXPECT_EQ(MissingKeysText(twelve), "k0, k1, k2, k3, k4, k5, k6, k7, ... (12 missing)");
+  EXPECT_EQ(MissingKeysText({}), "");
+}
+
 }  // namespace
 }  // namespace ckpt
