@@ -182,6 +182,19 @@ class PeerAbuse : public ::testing::Test {
     ctx->set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(seconds));
   }
 
+  // The rank outputs of job `job` (StartRank's out-<job>/) are byte for byte
+  // those of the same load of full/ done offline.
+  void ExpectOutputsOfOfflineLoad(const Layout& load, const std::string& job) {
+    OfflineLoadOptions lo;
+    auto res = LoadOffline(tmp_.Sub("full"), load, lo);
+    ASSERT_TRUE(res.ok()) << res.status();
+    ASSERT_TRUE(WriteRankOutputs(*res, tmp_.Sub("expected-" + job)).ok());
+    for (int r = 0; r < load.world_size; ++r) {
+      const std::string f = "/rank" + std::to_string(r) + ".safetensors";
+      EXPECT_EQ(Slurp(tmp_.Sub("out-" + job) + f), Slurp(tmp_.Sub("expected-" + job) + f)) << r;
+    }
+  }
+
   std::string WriteLayout(const Layout& l, const std::string& name) {
     std::string f = tmp_.Sub(name);
     std::ofstream(f) << LayoutToJson(l);
@@ -479,14 +492,7 @@ TEST_F(PeerAbuse, ANodeWithoutTheJobKeyNeitherJoinsNorFailsTheJob) {
   pid_t rank1 = StartRank(1, lf, "keyed");
   EXPECT_EQ(WaitExit(rank0, std::chrono::seconds(30)), 0) << Slurp(tmp_.Sub("keyed.log"));
   EXPECT_EQ(WaitExit(rank1, std::chrono::seconds(30)), 0) << Slurp(tmp_.Sub("keyed.log"));
-  OfflineLoadOptions lo;
-  auto res = LoadOffline(tmp_.Sub("full"), load, lo);
-  ASSERT_TRUE(res.ok()) << res.status();
-  ASSERT_TRUE(WriteRankOutputs(*res, tmp_.Sub("expected-keyed")).ok());
-  for (int r = 0; r < 2; ++r) {
-    const std::string file = "/rank" + std::to_string(r) + ".safetensors";
-    EXPECT_EQ(Slurp(tmp_.Sub("out-keyed") + file), Slurp(tmp_.Sub("expected-keyed") + file)) << r;
-  }
+  ExpectOutputsOfOfflineLoad(load, "keyed");
   EXPECT_THAT(Slurp(nodes_[0]->log()), HasSubstr("refused; the job goes on"));
 }
 
@@ -562,14 +568,7 @@ TEST_F(PeerAbuse, SighupRotatesCertificatesWithoutDroppingRunningJobs) {
     ::kill(nodes_[i]->pid(), SIGHUP);
   }
   for (pid_t p : pids) EXPECT_EQ(WaitExit(p, std::chrono::seconds(30)), 0) << Slurp(tmp_.Sub("rotate.log"));
-  OfflineLoadOptions lo;
-  auto res = LoadOffline(tmp_.Sub("full"), load, lo);
-  ASSERT_TRUE(res.ok()) << res.status();
-  ASSERT_TRUE(WriteRankOutputs(*res, tmp_.Sub("expected-rotate")).ok());
-  for (int r = 0; r < 4; ++r) {
-    const std::string f = "/rank" + std::to_string(r) + ".safetensors";
-    EXPECT_EQ(Slurp(tmp_.Sub("out-rotate") + f), Slurp(tmp_.Sub("expected-rotate") + f)) << r;
-  }
+  ExpectOutputsOfOfflineLoad(load, "rotate");
   for (int i = 0; i < 2; ++i) {
     EXPECT_THAT(Slurp(nodes_[i]->log()), HasSubstr("SIGHUP: peer TLS files reloaded"));
     EXPECT_EQ(testing::ServerCertName(certs_, Addr(ports_[i]), node_), "node-v2") << i;
