@@ -710,6 +710,7 @@ absl::StatusOr<v1::SaveResponse> Client::SaveCall(const SaveSpec& spec, bool asy
   req.set_world_size(spec.world_size);
   req.set_path(spec.path);
   req.set_unique_id(spec.unique_id);
+  req.set_next_unique_id(spec.next_unique_id);
   req.set_overwrite(spec.overwrite);
   req.set_job_key(JobKeyOf(spec.job_key));
   for (int r : spec.node_ranks) req.add_node_ranks(r);

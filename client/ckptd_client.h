@@ -132,6 +132,11 @@ struct SaveSpec {
   int world_size = 1;
   std::string path;  // output directory inside one of the daemon's roots
   int64_t unique_id = 0;
+  // The daemon picks the version instead (unique_id must be 0): one more than
+  // the newest in `path`, visible or still persisting, the same for every
+  // rank; across daemons the largest any node's directory asks for. The
+  // response's unique_id says which.
+  bool next_unique_id = false;
   // The rank's shards: `buffer` holds each one's bytes (or arena_offset in
   // `arena` when buffer is null). Or every one's `device_buffer` (a client
   // built with CUDA): the daemon copies them device -> host itself before it

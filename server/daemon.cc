@@ -69,8 +69,9 @@ Daemon::Daemon(DaemonConfig config)
     multinode_load_->Run(job, slots, start);
   });
   saves_.SetMultiNode([this](const std::shared_ptr<Job>& job,
-                             const std::vector<std::shared_ptr<RankSlot>>& slots) {
-    multinode_save_->Run(job, slots);
+                             const std::vector<std::shared_ptr<RankSlot>>& slots,
+                             int64_t version) {
+    multinode_save_->Run(job, slots, version);
   });
 }
 

@@ -70,9 +70,21 @@ absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> MultiNodeSave::PlanPar
       }
     }
   }
+  // The version: the ranks', or (the daemons pick) the largest any node
+  // proposes, so that it is newer than every node's copy of the directory.
+  int64_t version = dj.unique_id.value_or(0);
+  if (!dj.unique_id) {
+    for (size_t n = 0; n < joins.size(); ++n) {
+      const int64_t proposed = joins[n].save().next_version();
+      if (proposed < 0) {
+        return absl::InvalidArgumentError(absl::StrCat("save job '", dj.id, "': node ", nodes[n],
+                                                       " proposes version ", proposed));
+      }
+      version = std::max(version, proposed);
+    }
+  }
   CKPT_ASSIGN_OR_RETURN(ckpt::SavePlan plan,
-                        ckpt::PlanSave(ranks, dj.world_size, dj.unique_id.value_or(0),
-                                       node_of_rank));
+                        ckpt::PlanSave(ranks, dj.world_size, version, node_of_rank));
   std::vector<uint64_t> bytes_of_node(nodes.size(), 0);
   size_t shards = 0;
   for (int r = 0; r < dj.world_size; ++r) {
@@ -123,10 +135,11 @@ absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> MultiNodeSave::PlanPar
 // targets, the save's overwrite and every rank's flat mapping.
 peer::v1::JoinRequest SaveJoinOf(const Job& job,
                                  const std::vector<std::shared_ptr<RankSlot>>& slots,
-                                 const std::string& me) {
+                                 const std::string& me, int64_t version) {
   const v1::SaveRequest& first = slots.front()->save_request;
   peer::v1::JoinRequest own = BaseJoin(job, slots, me, first.path(), kSaveCoordinatorRank);
   own.mutable_save()->set_overwrite(first.overwrite());
+  if (!job.unique_id) own.mutable_save()->set_next_version(version);
   for (const auto& s : slots) {
     for (const auto& [key, parts] : s->save_request.flat_mapping()) {
       *(*own.mutable_save()->mutable_flat_mapping())[key].mutable_parts() = parts.parts();
@@ -139,9 +152,10 @@ absl::StatusOr<LocalSave> MultiNodeSave::AdoptPart(const Job& job,
                                                 const std::vector<std::shared_ptr<RankSlot>>& slots,
                                                 const std::shared_ptr<DistJob>& dj,
                                                 const peer::v1::PlanPart& part,
-                                                const std::string& coordinator) {
+                                                const std::string& coordinator, int64_t version) {
   absl::StatusOr<LocalSave> local =
-      LocalSaveOf(part, PartContextOf(job, slots, p_.config->peer_listen, coordinator), job.unique_id.value_or(0));
+      LocalSaveOf(part, PartContextOf(job, slots, p_.config->peer_listen, coordinator), version,
+                  /*picked=*/!job.unique_id);
   const absl::Status& exec = local.status();
   {
     absl::MutexLock lock(&dj->mu);
@@ -167,7 +181,7 @@ absl::StatusOr<LocalSave> MultiNodeSave::AdoptPart(const Job& job,
 absl::Status MultiNodeSave::Commit(const Job& job, const LocalSave& local,
                                 const peer::v1::CompleteResponse& outcome,
                                 const std::string& coordinator) {
-  const int64_t version = job.unique_id.value_or(0);
+  const int64_t version = local.plan.unique_id;
   std::vector<std::pair<std::string, ckpt::ShardMeta>> shards;
   const std::string who = absl::StrCat("save job '", job.id, "': outcome from ", coordinator);
   for (const auto& m : outcome.shards()) {
@@ -198,7 +212,7 @@ absl::Status MultiNodeSave::Commit(const Job& job, const LocalSave& local,
 absl::StatusOr<NativeSaved> MultiNodeSave::WritePart(
     const std::shared_ptr<Job>& job, const std::vector<std::shared_ptr<RankSlot>>& slots,
     const LocalSave& local) {
-  const int64_t version = job->unique_id.value_or(0);
+  const int64_t version = local.plan.unique_id;
   NativeSave save = NativeSaveOf(*job, slots, local.plan);
   save.flat_mapping = local.flat_mapping;
   save.overwrite = local.overwrite;
@@ -219,7 +233,7 @@ absl::StatusOr<NativeSaved> MultiNodeSave::WritePart(
 
 
 void MultiNodeSave::Run(const std::shared_ptr<Job>& job,
-                                const std::vector<std::shared_ptr<RankSlot>>& slots) {
+                        const std::vector<std::shared_ptr<RankSlot>>& slots, int64_t proposed) {
   const auto t0 = std::chrono::steady_clock::now();
   const std::string me = p_.config->peer_listen;
   auto fail_all = [&](const absl::Status& s) {
@@ -241,7 +255,7 @@ void MultiNodeSave::Run(const std::shared_ptr<Job>& job,
   if (absl::Status k = CheckJobKeyed(*job, p_.config->peer_unkeyed_jobs); !k.ok()) {
     return fail_all(k);
   }
-  const peer::v1::JoinRequest own = SaveJoinOf(*job, slots, me);
+  const peer::v1::JoinRequest own = SaveJoinOf(*job, slots, me, proposed);
   DistJobKind kind;
   kind.save = true;
   kind.overwrite = first.overwrite();
@@ -254,14 +268,14 @@ void MultiNodeSave::Run(const std::shared_ptr<Job>& job,
   if (!planned.ok()) return fail_all(planned.status());
   const peer::v1::PlanPart& part = planned->first;
   const std::string& coordinator = planned->second;
-  absl::StatusOr<LocalSave> local = AdoptPart(*job, slots, dj, part, coordinator);
+  absl::StatusOr<LocalSave> local = AdoptPart(*job, slots, dj, part, coordinator, proposed);
   absl::Status exec = local.status();
   if (p_.config->testing_delay_part > absl::ZeroDuration()) {
     absl::SleepFor(p_.config->testing_delay_part);  // fault injection for tests only
   }
   // 2. Prepare: this node's ranks' data files, durable.
   NativeSaved written;
-  const int64_t version = job->unique_id.value_or(0);
+  const int64_t version = local.ok() ? local->plan.unique_id : proposed;
   if (exec.ok()) {
     auto w = WritePart(job, slots, *local);
     if (w.ok()) {

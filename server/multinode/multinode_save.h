@@ -42,8 +42,10 @@ class MultiNodeSave {
   explicit MultiNodeSave(Parts parts) : p_(parts) {}
 
   // Runs this node's ranks (`slots`) of multi-node save `job`
-  // (Saves::MultiNode).
-  void Run(const std::shared_ptr<Job>& job, const std::vector<std::shared_ptr<RankSlot>>& slots);
+  // (Saves::MultiNode; `version`: the job's, or this node's proposal when
+  // the daemons pick it).
+  void Run(const std::shared_ptr<Job>& job, const std::vector<std::shared_ptr<RankSlot>>& slots,
+           int64_t version);
 
  private:
   // The coordinator's planner (DistJobs::PartsPlanner).
@@ -56,7 +58,7 @@ class MultiNodeSave {
                                       const std::vector<std::shared_ptr<RankSlot>>& slots,
                                       const std::shared_ptr<DistJob>& dj,
                                       const peer::v1::PlanPart& part,
-                                      const std::string& coordinator);
+                                      const std::string& coordinator, int64_t version);
   // The prepare on this node: its ranks' data files written and fsynced
   // under the directory lock (the metadata waits for Commit).
   absl::StatusOr<NativeSaved> WritePart(const std::shared_ptr<Job>& job,

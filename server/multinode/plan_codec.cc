@@ -502,7 +502,8 @@ absl::StatusOr<LocalPart> LocalPartOf(const peer::v1::PlanPart& part,
 }
 
 absl::StatusOr<LocalSave> LocalSaveOf(const peer::v1::PlanPart& part,
-                                      const PlanPartContext& context, int64_t unique_id) {
+                                      const PlanPartContext& context, int64_t unique_id,
+                                      bool picked) {
   const std::string from =
       context.sender.empty() ? std::string() : absl::StrCat(" from ", context.sender);
   auto bad = [&](absl::string_view field, absl::string_view why) {
@@ -524,7 +525,12 @@ absl::StatusOr<LocalSave> LocalSaveOf(const peer::v1::PlanPart& part,
   no_ranks.ranks.clear();
   CKPT_RETURN_IF_ERROR(ValidatePlanPart(nodes_only, no_ranks));
   const peer::v1::SavePart& sp = part.save();
-  if (sp.unique_id() != unique_id) {
+  if (picked && sp.unique_id() < unique_id) {
+    return bad("save.unique_id",
+               absl::StrCat(sp.unique_id(), " but this node's directory is at version ",
+                            unique_id - 1, " (the daemons pick the version: it must be newer)"));
+  }
+  if (!picked && sp.unique_id() != unique_id) {
     return bad("save.unique_id", absl::StrCat(sp.unique_id(), " but the ranks save version ", unique_id));
   }
   constexpr uint64_t kMaxChecksumBlock = 1ull << 30;
@@ -534,7 +540,7 @@ absl::StatusOr<LocalSave> LocalSaveOf(const peer::v1::PlanPart& part,
   }
   LocalSave out;
   out.overwrite = sp.overwrite();
-  out.plan.unique_id = unique_id;
+  out.plan.unique_id = sp.unique_id();
   out.plan.checksum_block = sp.checksum_block();
   out.plan.world_size = context.world_size;
   out.plan.writes.resize(static_cast<size_t>(std::max(context.world_size, 0)));

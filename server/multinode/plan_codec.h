@@ -140,7 +140,10 @@ struct LocalSave {
 // <why>" for the first field that fails:
 //  - job_id is the context's; nodes as for a load part (this node and the
 //    sender among them); no load fields (files, reads, ranks, nccl_id);
-//  - save.unique_id is `unique_id` (the version every rank asked for);
+//  - save.unique_id is `unique_id` (the version every rank asked for), or,
+//    when `picked` (the daemons pick: `unique_id` is this node's proposal,
+//    SaveJoin.next_version), at least `unique_id`: a coordinator never
+//    picks a version this node already holds;
 //    save.checksum_block in [1, 1 GiB];
 //  - save.tensors: distinct names, known dtypes, valid global shapes;
 //  - save.writes: only this node's ranks, each at most once; every shard
@@ -149,7 +152,8 @@ struct LocalSave {
 //    same dtype and global shape; at most `limits.max_files` flat_mapping
 //    entries. The bytes this node writes are thus always ones a rank gave.
 absl::StatusOr<LocalSave> LocalSaveOf(const peer::v1::PlanPart& part,
-                                      const PlanPartContext& context, int64_t unique_id);
+                                      const PlanPartContext& context, int64_t unique_id,
+                                      bool picked = false);
 
 void ToMsg(const std::string& tensor, const ckpt::ShardMeta& s, peer::v1::ShardMsg* m);
 // A shard a node reported (INVALID_ARGUMENT naming `who` when its dtype or

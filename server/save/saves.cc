@@ -192,17 +192,13 @@ absl::StatusOr<v1::SaveResponse> Saves::Save(const Caller& caller, const v1::Sav
         who, ": async_save is for the native format (PyTorch DCP's own async_save stages on the "
              "client side and calls ckptd.torch.DaemonStorageWriter from a thread)")));
   }
-  if (request.next_unique_id()) {
-    // One daemon sees the directory; the nodes of a save across nodes each
-    // write their own copy of it.
-    const bool spans = request.node_ranks_size() > 0 && request.node_ranks_size() < request.world_size();
-    if (dcp || spans || request.unique_id() != 0) {
-      return fail(absl::InvalidArgumentError(absl::StrCat(
-          who, ": next_unique_id (the daemon picks the version) is for native saves on one daemon, "
-               "with unique_id 0",
-          dcp ? "; this is a pytorch-dcp save" : spans ? "; this save spans several daemons: name "
-                                                         "its unique_id" : "")));
-    }
+  if (request.next_unique_id() && (dcp || request.unique_id() != 0)) {
+    // A save across daemons picks too: each node proposes, the coordinator
+    // takes the largest (MultiNodeSave).
+    return fail(absl::InvalidArgumentError(absl::StrCat(
+        who, ": next_unique_id (the daemon picks the version) is for native saves, with "
+             "unique_id 0",
+        dcp ? "; this is a pytorch-dcp save" : "")));
   }
   if (absl::Status e = CheckSaveDir(caller, request, dir, dcp); !e.ok()) return fail(e);
   auto reservation = p_.policy->Reserve(caller, who, *bytes, 0);
@@ -275,7 +271,7 @@ void Saves::RunSaveJob(const std::shared_ptr<Job>& job) {
   // Ranks on several daemons: a two-phase save with the others (a PyTorch
   // DCP save's data files are per rank; its coordinator commits .metadata).
   if (!dcp && job->SpansNodes()) {
-    return multi_node_(job, slots);
+    return multi_node_(job, slots, version);
   }
   if (async) return StartAsyncSave(job, slots, *std::move(plan));
   if (absl::Status s = ckpt::MakeDirs(job->path); !s.ok()) return fail_all(s);

@@ -71,9 +71,12 @@ class Saves {
     SaveBuffer* save_buffer = nullptr;
     AsyncSaves* async_saves = nullptr;
   };
-  // Runs a native save whose ranks span several daemons from its ranks here.
+  // Runs a native save whose ranks span several daemons from its ranks here;
+  // `version` is the job's unique_id, or (SaveRequest.next_unique_id) the one
+  // this daemon would pick (NextVersion), its proposal to the coordinator.
   using MultiNode = std::function<void(const std::shared_ptr<Job>& job,
-                                       const std::vector<std::shared_ptr<RankSlot>>& slots)>;
+                                       const std::vector<std::shared_ptr<RankSlot>>& slots,
+                                       int64_t version)>;
 
   explicit Saves(Parts parts) : p_(parts) {}
   // The multi-node save: set once by the daemon, before any Save.

@@ -11,7 +11,7 @@
 #   ws/                    a runfiles tree mirroring the repository:
 #     server/ckptd client/ckptctl tests/gpu/{gpu_delivery_test,gpu_ipc_test,ipc_client,gpu_bench}
 #     client/python/ckptd/ + ckpt_pb2*.py, tests/python/testlib.py,
-#     tests/gpu/torch_cuda_test.py, VERSION
+#     tests/python/torch_client_test.py, tests/gpu/torch_cuda_test.py, VERSION
 #   lib/                   every shared library those binaries need that a plain
 #                          Debian/Ubuntu machine with only the driver lacks
 #                          (from ldd; glibc's own and the driver's are not
@@ -92,6 +92,7 @@ rm -f "$W/client/python/ckptd/"ckpt_pb2*.py
 cp "$BIN/client/python/ckpt_pb2.py" "$BIN/client/python/ckpt_pb2_grpc.py" "$W/client/python/"
 cp tests/python/testlib.py "$W/tests/python/"
 cp tests/gpu/torch_cuda_test.py "$W/tests/gpu/"
+cp tests/python/torch_client_test.py "$W/tests/python/"  # the DCP reader/writer on the device's torch
 cp VERSION "$W/VERSION"
 cp tests/gpu/bundle_run.sh "$DIR/run.sh"
 chmod -R u+w,a+rX "$DIR"

@@ -80,6 +80,17 @@ else
   skipped=$((skipped + 1))
   results+=("{\"name\": \"torch_cuda_test\", \"result\": \"skipped\", \"exit\": 0, \"seconds\": 0}")
 fi
+# The torch client's and DCP reader/writer's suite on whatever torch the
+# machine has (issue 37: the GPU machine's torch 2.x; here 1.13).
+if "$PY" -c 'import numpy, grpc, google.protobuf, torch' >/dev/null 2>&1; then
+  echo "=== torch: $("$PY" -c 'import torch; print(torch.__version__)')"
+  case_ torch_client_test 240 env -C "$W" CKPTD_BIN="$W/server/ckptd" CKPTCTL="$W/client/ckptctl" \
+    PYTHONPATH="$W/client/python:$W/tests/python" PYTHONUNBUFFERED=1 "$PY" -u tests/python/torch_client_test.py
+else
+  echo "=== torch_client_test: skipped ($PY lacks numpy/grpcio/protobuf/torch)"
+  skipped=$((skipped + 1))
+  results+=("{\"name\": \"torch_client_test\", \"result\": \"skipped\", \"exit\": 0, \"seconds\": 0}")
+fi
 case_ gpu_bench 120 "$W/tests/gpu/gpu_bench" --json "$OUT/gpu_bench.json"
 
 bench=null

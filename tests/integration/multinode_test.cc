@@ -178,7 +178,8 @@ class MultiNode : public ::testing::TestWithParam<bool> {
   }
 
   // Rank r of `layout` saves its shards (the oracle's bytes) through node
-  // r / per_node, with that node's ranks as node_ranks, one thread per rank.
+  // r / per_node, with that node's ranks as node_ranks, one thread per rank;
+  // uid -1: the daemons pick the version.
   std::vector<absl::StatusOr<ckptd::v1::SaveResponse>> SaveJob(const Layout& layout, int per_node,
                                                                const std::string& path,
                                                                const std::string& job, int64_t uid) {
@@ -201,7 +202,8 @@ class MultiNode : public ::testing::TestWithParam<bool> {
         spec.rank = r;
         spec.world_size = world;
         spec.path = path;
-        spec.unique_id = uid;
+        spec.unique_id = std::max<int64_t>(uid, 0);
+        spec.next_unique_id = uid < 0;
         spec.barrier_timeout = absl::Seconds(20);
         for (int k = node * per_node; k < std::min(world, (node + 1) * per_node); ++k) {
           spec.node_ranks.push_back(k);
@@ -406,6 +408,21 @@ TEST_P(MultiNode, SaveAcrossNodesNodeLocalThenLoadResharded) {
   for (int r = 0; r < kWorld; ++r) {
     ASSERT_FALSE(again[r].ok()) << "rank " << r;
     EXPECT_THAT(std::string(again[r].status().message()), HasSubstr("already exists")) << "rank " << r;
+  }
+  // The daemons pick the version: node 1's copy of the directory is ahead
+  // (version 9 there only), so the coordinator (node 0, at 7) takes node
+  // 1's proposal, 10, and every rank and every node gets the same one.
+  { std::ofstream(roots[1] + "/saved/9.metadata") << "{}"; }
+  auto picked = SaveJob(save, 2, "saved", "msave-picked", -1);
+  for (int r = 0; r < kWorld; ++r) {
+    ASSERT_TRUE(picked[r].ok()) << "rank " << r << ": " << picked[r].status() << Slurp(nodes_[0]->log());
+    EXPECT_EQ(picked[r]->unique_id(), 10) << "rank " << r;
+    EXPECT_EQ(picked[r]->metadata_file(), "10.metadata") << "rank " << r;
+  }
+  for (int n = 0; n < kNodes; ++n) {
+    EXPECT_EQ(Slurp(roots[n] + "/saved/10.metadata"), Slurp(roots[0] + "/saved/10.metadata"))
+        << "node " << n;
+    EXPECT_TRUE(fs::exists(roots[n] + "/saved/" + std::to_string(2 * n) + "_10.safetensors"));
   }
 }
 

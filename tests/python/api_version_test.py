@@ -43,8 +43,8 @@ class CountingStub:
 
 
 def counted(client):
-    client.stub._stub = CountingStub(client.stub._stub)
-    return client.stub._stub
+    client._stub._stub = CountingStub(client._stub._stub)
+    return client._stub._stub
 
 
 class TestingLevel:
@@ -118,7 +118,7 @@ class ApiVersionTest(testlib.DaemonTestCase):
     def test_daemon_reports_version_and_level(self):
         with ckptd.Client(self.sock) as c:
             st = c.status()
-            v = c.stub.Version(pb2.VersionRequest(), timeout=10)
+            v = c._stub.Version(pb2.VersionRequest(), timeout=10)
         self.assertEqual(st["version"], f"ckptd {VERSION} (api ckptd.v1)")
         self.assertEqual(st["api_level"], API_LEVEL)
         self.assertEqual((v.version, v.api_level, v.release), (st["version"], API_LEVEL, VERSION))

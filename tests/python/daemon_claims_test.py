@@ -807,14 +807,14 @@ class StatusCodeTest(unittest.TestCase):
         """(code, message) of a 1-rank Load of every tensor into the segment
         named by fd `token`."""
         with ckptd.Client(sock) as c:
-            pb2 = c.pb2
+            pb2 = c._pb2
             req = pb2.LoadRequest(job_id=job, rank=0, world_size=1, path=self.src)
             req.shm.fd_token, req.shm.size = token, TOTAL_BYTES
             for i, n in enumerate(NAMES):
                 req.targets.add(name=n, dtype="F32", global_shape=[ROWS, COLS], offset=[0, 0],
                                 shape=[ROWS, COLS], dest_offset=i * ROWS * COLS * 4)
             try:
-                for ev in c.stub.Load(req, timeout=30):
+                for ev in c._stub.Load(req, timeout=30):
                     pass
             except c._grpc.RpcError as e:
                 return e.code().name, e.details()
@@ -830,7 +830,7 @@ def raw_load(sock, path, job, rank, world, targets, shm=None, barrier_ms=60000, 
     that waited at the barrier comes back DEADLINE_EXCEEDED, not the refusal."""
     events = []
     with ckptd.Client(sock) as c:
-        req = c.pb2.LoadRequest(job_id=job, rank=rank, world_size=world, path=path,
+        req = c._pb2.LoadRequest(job_id=job, rank=rank, world_size=world, path=path,
                                 barrier_timeout_ms=barrier_ms)
         for name, dtype, gshape, offset, shape, dest in targets:
             req.targets.add(name=name, dtype=dtype, global_shape=gshape, offset=offset,
@@ -840,7 +840,7 @@ def raw_load(sock, path, job, rank, world, targets, shm=None, barrier_ms=60000, 
         else:
             req.stream.SetInParent()
         try:
-            for ev in c.stub.Load(req, timeout=timeout):
+            for ev in c._stub.Load(req, timeout=timeout):
                 events.append(ev)
         except c._grpc.RpcError as e:
             return e.code().name, e.details(), events

@@ -6,6 +6,7 @@ import os
 import shutil
 import socket as pysocket
 import subprocess
+import sys
 import time
 import unittest
 
@@ -314,14 +315,14 @@ class NumpyClientTest(unittest.TestCase):
         dst = np.full(64, -7.0, np.float32)
         with ckptd.Client(self.sock) as c:
             def load(job, sent_cookie, address):
-                req = c.pb2.LoadRequest(job_id=job, rank=0, world_size=1,
+                req = c._pb2.LoadRequest(job_id=job, rank=0, world_size=1,
                                         path=os.path.abspath(self.tp2))
                 req.targets.add(name=name, dtype="F32", global_shape=[64], offset=[0],
                                 shape=[64], dest_offset=address)
                 req.process_memory.cookie = sent_cookie
                 req.process_memory.cookie_address = ctypes.addressof(held)
                 try:
-                    for _ in c.stub.Load(req, timeout=30):
+                    for _ in c._stub.Load(req, timeout=30):
                         pass
                 except grpc.RpcError as e:
                     return e.code().name, e.details()
@@ -505,7 +506,17 @@ class NumpyClientTest(unittest.TestCase):
         self.assertEqual(info.versions, [5])
         self.assertEqual(set(info.tensors), set(self.ref))
         t = info.tensors["model.embed_tokens.weight"]
-        self.assertEqual((t.dtype, t.global_shape, t.bytes), ("BF16", (256, 64), 256 * 64 * 2))
+        self.assertEqual((t.dtype_name, t.global_shape, t.bytes), ("BF16", (256, 64), 256 * 64 * 2))
+        f32 = [i for i in info.tensors.values() if i.dtype_name == "F32"]
+        self.assertTrue(f32)
+        torch = sys.modules.get("torch")  # imported by a suite run in the same process
+        if torch is None:
+            self.assertIsNone(t.dtype)  # numpy has no bfloat16
+            self.assertEqual(f32[0].dtype, np.float32)
+            self.assertEqual(f32[0].shards[0].dtype, np.float32)
+        else:
+            self.assertIs(t.dtype, torch.bfloat16)
+            self.assertIs(f32[0].shards[0].dtype, torch.float32)
         self.assertEqual(info.total_bytes, sum(a.nbytes for _, a in self.ref.values()))
         self.assertEqual(sum(info.files.values()), info.total_bytes)
 
@@ -648,13 +659,6 @@ class EnvironmentTest(unittest.TestCase):
         os.environ["CKPTD_JOB_ID"] = "mine"
         self.assertTrue(ckclient.resolve_job_id(None, "load", 4).startswith("mine/load/"))
         self.assertEqual(ckclient.resolve_job_id("explicit", "load", 4), "explicit")
-
-    def test_next_unique_id(self):
-        d = testlib.tmp_root()
-        self.assertEqual(ckclient.next_unique_id(os.path.join(d, "absent")), 0)
-        for f in ("3.metadata", "11.metadata", "x.metadata", "12.metadata.tmp"):
-            open(os.path.join(d, f), "w").close()
-        self.assertEqual(ckclient.next_unique_id(d), 12)
 
     def test_dtype_names(self):
         self.assertEqual(ckptd.dtype_name("bfloat16"), "BF16")

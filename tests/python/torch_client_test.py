@@ -210,7 +210,8 @@ class TorchClientTest(unittest.TestCase):
         info = ckptd.inspect(path, socket=self.sock)
         self.assertEqual(info.format, "ckptd")
         self.assertEqual(set(info.tensors), set(self.ref))
-        self.assertEqual(info.tensors["model.embed.weight"].dtype, "BF16")
+        self.assertEqual(info.tensors["model.embed.weight"].dtype_name, "BF16")
+        self.assertIs(info.tensors["model.embed.weight"].dtype, torch.bfloat16)  # torch imported
         self.assertEqual(info.total_bytes, total)
         flat = [s for s in info.tensors["optim.state.1.exp_avg"].shards if s.flat_range]
         self.assertEqual(len(flat), SAVE_WORLD)

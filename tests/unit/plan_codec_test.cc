@@ -457,6 +457,13 @@ TEST_F(SavePartTest, RankOfAnotherNodeVersionAndBlockAreRefused) {
   other.mutable_save()->mutable_writes(0)->set_rank(0);
   EXPECT_THAT(LocalSaveOf(other, ctx_, 3).status().message(), HasSubstr("rank 0 is not served here"));
   EXPECT_THAT(LocalSaveOf(part_, ctx_, 4).status().message(), HasSubstr("save.unique_id"));
+  // The daemons pick: the coordinator's version (3) is taken when it is at
+  // least this node's proposal, refused when this node already holds it.
+  auto picked = LocalSaveOf(part_, ctx_, 2, /*picked=*/true);
+  ASSERT_TRUE(picked.ok()) << picked.status();
+  EXPECT_EQ(picked->plan.unique_id, 3);
+  EXPECT_THAT(LocalSaveOf(part_, ctx_, 4, /*picked=*/true).status().message(),
+              HasSubstr("this node's directory is at version 3"));
   part_.mutable_save()->set_checksum_block(0);
   EXPECT_THAT(Check().message(), HasSubstr("save.checksum_block"));
 }

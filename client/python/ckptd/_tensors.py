@@ -45,6 +45,34 @@ def dtype_name(d):
         raise CkptdError("INVALID_ARGUMENT", f"dtype {d!r} has no checkpoint dtype") from None
 
 
+# ckptd dtype names -> the torch dtypes' attribute names (only those a torch
+# has are used: float8 and uint16-64 came in later versions).
+_TORCH_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
+    "U16": "uint16", "U32": "uint32", "U64": "uint64",
+    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
+}
+
+
+def torch_dtype(name, torch=None):
+    """The torch dtype of checkpoint dtype `name`, or None if this torch has none."""
+    torch = torch or _torch()
+    return getattr(torch, _TORCH_DTYPES.get(name, ""), None) if torch is not None else None
+
+
+def dtype_of(name):
+    """The dtype a checkpoint dtype name stands for: torch's when the program
+    uses torch (imported it), else numpy's; None where that library has none
+    (numpy has no bfloat16 or float8)."""
+    if _torch() is not None:
+        return torch_dtype(name)
+    for np_dtype, st in _NUMPY_TO_ST.items():
+        if st == name:
+            return np_dtype
+    return None
+
+
 def _torch():
     import sys
     return sys.modules.get("torch")  # only if the caller already uses torch

@@ -17,7 +17,7 @@ import time
 import numpy as np
 
 from . import _cuda, _proto, _version
-from . import _views
+from . import _tensors, _views
 from ._shm import Segment, align, find_arena, fd_socket_path, send_fd
 from ._tensors import flatten
 from .errors import CkptdError, from_rpc_error
@@ -341,10 +341,10 @@ class SaveFuture(concurrent.futures.Future):
         try:
             with Client(self._socket) as c:
                 while True:
-                    req = c.pb2.AwaitSaveRequest(job_id=self.staged.job_id, rank=self._rank,
+                    req = c._pb2.AwaitSaveRequest(job_id=self.staged.job_id, rank=self._rank,
                                                  timeout_ms=int(self._WAIT_S * 1000))
                     try:
-                        r = c._call("AwaitSave", c.stub.AwaitSave, req, self._WAIT_S + 30.0)
+                        r = c._call("AwaitSave", c._stub.AwaitSave, req, self._WAIT_S + 30.0)
                     except CkptdError as err:
                         if err.code == "DEADLINE_EXCEEDED":
                             continue  # still persisting
@@ -390,20 +390,32 @@ class ShardInfo:
     file: str
     offset: tuple
     shape: tuple
-    dtype: str
+    dtype_name: str  # the checkpoint's name: "BF16", "F32", ...
     flat_range: tuple  # or None
     replica_id: int
     data_offset: int
     nbytes: int
 
+    @property
+    def dtype(self):
+        """torch's dtype when the program imported torch, else numpy's (None for
+        BF16 and F8, which numpy lacks); dtype_name is the checkpoint's name."""
+        return _tensors.dtype_of(self.dtype_name)
+
 
 @dataclasses.dataclass
 class TensorInfo:
     name: str
-    dtype: str
+    dtype_name: str  # the checkpoint's name: "BF16", "F32", ...
     global_shape: tuple
     bytes: int
     shards: list
+
+    @property
+    def dtype(self):
+        """torch's dtype when the program imported torch, else numpy's (None for
+        BF16 and F8, which numpy lacks); dtype_name is the checkpoint's name."""
+        return _tensors.dtype_of(self.dtype_name)
 
 
 @dataclasses.dataclass
@@ -500,7 +512,7 @@ class Client:
     def __init__(self, socket=None, *, tcp=False, connect_timeout=10.0, tls=None):
         import grpc
         self._grpc = grpc
-        self.pb2, pb2_grpc = _proto.load_stubs()
+        self._pb2, pb2_grpc = _proto.load_stubs()
         self.socket = socket or default_socket()
         self.tcp = tcp
         self.connect_timeout = connect_timeout
@@ -524,7 +536,7 @@ class Client:
             self._channel = grpc.secure_channel(target, creds, options=options)
         else:
             self._channel = grpc.insecure_channel(target, options=options)
-        self.stub = _VersionCheckedStub(pb2_grpc.CkptdStub(self._channel), self.pb2, grpc,
+        self._stub = _VersionCheckedStub(pb2_grpc.CkptdStub(self._channel), self._pb2, grpc,
                                         self.socket, connect_timeout or 10.0)
 
     def close(self):
@@ -545,10 +557,10 @@ class Client:
     # -- admin --
 
     def inspect(self, path, *, unique_id=None, timeout=60.0):
-        req = self.pb2.InspectRequest(path=_abs(path))
+        req = self._pb2.InspectRequest(path=_abs(path))
         if unique_id is not None:
             req.unique_id = int(unique_id)
-        r = self._call("Inspect", self.stub.Inspect, req, timeout)
+        r = self._call("Inspect", self._stub.Inspect, req, timeout)
         tensors = {}
         for t in r.tensors:
             shards = [ShardInfo(s.file, tuple(s.offset), tuple(s.shape), s.dtype,
@@ -560,18 +572,18 @@ class Client:
                               dict(r.files), r.total_bytes)
 
     def status(self, *, timeout=60.0):
-        return _message_dict(self._call("Status", self.stub.Status, self.pb2.StatusRequest(),
+        return _message_dict(self._call("Status", self._stub.Status, self._pb2.StatusRequest(),
                                         timeout))
 
     def prefetch(self, path, *, unique_id=None, tensors=(), timeout=600.0):
-        req = self.pb2.PrefetchRequest(path=_abs(path), tensors=list(tensors))
+        req = self._pb2.PrefetchRequest(path=_abs(path), tensors=list(tensors))
         if unique_id is not None:
             req.unique_id = int(unique_id)
-        return _message_dict(self._call("Prefetch", self.stub.Prefetch, req, timeout))
+        return _message_dict(self._call("Prefetch", self._stub.Prefetch, req, timeout))
 
     def evict(self, path, *, timeout=60.0):
-        return _message_dict(self._call("Evict", self.stub.Evict,
-                                        self.pb2.EvictRequest(path=_abs(path)), timeout))
+        return _message_dict(self._call("Evict", self._stub.Evict,
+                                        self._pb2.EvictRequest(path=_abs(path)), timeout))
 
     # -- load / save --
 
@@ -596,7 +608,7 @@ class Client:
     def _targets(self, entries, offsets):
         out = []
         for e, off in zip(entries, offsets):
-            t = self.pb2.Target(name=e.key, dtype=e.dtype, global_shape=list(e.global_shape),
+            t = self._pb2.Target(name=e.key, dtype=e.dtype, global_shape=list(e.global_shape),
                                 offset=list(e.offset), shape=list(e.shape), dest_offset=off)
             if e.flat_range is not None:
                 t.flat_range.begin, t.flat_range.end = e.flat_range
@@ -656,7 +668,7 @@ class Client:
         for e in entries:
             if e.array is not None and not e.array.flags.writeable:
                 raise CkptdError("INVALID_ARGUMENT", f"'{e.key}': the numpy array is read-only")
-        req = self.pb2.LoadRequest(job_id=job_id, rank=rank, world_size=world_size,
+        req = self._pb2.LoadRequest(job_id=job_id, rank=rank, world_size=world_size,
                                    path=_abs(path), node_ranks=node_ranks, strict=bool(strict),
                                    skip_verify=not verify, job_key=job_key)
         if unique_id is not None:
@@ -748,7 +760,7 @@ class Client:
 
             t1 = time.perf_counter()
             result = None
-            call = self.stub.Load(req, timeout=timeout)
+            call = self._stub.Load(req, timeout=timeout)
             try:
                 for ev in call:
                     kind = ev.WhichOneof("event")
@@ -829,11 +841,20 @@ class Client:
 
     def save_state_dict(self, state_dict, path, *, rank=None, world_size=None, unique_id=None,
                         job_id=None, timeout=600.0, node_ranks=None, barrier_timeout=None,
-                        overwrite=False, format=None, raw_keys=(), async_save=False,
-                        _device=True, job_key=None):
-        """See ckptd.save_state_dict. format="pytorch-dcp" (with raw_keys, the keys of
-        whole 1-D uint8 arrays written as they are) is ckptd.dcp.DaemonStorageWriter's:
-        data files only, committed by commit_dcp_metadata."""
+                        overwrite=False, async_save=False, job_key=None):
+        """See ckptd.save_state_dict."""
+        return self._save(state_dict, path, rank=rank, world_size=world_size,
+                          unique_id=unique_id, job_id=job_id, timeout=timeout,
+                          node_ranks=node_ranks, barrier_timeout=barrier_timeout,
+                          overwrite=overwrite, async_save=async_save, job_key=job_key)
+
+    def _save(self, state_dict, path, *, rank, world_size, unique_id, job_id, timeout,
+              node_ranks, barrier_timeout, overwrite, async_save, job_key, fmt="",
+              raw_keys=(), device_ok=True):
+        """save_state_dict, and the data files of a PyTorch DCP save (fmt="pytorch-dcp",
+        with raw_keys, the keys of whole 1-D uint8 arrays written as they are:
+        ckptd.dcp.DaemonStorageWriter's, committed by commit_dcp_metadata).
+        device_ok=False: CUDA tensors are copied here, not by the daemon."""
         t0 = time.perf_counter()
         if self.tcp:
             raise CkptdError("INVALID_ARGUMENT", "save_state_dict needs the daemon's Unix socket")
@@ -843,27 +864,21 @@ class Client:
         job_key = resolve_job_key(job_key, world_size, node_ranks)
         path = _abs(path)
         # unique_id=None: the daemon picks the version (one more than the newest
-        # there, visible or persisting; the same for every rank of the job). A
-        # save across daemons (each writes its own copy of the directory) still
-        # lists it here.
-        spans = bool(node_ranks) and len(node_ranks) < world_size
-        pick = unique_id is None and not format and not spans
-        if unique_id is None and not pick:
-            unique_id = next_unique_id(path, rank)
-        req = self.pb2.SaveRequest(job_id=job_id, rank=rank, world_size=world_size, path=path,
-                                   unique_id=0 if pick else int(unique_id),
-                                   next_unique_id=pick, node_ranks=node_ranks,
-                                   overwrite=bool(overwrite), format=format or "",
-                                   raw_targets=list(raw_keys), async_save=bool(async_save),
-                                   job_key=job_key)
+        # there, visible or persisting; the same for every rank of the job; on
+        # several daemons the largest any of them proposes). The response says.
+        pick = unique_id is None and not fmt
+        req = self._pb2.SaveRequest(job_id=job_id, rank=rank, world_size=world_size, path=path,
+                                    unique_id=0 if pick or fmt else int(unique_id),
+                                    next_unique_id=pick, node_ranks=node_ranks,
+                                    overwrite=bool(overwrite), format=fmt,
+                                    raw_targets=list(raw_keys), async_save=bool(async_save),
+                                    job_key=job_key)
         if barrier_timeout is not None:
             req.barrier_timeout_ms = max(1, int(barrier_timeout * 1000))
         for e in entries:
             if len(e.path) > 1:
                 req.flat_mapping[e.key].parts.extend(e.path)
-        if not format and not pick:
-            _note_saved_uid(path, rank, unique_id)  # tried: the next save takes the one after
-        report = SaveReport(job_id=job_id, unique_id=-1 if pick else int(unique_id),
+        report = SaveReport(job_id=job_id, unique_id=-1 if pick or fmt else int(unique_id),
                             skipped_keys=skipped)
         timings = {}
         seg = slot = None
@@ -871,7 +886,7 @@ class Client:
         device = None
         try:
             arena, offsets = _arena_placement(entries)
-            if (arena is None and _device and not format and self.socket not in _CUDA_SAVE_REFUSED
+            if (arena is None and device_ok and not fmt and self.socket not in _CUDA_SAVE_REFUSED
                     and any(_cuda.is_cuda_entry(e) and e.nbytes for e in entries)):
                 device = _cuda.split(entries)
             if device is not None:
@@ -914,7 +929,7 @@ class Client:
                 timings["client_send_fd_s"] = time.perf_counter() - t1
             t1 = time.perf_counter()
             try:
-                r = self._call("Save", self.stub.Save, req, timeout)
+                r = self._call("Save", self._stub.Save, req, timeout)
             except CkptdError as err:
                 if device is None or not _cuda.fallback_ok(err):
                     raise
@@ -929,11 +944,11 @@ class Client:
                 if slot is not None:
                     _return_staging(slot, None, failed=True)
                     slot = seg = None
-                return self.save_state_dict(
+                return self._save(
                     state_dict, path, rank=rank, world_size=world_size, unique_id=unique_id,
                     job_id=job_id, timeout=timeout, node_ranks=node_ranks,
-                    barrier_timeout=barrier_timeout, overwrite=overwrite, format=format,
-                    raw_keys=raw_keys, async_save=async_save, _device=False, job_key=job_key)
+                    barrier_timeout=barrier_timeout, overwrite=overwrite, async_save=async_save,
+                    job_key=job_key, fmt=fmt, raw_keys=raw_keys, device_ok=False)
             timings["client_rpc_s"] = time.perf_counter() - t1
             if async_save:
                 future = SaveFuture(self.socket, report, rank)
@@ -968,10 +983,10 @@ class Client:
         job `job_id` wrote into `path`: `metadata` is its pickled DCP Metadata, which the
         daemon checks against the files before writing it as `.metadata` (atomic,
         durable). FAILED_PRECONDITION if another save wrote there since."""
-        req = self.pb2.SaveRequest(job_id=job_id, rank=0, world_size=1,
+        req = self._pb2.SaveRequest(job_id=job_id, rank=0, world_size=1,
                                    path=_abs(path), format="pytorch-dcp",
                                    dcp_metadata=bytes(metadata), overwrite=bool(overwrite))
-        return self._call("Save", self.stub.Save, req, timeout).metadata_file
+        return self._call("Save", self._stub.Save, req, timeout).metadata_file
 
 
 def _abs(path):
@@ -1083,40 +1098,6 @@ def _arena_placement(entries):
     return arena, offsets
 
 
-_METADATA_RE = re.compile(r"^(\d{1,18})\.metadata$")
-
-
-# The versions this process saved per checkpoint directory: an asynchronous
-# save's version is not listed until it is durable, so the next save without a
-# unique_id must not take it again. Every rank makes the same calls, so every
-# rank skips the same versions (kept per rank: ranks may be threads of one
-# process).
-_saved_uids = {}  # (pid, abs path, rank) -> highest unique_id saved there
-_saved_uids_lock = threading.Lock()
-
-
-def _note_saved_uid(path, rank, unique_id):
-    key = (os.getpid(), path, rank)
-    with _saved_uids_lock:
-        _saved_uids[key] = max(_saved_uids.get(key, -1), int(unique_id))
-
-
-def next_unique_id(path, rank=None):
-    """One more than the newest version in checkpoint directory `path`, or than
-    the newest this process saved there as `rank` (still persisting ones
-    included); 0 if none."""
-    try:
-        names = os.listdir(path)
-    except OSError:
-        names = []
-    ids = [int(m.group(1)) for m in map(_METADATA_RE.match, names) if m]
-    with _saved_uids_lock:
-        mine = _saved_uids.get((os.getpid(), path, rank))
-    if mine is not None:
-        ids.append(mine)
-    return max(ids) + 1 if ids else 0
-
-
 # --- module-level API -----------------------------------------------------------
 
 def load_state_dict(state_dict, path, *, rank=None, world_size=None, job_id=None, unique_id=None,
@@ -1201,8 +1182,10 @@ def save_state_dict(state_dict, path, *, rank=None, world_size=None, unique_id=N
     Every rank of the job calls it with its own part; when all have, the
     daemon writes the native format once: one data file per rank, tensors held
     by several ranks (same box) written once, then {unique_id}.metadata.
-    unique_id: default one more than the newest version in `path` (0 if none),
-    computed by each rank from the directory listing. An existing version is
+    unique_id: default None, the daemon picks one more than the newest version
+    in `path`, visible or still persisting (0 if none), the same for every rank
+    (on several daemons the largest any node's directory asks for); the report
+    (or the future's result) says which. An existing version is
     ALREADY_EXISTS unless `overwrite` (every rank must pass the same).
     Returns a SaveReport. Raises CkptdError.
 

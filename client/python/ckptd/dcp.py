@@ -42,7 +42,7 @@ import torch
 
 from . import _dcp_compat
 from . import client as _client
-from ._tensors import ShardedTensor
+from ._tensors import ShardedTensor, torch_dtype
 from .errors import CkptdError
 
 try:  # torch >= 2.0
@@ -65,19 +65,6 @@ except ImportError:
     from torch.distributed._shard.checkpoint.filesystem import _StorageInfo
 
 __all__ = ["DaemonStorageReader", "DaemonStorageWriter"]
-
-# ckptd dtype names -> torch dtypes (only those this torch has).
-_TORCH_DTYPES = {
-    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool",
-    "U16": "uint16", "U32": "uint32", "U64": "uint64",
-    "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-}
-
-
-def _torch_dtype(name):
-    return getattr(torch, _TORCH_DTYPES.get(name, ""), None)
-
 
 def _enum_member(cls, name):
     """getattr(cls, name), only for a member of an Enum class (the unpickler allows
@@ -307,7 +294,7 @@ class DaemonStorageReader(_DaemonStorage, _st.StorageReader):
         sd_md, storage = {}, {}
         for name, t in info.tensors.items():
             size = torch.Size(t.global_shape)
-            props = _TensorProperties(dtype=_torch_dtype(t.dtype) or torch.get_default_dtype())
+            props = _TensorProperties(dtype=torch_dtype(t.dtype_name, torch) or torch.get_default_dtype())
             sd_md[name] = _md.TensorStorageMetadata(
                 properties=props, size=size,
                 chunks=[_md.ChunkStorageMetadata(offsets=torch.Size([0] * len(size)), sizes=size)])
@@ -510,12 +497,12 @@ class DaemonStorageWriter(_DaemonStorage, _st.StorageWriter):
         results = []
         if sd["rank"] is not None:
             with _client.Client(self.socket) as c:
-                self.last_report = c.save_state_dict(
+                self.last_report = c._save(
                     state, self.path, rank=sd["rank"], world_size=sd["world_size"],
                     node_ranks=sd.get("node_ranks", []), job_id=sd["job_id"], unique_id=0,
                     timeout=self.timeout, barrier_timeout=self.barrier_timeout,
-                    overwrite=self.overwrite, format="pytorch-dcp", raw_keys=raw,
-                    job_key=sd.get("job_key"))
+                    overwrite=self.overwrite, async_save=False, job_key=sd.get("job_key"),
+                    fmt="pytorch-dcp", raw_keys=raw)
             where = {it.name: it for it in self.last_report.items}
             for item in plan.items:
                 it = where.get(item.index.fqn)
