@@ -452,7 +452,8 @@ class DaemonStorageWriterTest(testlib.DaemonTestCase):
         info = ckptd.inspect(path, socket=self.sock)
         self.assertEqual(info.format, "pytorch-dcp")
         self.assertEqual(sorted(info.tensors), ["emb", "scale", "w", "w_bf16"])
-        self.assertEqual(info.tensors["w_bf16"].dtype, "BF16")
+        self.assertEqual(info.tensors["w_bf16"].dtype_name, "BF16")
+        self.assertIs(info.tensors["w_bf16"].dtype, torch.bfloat16)
         self.check(self.load_with(path, DaemonStorageReader(path, socket=self.sock)))
         # Saving again without overwrite: ALREADY_EXISTS on every rank, files untouched.
         reps = self.save(path, bump=1.0)
