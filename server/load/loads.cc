@@ -26,8 +26,8 @@ absl::Status Loads::Load(const Caller& caller, const v1::LoadRequest& request,
   ++p_.counters->started;
   auto fail = [&](absl::Status s) {
     ++p_.counters->failed;
-    spdlog::warn("load job={} rank={} path={} failed: {}", request.job_id(), request.rank(),
-                 request.path(), s.ToString());
+    spdlog::warn("load request failed: job={} rank={} path={} code={}: {}", request.job_id(), request.rank(),
+                 request.path(), absl::StatusCodeToString(s.code()), std::string(s.message()));
     return s;
   };
   const std::string who = absl::StrCat("job '", request.job_id(), "' rank ", request.rank());

@@ -270,6 +270,11 @@ void Loads::FinishLoadJob(const std::shared_ptr<Job>& job,
   rec.plan_s = fig.plan_s;
   rec.read_s = stats.read_seconds;
   rec.copy_s = stats.copy_seconds;
+  for (const auto& s : slots) {  // ranks that failed alone (strict, missing keys)
+    absl::MutexLock slot_lock(&s->mu);
+    if (!s->done || s->status.ok()) continue;
+    if (rec.ranks_failed++ == 0) rec.status = s->status;
+  }
   p_.jobs->Finish(*job, [&] {
     // Metrics and the job's log line, written before any rank can see its
     // result: a client that finished finds its job logged.

@@ -4,6 +4,7 @@
 #include <time.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdio>
@@ -21,7 +22,12 @@
 #include <spdlog/pattern_formatter.h>
 #include <spdlog/spdlog.h>
 
+#include "absl/strings/ascii.h"
+#include "absl/strings/match.h"
+#include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "absl/strings/strip.h"
 #include "absl/time/clock.h"
 #include "absl/time/time.h"
 
@@ -101,24 +107,105 @@ std::string Dump(const nlohmann::ordered_json& j) {
   return j.dump(-1, ' ', false, nlohmann::ordered_json::error_handler_t::replace);
 }
 
-// One JSON object per line: {"ts", "level", "msg"}; a message that is itself
-// a JSON object starting with "event" (RecordLoadJob) is merged in.
+// The level's name as the configuration spells it ("warn", not spdlog's
+// "warning").
+absl::string_view LevelName(spdlog::level::level_enum level) {
+  switch (level) {
+    case spdlog::level::trace: return "trace";
+    case spdlog::level::debug: return "debug";
+    case spdlog::level::info: return "info";
+    case spdlog::level::warn: return "warn";
+    case spdlog::level::err: return "error";
+    case spdlog::level::critical: return "critical";
+    default: return "off";
+  }
+}
+
+// %L in the text pattern: LevelName.
+class LevelFlag final : public spdlog::custom_flag_formatter {
+ public:
+  void format(const spdlog::details::log_msg& msg, const std::tm&,
+              spdlog::memory_buf_t& dest) override {
+    const absl::string_view name = LevelName(msg.level);
+    dest.append(name.data(), name.data() + name.size());
+  }
+  std::unique_ptr<custom_flag_formatter> clone() const override {
+    return std::make_unique<LevelFlag>();
+  }
+};
+
+// A "key=value" token's value as JSON: an integer (a trailing "B", bytes,
+// dropped), a number of seconds ("0.0012s"), else the text.
+nlohmann::ordered_json FieldValue(absl::string_view v) {
+  absl::string_view num = v;
+  if (absl::ConsumeSuffix(&num, "B") || !absl::ConsumeSuffix(&num, "s")) {
+    int64_t i = 0;
+    uint64_t u = 0;
+    double d = 0;
+    if (absl::SimpleAtoi(num, &i)) return i;
+    if (absl::SimpleAtoi(num, &u)) return u;
+    if (num.size() == v.size() && !num.empty() && absl::ascii_isdigit(num.front()) &&
+        absl::SimpleAtod(num, &d)) {
+      return d;
+    }
+  } else {
+    double d = 0;
+    if (!num.empty() && (absl::ascii_isdigit(num.front())) && absl::SimpleAtod(num, &d)) return d;
+  }
+  return std::string(v);
+}
+
+// Fields of a text line: every "key=value" token (key of [a-z0-9_]; a
+// trailing ',', ';', ':' or ')' is not part of the value) becomes a field, and the
+// words before the first one become "event" ("cache fill path=... reads=2" ->
+// event "cache fill", path, reads). The text stays whole in "msg".
+void AddFields(absl::string_view text, nlohmann::ordered_json& j) {
+  std::string event;
+  bool seen = false;
+  for (absl::string_view tok : absl::StrSplit(text, ' ', absl::SkipEmpty())) {
+    const size_t eq = tok.find('=');
+    absl::string_view key = eq == absl::string_view::npos ? absl::string_view() : tok.substr(0, eq);
+    const bool is_key = !key.empty() && std::all_of(key.begin(), key.end(), [](char c) {
+      return absl::ascii_islower(c) || absl::ascii_isdigit(c) || c == '_';
+    });
+    if (!is_key) {
+      if (!seen) absl::StrAppend(&event, event.empty() ? "" : " ", tok);
+      continue;
+    }
+    seen = true;
+    if (key == "ts" || key == "level" || key == "msg" || key == "event" || j.contains(key)) continue;
+    absl::string_view value = tok.substr(eq + 1);
+    while (!value.empty() && (value.back() == ',' || value.back() == ';' || value.back() == ')' ||
+                              value.back() == ':')) {
+      value.remove_suffix(1);
+    }
+    j[std::string(key)] = FieldValue(value);
+  }
+  if (seen) {
+    while (!event.empty() && event.back() == ':') event.pop_back();
+    if (!event.empty()) j["event"] = event;
+  }
+}
+
+// One JSON object per line: {"ts", "level", "msg", fields of its key=value
+// tokens}; a message that is itself a JSON object starting with "event"
+// (RecordLoadJob) is merged in instead.
 class JsonFormatter final : public spdlog::formatter {
  public:
   void format(const spdlog::details::log_msg& msg, spdlog::memory_buf_t& dest) override {
     const std::string payload(msg.payload.data(), msg.payload.size());
     nlohmann::ordered_json head;
     head["ts"] = Utc(msg.time);
-    const auto level = spdlog::level::to_string_view(msg.level);
-    head["level"] = std::string(level.data(), level.size());
-    std::string line = Dump(head);
-    line.pop_back();  // '}'
+    head["level"] = std::string(LevelName(msg.level));
+    std::string line;
     if (payload.rfind("{\"event\":", 0) == 0 && payload.back() == '}') {
+      line = Dump(head);
+      line.pop_back();  // '}'
       line += "," + payload.substr(1);
     } else {
-      nlohmann::ordered_json m;
-      m["msg"] = payload;
-      line += "," + Dump(m).substr(1);
+      head["msg"] = payload;
+      AddFields(payload, head);
+      line = Dump(head);
     }
     line += "\n";
     dest.append(line.data(), line.data() + line.size());
@@ -314,7 +401,9 @@ void SetUpLogging(const std::string& level, const std::string& format) {
     spdlog::set_formatter(std::make_unique<JsonFormatter>());
   } else {
     g_json_logs = false;
-    spdlog::set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%l%$ ckptd: %v");
+    auto text = std::make_unique<spdlog::pattern_formatter>();
+    text->add_flag<LevelFlag>('L').set_pattern("%Y-%m-%dT%H:%M:%S.%e %^%L%$ ckptd: %v");
+    spdlog::set_formatter(std::move(text));
   }
 }
 
@@ -339,6 +428,7 @@ void RecordLoadJob(const LoadJobRecord& r) {
     if (!r.node.empty()) j["node"] = r.node;
     j["ranks"] = r.ranks;
     j["result"] = ok ? "ok" : "error";
+    if (r.ranks_failed) j["ranks_failed"] = r.ranks_failed;
     if (!ok) {
       j["code"] = absl::StatusCodeToString(r.status.code());
       j["error"] = std::string(r.status.message());
@@ -370,8 +460,10 @@ void RecordLoadJob(const LoadJobRecord& r) {
     return;
   }
   if (!ok) {
-    spdlog::warn("load job={} path={}{} ranks={} failed: {}", r.job, r.path,
-                 r.node.empty() ? "" : " node=" + r.node, r.ranks, r.status.ToString());
+    spdlog::warn("load job={} path={}{} ranks={}{} failed: {}", r.job, r.path,
+                 r.node.empty() ? "" : " node=" + r.node, r.ranks,
+                 r.ranks_failed ? absl::StrCat(" ranks_failed=", r.ranks_failed) : "",
+                 r.status.ToString());
   } else if (r.node.empty()) {
     spdlog::info(
         "load job={} path={} ranks={} read={}B direct={}B cache={}B delivered={}B reads={} "

@@ -27,7 +27,10 @@ struct LoadJobRecord {
   std::string path;
   std::string node;  // this daemon's peer address for a multi-node job, else empty
   size_t ranks = 0;  // ranks of the job served by this daemon
+  // Not OK when the job failed, or when some of its ranks did while the
+  // others loaded (a strict rank missing keys): the job counts as failed.
   absl::Status status;
+  size_t ranks_failed = 0;  // of `ranks`, those that got an error (the rest loaded)
   uint64_t bytes_read = 0;        // from storage
   uint64_t bytes_read_direct = 0;  // of which around the page cache (O_DIRECT)
   uint64_t bytes_from_cache = 0;  // from the data cache
@@ -47,8 +50,9 @@ struct LoadJobRecord {
 void RecordLoadJob(const LoadJobRecord& record);
 
 // Sets spdlog's level and format: "text" (timestamp level ckptd: message)
-// or "json" (one object per line: ts, level, msg; load jobs add their
-// fields). Call before anything logs.
+// or "json" (one object per line: ts, level, msg and the line's key=value
+// tokens as fields; load jobs write their own fields). Level names as
+// configured (trace debug info warn error). Call before anything logs.
 void SetUpLogging(const std::string& level, const std::string& format);
 
 // This process's resident memory (bytes), from /proc/self/statm; 0 if unknown.

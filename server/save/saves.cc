@@ -155,8 +155,8 @@ absl::StatusOr<v1::SaveResponse> Saves::Save(const Caller& caller, const v1::Sav
                                               const std::function<bool()>& cancelled) {
   const auto t0 = std::chrono::steady_clock::now();
   auto fail = [&](absl::Status s) {
-    spdlog::warn("save job={} rank={} path={} failed: {}", request.job_id(), request.rank(),
-                 request.path(), s.ToString());
+    spdlog::warn("save request failed: job={} rank={} path={} code={}: {}", request.job_id(), request.rank(),
+                 request.path(), absl::StatusCodeToString(s.code()), std::string(s.message()));
     return s;
   };
   auto where = ResolveSaveDir(request);

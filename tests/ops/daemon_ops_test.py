@@ -191,6 +191,29 @@ class OpsTest(unittest.TestCase):
             with self.assertRaises(urllib.error.HTTPError):
                 http_get(f"http://127.0.0.1:{d.metrics_port}/other")
 
+    def test_a_strict_load_missing_a_key_counts_as_a_failed_job(self):
+        """issue 38: a strict rank that fails on a missing key while the others load
+        is a failed job in the metrics and the log (the failing-jobs alert sees it)."""
+        with open(LAYOUT_TP4) as f:
+            layout = json.load(f)
+        extra = dict(layout["ranks"][0]["tensors"][0], name="model.no_such_tensor")
+        layout["ranks"][0]["tensors"].append(extra)
+        path = os.path.join(self.out, "layout-missing.json")
+        with open(path, "w") as f:
+            json.dump(layout, f)
+        with MetricsDaemon(self.root) as d:
+            r = ckptctl("load", self.ckpt, "--layout", path, "--out", tempfile.mkdtemp(dir=self.out),
+                        "--daemon", d.socket, "--job-id", "typo", check=False)
+            self.assertNotEqual(r.returncode, 0)
+            self.assertIn("model.no_such_tensor", r.stderr)
+            m = parse_metrics(d.scrape())
+            self.assertEqual(m[("ckptd_load_jobs_total", (("result", "error"),))], 1)
+            self.assertEqual(m.get(("ckptd_load_jobs_total", (("result", "ok"),)), 0), 0)
+            wait_for("the job's line", lambda: "job=typo" in d.read_log(), timeout=10)
+            line = [x for x in d.read_log().splitlines() if "load job=typo" in x][0]
+        self.assertIn(" warn ckptd: load job=typo", line)
+        self.assertIn("ranks=4 ranks_failed=1 failed: NOT_FOUND", line)
+
     def test_metrics_are_off_by_default_and_address_errors_are_reported(self):
         with testlib.Daemon(self.root) as d:
             self.assertNotIn("metrics on", d.read_log())
@@ -389,8 +412,18 @@ class OpsTest(unittest.TestCase):
         records = [json.loads(line) for line in lines]  # every line is one JSON object
         for r in records:
             self.assertRegex(r["ts"], r"^\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z$")
-            self.assertIn(r["level"], ("trace", "debug", "info", "warning", "error", "critical"))
+            self.assertIn(r["level"], ("trace", "debug", "info", "warn", "error", "critical"))
             self.assertTrue("msg" in r or r.get("event") == "load", r)
+        # Every line is structured (issue 38): its key=value tokens are fields,
+        # numbers as numbers, the words before them the event.
+        serving = [r for r in records if r.get("event", "").startswith("serving on")]
+        self.assertEqual(len(serving), 1, lines)
+        self.assertIsInstance(serving[0]["cache_budget"], int)
+        self.assertGreater(serving[0]["io_threads"], 0)
+        fills = [r for r in records if r.get("event") == "cache fill"]
+        for f in fills:
+            self.assertEqual(f["path"], os.path.realpath(self.ckpt))
+            self.assertIsInstance(f["read"], int)
         jobs = [r for r in records if r.get("event") == "load"]
         self.assertEqual([j["job"] for j in jobs], ["json-ok", "json-bad"])
         good, bad = jobs
@@ -402,7 +435,7 @@ class OpsTest(unittest.TestCase):
         self.assertEqual(good["bytes_delivered"], ok["bytes_delivered"])
         for k in ("list_s", "plan_s", "read_s", "copy_s", "wall_s"):
             self.assertGreaterEqual(good[k], 0)
-        self.assertEqual(bad["level"], "warning")
+        self.assertEqual(bad["level"], "warn")
         self.assertEqual(bad["result"], "error")
         self.assertEqual(bad["code"], "DATA_LOSS")
         self.assertIn("checksum", bad["error"])
@@ -424,13 +457,14 @@ class OpsTest(unittest.TestCase):
             log = d.read_log()
         records = [json.loads(x) for x in log.splitlines()]
         self.assertTrue(records)
-        self.assertTrue(all(r["level"] in ("warning", "error") for r in records), log)
+        self.assertTrue(all(r["level"] in ("warn", "error") for r in records), log)
         self.assertNotIn("quiet", log)
         # Default: text lines, the job's line as before.
         with testlib.Daemon(self.root) as d:
             self.load(d, job="texty")
             log = d.read_log()
         self.assertRegex(log, r"info ckptd: load job=texty path=\S+ ranks=4 read=\d+B .* wall=")
+        self.assertNotIn(" warning ckptd:", log)
         with self.assertRaises(json.JSONDecodeError):
             json.loads(log.splitlines()[0])
         bad = os.path.join(self.root, "bad.yaml")
