@@ -31,6 +31,7 @@
 #include "core/tools/convert.h"
 #include "core/format/foreign.h"
 #include "core/tools/layout.h"
+#include "core/tools/cli_help.h"
 #include "core/tools/offline.h"
 #include "core/base/status_macros.h"
 #include "core/write/writer.h"
@@ -848,6 +849,11 @@ int main(int argc, char** argv) {
     absl::SetFlagsUsageConfig(usage);
   }
   std::vector<std::string> norm = ckpt::NormalizeArgs(argc, argv);
+  bool full = false;
+  if (ckpt::AsksForHelp(std::vector<std::string>(norm.begin() + 1, norm.end()), &full)) {
+    ckpt::PrintHelp(std::cout, ckpt::kUsage, {"client/ckptctl.cc"}, full);
+    return 0;
+  }
   std::vector<char*> nargv;
   for (auto& s : norm) nargv.push_back(s.data());
   std::vector<char*> args = absl::ParseCommandLine(static_cast<int>(nargv.size()), nargv.data());

@@ -1,6 +1,7 @@
 // The daemon's command line: every flag, and the config they make (flags.h).
 #include "server/flags.h"
 
+#include <cstdlib>
 #include <iostream>
 
 #include "absl/flags/flag.h"
@@ -11,6 +12,7 @@
 #include "absl/time/time.h"
 #include "ckptd_version.h"
 #include "core/base/status_macros.h"
+#include "core/tools/cli_help.h"
 #include "server/policy/memory_budget.h"
 #include "server/pem.h"
 
@@ -138,6 +140,11 @@ absl::Status ParseDaemonFlags(int argc, char** argv) {
       }
     }
     args.push_back(a);
+  }
+  bool full = false;
+  if (ckpt::AsksForHelp(std::vector<std::string>(args.begin() + 1, args.end()), &full)) {
+    ckpt::PrintHelp(std::cout, kUsage, {"server/flags.cc"}, full);
+    std::exit(0);
   }
   std::vector<char*> cargs;
   for (auto& a : args) cargs.push_back(a.data());

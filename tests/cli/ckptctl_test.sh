@@ -78,6 +78,15 @@ for target in "$S/none.sock" "$S/plain" "$S/stale.sock"; do
   echo "$err" | grep "cannot connect to ckptd at $target" >/dev/null || fail "status error does not name $target: $err"
   [ $ms -lt 5000 ] || fail "status --daemon $target took $ms ms to fail"
 done
-help=$("$CKPTCTL" --help 2>&1 || true)
+set +e
+help=$("$CKPTCTL" --help 2>/dev/null); rc=$?
+set -e
+[ $rc -eq 0 ] || fail "--help exits $rc (issue 38: 0)"
 echo "$help" | grep "ckptctl merge" >/dev/null || fail "--help does not list merge"
+for flag in --daemon= --layout= --strict= --transport=; do
+  echo "$help" | grep -e "^  $flag" >/dev/null || fail "--help does not list $flag"
+done
+"$CKPTCTL" --helpfull | grep -e "^  --flagfile=" >/dev/null || fail "--helpfull lacks Abseil's flags"
+"$CKPTCTL" --version | grep -E "^ckptctl [0-9]+\.[0-9]+ \(ckptd api level [0-9]+\)$" >/dev/null \
+  || fail "--version: $("$CKPTCTL" --version)"
 echo "ckptctl CLI test passed"

@@ -214,6 +214,23 @@ class OpsTest(unittest.TestCase):
         self.assertIn(" warn ckptd: load job=typo", line)
         self.assertIn("ranks=4 ranks_failed=1 failed: NOT_FOUND", line)
 
+    def test_help_exits_zero_and_lists_the_flags_version_follows_the_api_level(self):
+        """issue 38: `ckptd --help` exits 0 and lists its flags (it printed "No flags
+        matched" and exited 1); --version names the API level its minor follows."""
+        r = subprocess.run([CKPTD, "--help"], capture_output=True, text=True, timeout=30)
+        self.assertEqual(r.returncode, 0, r.stderr)
+        for flag in ("--socket=", "--root=", "--cache_budget=", "--log_level=", "--check_config="):
+            self.assertRegex(r.stdout, r"(?m)^  " + re.escape(flag), flag)
+        self.assertNotIn("No flags matched", r.stdout + r.stderr)
+        self.assertNotIn("--flagfile=", r.stdout)  # Abseil's own: --helpfull
+        full = subprocess.run([CKPTD, "--helpfull"], capture_output=True, text=True, timeout=30)
+        self.assertEqual(full.returncode, 0)
+        self.assertIn("--flagfile=", full.stdout)
+        v = subprocess.run([CKPTD, "--version"], capture_output=True, text=True, timeout=30)
+        m = re.match(r"^ckptd (\d+)\.(\d+) \(api ckptd\.v1, level (\d+)\)$", v.stdout.strip())
+        self.assertIsNotNone(m, v.stdout)
+        self.assertEqual(m.group(2), m.group(3))  # 0.4 is level 4
+
     def test_metrics_are_off_by_default_and_address_errors_are_reported(self):
         with testlib.Daemon(self.root) as d:
             self.assertNotIn("metrics on", d.read_log())
