@@ -322,42 +322,8 @@ std::string DaemonSocket() {
   return d.empty() ? std::string("/run/ckptd/ckptd.sock") : d.front();
 }
 
-// OK when something accepts connections on the Unix socket `path`; else an
-// error naming the path: missing (UNAVAILABLE), not a socket
-// (FAILED_PRECONDITION), or a socket nobody listens on (UNAVAILABLE). An
-// admin command fails at once then, instead of after the client library's
-// connect timeout (which a training process starting next to its daemon
-// needs).
-absl::Status ProbeUnixSocket(const std::string& path) {
-  struct stat st;
-  if (stat(path.c_str(), &st) != 0) {
-    const int e = errno;
-    return absl::UnavailableError(absl::StrCat("cannot connect to ckptd at ", path, ": ",
-                                               std::strerror(e), " (is the daemon running?)"));
-  }
-  if (!S_ISSOCK(st.st_mode)) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("cannot connect to ckptd at ", path, ": not a Unix socket"));
-  }
-  sockaddr_un addr{};
-  if (path.size() >= sizeof(addr.sun_path)) return absl::OkStatus();  // gRPC will say
-  addr.sun_family = AF_UNIX;
-  std::memcpy(addr.sun_path, path.data(), path.size());
-  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  if (fd < 0) return absl::OkStatus();
-  const int rc = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
-  const int e = errno;
-  close(fd);
-  if (rc != 0 && (e == ECONNREFUSED || e == ENOENT)) {
-    return absl::UnavailableError(absl::StrCat("cannot connect to ckptd at ", path, ": ",
-                                               std::strerror(e),
-                                               " (a stale socket: is the daemon running?)"));
-  }
-  return absl::OkStatus();  // EACCES and the like: gRPC reports them
-}
-
 absl::StatusOr<std::unique_ptr<ckptd::Client>> ConnectDaemon(const std::string& socket) {
-  CKPT_RETURN_IF_ERROR(ProbeUnixSocket(socket));
+  CKPT_RETURN_IF_ERROR(ckptd::ProbeUnixSocket(socket));
   ckptd::Client::Options o;
   o.socket = socket;
   return ckptd::Client::Connect(o);

@@ -1,11 +1,16 @@
 #include "client/ckptd_client.h"
 
+#include <grp.h>
 #include <sys/mman.h>
+#include <sys/socket.h>
+#include <sys/un.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
 #include <algorithm>
 #include <array>
+#include <cerrno>
+#include <cstdio>
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
@@ -278,6 +283,30 @@ unsigned ClientApiLevel() {
 
 // Asks the daemon its version (once per Client) and refuses one older than
 // this client. UNIMPLEMENTED: a daemon from before the Version RPC, level 1.
+// PERMISSION_DENIED for a socket this process may not open: its owner,
+// group and mode (`st`, when it could be read), and what to do.
+absl::Status SocketPermissionDenied(const std::string& path, const struct stat* st) {
+  if (st == nullptr) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "cannot connect to ckptd at ", path, ": permission denied on a directory above the "
+        "socket (uid ", getuid(), " may not search it); ask the admin for access"));
+  }
+  std::string group = absl::StrCat(st->st_gid);
+  std::vector<char> buf(16384);
+  struct group gr;
+  struct group* found = nullptr;
+  if (getgrgid_r(st->st_gid, &gr, buf.data(), buf.size(), &found) == 0 && found != nullptr) {
+    group = found->gr_name;
+  }
+  char mode[8];
+  std::snprintf(mode, sizeof(mode), "%04o", static_cast<unsigned>(st->st_mode & 07777));
+  return absl::PermissionDeniedError(absl::StrCat(
+      "cannot connect to ckptd at ", path, ": permission denied (the socket is uid ", st->st_uid,
+      ", group '", group, "', mode ", mode, "; this process is uid ", getuid(),
+      "): join group '", group, "' (`usermod -aG ", group,
+      " USER`, then log in again) or ask the admin (docs/security.md)"));
+}
+
 absl::Status CheckDaemonVersion(v1::Ckptd::Stub& stub, const Client::Options& options,
                                 v1::VersionResponse* out) {
   grpc::ClientContext ctx;
@@ -303,7 +332,43 @@ absl::Status CheckDaemonVersion(v1::Ckptd::Stub& stub, const Client::Options& op
 
 }  // namespace
 
+absl::Status ProbeUnixSocket(const std::string& path) {
+  struct stat st;
+  if (stat(path.c_str(), &st) != 0) {
+    const int e = errno;
+    if (e == EACCES) return SocketPermissionDenied(path, nullptr);
+    return absl::UnavailableError(absl::StrCat("cannot connect to ckptd at ", path, ": ",
+                                               std::strerror(e), " (is the daemon running?)"));
+  }
+  if (!S_ISSOCK(st.st_mode)) {
+    return absl::FailedPreconditionError(
+        absl::StrCat("cannot connect to ckptd at ", path, ": not a Unix socket"));
+  }
+  sockaddr_un addr{};
+  if (path.size() >= sizeof(addr.sun_path)) return absl::OkStatus();  // gRPC will say
+  addr.sun_family = AF_UNIX;
+  std::memcpy(addr.sun_path, path.data(), path.size());
+  const int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return absl::OkStatus();
+  const int rc = connect(fd, reinterpret_cast<sockaddr*>(&addr), sizeof(addr));
+  const int e = errno;
+  close(fd);
+  if (rc != 0 && (e == ECONNREFUSED || e == ENOENT)) {
+    return absl::UnavailableError(absl::StrCat("cannot connect to ckptd at ", path, ": ",
+                                               std::strerror(e),
+                                               " (a stale socket: is the daemon running?)"));
+  }
+  if (rc != 0 && (e == EACCES || e == EPERM)) return SocketPermissionDenied(path, &st);
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const Options& options) {
+  if (!options.tcp) {
+    // A socket this process may not open fails at once, naming the group to
+    // join (gRPC would retry until connect_timeout and say "unavailable").
+    absl::Status probe = ProbeUnixSocket(options.socket);
+    if (absl::IsPermissionDenied(probe)) return probe;
+  }
   auto rep = std::make_unique<Rep>();
   rep->options = options;
   const std::string target = options.tcp ? options.socket : "unix:" + options.socket;

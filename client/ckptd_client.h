@@ -153,6 +153,14 @@ struct SaveSpec {
 
 class Client;
 
+// OK when something accepts connections on the Unix socket `path`; else an
+// error naming the path: missing (UNAVAILABLE), not a socket
+// (FAILED_PRECONDITION), a socket nobody listens on (UNAVAILABLE), or one
+// this process may not open (PERMISSION_DENIED naming the socket's owner,
+// group and mode and the group to join). Answers at once, without gRPC's
+// connect timeout.
+absl::Status ProbeUnixSocket(const std::string& path);
+
 // The outcome of Client::SaveAsync: the daemon held a copy of the rank's
 // bytes when SaveAsync returned (staged(), persisted false); Wait gives the
 // final answer once the version is durable, or the error that failed it.

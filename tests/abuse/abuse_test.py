@@ -1891,6 +1891,49 @@ class AbuseTest(unittest.TestCase):
         self.assertTrue(done.value.persisted)
         self.assertTrue(os.path.exists(os.path.join(mine, "0.metadata")))
 
+    def test_26_a_socket_another_uid_may_not_open_names_the_group(self):
+        """issue 38: a uid outside the socket's group gets PERMISSION_DENIED naming
+        the group to join (Python: a PermissionError; ckptctl and the C++ client
+        alike), not "is the daemon running?"."""
+        self.need_other_uid()
+        import grp
+        cfg = os.path.join(self.base, f"mode-{os.getpid()}-{self.counter}.yaml")
+        with open(cfg, "w") as f:
+            f.write(f"roots:\n  - {json.dumps(self.root)}\nsocket_mode: \"0660\"\n")
+        dmn = Daemon(cfg)
+        self.cleanups.append(dmn.stop)
+        st = os.stat(dmn.socket)
+        group = grp.getgrgid(st.st_gid).gr_name
+        self.assertEqual(stat.S_IMODE(st.st_mode), 0o660)
+        pkg = os.path.join(self.peer_dir, "ckptd")
+        if not os.path.isdir(pkg):
+            shutil.copytree(os.path.dirname(ckptd.__file__), pkg,
+                            ignore=shutil.ignore_patterns("__pycache__"))
+            ctl = os.path.join(self.peer_dir, "ckptctl")
+            shutil.copyfile(testlib.CKPTCTL, ctl)
+            for dirpath, dirs, files in os.walk(self.peer_dir):
+                for d in dirs:
+                    os.chmod(os.path.join(dirpath, d), 0o755)
+                for f in files:
+                    os.chmod(os.path.join(dirpath, f), 0o755)
+        script = ("import sys, ckptd\n"
+                  "try:\n    ckptd.status(socket=sys.argv[1])\n"
+                  "except PermissionError as e:\n    print(e.code, e.message)\n")
+        p = subprocess.run(self.setpriv + ["/usr/bin/python3", "-c", script, dmn.socket],
+                           cwd=self.peer_dir, env=self.peer_env(), capture_output=True, text=True,
+                           timeout=60)
+        self.assertEqual(p.returncode, 0, p.stderr[-2000:])
+        self.assertIn("PERMISSION_DENIED", p.stdout)
+        self.assertIn(f"group '{group}', mode 0660; this process is uid {OTHER_UID}", p.stdout)
+        self.assertIn(f"join group '{group}'", p.stdout)
+        c = subprocess.run(self.setpriv + [os.path.join(self.peer_dir, "ckptctl"), "status",
+                                           "--daemon", dmn.socket],
+                           cwd=self.peer_dir, env=self.peer_env(), capture_output=True, text=True,
+                           timeout=60)
+        self.assertNotEqual(c.returncode, 0)
+        self.assertIn(f"join group '{group}'", c.stderr)
+        self.assertNotIn("is the daemon running", c.stderr)
+
 
 def file_tensors(path):
     """name -> (begin, end) file offsets of each tensor's bytes (numpy-free

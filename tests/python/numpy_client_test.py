@@ -540,9 +540,14 @@ class NumpyClientTest(unittest.TestCase):
         self.assertIn("bytes_cached", p)
         st = ckptd.status(socket=self.sock)
         self.assertIn("ckptd", st["version"])
-        self.assertGreater(int(st["cache_bytes"]), 0)
+        # Numbers are ints (issue 38: protobuf's JSON form made 64-bit ones strings).
+        self.assertIs(type(st["cache_bytes"]), int)
+        self.assertGreater(st["cache_bytes"], 0)
+        self.assertIs(type(p["bytes_read"]), int)
+        self.assertIsInstance(st["jobs"], list)
         ev = ckptd.evict(self.hf, socket=self.sock)
-        self.assertIn("bytes_freed", ev)
+        self.assertIs(type(ev["bytes_freed"]), int)
+        self.assertGreater(ev["bytes_freed"], 0)
 
     # --- errors ---
 

@@ -430,15 +430,29 @@ class CheckpointInfo:
 
 
 def _message_dict(msg):
-    from google.protobuf import json_format
-    # protobuf 5.26 renamed including_default_value_fields (Debian's 3.x has
-    # only the old name; 6.x and later only the new one).
-    try:
-        return json_format.MessageToDict(msg, preserving_proto_field_name=True,
-                                         always_print_fields_with_no_presence=True)
-    except TypeError:
-        return json_format.MessageToDict(msg, preserving_proto_field_name=True,
-                                         including_default_value_fields=True)
+    """A protobuf message as a dict of Python values: every field (defaults
+    included), 64-bit integers as ints (protobuf's JSON form makes them strings),
+    enums by name, nested messages and maps as dicts, repeated fields as lists."""
+    out = {}
+    for f in msg.DESCRIPTOR.fields:
+        v = getattr(msg, f.name)
+        if f.message_type is not None and f.message_type.GetOptions().map_entry:
+            value_field = f.message_type.fields_by_name["value"]
+            out[f.name] = {k: (_message_dict(x) if value_field.message_type is not None else x)
+                           for k, x in v.items()}
+        elif f.label == f.LABEL_REPEATED:
+            out[f.name] = [_field_value(f, x) for x in v]
+        else:
+            out[f.name] = _field_value(f, v)
+    return out
+
+
+def _field_value(f, v):
+    if f.message_type is not None:
+        return _message_dict(v)
+    if f.enum_type is not None:
+        return f.enum_type.values_by_number[v].name if v in f.enum_type.values_by_number else v
+    return v
 
 
 # --- the client -----------------------------------------------------------------
@@ -1000,17 +1014,45 @@ def _probe_unix(path, timeout=10.0):
     if len(path.encode()) >= 108:
         raise CkptdError("INVALID_ARGUMENT",
                          f"{path}: socket path too long (Unix socket paths must be < 108 bytes)")
-    if not os.path.exists(path):
-        raise CkptdError("UNAVAILABLE", f"no ckptd socket at {path} ({hint})")
+    try:
+        os.stat(path)
+    except PermissionError:
+        raise _socket_permission_denied(path) from None
+    except OSError:
+        raise CkptdError("UNAVAILABLE", f"no ckptd socket at {path} ({hint})") from None
     s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
     try:
         s.settimeout(timeout)
         s.connect(path)
+    except PermissionError:
+        raise _socket_permission_denied(path) from None
     except OSError as e:
         raise CkptdError("UNAVAILABLE",
                          f"cannot connect to ckptd at {path}: {e.strerror or e} ({hint})") from None
     finally:
         s.close()
+
+
+def _socket_permission_denied(path):
+    """PERMISSION_DENIED for a socket this process may not open, naming its owner,
+    group and mode and the group to join (as the C++ client says it)."""
+    try:
+        st = os.stat(path)
+    except OSError:
+        return CkptdError("PERMISSION_DENIED",
+                          f"cannot connect to ckptd at {path}: permission denied on a directory "
+                          f"above the socket (uid {os.getuid()} may not search it); ask the admin "
+                          "for access")
+    import grp
+    try:
+        group = grp.getgrgid(st.st_gid).gr_name
+    except KeyError:
+        group = str(st.st_gid)
+    return CkptdError("PERMISSION_DENIED",
+                      f"cannot connect to ckptd at {path}: permission denied (the socket is uid "
+                      f"{st.st_uid}, group '{group}', mode {st.st_mode & 0o7777:04o}; this process "
+                      f"is uid {os.getuid()}): join group '{group}' (`usermod -aG {group} USER`, "
+                      "then log in again) or ask the admin (docs/security.md)")
 
 
 def _layout(entries):
