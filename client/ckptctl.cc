@@ -64,6 +64,9 @@ ABSL_FLAG(std::string, aoa, "",
           "load: file of AOA statements (rename, split, concat, transpose, cast, fused "
           "layouts) applied while loading; see docs/aoa.md");
 ABSL_FLAG(bool, verify, true, "verify shard checksums recorded in the metadata");
+ABSL_FLAG(bool, overwrite, false,
+          "shard, convert: replace the version written when --out holds it (else the command "
+          "fails, as a daemon's save does)");
 ABSL_FLAG(std::string, direct_io, "never",
           "load (offline): never, auto (bypass the page cache for reads not already in it) or "
           "always (O_DIRECT for every piece-wise read)");
@@ -95,8 +98,10 @@ Usage:
       (native ckptd format, a HuggingFace safetensors directory, PaddlePaddle
       flex_checkpoint or PyTorch DCP).
   ckptctl shard SRC --layout L.json --out DIR [--unique_id N] [--src_unique_id M]
+               [--overwrite]
       Cut the tensors of SRC per the layout and write a native checkpoint, as if
-      each rank had saved its part (replicas written once).
+      each rank had saved its part (replicas written once). A version DIR already
+      holds is refused unless --overwrite.
   ckptctl load CKPT --layout L.json --out DIR [--unique_id N] [--json] [--strict=false]
                [--aoa FILE] [--direct_io never|auto|always] [--fill_byte B]
       Load every rank of the layout (resharding) and write DIR/rank{r}.safetensors,
@@ -108,9 +113,10 @@ Usage:
   ckptctl merge CKPT --out DIR [--prefix P] [--skip_postfix S,...] [--shards N]
       Merge a sharded checkpoint into HuggingFace safetensors files plus
       model.safetensors.index.json.
-  ckptctl convert SRC --out DST [--unique_id N] [--src_unique_id M]
+  ckptctl convert SRC --out DST [--unique_id N] [--src_unique_id M] [--overwrite]
       Write SRC (PaddlePaddle flex_checkpoint, PyTorch DCP, HuggingFace or
-      native) as a native ckptd checkpoint, shard for shard (version N, default 0).
+      native) as a native ckptd checkpoint, shard for shard (version N, default 0;
+      one DST holds already is refused unless --overwrite).
 
 Online (through a running ckptd; --daemon SOCKET, default /run/ckptd/ckptd.sock):
   ckptctl load CKPT --layout L.json --out DIR --daemon S1[,S2...] [--ranks R,...]
@@ -211,6 +217,7 @@ absl::Status Shard(const std::string& src) {
   so.source_unique_id = OptionalUid(absl::GetFlag(FLAGS_src_unique_id));
   so.unique_id = std::max<int64_t>(0, absl::GetFlag(FLAGS_unique_id));
   so.threads = absl::GetFlag(FLAGS_threads);
+  so.overwrite = absl::GetFlag(FLAGS_overwrite);
   CKPT_RETURN_IF_ERROR(ShardCheckpoint(src, layout, absl::GetFlag(FLAGS_out), so));
   std::cerr << "wrote " << layout.world_size << " rank files and " << so.unique_id
             << ".metadata to " << absl::GetFlag(FLAGS_out) << "\n";
@@ -299,6 +306,7 @@ absl::Status Convert(const std::string& src) {
   co.source_unique_id = OptionalUid(absl::GetFlag(FLAGS_src_unique_id));
   co.unique_id = std::max<int64_t>(0, absl::GetFlag(FLAGS_unique_id));
   co.threads = absl::GetFlag(FLAGS_threads);
+  co.overwrite = absl::GetFlag(FLAGS_overwrite);
   CKPT_ASSIGN_OR_RETURN(ConvertReport r, ConvertCheckpoint(src, absl::GetFlag(FLAGS_out), co));
   if (absl::GetFlag(FLAGS_json)) {
     std::cout << nlohmann::json{{"source_format", FormatName(r.source_format)},

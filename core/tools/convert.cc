@@ -95,6 +95,7 @@ absl::StatusOr<ConvertReport> ConvertCheckpoint(const std::string& src_dir,
   so.unique_id = options.unique_id;
   so.threads = options.threads;
   so.confine = options.confine;
+  so.overwrite = options.overwrite;
   CKPT_RETURN_IF_ERROR(ShardCheckpoint(src_dir, layout, out_dir, so));
   report.files_written = layout.world_size;
   report.tensors = src.metadata.tensors.size();

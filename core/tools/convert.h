@@ -20,6 +20,7 @@ struct ConvertOptions {
   int64_t unique_id = 0;  // version written
   int threads = 2;
   bool confine = false;  // for the source checkpoint (OpenOptions::confine)
+  bool overwrite = false;  // as ShardOptions::overwrite
 };
 
 struct ConvertReport {

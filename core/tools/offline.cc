@@ -177,6 +177,11 @@ absl::Status ShardCheckpoint(const std::string& src_dir, const Layout& layout,
                                      real.status().message()));
   }
   CKPT_ASSIGN_OR_RETURN(DirLock lock, LockDirectory(*real));
+  if (absl::Status p = PrepareSave(*lock.directory(), save.unique_id, options.overwrite); !p.ok()) {
+    return absl::Status(p.code(), absl::StrCat(p.message(), absl::IsAlreadyExists(p)
+                                                                ? " (--overwrite replaces it)"
+                                                                : ""));
+  }
   DirectorySource source(src.dir, SourceOptions{src.confine});
   std::vector<std::pair<std::string, ShardMeta>> written;
   for (int r = 0; r < layout.world_size; ++r) {

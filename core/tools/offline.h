@@ -82,13 +82,17 @@ struct ShardOptions {
   int threads = 2;
   uint64_t checksum_block = 64ull << 20;
   bool confine = false;  // for the source checkpoint (OpenOptions::confine)
+  // Replace version unique_id when `out_dir` holds it (else ALREADY_EXISTS, as
+  // a daemon's Save answers).
+  bool overwrite = false;
 };
 
 // Cuts the tensors of the checkpoint at `src_dir` per `layout` and writes a
 // native checkpoint into `out_dir`, as if each rank had saved its part
 // (replicas written once). Keys of the layout missing in the source are an
 // error. `out_dir` is locked (LockDirectory, after resolving symlinks in its
-// path) while writing, so it never interleaves with a daemon's Save.
+// path) while writing, so it never interleaves with a daemon's Save; an
+// existing version is ALREADY_EXISTS unless options.overwrite (PrepareSave).
 absl::Status ShardCheckpoint(const std::string& src_dir, const Layout& layout,
                              const std::string& out_dir, const ShardOptions& options);
 

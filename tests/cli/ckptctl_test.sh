@@ -18,6 +18,18 @@ echo "$out" | grep "huggingface-safetensors" >/dev/null || fail "inspect text"
 # shard into TP2 (uid 5), then load as TP4-dim0 with --json
 "$CKPTCTL" shard "$EXAMPLE_DIR/tiny-model" --layout "$EXAMPLE_DIR/layout-tp2.json" --out "$T/tp2" --unique-id 5
 [ -f "$T/tp2/5.metadata" ] && [ -f "$T/tp2/0_5.safetensors" ] && [ -f "$T/tp2/1_5.safetensors" ] || fail "shard outputs"
+# The same version again: refused (issue 38: it was overwritten silently), unchanged;
+# --overwrite replaces it.
+before=$(md5sum "$T/tp2/5.metadata")
+set +e
+err=$("$CKPTCTL" shard "$EXAMPLE_DIR/tiny-model" --layout "$EXAMPLE_DIR/layout-tp4-dim0.json" --out "$T/tp2" --unique-id 5 2>&1); rc=$?
+set -e
+[ $rc -ne 0 ] || fail "shard over an existing version succeeded"
+echo "$err" | grep "version 5 already exists" | grep -e "--overwrite" >/dev/null || fail "shard over an existing version: $err"
+[ "$(md5sum "$T/tp2/5.metadata")" = "$before" ] || fail "a refused shard changed 5.metadata"
+[ ! -e "$T/tp2/2_5.safetensors" ] || fail "a refused shard wrote a data file"
+"$CKPTCTL" shard "$EXAMPLE_DIR/tiny-model" --layout "$EXAMPLE_DIR/layout-tp2.json" --out "$T/tp2" --unique-id 5 --overwrite \
+  || fail "shard --overwrite"
 "$CKPTCTL" inspect "$T/tp2" --json | /usr/bin/python3 -c "import json,sys; j=json.load(sys.stdin); assert j['unique_id']==5 and j['format']=='ckptd'"
 "$CKPTCTL" load "$T/tp2" --layout "$EXAMPLE_DIR/layout-tp4-dim0.json" --out "$T/out" --json > "$T/report.json"
 /usr/bin/python3 "$VERIFY" "$EXAMPLE_DIR/tiny-model/model.safetensors" "$EXAMPLE_DIR/layout-tp4-dim0.json" "$T/out" "$T/report.json"
