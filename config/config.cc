@@ -2,6 +2,10 @@
 
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <sys/stat.h>
+
+#include <cerrno>
+#include <cstring>
 
 #include <cmath>
 #include <set>
@@ -594,6 +598,20 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   out << YAML::EndMap;
   out << YAML::EndMap;
   return std::string(out.c_str()) + "\n";
+}
+
+std::vector<std::string> RootProblems(const DaemonConfig& config) {
+  std::vector<std::string> out;
+  for (const std::string& root : config.roots) {
+    struct stat st;
+    if (stat(root.c_str(), &st) != 0) {
+      out.push_back(absl::StrCat("root ", root, ": ", std::strerror(errno),
+                                 errno == ENOENT ? " (an unmounted volume, or a typo?)" : ""));
+    } else if (!S_ISDIR(st.st_mode)) {
+      out.push_back(absl::StrCat("root ", root, ": not a directory"));
+    }
+  }
+  return out;
 }
 
 }  // namespace ckptd

@@ -152,6 +152,12 @@ absl::StatusOr<DaemonConfig> LoadConfigFile(const std::string& path);
 // Checks cross-key rules (roots present and absolute, threads > 0, ...).
 absl::Status ValidateConfig(const DaemonConfig& config);
 
+// The roots that do not exist or are not directories now (an unmounted
+// volume, a typo), one line each naming the root and what it is. ckptd warns
+// about them at start-up (a volume may be mounted later: requests under it get
+// NOT_FOUND until then); `ckptd --check-config` fails on them.
+std::vector<std::string> RootProblems(const DaemonConfig& config);
+
 // "64MiB", "4GiB", "1000" (bytes), "1.5GB".
 absl::StatusOr<uint64_t> ParseBytes(const std::string& text);
 // "120s", "500ms", "2m", "1h", "30" (seconds).

@@ -9,6 +9,7 @@
 #include "absl/flags/usage.h"
 #include "absl/flags/usage_config.h"
 #include "absl/strings/str_cat.h"
+#include "absl/strings/str_join.h"
 #include "absl/time/time.h"
 #include "ckptd_version.h"
 #include "core/base/status_macros.h"
@@ -165,6 +166,9 @@ absl::Status CheckConfig(const std::string& file) {
   auto c = LoadConfigFile(file);
   absl::Status s = c.ok() ? ValidateConfig(*c) : c.status();
   if (!s.ok()) return s;
+  if (std::vector<std::string> roots = RootProblems(*c); !roots.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(file, ": ", absl::StrJoin(roots, "; ")));
+  }
   std::vector<std::string> notes;
   if (absl::Status f = FitBudgets(&*c, &notes); !f.ok()) return f;
   for (const std::string& n : notes) std::cout << n << "\n";

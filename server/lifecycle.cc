@@ -372,6 +372,9 @@ int RunDaemon(DaemonConfig config, const std::vector<std::string>& budget_notes)
       return Fail(std::string(s.message()));
     }
   }
+  for (const std::string& problem : RootProblems(config)) {
+    spdlog::warn("{}; requests under it get NOT_FOUND until it exists", problem);
+  }
   spdlog::info("serving on {}{} roots={} cache_budget={}B io_threads={}", config.socket,
                config.tcp_address.empty() ? "" : " and tcp " + config.tcp_address,
                absl::StrJoin(config.roots, ","), config.cache_budget, config.io_threads);

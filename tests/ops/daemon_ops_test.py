@@ -231,6 +231,23 @@ class OpsTest(unittest.TestCase):
         self.assertIsNotNone(m, v.stdout)
         self.assertEqual(m.group(2), m.group(3))  # 0.4 is level 4
 
+    def test_a_missing_root_warns_at_start_and_fails_check_config(self):
+        """issue 38: a root that does not exist (an unmounted NFS path) was accepted
+        without a word."""
+        missing = os.path.join(self.root, "not-mounted")
+        cfg = os.path.join(self.out, "missing-root.yaml")
+        with open(cfg, "w") as f:
+            f.write(f"roots: [{self.root}, {missing}]\n")
+        r = subprocess.run([CKPTD, "--check-config", cfg], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 1, r.stdout)
+        self.assertIn(f"root {missing}: No such file or directory (an unmounted volume, or a typo?)",
+                      r.stderr)
+        with testlib.Daemon(self.root, "--root", f"{self.root},{missing}") as d:
+            self.load(d, job="with-a-missing-root")  # the roots that exist serve
+            log = d.read_log()
+        self.assertRegex(log, r"warn ckptd: root " + re.escape(missing) +
+                         r": No such file or directory .*NOT_FOUND until it exists")
+
     def test_metrics_are_off_by_default_and_address_errors_are_reported(self):
         with testlib.Daemon(self.root) as d:
             self.assertNotIn("metrics on", d.read_log())

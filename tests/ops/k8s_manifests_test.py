@@ -59,6 +59,17 @@ def write_tmp(text, name="ckptd.yaml"):
     return p
 
 
+def write_checkable(text):
+    """write_tmp for --check-config, which requires the roots to exist: the
+    node's volume /data/checkpoints moves beneath the temporary directory."""
+    p = write_tmp(text)
+    root = os.path.join(os.path.dirname(p), "data", "checkpoints")
+    os.makedirs(root)
+    with open(p, "w") as f:
+        f.write(text.replace("/data/checkpoints", root))
+    return p
+
+
 def parse_bytes(text):
     m = re.fullmatch(r"\s*([0-9.]+)\s*([KMGT]i?B?|B)?\s*", str(text))
     assert m, text
@@ -145,12 +156,12 @@ class ManifestsTest(unittest.TestCase):
 
     def test_configmap_config_passes_check_config(self):
         cm = self.doc("ConfigMap", "ckptd-config")
-        path = write_tmp(cm["data"]["ckptd.yaml"])
+        path = write_checkable(cm["data"]["ckptd.yaml"])
         r = run_ckptd("--check-config", path)
         self.assertEqual(r.returncode, 0, r.stderr)
         self.assertIn(": OK", r.stdout)
         # The check is not vacuous: a broken copy is refused, naming the key.
-        bad = write_tmp(cm["data"]["ckptd.yaml"] + "log_format: xml\n")
+        bad = write_checkable(cm["data"]["ckptd.yaml"] + "log_format: xml\n")
         r = run_ckptd("--check-config", bad)
         self.assertNotEqual(r.returncode, 0)
         self.assertIn("log_format", r.stderr)
@@ -171,12 +182,12 @@ class ManifestsTest(unittest.TestCase):
         for what, text, container in (("DaemonSet", cm, c),
                                       ("sidecar", side["ConfigMap"]["data"]["ckptd.yaml"], sc)):
             limit = int(parse_bytes(container["resources"]["limits"]["memory"]))
-            path = write_tmp(text + f"memory_limit: {limit}\n")
+            path = write_checkable(text + f"memory_limit: {limit}\n")
             r = run_ckptd("--check-config", path)
             self.assertEqual(r.returncode, 0, f"{what}: {r.stderr}")
             self.assertNotIn("not set:", r.stdout, f"{what}: a budget had to shrink: {r.stdout}")
-        big = write_tmp(cm.replace("arena_limit: 4GiB", "arena_limit: 64GiB") +
-                        f"memory_limit: {int(parse_bytes(c['resources']['limits']['memory']))}\n")
+        big = write_checkable(cm.replace("arena_limit: 4GiB", "arena_limit: 64GiB") +
+                              f"memory_limit: {int(parse_bytes(c['resources']['limits']['memory']))}\n")
         r = run_ckptd("--check-config", big)
         self.assertEqual(r.returncode, 1)
         self.assertIn("arena_limit 64 GiB (set)", r.stderr)
@@ -342,7 +353,7 @@ class ManifestsTest(unittest.TestCase):
     def test_sidecar_pod_shares_socket_and_shm(self):
         docs = {d["kind"]: d for d in load_docs("sidecar-pod.yaml")}
         pod, cm = docs["Pod"], docs["ConfigMap"]
-        path = write_tmp(cm["data"]["ckptd.yaml"])
+        path = write_checkable(cm["data"]["ckptd.yaml"])
         r = run_ckptd("--check-config", path)
         self.assertEqual(r.returncode, 0, r.stderr)
         spec = pod["spec"]

@@ -52,7 +52,14 @@ echo "ok: directives"
 # The shipped config (installed as /etc/ckptd/ckptd.yaml) fits the unit: it is
 # valid, its socket lies in the RuntimeDirectory, its roots are the
 # ReadOnlyPaths, and TimeoutStopSec leaves drain_timeout room.
-"$ckptd" --check-config "$config" >/dev/null || fail "config/ckptd.yaml is not valid"
+# (--check-config requires the roots to exist: they move beneath a temporary directory.)
+tmp_roots="$(mktemp -d)"
+mkdir -p "$tmp_roots/data/checkpoints"
+sed "s|/data/checkpoints|$tmp_roots/data/checkpoints|g" "$config" >"$tmp_roots/ckptd.yaml"
+"$ckptd" --check-config "$tmp_roots/ckptd.yaml" >/dev/null || fail "config/ckptd.yaml is not valid"
+rm -rf "$tmp_roots/data"
+"$ckptd" --check-config "$tmp_roots/ckptd.yaml" >/dev/null 2>&1 && fail "--check-config passed a missing root"
+rm -rf "$tmp_roots"
 eff="$("$ckptd" --config "$config" --print-config)"
 sock="$(sed -n 's/^socket: //p' <<<"$eff")"
 [ "$(dirname "$sock")" = /run/ckptd ] || fail "socket $sock is not in RuntimeDirectory /run/ckptd"
