@@ -110,6 +110,7 @@ class Daemon {
   // "job '<id>': <why>"; a running job stops before its next read. Returns
   // the ids of the jobs it failed.
   std::vector<std::string> AbortLoads(const std::string& why) { return jobs_.AbortLoads(why); }
+  std::vector<std::string> AbortWaiting(const std::string& why) { return jobs_.AbortWaiting(why); }
 
   // The peer plane (server/peer/peer_plane.h): the peer set, who may call
   // the peer service, TLS, channels and health.

@@ -186,6 +186,15 @@ void Drain(const DaemonConfig& config, Daemon& daemon, Listeners& l) {
   const auto drain = std::chrono::system_clock::now() +
                      std::chrono::milliseconds(absl::ToInt64Milliseconds(config.drain_timeout));
   daemon.DrainSaves(absl::FromChrono(drain));  // a client awaiting a save does not hold it open
+  // Jobs still waiting for ranks cannot finish (no new calls are taken):
+  // their ranks retry on the restarted daemon now, not after drain_timeout.
+  if (const std::vector<std::string> waiting = daemon.AbortWaiting(
+          "ckptd is restarting before the job's ranks all came (the clients retry once it is "
+          "back)");
+      !waiting.empty()) {
+    spdlog::info("drain: failed {} job(s) still waiting for ranks (their clients retry): {}",
+                 waiting.size(), absl::StrJoin(waiting, ","));
+  }
   // Without the abort, a running job would read on to its end while its
   // ranks got a bare CANCELLED.
   constexpr auto kDrainGrace = std::chrono::seconds(2);
@@ -197,7 +206,7 @@ void Drain(const DaemonConfig& config, Daemon& daemon, Listeners& l) {
     if (drained) return;
     const std::vector<std::string> cut = daemon.AbortLoads(absl::StrCat(
         "ckptd is shutting down: drain_timeout ", absl::FormatDuration(config.drain_timeout),
-        " ran out before the load finished (retry with a new job_id once ckptd is back)"));
+        " ran out before the load finished (the clients retry once ckptd is back)"));
     if (!cut.empty()) {
       spdlog::warn("drain_timeout {} ran out: failed {} load job(s) still waiting or running: {}",
                    absl::FormatDuration(config.drain_timeout), cut.size(), absl::StrJoin(cut, ","));

@@ -5,6 +5,7 @@
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
+#include "server/jobs/restart.h"
 #include "server/obs/metrics.h"
 
 namespace ckptd {
@@ -41,7 +42,14 @@ grpc::Status CkptdService::Guard(const char* rpc, grpc::ServerContext* ctx,
                           absl::StrCat(rpc, ": cannot tell who is calling (peer '", ctx->peer(),
                                        "'); connect through the daemon's Unix socket"));
     }
-    return ToGrpc(body(*caller));
+    const absl::Status status = body(*caller);
+    if (!status.ok()) {
+      // The daemon's own answer (a client tells it from the transport's
+      // UNAVAILABLE), and whether a restart ended it (jobs/restart.h).
+      ctx->AddTrailingMetadata("ckptd-status", "daemon");
+      if (IsRetryAfterRestart(status)) ctx->AddTrailingMetadata("ckptd-retry", "restart");
+    }
+    return ToGrpc(status);
   });
 }
 

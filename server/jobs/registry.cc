@@ -7,6 +7,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "server/jobs/restart.h"
 
 namespace ckptd {
 
@@ -47,14 +48,27 @@ void JobRegistry::Finish(Job& job, const std::function<void()>& answer_ranks) {
 }
 
 std::vector<std::string> JobRegistry::AbortLoads(const std::string& why) {
+  return Abort(why, [](const Job& job) { return job.kind == JobKind::kLoad; });
+}
+
+std::vector<std::string> JobRegistry::AbortWaiting(const std::string& why) {
+  return Abort(why, [](const Job& job) ABSL_NO_THREAD_SAFETY_ANALYSIS {
+    absl::MutexLock job_lock(&job.mu);
+    return job.state == Job::State::kWaiting;
+  });
+}
+
+std::vector<std::string> JobRegistry::Abort(const std::string& why,
+                                            const std::function<bool(const Job&)>& pick) {
   std::vector<std::string> ids;
   absl::MutexLock lock(&mu_);
-  std::vector<std::shared_ptr<Job>> loads;
+  std::vector<std::shared_ptr<Job>> picked;
   for (const auto& [id, job] : jobs_) {
-    if (job->kind == JobKind::kLoad) loads.push_back(job);
+    if (pick(*job)) picked.push_back(job);
   }
-  for (const auto& job : loads) {
-    const absl::Status s = absl::UnavailableError(absl::StrCat("job '", job->id, "': ", why));
+  for (const auto& job : picked) {
+    const absl::Status s =
+        RetryAfterRestart(absl::UnavailableError(absl::StrCat("job '", job->id, "': ", why)));
     {
       absl::MutexLock abort(&job->abort_mu);
       job->aborted = true;
@@ -140,9 +154,23 @@ absl::StatusOr<std::pair<std::shared_ptr<Job>, bool>> JobRegistry::Register(
     return absl::InvalidArgumentError(absl::StrCat("job '", job->id, "' rank ", key.rank,
                                                    " is not among the ranks of this node"));
   }
-  if (job->slots.count(key.rank)) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("job '", job->id, "' rank ", key.rank, " is already registered"));
+  if (auto old = job->slots.find(key.rank); old != job->slots.end()) {
+    // The same rank again: its earlier call's client went away (a retry
+    // after a broken connection) and the call has not noticed yet; the new
+    // call takes its place. A rank whose earlier call still waits is a
+    // second process claiming it.
+    const std::shared_ptr<RankSlot>& was = old->second;
+    if (!(was->cancelled && was->cancelled())) {
+      return absl::AlreadyExistsError(
+          absl::StrCat("job '", job->id, "' rank ", key.rank, " is already registered"));
+    }
+    {
+      absl::MutexLock slot_lock(&was->mu);
+      was->status = absl::CancelledError(absl::StrCat(
+          "job '", job->id, "' rank ", key.rank, ": replaced by the rank's new call"));
+      was->done = true;
+    }
+    job->slots.erase(old);
   }
   job->slots[key.rank] = slot;
   *registered = job->slots.size();
@@ -164,7 +192,10 @@ std::optional<absl::Status> JobRegistry::LeaveBarrier(const std::shared_ptr<Job>
   absl::MutexLock job_lock(&job->mu);
   if (job->state != Job::State::kWaiting) return std::nullopt;  // it started meanwhile
   if (cancelled()) {
-    job->slots.erase(rank);
+    // (Unless a new call of the rank took the slot's place: Register.)
+    if (auto it = job->slots.find(rank); it != job->slots.end() && it->second == slot) {
+      job->slots.erase(it);
+    }
     if (job->slots.empty()) UnregisterLocked(*job);
     return absl::CancelledError(absl::StrCat("job '", job->id, "' rank ", rank,
                                              ": client went away while waiting"));

@@ -84,9 +84,15 @@ class JobRegistry {
   // held, so no one sees the job gone with ranks not answered.
   void Finish(Job& job, const std::function<void()>& answer_ranks) ABSL_LOCKS_EXCLUDED(mu_);
   // The drain ran out: every load job still waiting or running fails now,
-  // each of its ranks with UNAVAILABLE "job '<id>': <why>"; a running job
-  // stops before its next read (Job::aborted). The ids of the jobs failed.
+  // each of its ranks with UNAVAILABLE "job '<id>': <why>" marked
+  // RetryAfterRestart (restart.h); a running job stops before its next read
+  // (Job::aborted). The ids of the jobs failed.
   std::vector<std::string> AbortLoads(const std::string& why) ABSL_LOCKS_EXCLUDED(mu_);
+  // The drain began: every job (load or save) still waiting for ranks fails
+  // now, as AbortLoads (its missing ranks cannot come any more: the daemon
+  // takes no new calls), so its ranks retry on the restarted daemon at once
+  // instead of waiting out drain_timeout. The ids of the jobs failed.
+  std::vector<std::string> AbortWaiting(const std::string& why) ABSL_LOCKS_EXCLUDED(mu_);
   // Status: the jobs waiting or running, only `uid`'s unless `all`.
   void Describe(bool all, uid_t uid, v1::StatusResponse* resp) const ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -102,6 +108,10 @@ class JobRegistry {
       ABSL_LOCKS_EXCLUDED(mu_);
   // Drops `job` from the map (if it is the one registered under its id).
   void UnregisterLocked(const Job& job) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // AbortLoads and AbortWaiting: the jobs `pick` selects fail as they say.
+  std::vector<std::string> Abort(const std::string& why,
+                                 const std::function<bool(const Job&)>& pick)
+      ABSL_LOCKS_EXCLUDED(mu_);
 
   const uint64_t max_jobs_per_uid_;
   mutable absl::Mutex mu_;

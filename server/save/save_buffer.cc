@@ -3,6 +3,7 @@
 #include "absl/status/status.h"
 #include "absl/strings/str_cat.h"
 #include "server/await.h"
+#include "server/jobs/restart.h"
 
 namespace ckptd {
 
@@ -30,7 +31,10 @@ absl::StatusOr<std::unique_ptr<SaveBuffer::Charge>> SaveBuffer::Reserve(
   };
   AwaitOrCancel(&mu_, absl::Condition(&fits_or_stopping), deadline, cancelled);
   if (!fits()) {
-    if (stopping_) return absl::UnavailableError(absl::StrCat(who, ": the daemon is stopping"));
+    if (stopping_) {
+      return RetryAfterRestart(absl::UnavailableError(absl::StrCat(
+          who, ": the daemon is stopping (the client retries once it is back)")));
+    }
     if (cancelled && cancelled()) {
       return absl::CancelledError(absl::StrCat(who, ": the client left while waiting for save_buffer"));
     }

@@ -430,8 +430,7 @@ class AsyncSaveTest(unittest.TestCase):
             # AwaitSave of a job nobody ran.
             with ckptd.Client(d.socket) as c:
                 with self.assertRaises(ckptd.CkptdError) as cm:
-                    c._call("AwaitSave", c._stub.AwaitSave,
-                            c._pb2.AwaitSaveRequest(job_id="nope", rank=0), 10)
+                    c._call("AwaitSave", c._pb2.AwaitSaveRequest(job_id="nope", rank=0), 10)
             self.assertEqual(cm.exception.code, "NOT_FOUND")
             self.assertIn("'nope'", str(cm.exception))
 

@@ -24,6 +24,11 @@ def runfile(rel):
 
 CKPTD = os.environ.get("CKPTD_BIN", "server/ckptd")
 CKPTCTL = os.environ.get("CKPTCTL", "client/ckptctl")
+# The suites test one call's own outcome: a daemon that is not there (or
+# stops) fails a call at once. The clients' retries after a restart
+# (CKPTD_RETRY_TIMEOUT, default 60 s) have their own suite, restart_test.py,
+# which passes retry_timeout explicitly.
+os.environ.setdefault("CKPTD_RETRY_TIMEOUT", "0")
 
 
 _CLEANUP = []
@@ -60,9 +65,10 @@ class Daemon:
     """The real ckptd binary on a socket in a fresh /tmp directory (Unix socket
     paths must stay under 108 bytes), serving `root`."""
 
-    def __init__(self, root, *extra):
+    def __init__(self, root, *extra, socket=None):
         self.dir = tempfile.mkdtemp(prefix="ckptd-py-", dir="/tmp")
-        self.socket = os.path.join(self.dir, "ckptd.sock")
+        # socket=: another daemon's path (a restart), else one in self.dir.
+        self.socket = socket or os.path.join(self.dir, "ckptd.sock")
         self.log = os.path.join(_log_dir(), f"ckptd-{os.getpid()}-{len(_LOGS)}.log")
         _LOGS.append(self.log)
         self.root = root

@@ -1,6 +1,7 @@
 // The job registry and barrier (server/jobs/registry.h) and the save buffer
 // (server/save/save_buffer.h), on real threads: ranks register, the last one
 // runs the job, the others wait for their outcome or the barrier's deadline.
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <memory>
@@ -15,6 +16,7 @@
 #include "absl/synchronization/notification.h"
 #include "absl/time/time.h"
 #include "server/jobs/registry.h"
+#include "server/jobs/restart.h"
 #include "server/save/save_buffer.h"
 
 namespace ckptd {
@@ -177,6 +179,68 @@ TEST(JobRegistry, AbortLoadsFailsEveryLoadAndLeavesSaves) {
   jobs.Describe(true, 0, &status);
   ASSERT_EQ(status.jobs_size(), 1);
   EXPECT_EQ(status.jobs(0).job_id(), "save");
+}
+
+TEST(JobRegistry, AbortWaitingFailsJobsWaitingForRanksRetryableAndLeavesRunningOnes) {
+  JobRegistry jobs(64);
+  size_t registered = 0, expected = 0;
+  auto waiting = Slot();
+  ASSERT_TRUE(jobs.Register(Key("waiting", 0, 2), waiting, &registered, &expected).ok());
+  JobKey save = Key("save-waiting", 0, 2);
+  save.kind = JobKind::kSave;
+  auto save_slot = Slot();
+  ASSERT_TRUE(jobs.Register(save, save_slot, &registered, &expected).ok());
+  auto running = jobs.Register(Key("running", 0, 1), Slot(), &registered, &expected);
+  ASSERT_TRUE(running.ok() && running->second);  // its one rank came: it runs
+  auto ids = jobs.AbortWaiting("ckptd is restarting");
+  std::sort(ids.begin(), ids.end());
+  EXPECT_THAT(ids, ::testing::ElementsAre("save-waiting", "waiting"));
+  for (const auto& s : {waiting, save_slot}) {
+    ASSERT_TRUE(Done(*s));
+    absl::MutexLock lock(&s->mu);
+    EXPECT_EQ(s->status.code(), absl::StatusCode::kUnavailable);
+    EXPECT_TRUE(IsRetryAfterRestart(s->status));  // the client retries on the new daemon
+  }
+  v1::StatusResponse status;
+  jobs.Describe(true, 0, &status);
+  ASSERT_EQ(status.jobs_size(), 1);
+  EXPECT_EQ(status.jobs(0).job_id(), "running");
+  // AbortLoads' failures are retryable too; an error of the request is not.
+  EXPECT_THAT(jobs.AbortLoads("drain_timeout ran out"), ::testing::ElementsAre("running"));
+  EXPECT_TRUE(IsRetryAfterRestart(running->first->AbortStatus()));
+  EXPECT_FALSE(IsRetryAfterRestart(absl::UnavailableError("peer gone")));
+}
+
+TEST(JobRegistry, ARanksNewCallReplacesOneWhoseClientWentAway) {
+  JobRegistry jobs(64);
+  size_t registered = 0, expected = 0;
+  auto first = Slot();
+  std::atomic<bool> gone{false};
+  first->cancelled = [&] { return gone.load(); };
+  ASSERT_TRUE(jobs.Register(Key("j", 0, 2), first, &registered, &expected).ok());
+  // Still connected: a second call for rank 0 is a second claimant.
+  auto twice = jobs.Register(Key("j", 0, 2), Slot(), &registered, &expected);
+  EXPECT_EQ(twice.status().code(), absl::StatusCode::kAlreadyExists);
+  // Its client went away (a broken connection the call has not noticed):
+  // the rank's retry takes the slot, the old call ends CANCELLED.
+  gone = true;
+  auto retry = Slot();
+  auto again = jobs.Register(Key("j", 0, 2), retry, &registered, &expected);
+  ASSERT_TRUE(again.ok()) << again.status();
+  EXPECT_EQ(registered, 1u);
+  ASSERT_TRUE(Done(*first));
+  {
+    absl::MutexLock lock(&first->mu);
+    EXPECT_EQ(first->status.code(), absl::StatusCode::kCancelled);
+  }
+  // A call of rank 0 leaving the barrier (its client gone) that raced the
+  // replacement does not take the new slot with it.
+  auto left = jobs.AwaitSlot(again->first, Slot(), 0, absl::Seconds(30), nullptr,
+                             [] { return true; });
+  EXPECT_EQ(left.code(), absl::StatusCode::kCancelled);
+  auto last = jobs.Register(Key("j", 1, 2), Slot(), &registered, &expected);
+  ASSERT_TRUE(last.ok());
+  EXPECT_TRUE(last->second);  // rank 0's new call and rank 1: the job runs
 }
 
 TEST(JobRegistry, AnExceptionInTheRunnerFailsEveryRank) {

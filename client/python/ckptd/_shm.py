@@ -27,7 +27,7 @@ import weakref
 
 import numpy as np
 
-from .errors import CkptdError
+from .errors import CkptdError, daemon_gone
 
 ALIGN = 64
 TOKEN_LEN = 32
@@ -94,7 +94,7 @@ def take_views(fd_socket, token, count, timeout=10.0):
         msg, fds = _recv_reply(s, True, MAX_VIEW_FDS)
     except OSError as e:
         s.close()
-        raise CkptdError("UNAVAILABLE", f"{fd_socket}: taking the load's cache views: {e}") from e
+        raise daemon_gone(f"{fd_socket}: taking the load's cache views: {e}") from e
     m = _VIEWS.fullmatch(msg)
     if m is None or int(m.group(1)) != count or len(fds) != count:
         for fd in fds:
@@ -145,7 +145,7 @@ def request_arena(fd_socket, size, timeout=10.0):
         msg, fds = _recv_reply(s, True)
     except OSError as e:
         s.close()
-        raise CkptdError("UNAVAILABLE", f"{fd_socket}: borrowing an arena: {e}") from e
+        raise daemon_gone(f"{fd_socket}: borrowing an arena: {e}") from e
     except CkptdError:
         s.close()
         raise
@@ -227,12 +227,11 @@ def send_fd(fd_socket, fd, timeout=10.0):
         try:
             s.connect(fd_socket)
         except (FileNotFoundError, ConnectionRefusedError) as e:
-            raise CkptdError(
-                "UNAVAILABLE",
+            raise daemon_gone(
                 f"{fd_socket}: cannot connect to the daemon's fd socket (is ckptd running?): "
                 f"{e.strerror}") from e
         except OSError as e:
-            raise CkptdError("UNAVAILABLE", f"{fd_socket}: connect: {e}") from e
+            raise daemon_gone(f"{fd_socket}: connect: {e}") from e
         token = secrets.token_hex(TOKEN_LEN // 2)
         try:
             _socket.send_fds(s, [token.encode("ascii")], [fd])
@@ -242,7 +241,7 @@ def send_fd(fd_socket, fd, timeout=10.0):
             if refusal is not None:
                 raise CkptdError(refusal[0],
                                  f"{fd_socket}: daemon refused the fd: {refusal[1]}") from e
-            raise CkptdError("UNAVAILABLE", f"{fd_socket}: passing the shm fd: {e}") from e
+            raise daemon_gone(f"{fd_socket}: passing the shm fd: {e}") from e
         if not reply.startswith(b"OK"):
             code, message = parse_refusal(reply)
             raise CkptdError(code, f"{fd_socket}: daemon refused the fd: {message}")

@@ -5,6 +5,7 @@ import dataclasses
 import itertools
 import json
 import os
+import random
 import re
 import secrets
 import shutil
@@ -20,7 +21,7 @@ from . import _cuda, _proto, _version
 from . import _tensors, _views
 from ._shm import Segment, align, find_arena, fd_socket_path, send_fd
 from ._tensors import flatten
-from .errors import CkptdError, from_rpc_error
+from .errors import CkptdError, daemon_gone, from_rpc_error
 
 DEFAULT_SOCKET = "/run/ckptd/ckptd.sock"
 
@@ -241,6 +242,7 @@ def resolve_job_id(job_id, kind, world_size):
 class LoadReport:
     """What a load_state_dict call did, for this rank."""
     job_id: str = ""
+    retries: int = 0  # calls made again because the daemon went away or restarted
     missing_keys: list = dataclasses.field(default_factory=list)
     unexpected_keys: list = dataclasses.field(default_factory=list)
     renamed_keys: dict = dataclasses.field(default_factory=dict)
@@ -279,6 +281,7 @@ class SavedItem:
 @dataclasses.dataclass
 class SaveReport:
     job_id: str = ""
+    retries: int = 0  # calls made again because the daemon went away or restarted
     unique_id: int = 0
     files: list = dataclasses.field(default_factory=list)  # data files holding this rank's shards
     items: list = dataclasses.field(default_factory=list)  # SavedItem, format="pytorch-dcp" only
@@ -344,7 +347,7 @@ class SaveFuture(concurrent.futures.Future):
                     req = c._pb2.AwaitSaveRequest(job_id=self.staged.job_id, rank=self._rank,
                                                  timeout_ms=int(self._WAIT_S * 1000))
                     try:
-                        r = c._call("AwaitSave", c._stub.AwaitSave, req, self._WAIT_S + 30.0)
+                        r = c._call("AwaitSave", req, self._WAIT_S + 30.0, retry=False)
                     except CkptdError as err:
                         if err.code == "DEADLINE_EXCEEDED":
                             continue  # still persisting
@@ -523,17 +526,35 @@ class Client:
     CkptdError(FAILED_PRECONDITION) ("... upgrade the daemon").
     """
 
-    def __init__(self, socket=None, *, tcp=False, connect_timeout=10.0, tls=None):
+    def __init__(self, socket=None, *, tcp=False, connect_timeout=10.0, tls=None,
+                 retry_timeout=None):
         import grpc
         self._grpc = grpc
-        self._pb2, pb2_grpc = _proto.load_stubs()
+        self._pb2, self._pb2_grpc = _proto.load_stubs()
         self.socket = socket or default_socket()
         self.tcp = tcp
         self.connect_timeout = connect_timeout
+        self.retry_timeout = retry_budget(retry_timeout)
+        self._tls = None
+        if tls is not None:
+            if not tcp:
+                raise CkptdError("INVALID_ARGUMENT", "tls=(ca, cert, key) needs tcp=True")
+            self._tls = tuple(open(p, "rb").read() for p in tls)
         if not tcp:
             self.socket = os.path.abspath(self.socket)
-            _probe_unix(self.socket, connect_timeout)
-        target = self.socket if tcp else "unix:" + self.socket
+            try:
+                _probe_unix(self.socket, connect_timeout)
+            except CkptdError as err:
+                if not (err.restart and self.retry_timeout > 0):
+                    raise
+                # The daemon may be restarting: the first call waits for it
+                # (retry_timeout), as a call that finds it gone does.
+        self._open()
+
+    def _open(self):
+        """The channel and the version-checked stub (again after a restart)."""
+        grpc = self._grpc
+        target = self.socket if self.tcp else "unix:" + self.socket
         # No channel_ready_future: it makes close() take 200 ms. Calls are made
         # without wait_for_ready, so a daemon that is gone fails them at once
         # with UNAVAILABLE.
@@ -541,17 +562,61 @@ class Client:
             ("grpc.max_receive_message_length", 256 << 20),
             ("grpc.max_send_message_length", 256 << 20),
         ]
-        if tls is not None:
-            if not tcp:
-                raise CkptdError("INVALID_ARGUMENT", "tls=(ca, cert, key) needs tcp=True")
-            ca, cert, key = (open(p, "rb").read() for p in tls)
+        if self._tls is not None:
+            ca, cert, key = self._tls
             creds = grpc.ssl_channel_credentials(root_certificates=ca, private_key=key,
                                                  certificate_chain=cert)
             self._channel = grpc.secure_channel(target, creds, options=options)
         else:
             self._channel = grpc.insecure_channel(target, options=options)
-        self._stub = _VersionCheckedStub(pb2_grpc.CkptdStub(self._channel), self._pb2, grpc,
-                                        self.socket, connect_timeout or 10.0)
+        self._stub = _VersionCheckedStub(self._pb2_grpc.CkptdStub(self._channel), self._pb2,
+                                         grpc, self.socket, self.connect_timeout or 10.0)
+
+    def _reconnect(self):
+        """A new connection for a call made again: gRPC's channel backs off its
+        own reconnects (up to minutes), and a restarted daemon is a new one
+        (its version is asked again)."""
+        try:
+            self._channel.close()
+        except Exception:  # noqa: BLE001 - a channel already broken
+            pass
+        if not self.tcp:
+            _probe_unix(self.socket, self.connect_timeout)  # fails fast while it is away
+        self._open()
+
+    def _retrying(self, timeout, attempt):
+        """attempt(timeout left) until it succeeds or fails for another reason than
+        the daemon being away or restarting (CkptdError.restart): then again on a
+        new connection after a backoff with jitter (50 ms doubling to 2 s), for
+        at most retry_timeout seconds and within `timeout`. Returns (result,
+        retries)."""
+        start = time.monotonic()
+        end = None if timeout is None else start + timeout
+        tries = 0
+        while True:
+            left = None if end is None else max(0.001, end - time.monotonic())
+            try:
+                if tries:
+                    self._reconnect()
+                return attempt(left), tries
+            except CkptdError as err:
+                if not err.restart:
+                    raise
+                spent = time.monotonic() - start
+                room = self.retry_timeout - spent
+                if end is not None:
+                    room = min(room, end - time.monotonic())
+                if room <= 0:
+                    if self.retry_timeout <= 0:
+                        raise
+                    final = CkptdError(err.code, f"{err.message} (retried {tries} time(s) for "
+                                       f"{spent:.1f} s: ckptd did not come back within "
+                                       f"retry_timeout={self.retry_timeout:g} s)", err.grpc_code)
+                    final.restart = True
+                    raise final from None
+                delay = min(2.0, 0.05 * (2 ** tries))
+                time.sleep(min(room, random.uniform(delay / 2, delay)))
+                tries += 1
 
     def close(self):
         self._channel.close()
@@ -562,11 +627,16 @@ class Client:
     def __exit__(self, *exc):
         self.close()
 
-    def _call(self, what, fn, request, timeout):
-        try:
-            return fn(request, timeout=timeout)
-        except self._grpc.RpcError as e:
-            raise from_rpc_error(e, what, self.socket, timeout) from None
+    def _call(self, what, request, timeout, retry=True):
+        """Unary RPC `what`; made again after a restart unless retry=False."""
+        def once(left):
+            try:
+                return getattr(self._stub, what)(request, timeout=left)
+            except self._grpc.RpcError as e:
+                raise from_rpc_error(e, what, self.socket, left) from None
+        if not retry:
+            return once(timeout)
+        return self._retrying(timeout, once)[0]
 
     # -- admin --
 
@@ -574,7 +644,7 @@ class Client:
         req = self._pb2.InspectRequest(path=_abs(path))
         if unique_id is not None:
             req.unique_id = int(unique_id)
-        r = self._call("Inspect", self._stub.Inspect, req, timeout)
+        r = self._call("Inspect", req, timeout)
         tensors = {}
         for t in r.tensors:
             shards = [ShardInfo(s.file, tuple(s.offset), tuple(s.shape), s.dtype,
@@ -586,18 +656,17 @@ class Client:
                               dict(r.files), r.total_bytes)
 
     def status(self, *, timeout=60.0):
-        return _message_dict(self._call("Status", self._stub.Status, self._pb2.StatusRequest(),
-                                        timeout))
+        return _message_dict(self._call("Status", self._pb2.StatusRequest(), timeout))
 
     def prefetch(self, path, *, unique_id=None, tensors=(), timeout=600.0):
         req = self._pb2.PrefetchRequest(path=_abs(path), tensors=list(tensors))
         if unique_id is not None:
             req.unique_id = int(unique_id)
-        return _message_dict(self._call("Prefetch", self._stub.Prefetch, req, timeout))
+        return _message_dict(self._call("Prefetch", req, timeout))
 
     def evict(self, path, *, timeout=60.0):
-        return _message_dict(self._call("Evict", self._stub.Evict,
-                                        self._pb2.EvictRequest(path=_abs(path)), timeout))
+        return _message_dict(self._call("Evict", self._pb2.EvictRequest(path=_abs(path)),
+                                        timeout))
 
     # -- load / save --
 
@@ -650,12 +719,24 @@ class Client:
                         unique_id=None, timeout=600.0, strict=True, node_ranks=None,
                         barrier_timeout=None, verify=True, transport="auto", progress=None,
                         aoa=None, job_key=None):
-        """See ckptd.load_state_dict."""
-        t0 = time.perf_counter()
-        entries, skipped = flatten(state_dict)
+        """See ckptd.load_state_dict. Made again, the same job, when the daemon
+        went away or restarted (retry_timeout)."""
         rank, world_size, node_ranks = resolve_ranks(rank, world_size, node_ranks)
         job_id = resolve_job_id(job_id, "load", world_size)
         job_key = resolve_job_key(job_key, world_size, node_ranks)
+        report, retries = self._retrying(timeout, lambda left: self._load_once(
+            state_dict, path, rank=rank, world_size=world_size, job_id=job_id,
+            unique_id=unique_id, timeout=left, strict=strict, node_ranks=node_ranks,
+            barrier_timeout=barrier_timeout, verify=verify, transport=transport,
+            progress=progress, aoa=aoa, job_key=job_key))
+        report.retries = retries
+        return report
+
+    def _load_once(self, state_dict, path, *, rank, world_size, job_id, unique_id, timeout,
+                   strict, node_ranks, barrier_timeout, verify, transport, progress, aoa,
+                   job_key):
+        t0 = time.perf_counter()
+        entries, skipped = flatten(state_dict)
         if transport == "auto":
             # See "Transports" in docs/grpc-api.md: the first that applies; a
             # refusal before the job registered sends the same job id over shm.
@@ -669,7 +750,7 @@ class Client:
                 first, refused = "cache_view", _process_memory_refused
             if first is not None:
                 try:
-                    return self.load_state_dict(
+                    return self._load_once(
                         state_dict, path, rank=rank, world_size=world_size, job_id=job_id,
                         unique_id=unique_id, timeout=timeout, strict=strict,
                         node_ranks=node_ranks, barrier_timeout=barrier_timeout, verify=verify,
@@ -856,11 +937,19 @@ class Client:
     def save_state_dict(self, state_dict, path, *, rank=None, world_size=None, unique_id=None,
                         job_id=None, timeout=600.0, node_ranks=None, barrier_timeout=None,
                         overwrite=False, async_save=False, job_key=None):
-        """See ckptd.save_state_dict."""
-        return self._save(state_dict, path, rank=rank, world_size=world_size,
-                          unique_id=unique_id, job_id=job_id, timeout=timeout,
-                          node_ranks=node_ranks, barrier_timeout=barrier_timeout,
-                          overwrite=overwrite, async_save=async_save, job_key=job_key)
+        """See ckptd.save_state_dict. Made again, the same job, when the daemon
+        went away or restarted before it answered (retry_timeout): the tensors
+        are still the caller's then. An asynchronous save's future is not
+        retried: once staged, the bytes were the daemon's."""
+        rank, world_size, node_ranks = resolve_ranks(rank, world_size, node_ranks)
+        job_id = resolve_job_id(job_id, "save", world_size)
+        job_key = resolve_job_key(job_key, world_size, node_ranks)
+        out, retries = self._retrying(timeout, lambda left: self._save(
+            state_dict, path, rank=rank, world_size=world_size, unique_id=unique_id,
+            job_id=job_id, timeout=left, node_ranks=node_ranks, barrier_timeout=barrier_timeout,
+            overwrite=overwrite, async_save=async_save, job_key=job_key))
+        (out.staged if isinstance(out, SaveFuture) else out).retries = retries
+        return out
 
     def _save(self, state_dict, path, *, rank, world_size, unique_id, job_id, timeout,
               node_ranks, barrier_timeout, overwrite, async_save, job_key, fmt="",
@@ -943,7 +1032,7 @@ class Client:
                 timings["client_send_fd_s"] = time.perf_counter() - t1
             t1 = time.perf_counter()
             try:
-                r = self._call("Save", self._stub.Save, req, timeout)
+                r = self._call("Save", req, timeout, retry=False)
             except CkptdError as err:
                 if device is None or not _cuda.fallback_ok(err):
                     raise
@@ -1000,7 +1089,31 @@ class Client:
         req = self._pb2.SaveRequest(job_id=job_id, rank=0, world_size=1,
                                    path=_abs(path), format="pytorch-dcp",
                                    dcp_metadata=bytes(metadata), overwrite=bool(overwrite))
-        return self._call("Save", self._stub.Save, req, timeout).metadata_file
+        return self._call("Save", req, timeout, retry=False).metadata_file
+
+
+# How long a call made again after the daemon went away may take in all
+# (Client(retry_timeout=...), else $CKPTD_RETRY_TIMEOUT, else this): a rolling
+# update of the daemon takes its drain plus a few seconds of start-up.
+DEFAULT_RETRY_TIMEOUT = 60.0
+
+
+def retry_budget(value=None):
+    """The retry budget in seconds: `value`, else $CKPTD_RETRY_TIMEOUT, else
+    DEFAULT_RETRY_TIMEOUT; 0 turns retries off."""
+    if value is None:
+        env = os.environ.get("CKPTD_RETRY_TIMEOUT", "")
+        if not env:
+            return DEFAULT_RETRY_TIMEOUT
+        value = env
+    try:
+        out = float(value)
+    except (TypeError, ValueError):
+        out = -1.0
+    if not out >= 0:
+        raise CkptdError("INVALID_ARGUMENT", f"retry_timeout {value!r} is not a number of seconds "
+                         ">= 0 (CKPTD_RETRY_TIMEOUT)")
+    return out
 
 
 def _abs(path):
@@ -1019,7 +1132,7 @@ def _probe_unix(path, timeout=10.0):
     except PermissionError:
         raise _socket_permission_denied(path) from None
     except OSError:
-        raise CkptdError("UNAVAILABLE", f"no ckptd socket at {path} ({hint})") from None
+        raise daemon_gone(f"no ckptd socket at {path} ({hint})") from None
     s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_STREAM | _socket.SOCK_CLOEXEC)
     try:
         s.settimeout(timeout)
@@ -1027,8 +1140,8 @@ def _probe_unix(path, timeout=10.0):
     except PermissionError:
         raise _socket_permission_denied(path) from None
     except OSError as e:
-        raise CkptdError("UNAVAILABLE",
-                         f"cannot connect to ckptd at {path}: {e.strerror or e} ({hint})") from None
+        raise daemon_gone(f"cannot connect to ckptd at {path}: {e.strerror or e} ({hint})") \
+            from None
     finally:
         s.close()
 
@@ -1145,7 +1258,7 @@ def _arena_placement(entries):
 def load_state_dict(state_dict, path, *, rank=None, world_size=None, job_id=None, unique_id=None,
                     socket=None, timeout=600.0, strict=True, node_ranks=None,
                     barrier_timeout=None, verify=True, transport="auto", progress=None,
-                    aoa=None, job_key=None):
+                    aoa=None, job_key=None, retry_timeout=None):
     """Fills the tensors of `state_dict` in place from checkpoint `path`, through ckptd.
 
     state_dict: a dict (nested dicts are flattened with "."; int keys become
@@ -1176,6 +1289,11 @@ def load_state_dict(state_dict, path, *, rank=None, world_size=None, job_id=None
       daemons needs one (docs/security.md, "Job keys"). Default
       $CKPTD_JOB_KEY, else (multi-node, torch.distributed initialised) one
       rank 0 draws and broadcasts once per process (resolve_job_key).
+    retry_timeout: when the daemon is away or restarting (UNAVAILABLE: not
+      running yet, a rolling update, a drain that ended the job), the call is
+      made again, the same job, on a new connection, with backoff and jitter,
+      for at most this many seconds (default $CKPTD_RETRY_TIMEOUT, else 60; 0:
+      never) and within `timeout`; report.retries counts them.
 
     transport: how the bytes reach the tensors (report.transport says which
       did). "auto" (default) tries, in order:
@@ -1200,7 +1318,7 @@ def load_state_dict(state_dict, path, *, rank=None, world_size=None, job_id=None
 
     Returns a LoadReport. Raises CkptdError.
     """
-    with Client(socket) as c:
+    with Client(socket, retry_timeout=retry_timeout) as c:
         return c.load_state_dict(state_dict, path, rank=rank, world_size=world_size,
                                  job_id=job_id, unique_id=unique_id, timeout=timeout,
                                  strict=strict, node_ranks=node_ranks,
@@ -1218,7 +1336,7 @@ def commit_dcp_metadata(path, metadata, job_id, *, overwrite=False, socket=None,
 
 def save_state_dict(state_dict, path, *, rank=None, world_size=None, unique_id=None, job_id=None,
                     socket=None, timeout=600.0, node_ranks=None, barrier_timeout=None,
-                    overwrite=False, async_save=False, job_key=None):
+                    overwrite=False, async_save=False, job_key=None, retry_timeout=None):
     """Saves `state_dict` (as for load_state_dict) as version `unique_id` of `path`.
 
     Every rank of the job calls it with its own part; when all have, the
@@ -1239,8 +1357,10 @@ def save_state_dict(state_dict, path, *, rank=None, world_size=None, unique_id=N
     count against the daemon's save_buffer; when it is full the call waits for
     earlier saves (report.buffer_wait_s). See docs/saving.md.
     job_key: as for load_state_dict (multi-node saves).
+    retry_timeout: as for load_state_dict; a save is made again only until the
+      daemon answered (for async_save, until it staged the bytes).
     """
-    with Client(socket) as c:
+    with Client(socket, retry_timeout=retry_timeout) as c:
         return c.save_state_dict(state_dict, path, rank=rank, world_size=world_size,
                                  unique_id=unique_id, job_id=job_id, timeout=timeout,
                                  node_ranks=node_ranks, barrier_timeout=barrier_timeout,
@@ -1248,25 +1368,26 @@ def save_state_dict(state_dict, path, *, rank=None, world_size=None, unique_id=N
                                  job_key=job_key)
 
 
-def inspect(path, *, unique_id=None, socket=None, timeout=60.0):
+def inspect(path, *, unique_id=None, socket=None, timeout=60.0, retry_timeout=None):
     """Tensors, shards, files and versions of a checkpoint (CheckpointInfo), via the daemon."""
-    with Client(socket) as c:
+    with Client(socket, retry_timeout=retry_timeout) as c:
         return c.inspect(path, unique_id=unique_id, timeout=timeout)
 
 
-def status(*, socket=None, timeout=60.0):
+def status(*, socket=None, timeout=60.0, retry_timeout=None):
     """The daemon's Status as a dict (jobs, cache, totals)."""
-    with Client(socket) as c:
+    with Client(socket, retry_timeout=retry_timeout) as c:
         return c.status(timeout=timeout)
 
 
-def prefetch(path, *, unique_id=None, tensors=(), socket=None, timeout=600.0):
-    with Client(socket) as c:
+def prefetch(path, *, unique_id=None, tensors=(), socket=None, timeout=600.0,
+             retry_timeout=None):
+    with Client(socket, retry_timeout=retry_timeout) as c:
         return c.prefetch(path, unique_id=unique_id, tensors=tensors, timeout=timeout)
 
 
-def evict(path, *, socket=None, timeout=60.0):
-    with Client(socket) as c:
+def evict(path, *, socket=None, timeout=60.0, retry_timeout=None):
+    with Client(socket, retry_timeout=retry_timeout) as c:
         return c.evict(path, timeout=timeout)
 
 

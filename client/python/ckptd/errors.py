@@ -37,6 +37,11 @@ class CkptdError(Exception):
     raised.
     """
 
+    # Whether the call failed because the daemon went away or is restarting
+    # (not because of the request): the client retries such a call on a new
+    # connection (Client(retry_timeout=...); docs/operations.md).
+    restart = False
+
     def __new__(cls, code="UNKNOWN", message="", grpc_code=None):
         if cls is CkptdError:
             cls = _BY_CODE.get(str(code), CkptdError)
@@ -130,14 +135,39 @@ _BY_CODE = {
 }
 
 
+def daemon_gone(message):
+    """UNAVAILABLE for a daemon that went away (a connection refused or broken):
+    a call the client retries once the daemon is back."""
+    err = CkptdError("UNAVAILABLE", message)
+    err.restart = True
+    return err
+
+
+def _trailing(err):
+    try:
+        return dict(err.trailing_metadata() or ())
+    except Exception:  # not a call (a bare RpcError)
+        return {}
+
+
 def from_rpc_error(err, what, target=None, timeout=None):
     """A CkptdError for a grpc.RpcError raised by call `what`."""
     code = err.code() if hasattr(err, "code") else None
     details = err.details() if hasattr(err, "details") else str(err)
     name = code.name if code is not None else "UNKNOWN"
     msg = details or name
+    restart = False
     if name == "UNAVAILABLE":
-        msg = f"{what}: daemon unavailable (is ckptd running{' at ' + target if target else ''}?): {msg}"
+        md = _trailing(err)
+        if md.get("ckptd-status") != "daemon":
+            # gRPC's own: the daemon is not there (restarting, or gone).
+            restart = True
+            msg = (f"{what}: daemon unavailable (is ckptd running"
+                   f"{' at ' + target if target else ''}?): {msg}")
+        else:  # the daemon's answer; retried only when a restart ended the call
+            restart = md.get("ckptd-retry") == "restart"
     elif name == "DEADLINE_EXCEEDED" and timeout is not None and msg in ("Deadline Exceeded", ""):
         msg = f"{what}: no answer from ckptd within {timeout:g} s (timeout=)"
-    return CkptdError(name, msg, code)
+    out = CkptdError(name, msg, code)
+    out.restart = restart
+    return out
