@@ -22,6 +22,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
@@ -35,13 +36,52 @@
 namespace ckptd {
 namespace {
 
-absl::Status FromGrpc(const grpc::Status& s, absl::string_view what) {
+// Status payloads: the daemon's own answer (trailing "ckptd-status:
+// daemon"), and one a restart ended ("ckptd-retry: restart").
+constexpr char kDaemonAnswer[] = "type.googleapis.com/ckptd.DaemonAnswer";
+constexpr char kRestart[] = "type.googleapis.com/ckptd.RetryAfterRestart";
+
+std::string Trailing(const grpc::ClientContext& ctx, const std::string& key) {
+  const auto& md = ctx.GetServerTrailingMetadata();
+  auto it = md.find(key);
+  return it == md.end() ? std::string() : std::string(it->second.data(), it->second.size());
+}
+
+absl::Status FromGrpc(const grpc::Status& s, absl::string_view what,
+                      const grpc::ClientContext* ctx = nullptr) {
   if (s.ok()) return absl::OkStatus();
   std::string msg = s.error_message();
-  if (s.error_code() == grpc::StatusCode::UNAVAILABLE) {
+  const bool daemon = ctx != nullptr && Trailing(*ctx, "ckptd-status") == "daemon";
+  if (s.error_code() == grpc::StatusCode::UNAVAILABLE && !daemon) {
     msg = absl::StrCat(what, ": daemon unavailable (is ckptd running?): ", msg);
   }
-  return absl::Status(static_cast<absl::StatusCode>(s.error_code()), msg);
+  absl::Status out(static_cast<absl::StatusCode>(s.error_code()), msg);
+  if (daemon) out.SetPayload(kDaemonAnswer, absl::Cord("1"));
+  if (ctx != nullptr && Trailing(*ctx, "ckptd-retry") == "restart") {
+    out.SetPayload(kRestart, absl::Cord("1"));
+  }
+  return out;
+}
+
+// Whether a call that failed with `s` is made again once the daemon is back:
+// UNAVAILABLE that is not the daemon's own answer (the transport's, a
+// connection refused, the fd socket gone), or the daemon's marked as ended
+// by a restart.
+bool Restartable(const absl::Status& s) {
+  if (!absl::IsUnavailable(s)) return false;
+  return s.GetPayload(kRestart).has_value() || !s.GetPayload(kDaemonAnswer).has_value();
+}
+
+absl::StatusOr<absl::Duration> RetryBudget(const std::optional<absl::Duration>& set) {
+  if (set) return std::max(absl::ZeroDuration(), *set);
+  const char* env = std::getenv("CKPTD_RETRY_TIMEOUT");
+  if (env == nullptr || *env == '\0') return absl::Seconds(60);
+  double seconds = 0;
+  if (!absl::SimpleAtod(env, &seconds) || !(seconds >= 0)) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "CKPTD_RETRY_TIMEOUT '", env, "' is not a number of seconds >= 0"));
+  }
+  return absl::Seconds(seconds);
 }
 
 std::chrono::system_clock::time_point Deadline(absl::Duration d) {
@@ -259,6 +299,7 @@ class ViewMappings {
 
 struct Client::Rep {
   Options options;
+  absl::Duration retry_timeout;
   std::shared_ptr<grpc::Channel> channel;
   std::unique_ptr<v1::Ckptd::Stub> stub;
   v1::VersionResponse daemon_version;
@@ -362,73 +403,129 @@ absl::Status ProbeUnixSocket(const std::string& path) {
   return absl::OkStatus();
 }
 
-absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const Options& options) {
+namespace {
+
+// One connection: the channel (waiting up to connect_timeout for a daemon
+// that is starting) and the version check.
+absl::Status OpenChannel(const Client::Options& options, std::shared_ptr<grpc::Channel>* channel,
+                         std::unique_ptr<v1::Ckptd::Stub>* stub, v1::VersionResponse* version) {
   if (!options.tcp) {
     // A socket this process may not open fails at once, naming the group to
     // join (gRPC would retry until connect_timeout and say "unavailable").
     absl::Status probe = ProbeUnixSocket(options.socket);
     if (absl::IsPermissionDenied(probe)) return probe;
   }
-  auto rep = std::make_unique<Rep>();
-  rep->options = options;
   const std::string target = options.tcp ? options.socket : "unix:" + options.socket;
   grpc::ChannelArguments args;
   args.SetMaxReceiveMessageSize(256 << 20);
   args.SetMaxSendMessageSize(256 << 20);
-  rep->channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
-  if (!rep->channel->WaitForConnected(Deadline(options.connect_timeout))) {
+  *channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  if (!(*channel)->WaitForConnected(Deadline(options.connect_timeout))) {
     return absl::UnavailableError(absl::StrCat("cannot connect to ckptd at ", options.socket,
                                                " within ",
                                                absl::FormatDuration(options.connect_timeout),
                                                " (is the daemon running?)"));
   }
-  rep->stub = v1::Ckptd::NewStub(rep->channel);
-  CKPT_RETURN_IF_ERROR(CheckDaemonVersion(*rep->stub, options, &rep->daemon_version));
-  return std::unique_ptr<Client>(new Client(std::move(rep)));
+  *stub = v1::Ckptd::NewStub(*channel);
+  return CheckDaemonVersion(**stub, options, version);
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<Client>> Client::Connect(const Options& options) {
+  auto rep = std::make_unique<Rep>();
+  rep->options = options;
+  CKPT_ASSIGN_OR_RETURN(rep->retry_timeout, RetryBudget(options.retry_timeout));
+  std::unique_ptr<Client> client(new Client(std::move(rep)));
+  Rep& r = *client->rep_;
+  // A daemon that is not there yet (restarting) is waited for as a call
+  // waits for one that went away.
+  bool first = true;
+  CKPT_RETURN_IF_ERROR(client->Retrying([&] {
+    if (!first) return absl::OkStatus();  // Retrying's Reconnect did it
+    first = false;
+    return OpenChannel(r.options, &r.channel, &r.stub, &r.daemon_version);
+  }));
+  return client;
+}
+
+absl::Status Client::Reconnect() {
+  return OpenChannel(rep_->options, &rep_->channel, &rep_->stub, &rep_->daemon_version);
+}
+
+absl::Status Client::Retrying(const std::function<absl::Status()>& attempt, int* retries) {
+  const absl::Time start = absl::Now();
+  std::mt19937_64 rng(std::random_device{}());
+  for (int tries = 0;; ++tries) {
+    absl::Status s = tries > 0 ? Reconnect() : absl::OkStatus();
+    if (s.ok()) s = attempt();
+    if (retries != nullptr) *retries = tries;
+    if (s.ok() || !Restartable(s)) return s;
+    const absl::Duration budget = rep_->retry_timeout;
+    const absl::Duration spent = absl::Now() - start;
+    if (spent >= budget) {
+      if (budget <= absl::ZeroDuration()) return s;
+      return absl::Status(s.code(), absl::StrCat(s.message(), " (retried ", tries, " time(s) for ",
+                                                  absl::FormatDuration(absl::Trunc(spent, absl::Milliseconds(100))),
+                                                  ": ckptd did not come back within retry_timeout ",
+                                                  absl::FormatDuration(budget), ")"));
+    }
+    const double delay = std::min(2.0, 0.05 * static_cast<double>(1ull << std::min(tries, 10)));
+    std::uniform_real_distribution<double> jitter(delay / 2, delay);
+    absl::SleepFor(std::min(budget - spent, absl::Seconds(jitter(rng))));
+  }
 }
 
 absl::StatusOr<v1::InspectResponse> Client::Inspect(const std::string& path,
                                                     std::optional<int64_t> unique_id) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(Deadline(rep_->options.admin_timeout));
   v1::InspectRequest req;
   req.set_path(path);
   if (unique_id) req.set_unique_id(*unique_id);
   v1::InspectResponse resp;
-  CKPT_RETURN_IF_ERROR(FromGrpc(rep_->stub->Inspect(&ctx, req, &resp), "Inspect"));
+  CKPT_RETURN_IF_ERROR(Retrying([&] {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline(rep_->options.admin_timeout));
+    return FromGrpc(rep_->stub->Inspect(&ctx, req, &resp), "Inspect", &ctx);
+  }));
   return resp;
 }
 
 absl::StatusOr<v1::PrefetchResponse> Client::Prefetch(const std::string& path,
                                                       std::optional<int64_t> unique_id,
                                                       const std::vector<std::string>& tensors) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(Deadline(rep_->options.admin_timeout));
   v1::PrefetchRequest req;
   req.set_path(path);
   if (unique_id) req.set_unique_id(*unique_id);
   for (const auto& t : tensors) req.add_tensors(t);
   v1::PrefetchResponse resp;
-  CKPT_RETURN_IF_ERROR(FromGrpc(rep_->stub->Prefetch(&ctx, req, &resp), "Prefetch"));
+  CKPT_RETURN_IF_ERROR(Retrying([&] {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline(rep_->options.admin_timeout));
+    return FromGrpc(rep_->stub->Prefetch(&ctx, req, &resp), "Prefetch", &ctx);
+  }));
   return resp;
 }
 
 absl::StatusOr<v1::EvictResponse> Client::Evict(const std::string& path) {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(Deadline(rep_->options.admin_timeout));
   v1::EvictRequest req;
   req.set_path(path);
   v1::EvictResponse resp;
-  CKPT_RETURN_IF_ERROR(FromGrpc(rep_->stub->Evict(&ctx, req, &resp), "Evict"));
+  CKPT_RETURN_IF_ERROR(Retrying([&] {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline(rep_->options.admin_timeout));
+    return FromGrpc(rep_->stub->Evict(&ctx, req, &resp), "Evict", &ctx);
+  }));
   return resp;
 }
 
 absl::StatusOr<v1::StatusResponse> Client::Status() {
-  grpc::ClientContext ctx;
-  ctx.set_deadline(Deadline(rep_->options.admin_timeout));
   v1::StatusRequest req;
   v1::StatusResponse resp;
-  CKPT_RETURN_IF_ERROR(FromGrpc(rep_->stub->Status(&ctx, req, &resp), "Status"));
+  CKPT_RETURN_IF_ERROR(Retrying([&] {
+    grpc::ClientContext ctx;
+    ctx.set_deadline(Deadline(rep_->options.admin_timeout));
+    return FromGrpc(rep_->stub->Status(&ctx, req, &resp), "Status", &ctx);
+  }));
   return resp;
 }
 
@@ -587,16 +684,31 @@ absl::Status CopyViews(const v1::CacheViews& views, const LoadSpec& spec,
 
 absl::StatusOr<LoadReport> Client::Load(const LoadSpec& spec,
                                         const std::function<void(const v1::LoadEvent&)>& progress) {
+  absl::StatusOr<LoadReport> out = absl::UnknownError("Load: not run");
+  int retries = 0;
+  absl::Status s = Retrying(
+      [&] {
+        out = LoadOnce(spec, progress);
+        return out.status();
+      },
+      &retries);
+  if (!s.ok()) return s;
+  out->retries = retries;
+  return out;
+}
+
+absl::StatusOr<LoadReport> Client::LoadOnce(
+    const LoadSpec& spec, const std::function<void(const v1::LoadEvent&)>& progress) {
   if (spec.transport == Transport::kAuto) {
     if (!rep_->options.tcp && ProcessMemoryFits(spec)) {
       LoadSpec pm = spec;
       pm.transport = Transport::kCacheView;
-      absl::StatusOr<LoadReport> r = Load(pm, progress);
+      absl::StatusOr<LoadReport> r = LoadOnce(pm, progress);
       if (r.ok() || !ProcessMemoryRefused(r.status())) return r;
     }
     LoadSpec shm = spec;
     shm.transport = Transport::kShm;
-    return Load(shm, progress);
+    return LoadOnce(shm, progress);
   }
   const auto t0 = std::chrono::steady_clock::now();
   v1::LoadRequest req;
@@ -705,7 +817,7 @@ absl::StatusOr<LoadReport> Client::Load(const LoadSpec& spec,
   // then only ends the call: a connection lost after it (ckptd exiting
   // right after a drained job) loses nothing.
   if (!(have_result && finished.error_code() == grpc::StatusCode::UNAVAILABLE)) {
-    CKPT_RETURN_IF_ERROR(FromGrpc(finished, "Load"));
+    CKPT_RETURN_IF_ERROR(FromGrpc(finished, "Load", &ctx));
   }
   if (!have_result) return absl::DataLossError("Load: the daemon ended the stream without a result");
   if (own) {
@@ -723,12 +835,22 @@ absl::StatusOr<LoadReport> Client::Load(const LoadSpec& spec,
 }
 
 absl::StatusOr<v1::SaveResponse> Client::Save(const SaveSpec& spec) {
-  return SaveCall(spec, false);
+  // Made again until the daemon answered: the tensors are the caller's still.
+  absl::StatusOr<v1::SaveResponse> out = absl::UnknownError("Save: not run");
+  CKPT_RETURN_IF_ERROR(Retrying([&] {
+    out = SaveCall(spec, false);
+    return out.status();
+  }));
+  return out;
 }
 
 absl::StatusOr<SaveFuture> Client::SaveAsync(const SaveSpec& spec) {
-  CKPT_ASSIGN_OR_RETURN(v1::SaveResponse staged, SaveCall(spec, true));
-  return SaveFuture(this, spec.job_id, spec.rank, std::move(staged));
+  absl::StatusOr<v1::SaveResponse> staged = absl::UnknownError("Save: not run");
+  CKPT_RETURN_IF_ERROR(Retrying([&] {
+    staged = SaveCall(spec, true);
+    return staged.status();
+  }));
+  return SaveFuture(this, spec.job_id, spec.rank, *std::move(staged));
 }
 
 absl::StatusOr<v1::SaveResponse> Client::AwaitSave(const std::string& job_id, int rank,
@@ -741,7 +863,7 @@ absl::StatusOr<v1::SaveResponse> Client::AwaitSave(const std::string& job_id, in
   grpc::ClientContext ctx;
   ctx.set_deadline(Deadline(timeout + absl::Seconds(30)));
   v1::SaveResponse resp;
-  CKPT_RETURN_IF_ERROR(FromGrpc(rep_->stub->AwaitSave(&ctx, req, &resp), "AwaitSave"));
+  CKPT_RETURN_IF_ERROR(FromGrpc(rep_->stub->AwaitSave(&ctx, req, &resp), "AwaitSave", &ctx));
   return resp;
 }
 
@@ -819,7 +941,7 @@ absl::StatusOr<v1::SaveResponse> Client::SaveCall(const SaveSpec& spec, bool asy
   grpc::ClientContext ctx;
   ctx.set_deadline(Deadline(rep_->options.call_timeout));
   v1::SaveResponse resp;
-  CKPT_RETURN_IF_ERROR(FromGrpc(rep_->stub->Save(&ctx, req, &resp), "Save"));
+  CKPT_RETURN_IF_ERROR(FromGrpc(rep_->stub->Save(&ctx, req, &resp), "Save", &ctx));
   return resp;
 }
 

@@ -188,6 +188,7 @@ struct LoadReport {
   v1::LoadResult result;
   double client_seconds = 0;
   Transport transport = Transport::kShm;  // the one that carried the bytes
+  int retries = 0;  // times the call was made again after the daemon went away
 };
 
 class Client {
@@ -198,6 +199,14 @@ class Client {
     absl::Duration connect_timeout = absl::Seconds(10);
     absl::Duration call_timeout = absl::Minutes(30);  // Load: barrier + transfer
     absl::Duration admin_timeout = absl::Minutes(10);  // Inspect/Status/Evict/Prefetch
+    // A call that fails because the daemon went away or is restarting (gRPC's
+    // own UNAVAILABLE, a connection refused, or the daemon's answer marked
+    // "ckptd-retry: restart") is made again, the same job, on a new
+    // connection, with backoff and jitter (50 ms doubling to 2 s), for at
+    // most this long in all; Connect waits for a daemon that is not there
+    // yet as long. Unset: $CKPTD_RETRY_TIMEOUT (seconds), else 60 s; zero:
+    // never. docs/operations.md, "Upgrades and restarts".
+    std::optional<absl::Duration> retry_timeout;
   };
 
   // Connects and asks the daemon its version once (the Version RPC): a
@@ -241,6 +250,13 @@ class Client {
   struct Rep;
   explicit Client(std::unique_ptr<Rep> rep);
   absl::StatusOr<v1::SaveResponse> SaveCall(const SaveSpec& spec, bool async);
+  absl::StatusOr<LoadReport> LoadOnce(const LoadSpec& spec,
+                                      const std::function<void(const v1::LoadEvent&)>& progress);
+  // attempt() again while it fails with a restartable status (Options::
+  // retry_timeout), after Reconnect; *retries: how many times.
+  absl::Status Retrying(const std::function<absl::Status()>& attempt, int* retries = nullptr);
+  // A new channel and stub, the daemon's version asked again.
+  absl::Status Reconnect();
   std::unique_ptr<Rep> rep_;
 };
 

@@ -44,6 +44,7 @@ struct Instruments {
   std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
   prometheus::Counter* jobs_ok;
   prometheus::Counter* jobs_failed;
+  prometheus::Family<prometheus::Counter>* job_errors;  // by status code
   prometheus::Counter* peer_received;
   prometheus::Counter* peer_sent;
   prometheus::Histogram* phase[5];  // list plan read copy total
@@ -56,6 +57,14 @@ struct Instruments {
                      .Register(*registry);
     jobs_ok = &jobs.Add({{"result", "ok"}});
     jobs_failed = &jobs.Add({{"result", "error"}});
+    job_errors = &prometheus::BuildCounter()
+                      .Name("ckptd_load_job_errors_total")
+                      .Help("Failed load jobs by the status code of their error: DATA_LOSS, "
+                            "INTERNAL (the node's storage or ckptd), UNAVAILABLE, "
+                            "RESOURCE_EXHAUSTED, DEADLINE_EXCEEDED, ABORTED (capacity, peers, "
+                            "restarts, files changing), NOT_FOUND, INVALID_ARGUMENT, "
+                            "PERMISSION_DENIED, ... (the request: a typo, a missing key)")
+                      .Register(*registry);
     peer_received = &prometheus::BuildCounter()
                          .Name("ckptd_peer_received_bytes_total")
                          .Help("Checkpoint bytes received from other daemons (multi-node jobs)")
@@ -411,6 +420,7 @@ void RecordLoadJob(const LoadJobRecord& r) {
   Instruments& in = Inst();
   const bool ok = r.status.ok();
   (ok ? in.jobs_ok : in.jobs_failed)->Increment();
+  if (!ok) in.job_errors->Add({{"code", absl::StatusCodeToString(r.status.code())}}).Increment();
   if (r.bytes_from_peers) in.peer_received->Increment(static_cast<double>(r.bytes_from_peers));
   if (r.bytes_to_peers) in.peer_sent->Increment(static_cast<double>(r.bytes_to_peers));
   const double phases[5] = {r.list_s, r.plan_s, r.read_s, r.copy_s, r.wall_s};

@@ -302,8 +302,8 @@ void Saves::RunSaveJob(const std::shared_ptr<Job>& job) {
     r.set_unique_id(save.plan.unique_id);
     r.set_persisted(true);
   });
-  spdlog::info("save job={} path={} ranks={} written={}B in {:.3f}s", job->id, job->path,
-               slots.size(), saved->bytes, Seconds(t0));
+  spdlog::info("save job={} path={} version={} ranks={} written={}B in {:.3f}s", job->id, job->path,
+               save.plan.unique_id, slots.size(), saved->bytes, Seconds(t0));
 }
 
 absl::Status Saves::StageAsyncSave(Job& job,

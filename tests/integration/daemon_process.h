@@ -79,10 +79,13 @@ template <typename Cond>
 
 class DaemonProcess {
  public:
-  explicit DaemonProcess(const std::string& root, std::vector<std::string> extra = {}) {
+  // `socket`: another daemon's (a restart on its path; destroy this one
+  // first, the other's directory holds it), else one in a fresh directory.
+  explicit DaemonProcess(const std::string& root, std::vector<std::string> extra = {},
+                         const std::string& socket = "") {
     char tmpl[] = "/tmp/ckptd-it-XXXXXX";
     dir_ = mkdtemp(tmpl);
-    socket_ = dir_ + "/ckptd.sock";
+    socket_ = socket.empty() ? dir_ + "/ckptd.sock" : socket;
     log_ = dir_ + "/ckptd.log";
     port_file_ = dir_ + "/ports.json";
     std::vector<std::string> argv = {Runfile("server/ckptd"), "--socket", socket_, "--root", root,

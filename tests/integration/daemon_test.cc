@@ -11,6 +11,7 @@
 #include <random>
 #include <sstream>
 
+#include "absl/cleanup/cleanup.h"
 #include "client/ckptd_client.h"
 #include "core/tools/layout.h"
 #include "core/tools/offline.h"
@@ -435,6 +436,51 @@ TEST_F(BadRequests, DaemonLendsArenasReusesThemAndChecksTokens) {
   EXPECT_EQ(gs.error_code(), grpc::StatusCode::NOT_FOUND) << gs.error_message();
   EXPECT_THAT(gs.error_message(), HasSubstr("is not leased"));
   EXPECT_TRUE(d.Alive());
+}
+
+// Restarts that jobs survive (issue 38), through the C++ client (ckptctl's
+// ranks): half of an 8-rank job registers, the daemon is restarted (SIGTERM,
+// a new process on the same socket), the other half comes; every rank's
+// call is made again on the new daemon and the job loads exact.
+TEST_F(DaemonTest, RanksWaitingAtTheBarrierLoadFromTheRestartedDaemon) {
+  const char* before = std::getenv("CKPTD_RETRY_TIMEOUT");
+  const std::string saved = before ? before : "";
+  ::setenv("CKPTD_RETRY_TIMEOUT", "60", 1);  // the clients' default (the BUILD sets 0)
+  auto restore = absl::MakeCleanup([&] { ::setenv("CKPTD_RETRY_TIMEOUT", saved.c_str(), 1); });
+  DaemonProcess old(root_);
+  ASSERT_TRUE(old.Ready()) << Slurp(old.log());
+  std::vector<pid_t> pids;
+  auto rank = [&](int r, const std::string& socket) {
+    return Spawn({Runfile("client/ckptctl"), "load", ckpt_, "--layout", layout_file_, "--out",
+                  tmp_.Sub("out-restart"), "--daemon", socket, "--ranks", std::to_string(r),
+                  "--job-id", "restart", "--fill_byte=165", "--barrier_timeout_ms=60000"},
+                 tmp_.Sub("ckptctl-restart-" + std::to_string(r) + ".log"));
+  };
+  for (int r = 0; r < 4; ++r) pids.push_back(rank(r, old.socket()));
+  auto client = Connect(old);
+  bool registered = false;
+  for (int i = 0; i < 400 && !registered; ++i) {
+    auto st = client->Status();
+    if (!st.ok()) continue;
+    for (const auto& j : st->jobs()) {
+      registered = registered || (j.job_id() == "restart" && j.registered_ranks_size() == 4);
+    }
+    if (!registered) std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  ASSERT_TRUE(registered) << Slurp(old.log());
+  client.reset();
+  EXPECT_EQ(old.Stop(), 0);
+  EXPECT_THAT(Slurp(old.log()), HasSubstr("failed 1 job(s) still waiting for ranks"));
+  DaemonProcess restarted(root_, {}, old.socket());
+  ASSERT_TRUE(restarted.Ready()) << Slurp(restarted.log());
+  for (int r = 4; r < 8; ++r) pids.push_back(rank(r, old.socket()));
+  for (size_t i = 0; i < pids.size(); ++i) {
+    EXPECT_EQ(WaitExit(pids[i]), 0) << "rank " << i << ": "
+                                    << Slurp(tmp_.Sub("ckptctl-restart-" + std::to_string(i) + ".log"));
+  }
+  ASSERT_TRUE(LayoutMatchesOracle(tmp_.Sub("out-restart"), load_layout_, full_));
+  EXPECT_THAT(Slurp(restarted.log()), HasSubstr("load job=restart path="));
+  EXPECT_EQ(restarted.Stop(), 0);
 }
 
 TEST(DaemonClient, NotRunningIsAClearError) {

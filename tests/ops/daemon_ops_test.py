@@ -171,6 +171,8 @@ class OpsTest(unittest.TestCase):
             m3 = parse_metrics(after)
             self.assertEqual(m3[("ckptd_loads_failed_total", ())], 4)
             self.assertEqual(m3[("ckptd_load_jobs_total", (("result", "error"),))], 1)
+            # By code, for the alert tiers (deploy/prometheus: DATA_LOSS pages).
+            self.assertEqual(m3[("ckptd_load_job_errors_total", (("code", "DATA_LOSS"),))], 1)
             self.assertEqual(m3[("ckptd_load_phase_duration_seconds_count",
                                  (("phase", "total"),))], 2)  # failures are not timed
 
@@ -209,6 +211,8 @@ class OpsTest(unittest.TestCase):
             m = parse_metrics(d.scrape())
             self.assertEqual(m[("ckptd_load_jobs_total", (("result", "error"),))], 1)
             self.assertEqual(m.get(("ckptd_load_jobs_total", (("result", "ok"),)), 0), 0)
+            # A user's error: counted by its code, which no paging alert watches.
+            self.assertEqual(m[("ckptd_load_job_errors_total", (("code", "NOT_FOUND"),))], 1)
             wait_for("the job's line", lambda: "job=typo" in d.read_log(), timeout=10)
             line = [x for x in d.read_log().splitlines() if "load job=typo" in x][0]
         self.assertIn(" warn ckptd: load job=typo", line)
