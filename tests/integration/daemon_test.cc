@@ -152,7 +152,9 @@ TEST_F(DaemonTest, EvictionAndInvalidationOnFileChange) {
   const uint64_t read_a = client->Status()->bytes_read_total();
   // Rewrite the checkpoint in place with new values: same names, same uid.
   WriteSource(2);
-  ASSERT_TRUE(ShardCheckpoint(root_ + "/src", MakeLayout(4, 0, true), ckpt_, {}).ok());
+  ShardOptions again;
+  again.overwrite = true;
+  ASSERT_TRUE(ShardCheckpoint(root_ + "/src", MakeLayout(4, 0, true), ckpt_, again).ok());
   EXPECT_THAT(RunRanks(d, "b", tmp_.Sub("b")), ::testing::Each(0)) << Slurp(d.log());
   // The new values everywhere (no stale bytes from the first load's cache).
   ASSERT_TRUE(LayoutMatchesOracle(tmp_.Sub("b"), load_layout_, full_));
