@@ -695,7 +695,7 @@ absl::Status LoadViaDaemon(const std::string& dir, const Layout& layout) {
   std::set<std::string> missing;
   std::set<std::string> unexpected;
   uint64_t delivered = 0, verified = 0;
-  std::map<int, uint64_t> read_per_daemon, cache_per_daemon, peers_per_daemon;
+  std::map<int, uint64_t> read_per_daemon, cache_per_daemon, peers_per_daemon, reads_per_daemon;
   double list_s = 0, plan_s = 0, read_s = 0, copy_s = 0, wait_s = 0;
   nlohmann::json per_rank = nlohmann::json::array();
   for (const RankRun& run : runs) {
@@ -718,6 +718,7 @@ absl::Status LoadViaDaemon(const std::string& dir, const Layout& layout) {
     verified = std::max<uint64_t>(verified, res.checksums_verified());
     const int d = daemon_of(run.rank);
     read_per_daemon[d] = std::max<uint64_t>(read_per_daemon[d], res.bytes_read());
+    reads_per_daemon[d] = std::max<uint64_t>(reads_per_daemon[d], res.reads());
     cache_per_daemon[d] = std::max<uint64_t>(cache_per_daemon[d], res.bytes_from_cache());
     peers_per_daemon[d] = std::max<uint64_t>(peers_per_daemon[d], res.bytes_from_peers());
     list_s = std::max(list_s, res.timings().list_s());
@@ -749,6 +750,8 @@ absl::Status LoadViaDaemon(const std::string& dir, const Layout& layout) {
   }
   for (const auto& [d, b] : read_per_daemon) bytes_read += b;
   for (const auto& [d, b] : cache_per_daemon) bytes_cache += b;
+  uint64_t reads = 0;
+  for (const auto& [d, n] : reads_per_daemon) reads += n;
   if (absl::GetFlag(FLAGS_json)) {
     std::cout << nlohmann::json{{"checkpoint", dir},
                                 {"job_id", job},
@@ -760,6 +763,7 @@ absl::Status LoadViaDaemon(const std::string& dir, const Layout& layout) {
                                 {"daemons", per_daemon},
                                 {"bytes_delivered", delivered},
                                 {"checksums_verified", verified},
+                                {"reads", reads},
                                 {"missing_keys", missing},
                                 {"unexpected_keys", unexpected},
                                 {"timings", {{"list_s", list_s}, {"plan_s", plan_s},
@@ -773,8 +777,9 @@ absl::Status LoadViaDaemon(const std::string& dir, const Layout& layout) {
   std::cout << "loaded " << runs.size() << " ranks of job " << job << " from " << dir
             << " through " << sockets.size() << " daemon(s)\n"
             << "bytes read:      " << bytes_read << " from storage, " << bytes_cache
-            << " from the daemon cache\n"
+            << " from the daemon cache, in " << reads << " reads\n"
             << "bytes delivered: " << delivered << "\n"
+            << "checksums:       " << verified << " shards verified\n"
             << "missing keys:    " << absl::StrJoin(missing, ", ") << "\n"
             << "unexpected keys: " << absl::StrJoin(unexpected, ", ") << "\n"
             << "timings (s):     list " << list_s << ", plan " << plan_s << ", read " << read_s

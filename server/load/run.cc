@@ -285,6 +285,7 @@ void Loads::FinishLoadJob(const std::shared_ptr<Job>& job,
       absl::MutexLock slot_lock(&s.mu);
       if (s.done) continue;
       FillLoadResult(s, plan.ranks[i], i, fig);
+      s.result.set_reads(plan.reads.size());
       if (extra) extra(s.result);
       s.done = true;
     }

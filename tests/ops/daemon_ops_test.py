@@ -122,6 +122,9 @@ class OpsTest(unittest.TestCase):
             self.assertEqual(m0[("ckptd_active_jobs", (("state", "waiting"),))], 0)
 
             r1 = self.load(d)
+            # What an offline load reports, a daemon load reports (issue 38).
+            self.assertEqual(r1["reads"], 2)
+            self.assertGreater(r1["checksums_verified"], 0)
             m1 = parse_metrics(d.scrape())
             self.assertEqual(m1[("ckptd_loads_started_total", ())], 4)  # one per rank
             self.assertEqual(m1[("ckptd_loads_succeeded_total", ())], 4)
