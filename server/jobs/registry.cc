@@ -52,6 +52,10 @@ std::vector<std::string> JobRegistry::AbortLoads(const std::string& why) {
 }
 
 std::vector<std::string> JobRegistry::AbortWaiting(const std::string& why) {
+  {
+    absl::MutexLock lock(&mu_);
+    closed_ = why;
+  }
   return Abort(why, [](const Job& job) ABSL_NO_THREAD_SAFETY_ANALYSIS {
     absl::MutexLock job_lock(&job.mu);
     return job.state == Job::State::kWaiting;
@@ -88,6 +92,10 @@ absl::StatusOr<std::pair<std::shared_ptr<Job>, bool>> JobRegistry::Register(
     const JobKey& key, const std::shared_ptr<RankSlot>& slot, size_t* registered,
     size_t* expected) {
   absl::MutexLock lock(&mu_);
+  if (!closed_.empty()) {
+    return RetryAfterRestart(absl::UnavailableError(
+        absl::StrCat("job '", key.id, "' rank ", key.rank, ": ", closed_)));
+  }
   auto it = jobs_.find(key.id);
   if (it != jobs_.end() && it->second->owner != key.owner) {
     return absl::PermissionDeniedError(absl::StrCat(

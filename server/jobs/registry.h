@@ -91,7 +91,10 @@ class JobRegistry {
   // The drain began: every job (load or save) still waiting for ranks fails
   // now, as AbortLoads (its missing ranks cannot come any more: the daemon
   // takes no new calls), so its ranks retry on the restarted daemon at once
-  // instead of waiting out drain_timeout. The ids of the jobs failed.
+  // instead of waiting out drain_timeout; and from now on Register refuses
+  // every rank the same way (a call on a connection made before the drain
+  // would start a job that waits for ranks going elsewhere). The ids of the
+  // jobs failed.
   std::vector<std::string> AbortWaiting(const std::string& why) ABSL_LOCKS_EXCLUDED(mu_);
   // Status: the jobs waiting or running, only `uid`'s unless `all`.
   void Describe(bool all, uid_t uid, v1::StatusResponse* resp) const ABSL_LOCKS_EXCLUDED(mu_);
@@ -116,6 +119,7 @@ class JobRegistry {
   const uint64_t max_jobs_per_uid_;
   mutable absl::Mutex mu_;
   std::map<std::string, std::shared_ptr<Job>> jobs_ ABSL_GUARDED_BY(mu_);
+  std::string closed_ ABSL_GUARDED_BY(mu_);  // AbortWaiting's reason, once it ran
 };
 
 }  // namespace ckptd

@@ -72,24 +72,29 @@ export TEST_SRCDIR=$B TEST_WORKSPACE=ws
 case_ ckptd_starts 30 "$W/server/ckptd" --version
 case_ gpu_delivery_test 90 "$W/tests/gpu/gpu_delivery_test"
 case_ gpu_ipc_test 150 "$W/tests/gpu/gpu_ipc_test"
-if [ "$gpu" -eq 1 ] || "$PY" -c 'import numpy, grpc, google.protobuf' >/dev/null 2>&1; then
-  case_ torch_cuda_test 150 env -C "$W" CKPTD_BIN="$W/server/ckptd" CKPTCTL="$W/client/ckptctl" \
-    PYTHONPATH="$W/client/python:$W/tests/python" PYTHONUNBUFFERED=1 "$PY" -u tests/gpu/torch_cuda_test.py
-else
-  echo "=== torch_cuda_test: skipped (no GPU, and $PY lacks numpy/grpcio/protobuf)"
+# py_case NAME LIMIT SCRIPT: a Python test against the bundled binaries.
+py_case() {
+  case_ "$1" "$2" env -C "$W" CKPTD_BIN="$W/server/ckptd" CKPTCTL="$W/client/ckptctl" \
+    PYTHONPATH="$W/client/python:$W/tests/python" PYTHONUNBUFFERED=1 "$PY" -u "$3"
+}
+# skip_case NAME WHY
+skip_case() {
+  echo "=== $1: skipped ($2)"
   skipped=$((skipped + 1))
-  results+=("{\"name\": \"torch_cuda_test\", \"result\": \"skipped\", \"exit\": 0, \"seconds\": 0}")
+  results+=("{\"name\": \"$1\", \"result\": \"skipped\", \"exit\": 0, \"seconds\": 0}")
+}
+if [ "$gpu" -eq 1 ] || "$PY" -c 'import numpy, grpc, google.protobuf' >/dev/null 2>&1; then
+  py_case torch_cuda_test 150 tests/gpu/torch_cuda_test.py
+else
+  skip_case torch_cuda_test "no GPU, and $PY lacks numpy/grpcio/protobuf"
 fi
 # The torch client's and DCP reader/writer's suite on whatever torch the
 # machine has (issue 37: the GPU machine's torch 2.x; here 1.13).
 if "$PY" -c 'import numpy, grpc, google.protobuf, torch' >/dev/null 2>&1; then
   echo "=== torch: $("$PY" -c 'import torch; print(torch.__version__)')"
-  case_ torch_client_test 240 env -C "$W" CKPTD_BIN="$W/server/ckptd" CKPTCTL="$W/client/ckptctl" \
-    PYTHONPATH="$W/client/python:$W/tests/python" PYTHONUNBUFFERED=1 "$PY" -u tests/python/torch_client_test.py
+  py_case torch_client_test 240 tests/python/torch_client_test.py
 else
-  echo "=== torch_client_test: skipped ($PY lacks numpy/grpcio/protobuf/torch)"
-  skipped=$((skipped + 1))
-  results+=("{\"name\": \"torch_client_test\", \"result\": \"skipped\", \"exit\": 0, \"seconds\": 0}")
+  skip_case torch_client_test "$PY lacks numpy/grpcio/protobuf/torch"
 fi
 case_ gpu_bench 120 "$W/tests/gpu/gpu_bench" --json "$OUT/gpu_bench.json"
 

@@ -205,6 +205,11 @@ TEST(JobRegistry, AbortWaitingFailsJobsWaitingForRanksRetryableAndLeavesRunningO
   jobs.Describe(true, 0, &status);
   ASSERT_EQ(status.jobs_size(), 1);
   EXPECT_EQ(status.jobs(0).job_id(), "running");
+  // Registering after the drain began: refused the same way (the rank goes to
+  // the restarted daemon), not a new job waiting here.
+  auto late = jobs.Register(Key("late", 0, 2), Slot(), &registered, &expected);
+  EXPECT_EQ(late.status().code(), absl::StatusCode::kUnavailable);
+  EXPECT_TRUE(IsRetryAfterRestart(late.status()));
   // AbortLoads' failures are retryable too; an error of the request is not.
   EXPECT_THAT(jobs.AbortLoads("drain_timeout ran out"), ::testing::ElementsAre("running"));
   EXPECT_TRUE(IsRetryAfterRestart(running->first->AbortStatus()));

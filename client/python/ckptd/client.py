@@ -721,9 +721,8 @@ class Client:
                         aoa=None, job_key=None):
         """See ckptd.load_state_dict. Made again, the same job, when the daemon
         went away or restarted (retry_timeout)."""
-        rank, world_size, node_ranks = resolve_ranks(rank, world_size, node_ranks)
-        job_id = resolve_job_id(job_id, "load", world_size)
-        job_key = resolve_job_key(job_key, world_size, node_ranks)
+        rank, world_size, node_ranks, job_id, job_key = _resolve_job(
+            "load", rank, world_size, node_ranks, job_id, job_key)
         report, retries = self._retrying(timeout, lambda left: self._load_once(
             state_dict, path, rank=rank, world_size=world_size, job_id=job_id,
             unique_id=unique_id, timeout=left, strict=strict, node_ranks=node_ranks,
@@ -941,9 +940,8 @@ class Client:
         went away or restarted before it answered (retry_timeout): the tensors
         are still the caller's then. An asynchronous save's future is not
         retried: once staged, the bytes were the daemon's."""
-        rank, world_size, node_ranks = resolve_ranks(rank, world_size, node_ranks)
-        job_id = resolve_job_id(job_id, "save", world_size)
-        job_key = resolve_job_key(job_key, world_size, node_ranks)
+        rank, world_size, node_ranks, job_id, job_key = _resolve_job(
+            "save", rank, world_size, node_ranks, job_id, job_key)
         out, retries = self._retrying(timeout, lambda left: self._save(
             state_dict, path, rank=rank, world_size=world_size, unique_id=unique_id,
             job_id=job_id, timeout=left, node_ranks=node_ranks, barrier_timeout=barrier_timeout,
@@ -1114,6 +1112,13 @@ def retry_budget(value=None):
         raise CkptdError("INVALID_ARGUMENT", f"retry_timeout {value!r} is not a number of seconds "
                          ">= 0 (CKPTD_RETRY_TIMEOUT)")
     return out
+
+
+def _resolve_job(kind, rank, world_size, node_ranks, job_id, job_key):
+    """What a load or save call names its job by, resolved once for all its tries."""
+    rank, world_size, node_ranks = resolve_ranks(rank, world_size, node_ranks)
+    return (rank, world_size, node_ranks, resolve_job_id(job_id, kind, world_size),
+            resolve_job_key(job_key, world_size, node_ranks))
 
 
 def _abs(path):
