@@ -64,11 +64,13 @@ absl::Status FromGrpc(const grpc::Status& s, absl::string_view what,
 }
 
 // Whether a call that failed with `s` is made again once the daemon is back:
-// UNAVAILABLE that is not the daemon's own answer (the transport's, a
-// connection refused, the fd socket gone), or the daemon's marked as ended
-// by a restart.
+// UNAVAILABLE or CANCELLED that is not the daemon's own answer (the
+// transport's, a connection refused, the fd socket gone, a call cut by the
+// daemon's shutdown), or the daemon's marked as ended by a restart.
 bool Restartable(const absl::Status& s) {
-  if (!absl::IsUnavailable(s)) return false;
+  // CANCELLED that is not the daemon's answer: a daemon shutting down cancelled
+  // the call before its handler answered (this client cancels no calls).
+  if (!absl::IsUnavailable(s) && !absl::IsCancelled(s)) return false;
   return s.GetPayload(kRestart).has_value() || !s.GetPayload(kDaemonAnswer).has_value();
 }
 

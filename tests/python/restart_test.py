@@ -101,6 +101,8 @@ class RestartTest(unittest.TestCase):
         testlib.wait_for("ranks 0 and 1 registered", lambda: job_ranks(old.socket, "rolling") == 2,
                          20, 0.02)
         old.proc.send_signal(signal.SIGTERM)
+        testlib.wait_for("the drain to begin", lambda: "draining running loads" in old.read_log(),
+                         20, 0.005)
         late = [LoadRank(old.socket, self.path, "rolling", r) for r in (2, 3)]
         for r in late:
             r.start()

@@ -157,9 +157,13 @@ def from_rpc_error(err, what, target=None, timeout=None):
     name = code.name if code is not None else "UNKNOWN"
     msg = details or name
     restart = False
-    if name == "UNAVAILABLE":
+    if name in ("UNAVAILABLE", "CANCELLED"):
+        # (CANCELLED not from the daemon: a daemon shutting down cancelled the
+        # call before its handler answered; this client cancels no calls.)
         md = _trailing(err)
-        if md.get("ckptd-status") != "daemon":
+        if md.get("ckptd-status") != "daemon" and name == "CANCELLED":
+            restart = True
+        elif md.get("ckptd-status") != "daemon":
             # gRPC's own: the daemon is not there (restarting, or gone).
             restart = True
             msg = (f"{what}: daemon unavailable (is ckptd running"
