@@ -324,8 +324,6 @@ unsigned ClientApiLevel() {
   return kApiLevel;
 }
 
-// Asks the daemon its version (once per Client) and refuses one older than
-// this client. UNIMPLEMENTED: a daemon from before the Version RPC, level 1.
 // PERMISSION_DENIED for a socket this process may not open: its owner,
 // group and mode (`st`, when it could be read), and what to do.
 absl::Status SocketPermissionDenied(const std::string& path, const struct stat* st) {
@@ -350,6 +348,8 @@ absl::Status SocketPermissionDenied(const std::string& path, const struct stat* 
       " USER`, then log in again) or ask the admin (docs/security.md)"));
 }
 
+// Asks the daemon its version (once per Client) and refuses one older than
+// this client. UNIMPLEMENTED: a daemon from before the Version RPC, level 1.
 absl::Status CheckDaemonVersion(v1::Ckptd::Stub& stub, const Client::Options& options,
                                 v1::VersionResponse* out) {
   grpc::ClientContext ctx;
@@ -837,22 +837,22 @@ absl::StatusOr<LoadReport> Client::LoadOnce(
 }
 
 absl::StatusOr<v1::SaveResponse> Client::Save(const SaveSpec& spec) {
-  // Made again until the daemon answered: the tensors are the caller's still.
-  absl::StatusOr<v1::SaveResponse> out = absl::UnknownError("Save: not run");
-  CKPT_RETURN_IF_ERROR(Retrying([&] {
-    out = SaveCall(spec, false);
-    return out.status();
-  }));
-  return out;
+  return SaveCall(spec, false);
 }
 
 absl::StatusOr<SaveFuture> Client::SaveAsync(const SaveSpec& spec) {
-  absl::StatusOr<v1::SaveResponse> staged = absl::UnknownError("Save: not run");
+  CKPT_ASSIGN_OR_RETURN(v1::SaveResponse staged, SaveCall(spec, true));
+  return SaveFuture(this, spec.job_id, spec.rank, std::move(staged));
+}
+
+absl::StatusOr<v1::SaveResponse> Client::SaveCall(const SaveSpec& spec, bool async) {
+  // Made again until the daemon answered: the tensors are the caller's still.
+  absl::StatusOr<v1::SaveResponse> out = absl::UnknownError("Save: not run");
   CKPT_RETURN_IF_ERROR(Retrying([&] {
-    staged = SaveCall(spec, true);
-    return staged.status();
+    out = SaveOnce(spec, async);
+    return out.status();
   }));
-  return SaveFuture(this, spec.job_id, spec.rank, *std::move(staged));
+  return out;
 }
 
 absl::StatusOr<v1::SaveResponse> Client::AwaitSave(const std::string& job_id, int rank,
@@ -891,7 +891,7 @@ bool SaveFuture::Done() {
   return true;
 }
 
-absl::StatusOr<v1::SaveResponse> Client::SaveCall(const SaveSpec& spec, bool async) {
+absl::StatusOr<v1::SaveResponse> Client::SaveOnce(const SaveSpec& spec, bool async) {
   v1::SaveRequest req;
   req.set_async_save(async);
   req.set_job_id(spec.job_id);

@@ -249,7 +249,10 @@ class Client {
  private:
   struct Rep;
   explicit Client(std::unique_ptr<Rep> rep);
+  // One Save call (async_save as `async`); SaveCall makes it again after a
+  // restart (Retrying).
   absl::StatusOr<v1::SaveResponse> SaveCall(const SaveSpec& spec, bool async);
+  absl::StatusOr<v1::SaveResponse> SaveOnce(const SaveSpec& spec, bool async);
   absl::StatusOr<LoadReport> LoadOnce(const LoadSpec& spec,
                                       const std::function<void(const v1::LoadEvent&)>& progress);
   // attempt() again while it fails with a restartable status (Options::

@@ -23,7 +23,6 @@
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/ascii.h"
-#include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
@@ -147,19 +146,15 @@ class LevelFlag final : public spdlog::custom_flag_formatter {
 // dropped), a number of seconds ("0.0012s"), else the text.
 nlohmann::ordered_json FieldValue(absl::string_view v) {
   absl::string_view num = v;
-  if (absl::ConsumeSuffix(&num, "B") || !absl::ConsumeSuffix(&num, "s")) {
-    int64_t i = 0;
-    uint64_t u = 0;
-    double d = 0;
-    if (absl::SimpleAtoi(num, &i)) return i;
-    if (absl::SimpleAtoi(num, &u)) return u;
-    if (num.size() == v.size() && !num.empty() && absl::ascii_isdigit(num.front()) &&
-        absl::SimpleAtod(num, &d)) {
-      return d;
-    }
-  } else {
-    double d = 0;
-    if (!num.empty() && (absl::ascii_isdigit(num.front())) && absl::SimpleAtod(num, &d)) return d;
+  const bool bytes = absl::ConsumeSuffix(&num, "B");
+  const bool seconds = !bytes && absl::ConsumeSuffix(&num, "s");
+  int64_t i = 0;
+  uint64_t u = 0;
+  double d = 0;
+  if (!seconds && absl::SimpleAtoi(num, &i)) return i;
+  if (!seconds && absl::SimpleAtoi(num, &u)) return u;
+  if (!bytes && !num.empty() && absl::ascii_isdigit(num.front()) && absl::SimpleAtod(num, &d)) {
+    return d;
   }
   return std::string(v);
 }

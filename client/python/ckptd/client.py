@@ -388,8 +388,18 @@ class SaveFuture(concurrent.futures.Future):
                              f"{timeout} s") from None
 
 
+class _DtypeNamed:
+    """`dtype` from the `dtype_name` field of a TensorInfo or ShardInfo."""
+
+    @property
+    def dtype(self):
+        """torch's dtype when the program imported torch, else numpy's (None for
+        BF16 and F8, which numpy lacks); dtype_name is the checkpoint's name."""
+        return _tensors.dtype_of(self.dtype_name)
+
+
 @dataclasses.dataclass
-class ShardInfo:
+class ShardInfo(_DtypeNamed):
     file: str
     offset: tuple
     shape: tuple
@@ -399,26 +409,14 @@ class ShardInfo:
     data_offset: int
     nbytes: int
 
-    @property
-    def dtype(self):
-        """torch's dtype when the program imported torch, else numpy's (None for
-        BF16 and F8, which numpy lacks); dtype_name is the checkpoint's name."""
-        return _tensors.dtype_of(self.dtype_name)
-
 
 @dataclasses.dataclass
-class TensorInfo:
+class TensorInfo(_DtypeNamed):
     name: str
     dtype_name: str  # the checkpoint's name: "BF16", "F32", ...
     global_shape: tuple
     bytes: int
     shards: list
-
-    @property
-    def dtype(self):
-        """torch's dtype when the program imported torch, else numpy's (None for
-        BF16 and F8, which numpy lacks); dtype_name is the checkpoint's name."""
-        return _tensors.dtype_of(self.dtype_name)
 
 
 @dataclasses.dataclass
@@ -955,14 +953,12 @@ class Client:
         """save_state_dict, and the data files of a PyTorch DCP save (fmt="pytorch-dcp",
         with raw_keys, the keys of whole 1-D uint8 arrays written as they are:
         ckptd.dcp.DaemonStorageWriter's, committed by commit_dcp_metadata).
-        device_ok=False: CUDA tensors are copied here, not by the daemon."""
+        The job's names arrive resolved (_resolve_job). device_ok=False: CUDA
+        tensors are copied here, not by the daemon."""
         t0 = time.perf_counter()
         if self.tcp:
             raise CkptdError("INVALID_ARGUMENT", "save_state_dict needs the daemon's Unix socket")
         entries, skipped = flatten(state_dict)
-        rank, world_size, node_ranks = resolve_ranks(rank, world_size, node_ranks)
-        job_id = resolve_job_id(job_id, "save", world_size)
-        job_key = resolve_job_key(job_key, world_size, node_ranks)
         path = _abs(path)
         # unique_id=None: the daemon picks the version (one more than the newest
         # there, visible or persisting; the same for every rank of the job; on

@@ -496,13 +496,15 @@ class DaemonStorageWriter(_DaemonStorage, _st.StorageWriter):
             state[fqn] = ShardedTensor(t.contiguous(), tuple(td.size), tuple(td.chunk.offsets))
         results = []
         if sd["rank"] is not None:
+            rank, world_size, node_ranks, job_id, job_key = _client._resolve_job(
+                "save", sd["rank"], sd["world_size"], sd.get("node_ranks", []), sd["job_id"],
+                sd.get("job_key"))
             with _client.Client(self.socket) as c:
                 self.last_report = c._save(
-                    state, self.path, rank=sd["rank"], world_size=sd["world_size"],
-                    node_ranks=sd.get("node_ranks", []), job_id=sd["job_id"], unique_id=0,
-                    timeout=self.timeout, barrier_timeout=self.barrier_timeout,
-                    overwrite=self.overwrite, async_save=False, job_key=sd.get("job_key"),
-                    fmt="pytorch-dcp", raw_keys=raw)
+                    state, self.path, rank=rank, world_size=world_size, node_ranks=node_ranks,
+                    job_id=job_id, unique_id=0, timeout=self.timeout,
+                    barrier_timeout=self.barrier_timeout, overwrite=self.overwrite,
+                    async_save=False, job_key=job_key, fmt="pytorch-dcp", raw_keys=raw)
             where = {it.name: it for it in self.last_report.items}
             for item in plan.items:
                 it = where.get(item.index.fqn)

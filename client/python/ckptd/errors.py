@@ -158,18 +158,18 @@ def from_rpc_error(err, what, target=None, timeout=None):
     msg = details or name
     restart = False
     if name in ("UNAVAILABLE", "CANCELLED"):
-        # (CANCELLED not from the daemon: a daemon shutting down cancelled the
-        # call before its handler answered; this client cancels no calls.)
         md = _trailing(err)
-        if md.get("ckptd-status") != "daemon" and name == "CANCELLED":
-            restart = True
-        elif md.get("ckptd-status") != "daemon":
-            # gRPC's own: the daemon is not there (restarting, or gone).
-            restart = True
-            msg = (f"{what}: daemon unavailable (is ckptd running"
-                   f"{' at ' + target if target else ''}?): {msg}")
-        else:  # the daemon's answer; retried only when a restart ended the call
+        if md.get("ckptd-status") == "daemon":
+            # The daemon's answer: retried only when a restart ended the call.
             restart = md.get("ckptd-retry") == "restart"
+        else:
+            # gRPC's own: the daemon is not there (restarting, or gone), or a
+            # daemon shutting down cancelled the call before its handler
+            # answered (this client cancels no calls).
+            restart = True
+            if name == "UNAVAILABLE":
+                msg = (f"{what}: daemon unavailable (is ckptd running"
+                       f"{' at ' + target if target else ''}?): {msg}")
     elif name == "DEADLINE_EXCEEDED" and timeout is not None and msg in ("Deadline Exceeded", ""):
         msg = f"{what}: no answer from ckptd within {timeout:g} s (timeout=)"
     out = CkptdError(name, msg, code)
