@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <limits>
 #include <set>
 #include <string>
 #include <vector>
@@ -273,6 +274,17 @@ extern "C" int LLVMFuzzerTestOneInput(const uint8_t* data, size_t size) {
           FUZZ_CHECK(info.first == t.dtype && info.second == t.global_shape, "tensor info");
         }
       }
+    }
+    // The daemons pick the version (SaveJoin.next_version): a part whose
+    // version is this node's proposal is taken exactly as above; one older
+    // than the proposal is refused.
+    const int64_t uid = part.save().unique_id();
+    auto picked = ckptd::LocalSaveOf(part, sctx, uid, /*picked=*/true);
+    FUZZ_CHECK(picked.ok() == local.ok(), picked.status().ToString());
+    if (uid < std::numeric_limits<int64_t>::max()) {
+      auto older = ckptd::LocalSaveOf(part, sctx, uid + 1, /*picked=*/true);
+      FUZZ_CHECK(!older.ok() && older.status().code() == absl::StatusCode::kInvalidArgument,
+                 older.status().ToString());
     }
   }
   return 0;
