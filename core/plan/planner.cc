@@ -508,4 +508,66 @@ std::string MissingKeysText(const std::vector<std::string>& missing) {
   return text;
 }
 
+uint64_t SpanBytes(const std::vector<ReadSpan>& spans) {
+  uint64_t n = 0;
+  for (const ReadSpan& s : spans) n += s.end - s.begin;
+  return n;
+}
+
+std::vector<std::vector<ReadSpan>> NeededSpans(const LoadPlan& plan, size_t max_spans) {
+  std::vector<std::vector<ReadSpan>> out(plan.reads.size());
+  // Runs of one copy beyond this are read as its whole span (bounds the
+  // work for copies of tiny runs; their span is then close to dense anyway).
+  constexpr size_t kMaxRunsPerCopy = 1 << 14;
+  std::vector<CopyRun> runs;
+  for (const RankPlan& rp : plan.ranks) {
+    for (const CopyOp& op : rp.copies) {
+      if (op.read >= plan.reads.size() || op.target >= rp.targets.size()) continue;
+      const ReadRange& rr = plan.reads[op.read];
+      const uint64_t base = op.src_offset - rr.offset;
+      const uint64_t esz = DTypeSize(op.src.dtype);
+      std::vector<ReadSpan>& spans = out[op.read];
+      runs.clear();
+      if (AppendCopyRuns(op.src, rp.targets[op.target].layout(), op.region, kMaxRunsPerCopy,
+                         &runs)) {
+        for (const CopyRun& r : runs) {
+          if (r.len <= 0) continue;
+          const uint64_t b = base + static_cast<uint64_t>(r.src) * esz;
+          spans.push_back({b, b + static_cast<uint64_t>(r.len) * esz});
+        }
+      } else if (op.src.num_bytes() > 0) {
+        spans.push_back({base, base + static_cast<uint64_t>(op.src.num_bytes())});
+      }
+    }
+  }
+  const size_t cap = std::max<size_t>(max_spans, 1);
+  for (std::vector<ReadSpan>& spans : out) {
+    if (spans.empty()) continue;
+    std::sort(spans.begin(), spans.end(),
+              [](const ReadSpan& a, const ReadSpan& b) { return a.begin < b.begin; });
+    auto merge = [&spans](uint64_t gap) {
+      size_t k = 0;
+      for (size_t i = 1; i < spans.size(); ++i) {
+        if (spans[i].begin <= spans[k].end + gap) {
+          spans[k].end = std::max(spans[k].end, spans[i].end);
+        } else {
+          spans[++k] = spans[i];
+        }
+      }
+      spans.resize(k + 1);
+    };
+    merge(0);
+    if (spans.size() > cap) {
+      // Close the smallest gaps: every gap up to the (n - cap)-th smallest.
+      std::vector<uint64_t> gaps;
+      gaps.reserve(spans.size() - 1);
+      for (size_t i = 1; i < spans.size(); ++i) gaps.push_back(spans[i].begin - spans[i - 1].end);
+      const size_t k = spans.size() - cap - 1;
+      std::nth_element(gaps.begin(), gaps.begin() + k, gaps.end());
+      merge(gaps[k]);
+    }
+  }
+  return out;
+}
+
 }  // namespace ckpt

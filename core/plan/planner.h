@@ -117,6 +117,26 @@ absl::StatusOr<LoadPlan> PlanLoad(const CheckpointMetadata& metadata,
                                   const std::vector<RankTargets>& ranks,
                                   const PlanOptions& options = {});
 
+// A byte range [begin, end) inside one read (offsets from the read's first
+// byte).
+struct ReadSpan {
+  uint64_t begin = 0;
+  uint64_t end = 0;
+  bool operator==(const ReadSpan& o) const { return begin == o.begin && end == o.end; }
+};
+
+// Per read of `plan` (same order as plan.reads): the bytes its ranks'
+// copies read from it, sorted, disjoint, touching spans merged: what a node
+// whose ranks are `plan.ranks` needs of a read another node made (a copy's
+// runs, or its whole source span when it has a permutation or more runs than
+// a bound). When a read would have more than `max_spans` spans, the
+// smallest gaps between them are closed until it has at most that many. An
+// unused read gets none.
+std::vector<std::vector<ReadSpan>> NeededSpans(const LoadPlan& plan, size_t max_spans);
+
+// Bytes in `spans`.
+uint64_t SpanBytes(const std::vector<ReadSpan>& spans);
+
 // The master-weight alternative name of `key`, or "" if it has none.
 std::string MasterWeightAlias(const std::string& key);
 

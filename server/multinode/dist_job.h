@@ -86,6 +86,8 @@ struct DistJob {
     int remaining = 0;     // fetches still expected
   };
   std::map<uint32_t, Served> served ABSL_GUARDED_BY(mu);
+  // Bytes of this node's reads sent to peers (gRPC streams, NCCL links).
+  uint64_t bytes_sent ABSL_GUARDED_BY(mu) = 0;
   bool part_known ABSL_GUARDED_BY(mu) = false;
   absl::Status exec_status ABSL_GUARDED_BY(mu);
   // The first authorization violation seen here (PERMISSION_DENIED naming

@@ -8,10 +8,36 @@
 
 #include "absl/strings/str_cat.h"
 #include "core/base/status_macros.h"
+#include "core/base/xxh3.h"
 #include "server/await.h"
 #include "server/peer/peer_plane.h"
 
 namespace ckptd {
+namespace {
+
+// The spans of a fetch (FetchReadRequest.spans) against its read of
+// `length` bytes: at most kMaxFetchSpans, each non-empty, inside the read,
+// ascending and disjoint. Says what is wrong with the first that is not.
+absl::Status CheckFetchSpans(const peer::v1::FetchReadRequest& req, uint64_t length) {
+  if (static_cast<size_t>(req.spans_size()) > kMaxFetchSpans) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(req.spans_size(), " spans (at most ", kMaxFetchSpans, ")"));
+  }
+  int64_t prev_end = 0;
+  for (int i = 0; i < req.spans_size(); ++i) {
+    const peer::v1::Range& r = req.spans(i);
+    if (r.begin() < prev_end || r.end() <= r.begin() ||
+        static_cast<uint64_t>(r.end()) > length) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "spans[", i, "] [", r.begin(), ", ", r.end(), ") (spans are non-empty, ascending, "
+          "disjoint and inside the read of ", length, " bytes)"));
+    }
+    prev_end = r.end();
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
 
 DistJobs::DistJobs(const DaemonConfig& config, PeerPlane* peers, gpu::GpuRuntime* gpu)
     : config_(config), peers_(peers), gpu_(gpu) {}
@@ -166,6 +192,10 @@ absl::Status DistJobs::PeerFetchRead(const PeerCaller& caller,
                                                       "', whose part does not need it from ", me));
     }
     DistJob::Served& served = sv->second;
+    if (absl::Status spans = CheckFetchSpans(req, served.length); !spans.ok()) {
+      return dj->ViolationLocked(caller, absl::StrCat("fetched read ", g, " as '", req.node(),
+                                                      "' with ", spans.message()));
+    }
     if (!served.fetched.insert(req.node()).second) {
       return dj->ViolationLocked(caller,
                                  absl::StrCat("fetched read ", g, " as '", req.node(),
@@ -187,19 +217,52 @@ absl::Status DistJobs::PeerFetchRead(const PeerCaller& caller,
     xxh3 = served.xxh3;
   }
   constexpr uint64_t kChunk = 1 << 20;
-  for (uint64_t off = 0; off == 0 || off < length; off += kChunk) {
+  uint64_t sent = 0;
+  if (req.spans_size() == 0) {
+    for (uint64_t off = 0; off == 0 || off < length; off += kChunk) {
+      peer::v1::Chunk c;
+      c.set_offset(off);
+      if (length > 0) c.set_data(view.data + off, std::min(kChunk, length - off));
+      if (off == 0) {
+        c.set_xxh3(xxh3);
+        if (config_.testing_corrupt_served && length > 0) {
+          (*c.mutable_data())[0] ^= 0x01;  // fault injection for tests only
+        }
+      }
+      if (!send(c)) return absl::CancelledError("the fetching node went away");
+    }
+    sent = length;
+  } else {
+    // Only the spans the fetching node's ranks copy, one after another, in
+    // chunks of up to kChunk bytes, each with its own xxh3.
     peer::v1::Chunk c;
-    c.set_offset(off);
-    if (length > 0) c.set_data(view.data + off, std::min(kChunk, length - off));
-    if (off == 0) {
-      c.set_xxh3(xxh3);
-      if (config_.testing_corrupt_served && length > 0) {
+    auto flush = [&]() {
+      const std::string& d = c.data();
+      c.set_xxh3(XXH3_64bits(d.data(), d.size()));
+      if (config_.testing_corrupt_served && !d.empty()) {
         (*c.mutable_data())[0] ^= 0x01;  // fault injection for tests only
       }
+      sent += d.size();
+      const bool ok = send(c);
+      c.set_offset(sent);
+      c.clear_data();
+      return ok;
+    };
+    for (const peer::v1::Range& r : req.spans()) {
+      for (uint64_t at = static_cast<uint64_t>(r.begin()); at < static_cast<uint64_t>(r.end());) {
+        const uint64_t k = std::min<uint64_t>(static_cast<uint64_t>(r.end()) - at,
+                                              kChunk - c.data().size());
+        c.mutable_data()->append(reinterpret_cast<const char*>(view.data + at), k);
+        at += k;
+        if (c.data().size() == kChunk && !flush()) {
+          return absl::CancelledError("the fetching node went away");
+        }
+      }
     }
-    if (!send(c)) return absl::CancelledError("the fetching node went away");
+    if (!c.data().empty() && !flush()) return absl::CancelledError("the fetching node went away");
   }
   absl::MutexLock lock(&dj->mu);
+  dj->bytes_sent += sent;
   auto sv = dj->served.find(g);  // found above; entries are never erased
   if (sv != dj->served.end() && --sv->second.remaining <= 0) {
     sv->second.view = ckpt::RangeView{};  // unpin

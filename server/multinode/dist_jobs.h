@@ -83,11 +83,13 @@ class DistJobs {
   absl::Status AdoptPart(const std::shared_ptr<DistJob>& dj, const peer::v1::PlanPart& part,
                          const std::string& coordinator, PlanPartContext pctx, LocalPart* out);
   // The reads of this node's part `part` of `dj` that peers serve (global
-  // read indices and their readers from LocalPartOf), over gRPC or NCCL.
+  // read indices, their readers and the spans to fetch of each from
+  // LocalPartOf), over gRPC or NCCL.
   std::unique_ptr<RemoteReads> PeerReadsFor(
       const std::shared_ptr<DistJob>& dj, const peer::v1::PlanPart& part,
       std::map<std::pair<std::string, uint64_t>, uint32_t> global_index,
-      std::vector<std::string> reader);
+      std::vector<std::string> reader,
+      std::map<uint32_t, std::vector<ckpt::ReadSpan>> fetch_spans);
   // Step 3: this node's part is done (`done`): the coordinator concludes the
   // job (AwaitOutcome here, or Complete sent to `coordinator`), bounded.
   absl::StatusOr<peer::v1::CompleteResponse> ReportCompletion(const std::shared_ptr<DistJob>& dj,

@@ -227,13 +227,11 @@ void MultiNodeLoad::Run(const std::shared_ptr<Job>& job,
   std::map<std::string, ckpt::FileStamp> stamps;  // none when the part was refused
   if (exec.ok()) exec = StampLocalFiles(job->path, mine.local_files, me, &stamps);
   ckpt::LoadStats stats;
-  uint64_t received = 0, sent = 0;
+  std::unique_ptr<RemoteReads> peers;
   if (exec.ok()) {
-    std::unique_ptr<RemoteReads> peers =
-        p_.dist_jobs->PeerReadsFor(dj, part, std::move(mine.global_index), std::move(mine.reader));
+    peers = p_.dist_jobs->PeerReadsFor(dj, part, std::move(mine.global_index),
+                                       std::move(mine.reader), std::move(mine.fetch_spans));
     auto st = p_.loads->RunNodePart(job, slots, lp, stamps, "reading (multi-node)", peers.get());
-    received = peers->bytes_received();
-    sent = peers->bytes_sent();
     if (st.ok()) {
       stats = *st;
     } else {
@@ -245,10 +243,12 @@ void MultiNodeLoad::Run(const std::shared_ptr<Job>& job,
   job->SetPhase("waiting for the other nodes");
   peer::v1::CompleteRequest done = CompletionOf(job->id, me, exec);
   done.set_bytes_read(stats.bytes_read);
+  const uint64_t received = peers ? peers->bytes_received() : 0;
   done.set_bytes_received(received);
-  done.set_bytes_sent(sent);
+  done.set_bytes_sent(peers ? peers->bytes_sent() : 0);  // so far: peers may still fetch
   absl::StatusOr<peer::v1::CompleteResponse> outcome = p_.dist_jobs->ReportCompletion(dj, coordinator, done);
   // Every node has completed (the outcome says so): its fetches are done.
+  const uint64_t sent = peers ? peers->bytes_sent() : 0;
   p_.dist_jobs->Retire(dj, absl::Seconds(1));
   absl::Status final_status = JobOutcome(job->id, exec, outcome);
   if (!final_status.ok()) {

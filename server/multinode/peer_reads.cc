@@ -33,12 +33,13 @@ class DistSource final : public ckpt::RangeSource {
   using StubFn = std::function<std::shared_ptr<peer::v1::Peer::Stub>(const std::string&)>;
   DistSource(std::string me, std::string job_id, ckpt::RangeSource* storage,
              std::map<std::pair<std::string, uint64_t>, uint32_t> global_index,
-             std::vector<std::string> reader, PublishFn publish, StubFn stub,
-             std::function<absl::Status()> aborted, absl::Duration timeout)
+             std::vector<std::string> reader,
+             std::map<uint32_t, std::vector<ckpt::ReadSpan>> fetch_spans, PublishFn publish,
+             StubFn stub, std::function<absl::Status()> aborted, absl::Duration timeout)
       : me_(std::move(me)), job_id_(std::move(job_id)), storage_(storage),
         global_index_(std::move(global_index)), reader_(std::move(reader)),
-        publish_(std::move(publish)), stub_(std::move(stub)), aborted_(std::move(aborted)),
-        timeout_(timeout) {}
+        fetch_spans_(std::move(fetch_spans)), publish_(std::move(publish)),
+        stub_(std::move(stub)), aborted_(std::move(aborted)), timeout_(timeout) {}
 
   absl::StatusOr<ckpt::RangeView> Fetch(
       const std::string& file, uint64_t offset, uint64_t n, std::vector<uint8_t>& scratch,
@@ -69,6 +70,8 @@ class DistSource final : public ckpt::RangeSource {
         return b->view;
       }  // links failed: gRPC below
     }
+    auto spans = fetch_spans_.find(g);
+    if (spans != fetch_spans_.end()) return FetchSpans(g, file, offset, n, spans->second, scratch);
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
@@ -92,15 +95,7 @@ class DistSource final : public ckpt::RangeSource {
       got += c.data().size();
     }
     grpc::Status s = stream->Finish();
-    if (!s.ok() || got != n) {
-      const auto code = s.ok() ? absl::StatusCode::kUnavailable
-                               : static_cast<absl::StatusCode>(s.error_code());
-      return absl::Status(
-          code == absl::StatusCode::kPermissionDenied ? code : absl::StatusCode::kUnavailable,
-          absl::StrCat("peer ", reader, " failed to send ", file, " bytes [", offset, ", ",
-                       offset + n, ") (got ", got, "): ",
-                       s.ok() ? "stream ended early" : s.error_message()));
-    }
+    if (!s.ok() || got != n) return SendFailed(s, reader, file, offset, n, got, n);
     if (!xxh3) return absl::DataLossError(absl::StrCat(what, ": sent without its checksum"));
     CKPT_RETURN_IF_ERROR(Check(scratch.data(), n, *xxh3, what, verify));
     received_ += n;
@@ -108,10 +103,97 @@ class DistSource final : public ckpt::RangeSource {
   }
 
   uint64_t received() const { return received_.load(); }
+  // Of the reads fetched by spans: their whole length (what shipping whole
+  // reads would have moved).
+  uint64_t spanned_read_bytes() const { return spanned_read_bytes_.load(); }
   void set_links(NcclTransfers* links) { links_ = links; }
   void set_storage(ckpt::RangeSource* storage) { storage_ = storage; }
 
  private:
+  // Only the bytes of read `g` (`n` at `offset` of `file`) the ranks here
+  // copy: `spans`, cut and sent one after another by the peer, each chunk
+  // with the xxh3 of its own bytes, placed at their offsets in `scratch`.
+  // The rest of `scratch` is never read (the copies touch only the spans),
+  // and the plan's checksums, over whole blocks, are not checked here: the
+  // peer checked them as it read (and checks its xxh3 against them).
+  absl::StatusOr<ckpt::RangeView> FetchSpans(uint32_t g, const std::string& file, uint64_t offset,
+                                             uint64_t n, const std::vector<ckpt::ReadSpan>& spans,
+                                             std::vector<uint8_t>& scratch) {
+    const std::string& reader = reader_[g];
+    const std::string what = absl::StrCat("read ", g, " (", file, " bytes [", offset, ", ",
+                                          offset + n, "), ", spans.size(),
+                                          " spans) from peer ", reader);
+    grpc::ClientContext ctx;
+    ctx.set_deadline(std::chrono::system_clock::now() +
+                     std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
+    peer::v1::FetchReadRequest req;
+    req.set_job_id(job_id_);
+    req.set_read(g);
+    req.set_node(me_);
+    uint64_t want = 0;
+    for (const ckpt::ReadSpan& sp : spans) {
+      peer::v1::Range* r = req.add_spans();
+      r->set_begin(static_cast<int64_t>(sp.begin));
+      r->set_end(static_cast<int64_t>(sp.end));
+      want += sp.end - sp.begin;
+    }
+    if (scratch.size() < n) scratch.resize(n);
+    auto stream = stub_(reader)->FetchRead(&ctx, req);
+    uint64_t got = 0;  // position in the spans' bytes
+    size_t span = 0;
+    uint64_t in_span = 0;  // bytes of spans[span] placed so far
+    peer::v1::Chunk c;
+    while (stream->Read(&c)) {
+      if (c.offset() != got || c.data().size() > want - got || !c.has_xxh3()) {
+        ctx.TryCancel();
+        return absl::DataLossError(
+            absl::StrCat(what, ": a chunk out of order, too long or without its xxh3"));
+      }
+      const uint64_t have = XXH3_64bits(c.data().data(), c.data().size());
+      if (have != c.xxh3()) {
+        ctx.TryCancel();
+        return absl::DataLossError(absl::StrCat(
+            what, ": the bytes received at ", got, " hash to xxh3 ",
+            absl::Hex(have, absl::kZeroPad16), ", the peer sent ",
+            absl::Hex(c.xxh3(), absl::kZeroPad16),
+            " (altered in transit or by the peer); none of it was delivered"));
+      }
+      const char* p = c.data().data();
+      uint64_t left = c.data().size();
+      while (left > 0) {  // got + left <= want: spans remain
+        const ckpt::ReadSpan& sp = spans[span];
+        const uint64_t k = std::min(left, sp.end - sp.begin - in_span);
+        std::memcpy(scratch.data() + sp.begin + in_span, p, k);
+        p += k;
+        left -= k;
+        in_span += k;
+        if (in_span == sp.end - sp.begin) {
+          ++span;
+          in_span = 0;
+        }
+      }
+      got += c.data().size();
+    }
+    grpc::Status s = stream->Finish();
+    if (!s.ok() || got != want) return SendFailed(s, reader, file, offset, n, got, want);
+    received_ += want;
+    spanned_read_bytes_ += n;
+    return ckpt::RangeView{scratch.data(), nullptr, false};
+  }
+
+  // A fetch from `reader` that ended with `s` after `got` of `want` bytes.
+  static absl::Status SendFailed(const grpc::Status& s, const std::string& reader,
+                                 const std::string& file, uint64_t offset, uint64_t n,
+                                 uint64_t got, uint64_t want) {
+    const auto code =
+        s.ok() ? absl::StatusCode::kUnavailable : static_cast<absl::StatusCode>(s.error_code());
+    return absl::Status(
+        code == absl::StatusCode::kPermissionDenied ? code : absl::StatusCode::kUnavailable,
+        absl::StrCat("peer ", reader, " failed to send ", file, " bytes [", offset, ", ",
+                     offset + n, ") (got ", got, " of ", want, "): ",
+                     s.ok() ? "stream ended early" : s.error_message()));
+  }
+
   // The received bytes against the sender's xxh3, then the plan's checksums.
   static absl::Status Check(const uint8_t* data, uint64_t n, uint64_t want,
                             const std::string& what,
@@ -135,11 +217,13 @@ class DistSource final : public ckpt::RangeSource {
   ckpt::RangeSource* storage_;
   const std::map<std::pair<std::string, uint64_t>, uint32_t> global_index_;
   const std::vector<std::string> reader_;
+  const std::map<uint32_t, std::vector<ckpt::ReadSpan>> fetch_spans_;
   const PublishFn publish_;
   const StubFn stub_;
   const std::function<absl::Status()> aborted_;
   const absl::Duration timeout_;
   std::atomic<uint64_t> received_{0};
+  std::atomic<uint64_t> spanned_read_bytes_{0};
 };
 
 }  // namespace
@@ -151,9 +235,11 @@ class PeerReads final : public RemoteReads {
  public:
   PeerReads(DistJobs* d, std::shared_ptr<DistJob> dj, const peer::v1::PlanPart& part,
             const std::string& me, std::map<std::pair<std::string, uint64_t>, uint32_t> global_index,
-            std::vector<std::string> reader)
+            std::vector<std::string> reader,
+            std::map<uint32_t, std::vector<ckpt::ReadSpan>> fetch_spans)
       : d_(d), dj_(std::move(dj)), part_(part), me_(me),
         source_(me, dj_->id, nullptr, std::move(global_index), std::move(reader),
+                std::move(fetch_spans),
                 [this](uint32_t g, const ckpt::RangeView& v, uint64_t xxh3) { Publish(g, v, xxh3); },
                 [d](const std::string& a) { return d->peers_->Stub(a); },
                 [dj = dj_]() -> absl::Status {
@@ -188,7 +274,10 @@ class PeerReads final : public RemoteReads {
   }
 
   uint64_t bytes_received() const override { return source_.received(); }
-  uint64_t bytes_sent() const override { return sent_.load(); }
+  uint64_t bytes_sent() const override {
+    absl::MutexLock lock(&dj_->mu);
+    return dj_->bytes_sent;
+  }
 
  private:
   // One of this node's reads, verified: kept for the peers that need it.
@@ -199,7 +288,6 @@ class PeerReads final : public RemoteReads {
     it->second.view = v;
     it->second.xxh3 = xxh3;
     it->second.ready = true;
-    sent_ += it->second.length * it->second.remaining;
   }
 
   // What the NCCL links send for read `g`, once this node has it.
@@ -216,6 +304,7 @@ class PeerReads final : public RemoteReads {
       return absl::UnavailableError(absl::StrCat("read ", g, " is not available to send"));
     }
     NcclTransfers::Bytes b{it->second.view, it->second.xxh3};
+    dj_->bytes_sent += it->second.length;
     if (d_->config_.testing_corrupt_served && it->second.length > 0) {
       // Fault injection for tests only: a flipped byte on the link.
       auto copy = std::make_shared<std::vector<uint8_t>>(b.view.data,
@@ -232,15 +321,14 @@ class PeerReads final : public RemoteReads {
   const std::string me_;
   DistSource source_;
   std::unique_ptr<NcclTransfers> nccl_;
-  std::atomic<uint64_t> sent_{0};
 };
 
 std::unique_ptr<RemoteReads> DistJobs::PeerReadsFor(
     const std::shared_ptr<DistJob>& dj, const peer::v1::PlanPart& part,
     std::map<std::pair<std::string, uint64_t>, uint32_t> global_index,
-    std::vector<std::string> reader) {
+    std::vector<std::string> reader, std::map<uint32_t, std::vector<ckpt::ReadSpan>> fetch_spans) {
   return std::make_unique<PeerReads>(this, dj, part, config_.peer_listen, std::move(global_index),
-                                     std::move(reader));
+                                     std::move(reader), std::move(fetch_spans));
 }
 
 }  // namespace ckptd

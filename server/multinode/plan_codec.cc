@@ -498,6 +498,14 @@ absl::StatusOr<LocalPart> LocalPartOf(const peer::v1::PlanPart& part,
     for (ckpt::CopyOp& c : rp.copies) c.read = local_of[c.read];  // validated: one of ours
     out.plan.ranks.push_back(std::move(rp));
   }
+  // What to fetch of each read a peer makes: the bytes the ranks here copy.
+  std::vector<std::vector<ckpt::ReadSpan>> needed = ckpt::NeededSpans(out.plan, kMaxFetchSpans);
+  for (size_t l = 0; l < out.plan.reads.size(); ++l) {
+    const uint32_t g = out.global_read[l];
+    if (out.reader[g] == me || needed[l].empty()) continue;
+    if (ckpt::SpanBytes(needed[l]) * 100 >= out.plan.reads[l].length * kWholeReadPercent) continue;
+    out.fetch_spans[g] = std::move(needed[l]);
+  }
   return out;
 }
 

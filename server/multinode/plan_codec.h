@@ -118,7 +118,20 @@ struct LocalPart {
   std::map<std::pair<std::string, uint64_t>, uint32_t> global_index;
   std::set<std::string> local_files;  // files this node reads from storage
   std::vector<ServedRead> served;     // ascending by read
+  // Reads fetched from peers of which this node's ranks need less than
+  // 95% (kWholeReadPercent; global index -> the spans they copy from, offsets in
+  // the read): only those bytes are fetched (FetchReadRequest.spans). A
+  // fetched read not listed comes whole and is verified here against the
+  // checkpoint's checksums too.
+  std::map<uint32_t, std::vector<ckpt::ReadSpan>> fetch_spans;
 };
+
+// Spans one fetch may ask for (FetchReadRequest.spans): more are merged
+// across their smallest gaps (ckpt::NeededSpans).
+inline constexpr size_t kMaxFetchSpans = 1 << 16;
+// A node fetches a read whole when its ranks need at least this share of it
+// (percent).
+inline constexpr uint64_t kWholeReadPercent = 95;
 
 // ValidatePlanPart, then this node's share of the part.
 absl::StatusOr<LocalPart> LocalPartOf(const peer::v1::PlanPart& part,

@@ -8,6 +8,7 @@
 #include <random>
 #include <set>
 #include <thread>
+#include <tuple>
 
 #include "client/ckptd_client.h"
 #include "core/tools/offline.h"
@@ -169,6 +170,50 @@ class MultiNode : public ::testing::TestWithParam<bool> {
     return f;
   }
 
+  // The bytes the ranks of node `node` (ranks node * per_node ...) copy
+  // from data files the node does not hold (NodeLocalCheckpoint: ranks 2n,
+  // 2n+1's files): for each distinct target box of its ranks, the elements
+  // of every replica-0 shard in another node's file that the box holds.
+  static uint64_t NeededFromPeers(const CheckpointMetadata& m, const Layout& load, int node,
+                                  int per_node) {
+    std::set<std::string> local;
+    for (int r = 2 * node; r < 2 * node + 2; ++r) local.insert(std::to_string(r) + "_0.safetensors");
+    std::set<std::tuple<std::string, Shape, Shape>> seen;  // (tensor, box) once per node
+    uint64_t bytes = 0;
+    for (int r = node * per_node; r < (node + 1) * per_node; ++r) {
+      for (const TargetTensor& t : load.ranks[r].tensors) {
+        if (!seen.insert({t.name, t.box.offset, t.box.shape}).second) continue;
+        for (const ShardMeta& s : m.tensors.at(t.name).shards) {
+          if (s.replica_id != 0 || local.count(s.file)) continue;
+          auto region = Intersect(s.box, t.box);
+          if (!region) continue;
+          bytes += static_cast<uint64_t>(CountRegion(s.layout(), t.layout(), *region)) *
+                   DTypeSize(s.dtype);
+        }
+      }
+    }
+    return bytes;
+  }
+
+  // The `what=<N>B` figure of node `node`'s log line for job `job`.
+  uint64_t LoggedBytes(size_t node, const std::string& job, const std::string& what) {
+    const std::string log = Slurp(nodes_[node]->log());
+    const std::string line_start = "load job=" + job + " ";
+    const size_t at = log.find(line_start);
+    if (at == std::string::npos) {
+      ADD_FAILURE() << "no '" << line_start << "' line in node " << node << "'s log";
+      return 0;
+    }
+    const size_t eol = log.find('\n', at);
+    const std::string line = log.substr(at, eol - at);
+    const size_t k = line.find(" " + what + "=");
+    if (k == std::string::npos) {
+      ADD_FAILURE() << "no " << what << " in " << line;
+      return 0;
+    }
+    return std::stoull(line.substr(k + what.size() + 2));
+  }
+
   uint64_t BytesRead(size_t node) {
     ckptd::Client::Options o;
     o.socket = nodes_[node]->socket();
@@ -257,6 +302,18 @@ TEST_P(MultiNode, NodeLocalFilesReshardedByteExactReadOnce) {
   for (int n = 0; n < kNodes; ++n) total += BytesRead(n);
   EXPECT_EQ(total, unique);
   EXPECT_THAT(Slurp(nodes_[0]->log()), HasSubstr("coordinator job=local nodes=4 ranks=8"));
+  // Between the daemons only the bytes each node's ranks copy (issue 34):
+  // every node's ranks need a quarter of every row, three quarters of the
+  // rows live on other nodes; shipping whole reads moved 4x this.
+  uint64_t needed = 0, moved = 0;
+  for (int n = 0; n < kNodes; ++n) {
+    needed += NeededFromPeers(ck->metadata, load, n, 2);
+    moved += LoggedBytes(n, "local", "from_peers");
+  }
+  EXPECT_GT(needed, 0u);
+  EXPECT_GE(moved, needed);
+  EXPECT_LE(static_cast<double>(moved), 1.05 * static_cast<double>(needed))
+      << "moved " << moved << " needed " << needed;
 }
 
 // A job spanning several daemons whose ranks sent no job key is refused

@@ -244,8 +244,13 @@ class PeerAbuse : public ::testing::Test {
     }
     return s;
   }
+  // `spans`: (begin, end) within the read (FetchReadRequest.spans); each
+  // chunk's xxh3 (or none) into `chunk_xxh3` when given.
   grpc::Status Fetch(const std::string& job, uint32_t read, const std::string& node,
-                     const CertFiles* as, std::string* bytes, std::optional<uint64_t>* xxh3) {
+                     const CertFiles* as, std::string* bytes, std::optional<uint64_t>* xxh3,
+                     const std::vector<std::pair<int64_t, int64_t>>& spans = {},
+                     std::vector<std::optional<uint64_t>>* chunk_xxh3 = nullptr,
+                     std::vector<std::string>* chunks = nullptr) {
     auto stub = Stub(ports_[0], as);
     grpc::ClientContext ctx;
     Deadline(&ctx, 10);
@@ -253,10 +258,19 @@ class PeerAbuse : public ::testing::Test {
     req.set_job_id(job);
     req.set_read(read);
     req.set_node(node);
+    for (const auto& [b, e] : spans) {
+      pv1::Range* r = req.add_spans();
+      r->set_begin(b);
+      r->set_end(e);
+    }
     auto stream = stub->FetchRead(&ctx, req);
     pv1::Chunk c;
     while (stream->Read(&c)) {
       if (c.has_xxh3() && xxh3 != nullptr) *xxh3 = c.xxh3();
+      if (chunk_xxh3 != nullptr) {
+        chunk_xxh3->push_back(c.has_xxh3() ? std::optional<uint64_t>(c.xxh3()) : std::nullopt);
+      }
+      if (chunks != nullptr) chunks->push_back(c.data());
       if (bytes != nullptr) bytes->append(c.data());
     }
     return stream->Finish();
@@ -349,6 +363,54 @@ TEST_F(PeerAbuse, StrangersAreTurnedAwayOnEveryRpc) {
 // is refused a second fetch (the job fails, naming it), never crashes the
 // server with a third; a peer that is not a node of the job cannot complete
 // it.
+// A member may fetch only the bytes its ranks copy (FetchReadRequest.spans,
+// issue 34): it gets exactly those, one after another, each chunk with the
+// xxh3 of its own bytes. Spans out of order, overlapping, empty or past the
+// read are a violation: PERMISSION_DENIED naming the span, the job fails,
+// the daemon serves on.
+TEST_F(PeerAbuse, MemberFetchingSpansGetsThoseBytesOnlyAndMalformedSpansFailTheJob) {
+  GiveAllFilesToA();
+  Start(0);
+  const Layout load = MakeLayout(2, 1, false);
+  const std::string lf = WriteLayout(load, "load2.json");
+  pid_t rank0 = StartRank(0, lf, "spans");
+  pv1::PlanPart part;
+  grpc::Status joined = JoinAs("spans", X(), load, {1}, &node_, &part);
+  ASSERT_TRUE(joined.ok()) << joined.error_message() << Slurp(nodes_[0]->log());
+  std::vector<int> mine;  // reads A makes that X needs, of 64 bytes or more
+  for (int i = 0; i < part.reads_size(); ++i) {
+    const auto& r = part.reads(i);
+    if (r.reader() == Addr(ports_[0]) && r.length() >= 64 &&
+        std::find(r.needed_by().begin(), r.needed_by().end(), X()) != r.needed_by().end()) {
+      mine.push_back(i);
+    }
+  }
+  ASSERT_GE(mine.size(), 2u) << "X needs fewer than two reads of A";
+  const auto& r = part.reads(mine[0]);
+  const std::string file = Slurp(tmp_.Sub("node0/ckpt/" + part.files(r.file())));
+  ASSERT_GE(file.size(), r.offset() + r.length());
+  const std::string read = file.substr(r.offset(), r.length());
+  std::string bytes;
+  std::vector<std::optional<uint64_t>> hashes;
+  std::vector<std::string> chunks;
+  const int64_t n = static_cast<int64_t>(r.length());
+  grpc::Status got = Fetch("spans", mine[0], X(), &node_, &bytes, nullptr,
+                           {{0, 8}, {16, 40}, {n - 4, n}}, &hashes, &chunks);
+  ASSERT_TRUE(got.ok()) << got.error_message();
+  EXPECT_EQ(bytes, read.substr(0, 8) + read.substr(16, 24) + read.substr(n - 4, 4));
+  ASSERT_EQ(hashes.size(), chunks.size());
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    ASSERT_TRUE(hashes[i].has_value()) << "chunk " << i << " has no xxh3";
+    EXPECT_EQ(*hashes[i], XXH3_64bits(chunks[i].data(), chunks[i].size())) << "chunk " << i;
+  }
+  grpc::Status bad = Fetch("spans", mine[1], X(), &node_, &bytes, nullptr, {{16, 24}, {8, 12}});
+  EXPECT_EQ(bad.error_code(), grpc::StatusCode::PERMISSION_DENIED) << bad.error_message();
+  EXPECT_THAT(bad.error_message(), HasSubstr("spans[1] [8, 12)"));
+  EXPECT_NE(WaitExit(rank0, std::chrono::seconds(20)), 0);
+  EXPECT_THAT(Slurp(tmp_.Sub("spans.log")), HasSubstr("spans[1] [8, 12)"));
+  EXPECT_TRUE(nodes_[0]->Alive()) << Slurp(nodes_[0]->log());
+}
+
 TEST_F(PeerAbuse, MemberFetchingAReadThreeTimesNeverCrashesTheServer) {
   GiveAllFilesToA();
   Start(0);
