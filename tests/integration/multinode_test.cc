@@ -5,6 +5,7 @@
 
 #include <filesystem>
 #include <fstream>
+#include <iostream>
 #include <random>
 #include <set>
 #include <thread>
@@ -310,6 +311,9 @@ TEST_P(MultiNode, NodeLocalFilesReshardedByteExactReadOnce) {
     needed += NeededFromPeers(ck->metadata, load, n, 2);
     moved += LoggedBytes(n, "local", "from_peers");
   }
+  std::cout << "bytes between daemons " << moved << ", needed " << needed << " ("
+            << static_cast<double>(moved) / static_cast<double>(std::max<uint64_t>(needed, 1))
+            << "x)\n";
   EXPECT_GT(needed, 0u);
   EXPECT_GE(moved, needed);
   EXPECT_LE(static_cast<double>(moved), 1.05 * static_cast<double>(needed))
