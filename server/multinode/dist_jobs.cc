@@ -37,6 +37,61 @@ absl::Status CheckFetchSpans(const peer::v1::FetchReadRequest& req, uint64_t len
   return absl::OkStatus();
 }
 
+// Streams read bytes `view` (`length` bytes, xxh3 `xxh3` as read) to a
+// fetcher: whole (the first chunk with the read's xxh3), or only the spans
+// `req` asks for, one after another, each chunk with its own xxh3.
+// `corrupt`: fault injection for tests (a flipped byte per chunk sent).
+// Returns the bytes sent, CANCELLED when the fetcher went away.
+absl::StatusOr<uint64_t> SendRead(const ckpt::RangeView& view, uint64_t length, uint64_t xxh3,
+                                  const peer::v1::FetchReadRequest& req, bool corrupt,
+                                  const std::function<bool(const peer::v1::Chunk&)>& send) {
+  constexpr uint64_t kChunk = 1 << 20;
+  if (req.spans_size() == 0) {
+    for (uint64_t off = 0; off == 0 || off < length; off += kChunk) {
+      peer::v1::Chunk c;
+      c.set_offset(off);
+      if (length > 0) c.set_data(view.data + off, std::min(kChunk, length - off));
+      if (off == 0) {
+        c.set_xxh3(xxh3);
+        if (corrupt && length > 0) {
+          (*c.mutable_data())[0] ^= 0x01;  // fault injection for tests only
+        }
+      }
+      if (!send(c)) return absl::CancelledError("the fetching node went away");
+    }
+    return length;
+  }
+  // Only the spans the fetching node's ranks copy, one after another, in
+  // chunks of up to kChunk bytes, each with its own xxh3.
+  uint64_t sent = 0;
+  peer::v1::Chunk c;
+  auto flush = [&]() {
+    const std::string& d = c.data();
+    c.set_xxh3(XXH3_64bits(d.data(), d.size()));
+    if (corrupt && !d.empty()) {
+      (*c.mutable_data())[0] ^= 0x01;  // fault injection for tests only
+    }
+    sent += d.size();
+    const bool ok = send(c);
+    c.set_offset(sent);
+    c.clear_data();
+    return ok;
+  };
+  for (const peer::v1::Range& r : req.spans()) {
+    for (uint64_t at = static_cast<uint64_t>(r.begin()); at < static_cast<uint64_t>(r.end());) {
+      const uint64_t k = std::min<uint64_t>(static_cast<uint64_t>(r.end()) - at,
+                                            kChunk - c.data().size());
+      c.mutable_data()->append(reinterpret_cast<const char*>(view.data + at), k);
+      at += k;
+      if (c.data().size() == kChunk && !flush()) {
+        return absl::CancelledError("the fetching node went away");
+      }
+    }
+  }
+  if (!c.data().empty() && !flush()) return absl::CancelledError("the fetching node went away");
+  return sent;
+}
+
 }  // namespace
 
 DistJobs::DistJobs(const DaemonConfig& config, PeerPlane* peers, gpu::GpuRuntime* gpu)
@@ -216,53 +271,11 @@ absl::Status DistJobs::PeerFetchRead(const PeerCaller& caller,
     length = served.length;
     xxh3 = served.xxh3;
   }
-  constexpr uint64_t kChunk = 1 << 20;
-  uint64_t sent = 0;
-  if (req.spans_size() == 0) {
-    for (uint64_t off = 0; off == 0 || off < length; off += kChunk) {
-      peer::v1::Chunk c;
-      c.set_offset(off);
-      if (length > 0) c.set_data(view.data + off, std::min(kChunk, length - off));
-      if (off == 0) {
-        c.set_xxh3(xxh3);
-        if (config_.testing_corrupt_served && length > 0) {
-          (*c.mutable_data())[0] ^= 0x01;  // fault injection for tests only
-        }
-      }
-      if (!send(c)) return absl::CancelledError("the fetching node went away");
-    }
-    sent = length;
-  } else {
-    // Only the spans the fetching node's ranks copy, one after another, in
-    // chunks of up to kChunk bytes, each with its own xxh3.
-    peer::v1::Chunk c;
-    auto flush = [&]() {
-      const std::string& d = c.data();
-      c.set_xxh3(XXH3_64bits(d.data(), d.size()));
-      if (config_.testing_corrupt_served && !d.empty()) {
-        (*c.mutable_data())[0] ^= 0x01;  // fault injection for tests only
-      }
-      sent += d.size();
-      const bool ok = send(c);
-      c.set_offset(sent);
-      c.clear_data();
-      return ok;
-    };
-    for (const peer::v1::Range& r : req.spans()) {
-      for (uint64_t at = static_cast<uint64_t>(r.begin()); at < static_cast<uint64_t>(r.end());) {
-        const uint64_t k = std::min<uint64_t>(static_cast<uint64_t>(r.end()) - at,
-                                              kChunk - c.data().size());
-        c.mutable_data()->append(reinterpret_cast<const char*>(view.data + at), k);
-        at += k;
-        if (c.data().size() == kChunk && !flush()) {
-          return absl::CancelledError("the fetching node went away");
-        }
-      }
-    }
-    if (!c.data().empty() && !flush()) return absl::CancelledError("the fetching node went away");
-  }
+  absl::StatusOr<uint64_t> sent =
+      SendRead(view, length, xxh3, req, config_.testing_corrupt_served, send);
+  if (!sent.ok()) return sent.status();
   absl::MutexLock lock(&dj->mu);
-  dj->bytes_sent += sent;
+  dj->bytes_sent += *sent;
   auto sv = dj->served.find(g);  // found above; entries are never erased
   if (sv != dj->served.end() && --sv->second.remaining <= 0) {
     sv->second.view = ckpt::RangeView{};  // unpin
@@ -319,7 +332,9 @@ absl::Status DistJobs::AdoptPart(const std::shared_ptr<DistJob>& dj, const peer:
         sv.remaining = static_cast<int>(s.needers.size());
         sv.needers = std::move(s.needers);
       }
-      dj->nodes.assign(part.nodes().begin(), part.nodes().end());
+      // The coordinator keeps every node of the job (PublishParts); a part
+      // names only the nodes its node exchanges reads with.
+      if (!dj->coordinator) dj->nodes.assign(part.nodes().begin(), part.nodes().end());
     } else {
       dj->exec_status = exec;  // nodes fetching from this one learn why
     }

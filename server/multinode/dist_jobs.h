@@ -88,7 +88,7 @@ class DistJobs {
   std::unique_ptr<RemoteReads> PeerReadsFor(
       const std::shared_ptr<DistJob>& dj, const peer::v1::PlanPart& part,
       std::map<std::pair<std::string, uint64_t>, uint32_t> global_index,
-      std::vector<std::string> reader,
+      std::map<uint32_t, std::string> reader,
       std::map<uint32_t, std::vector<ckpt::ReadSpan>> fetch_spans);
   // Step 3: this node's part is done (`done`): the coordinator concludes the
   // job (AwaitOutcome here, or Complete sent to `coordinator`), bounded.

@@ -24,8 +24,7 @@
 #include "absl/strings/str_cat.h"
 #include "core/base/status_macros.h"
 #include "core/format/checkpoint.h"
-#include "core/plan/aoa.h"
-#include "core/plan/balancer.h"
+#include "server/multinode/job_plan.h"
 #include "server/multinode/peer_nccl.h"
 #include "server/multinode/plan_codec.h"
 
@@ -76,67 +75,8 @@ absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> MultiNodeLoad::PlanPar
     const std::vector<peer::v1::JoinRequest>& joins, std::chrono::steady_clock::time_point t0) {
   CKPT_ASSIGN_OR_RETURN(auto opened,
                         p_.metadata->Open(dj.local_dir, dj.unique_id, /*all_files_local=*/false));
-  std::vector<std::pair<int, int>> rank_node;  // rank -> node index
-  std::map<int, const peer::v1::RankTargetsMsg*> by_rank;
-  for (size_t n = 0; n < joins.size(); ++n) {
-    for (const auto& r : joins[n].ranks()) {
-      by_rank[r.rank()] = &r;
-      rank_node.push_back({r.rank(), static_cast<int>(n)});
-    }
-  }
-  std::sort(rank_node.begin(), rank_node.end());
-  std::vector<ckpt::RankTargets> ranks;
-  std::vector<int> node_of_rank;
-  for (const auto& [rank, node] : rank_node) {
-    ckpt::RankTargets rt;
-    rt.rank = rank;
-    for (const auto& t : by_rank[rank]->targets()) {
-      CKPT_ASSIGN_OR_RETURN(TargetTensor tt, FromMsg(t));
-      rt.tensors.push_back(std::move(tt));
-    }
-    ranks.push_back(std::move(rt));
-    node_of_rank.push_back(node);
-  }
-  ckpt::PlanOptions po;
-  po.max_read_bytes = p_.config->io_request_size;
-  CKPT_ASSIGN_OR_RETURN(ckpt::LoadPlan plan,
-                        ckpt::PlanLoadWithAoa(opened->checkpoint.metadata, dj.aoa, ranks, po,
-                                              "aoa_config"));
-  std::vector<std::set<std::string>> readable(joins.size());
-  for (size_t n = 0; n < joins.size(); ++n) {
-    for (const auto& f : joins[n].readable()) readable[n].insert(f.name());
-  }
-  CKPT_ASSIGN_OR_RETURN(ckpt::ReadAssignment assign, ckpt::AssignReads(plan, node_of_rank, readable));
-  const double plan_s = Seconds(t0);
-  std::map<std::string, peer::v1::PlanPart> parts;
-  for (size_t n = 0; n < nodes.size(); ++n) {
-    peer::v1::PlanPart& part = parts[nodes[n]];
-    part.set_job_id(dj.id);
-    for (const auto& f : plan.files) part.add_files(f);
-    for (size_t i = 0; i < plan.reads.size(); ++i) {
-      peer::v1::ReadMsg* rm = part.add_reads();
-      ToMsg(plan.reads[i], rm);
-      if (assign.reader[i] >= 0) rm->set_reader(nodes[assign.reader[i]]);
-      for (int m : assign.needed_by[i]) rm->add_needed_by(nodes[m]);
-    }
-    for (size_t r = 0; r < plan.ranks.size(); ++r) {
-      if (node_of_rank[r] == static_cast<int>(n)) ToMsg(plan.ranks[r], part.add_ranks());
-    }
-    for (const auto& k : plan.unexpected_keys) part.add_unexpected_keys(k);
-    for (const auto& [a, b] : plan.renamed_keys) (*part.mutable_renamed_keys())[a] = b;
-    for (const auto& nn : nodes) part.add_nodes(nn);
-    part.set_job_bytes_to_read(plan.bytes_to_read);
-    part.set_format(ckpt::FormatName(opened->checkpoint.format));
-    part.set_unique_id(opened->checkpoint.unique_id.value_or(0));
-    part.set_plan_s(plan_s);
-  }
-  std::string balance;
-  for (size_t n = 0; n < nodes.size(); ++n) {
-    balance += absl::StrCat(n ? " " : "", nodes[n], "=", assign.bytes_per_node[n], "B");
-  }
-  spdlog::info("coordinator job={} nodes={} ranks={} reads={} plan={:.4f}s storage reads: {}",
-               dj.id, nodes.size(), ranks.size(), plan.reads.size(), plan_s, balance);
-  // NCCL between the nodes when every one of them can (peer_nccl.h).
+  // NCCL between the nodes when every one of them can (peer_nccl.h); its
+  // links need every read and node in every part.
   bool nccl = nodes.size() > 1;
   for (const auto& j : joins) nccl = nccl && j.nccl();
   for (const auto& j : joins) {
@@ -148,16 +88,43 @@ absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> MultiNodeLoad::PlanPar
       }
     }
   }
+  std::string nccl_id;
   if (nccl) {
     auto id = p_.gpu->NewNcclId();
     if (id.ok()) {
-      for (auto& [n, p] : parts) p.set_nccl_id(*id);
+      nccl_id = *id;
     } else {
       spdlog::warn("coordinator job={}: no NCCL id ({}); peers use gRPC", dj.id,
                    id.status().ToString());
     }
   }
-  return parts;
+  JobPlanInput in;
+  in.job_id = dj.id;
+  in.metadata = &opened->checkpoint.metadata;
+  in.aoa = dj.aoa;
+  in.nodes = nodes;
+  for (const auto& j : joins) in.joins.push_back(&j);
+  in.coordinator = p_.config->peer_listen;
+  in.max_read_bytes = p_.config->io_request_size;
+  in.whole_tables = !nccl_id.empty();
+  in.format = ckpt::FormatName(opened->checkpoint.format);
+  in.unique_id = opened->checkpoint.unique_id.value_or(0);
+  CKPT_ASSIGN_OR_RETURN(JobParts planned, PlanJobParts(in));
+  const double plan_s = Seconds(t0);
+  uint64_t part_bytes = 0;
+  for (auto& [n, part] : planned.parts) {
+    part.set_plan_s(plan_s);
+    if (!nccl_id.empty()) part.set_nccl_id(nccl_id);
+    part_bytes += part.ByteSizeLong();
+  }
+  std::string balance;
+  for (size_t n = 0; n < nodes.size(); ++n) {
+    balance += absl::StrCat(n ? " " : "", nodes[n], "=", planned.bytes_per_node[n], "B");
+  }
+  spdlog::info("coordinator job={} nodes={} ranks={} reads={} plan={:.4f}s parts={}B storage "
+               "reads: {}",
+               dj.id, nodes.size(), planned.ranks, planned.reads, plan_s, part_bytes, balance);
+  return std::move(planned.parts);
 }
 
 absl::StatusOr<peer::v1::JoinRequest> MultiNodeLoad::JoinOf(
@@ -273,6 +240,7 @@ void MultiNodeLoad::Run(const std::shared_ptr<Job>& job,
     r.set_bytes_from_peers(received);
     r.set_bytes_to_peers(sent);
     for (const auto& n : part.nodes()) r.add_nodes(n);
+    r.set_job_nodes(part.job_nodes());
     r.set_job_bytes_read(outcome->job_bytes_read());
   });
 }

@@ -33,7 +33,7 @@ class DistSource final : public ckpt::RangeSource {
   using StubFn = std::function<std::shared_ptr<peer::v1::Peer::Stub>(const std::string&)>;
   DistSource(std::string me, std::string job_id, ckpt::RangeSource* storage,
              std::map<std::pair<std::string, uint64_t>, uint32_t> global_index,
-             std::vector<std::string> reader,
+             std::map<uint32_t, std::string> reader,
              std::map<uint32_t, std::vector<ckpt::ReadSpan>> fetch_spans, PublishFn publish,
              StubFn stub, std::function<absl::Status()> aborted, absl::Duration timeout)
       : me_(std::move(me)), job_id_(std::move(job_id)), storage_(storage),
@@ -50,7 +50,9 @@ class DistSource final : public ckpt::RangeSource {
       return absl::InternalError(absl::StrCat("no planned read of ", file, " at ", offset));
     }
     const uint32_t g = it->second;
-    const std::string& reader = reader_[g];
+    auto who = reader_.find(g);
+    if (who == reader_.end()) return absl::InternalError(absl::StrCat("read ", g, " has no reader"));
+    const std::string& reader = who->second;
     if (reader == me_) {
       CKPT_ASSIGN_OR_RETURN(ckpt::RangeView v, storage_->Fetch(file, offset, n, scratch, verify));
       if (v.pin == nullptr) {
@@ -119,7 +121,7 @@ class DistSource final : public ckpt::RangeSource {
   absl::StatusOr<ckpt::RangeView> FetchSpans(uint32_t g, const std::string& file, uint64_t offset,
                                              uint64_t n, const std::vector<ckpt::ReadSpan>& spans,
                                              std::vector<uint8_t>& scratch) {
-    const std::string& reader = reader_[g];
+    const std::string& reader = reader_.at(g);  // Fetch found it
     const std::string what = absl::StrCat("read ", g, " (", file, " bytes [", offset, ", ",
                                           offset + n, "), ", spans.size(),
                                           " spans) from peer ", reader);
@@ -216,7 +218,7 @@ class DistSource final : public ckpt::RangeSource {
   const std::string me_, job_id_;
   ckpt::RangeSource* storage_;
   const std::map<std::pair<std::string, uint64_t>, uint32_t> global_index_;
-  const std::vector<std::string> reader_;
+  const std::map<uint32_t, std::string> reader_;
   const std::map<uint32_t, std::vector<ckpt::ReadSpan>> fetch_spans_;
   const PublishFn publish_;
   const StubFn stub_;
@@ -235,7 +237,7 @@ class PeerReads final : public RemoteReads {
  public:
   PeerReads(DistJobs* d, std::shared_ptr<DistJob> dj, const peer::v1::PlanPart& part,
             const std::string& me, std::map<std::pair<std::string, uint64_t>, uint32_t> global_index,
-            std::vector<std::string> reader,
+            std::map<uint32_t, std::string> reader,
             std::map<uint32_t, std::vector<ckpt::ReadSpan>> fetch_spans)
       : d_(d), dj_(std::move(dj)), part_(part), me_(me),
         source_(me, dj_->id, nullptr, std::move(global_index), std::move(reader),
@@ -326,7 +328,7 @@ class PeerReads final : public RemoteReads {
 std::unique_ptr<RemoteReads> DistJobs::PeerReadsFor(
     const std::shared_ptr<DistJob>& dj, const peer::v1::PlanPart& part,
     std::map<std::pair<std::string, uint64_t>, uint32_t> global_index,
-    std::vector<std::string> reader, std::map<uint32_t, std::vector<ckpt::ReadSpan>> fetch_spans) {
+    std::map<uint32_t, std::string> reader, std::map<uint32_t, std::vector<ckpt::ReadSpan>> fetch_spans) {
   return std::make_unique<PeerReads>(this, dj, part, config_.peer_listen, std::move(global_index),
                                      std::move(reader), std::move(fetch_spans));
 }

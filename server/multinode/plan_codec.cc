@@ -256,6 +256,7 @@ class PartChecker {
 
   absl::Status CheckReads() {
     mine_.assign(static_cast<size_t>(part_.reads_size()), false);
+    uint64_t prev_id = 0;
     for (int g = 0; g < part_.reads_size(); ++g) {
       const peer::v1::ReadMsg& r = part_.reads(g);
       const std::string f = absl::StrCat("reads[", g, "]");
@@ -273,6 +274,14 @@ class PartChecker {
                    absl::StrCat("offset ", r.offset(), " + length ", r.length(),
                                 " is past the largest file offset"));
       }
+      const uint64_t id = r.has_id() ? r.id() : static_cast<uint64_t>(g);
+      if (id >= limits_.max_reads || (g > 0 && id <= prev_id)) {
+        return Bad(absl::StrCat(f, ".id"),
+                   absl::StrCat(id, " is not above reads[", g - 1, "]'s ", prev_id,
+                                " and below ", limits_.max_reads,
+                                " (reads ascend by their index in the job's plan)"));
+      }
+      prev_id = id;
       if (g > 0) {
         const peer::v1::ReadMsg& p = part_.reads(g - 1);
         const std::string& pf = part_.files(static_cast<int>(p.file()));
@@ -468,17 +477,17 @@ absl::StatusOr<LocalPart> LocalPartOf(const peer::v1::PlanPart& part,
   const std::string& me = context.node;
   LocalPart out;
   out.plan.files.assign(part.files().begin(), part.files().end());
-  out.reader.resize(static_cast<size_t>(part.reads_size()));
   constexpr uint32_t kNone = UINT32_MAX;
   std::vector<uint32_t> local_of(static_cast<size_t>(part.reads_size()), kNone);
   for (int g = 0; g < part.reads_size(); ++g) {
     const peer::v1::ReadMsg& rm = part.reads(g);
-    out.reader[static_cast<size_t>(g)] = rm.reader();
+    // Validated: ascending, below max_reads.
+    const uint32_t gi = rm.has_id() ? rm.id() : static_cast<uint32_t>(g);
     const bool needed_here =
         std::find(rm.needed_by().begin(), rm.needed_by().end(), me) != rm.needed_by().end();
     if (rm.reader() != me && !needed_here) continue;
-    const uint32_t gi = static_cast<uint32_t>(g);
-    local_of[gi] = static_cast<uint32_t>(out.plan.reads.size());
+    out.reader[gi] = rm.reader();
+    local_of[static_cast<size_t>(g)] = static_cast<uint32_t>(out.plan.reads.size());
     out.global_read.push_back(gi);
     out.plan.reads.push_back(FromMsg(rm));
     const std::string& file = out.plan.files[rm.file()];

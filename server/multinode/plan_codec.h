@@ -113,7 +113,7 @@ struct LocalPart {
   // reads.
   ckpt::LoadPlan plan;
   std::vector<uint32_t> global_read;  // local read index -> global
-  std::vector<std::string> reader;    // per global read: the node that reads it ("" none)
+  std::map<uint32_t, std::string> reader;  // global read index -> the node that reads it
   // (file name, offset) -> global index, for the reads in `plan`.
   std::map<std::pair<std::string, uint64_t>, uint32_t> global_index;
   std::set<std::string> local_files;  // files this node reads from storage

@@ -29,6 +29,7 @@
 #include <climits>
 #include <cstdint>
 #include <limits>
+#include <map>
 #include <set>
 #include <string>
 #include <vector>
@@ -86,24 +87,41 @@ void CheckLocalPart(const PlanPart& part, const ckptd::PlanPartContext& ctx,
   const ckpt::LoadPlan& plan = local.plan;
   ckptd_fuzz::CheckPlan(plan, ranks, "LocalPartOf");
   FUZZ_CHECK(plan.files.size() == static_cast<size_t>(part.files_size()), "files");
-  FUZZ_CHECK(local.reader.size() == static_cast<size_t>(part.reads_size()), "reader");
+  FUZZ_CHECK(local.reader.size() == plan.reads.size(), "reader");
   FUZZ_CHECK(local.global_read.size() == plan.reads.size(), "global_read");
   FUZZ_CHECK(local.global_index.size() == plan.reads.size(), "a (file, offset) of two reads");
+  std::map<uint32_t, int> position;  // read id -> its position in the part
+  for (int k = 0; k < part.reads_size(); ++k) {
+    const auto& rm = part.reads(k);
+    position[rm.has_id() ? rm.id() : static_cast<uint32_t>(k)] = k;
+  }
   for (size_t i = 0; i < local.global_read.size(); ++i) {
     const uint32_t g = local.global_read[i];
-    FUZZ_CHECK(g < local.reader.size() && (i == 0 || g > local.global_read[i - 1]),
+    FUZZ_CHECK(position.count(g) && local.reader.count(g) && (i == 0 || g > local.global_read[i - 1]),
                absl::StrCat("local read ", i, " is global read ", g));
-    const auto& rm = part.reads(static_cast<int>(g));
+    const auto& rm = part.reads(position[g]);
+    FUZZ_CHECK(local.reader.at(g) == rm.reader(), "reader");
     const bool needed = std::find(rm.needed_by().begin(), rm.needed_by().end(), ctx.node) !=
                         rm.needed_by().end();
     FUZZ_CHECK(rm.reader() == ctx.node || needed, absl::StrCat("read ", g, " is not this node's"));
     auto it = local.global_index.find({plan.files[plan.reads[i].file], plan.reads[i].offset});
     FUZZ_CHECK(it != local.global_index.end() && it->second == g, "global_index");
   }
+  for (const auto& [g, spans] : local.fetch_spans) {
+    FUZZ_CHECK(local.reader.count(g) && local.reader.at(g) != ctx.node && !spans.empty() &&
+                   spans.size() <= ckptd::kMaxFetchSpans,
+               absl::StrCat("fetch spans of read ", g));
+    const uint64_t length = part.reads(position[g]).length();
+    for (size_t k = 0; k < spans.size(); ++k) {
+      FUZZ_CHECK(spans[k].begin < spans[k].end && spans[k].end <= length &&
+                     (k == 0 || spans[k].begin > spans[k - 1].end),
+                 absl::StrCat("span ", k, " of read ", g));
+    }
+  }
   std::set<std::string> nodes(part.nodes().begin(), part.nodes().end());
   for (size_t i = 0; i < local.served.size(); ++i) {
     const ckptd::ServedRead& s = local.served[i];
-    FUZZ_CHECK(s.read < local.reader.size() && local.reader[s.read] == ctx.node,
+    FUZZ_CHECK(local.reader.count(s.read) && local.reader.at(s.read) == ctx.node,
                absl::StrCat("serves read ", s.read, " it does not read"));
     FUZZ_CHECK(i == 0 || s.read > local.served[i - 1].read, "served order");
     FUZZ_CHECK(!s.needers.empty() && !s.needers.count(ctx.node), "needers");

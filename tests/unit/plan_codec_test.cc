@@ -3,6 +3,7 @@
 // node's local plan; every index, range, file, node and rank a corrupt or
 // malicious part could get wrong is refused with INVALID_ARGUMENT naming the
 // job, the sender and the field.
+#include "server/multinode/job_plan.h"
 #include "server/multinode/plan_codec.h"
 
 #include <cstdint>
@@ -22,6 +23,7 @@ namespace {
 
 using ::testing::ElementsAre;
 using ::testing::HasSubstr;
+using ::testing::Pair;
 namespace pv1 = peer::v1;
 
 constexpr char kJob[] = "job-1";
@@ -133,7 +135,7 @@ TEST_F(PlanPartTest, AValidPartBecomesTheLocalPlan) {
   EXPECT_THAT(local->plan.files, ElementsAre("0_1.safetensors", "1_1.safetensors"));
   ASSERT_EQ(local->plan.reads.size(), 2u);  // read 0 is neither read nor needed here
   EXPECT_THAT(local->global_read, ElementsAre(1u, 2u));
-  EXPECT_THAT(local->reader, ElementsAre(kB, kB, kA));
+  EXPECT_THAT(local->reader, ElementsAre(Pair(1u, kB), Pair(2u, kA)));
   EXPECT_EQ(local->plan.reads[0].offset, 128u);
   EXPECT_EQ(local->plan.reads[1].offset, 160u);
   EXPECT_EQ(local->global_index.size(), 2u);
@@ -147,6 +149,22 @@ TEST_F(PlanPartTest, AValidPartBecomesTheLocalPlan) {
   ASSERT_EQ(local->plan.ranks[0].copies.size(), 2u);
   EXPECT_EQ(local->plan.ranks[0].copies[0].read, 0u);  // local indices
   EXPECT_EQ(local->plan.ranks[0].copies[1].read, 1u);
+}
+
+// A part holding some of the job's reads names each by its index in the
+// job's plan (ReadMsg.id, ascending): what the node fetches and serves by.
+TEST_F(PlanPartTest, ReadsNamedByTheirIndexInTheJobsPlan) {
+  part_.mutable_reads(0)->set_id(5);
+  part_.mutable_reads(1)->set_id(7);
+  part_.mutable_reads(2)->set_id(9);
+  auto local = LocalPartOf(part_, ctx_);
+  ASSERT_TRUE(local.ok()) << local.status();
+  EXPECT_THAT(local->global_read, ElementsAre(7u, 9u));
+  EXPECT_THAT(local->reader, ElementsAre(Pair(7u, kB), Pair(9u, kA)));
+  EXPECT_EQ(local->global_index.at({"1_1.safetensors", 160}), 9u);
+  ExpectRefused([](pv1::PlanPart& p) { p.mutable_reads(1)->set_id(4); }, "reads[1].id",
+                "is not above reads[0]'s 5");
+  ExpectRefused([](pv1::PlanPart& p) { p.mutable_reads(2)->set_id(1u << 30); }, "reads[2].id");
 }
 
 TEST_F(PlanPartTest, RefusesIndicesOutOfRange) {
@@ -341,64 +359,92 @@ TEST(PlanPartFromARealPlan, PassesOnEveryNode) {
     md.tensors[name] = std::move(t);
   }
   ASSERT_EQ(ckpt::ValidateMetadata(md, "test"), absl::OkStatus());
-  // 4 ranks split on dim 1 (every rank needs both files); nodes 0 and 1
-  // serve ranks {0, 1} and {2, 3}.
-  std::vector<ckpt::RankTargets> ranks(4);
-  for (int r = 0; r < 4; ++r) {
-    ranks[r].rank = r;
-    for (const char* name : {"a", "b"}) {
-      ranks[r].tensors.push_back(Target(name, ckpt::DType::kF32, {64, 16}, {{0, 4 * r}, {64, 4}}));
-    }
-  }
-  ranks[3].tensors[1].dtype = ckpt::DType::kBF16;  // a cast
-  ckpt::PlanOptions po;
-  po.max_read_bytes = 1024;  // several reads per file
-  auto plan = ckpt::PlanLoad(md, ranks, po);
-  ASSERT_TRUE(plan.ok()) << plan.status();
-  const std::vector<int> node_of_rank = {0, 0, 1, 1};
-  const std::vector<std::string> nodes = {kA, kB};
-  auto assign = ckpt::AssignReads(*plan, node_of_rank,
-                                  {{"0_1.safetensors"}, {"0_1.safetensors", "1_1.safetensors"}});
-  ASSERT_TRUE(assign.ok()) << assign.status();
-  for (size_t n = 0; n < nodes.size(); ++n) {
-    SCOPED_TRACE(nodes[n]);
-    pv1::PlanPart part;
-    part.set_job_id(kJob);
-    for (const auto& f : plan->files) part.add_files(f);
-    for (size_t i = 0; i < plan->reads.size(); ++i) {
-      pv1::ReadMsg* rm = part.add_reads();
-      ToMsg(plan->reads[i], rm);
-      if (assign->reader[i] >= 0) rm->set_reader(nodes[assign->reader[i]]);
-      for (int m : assign->needed_by[i]) rm->add_needed_by(nodes[m]);
-    }
-    PlanPartContext ctx;
-    ctx.job_id = kJob;
-    ctx.node = nodes[n];
-    ctx.sender = kB;
-    ctx.world_size = 4;
-    ctx.limits.max_read_bytes = po.max_read_bytes;
-    for (size_t r = 0; r < plan->ranks.size(); ++r) {
-      if (node_of_rank[r] != static_cast<int>(n)) continue;
-      ToMsg(plan->ranks[r], part.add_ranks());
-      ctx.ranks.push_back(&ranks[r]);
-    }
-    for (const auto& nn : nodes) part.add_nodes(nn);
-    ASSERT_GT(part.reads_size(), 4);
-    ASSERT_EQ(ValidatePlanPart(part, ctx), absl::OkStatus());
-    auto local = LocalPartOf(part, ctx);
-    ASSERT_TRUE(local.ok()) << local.status();
-    ASSERT_EQ(local->plan.ranks.size(), 2u);
-    for (const ckpt::RankPlan& rp : local->plan.ranks) {
-      for (const ckpt::CopyOp& c : rp.copies) {
-        ASSERT_LT(c.read, local->plan.reads.size());
-        const ckpt::ReadRange& r = local->plan.reads[c.read];
-        EXPECT_GE(c.src_offset, r.offset);
-        EXPECT_LE(c.src_offset + static_cast<uint64_t>(c.src.num_bytes()), r.offset + r.length);
+  // 4 ranks; nodes 0 and 1 serve ranks {0, 1} and {2, 3}. Split on dim 1
+  // every rank needs both files; on dim 0 node 0's ranks need only 0_1.
+  for (const bool whole_tables : {false, true}) {
+    for (const int dim : {1, 0}) {
+      SCOPED_TRACE(absl::StrCat("dim ", dim, whole_tables ? ", whole tables" : ""));
+      std::vector<ckpt::RankTargets> ranks(4);
+      for (int r = 0; r < 4; ++r) {
+        ranks[r].rank = r;
+        const ckpt::Box box = dim == 1 ? ckpt::Box{{0, 4 * r}, {64, 4}} : ckpt::Box{{16 * r, 0}, {16, 16}};
+        for (const char* name : {"a", "b"}) {
+          ranks[r].tensors.push_back(Target(name, ckpt::DType::kF32, {64, 16}, box));
+        }
+      }
+      ranks[3].tensors[1].dtype = ckpt::DType::kBF16;  // a cast
+      const std::vector<std::string> nodes = {kA, kB};
+      std::vector<pv1::JoinRequest> joins(2);
+      for (int n = 0; n < 2; ++n) {
+        joins[n].set_node(nodes[n]);
+        for (int r = 2 * n; r < 2 * n + 2; ++r) {
+          pv1::RankTargetsMsg* rm = joins[n].add_ranks();
+          rm->set_rank(r);
+          for (const auto& t : ranks[r].tensors) ToMsg(t, rm->add_targets());
+        }
+      }
+      joins[0].add_readable()->set_name("0_1.safetensors");
+      joins[1].add_readable()->set_name("0_1.safetensors");
+      joins[1].add_readable()->set_name("1_1.safetensors");
+      JobPlanInput in;
+      in.job_id = kJob;
+      in.metadata = &md;
+      in.nodes = nodes;
+      in.joins = {&joins[0], &joins[1]};
+      in.coordinator = kB;
+      in.max_read_bytes = 1024;  // several reads per file
+      in.whole_tables = whole_tables;
+      auto planned = PlanJobParts(in);
+      ASSERT_TRUE(planned.ok()) << planned.status();
+      ASSERT_EQ(planned->parts.size(), 2u);
+      for (size_t n = 0; n < nodes.size(); ++n) {
+        SCOPED_TRACE(nodes[n]);
+        const pv1::PlanPart& part = planned->parts.at(nodes[n]);
+        EXPECT_EQ(part.job_nodes(), 2u);
+        PlanPartContext ctx;
+        ctx.job_id = kJob;
+        ctx.node = nodes[n];
+        ctx.sender = kB;
+        ctx.world_size = 4;
+        ctx.limits.max_read_bytes = in.max_read_bytes;
+        for (int r = 2 * static_cast<int>(n); r < 2 * static_cast<int>(n) + 2; ++r) {
+          ctx.ranks.push_back(&ranks[r]);
+        }
+        ASSERT_EQ(ValidatePlanPart(part, ctx), absl::OkStatus());
+        auto local = LocalPartOf(part, ctx);
+        ASSERT_TRUE(local.ok()) << local.status();
+        ASSERT_EQ(local->plan.ranks.size(), 2u);
+        for (const ckpt::RankPlan& rp : local->plan.ranks) {
+          for (const ckpt::CopyOp& c : rp.copies) {
+            ASSERT_LT(c.read, local->plan.reads.size());
+            const ckpt::ReadRange& r = local->plan.reads[c.read];
+            EXPECT_GE(c.src_offset, r.offset);
+            EXPECT_LE(c.src_offset + static_cast<uint64_t>(c.src.num_bytes()), r.offset + r.length);
+          }
+        }
+        if (whole_tables) {
+          EXPECT_EQ(static_cast<size_t>(part.reads_size()), planned->reads);
+        } else {
+          // Only reads this node makes or needs, each needed_by naming only
+          // this node unless this node serves it.
+          for (const auto& rm : part.reads()) {
+            const bool here = std::find(rm.needed_by().begin(), rm.needed_by().end(), nodes[n]) !=
+                              rm.needed_by().end();
+            EXPECT_TRUE(rm.reader() == nodes[n] || here);
+            if (rm.reader() != nodes[n]) EXPECT_EQ(rm.needed_by_size(), 1);
+          }
+          if (dim == 0 && n == 0) {
+            // Node 0 needs rows 0-31 (0_1) and B reads all of 1_1 for itself.
+            EXPECT_THAT(part.files(), ElementsAre("0_1.safetensors"));
+            EXPECT_LT(static_cast<size_t>(part.reads_size()), planned->reads);
+          }
+        }
+        ASSERT_GT(part.reads_size(), 1);
+        // The read limit is the coordinator's cut: a smaller one refuses the part.
+        ctx.limits.max_read_bytes = in.max_read_bytes / 2;
+        EXPECT_THAT(std::string(ValidatePlanPart(part, ctx).message()), HasSubstr(".length"));
       }
     }
-    // The read limit is the coordinator's cut: a smaller one refuses the part.
-    ctx.limits.max_read_bytes = po.max_read_bytes / 2;
-    EXPECT_THAT(std::string(ValidatePlanPart(part, ctx).message()), HasSubstr(".length"));
   }
 }
 
