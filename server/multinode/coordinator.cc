@@ -7,13 +7,13 @@
 // the protocol.
 #include <algorithm>
 #include <chrono>
-#include <thread>
 
 #include <grpcpp/grpcpp.h>
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
+#include "core/base/status_macros.h"
 #include "server/await.h"
 #include "server/multinode/dist_jobs.h"
 #include "server/multinode/job_mac.h"
@@ -205,6 +205,7 @@ absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> DistJobs::PlanPartOf(
     const PartsPlanner& plan) {
   if (dj->coordinator) {
     const auto t0 = std::chrono::steady_clock::now();
+    Announce(dj, own.node());
     // Every rank is in: plan once for the whole job.
     std::vector<std::string> nodes;
     std::vector<peer::v1::JoinRequest> joins;
@@ -228,45 +229,152 @@ absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> DistJobs::PlanPartOf(
   return p;
 }
 
-absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> DistJobs::JoinCoordinator(
-    const peer::v1::JoinRequest& own, const std::string& job_key, absl::Time deadline) {
+void DistJobs::Announce(const std::shared_ptr<DistJob>& dj, const std::string& me) {
+  const std::string mac = CoordinatorMac(dj->job_key, dj->id, me);
+  int announced = 0;
+  std::vector<std::string> failed;
+  for (const std::string& r : RendezvousRing(dj->id, peers_->Members())) {
+    if (announced == kRendezvousCopies) break;
+    if (r == me) {
+      absl::Status s = rendezvous_.Announce(dj->id, me, mac);
+      if (s.ok()) {
+        ++announced;
+      } else {
+        failed.push_back(absl::StrCat(r, ": ", s.message()));
+      }
+      continue;
+    }
+    grpc::ClientContext ctx;
+    ctx.set_deadline(ToChrono(absl::Now() + std::min(config_.peer_timeout, absl::Seconds(2))));
+    peer::v1::LocateRequest req;
+    req.set_job_id(dj->id);
+    req.set_node(me);
+    req.set_announce(true);
+    req.set_mac(mac);
+    peer::v1::LocateResponse resp;
+    grpc::Status s = peers_->Stub(r)->Locate(&ctx, req, &resp);
+    if (s.ok()) {
+      ++announced;
+    } else {
+      failed.push_back(absl::StrCat(r, ": ", s.error_message()));
+    }
+  }
+  if (!failed.empty()) {
+    spdlog::warn("job={}: announced the coordinator at {} rendezvous node(s); could not at {}",
+                 dj->id, announced, absl::StrJoin(failed, "; "));
+  }
+}
+
+absl::StatusOr<std::string> DistJobs::LocateCoordinator(const std::string& job_id,
+                                                        const std::string& me,
+                                                        const std::string& job_key,
+                                                        absl::Time deadline) {
+  const std::vector<std::string> ring = RendezvousRing(job_id, peers_->Members());
+  if (ring.empty()) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "job '", job_id, "' spans several daemons but this daemon has no peers configured"));
+  }
+  // Round after round until the deadline: the ring in order, past the nodes
+  // that cannot be reached, waiting up to a second at each of the first two
+  // that can (where the coordinator announced itself; a node that restarted
+  // may have been passed over by one side): a handful of calls a second,
+  // whatever the peer set's size.
+  const absl::Duration window = ring.size() > 1 ? absl::Seconds(1) : absl::InfiniteDuration();
   std::map<std::string, std::string> last_error;
   while (absl::Now() < deadline) {
-    for (const std::string& peer : peers_->Others()) {
-      grpc::ClientContext ctx;
-      ctx.set_deadline(ToChrono(deadline));
-      peer::v1::PlanPart part;
-      grpc::Status s = peers_->Stub(peer)->Join(&ctx, own, &part);
-      if (s.ok()) {
-        // Only a coordinator whose ranks hold the job's key can make the MAC.
-        if (MacMatches(part.coordinator_mac(),
-                       PlanMac(job_key, own.job_id(), peer, own.node()))) {
-          return std::make_pair(std::move(part), peer);
+    int waited = 0;
+    for (const std::string& r : ring) {
+      if (waited == kRendezvousCopies || absl::Now() >= deadline) break;
+      const absl::Time until = std::min(deadline, absl::Now() + window);
+      std::vector<Rendezvous::Coordinator> found;
+      if (r == me) {
+        auto local = rendezvous_.Await(job_id, until, nullptr);
+        if (!local.ok()) {
+          last_error[r] = "nothing announced (this node)";
+          ++waited;
+          continue;
         }
-        spdlog::warn("job={}: {} answered as its coordinator without proof of the job key; "
-                     "ignored", own.job_id(), peer);
-        last_error[peer] = "answered as the coordinator without proof of the job key";
-        continue;
+        found = *std::move(local);
+      } else {
+        grpc::ClientContext ctx;
+        ctx.set_deadline(ToChrono(until));
+        peer::v1::LocateRequest req;
+        req.set_job_id(job_id);
+        req.set_node(me);
+        peer::v1::LocateResponse resp;
+        grpc::Status s = peers_->Stub(r)->Locate(&ctx, req, &resp);
+        if (!s.ok()) {
+          const bool timed_out = s.error_code() == grpc::StatusCode::DEADLINE_EXCEEDED;
+          last_error[r] = timed_out ? "nothing announced" : s.error_message();
+          if (timed_out) {
+            ++waited;
+          } else if (s.error_code() != grpc::StatusCode::UNAVAILABLE) {
+            return FromGrpc(s, absl::StrCat("rendezvous node ", r));
+          }
+          continue;
+        }
+        for (const auto& c : resp.coordinators()) found.push_back({c.node(), c.mac()});
       }
-      const auto code = s.error_code();
-      if (code == grpc::StatusCode::FAILED_PRECONDITION) {
-        last_error[peer] = "not the coordinator";
-        continue;
+      for (const Rendezvous::Coordinator& c : found) {
+        // Only a coordinator whose ranks hold the job's key can make the MAC.
+        if (MacMatches(c.mac, CoordinatorMac(job_key, job_id, c.node))) return c.node;
       }
-      if (code == grpc::StatusCode::UNAVAILABLE) {
-        last_error[peer] = s.error_message();
-        continue;
-      }
-      return FromGrpc(s, absl::StrCat("coordinator ", peer));  // the coordinator said no
+      return absl::PermissionDeniedError(absl::StrCat(
+          "job '", job_id, "': rendezvous node ", r, " names ", found.size(),
+          " coordinator(s), none with proof of the ranks' job key (every rank of a multi-node "
+          "job sends the same job_key)"));
     }
-    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    // Nothing reachable waited: do not spin.
+    if (waited == 0 && absl::Now() < deadline) {
+      absl::SleepFor(std::min(absl::Milliseconds(200), deadline - absl::Now()));
+    }
   }
   std::vector<std::string> tried;
-  for (const auto& [p, e] : last_error) tried.push_back(absl::StrCat(p, " (", e, ")"));
+  for (const auto& [r, e] : last_error) tried.push_back(absl::StrCat(r, ": ", e));
   return absl::DeadlineExceededError(absl::StrCat(
-      "job '", own.job_id(), "': no peer accepted this node's ranks as the coordinator within ",
-      absl::FormatDuration(config_.peer_timeout), "; peers: ",
-      tried.empty() ? std::string("none configured") : absl::StrJoin(tried, "; ")));
+      "job '", job_id, "': its coordinator (the daemon serving coordinator_rank) was not "
+      "announced within ", absl::FormatDuration(config_.peer_timeout),
+      " at the job's rendezvous nodes (", absl::StrJoin(tried, "; "),
+      "): are that rank and its daemon running the job, with the same peer set?"));
+}
+
+absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> DistJobs::JoinCoordinator(
+    const peer::v1::JoinRequest& own, const std::string& job_key, absl::Time deadline) {
+  absl::StatusOr<std::string> coordinator =
+      LocateCoordinator(own.job_id(), own.node(), job_key, deadline);
+  if (!coordinator.ok()) return coordinator.status();
+  grpc::ClientContext ctx;
+  ctx.set_deadline(ToChrono(deadline));
+  peer::v1::PlanPart part;
+  grpc::Status s = peers_->Stub(*coordinator)->Join(&ctx, own, &part);
+  if (!s.ok()) return FromGrpc(s, absl::StrCat("coordinator ", *coordinator));
+  if (!MacMatches(part.coordinator_mac(),
+                  PlanMac(job_key, own.job_id(), *coordinator, own.node()))) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "job '", own.job_id(), "': ", *coordinator,
+        " answered as its coordinator without proof of the job key"));
+  }
+  return std::make_pair(std::move(part), *coordinator);
+}
+
+absl::StatusOr<peer::v1::LocateResponse> DistJobs::PeerLocate(
+    const PeerCaller& caller, const peer::v1::LocateRequest& req,
+    const std::function<bool()>& cancelled) {
+  CKPT_RETURN_IF_ERROR(peers_->SpeaksFor(caller, req.node()));
+  peer::v1::LocateResponse out;
+  if (req.announce()) {
+    CKPT_RETURN_IF_ERROR(rendezvous_.Announce(req.job_id(), req.node(), req.mac()));
+    return out;
+  }
+  CKPT_ASSIGN_OR_RETURN(auto found,
+                        rendezvous_.Await(req.job_id(), absl::Now() + config_.peer_timeout,
+                                          cancelled));
+  for (const auto& c : found) {
+    peer::v1::AnnouncedCoordinator* m = out.add_coordinators();
+    m->set_node(c.node);
+    m->set_mac(c.mac);
+  }
+  return out;
 }
 
 absl::StatusOr<peer::v1::CompleteResponse> DistJobs::PeerComplete(

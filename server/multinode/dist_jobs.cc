@@ -95,7 +95,7 @@ absl::StatusOr<uint64_t> SendRead(const ckpt::RangeView& view, uint64_t length, 
 }  // namespace
 
 DistJobs::DistJobs(const DaemonConfig& config, PeerPlane* peers, gpu::GpuRuntime* gpu)
-    : config_(config), peers_(peers), gpu_(gpu) {}
+    : config_(config), peers_(peers), gpu_(gpu), rendezvous_(2 * config.peer_timeout) {}
 
 std::shared_ptr<DistJob> DistJobs::New(const Job& job, const std::string& path,
                                           bool coordinator, const DistJobKind& kind) {

@@ -40,6 +40,7 @@
 #include "server/jobs/job.h"
 #include "server/multinode/dist_job.h"
 #include "server/multinode/plan_codec.h"
+#include "server/multinode/rendezvous.h"
 
 namespace ckptd {
 
@@ -113,6 +114,9 @@ class DistJobs {
                                                           const std::function<bool()>& cancelled);
   peer::v1::PingResponse PeerPing(const PeerCaller& caller, const peer::v1::PingRequest& request)
       ABSL_LOCKS_EXCLUDED(mu_);
+  absl::StatusOr<peer::v1::LocateResponse> PeerLocate(const PeerCaller& caller,
+                                                      const peer::v1::LocateRequest& request,
+                                                      const std::function<bool()>& cancelled);
 
  private:
   friend class PeerReads;  // peer_reads.cc
@@ -130,9 +134,17 @@ class DistJobs {
       const std::shared_ptr<DistJob>& dj, const std::vector<std::string>& nodes,
       const std::string& own_node,
       absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> parts);
-  // Any other node: its part from the coordinator, found among the peers:
-  // the first that answers with the MAC only a holder of `job_key` makes
-  // (an answer without it is ignored).
+  // Coordinator: announces this node (`me`) as the coordinator of `dj` at
+  // the job's rendezvous nodes (rendezvous.h); failures are logged (the
+  // joiners' wait then names them).
+  void Announce(const std::shared_ptr<DistJob>& dj, const std::string& me);
+  // Any other node: the coordinator of job `job_id`, as announced at its
+  // rendezvous nodes with the MAC only a holder of `job_key` makes; waits
+  // until `deadline`.
+  absl::StatusOr<std::string> LocateCoordinator(const std::string& job_id, const std::string& me,
+                                                const std::string& job_key, absl::Time deadline);
+  // Any other node: its part from the coordinator (LocateCoordinator, then
+  // one Join), which must carry the MAC only a holder of `job_key` makes.
   absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> JoinCoordinator(
       const peer::v1::JoinRequest& own, const std::string& job_key, absl::Time deadline);
   // Coordinator: every node's completion gathered (nodes that went away
@@ -148,6 +160,8 @@ class DistJobs {
   // Peers this node failed to connect NCCL links with, until when it keeps
   // their jobs on gRPC.
   std::map<std::string, absl::Time> nccl_unreachable_ ABSL_GUARDED_BY(mu_);
+  // The jobs this node is a rendezvous node of (thread-safe on its own).
+  Rendezvous rendezvous_;
 };
 
 }  // namespace ckptd

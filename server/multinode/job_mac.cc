@@ -37,6 +37,11 @@ std::string PlanMac(absl::string_view key, absl::string_view job_id,
   return Mac(key, {"ckptd/1 plan", job_id, coordinator, node});
 }
 
+std::string CoordinatorMac(absl::string_view key, absl::string_view job_id,
+                           absl::string_view node) {
+  return Mac(key, {"ckptd/1 coordinator", job_id, node});
+}
+
 bool MacMatches(absl::string_view got, absl::string_view want) {
   if (got.size() != want.size()) return false;
   return got.empty() || CRYPTO_memcmp(got.data(), want.data(), got.size()) == 0;

@@ -26,6 +26,10 @@ std::string JoinMac(absl::string_view key, absl::string_view job_id, absl::strin
 // (empty without a key).
 std::string PlanMac(absl::string_view key, absl::string_view job_id,
                     absl::string_view coordinator, absl::string_view node);
+// What coordinator `node` announces itself with at the job's rendezvous
+// nodes (server/multinode/rendezvous.h; empty without a key).
+std::string CoordinatorMac(absl::string_view key, absl::string_view job_id,
+                           absl::string_view node);
 // Whether `got` is `want` (constant time in their contents; both empty
 // counts as equal: a job without a key).
 bool MacMatches(absl::string_view got, absl::string_view want);

@@ -46,6 +46,7 @@ struct Instruments {
   prometheus::Family<prometheus::Counter>* job_errors;  // by status code
   prometheus::Counter* peer_received;
   prometheus::Counter* peer_sent;
+  prometheus::Family<prometheus::Counter>* peer_rpcs;  // by rpc
   prometheus::Histogram* phase[5];  // list plan read copy total
 
   Instruments() {
@@ -74,6 +75,14 @@ struct Instruments {
                      .Help("Checkpoint bytes sent to other daemons (multi-node jobs)")
                      .Register(*registry)
                      .Add({});
+    peer_rpcs = &prometheus::BuildCounter()
+                     .Name("ckptd_peer_rpcs_total")
+                     .Help("Calls of the peer service this daemon served (multi-node jobs), by "
+                           "rpc: Join, Locate, FetchRead, Complete, Ping")
+                     .Register(*registry);
+    for (const char* rpc : {"Join", "Locate", "FetchRead", "Complete", "Ping"}) {
+      peer_rpcs->Add({{"rpc", rpc}});  // served as 0 until the first call
+    }
     auto& h = prometheus::BuildHistogram()
                   .Name("ckptd_load_phase_duration_seconds")
                   .Help("Duration of each phase of a successful load job: list (open the "
@@ -410,6 +419,8 @@ void SetUpLogging(const std::string& level, const std::string& format) {
     spdlog::set_formatter(std::move(text));
   }
 }
+
+void RecordPeerRpc(const char* rpc) { Inst().peer_rpcs->Add({{"rpc", rpc}}).Increment(); }
 
 void RecordLoadJob(const LoadJobRecord& r) {
   Instruments& in = Inst();

@@ -49,6 +49,10 @@ struct LoadJobRecord {
 // it failed; text or one JSON object, as set up by SetUpLogging.
 void RecordLoadJob(const LoadJobRecord& record);
 
+// Counts one call of the peer service (`rpc`: Join, Locate, FetchRead,
+// Complete, Ping) served by this daemon: ckptd_peer_rpcs_total{rpc}.
+void RecordPeerRpc(const char* rpc);
+
 // Sets spdlog's level and format: "text" (timestamp level ckptd: message)
 // or "json" (one object per line: ts, level, msg and the line's key=value
 // tokens as fields; load jobs write their own fields). Level names as

@@ -112,6 +112,11 @@ PeerPlane::PeerPlane(const DaemonConfig& config)
 
 std::vector<std::string> PeerPlane::Others() const { return Current()->others; }
 
+std::vector<std::string> PeerPlane::Members() const {
+  const auto set = Current();
+  return std::vector<std::string>(set->members.begin(), set->members.end());
+}
+
 std::string PeerPlane::listen() const {
   absl::MutexLock lock(&set_mu_);
   return listen_;
@@ -205,6 +210,12 @@ std::shared_ptr<peer::v1::Peer::Stub> PeerPlane::Stub(const std::string& address
     grpc::ChannelArguments args;
     args.SetMaxReceiveMessageSize(256 << 20);
     args.SetMaxSendMessageSize(256 << 20);
+    // A peer that restarts is back within a second, not after gRPC's
+    // default backoff (up to 2 minutes); an idle connection is closed.
+    args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
+    args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
+    args.SetInt(GRPC_ARG_CLIENT_IDLE_TIMEOUT_MS, 30000);
     std::shared_ptr<grpc::ChannelCredentials> creds;
     if (tls_) {
       grpc::SslCredentialsOptions o;

@@ -69,6 +69,8 @@ class PeerPlane {
                          bool job_member = false) const;
   // Other daemons' peer addresses (static list and DNS), without this one.
   std::vector<std::string> Others() const;
+  // Every daemon's peer address, this one's included, sorted.
+  std::vector<std::string> Members() const;
 
   // The peer TLS files, read now; nullopt when peer TLS is off. A file that
   // cannot be read is the error.

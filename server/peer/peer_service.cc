@@ -6,6 +6,7 @@
 #include "absl/strings/strip.h"
 #include "config/config.h"
 #include "server/api/service.h"
+#include "server/obs/metrics.h"
 
 namespace ckptd {
 
@@ -31,6 +32,7 @@ PeerCaller PeerCallerOf(const grpc::ServerContext& ctx) {
 
 grpc::Status PeerService::Run(const char* rpc, grpc::ServerContext* ctx,
                               const std::function<absl::Status(const PeerCaller&)>& body) {
+  RecordPeerRpc(rpc);
   return RunCatching(rpc, ctx->peer(), [&] {
     auto caller = plane_->Authorize(PeerCallerOf(*ctx));
     if (!caller.ok()) return ToGrpc(caller.status());
@@ -71,6 +73,16 @@ grpc::Status PeerService::Ping(grpc::ServerContext* ctx, const peer::v1::PingReq
                                peer::v1::PingResponse* resp) {
   return Run("Ping", ctx, [&](const PeerCaller& c) {
     *resp = jobs_->PeerPing(c, *req);
+    return absl::OkStatus();
+  });
+}
+
+grpc::Status PeerService::Locate(grpc::ServerContext* ctx, const peer::v1::LocateRequest* req,
+                                 peer::v1::LocateResponse* resp) {
+  return Run("Locate", ctx, [&](const PeerCaller& c) -> absl::Status {
+    auto r = jobs_->PeerLocate(c, *req, [ctx] { return ctx->IsCancelled(); });
+    if (!r.ok()) return r.status();
+    *resp = std::move(*r);
     return absl::OkStatus();
   });
 }

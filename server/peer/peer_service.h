@@ -30,6 +30,8 @@ class PeerService final : public peer::v1::Peer::Service {
                         peer::v1::CompleteResponse* resp) override;
   grpc::Status Ping(grpc::ServerContext* ctx, const peer::v1::PingRequest* req,
                     peer::v1::PingResponse* resp) override;
+  grpc::Status Locate(grpc::ServerContext* ctx, const peer::v1::LocateRequest* req,
+                      peer::v1::LocateResponse* resp) override;
 
  private:
   grpc::Status Run(const char* rpc, grpc::ServerContext* ctx,
