@@ -685,11 +685,22 @@ absl::Status LoadViaDaemon(const std::string& dir, const Layout& layout) {
   for (auto& t : threads) t.join();
   if (show_progress) std::fprintf(stderr, "\n");
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  // Every failed rank's error (each may name a different cause or peer);
+  // the first is the command's.
+  const RankRun* first_failed = nullptr;
   for (const RankRun& run : runs) {
-    if (!run.report.ok()) {
-      return absl::Status(run.report.status().code(),
-                          absl::StrCat("rank ", run.rank, ": ", run.report.status().message()));
+    if (run.report.ok()) continue;
+    if (first_failed == nullptr) {
+      first_failed = &run;
+      continue;
     }
+    std::cerr << "ckptctl: error: rank " << run.rank << ": " << run.report.status().message()
+              << " [" << absl::StatusCodeToString(run.report.status().code()) << "]\n";
+  }
+  if (first_failed != nullptr) {
+    return absl::Status(first_failed->report.status().code(),
+                        absl::StrCat("rank ", first_failed->rank, ": ",
+                                     first_failed->report.status().message()));
   }
   // Outputs: rank{r}.safetensors, written only after every rank succeeded.
   std::set<std::string> missing;

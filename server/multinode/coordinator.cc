@@ -478,16 +478,14 @@ absl::StatusOr<peer::v1::CompleteResponse> DistJobs::AwaitOutcome(
         return out;
       }
     }
-    // Nodes that are gone will never report: find out now, not at the deadline.
-    for (const std::string& n : missing) {
-      grpc::ClientContext ctx;
-      ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::milliseconds(500));
-      peer::v1::PingRequest pr;
-      pr.set_node(config_.peer_listen);
-      peer::v1::PingResponse resp;
-      grpc::Status s = peers_->Stub(n)->Ping(&ctx, pr, &resp);
-      if (s.ok() && dj->save &&
-          std::find(resp.jobs().begin(), resp.jobs().end(), dj->id) != resp.jobs().end()) {
+    // Nodes that are gone will never report: find out now, not at the
+    // deadline (all at once: a job of many nodes does not wait on each).
+    const std::vector<PeerPlane::Pinged> pinged = peers_->PingAll(missing, absl::Milliseconds(500));
+    for (size_t i = 0; i < missing.size(); ++i) {
+      const std::string& n = missing[i];
+      const grpc::Status& s = pinged[i].status;
+      const auto& jobs = pinged[i].response.jobs();
+      if (s.ok() && dj->save && std::find(jobs.begin(), jobs.end(), dj->id) != jobs.end()) {
         // Alive and still writing its part of the save: wait on, within
         // the job's bound.
         deadline = std::max(deadline, std::min(absl::Now() + config_.peer_timeout,

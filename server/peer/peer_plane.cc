@@ -212,10 +212,12 @@ std::shared_ptr<peer::v1::Peer::Stub> PeerPlane::Stub(const std::string& address
     args.SetMaxSendMessageSize(256 << 20);
     // A peer that restarts is back within a second, not after gRPC's
     // default backoff (up to 2 minutes); an idle connection is closed.
+    // (GRPC_ARG_MIN_RECONNECT_BACKOFF_MS stays: it is also how long a
+    // connection attempt may take, 20 s, which many nodes connecting to
+    // each other at once on a busy host need.)
     args.SetInt(GRPC_ARG_INITIAL_RECONNECT_BACKOFF_MS, 100);
-    args.SetInt(GRPC_ARG_MIN_RECONNECT_BACKOFF_MS, 100);
     args.SetInt(GRPC_ARG_MAX_RECONNECT_BACKOFF_MS, 1000);
-    args.SetInt(GRPC_ARG_CLIENT_IDLE_TIMEOUT_MS, 30000);
+    args.SetInt(GRPC_ARG_CLIENT_IDLE_TIMEOUT_MS, 10000);
     std::shared_ptr<grpc::ChannelCredentials> creds;
     if (tls_) {
       grpc::SslCredentialsOptions o;
@@ -235,13 +237,8 @@ std::shared_ptr<peer::v1::Peer::Stub> PeerPlane::Stub(const std::string& address
   return s;
 }
 
-std::vector<v1::PeerHealth> PeerPlane::Health() {
-  absl::MutexLock refresh(&health_refresh_mu_);
-  {
-    absl::MutexLock lock(&health_mu_);
-    if (absl::Now() - health_at_ < kHealthTtl) return health_;
-  }
-  const std::vector<std::string> peers = Others();
+std::vector<PeerPlane::Pinged> PeerPlane::PingAll(const std::vector<std::string>& nodes,
+                                                   absl::Duration deadline) {
   const std::string me = listen();
   struct Call {
     grpc::ClientContext ctx;
@@ -252,10 +249,10 @@ std::vector<v1::PeerHealth> PeerPlane::Health() {
     std::shared_ptr<peer::v1::Peer::Stub> stub;
   };
   std::vector<std::unique_ptr<Call>> calls;
-  absl::BlockingCounter pending(static_cast<int>(peers.size()));
-  for (const std::string& p : peers) {
+  absl::BlockingCounter pending(static_cast<int>(nodes.size()));
+  for (const std::string& p : nodes) {
     auto c = std::make_unique<Call>();
-    c->ctx.set_deadline(std::chrono::system_clock::now() + kPingDeadline);
+    c->ctx.set_deadline(std::chrono::system_clock::now() + absl::ToChronoMilliseconds(deadline));
     c->req.set_node(me);
     c->stub = Stub(p);
     c->t0 = std::chrono::steady_clock::now();
@@ -268,13 +265,28 @@ std::vector<v1::PeerHealth> PeerPlane::Health() {
     });
   }
   pending.Wait();  // every call ends by its deadline
+  std::vector<Pinged> out;
+  for (auto& c : calls) {
+    out.push_back(Pinged{std::move(c->status), std::move(c->resp), absl::FromChrono(c->t1 - c->t0)});
+  }
+  return out;
+}
+
+std::vector<v1::PeerHealth> PeerPlane::Health() {
+  absl::MutexLock refresh(&health_refresh_mu_);
+  {
+    absl::MutexLock lock(&health_mu_);
+    if (absl::Now() - health_at_ < kHealthTtl) return health_;
+  }
+  const std::vector<std::string> peers = Others();
+  const std::vector<Pinged> pinged = PingAll(peers, absl::FromChrono(kPingDeadline));
   std::vector<v1::PeerHealth> out;
   for (size_t i = 0; i < peers.size(); ++i) {
     v1::PeerHealth ph;
     ph.set_address(peers[i]);
-    ph.set_reachable(calls[i]->status.ok());
-    if (!calls[i]->status.ok()) ph.set_error(calls[i]->status.error_message());
-    ph.set_rtt_ms(std::chrono::duration<double, std::milli>(calls[i]->t1 - calls[i]->t0).count());
+    ph.set_reachable(pinged[i].status.ok());
+    if (!pinged[i].status.ok()) ph.set_error(pinged[i].status.error_message());
+    ph.set_rtt_ms(absl::ToDoubleMilliseconds(pinged[i].rtt));
     out.push_back(std::move(ph));
   }
   absl::MutexLock lock(&health_mu_);

@@ -90,6 +90,15 @@ class PeerPlane {
   // while calls on the old ones finish.
   std::shared_ptr<peer::v1::Peer::Stub> Stub(const std::string& address);
 
+  // `nodes` pinged at once, each call bounded by `deadline`: per node (same
+  // order) how the call ended, the answer and the round trip.
+  struct Pinged {
+    grpc::Status status;
+    peer::v1::PingResponse response;
+    absl::Duration rtt;
+  };
+  std::vector<Pinged> PingAll(const std::vector<std::string>& nodes, absl::Duration deadline);
+
   // Every other daemon pinged in parallel (short deadline), the answer kept
   // a few seconds so Status and metrics scrapes do not ping again.
   std::vector<v1::PeerHealth> Health();
