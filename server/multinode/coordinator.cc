@@ -204,15 +204,17 @@ absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> DistJobs::PlanPartOf(
     const std::shared_ptr<DistJob>& dj, const peer::v1::JoinRequest& own,
     const PartsPlanner& plan) {
   if (dj->coordinator) {
-    const auto t0 = std::chrono::steady_clock::now();
     Announce(dj, own.node());
     // Every rank is in: plan once for the whole job.
     std::vector<std::string> nodes;
     std::vector<peer::v1::JoinRequest> joins;
     const absl::Status gathered = GatherJoins(dj, own, &nodes, &joins);
+    // plan_s: the planning itself, from the last join on.
     absl::StatusOr<peer::v1::PlanPart> part =
-        gathered.ok() ? PublishParts(dj, nodes, own.node(), plan(nodes, joins, t0))
-                      : absl::StatusOr<peer::v1::PlanPart>(gathered);
+        gathered.ok()
+            ? PublishParts(dj, nodes, own.node(),
+                           plan(nodes, joins, std::chrono::steady_clock::now()))
+            : absl::StatusOr<peer::v1::PlanPart>(gathered);
     if (!part.ok()) {
       Retire(dj, absl::Seconds(2));  // late joiners still get the error
       return part.status();
