@@ -9,8 +9,9 @@ loopback allows), one checkpoint on storage they all see, and per N:
      rank as a thread, spread over the daemons in contiguous blocks), every
      delivered byte compared with the source; its wall time, the
      coordinator's plan time and plan parts' bytes, the bytes between the
-     daemons against the bytes the ranks need (every element once: 256 MiB),
-     the peer calls the daemons served (Join, Locate, FetchRead, Complete;
+     daemons against the checkpoint's (256 MiB) and against the bytes the
+     nodes' ranks need from reads other nodes make (needed_from_peers),
+     the peer calls the daemons served per job (Join, Locate, FetchRead, Complete;
      not Ping: a metrics scrape pings the peers), and per daemon after the
      job: RSS (against its cache and its idle RSS), sockets opened since it
      started (right after the job and --idle-wait s later, once idle peer
@@ -94,6 +95,30 @@ def layout(world, dims):
                        "shape": shape})
         ranks.append({"rank": r, "tensors": ts})
     return {"world_size": world, "ranks": ranks}
+
+
+def needed_from_peers(lay, nodes):
+    """The bytes the nodes' ranks need from reads another node makes: per
+    planned read (a saved shard of 512 rows: 2 MiB, one read), what every
+    node's ranks need of it minus the share of the node that reads it (a node
+    that needs it: storage is shared, local first), taken as the largest
+    share (a lower bound; the shares are equal in these layouts)."""
+    per_node = len(lay["ranks"]) // nodes
+    rows = ROWS // SAVERS
+    total = 0
+    for ti, name in enumerate(names()):
+        for sv in range(SAVERS):
+            r0, r1 = sv * rows, (sv + 1) * rows
+            shares = []
+            for n in range(nodes):
+                b = 0
+                for rank in lay["ranks"][n * per_node:(n + 1) * per_node]:
+                    t = next(x for x in rank["tensors"] if x["name"] == name)
+                    (o0, _), (s0, s1) = t["offset"], t["shape"]
+                    b += max(0, min(r1, o0 + s0) - max(r0, o0)) * s1 * 4
+                shares.append(b)
+            total += sum(shares) - max(shares)
+    return total
 
 
 def check_outputs(out, lay):
@@ -259,8 +284,9 @@ def run_n(args, n, root, lay_path, lay, base):
         row["plan_s"] = float(coord.group(1)) if coord else None
         row["parts_bytes"] = int(coord.group(2)) if coord else None
         moved = sum(job_line(nd, "scale", "from_peers") for nd in nodes)
-        needed = TENSORS * ROWS * COLS * 4  # every element delivered once (no replicas)
-        row["peer_bytes_over_needed"] = round(moved / needed, 3)
+        needed = needed_from_peers(lay, n)
+        row["peer_bytes_over_checkpoint"] = round(moved / (TENSORS * ROWS * COLS * 4), 3)
+        row["peer_bytes_over_needed"] = round(moved / needed, 3) if needed else None
         time.sleep(0.3)
         # Sockets, threads and RSS before any scrape (a scrape pings peers).
         rss = [rss_mib(nd.proc.pid) for nd in nodes]
@@ -281,7 +307,8 @@ def run_n(args, n, root, lay_path, lay, base):
             for k, v in now.items():
                 if k != "Ping":  # scrapes ping; the job's own pings are few
                     calls[k] = calls.get(k, 0) + int(v)
-        row["peer_calls"] = calls
+        jobs = 2 if args.again else 1
+        row["peer_calls_per_job"] = {k: v / jobs for k, v in calls.items()}
         over = [r - i - c / 2**20 for r, i, (_, c) in zip(rss, idle, after)]
         row["rss_mib_median_max"] = [round(sorted(rss)[len(rss) // 2]), round(max(rss))]
         row["rss_over_idle_and_cache_mib_max"] = round(max(over), 1)
