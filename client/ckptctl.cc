@@ -463,8 +463,15 @@ void PrintStatus(const ckptd::v1::StatusResponse& s) {
   } else {
     int up = 0;
     for (const auto& p : s.peers()) up += p.reachable();
-    std::printf("\npeers: %d of %d reachable, this daemon is %s\n", up, s.peers_size(),
-                s.peer_address().empty() ? "(no peer_listen)" : s.peer_address().c_str());
+    if (static_cast<uint32_t>(s.peers_size()) < s.peers_known()) {
+      std::printf("\npeers: %d of %d checked reachable (of %u; the daemons this one called "
+                  "most recently are checked), this daemon is %s\n",
+                  up, s.peers_size(), s.peers_known(),
+                  s.peer_address().empty() ? "(no peer_listen)" : s.peer_address().c_str());
+    } else {
+      std::printf("\npeers: %d of %d reachable, this daemon is %s\n", up, s.peers_size(),
+                  s.peer_address().empty() ? "(no peer_listen)" : s.peer_address().c_str());
+    }
     std::vector<std::vector<std::string>> rows = {{"PEER", "STATE", "RTT", "ERROR"}};
     for (const auto& p : s.peers()) {
       char rtt[32];
@@ -534,6 +541,7 @@ absl::Status Status() {
                                             {"free_bytes", s.arena_free_bytes()},
                                             {"reused", s.arena_reused()}}},
                                 {"peer_address", s.peer_address()},
+                                {"peers_known", s.peers_known()},
                                 {"peers", [&] {
                                    nlohmann::json ps = nlohmann::json::array();
                                    for (const auto& p : s.peers()) {

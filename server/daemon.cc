@@ -207,7 +207,9 @@ v1::StatusResponse Daemon::Status(const Caller& caller) {
   resp.set_gpu(gpu_->Describe());
   resp.set_cache_pinned_bytes(gpu_->pinned_bytes());
   resp.set_peer_address(config_.peer_listen);
-  for (v1::PeerHealth& ph : peers_->Health()) *resp.add_peers() = std::move(ph);
+  size_t known = 0;
+  for (v1::PeerHealth& ph : peers_->Health(&known)) *resp.add_peers() = std::move(ph);
+  resp.set_peers_known(static_cast<uint32_t>(known));
   resp.set_metadata_cache_entries(metadata_.size());
   return resp;
 }

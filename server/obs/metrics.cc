@@ -386,7 +386,7 @@ class StatusCollector final : public prometheus::Collectable {
         if (p.reachable()) Sample(rtt, p.rtt_ms() / 1000.0, {{"peer", p.address()}});
       }
       out.push_back(One("ckptd_peers", "Other daemons known (static list and DNS)", G,
-                        s.peers_size()));
+                        std::max<double>(s.peers_known(), s.peers_size())));
       if (!up.metric.empty()) out.push_back(std::move(up));
       if (!rtt.metric.empty()) out.push_back(std::move(rtt));
     }

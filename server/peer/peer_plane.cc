@@ -205,6 +205,7 @@ std::shared_ptr<grpc::ServerCredentials> PeerPlane::ServerCredentials(
 std::shared_ptr<peer::v1::Peer::Stub> PeerPlane::Stub(const std::string& address) {
   auto set = Current();
   absl::MutexLock lock(&stubs_mu_);
+  last_called_[address] = absl::Now();
   auto& s = stubs_[address];
   if (!s) {
     grpc::ChannelArguments args;
@@ -272,13 +273,29 @@ std::vector<PeerPlane::Pinged> PeerPlane::PingAll(const std::vector<std::string>
   return out;
 }
 
-std::vector<v1::PeerHealth> PeerPlane::Health() {
+std::vector<v1::PeerHealth> PeerPlane::Health(size_t* known) {
   absl::MutexLock refresh(&health_refresh_mu_);
+  std::vector<std::string> peers = Others();
+  if (known != nullptr) *known = peers.size();
   {
     absl::MutexLock lock(&health_mu_);
     if (absl::Now() - health_at_ < kHealthTtl) return health_;
   }
-  const std::vector<std::string> peers = Others();
+  if (peers.size() > kMaxHealthPings) {
+    // The peers called most recently (never-called ones last, in order).
+    std::map<std::string, absl::Time> last;
+    {
+      absl::MutexLock lock(&stubs_mu_);
+      last = last_called_;
+    }
+    auto when = [&last](const std::string& p) {
+      auto it = last.find(p);
+      return it == last.end() ? absl::InfinitePast() : it->second;
+    };
+    std::stable_sort(peers.begin(), peers.end(),
+                     [&](const std::string& a, const std::string& b) { return when(a) > when(b); });
+    peers.resize(kMaxHealthPings);
+  }
   const std::vector<Pinged> pinged = PingAll(peers, absl::FromChrono(kPingDeadline));
   std::vector<v1::PeerHealth> out;
   for (size_t i = 0; i < peers.size(); ++i) {

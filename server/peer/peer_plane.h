@@ -99,9 +99,14 @@ class PeerPlane {
   };
   std::vector<Pinged> PingAll(const std::vector<std::string>& nodes, absl::Duration deadline);
 
-  // Every other daemon pinged in parallel (short deadline), the answer kept
-  // a few seconds so Status and metrics scrapes do not ping again.
-  std::vector<v1::PeerHealth> Health();
+  // The other daemons pinged in parallel (short deadline), the answer kept
+  // a few seconds so Status and metrics scrapes do not ping again: all of
+  // them when there are at most kMaxHealthPings, else the kMaxHealthPings
+  // this daemon called most recently (a scrape of every daemon of a large
+  // peer set must not cost N^2 pings). *known: how many other daemons
+  // there are.
+  static constexpr size_t kMaxHealthPings = 64;
+  std::vector<v1::PeerHealth> Health(size_t* known = nullptr);
 
  private:
   // The configured peer set, with peer_dns resolved at most every few
@@ -120,6 +125,8 @@ class PeerPlane {
   mutable absl::Mutex stubs_mu_;
   std::optional<TlsFiles> tls_ ABSL_GUARDED_BY(stubs_mu_);
   std::map<std::string, std::shared_ptr<peer::v1::Peer::Stub>> stubs_ ABSL_GUARDED_BY(stubs_mu_);
+  // When each address was last called (Stub); kept across UseTls.
+  std::map<std::string, absl::Time> last_called_ ABSL_GUARDED_BY(stubs_mu_);
   absl::Mutex health_refresh_mu_;  // one refresh at a time
   absl::Mutex health_mu_;
   std::vector<v1::PeerHealth> health_ ABSL_GUARDED_BY(health_mu_);

@@ -327,6 +327,25 @@ class OpsTest(unittest.TestCase):
             rc, msg = promtool_check(a.scrape())
             self.assertEqual((rc, msg), (0, ""))
 
+    def test_a_large_peer_set_is_pinged_only_where_this_daemon_called(self):
+        # 70 peers (more than the 64 a status pings): a status pings 64 of
+        # them (those this daemon called most recently first) and says how
+        # many there are (issue 34: a scrape of every daemon of a large peer
+        # set must not cost N^2 pings). Nothing listens there.
+        ports = []
+        for _ in range(70):
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                ports.append(s.getsockname()[1])
+        peers = ",".join(f"127.0.0.1:{p}" for p in ports)
+        with testlib.Daemon(self.root, "--peer-listen", "127.0.0.1:0", "--peers", peers) as d:
+            st = json.loads(ckptctl("status", "--daemon", d.socket, "--json").stdout)
+            self.assertEqual(st["peers_known"], 70)
+            self.assertEqual(len(st["peers"]), 64)
+            self.assertTrue(all(not p["reachable"] for p in st["peers"]))
+            out = ckptctl("status", "--daemon", d.socket).stdout
+            self.assertIn("peers: 0 of 64 checked reachable (of 70;", out)
+
     def test_status_pings_silent_peers_in_parallel_and_caches_the_answer(self):
         # Eight peers that accept TCP connections but never answer: each ping
         # ends at its 300 ms deadline. One after another that is 2.4 s per
