@@ -44,7 +44,11 @@ class ScaleHarnessTest(unittest.TestCase):
         self.assertEqual(calls["Join"], nodes - 1, row)
         self.assertLessEqual(calls["Locate"], 2 * nodes, row)
         self.assertEqual(calls["Complete"], nodes - 1, row)
-        self.assertLessEqual(row["rss_over_idle_and_cache_mib_max"], 64, row)
+        # Under ASan freed memory sits in its quarantine and the shadow grows:
+        # RSS says nothing there, and stopping runs the leak check.
+        sanitized = "ASAN_OPTIONS" in os.environ or "TSAN_OPTIONS" in os.environ
+        if not sanitized:
+            self.assertLessEqual(row["rss_over_idle_and_cache_mib_max"], 64, row)
         self.assertLessEqual(row["new_sockets_median_max"][1], 2 * (nodes - 1), row)
         self.assertEqual(row["new_sockets_after_idle_max"], 0, row)
         self.assertIn("again_wall_s", row)
@@ -52,7 +56,7 @@ class ScaleHarnessTest(unittest.TestCase):
         self.assertLess(row["kill_fail_s"], 5, row)
         self.assertEqual(row["kill_ranks_failed"], nodes * per_node, row)
         self.assertEqual(row["kill_ranks_naming_dead_node"], (nodes - 1) * per_node, row)
-        self.assertLess(row["sigterm_all_exit_s"], 5, row)
+        self.assertLess(row["sigterm_all_exit_s"], 15 if sanitized else 5, row)
 
 
 if __name__ == "__main__":
