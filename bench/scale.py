@@ -16,8 +16,8 @@ loopback allows), one checkpoint on storage they all see, and per N:
      job: RSS (against its cache and its idle RSS), sockets opened since it
      started (right after the job and --idle-wait s later, once idle peer
      channels closed), threads;
-  2. (--kill) a second job during which one daemon (not the coordinator) is
-     SIGKILLed once the plan is out: how long until every rank failed, and
+  2. (--kill) a second job during which one daemon (not the coordinator;
+     --kill-coordinator: the coordinator) is SIGKILLed once the plan is out: how long until every rank failed, and
      whether every rank's error names the dead daemon;
   3. SIGTERM to every daemon at once: how long until all exited.
 
@@ -207,6 +207,8 @@ class Node:
         self.socket = os.path.join(self.dir, "s")
         self.log = os.path.join(self.dir, "log")
         self.port_file = os.path.join(self.dir, "ports.json")
+        if os.path.exists(self.port_file):
+            os.unlink(self.port_file)  # an earlier run's: not this daemon's ports
         cmd = [args.ckptd, "--socket", self.socket, "--root", root, "--port-file", self.port_file,
                "--peer-listen", self.peer, "--peers", ",".join(peers),
                "--metrics-address", f"{self.host}:0", "--io-request-size", "2MiB",
@@ -313,7 +315,8 @@ def run_n(args, n, root, lay_path, lay, base):
         row["rss_mib_median_max"] = [round(sorted(rss)[len(rss) // 2]), round(max(rss))]
         row["rss_over_idle_and_cache_mib_max"] = round(max(over), 1)
         if args.kill and n >= 3:
-            victim = nodes[n // 2]
+            # A daemon in the middle, or (--kill-coordinator) the coordinator.
+            victim = nodes[0] if args.kill_coordinator else nodes[n // 2]
             t0 = time.monotonic()
             # No retries: the dead daemon's own ranks would wait for it to come
             # back (a restart, CKPTD_RETRY_TIMEOUT); the figure is how fast the
@@ -358,6 +361,8 @@ def main():
     ap.add_argument("--nodes", default="2,8,16,32")
     ap.add_argument("--ranks-per-node", type=int, default=1)
     ap.add_argument("--kill", action="store_true", help="also kill one daemon during a job")
+    ap.add_argument("--kill-coordinator", action="store_true",
+                    help="with --kill: the daemon killed is the job's coordinator")
     ap.add_argument("--again", action="store_true",
                     help="also the same load again at once (channels open, caches warm)")
     ap.add_argument("--workdir", default=None)

@@ -36,6 +36,13 @@ std::string RankJoinedTwice(const DistJob& dj, int rank, const std::string& node
                       " (a rank belongs to one node)");
 }
 
+// This node has no part of `dj` (`why`): peers already fetching from it
+// learn that now (their waits end on exec_status), not after peer_timeout.
+void FailPart(const std::shared_ptr<DistJob>& dj, const absl::Status& why) {
+  absl::MutexLock lock(&dj->mu);
+  if (dj->exec_status.ok()) dj->exec_status = why;
+}
+
 }  // namespace
 
 absl::StatusOr<peer::v1::PlanPart> DistJobs::PeerJoin(const PeerCaller& caller,
@@ -216,6 +223,7 @@ absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> DistJobs::PlanPartOf(
                            plan(nodes, joins, std::chrono::steady_clock::now()))
             : absl::StatusOr<peer::v1::PlanPart>(gathered);
     if (!part.ok()) {
+      FailPart(dj, part.status());
       Retire(dj, absl::Seconds(2));  // late joiners still get the error
       return part.status();
     }
@@ -225,6 +233,7 @@ absl::StatusOr<std::pair<peer::v1::PlanPart, std::string>> DistJobs::PlanPartOf(
   absl::Status origin = p.ok() ? CheckPartOrigin(p->first, dj->id, own.node(), p->second)
                                : p.status();
   if (!origin.ok()) {
+    FailPart(dj, origin);
     Retire(dj, absl::ZeroDuration());
     return origin;
   }

@@ -1,7 +1,7 @@
 """bench/scale.py at a size CI affords (issue 34): 4 real daemons on loopback
 addresses, one job of 8 ranks, then the same job again, one daemon killed
-during a third, all stopped at once. The figures the harness prints must meet
-the issue's bounds: bytes between the daemons at most 1.1x the bytes the ranks
+during a third (in another run, the coordinator), all stopped at once. The
+figures the harness prints must meet the issue's bounds: bytes between the daemons at most 1.1x the bytes the ranks
 need, one Join per joining node and about one Locate per node, memory after the
 job within 64 MiB of idle + cache, peer connections closed once idle, every
 rank on a surviving node failed within 5 s naming the dead node, every daemon
@@ -57,6 +57,25 @@ class ScaleHarnessTest(unittest.TestCase):
         self.assertEqual(row["kill_ranks_failed"], nodes * per_node, row)
         self.assertEqual(row["kill_ranks_naming_dead_node"], (nodes - 1) * per_node, row)
         self.assertLess(row["sigterm_all_exit_s"], 15 if sanitized else 5, row)
+
+    def test_the_coordinators_death_fails_every_rank_at_once_naming_it(self):
+        nodes, per_node = 4, 2
+        with tempfile.TemporaryDirectory(prefix="ckptd-scale-") as work:
+            out = os.path.join(work, "rows.json")
+            p = subprocess.run(
+                [sys.executable, SCALE, "--ckptd", testlib.CKPTD, "--ckptctl", testlib.CKPTCTL,
+                 "--nodes", str(nodes), "--ranks-per-node", str(per_node), "--kill",
+                 "--kill-coordinator", "--idle-wait", "0", "--workdir", os.path.join(work, "w"),
+                 "--json", out],
+                capture_output=True, text=True, timeout=600)
+            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+            with open(out) as f:
+                (row,) = json.load(f)
+        print(json.dumps(row))
+        self.assertNotIn("kill_note", row)
+        self.assertLess(row["kill_fail_s"], 5, row)
+        self.assertEqual(row["kill_ranks_failed"], nodes * per_node, row)
+        self.assertEqual(row["kill_ranks_naming_dead_node"], (nodes - 1) * per_node, row)
 
 
 if __name__ == "__main__":
