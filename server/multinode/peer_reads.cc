@@ -77,12 +77,7 @@ class DistSource final : public ckpt::RangeSource {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
-    peer::v1::FetchReadRequest req;
-    req.set_job_id(job_id_);
-    req.set_read(g);
-    req.set_node(me_);
-    auto stub = stub_(reader);
-    auto stream = stub->FetchRead(&ctx, req);
+    auto stream = stub_(reader)->FetchRead(&ctx, Request(g));
     if (scratch.size() < n) scratch.resize(n);
     uint64_t got = 0;
     std::optional<uint64_t> xxh3;
@@ -112,6 +107,15 @@ class DistSource final : public ckpt::RangeSource {
   void set_storage(ckpt::RangeSource* storage) { storage_ = storage; }
 
  private:
+  // This node's fetch of read `g` of the job.
+  peer::v1::FetchReadRequest Request(uint32_t g) const {
+    peer::v1::FetchReadRequest req;
+    req.set_job_id(job_id_);
+    req.set_read(g);
+    req.set_node(me_);
+    return req;
+  }
+
   // Only the bytes of read `g` (`n` at `offset` of `file`) the ranks here
   // copy: `spans`, cut and sent one after another by the peer, each chunk
   // with the xxh3 of its own bytes, placed at their offsets in `scratch`.
@@ -128,10 +132,7 @@ class DistSource final : public ckpt::RangeSource {
     grpc::ClientContext ctx;
     ctx.set_deadline(std::chrono::system_clock::now() +
                      std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
-    peer::v1::FetchReadRequest req;
-    req.set_job_id(job_id_);
-    req.set_read(g);
-    req.set_node(me_);
+    peer::v1::FetchReadRequest req = Request(g);
     uint64_t want = 0;
     for (const ckpt::ReadSpan& sp : spans) {
       peer::v1::Range* r = req.add_spans();

@@ -30,6 +30,18 @@ PeerCaller PeerCallerOf(const grpc::ServerContext& ctx) {
   return c;
 }
 
+namespace {
+
+// A call's answer into `resp`, or its error.
+template <typename Resp>
+absl::Status Answer(absl::StatusOr<Resp> r, Resp* resp) {
+  if (!r.ok()) return r.status();
+  *resp = std::move(*r);
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 grpc::Status PeerService::Run(const char* rpc, grpc::ServerContext* ctx,
                               const std::function<absl::Status(const PeerCaller&)>& body) {
   RecordPeerRpc(rpc);
@@ -42,11 +54,8 @@ grpc::Status PeerService::Run(const char* rpc, grpc::ServerContext* ctx,
 
 grpc::Status PeerService::Join(grpc::ServerContext* ctx, const peer::v1::JoinRequest* req,
                                peer::v1::PlanPart* resp) {
-  return Run("Join", ctx, [&](const PeerCaller& c) -> absl::Status {
-    auto r = jobs_->PeerJoin(c, *req, [ctx] { return ctx->IsCancelled(); });
-    if (!r.ok()) return r.status();
-    *resp = std::move(*r);
-    return absl::OkStatus();
+  return Run("Join", ctx, [&](const PeerCaller& c) {
+    return Answer(jobs_->PeerJoin(c, *req, [ctx] { return ctx->IsCancelled(); }), resp);
   });
 }
 
@@ -61,11 +70,8 @@ grpc::Status PeerService::FetchRead(grpc::ServerContext* ctx, const peer::v1::Fe
 
 grpc::Status PeerService::Complete(grpc::ServerContext* ctx, const peer::v1::CompleteRequest* req,
                                    peer::v1::CompleteResponse* resp) {
-  return Run("Complete", ctx, [&](const PeerCaller& c) -> absl::Status {
-    auto r = jobs_->PeerComplete(c, *req, [ctx] { return ctx->IsCancelled(); });
-    if (!r.ok()) return r.status();
-    *resp = std::move(*r);
-    return absl::OkStatus();
+  return Run("Complete", ctx, [&](const PeerCaller& c) {
+    return Answer(jobs_->PeerComplete(c, *req, [ctx] { return ctx->IsCancelled(); }), resp);
   });
 }
 
@@ -79,11 +85,8 @@ grpc::Status PeerService::Ping(grpc::ServerContext* ctx, const peer::v1::PingReq
 
 grpc::Status PeerService::Locate(grpc::ServerContext* ctx, const peer::v1::LocateRequest* req,
                                  peer::v1::LocateResponse* resp) {
-  return Run("Locate", ctx, [&](const PeerCaller& c) -> absl::Status {
-    auto r = jobs_->PeerLocate(c, *req, [ctx] { return ctx->IsCancelled(); });
-    if (!r.ok()) return r.status();
-    *resp = std::move(*r);
-    return absl::OkStatus();
+  return Run("Locate", ctx, [&](const PeerCaller& c) {
+    return Answer(jobs_->PeerLocate(c, *req, [ctx] { return ctx->IsCancelled(); }), resp);
   });
 }
 

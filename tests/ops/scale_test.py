@@ -20,20 +20,26 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 SCALE = os.path.join(HERE, "..", "..", "bench", "scale.py")
 
 
+def run_harness(test, nodes, per_node, *flags):
+    """bench/scale.py at `nodes` daemons x `per_node` ranks: its one row."""
+    with tempfile.TemporaryDirectory(prefix="ckptd-scale-") as work:
+        out = os.path.join(work, "rows.json")
+        p = subprocess.run(
+            [sys.executable, SCALE, "--ckptd", testlib.CKPTD, "--ckptctl", testlib.CKPTCTL,
+             "--nodes", str(nodes), "--ranks-per-node", str(per_node), *flags,
+             "--workdir", os.path.join(work, "w"), "--json", out],
+            capture_output=True, text=True, timeout=600)
+        test.assertEqual(p.returncode, 0, p.stdout + p.stderr)
+        with open(out) as f:
+            (row,) = json.load(f)
+    print(json.dumps(row))
+    return row
+
+
 class ScaleHarnessTest(unittest.TestCase):
     def test_four_daemons_meet_the_bounds(self):
         nodes, per_node = 4, 2
-        with tempfile.TemporaryDirectory(prefix="ckptd-scale-") as work:
-            out = os.path.join(work, "rows.json")
-            p = subprocess.run(
-                [sys.executable, SCALE, "--ckptd", testlib.CKPTD, "--ckptctl", testlib.CKPTCTL,
-                 "--nodes", str(nodes), "--ranks-per-node", str(per_node), "--kill", "--again",
-                 "--workdir", os.path.join(work, "w"), "--json", out],
-                capture_output=True, text=True, timeout=600)
-            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-            with open(out) as f:
-                (row,) = json.load(f)
-        print(json.dumps(row))
+        row = run_harness(self, nodes, per_node, "--kill", "--again")
         self.assertEqual(row["nodes"], nodes)
         # Exactly what is needed: the dim-1 half of the tensors, 3/4 of it
         # from other nodes (whole reads: every node got all of that half).
@@ -60,18 +66,7 @@ class ScaleHarnessTest(unittest.TestCase):
 
     def test_the_coordinators_death_fails_every_rank_at_once_naming_it(self):
         nodes, per_node = 4, 2
-        with tempfile.TemporaryDirectory(prefix="ckptd-scale-") as work:
-            out = os.path.join(work, "rows.json")
-            p = subprocess.run(
-                [sys.executable, SCALE, "--ckptd", testlib.CKPTD, "--ckptctl", testlib.CKPTCTL,
-                 "--nodes", str(nodes), "--ranks-per-node", str(per_node), "--kill",
-                 "--kill-coordinator", "--idle-wait", "0", "--workdir", os.path.join(work, "w"),
-                 "--json", out],
-                capture_output=True, text=True, timeout=600)
-            self.assertEqual(p.returncode, 0, p.stdout + p.stderr)
-            with open(out) as f:
-                (row,) = json.load(f)
-        print(json.dumps(row))
+        row = run_harness(self, nodes, per_node, "--kill", "--kill-coordinator", "--idle-wait", "0")
         self.assertNotIn("kill_note", row)
         self.assertLess(row["kill_fail_s"], 5, row)
         self.assertEqual(row["kill_ranks_failed"], nodes * per_node, row)
