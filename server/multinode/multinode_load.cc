@@ -227,8 +227,10 @@ void MultiNodeLoad::Run(const std::shared_ptr<Job>& job,
   fig.stats = &stats;
   fig.unexpected_keys.assign(part.unexpected_keys().begin(), part.unexpected_keys().end());
   fig.renamed_keys.insert(part.renamed_keys().begin(), part.renamed_keys().end());
-  // Peer bytes are not from storage; the executor counts them with cache hits.
-  fig.bytes_from_cache = stats.bytes_from_cache - std::min(stats.bytes_from_cache, received);
+  // Peer reads are not from storage; the executor counts them (whole) with
+  // cache hits.
+  const uint64_t from_peers = peers ? peers->peer_read_length() : 0;
+  fig.bytes_from_cache = stats.bytes_from_cache - std::min(stats.bytes_from_cache, from_peers);
   fig.unique_id = part.unique_id();
   fig.format = part.format();
   fig.plan_s = part.plan_s();

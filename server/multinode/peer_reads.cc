@@ -69,6 +69,7 @@ class DistSource final : public ckpt::RangeSource {
       if (auto b = links_->Take(g, absl::Now() + timeout_)) {
         CKPT_RETURN_IF_ERROR(Check(b->view.data, n, b->xxh3, what + " over NCCL", verify));
         received_ += n;
+        peer_read_length_ += n;
         return b->view;
       }  // links failed: gRPC below
     }
@@ -96,13 +97,14 @@ class DistSource final : public ckpt::RangeSource {
     if (!xxh3) return absl::DataLossError(absl::StrCat(what, ": sent without its checksum"));
     CKPT_RETURN_IF_ERROR(Check(scratch.data(), n, *xxh3, what, verify));
     received_ += n;
+    peer_read_length_ += n;
     return ckpt::RangeView{scratch.data(), nullptr, false};
   }
 
   uint64_t received() const { return received_.load(); }
-  // Of the reads fetched by spans: their whole length (what shipping whole
-  // reads would have moved).
-  uint64_t spanned_read_bytes() const { return spanned_read_bytes_.load(); }
+  // The whole length of the reads that came from peers (whole or by spans:
+  // what the executor counts as not from storage for them).
+  uint64_t peer_read_length() const { return peer_read_length_.load(); }
   void set_links(NcclTransfers* links) { links_ = links; }
   void set_storage(ckpt::RangeSource* storage) { storage_ = storage; }
 
@@ -180,7 +182,7 @@ class DistSource final : public ckpt::RangeSource {
     grpc::Status s = stream->Finish();
     if (!s.ok() || got != want) return SendFailed(s, reader, file, offset, n, got, want);
     received_ += want;
-    spanned_read_bytes_ += n;
+    peer_read_length_ += n;
     return ckpt::RangeView{scratch.data(), nullptr, false};
   }
 
@@ -226,7 +228,7 @@ class DistSource final : public ckpt::RangeSource {
   const std::function<absl::Status()> aborted_;
   const absl::Duration timeout_;
   std::atomic<uint64_t> received_{0};
-  std::atomic<uint64_t> spanned_read_bytes_{0};
+  std::atomic<uint64_t> peer_read_length_{0};
 };
 
 }  // namespace
@@ -277,6 +279,7 @@ class PeerReads final : public RemoteReads {
   }
 
   uint64_t bytes_received() const override { return source_.received(); }
+  uint64_t peer_read_length() const override { return source_.peer_read_length(); }
   uint64_t bytes_sent() const override {
     absl::MutexLock lock(&dj_->mu);
     return dj_->bytes_sent;

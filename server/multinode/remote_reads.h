@@ -25,6 +25,9 @@ class RemoteReads {
   // Bytes received from peers, and of this node's reads sent to them.
   virtual uint64_t bytes_received() const = 0;
   virtual uint64_t bytes_sent() const = 0;
+  // The whole length of the reads that came from peers (a read fetched by
+  // spans counts whole: the executor counts it so, as not from storage).
+  virtual uint64_t peer_read_length() const = 0;
 };
 
 }  // namespace ckptd

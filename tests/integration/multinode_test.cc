@@ -310,6 +310,9 @@ TEST_P(MultiNode, NodeLocalFilesReshardedByteExactReadOnce) {
   for (int n = 0; n < kNodes; ++n) {
     needed += NeededFromPeers(ck->metadata, load, n, 2);
     moved += LoggedBytes(n, "local", "from_peers");
+    // A first load: nothing from the data cache (a read fetched by spans
+    // is not a cache hit either).
+    EXPECT_EQ(LoggedBytes(n, "local", "cache"), 0u) << "node " << n;
   }
   std::cout << "bytes between daemons " << moved << ", needed " << needed << " ("
             << static_cast<double>(moved) / static_cast<double>(std::max<uint64_t>(needed, 1))
