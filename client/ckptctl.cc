@@ -381,6 +381,12 @@ std::string RankRanges(std::vector<int> ranks) {
 }
 
 // Columns padded to their widest cell (the last one is not padded).
+// A failed command's (or rank's) error as ckptctl reports it.
+void PrintError(const absl::Status& s) {
+  std::cerr << "ckptctl: error: " << s.message() << " [" << absl::StatusCodeToString(s.code())
+            << "]\n";
+}
+
 void PrintTable(const std::vector<std::vector<std::string>>& rows) {
   std::vector<size_t> width;
   for (const auto& r : rows) {
@@ -463,15 +469,14 @@ void PrintStatus(const ckptd::v1::StatusResponse& s) {
   } else {
     int up = 0;
     for (const auto& p : s.peers()) up += p.reachable();
-    if (static_cast<uint32_t>(s.peers_size()) < s.peers_known()) {
-      std::printf("\npeers: %d of %d checked reachable (of %u; the daemons this one called "
-                  "most recently are checked), this daemon is %s\n",
-                  up, s.peers_size(), s.peers_known(),
-                  s.peer_address().empty() ? "(no peer_listen)" : s.peer_address().c_str());
-    } else {
-      std::printf("\npeers: %d of %d reachable, this daemon is %s\n", up, s.peers_size(),
-                  s.peer_address().empty() ? "(no peer_listen)" : s.peer_address().c_str());
-    }
+    // A large peer set: only some were pinged (PeerPlane::Health).
+    const std::string checked =
+        static_cast<uint32_t>(s.peers_size()) < s.peers_known()
+            ? absl::StrCat(" checked reachable (of ", s.peers_known(),
+                           "; the daemons this one called most recently are checked)")
+            : std::string(" reachable");
+    std::printf("\npeers: %d of %d%s, this daemon is %s\n", up, s.peers_size(), checked.c_str(),
+                s.peer_address().empty() ? "(no peer_listen)" : s.peer_address().c_str());
     std::vector<std::vector<std::string>> rows = {{"PEER", "STATE", "RTT", "ERROR"}};
     for (const auto& p : s.peers()) {
       char rtt[32];
@@ -695,6 +700,10 @@ absl::Status LoadViaDaemon(const std::string& dir, const Layout& layout) {
   const double wall = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   // Every failed rank's error (each may name a different cause or peer);
   // the first is the command's.
+  auto RankError = [](const RankRun& run) {
+    return absl::Status(run.report.status().code(),
+                        absl::StrCat("rank ", run.rank, ": ", run.report.status().message()));
+  };
   const RankRun* first_failed = nullptr;
   for (const RankRun& run : runs) {
     if (run.report.ok()) continue;
@@ -702,14 +711,9 @@ absl::Status LoadViaDaemon(const std::string& dir, const Layout& layout) {
       first_failed = &run;
       continue;
     }
-    std::cerr << "ckptctl: error: rank " << run.rank << ": " << run.report.status().message()
-              << " [" << absl::StatusCodeToString(run.report.status().code()) << "]\n";
+    PrintError(RankError(run));
   }
-  if (first_failed != nullptr) {
-    return absl::Status(first_failed->report.status().code(),
-                        absl::StrCat("rank ", first_failed->rank, ": ",
-                                     first_failed->report.status().message()));
-  }
+  if (first_failed != nullptr) return RankError(*first_failed);
   // Outputs: rank{r}.safetensors, written only after every rank succeeded.
   std::set<std::string> missing;
   std::set<std::string> unexpected;
@@ -901,8 +905,7 @@ int main(int argc, char** argv) {
     }
   }
   if (!s.ok()) {
-    std::cerr << "ckptctl: error: " << s.message() << " [" << absl::StatusCodeToString(s.code())
-              << "]\n";
+    ckpt::PrintError(s);
     return 1;
   }
   return 0;

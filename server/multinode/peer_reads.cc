@@ -68,16 +68,16 @@ class DistSource final : public ckpt::RangeSource {
     if (links_ != nullptr && links_->Receives(g)) {
       if (auto b = links_->Take(g, absl::Now() + timeout_)) {
         CKPT_RETURN_IF_ERROR(Check(b->view.data, n, b->xxh3, what + " over NCCL", verify));
-        received_ += n;
-        peer_read_length_ += n;
+        Arrived(n, n);
         return b->view;
       }  // links failed: gRPC below
     }
     auto spans = fetch_spans_.find(g);
-    if (spans != fetch_spans_.end()) return FetchSpans(g, file, offset, n, spans->second, scratch);
+    if (spans != fetch_spans_.end()) {
+      return FetchSpans(g, reader, file, offset, n, spans->second, scratch);
+    }
     grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() +
-                     std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
+    SetDeadline(&ctx);
     auto stream = stub_(reader)->FetchRead(&ctx, Request(g));
     if (scratch.size() < n) scratch.resize(n);
     uint64_t got = 0;
@@ -96,8 +96,7 @@ class DistSource final : public ckpt::RangeSource {
     if (!s.ok() || got != n) return SendFailed(s, reader, file, offset, n, got, n);
     if (!xxh3) return absl::DataLossError(absl::StrCat(what, ": sent without its checksum"));
     CKPT_RETURN_IF_ERROR(Check(scratch.data(), n, *xxh3, what, verify));
-    received_ += n;
-    peer_read_length_ += n;
+    Arrived(n, n);
     return ckpt::RangeView{scratch.data(), nullptr, false};
   }
 
@@ -109,6 +108,19 @@ class DistSource final : public ckpt::RangeSource {
   void set_storage(ckpt::RangeSource* storage) { storage_ = storage; }
 
  private:
+  // A call to a peer: bounded by peer_timeout.
+  void SetDeadline(grpc::ClientContext* ctx) const {
+    ctx->set_deadline(std::chrono::system_clock::now() +
+                      std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
+  }
+
+  // A read of `length` bytes came from a peer, `moved` of them over the wire
+  // (fewer when fetched by spans).
+  void Arrived(uint64_t moved, uint64_t length) {
+    received_ += moved;
+    peer_read_length_ += length;
+  }
+
   // This node's fetch of read `g` of the job.
   peer::v1::FetchReadRequest Request(uint32_t g) const {
     peer::v1::FetchReadRequest req;
@@ -118,22 +130,21 @@ class DistSource final : public ckpt::RangeSource {
     return req;
   }
 
-  // Only the bytes of read `g` (`n` at `offset` of `file`) the ranks here
-  // copy: `spans`, cut and sent one after another by the peer, each chunk
+  // Only the bytes of read `g` (`n` at `offset` of `file`, made by
+  // `reader`) the ranks here copy: `spans`, cut and sent one after another by the peer, each chunk
   // with the xxh3 of its own bytes, placed at their offsets in `scratch`.
   // The rest of `scratch` is never read (the copies touch only the spans),
   // and the plan's checksums, over whole blocks, are not checked here: the
   // peer checked them as it read (and checks its xxh3 against them).
-  absl::StatusOr<ckpt::RangeView> FetchSpans(uint32_t g, const std::string& file, uint64_t offset,
-                                             uint64_t n, const std::vector<ckpt::ReadSpan>& spans,
+  absl::StatusOr<ckpt::RangeView> FetchSpans(uint32_t g, const std::string& reader,
+                                             const std::string& file, uint64_t offset, uint64_t n,
+                                             const std::vector<ckpt::ReadSpan>& spans,
                                              std::vector<uint8_t>& scratch) {
-    const std::string& reader = reader_.at(g);  // Fetch found it
     const std::string what = absl::StrCat("read ", g, " (", file, " bytes [", offset, ", ",
                                           offset + n, "), ", spans.size(),
                                           " spans) from peer ", reader);
     grpc::ClientContext ctx;
-    ctx.set_deadline(std::chrono::system_clock::now() +
-                     std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
+    SetDeadline(&ctx);
     peer::v1::FetchReadRequest req = Request(g);
     uint64_t want = 0;
     for (const ckpt::ReadSpan& sp : spans) {
@@ -181,8 +192,7 @@ class DistSource final : public ckpt::RangeSource {
     }
     grpc::Status s = stream->Finish();
     if (!s.ok() || got != want) return SendFailed(s, reader, file, offset, n, got, want);
-    received_ += want;
-    peer_read_length_ += n;
+    Arrived(want, n);
     return ckpt::RangeView{scratch.data(), nullptr, false};
   }
 
