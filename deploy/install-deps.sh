@@ -17,7 +17,7 @@ BUILD_PACKAGES=(
   libgrpc++-dev protobuf-compiler-grpc libprotobuf-dev protobuf-compiler
   libabsl-dev libyaml-cpp-dev libgtest-dev libgmock-dev libbenchmark-dev
   nlohmann-json3-dev libsimdjson-dev libspdlog-dev libfmt-dev libxxhash-dev liburing-dev zlib1g-dev
-  prometheus-cpp-dev libsystemd-dev libssl-dev
+  prometheus-cpp-dev libsystemd-dev libssl-dev libcurl4-openssl-dev libexpat1-dev
   python3
   clang-14 libclang-rt-14-dev llvm-14
   patchelf
@@ -30,12 +30,15 @@ BUILD_PACKAGES=(
 # server, from the prometheus package), the peer-plane tests' certificates
 # (openssl), and `pip install client/python` into a venv, offline
 # (python3-venv, python3-pip, python3-setuptools, python3-wheel; the stubs it
-# generates need protobuf-compiler and protobuf-compiler-grpc, above), and
-# `python3 -m build` of its sdist and wheel (python3-build).
+# generates need protobuf-compiler and protobuf-compiler-grpc, above),
+# `python3 -m build` of its sdist and wheel (python3-build), and a throwaway
+# Ceph S3 gateway for the object-storage tests (radosgw, ceph-mon, ceph-osd,
+# ceph-common: tests/s3/rgw.sh).
 TEST_PACKAGES=(
   python3-numpy python3-grpcio python3-protobuf python3-torch
   python3-venv python3-pip python3-setuptools python3-wheel python3-build
   python3-yaml systemd prometheus openssl
+  radosgw ceph-mon ceph-osd ceph-common
 )
 # What ckptd and ckptctl load at run time (tests/ops checks this list against
 # `ldd` of the built binaries).

@@ -3,9 +3,21 @@
 #include <algorithm>
 #include <cstring>
 
+#include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
+#include "absl/strings/ascii.h"
 #include "absl/strings/str_cat.h"
+#include "absl/synchronization/mutex.h"
 
 namespace ckpt {
+
+// Calls `call` on the storage that serves `path` (SchemeRouterStorage).
+#define CKPT_ROUTE(path, call)        \
+  do {                                \
+    auto storage = For(path);         \
+    if (!storage.ok()) return storage.status(); \
+    return (*storage)->call;          \
+  } while (0)
 
 absl::StatusOr<FileStamp> RandomAccessFile::Stamp() const {
   return absl::UnimplementedError(absl::StrCat(path(), ": no file descriptor to stat"));
@@ -118,5 +130,77 @@ absl::Status MemoryFile::Read(uint64_t offset, uint64_t n, void* dst) const {
   if (n > 0) std::memcpy(dst, data_.data() + offset, n);
   return absl::OkStatus();
 }
+
+std::string PathScheme(absl::string_view path) {
+  const size_t sep = path.find("://");
+  if (sep == absl::string_view::npos || sep == 0) return std::string();
+  for (char c : path.substr(0, sep)) {
+    if (!(absl::ascii_isalnum(c) || c == '+' || c == '-' || c == '.')) return std::string();
+  }
+  return absl::AsciiStrToLower(path.substr(0, sep));
+}
+
+namespace {
+
+absl::Mutex g_schemes_mu(absl::kConstInit);
+absl::flat_hash_map<std::string, Storage*>* g_schemes ABSL_GUARDED_BY(g_schemes_mu) = nullptr;
+
+// Routes URL paths to their scheme's storage, others to POSIX.
+class SchemeRouterStorage final : public Storage {
+ public:
+  absl::StatusOr<std::shared_ptr<const Directory>> OpenDirectory(const std::string& path,
+                                                                 bool confine,
+                                                                 bool follow_last) override {
+    CKPT_ROUTE(path, OpenDirectory(path, confine, follow_last));
+  }
+  absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenFile(const std::string& path) override {
+    CKPT_ROUTE(path, OpenFile(path));
+  }
+  absl::StatusOr<FileStamp> Stat(const std::string& path) override { CKPT_ROUTE(path, Stat(path)); }
+  absl::StatusOr<PathKind> Kind(const std::string& path) override { CKPT_ROUTE(path, Kind(path)); }
+  absl::StatusOr<std::string> Canonical(const std::string& path) override {
+    CKPT_ROUTE(path, Canonical(path));
+  }
+  absl::Status CreateDirectories(const std::string& path) override {
+    CKPT_ROUTE(path, CreateDirectories(path));
+  }
+  absl::StatusOr<DirLock> LockDirectory(const std::string& dir, int64_t wait_ms) override {
+    CKPT_ROUTE(dir, LockDirectory(dir, wait_ms));
+  }
+
+ private:
+  // The storage for `path`, or the error for a URL nobody serves.
+  static absl::StatusOr<Storage*> For(const std::string& path) {
+    const std::string scheme = PathScheme(path);
+    if (scheme.empty()) return Storage::Posix();
+    absl::MutexLock lock(&g_schemes_mu);
+    if (g_schemes != nullptr) {
+      auto it = g_schemes->find(scheme);
+      if (it != g_schemes->end()) return it->second;
+    }
+    return absl::InvalidArgumentError(
+        absl::StrCat(path, ": no storage for scheme '", scheme,
+                     "' in this process (ckptd, ckptctl and the offline tools serve s3://)"));
+  }
+};
+
+}  // namespace
+
+void RegisterSchemeStorage(const std::string& scheme, Storage* storage) {
+  absl::MutexLock lock(&g_schemes_mu);
+  if (g_schemes == nullptr) g_schemes = new absl::flat_hash_map<std::string, Storage*>();
+  if (storage == nullptr) {
+    g_schemes->erase(scheme);
+  } else {
+    (*g_schemes)[scheme] = storage;
+  }
+}
+
+namespace internal {
+Storage* SchemeRouter() {
+  static Storage* const router = new SchemeRouterStorage();
+  return router;
+}
+}  // namespace internal
 
 }  // namespace ckpt

@@ -252,11 +252,24 @@ class Storage {
   virtual absl::StatusOr<DirLock> LockDirectory(const std::string& dir, int64_t wait_ms) = 0;
 };
 
+// Storage for "<scheme>://" paths ("s3": core/io/s3): Storage::Default()
+// hands a path that starts with a registered scheme to that storage, other
+// paths to POSIX, and refuses a URL of a scheme nobody registered
+// (INVALID_ARGUMENT "<path>: no storage for scheme '<scheme>' ..."). Binaries
+// that link an implementation register it at start; `storage` is not owned
+// and lives as long as the process. nullptr unregisters.
+void RegisterSchemeStorage(const std::string& scheme, Storage* storage);
+// The scheme of a URL path ("s3" of "s3://b/k"); empty for a file path.
+std::string PathScheme(absl::string_view path);
+
 namespace internal {
 // Tests: makes `storage` (not owned; nullptr: POSIX again) what
 // Storage::Default() returns, for faults injected into core and the daemon's
 // libraries. Returns the one it replaces. Not for production use.
 Storage* SetDefaultStorageForTesting(Storage* storage);
+// What Storage::Default() is when no test replaced it: POSIX files and the
+// registered schemes.
+Storage* SchemeRouter();
 }  // namespace internal
 
 // Shorthands on Storage::Default().

@@ -645,7 +645,7 @@ void SetOpenat2DisabledForTesting(bool disabled) { g_openat2_disabled = disabled
 
 Storage* SetDefaultStorageForTesting(Storage* storage) {
   Storage* before = g_default_storage.exchange(storage);
-  return before != nullptr ? before : Storage::Posix();
+  return before != nullptr ? before : SchemeRouter();
 }
 }  // namespace internal
 
@@ -687,7 +687,7 @@ Storage* Storage::Posix() {
 
 Storage* Storage::Default() {
   Storage* s = g_default_storage.load(std::memory_order_acquire);
-  return s != nullptr ? s : Posix();
+  return s != nullptr ? s : internal::SchemeRouter();
 }
 
 }  // namespace ckpt

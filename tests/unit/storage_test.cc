@@ -229,7 +229,7 @@ TEST(Storage, EveryFileOfAnOfflineLoadIsOpenedThroughTheInstalledStorage) {
     EXPECT_EQ(out[0], 4.f);   // w[0][4]
     EXPECT_EQ(out[15], 31.f);  // w[3][7]
   }
-  EXPECT_EQ(Storage::Default(), Storage::Posix());
+  EXPECT_EQ(Storage::Default(), internal::SchemeRouter());
   absl::MutexLock l(&faults.mu);
   // The metadata and both data files (every file the load needs).
   EXPECT_GE(faults.opened["0.metadata"], 1) << "metadata not read through the storage";

@@ -42,6 +42,8 @@ _PACKAGES = {
     "prometheus_cpp": ["prometheus-cpp-pull", "prometheus-cpp-core"],
     "systemd": ["libsystemd"],
     "crypto": ["libcrypto"],  # HMAC-SHA256 of multi-node job keys (server/multinode/job_mac.h)
+    "curl": ["libcurl"],  # S3 requests (core/io/s3)
+    "expat": ["expat"],  # S3's XML answers (core/io/s3/s3_xml.h)
 }
 
 def _pkg_config(ctx, args):

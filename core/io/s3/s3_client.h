@@ -1,0 +1,101 @@
+// An S3 client over libcurl: HEAD, ranged GET, ListObjectsV2, PUT,
+// multipart uploads and DELETE, signed with AWS signature V4 (libcurl's
+// CURLOPT_AWS_SIGV4), connections kept alive in a pool of handles, and
+// retries with exponential backoff and jitter on 5xx, SlowDown, resets,
+// stalls and short bodies, within the caller's deadline. Errors name the
+// object ("s3://bucket/key: ...") and what the server said; 404 is
+// NOT_FOUND, 403 PERMISSION_DENIED, a precondition that failed (If-Match: the
+// object changed) ABORTED. Thread-safe. Knows nothing of checkpoints.
+#ifndef CKPTD_CORE_IO_S3_S3_CLIENT_H_
+#define CKPTD_CORE_IO_S3_S3_CLIENT_H_
+
+#include <atomic>
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "core/io/s3/s3_config.h"
+#include "core/io/s3/s3_xml.h"
+
+namespace ckpt {
+namespace s3 {
+
+struct ObjectInfo {
+  uint64_t size = 0;
+  std::string etag;  // quotes removed
+  int64_t mtime_ns = 0;
+};
+
+// Requests made and bytes moved, for metrics and benchmarks.
+struct ClientStats {
+  std::atomic<uint64_t> heads{0}, gets{0}, lists{0}, puts{0}, deletes{0}, retries{0};
+  std::atomic<uint64_t> bytes_in{0}, bytes_out{0};
+};
+
+class S3Client {
+ public:
+  static absl::StatusOr<std::unique_ptr<S3Client>> Create(const S3Settings& settings,
+                                                          const Getenv& env);
+  ~S3Client();
+  S3Client(const S3Client&) = delete;
+  S3Client& operator=(const S3Client&) = delete;
+
+  const Endpoint& endpoint() const { return endpoint_; }
+  const ClientStats& stats() const { return stats_; }
+  // Where the credentials come from (never what they are).
+  std::string CredentialsSource();
+
+  absl::StatusOr<ObjectInfo> Head(const std::string& bucket, const std::string& key);
+  // Reads exactly `n` bytes at `offset` into `dst`. `if_match`: the ETag the
+  // object must still have (ABORTED "changed" otherwise); empty: any.
+  absl::Status GetRange(const std::string& bucket, const std::string& key, uint64_t offset,
+                        uint64_t n, void* dst, const std::string& if_match);
+  // One ListObjectsV2 page.
+  absl::StatusOr<ListPage> List(const std::string& bucket, const std::string& prefix,
+                                const std::string& delimiter, const std::string& token,
+                                int max_keys);
+  // Every page, refusing more than `max_entries` objects and prefixes.
+  absl::StatusOr<ListPage> ListAll(const std::string& bucket, const std::string& prefix,
+                                   const std::string& delimiter, size_t max_entries);
+  absl::Status Put(const std::string& bucket, const std::string& key, const void* data,
+                   uint64_t n);
+  absl::StatusOr<std::string> CreateMultipart(const std::string& bucket, const std::string& key);
+  // Returns the part's ETag.
+  absl::StatusOr<std::string> UploadPart(const std::string& bucket, const std::string& key,
+                                         const std::string& upload_id, int part_number,
+                                         const void* data, uint64_t n);
+  absl::Status CompleteMultipart(const std::string& bucket, const std::string& key,
+                                 const std::string& upload_id,
+                                 const std::vector<std::string>& part_etags);
+  absl::Status AbortMultipart(const std::string& bucket, const std::string& key,
+                              const std::string& upload_id);
+  absl::Status Delete(const std::string& bucket, const std::string& key);
+
+  // One request, described to the transport (s3_client.cc).
+  struct Call;
+
+ private:
+  S3Client(S3Settings settings, Endpoint endpoint, Getenv env);
+  absl::Status Perform(Call& call);
+  absl::Status PerformOnce(Call& call, void* handle);
+  void* TakeHandle();
+  void ReturnHandle(void* h);
+
+  const S3Settings settings_;
+  const Endpoint endpoint_;
+  CredentialSource credentials_;
+  ClientStats stats_;
+  absl::Mutex mu_;
+  std::vector<void*> idle_ ABSL_GUARDED_BY(mu_);  // CURL* kept alive for reuse
+};
+
+}  // namespace s3
+}  // namespace ckpt
+
+#endif  // CKPTD_CORE_IO_S3_S3_CLIENT_H_

@@ -1,0 +1,303 @@
+// The S3 storage (core/io/s3) against a real Ceph S3 gateway started for
+// this binary (tests/s3/rgw.sh): requests, errors, credentials, and core's
+// own shard-and-load through "s3://" paths.
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdlib>
+#include <map>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "absl/strings/match.h"
+#include "absl/strings/str_cat.h"
+#include "core/format/safetensors.h"
+#include "core/io/file.h"
+#include "core/io/s3/s3_client.h"
+#include "core/io/s3/s3_storage.h"
+#include "core/io/s3/s3_url.h"
+#include "core/tools/layout.h"
+#include "core/tools/offline.h"
+#include "core/write/writer.h"
+#include "gmock/gmock.h"
+#include "gtest/gtest.h"
+#include "tests/s3/rgw_fixture.h"
+#include "tests/testing/files.h"
+#include "tests/testing/temp_dir.h"
+
+namespace ckpt {
+namespace {
+
+using ::testing::HasSubstr;
+using s3::S3Client;
+using s3::S3Settings;
+
+testing::RgwEnvironment* const g_rgw = static_cast<testing::RgwEnvironment*>(
+    ::testing::AddGlobalTestEnvironment(new testing::RgwEnvironment()));
+
+const std::string kBucket = testing::Rgw::Bucket();
+
+// A prefix no other test uses.
+std::string Fresh(const std::string& what) {
+  static int n = 0;
+  return absl::StrCat("t", getpid(), "-", ++n, "-", what);
+}
+
+s3::Getenv ProcessEnv() {
+  return [](const char* name) { return std::getenv(name); };
+}
+
+std::unique_ptr<S3Client> Client(S3Settings settings = {}, s3::Getenv env = ProcessEnv()) {
+  auto c = S3Client::Create(settings, env);
+  EXPECT_TRUE(c.ok()) << c.status();
+  return c.ok() ? *std::move(c) : nullptr;
+}
+
+s3::S3Storage* Registered() {
+  static s3::S3Storage* storage = [] {
+    s3::S3StorageOptions o;
+    o.part_bytes = 5 << 20;  // multipart above 5 MiB
+    auto s = s3::RegisterS3Storage(S3Settings{}, o);
+    EXPECT_TRUE(s.ok()) << s.status();
+    return s.ok() ? *s : nullptr;
+  }();
+  return storage;
+}
+
+TEST(S3Client, PutHeadRangedGetAndMissingObjects) {
+  auto c = Client();
+  ASSERT_NE(c, nullptr);
+  const std::string key = Fresh("obj");
+  std::string data(100000, '\0');
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>(i * 7 + 3);
+  ASSERT_TRUE(c->Put(kBucket, key, data.data(), data.size()).ok());
+  auto info = c->Head(kBucket, key);
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(info->size, data.size());
+  EXPECT_FALSE(info->etag.empty());
+  EXPECT_GT(info->mtime_ns, 0);
+  std::string got(1000, 'x');
+  ASSERT_TRUE(c->GetRange(kBucket, key, 54321, 1000, got.data(), info->etag).ok());
+  EXPECT_EQ(got, data.substr(54321, 1000));
+
+  auto missing = c->Head(kBucket, key + "-not-there");
+  EXPECT_EQ(missing.status().code(), absl::StatusCode::kNotFound);
+  EXPECT_THAT(std::string(missing.status().message()),
+              HasSubstr(absl::StrCat("s3://", kBucket, "/", key, "-not-there")));
+  absl::Status get = c->GetRange(kBucket, key + "-not-there", 0, 10, got.data(), "");
+  EXPECT_EQ(get.code(), absl::StatusCode::kNotFound) << get;
+  // Past the end: the server says 416.
+  absl::Status past = c->GetRange(kBucket, key, data.size() + 10, 10, got.data(), "");
+  EXPECT_EQ(past.code(), absl::StatusCode::kOutOfRange) << past;
+  EXPECT_EQ(c->stats().retries.load(), 0u) << "nothing here is worth a retry";
+}
+
+TEST(S3Client, ListingsPageWithContinuationTokensAndGroupByDelimiter) {
+  auto c = Client();
+  ASSERT_NE(c, nullptr);
+  const std::string prefix = Fresh("list");
+  for (const char* name : {"a", "b", "c", "d/x", "d/y", "e"}) {
+    ASSERT_TRUE(c->Put(kBucket, absl::StrCat(prefix, "/", name), name, 1).ok());
+  }
+  auto page = c->List(kBucket, prefix + "/", "", "", 2);
+  ASSERT_TRUE(page.ok()) << page.status();
+  EXPECT_EQ(page->objects.size(), 2u);
+  EXPECT_TRUE(page->truncated);
+  EXPECT_FALSE(page->next_token.empty());
+  auto all = c->ListAll(kBucket, prefix + "/", "/", 100);
+  ASSERT_TRUE(all.ok()) << all.status();
+  std::vector<std::string> keys;
+  for (const auto& o : all->objects) keys.push_back(o.key.substr(prefix.size() + 1));
+  EXPECT_THAT(keys, ::testing::ElementsAre("a", "b", "c", "e"));
+  EXPECT_THAT(all->common_prefixes, ::testing::ElementsAre(prefix + "/d/"));
+  auto capped = c->ListAll(kBucket, prefix + "/", "", 3);
+  EXPECT_EQ(capped.status().code(), absl::StatusCode::kResourceExhausted) << capped.status();
+}
+
+TEST(S3Client, AWrongSecretIsPermissionDeniedNamingTheObject) {
+  S3Settings s;
+  std::map<std::string, std::string> env = {
+      {"AWS_ENDPOINT_URL", g_rgw->rgw().endpoint()},
+      {"AWS_ACCESS_KEY_ID", std::getenv("AWS_ACCESS_KEY_ID")},
+      {"AWS_SECRET_ACCESS_KEY", "not-the-secret"}};
+  auto c = Client(s, [&env](const char* n) -> const char* {
+    auto it = env.find(n);
+    return it == env.end() ? nullptr : it->second.c_str();
+  });
+  ASSERT_NE(c, nullptr);
+  auto info = c->Head(kBucket, "anything");
+  EXPECT_EQ(info.status().code(), absl::StatusCode::kPermissionDenied) << info.status();
+  std::string buf(4, '\0');
+  absl::Status get = c->GetRange(kBucket, "some/key", 0, 4, buf.data(), "");
+  EXPECT_EQ(get.code(), absl::StatusCode::kPermissionDenied) << get;
+  EXPECT_THAT(std::string(get.message()), HasSubstr("s3://ckptd-test/some/key"));
+  EXPECT_THAT(std::string(get.message()), HasSubstr("403"));
+  EXPECT_THAT(std::string(get.message()), ::testing::Not(HasSubstr("not-the-secret")));
+}
+
+TEST(S3Client, CredentialsComeFromTheSharedFileAndRotationsArePickedUp) {
+  testing::TempDir tmp;
+  const std::string file = tmp.Sub("credentials");
+  const std::string key_id = std::getenv("AWS_ACCESS_KEY_ID");
+  const std::string secret = std::getenv("AWS_SECRET_ACCESS_KEY");
+  testing::Spit(file, absl::StrCat("[default]\naws_access_key_id = nobody\n"
+                                   "aws_secret_access_key = nothing\n\n[ci]\n"
+                                   "aws_access_key_id = ", key_id, "\n"
+                                   "aws_secret_access_key = stale\n"));
+  std::map<std::string, std::string> env = {{"AWS_ENDPOINT_URL", g_rgw->rgw().endpoint()},
+                                            {"AWS_SHARED_CREDENTIALS_FILE", file},
+                                            {"AWS_CONFIG_FILE", tmp.Sub("no-config")},
+                                            {"AWS_PROFILE", "ci"}};
+  auto c = Client(S3Settings{}, [&env](const char* n) -> const char* {
+    auto it = env.find(n);
+    return it == env.end() ? nullptr : it->second.c_str();
+  });
+  ASSERT_NE(c, nullptr);
+  EXPECT_EQ(c->CredentialsSource(), file + " [ci]");
+  auto before = c->List(kBucket, "", "", "", 1);
+  EXPECT_EQ(before.status().code(), absl::StatusCode::kPermissionDenied) << before.status();
+  // The secret rotated in the file: picked up within a second or so.
+  testing::Spit(file, absl::StrCat("[ci]\naws_access_key_id = ", key_id,
+                                   "\naws_secret_access_key = ", secret, "\n"));
+  absl::Status after = absl::UnknownError("not tried");
+  for (int i = 0; i < 30 && !after.ok(); ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(100));
+    after = c->List(kBucket, "", "", "", 1).status();
+  }
+  EXPECT_TRUE(after.ok()) << after;
+}
+
+TEST(S3Storage, AnObjectReplacedAfterOpeningAbortsItsReads) {
+  ASSERT_NE(Registered(), nullptr);
+  const std::string dir = absl::StrCat("s3://", kBucket, "/", Fresh("changed"));
+  ASSERT_TRUE(WriteFileAtomic(dir + "/f", std::string(4096, 'a')).ok());
+  auto f = OpenFile(dir + "/f");
+  ASSERT_TRUE(f.ok()) << f.status();
+  ASSERT_TRUE(WriteFileAtomic(dir + "/f", std::string(4096, 'b')).ok());
+  std::string buf(16, '\0');
+  absl::Status s = (*f)->Read(0, 16, buf.data());
+  EXPECT_EQ(s.code(), absl::StatusCode::kAborted) << s;
+  EXPECT_THAT(std::string(s.message()), HasSubstr("changed"));
+  EXPECT_NE(buf, std::string(16, 'b')) << "bytes of the new object read as the old one's";
+  auto stamp_then = (*f)->Stamp();
+  auto stamp_now = StatFile(dir + "/f");
+  ASSERT_TRUE(stamp_then.ok() && stamp_now.ok());
+  EXPECT_NE(*stamp_then, *stamp_now);
+}
+
+TEST(S3Storage, WritesAreAtomicPutsOrMultipartUploadsAndReadBackExactly) {
+  ASSERT_NE(Registered(), nullptr);
+  const std::string dir = absl::StrCat("s3://", kBucket, "/", Fresh("write"));
+  auto d = Directory::Open(dir, /*confine=*/true);
+  ASSERT_TRUE(d.ok()) << d.status();
+  // 12 MiB + 3 bytes: three parts of 5 MiB; its header patched after the
+  // data (WriteAt), as the DCP writer patches zip CRCs.
+  std::string data((12 << 20) + 3, '\0');
+  for (size_t i = 0; i < data.size(); ++i) data[i] = static_cast<char>((i * 131) >> 3);
+  const uint64_t puts_before = Registered()->client().stats().puts.load();
+  {
+    // A writer dropped before Commit uploads nothing.
+    auto dropped = AtomicFileWriter::CreateIn(*d, "big.bin");
+    ASSERT_TRUE(dropped.ok()) << dropped.status();
+    ASSERT_TRUE((*dropped)->Append(data).ok());
+  }
+  EXPECT_EQ(Registered()->client().stats().puts.load(), puts_before);
+  auto w = AtomicFileWriter::CreateIn(*d, "big.bin");
+  ASSERT_TRUE(w.ok()) << w.status();
+  ASSERT_TRUE((*w)->Append(std::string(8, '\0')).ok());
+  ASSERT_TRUE((*w)->Append(data.data() + 8, data.size() - 8).ok());
+  ASSERT_TRUE((*w)->WriteAt(0, data.data(), 8).ok());
+  auto exists = (*d)->Exists("big.bin");
+  ASSERT_TRUE(exists.ok());
+  EXPECT_FALSE(*exists) << "an uncommitted file is visible";
+  ASSERT_TRUE((*w)->Commit().ok());
+  // CreateMultipart + 3 parts + Complete.
+  EXPECT_EQ(Registered()->client().stats().puts.load() - puts_before, 5u);
+  auto f = (*d)->OpenFile("big.bin");
+  ASSERT_TRUE(f.ok()) << f.status();
+  ASSERT_EQ((*f)->size(), data.size());
+  std::string back(data.size(), '\0');
+  ASSERT_TRUE((*f)->Read(0, back.size(), back.data()).ok());
+  EXPECT_TRUE(back == data) << "the uploaded bytes differ";
+  auto names = (*d)->List();
+  ASSERT_TRUE(names.ok()) << names.status();
+  EXPECT_THAT(*names, ::testing::ElementsAre("big.bin"));
+  ASSERT_TRUE((*d)->Remove("big.bin").ok());
+  EXPECT_EQ((*d)->OpenFile("big.bin").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(S3Storage, PathsAreCheckedAndUnknownSchemesRefused) {
+  ASSERT_NE(Registered(), nullptr);
+  for (const char* bad : {"s3://ckptd-test/a/../b", "s3://ckptd-test/a//b", "s3://UPPER/x",
+                          "s3://ckptd-test/a/./b", "s3://x"}) {
+    auto c = Storage::Default()->Canonical(bad);
+    EXPECT_EQ(c.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+  }
+  auto ok = Storage::Default()->Canonical("s3://ckptd-test/a/b/");
+  ASSERT_TRUE(ok.ok());
+  EXPECT_EQ(*ok, "s3://ckptd-test/a/b");
+  auto gs = Storage::Default()->OpenFile("gs://bucket/x");
+  EXPECT_EQ(gs.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(gs.status().message()), HasSubstr("no storage for scheme 'gs'"));
+  const std::string dir = absl::StrCat("s3://", kBucket, "/", Fresh("kind"));
+  ASSERT_TRUE(WriteFileAtomic(dir + "/sub/f", "x").ok());
+  EXPECT_EQ(*Storage::Default()->Kind(dir), PathKind::kDirectory);
+  EXPECT_EQ(*Storage::Default()->Kind(dir + "/sub/f"), PathKind::kFile);
+  EXPECT_EQ(*Storage::Default()->Kind(dir + "/none"), PathKind::kMissing);
+}
+
+// w = arange(32) as (4, 8) saved by rows, loaded by columns.
+Layout ByRows() {
+  Layout l;
+  l.world_size = 2;
+  l.ranks = {{0, {TargetTensor{"w", DType::kF32, {4, 8}, Box{{0, 0}, {2, 8}}, std::nullopt}}},
+             {1, {TargetTensor{"w", DType::kF32, {4, 8}, Box{{2, 0}, {2, 8}}, std::nullopt}}}};
+  return l;
+}
+Layout ByColumns() {
+  Layout l;
+  l.world_size = 2;
+  l.ranks = {{0, {TargetTensor{"w", DType::kF32, {4, 8}, Box{{0, 0}, {4, 4}}, std::nullopt}}},
+             {1, {TargetTensor{"w", DType::kF32, {4, 8}, Box{{0, 4}, {4, 4}}, std::nullopt}}}};
+  return l;
+}
+
+TEST(S3Storage, CoreShardsIntoAndLoadsReshardedFromAPrefix) {
+  s3::S3Storage* st = Registered();
+  ASSERT_NE(st, nullptr);
+  testing::TempDir tmp;
+  std::vector<float> w(32);
+  for (int i = 0; i < 32; ++i) w[i] = static_cast<float>(i);
+  ASSERT_TRUE(MakeDirs(tmp.Sub("src")).ok());
+  ASSERT_TRUE(
+      WriteSafetensors(tmp.Sub("src/model.safetensors"), {{"w", DType::kF32, {4, 8}, w.data()}}, {})
+          .ok());
+  const std::string ckpt = absl::StrCat("s3://", kBucket, "/", Fresh("ckpt"));
+  absl::Status sharded = ShardCheckpoint(tmp.Sub("src"), ByRows(), ckpt, {});
+  ASSERT_TRUE(sharded.ok()) << sharded;
+  auto again = ShardCheckpoint(tmp.Sub("src"), ByRows(), ckpt, {});
+  EXPECT_EQ(again.code(), absl::StatusCode::kAlreadyExists) << again;
+
+  const uint64_t gets_before = st->client().stats().gets.load();
+  auto res = LoadOffline(ckpt, ByColumns(), {});
+  ASSERT_TRUE(res.ok()) << res.status();
+  for (int r = 0; r < 2; ++r) {
+    const float* out = reinterpret_cast<const float*>(res->buffers[r].tensors[0].data());
+    for (int i = 0; i < 4; ++i) {
+      for (int j = 0; j < 4; ++j) EXPECT_EQ(out[i * 4 + j], w[i * 8 + r * 4 + j]);
+    }
+  }
+  EXPECT_GT(st->client().stats().gets.load(), gets_before);
+
+  // A data object that vanished: the load names it.
+  auto d = Directory::Open(ckpt, true);
+  ASSERT_TRUE(d.ok());
+  ASSERT_TRUE((*d)->Remove("1_0.safetensors").ok());
+  auto broken = LoadOffline(ckpt, ByColumns(), {});
+  ASSERT_FALSE(broken.ok());
+  EXPECT_THAT(std::string(broken.status().message()), HasSubstr("1_0.safetensors"));
+}
+
+}  // namespace
+}  // namespace ckpt
