@@ -32,6 +32,8 @@
 #include "core/format/foreign.h"
 #include "core/tools/layout.h"
 #include "core/tools/cli_help.h"
+#include "absl/strings/match.h"
+#include "core/io/s3/s3_storage.h"
 #include "core/tools/offline.h"
 #include "core/base/status_macros.h"
 #include "core/write/writer.h"
@@ -434,6 +436,14 @@ void PrintStatus(const ckptd::v1::StatusResponse& s) {
        absl::StrCat(s.saves_durable(), " durable, ", s.saves_failed(), " failed"),
        absl::StrCat("persisted ", HumanBytes(s.save_bytes_persisted_total()))},
   };
+  if (s.has_object_storage()) {
+    const ckptd::v1::ObjectStorageStatus& o = s.object_storage();
+    summary.push_back({"s3", absl::StrCat(o.endpoint(), " (", o.region(), ")"),
+                       absl::StrCat(o.gets(), " GETs, ", o.lists(), " LISTs, ", o.heads(),
+                                    " HEADs, ", o.puts(), " PUTs, ", o.retries(), " retries"),
+                       absl::StrCat("in ", HumanBytes(o.bytes_in()), ", out ",
+                                    HumanBytes(o.bytes_out()))});
+  }
   std::printf("\n");
   PrintTable(summary);
 
@@ -557,7 +567,17 @@ absl::Status Status() {
                                    }
                                    return ps;
                                  }()},
-                                {"roots", std::vector<std::string>(s.roots().begin(), s.roots().end())}}
+                                {"roots", std::vector<std::string>(s.roots().begin(), s.roots().end())},
+                                {"object_storage", [&]() -> nlohmann::json {
+                                   if (!s.has_object_storage()) return nullptr;
+                                   const auto& o = s.object_storage();
+                                   return {{"endpoint", o.endpoint()}, {"region", o.region()},
+                                           {"credentials", o.credentials()},
+                                           {"heads", o.heads()}, {"gets", o.gets()},
+                                           {"lists", o.lists()}, {"puts", o.puts()},
+                                           {"deletes", o.deletes()}, {"retries", o.retries()},
+                                           {"bytes_in", o.bytes_in()}, {"bytes_out", o.bytes_out()}};
+                                 }()}}
                      .dump(1)
               << "\n";
     return absl::OkStatus();
@@ -871,6 +891,18 @@ int main(int argc, char** argv) {
               << "'; the commands are: " << absl::StrJoin(kCommands, ", ")
               << " (ckptctl --help)\n";
     return 2;
+  }
+  // Offline commands read and write s3:// paths themselves (credentials and
+  // endpoint from the AWS variables and files, as the AWS CLI finds them).
+  for (size_t i = 2; i < args.size(); ++i) {
+    if (absl::StartsWith(args[i], "s3://") ||
+        absl::StartsWith(absl::GetFlag(FLAGS_out), "s3://")) {
+      if (auto st = ckpt::s3::RegisterS3Storage(ckpt::s3::S3Settings{}); !st.ok()) {
+        ckpt::PrintError(st.status());
+        return 1;
+      }
+      break;
+    }
   }
   absl::Status s;
   if (cmd == "status") {

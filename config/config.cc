@@ -33,7 +33,7 @@ const std::set<std::string>& KnownKeys() {
       "tcp_tls_cert",  "tcp_tls_key",     "tcp_tls_ca",      "insecure_tcp",
       "tcp_uid",       "admin_uids",      "access",          "limits",
       "peer_tls_cert", "peer_tls_key",    "peer_tls_ca",     "peer_insecure",
-      "peer_unkeyed_jobs", "nccl_connect_timeout", "nccl_device", "port_file", "memory_limit", "save_buffer"};
+      "peer_unkeyed_jobs", "nccl_connect_timeout", "nccl_device", "port_file", "memory_limit", "save_buffer", "s3"};
   return *keys;
 }
 
@@ -160,7 +160,59 @@ absl::Status ParseAccess(const YAML::Node& v, const std::string& source,
   return absl::OkStatus();
 }
 
+absl::Status ParseS3(const YAML::Node& v, const std::string& source, S3Config* out) {
+  if (!v.IsMap()) return Bad(source, "s3", "must be a mapping (endpoint, region, ...)");
+  static const std::set<std::string> kKeys = {
+      "endpoint", "region",       "profile",         "addressing",   "ca_file",
+      "part_size", "spool_dir", "max_attempts", "connect_timeout", "stall_timeout"};
+  for (const auto& kv : v) {
+    const std::string key = kv.first.as<std::string>();
+    const std::string full = "s3." + key;
+    if (!kKeys.count(key)) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          source, ": unknown key '", full, "' (known: ", absl::StrJoin(kKeys, ", "), ")"));
+    }
+    if (!kv.second.IsScalar()) return Bad(source, full, "must be a single value");
+    const std::string s = kv.second.as<std::string>();
+    if (key == "part_size") {
+      auto b = ParseBytes(s);
+      if (!b.ok() || *b < (5ull << 20) || *b > (5ull << 30)) {
+        return Bad(source, full, "must be a size from 5MiB to 5GiB (S3's part sizes)");
+      }
+      out->part_size = *b;
+    } else if (key == "max_attempts") {
+      uint64_t n;
+      if (!absl::SimpleAtoi(s, &n) || n < 1 || n > 100) {
+        return Bad(source, full, "must be a number from 1 to 100");
+      }
+      out->max_attempts = n;
+    } else if (key == "connect_timeout" || key == "stall_timeout") {
+      auto d = ParseDuration(s);
+      if (!d.ok() || *d < absl::Seconds(1)) return Bad(source, full, "must be a duration of 1s or more");
+      (key == "connect_timeout" ? out->connect_timeout : out->stall_timeout) = *d;
+    } else if (key == "addressing") {
+      if (s != "auto" && s != "path" && s != "virtual") {
+        return Bad(source, full, "must be auto, path or virtual");
+      }
+      out->addressing = s;
+    } else if (key == "endpoint") {
+      if (!s.empty() && !absl::StartsWith(s, "http://") && !absl::StartsWith(s, "https://")) {
+        return Bad(source, full, "must be an http:// or https:// URL");
+      }
+      out->endpoint = s;  // (empty: unset, as ConfigToYaml prints it)
+    } else {
+      (key == "region"    ? out->region
+       : key == "profile" ? out->profile
+       : key == "ca_file" ? out->ca_file
+                          : out->spool_dir) = s;
+    }
+  }
+  return absl::OkStatus();
+}
+
 }  // namespace
+
+bool IsObjectStorageUrl(const std::string& path) { return absl::StartsWith(path, "s3://"); }
 
 bool IsUnixAddress(const std::string& address) { return absl::StartsWith(address, "unix:"); }
 
@@ -291,6 +343,10 @@ absl::StatusOr<DaemonConfig> ParseConfig(const std::string& yaml, const std::str
         if (absl::Status st = ParseAccess(v, source, &c.access); !st.ok()) return st;
         continue;
       }
+      if (key == "s3") {
+        if (absl::Status st = ParseS3(v, source, &c.s3); !st.ok()) return st;
+        continue;
+      }
       if (key == "admin_uids") {
         auto ids = IdList(v, source, key);
         if (!ids.ok()) return ids.status();
@@ -416,9 +472,17 @@ absl::Status ValidateConfig(const DaemonConfig& c) {
         "(--root DIR)");
   }
   for (const std::string& r : c.roots) {
+    if (IsObjectStorageUrl(r)) {
+      // s3://bucket[/prefix]: the rest is checked when the storage parses it.
+      if (r.size() <= 5 || r[5] == '/') {
+        return absl::InvalidArgumentError(
+            absl::StrCat("config: root '", r, "' names no bucket (s3://bucket/prefix)"));
+      }
+      continue;
+    }
     if (r.empty() || r[0] != '/') {
-      return absl::InvalidArgumentError(
-          absl::StrCat("config: root '", r, "' must be an absolute path"));
+      return absl::InvalidArgumentError(absl::StrCat(
+          "config: root '", r, "' must be an absolute path or an s3://bucket/prefix URL"));
     }
   }
   if (c.io_request_size < 4096) {
@@ -596,6 +660,19 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   for (const CountLimit& cl : kCountLimits) out << YAML::Key << cl.key << YAML::Value << l.*cl.field;
   out << YAML::Key << kBarrierLimit << YAML::Value << absl::FormatDuration(l.max_barrier_timeout);
   out << YAML::EndMap;
+  const S3Config& s3 = c.s3;
+  out << YAML::Key << "s3" << YAML::Value << YAML::BeginMap;
+  out << YAML::Key << "endpoint" << YAML::Value << s3.endpoint;
+  out << YAML::Key << "region" << YAML::Value << s3.region;
+  out << YAML::Key << "profile" << YAML::Value << s3.profile;
+  out << YAML::Key << "addressing" << YAML::Value << s3.addressing;
+  out << YAML::Key << "ca_file" << YAML::Value << s3.ca_file;
+  out << YAML::Key << "part_size" << YAML::Value << s3.part_size;
+  out << YAML::Key << "spool_dir" << YAML::Value << s3.spool_dir;
+  out << YAML::Key << "max_attempts" << YAML::Value << s3.max_attempts;
+  out << YAML::Key << "connect_timeout" << YAML::Value << absl::FormatDuration(s3.connect_timeout);
+  out << YAML::Key << "stall_timeout" << YAML::Value << absl::FormatDuration(s3.stall_timeout);
+  out << YAML::EndMap;
   out << YAML::EndMap;
   return std::string(out.c_str()) + "\n";
 }
@@ -603,6 +680,7 @@ std::string ConfigToYaml(const DaemonConfig& c) {
 std::vector<std::string> RootProblems(const DaemonConfig& config) {
   std::vector<std::string> out;
   for (const std::string& root : config.roots) {
+    if (IsObjectStorageUrl(root)) continue;  // checked by the storage when the daemon starts
     struct stat st;
     if (stat(root.c_str(), &st) != 0) {
       out.push_back(absl::StrCat("root ", root, ": ", std::strerror(errno),

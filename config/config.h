@@ -45,6 +45,26 @@ struct Limits {
   uint64_t metadata_cache_entries = 256;       // checkpoints whose metadata is kept (LRU)
 };
 
+// Object storage (docs/object-storage.md): how ckptd reaches the S3 endpoint
+// of its s3:// roots. Empty fields fall back to the AWS variables and files
+// (AWS_ENDPOINT_URL, AWS_REGION, AWS_PROFILE, ~/.aws/credentials, ...);
+// credentials themselves are never in this file.
+struct S3Config {
+  std::string endpoint;          // "http://rgw.local:7480"; empty: the AWS variables, else AWS
+  std::string region;            // empty: AWS_REGION, the profile's, else us-east-1
+  std::string profile;           // empty: AWS_PROFILE, else "default"
+  std::string addressing = "auto";  // auto, path, virtual
+  std::string ca_file;           // PEM CA bundle for https; empty: the system's
+  uint64_t part_size = 64ull << 20;  // multipart uploads: part size (5MiB..5GiB)
+  std::string spool_dir;         // where saves spool a file before its upload; empty: $TMPDIR
+  uint64_t max_attempts = 6;     // per request, retries with backoff and jitter
+  absl::Duration connect_timeout = absl::Seconds(5);
+  absl::Duration stall_timeout = absl::Seconds(15);  // < 1 KiB/s this long: retried
+};
+
+// Whether a root or checkpoint path is an object-storage URL ("s3://...").
+bool IsObjectStorageUrl(const std::string& path);
+
 struct DaemonConfig {
   std::string socket = "/run/ckptd/ckptd.sock";  // gRPC Unix socket
   uint32_t socket_mode = 0660;
@@ -57,7 +77,8 @@ struct DaemonConfig {
   std::vector<uint32_t> admin_uids = {0};  // see every job; the daemon's own uid is admin too
   std::vector<RootAccess> access;
   Limits limits;
-  std::vector<std::string> roots;  // checkpoints outside these are refused
+  std::vector<std::string> roots;  // checkpoints outside these are refused (paths or s3:// URLs)
+  S3Config s3;
   uint64_t cache_budget = 4ull << 30;  // bytes of checkpoint data kept in memory
   // Destination arenas the daemon lends clients (server/arena_pool.h): free
   // ones kept mapped for the next client, and all leased ones together.

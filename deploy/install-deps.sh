@@ -33,12 +33,13 @@ BUILD_PACKAGES=(
 # generates need protobuf-compiler and protobuf-compiler-grpc, above),
 # `python3 -m build` of its sdist and wheel (python3-build), and a throwaway
 # Ceph S3 gateway for the object-storage tests (radosgw, ceph-mon, ceph-osd,
-# ceph-common: tests/s3/rgw.sh).
+# ceph-common: tests/s3/rgw.sh; curl: its readiness probe and the tests'
+# direct requests).
 TEST_PACKAGES=(
   python3-numpy python3-grpcio python3-protobuf python3-torch
   python3-venv python3-pip python3-setuptools python3-wheel python3-build
   python3-yaml systemd prometheus openssl
-  radosgw ceph-mon ceph-osd ceph-common
+  radosgw ceph-mon ceph-osd ceph-common curl
 )
 # What ckptd and ckptctl load at run time (tests/ops checks this list against
 # `ldd` of the built binaries).

@@ -91,6 +91,7 @@ absl::Status Daemon::Start() {
   }
   CKPT_ASSIGN_OR_RETURN(auto tls, peers_->ReadTls());
   peers_->UseTls(std::move(tls));
+  CKPT_ASSIGN_OR_RETURN(object_storage_, StartObjectStorage(config_));
   if (!config_.socket.empty()) {
     // An fd token outlives the longest barrier wait of the load naming it.
     const absl::Duration ttl = config_.testing_fd_token_ttl > absl::ZeroDuration()
@@ -182,6 +183,7 @@ v1::StatusResponse Daemon::Status(const Caller& caller) {
   resp.set_cache_fill_bytes(fill.bytes);
   resp.set_cache_fills_failed(fill.failed);
   async_saves_.Describe(caller, admin, &resp);
+  DescribeObjectStorage(object_storage_, &resp);
   std::map<std::string, bool> readable;  // checkpoint directory -> caller may read it
   for (const auto& [path, be] : cache_.Files()) {
     if (!admin) {

@@ -54,6 +54,7 @@
 #include "server/save/async_saves.h"
 #include "server/save/save_buffer.h"
 #include "server/save/saves.h"
+#include "server/storage/object_storage.h"
 
 namespace ckptd {
 
@@ -160,6 +161,10 @@ class Daemon {
   AsyncSaves async_saves_;  // the asynchronous saves and their persist thread
 
   Loads loads_;  // the one load path
+
+  // The S3 storage of s3:// roots (registered for s3:// paths by Start);
+  // nullptr when no root is one. Lives as long as the process.
+  ckpt::s3::S3Storage* object_storage_ = nullptr;
   std::unique_ptr<MultiNodeLoad> multinode_load_;  // a load's part on this node
   Saves saves_;  // sync, async and DCP saves
   std::unique_ptr<MultiNodeSave> multinode_save_;  // a save's part on this node

@@ -288,6 +288,31 @@ void ProcessFamilies(std::vector<MetricFamily>& out) {
   }
 }
 
+// Requests to the S3 endpoint of s3:// roots (zeros when there is none).
+void ObjectStorageFamilies(const v1::ObjectStorageStatus& o, std::vector<MetricFamily>& out) {
+  MetricFamily req = Fam("ckptd_s3_requests_total",
+                         "Requests made to the S3 endpoint, by op: HEAD, GET (ranged reads), LIST "
+                         "(listing pages), PUT (objects, multipart creations, parts and "
+                         "completions), DELETE; retries included",
+                         MetricType::Counter);
+  Sample(req, o.heads(), {{"op", "HEAD"}});
+  Sample(req, o.gets(), {{"op", "GET"}});
+  Sample(req, o.lists(), {{"op", "LIST"}});
+  Sample(req, o.puts(), {{"op", "PUT"}});
+  Sample(req, o.deletes(), {{"op", "DELETE"}});
+  out.push_back(std::move(req));
+  out.push_back(One("ckptd_s3_retries_total",
+                    "S3 requests retried (5xx, SlowDown, resets, stalls, short bodies)",
+                    MetricType::Counter, o.retries()));
+  MetricFamily bytes = Fam("ckptd_s3_bytes_total",
+                           "Body bytes moved to and from the S3 endpoint, by direction (in: "
+                           "GETs and listings, out: uploads)",
+                           MetricType::Counter);
+  Sample(bytes, o.bytes_in(), {{"direction", "in"}});
+  Sample(bytes, o.bytes_out(), {{"direction", "out"}});
+  out.push_back(std::move(bytes));
+}
+
 class StatusCollector final : public prometheus::Collectable {
  public:
   explicit StatusCollector(std::function<v1::StatusResponse()> status)
@@ -390,6 +415,7 @@ class StatusCollector final : public prometheus::Collectable {
       if (!up.metric.empty()) out.push_back(std::move(up));
       if (!rtt.metric.empty()) out.push_back(std::move(rtt));
     }
+    ObjectStorageFamilies(s.object_storage(), out);
     ProcessFamilies(out);
     return out;
   }

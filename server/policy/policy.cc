@@ -47,7 +47,9 @@ absl::StatusOr<std::string> Policy::ResolvePath(const std::string& path) const {
   if (path.empty()) return absl::InvalidArgumentError("checkpoint path is empty");
   // A relative path names a checkpoint under the first root, so a multi-node
   // job can name node-local directories that live at different places.
-  const std::string full = path[0] == '/' ? path : ckpt::JoinPath(roots_.front(), path);
+  // URLs (s3://bucket/prefix) are absolute too.
+  const bool absolute = path[0] == '/' || !ckpt::PathScheme(path).empty();
+  const std::string full = absolute ? path : ckpt::JoinPath(roots_.front(), path);
   auto canonical = ckpt::Storage::Default()->Canonical(full);
   if (!canonical.ok()) {
     // A path that does not exist outside the roots is as refused as one
@@ -160,6 +162,8 @@ absl::Status Policy::CheckAccess(const Caller& caller, const std::string& resolv
   // The file system's own answer for this uid: the directory's mode bits
   // (reading needs r-x on the checkpoint directory, saving w-x on the
   // directory that receives the files).
+  // (Object stores have no mode bits: their roots' rules above decide.)
+  if (!ckpt::PathScheme(resolved).empty()) return absl::OkStatus();
   auto st = ckpt::Storage::Default()->Stat(resolved);
   if (st.ok() && st->has_owner) {
     const uint32_t need = access == Access::kRead ? 5 : 3;

@@ -57,7 +57,9 @@ absl::StatusOr<std::pair<std::string, std::string>> Saves::ResolveSaveDir(
   // multi-node save can name node-local directories that live at different
   // places.
   std::string out = request.path();
-  if (!out.empty() && out[0] != '/') out = ckpt::JoinPath(p_.config->roots.front(), out);
+  if (!out.empty() && out[0] != '/' && ckpt::PathScheme(out).empty()) {
+    out = ckpt::JoinPath(p_.config->roots.front(), out);  // (URLs are absolute)
+  }
   while (out.size() > 1 && out.back() == '/') out.pop_back();
   const size_t slash = out.rfind('/');
   if (out.empty() || slash == std::string::npos) {

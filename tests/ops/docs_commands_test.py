@@ -174,8 +174,10 @@ class DocsAgainstBinariesTest(unittest.TestCase):
         r = subprocess.run([CKPTD, "--root", "/tmp", "--print-config"], capture_output=True,
                            text=True, timeout=30)
         self.assertEqual(r.returncode, 0, r.stderr)
-        top = re.findall(r"(?m)^([a-z_]+):", r.stdout)
-        limits = re.findall(r"(?m)^  ([a-z_]+):", r.stdout.split("\nlimits:\n", 1)[1])
+        top = re.findall(r"(?m)^([a-z_0-9]+):", r.stdout)
+        # The indented lines right after "limits:", up to the next top-level key.
+        block = re.split(r"(?m)^\S", r.stdout.split("\nlimits:\n", 1)[1], maxsplit=1)[0]
+        limits = re.findall(r"(?m)^  ([a-z_]+):", block)
         return set(top), set(limits)
 
     def test_config_keys_match_print_config(self):
@@ -184,7 +186,7 @@ class DocsAgainstBinariesTest(unittest.TestCase):
         documented = set()
         for row in table:
             first = row.split("|")[1]
-            documented |= set(re.findall(r"`([a-z_]+)`", first))
+            documented |= set(re.findall(r"`([a-z_0-9]+)`", first))
         self.assertEqual(documented - top, set(), "docs/configuration.md lists keys ckptd lacks")
         self.assertEqual(top - documented, set(), "keys ckptd has that docs/configuration.md "
                                                   "does not list")

@@ -353,6 +353,7 @@ OWN_FILES = {
     "server/obs/metrics.cc": "/proc/self for process metrics",
     "server/pem.h": "TLS files",
     "server/policy/policy.cc": "the socket's group (default access rule)",
+    "core/io/s3/s3_storage.cc": "the local spool file (O_TMPFILE) an upload is staged in",
 }
 
 

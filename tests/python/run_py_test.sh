@@ -7,7 +7,7 @@ set -euo pipefail
 script="$1"
 export CKPTD_BIN="$PWD/$2"
 export CKPTCTL="$PWD/$3"
-export PYTHONPATH="$PWD/client/python:$PWD/tests/python"
+export PYTHONPATH="$PWD/client/python:$PWD/tests/python:$PWD/$(dirname "$script")"
 unset CKPTD_SOCKET CKPTD_JOB_ID CKPTD_PROTO_DIR RANK WORLD_SIZE LOCAL_RANK LOCAL_WORLD_SIZE \
   MASTER_ADDR MASTER_PORT TORCHELASTIC_RUN_ID TORCHELASTIC_RESTART_COUNT SLURM_JOB_ID || true
 exec /usr/bin/python3 -u "$script"

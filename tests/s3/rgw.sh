@@ -69,7 +69,7 @@ mon data = $dir/mon/\$name
 paxos propose interval = 0.01
 paxos min wait = 0.001
 [client.rgw.a]
-rgw frontends = beast endpoint=127.0.0.1:$rgw_port
+rgw frontends = beast endpoint=127.0.0.1:$rgw_port tcp_nodelay=1
 rgw data = $dir/rgw
 CONF
 mkdir -p "$dir/run" "$dir/log" "$dir/mon/mon.a" "$dir/osd/osd.0" "$dir/rgw"

@@ -1118,7 +1118,11 @@ def _resolve_job(kind, rank, world_size, node_ranks, job_id, job_key):
 
 
 def _abs(path):
-    return os.path.abspath(os.fspath(path))
+    """A checkpoint path as the daemon gets it: absolute, or a URL (s3://bucket/prefix) as is."""
+    path = os.fspath(path)
+    if isinstance(path, str) and "://" in path:
+        return path
+    return os.path.abspath(path)
 
 
 def _probe_unix(path, timeout=10.0):

@@ -224,7 +224,7 @@ class _DaemonStorage:
     is, which daemon does the work, the deadlines, and ckptd's one-box-per-tensor rule."""
 
     def _setup(self, path, socket, timeout, barrier_timeout):
-        self.path = os.path.abspath(os.fspath(path))
+        self.path = _client._abs(path)
         self.socket = os.path.abspath(socket or _client.default_socket())
         self.timeout = timeout
         self.barrier_timeout = barrier_timeout
@@ -232,7 +232,7 @@ class _DaemonStorage:
 
     def _set_checkpoint_id(self, checkpoint_id):
         if checkpoint_id is not None:
-            self.path = os.path.abspath(os.fspath(checkpoint_id))
+            self.path = _client._abs(checkpoint_id)
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id):

@@ -1,7 +1,5 @@
 #include "core/io/s3/s3_config.h"
 
-#include <sys/stat.h>
-
 #include "absl/strings/ascii.h"
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
@@ -37,10 +35,10 @@ absl::StatusOr<IniFile> ReadIni(const std::string& path) {
 }
 
 std::string StampOf(const std::string& path) {
-  struct stat st;
-  if (path.empty() || ::stat(path.c_str(), &st) != 0) return "-";
-  return absl::StrCat(st.st_mtim.tv_sec, ".", st.st_mtim.tv_nsec, ":", st.st_size, ":",
-                      st.st_ino);
+  if (path.empty()) return "-";
+  auto st = Storage::Posix()->Stat(path);
+  if (!st.ok()) return "-";
+  return absl::StrCat(st->mtime_ns, ":", st->ctime_ns, ":", st->size, ":", st->ino);
 }
 }  // namespace
 

@@ -273,10 +273,36 @@ absl::StatusOr<std::unique_ptr<RandomAccessFile>> S3Storage::OpenFile(const std:
 absl::StatusOr<FileStamp> S3Storage::Stat(const std::string& path) {
   auto url = ParseS3Url(path);
   if (!url.ok()) return url.status();
-  if (url->key.empty()) return absl::NotFoundError(absl::StrCat(path, ": a bucket, not an object"));
-  auto info = client_->Head(url->bucket, url->key);
-  if (!info.ok()) return info.status();
-  return StampOf(url->bucket, *info);
+  if (!url->key.empty()) {
+    auto info = client_->Head(url->bucket, url->key);
+    if (info.ok()) return StampOf(url->bucket, *info);
+    if (!absl::IsNotFound(info.status())) return info.status();
+  }
+  // A prefix: its stamp is its listing's (names, sizes, ETags, one level),
+  // so a version written, replaced or removed beneath it changes the stamp,
+  // as a POSIX directory's mtime changes.
+  const std::string prefix = url->key.empty() ? "" : url->key + "/";
+  auto all = client_->ListAll(url->bucket, prefix, "/", options_.max_list_entries);
+  if (!all.ok()) return all.status();
+  if (all->objects.empty() && all->common_prefixes.empty()) {
+    return absl::NotFoundError(absl::StrCat(path, ": no such object or prefix"));
+  }
+  XXH3_state_t* h = XXH3_createState();
+  XXH3_64bits_reset(h);
+  FileStamp st;
+  for (const ListedObject& o : all->objects) {
+    XXH3_64bits_update(h, o.key.data(), o.key.size() + 1);  // with its NUL: unambiguous
+    XXH3_64bits_update(h, o.etag.data(), o.etag.size() + 1);
+    XXH3_64bits_update(h, &o.size, sizeof o.size);
+    st.mtime_ns = std::max(st.mtime_ns, ParseTimeNs(o.last_modified));
+  }
+  for (const std::string& p : all->common_prefixes) XXH3_64bits_update(h, p.data(), p.size() + 1);
+  st.ino = XXH3_64bits_digest(h);
+  XXH3_freeState(h);
+  st.dev = XXH3_64bits(url->bucket.data(), url->bucket.size());
+  st.size = all->objects.size() + all->common_prefixes.size();
+  st.ctime_ns = st.mtime_ns;
+  return st;
 }
 
 absl::StatusOr<PathKind> S3Storage::Kind(const std::string& path) {

@@ -5,6 +5,10 @@
 // files are written through a local spool then one PUT (multipart above
 // `part_bytes`), which S3 makes visible only once complete.
 //
+// Stat of a prefix (a directory) is the stamp of its one-level listing, so
+// a version added, replaced or removed beneath it changes it, as a POSIX
+// directory's mtime changes.
+//
 // What differs from POSIX: no permissions (FileStamp::has_owner false: the
 // daemon's per-root rules decide), no symbolic links (`confine` holds
 // trivially), and LockDirectory serialises writers in this process only

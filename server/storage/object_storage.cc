@@ -1,0 +1,77 @@
+#include "server/storage/object_storage.h"
+
+#include <spdlog/spdlog.h>
+
+#include "absl/strings/str_cat.h"
+#include "core/io/s3/s3_url.h"
+
+namespace ckptd {
+
+ckpt::s3::S3Settings S3SettingsOf(const S3Config& c) {
+  ckpt::s3::S3Settings s;
+  s.endpoint = c.endpoint;
+  s.region = c.region;
+  s.profile = c.profile;
+  s.addressing = c.addressing == "path"      ? ckpt::s3::Addressing::kPath
+                 : c.addressing == "virtual" ? ckpt::s3::Addressing::kVirtual
+                                             : ckpt::s3::Addressing::kAuto;
+  s.ca_file = c.ca_file;
+  s.connect_timeout_ms = absl::ToInt64Milliseconds(c.connect_timeout);
+  s.stall_timeout_ms = absl::ToInt64Milliseconds(c.stall_timeout);
+  s.max_attempts = static_cast<int>(c.max_attempts);
+  return s;
+}
+
+absl::StatusOr<ckpt::s3::S3Storage*> StartObjectStorage(const DaemonConfig& config) {
+  std::vector<ckpt::s3::S3Url> roots;
+  for (const std::string& root : config.roots) {
+    if (!IsObjectStorageUrl(root)) continue;
+    auto url = ckpt::s3::ParseS3Url(root);
+    if (!url.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("config: root ", url.status().message()));
+    }
+    roots.push_back(*std::move(url));
+  }
+  if (roots.empty()) return nullptr;
+  ckpt::s3::S3StorageOptions options;
+  options.part_bytes = config.s3.part_size;
+  options.spool_dir = config.s3.spool_dir;
+  auto storage = ckpt::s3::RegisterS3Storage(S3SettingsOf(config.s3), options);
+  if (!storage.ok()) {
+    return absl::Status(storage.status().code(),
+                        absl::StrCat("object storage (s3 roots): ", storage.status().message()));
+  }
+  ckpt::s3::S3Client& client = (*storage)->client();
+  spdlog::info("object storage: endpoint {} region {} ({} addressing), credentials from {}",
+               client.endpoint().url, client.endpoint().region,
+               client.endpoint().path_style ? "path-style" : "virtual-hosted",
+               client.CredentialsSource());
+  for (const ckpt::s3::S3Url& root : roots) {
+    auto page = client.List(root.bucket, root.key.empty() ? "" : root.key + "/", "/", "", 1);
+    if (!page.ok()) {
+      spdlog::warn("root {}: {}; requests under it fail until the endpoint lists it",
+                   root.ToString(), std::string(page.status().message()));
+    }
+  }
+  return *storage;
+}
+
+void DescribeObjectStorage(ckpt::s3::S3Storage* storage, v1::StatusResponse* resp) {
+  if (storage == nullptr) return;
+  ckpt::s3::S3Client& c = storage->client();
+  const ckpt::s3::ClientStats& st = c.stats();
+  v1::ObjectStorageStatus* o = resp->mutable_object_storage();
+  o->set_endpoint(c.endpoint().url);
+  o->set_region(c.endpoint().region);
+  o->set_credentials(c.CredentialsSource());
+  o->set_heads(st.heads.load());
+  o->set_gets(st.gets.load());
+  o->set_lists(st.lists.load());
+  o->set_puts(st.puts.load());
+  o->set_deletes(st.deletes.load());
+  o->set_retries(st.retries.load());
+  o->set_bytes_in(st.bytes_in.load());
+  o->set_bytes_out(st.bytes_out.load());
+}
+
+}  // namespace ckptd

@@ -1,0 +1,179 @@
+"""Checkpoints in object storage through the real daemon and tools (issue 36):
+a Ceph S3 gateway (tests/s3/rgw.sh), ckptd serving an s3:// root, the Python
+client saving and loading resharded, ckptctl offline and online, the
+gateway's request counts, changes behind the daemon's back, and refusals."""
+import json
+import os
+import subprocess
+import unittest
+import urllib.request
+import uuid
+
+import numpy as np
+
+import ckptd
+import rgwlib
+from testlib import CKPTCTL, Daemon, main, read_safetensors, run_ranks
+
+BUCKET = rgwlib.start()
+
+
+def split(shape, dim, parts, r):
+    off = [0] * len(shape)
+    shp = list(shape)
+    shp[dim] = shape[dim] // parts
+    off[dim] = r * shp[dim]
+    return tuple(off), tuple(shp)
+
+
+class S3DaemonTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.prefix = f"daemon-{uuid.uuid4().hex[:8]}"
+        cls.root = f"s3://{BUCKET}/{cls.prefix}"
+        cls.daemon = Daemon(cls.root, "--metrics-address", "127.0.0.1:0")
+        cls.sock = cls.daemon.socket
+
+    @classmethod
+    def tearDownClass(cls):
+        rc = cls.daemon.stop()
+        assert rc == 0, f"ckptd exited {rc}: {cls.daemon.read_log()[-2000:]}"
+
+    def s3(self):
+        return ckptd.status(socket=self.sock)["object_storage"]
+
+    def save(self, path, full, job, version=None):
+        def one(r):
+            off, shp = split(full.shape, 0, 2, r)
+            part = full[off[0]:off[0] + shp[0]].copy()
+            return ckptd.save_state_dict({"w": ckptd.ShardedTensor(part, full.shape, off),
+                                          "step": np.array([7], np.int64)},
+                                         path, rank=r, world_size=2, job_id=job,
+                                         unique_id=version, socket=self.sock)
+        return run_ranks(2, one)
+
+    def load_by_columns(self, path, shape, job, **kw):
+        outs = {}
+
+        def one(r):
+            off, shp = split(shape, 1, 2, r)
+            buf = np.zeros(shp, np.float32)
+            rep = ckptd.load_state_dict({"w": ckptd.ShardedTensor(buf, shape, off)}, path,
+                                        rank=r, world_size=2, job_id=job, socket=self.sock,
+                                        strict=False, **kw)
+            outs[r] = buf
+            return rep
+        reps = run_ranks(2, one)
+        return np.concatenate([outs[0], outs[1]], axis=1), reps
+
+    def test_save_then_load_resharded_and_a_second_job_reads_nothing(self):
+        path = f"{self.root}/run-a"
+        full = (np.arange(256 * 192, dtype=np.float32).reshape(256, 192) / 3).astype(np.float32)
+        reps = self.save(path, full, "s3-save-a")
+        self.assertEqual(reps[0].unique_id, 0)
+        code, body = rgwlib.request("GET", f"{self.prefix}/run-a/0.metadata")
+        self.assertEqual(code, 200, "the metadata object is where the save said")
+        self.assertEqual(json.loads(body)["format"], "ckptd.checkpoint")
+        got, _ = self.load_by_columns(path, full.shape, "s3-load-a1")
+        np.testing.assert_array_equal(got, full)
+        before = self.s3()
+        got, _ = self.load_by_columns(path, full.shape, "s3-load-a2")
+        np.testing.assert_array_equal(got, full)
+        after = self.s3()
+        self.assertEqual(after["gets"], before["gets"], "a warm load read from the gateway")
+        # Only the listing that stamps the prefix and no object bytes.
+        self.assertLess(after["bytes_in"] - before["bytes_in"], 16384)
+        self.assertGreater(before["gets"], 0)
+        self.assertEqual(after["retries"], 0)
+        self.assertEqual(after["credentials"], "environment")
+
+    def test_a_new_version_and_a_replaced_object_are_seen(self):
+        path = f"{self.root}/run-b"
+        full = np.arange(16 * 8, dtype=np.float32).reshape(16, 8)
+        self.save(path, full, "s3-save-b0")
+        got, _ = self.load_by_columns(path, full.shape, "s3-load-b0")
+        np.testing.assert_array_equal(got, full)
+        self.save(path, full * 2, "s3-save-b1")  # version 1
+        got, _ = self.load_by_columns(path, full.shape, "s3-load-b1")
+        np.testing.assert_array_equal(got, full * 2)
+        got, _ = self.load_by_columns(path, full.shape, "s3-load-b2", unique_id=0)
+        np.testing.assert_array_equal(got, full)
+        # A data object of version 1 removed behind the daemon's back: the next
+        # load fails naming it, never succeeds with stale bytes.
+        info = ckptd.inspect(path, socket=self.sock)
+        files = sorted(f for f in info.files if f.startswith("1_") or f.startswith("0_"))
+        victim = [f for f in files if f.endswith("_1.safetensors")][0]
+        code, _ = rgwlib.request("DELETE", f"{self.prefix}/run-b/{victim}")
+        self.assertIn(code, (200, 204))
+        with self.assertRaises(Exception) as e:
+            self.load_by_columns(path, full.shape, "s3-load-b3")
+        self.assertIn(victim, str(e.exception))
+
+    def test_an_asynchronous_save_persists_to_the_store(self):
+        path = f"{self.root}/run-async"
+        full = np.arange(32 * 16, dtype=np.float32).reshape(32, 16) - 100
+
+        def one(r):
+            off, shp = split(full.shape, 0, 2, r)
+            part = full[off[0]:off[0] + shp[0]].copy()
+            fut = ckptd.save_state_dict({"w": ckptd.ShardedTensor(part, full.shape, off)}, path,
+                                        rank=r, world_size=2, job_id="s3-async",
+                                        socket=self.sock, async_save=True)
+            part[:] = 0  # the caller may change its tensors at once
+            return fut.result(timeout=60)
+        reps = run_ranks(2, one)
+        self.assertTrue(all(rep.persisted for rep in reps))
+        code, _ = rgwlib.request("HEAD", f"{self.prefix}/run-async/0.metadata")
+        self.assertEqual(code, 200)
+        got, _ = self.load_by_columns(path, full.shape, "s3-async-load")
+        np.testing.assert_array_equal(got, full)
+
+    def test_paths_outside_the_root_or_malformed_are_refused(self):
+        for path, kind in [(f"s3://{BUCKET}/elsewhere/x", PermissionError),
+                           (f"s3://{BUCKET}/{self.prefix}-sibling/x", PermissionError),
+                           (f"{self.root}/../elsewhere", ValueError)]:
+            with self.assertRaises(kind, msg=path) as e:
+                ckptd.inspect(path, socket=self.sock)
+            self.assertIn("s3://", str(e.exception))
+
+    def test_ckptctl_offline_and_through_the_daemon(self):
+        env = dict(os.environ)
+        src = os.path.abspath("examples/tiny-model")
+        layout = os.path.abspath("examples/layout-tp4-dim0.json")
+        dst = f"{self.root}/tiny"
+        out = subprocess.run([CKPTCTL, "convert", src, "--out", dst], env=env,
+                             capture_output=True, text=True)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        out = subprocess.run([CKPTCTL, "inspect", dst, "--json"], env=env, capture_output=True,
+                             text=True)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        self.assertEqual(json.loads(out.stdout)["format"], "ckptd")
+        tmp = self.daemon.dir
+        local = subprocess.run([CKPTCTL, "load", src, "--layout", layout, "--out",
+                                f"{tmp}/local"], capture_output=True, text=True)
+        self.assertEqual(local.returncode, 0, local.stderr)
+        online = subprocess.run([CKPTCTL, "load", dst, "--layout", layout, "--out",
+                                 f"{tmp}/online", "--daemon", self.sock],
+                                capture_output=True, text=True)
+        self.assertEqual(online.returncode, 0, online.stderr)
+        for r in range(4):
+            a = read_safetensors(f"{tmp}/local/rank{r}.safetensors")
+            b = read_safetensors(f"{tmp}/online/rank{r}.safetensors")
+            self.assertEqual(set(a), set(b))
+            for k in a:
+                np.testing.assert_array_equal(a[k][1], b[k][1], err_msg=f"rank {r} {k}")
+        st = subprocess.run([CKPTCTL, "status", "--daemon", self.sock], capture_output=True,
+                            text=True)
+        self.assertIn(os.environ["AWS_ENDPOINT_URL"], st.stdout)
+        self.assertRegex(st.stdout, r"s3 .* \d+ GETs")
+
+    def test_metrics_count_the_gateway_requests(self):
+        port = self.daemon.ports()["metrics"]
+        text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+        for op in ("HEAD", "GET", "LIST", "PUT", "DELETE"):
+            self.assertIn(f'ckptd_s3_requests_total{{op="{op}"}}', text)
+        self.assertIn('ckptd_s3_bytes_total{direction="in"}', text)
+
+
+if __name__ == "__main__":
+    main("s3_daemon_test")
