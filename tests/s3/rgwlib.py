@@ -9,6 +9,9 @@ import subprocess
 
 _HERE = os.path.dirname(os.path.abspath(__file__))
 _STARTED = []
+# The gateway itself (AWS_ENDPOINT_URL may be pointed elsewhere later, at a
+# proxy in front of it).
+ENDPOINT = None
 
 
 def start():
@@ -26,13 +29,15 @@ def start():
                 k, v = line[len("export "):].split("=", 1)
                 os.environ[k] = v
         _STARTED.append(d)
+        global ENDPOINT
+        ENDPOINT = os.environ["AWS_ENDPOINT_URL"]
         atexit.register(lambda: subprocess.run(["bash", os.path.join(_HERE, "rgw.sh"), "stop", d]))
     return os.environ["CKPTD_TEST_S3_BUCKET"]
 
 
 def request(method, key, *, body=None, extra=()):
     """A signed request for object `key` of the test bucket; (HTTP status, body bytes)."""
-    url = f"{os.environ['AWS_ENDPOINT_URL']}/{os.environ['CKPTD_TEST_S3_BUCKET']}/{key}"
+    url = f"{ENDPOINT}/{os.environ['CKPTD_TEST_S3_BUCKET']}/{key}"
     verb = ["-I"] if method == "HEAD" else ["-X", method]
     cmd = ["curl", "-s", "-o", "-", "-w", "\n%{http_code}", *verb,
            "--aws-sigv4", f"aws:amz:{os.environ['AWS_REGION']}:s3",

@@ -45,7 +45,9 @@ struct S3Client::Call {
   std::string etag, last_modified;
   uint64_t content_length = UINT64_MAX;
 
-  std::string What() const { return S3Url{bucket, key}.ToString(); }
+  std::string what;  // what errors name, when not the object
+
+  std::string What() const { return what.empty() ? S3Url{bucket, key}.ToString() : what; }
   bool Success() const { return status >= 200 && status < 300; }
   void ResetAnswer() {
     status = 0;
@@ -385,6 +387,8 @@ absl::StatusOr<ListPage> S3Client::List(const std::string& bucket, const std::st
   Call c;
   c.bucket = bucket;
   c.counter = &stats_.lists;
+  c.what = absl::StrCat(S3Url{bucket, std::string(absl::StripSuffix(prefix, "/"))}.ToString(),
+                        " (listing)");
   // Sorted by name, as the signature wants them.
   if (!token.empty()) c.query.emplace_back("continuation-token", token);
   if (!delimiter.empty()) c.query.emplace_back("delimiter", delimiter);

@@ -1,0 +1,178 @@
+"""Case 10 of bench/run: checkpoints in object storage (issue 36).
+
+A throwaway Ceph S3 gateway on this machine (tests/s3/rgw.sh; data in the
+OSD's memory), a checkpoint saved into it through ckptd by 4 ranks (split on
+dim 0), then loaded split on dim 1 by 2 ranks (threads of this process,
+the Python client) through a ckptd serving the s3:// root:
+
+  cold   the checkpoint evicted from the daemon (data and metadata) first:
+         every planned read is a ranged GET from the gateway;
+  warm   loaded again: the daemon's data cache serves it, 0 GETs.
+
+The limit, measured in the same run: curl fetching the same data objects
+in the same ranged GETs (io_request_size) with the same concurrency
+(io_threads), --parallel. The gateway's requests per job come from the
+daemon's counters (ckptctl status / ckptd_s3_requests_total) and are
+compared with the planned reads the daemon logged.
+
+    /usr/bin/python3 bench/s3_bench.py --ckptd bazel-bin/server/ckptd [--rows FILE] [--quick]
+"""
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+sys.path.insert(0, os.path.join(ROOT, "client", "python"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "s3"))
+sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
+
+import ckptd  # noqa: E402
+import rgwlib  # noqa: E402
+from testlib import Daemon, run_ranks  # noqa: E402
+
+IO_THREADS = 2
+REQUEST = 64 << 20  # io_request_size (the default)
+
+
+def split(shape, dim, parts, r):
+    off, shp = [0] * len(shape), list(shape)
+    shp[dim] = shape[dim] // parts
+    off[dim] = r * shp[dim]
+    return tuple(off), tuple(shp)
+
+
+def curl_fetch(keys_sizes, parallel):
+    """Seconds for curl to GET every object in REQUEST-sized ranges, `parallel` at once."""
+    auth = ["--aws-sigv4", f"aws:amz:{os.environ['AWS_REGION']}:s3", "--user",
+            f"{os.environ['AWS_ACCESS_KEY_ID']}:{os.environ['AWS_SECRET_ACCESS_KEY']}",
+            "-H", "x-amz-content-sha256: UNSIGNED-PAYLOAD", "-s", "-f", "-o", "/dev/null"]
+    args = ["curl", "--parallel", "--parallel-max", str(parallel)]
+    first = True
+    for key, size in keys_sizes:
+        for at in range(0, size, REQUEST):
+            if not first:
+                args.append("--next")
+            first = False
+            end = min(size, at + REQUEST) - 1
+            args += auth + ["-r", f"{at}-{end}",
+                            f"{rgwlib.ENDPOINT}/{os.environ['CKPTD_TEST_S3_BUCKET']}/{key}"]
+    t = time.perf_counter()
+    subprocess.run(args, check=True)
+    return time.perf_counter() - t
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ckptd", required=True)
+    ap.add_argument("--rows")
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--reps", type=int, default=3)
+    a = ap.parse_args()
+    os.environ["CKPTD_BIN"] = os.path.abspath(a.ckptd)
+    import testlib
+    testlib.CKPTD = os.path.abspath(a.ckptd)
+
+    bucket = rgwlib.start()
+    prefix = f"bench-{os.getpid()}"
+    root = f"s3://{bucket}/{prefix}"
+    mib = 128 if a.quick else 512
+    cols = 1024
+    shape = (mib * (1 << 20) // (cols * 4), cols)
+    full = np.random.default_rng(7).standard_normal(shape, dtype=np.float32)
+    d = Daemon(root, "--io-threads", str(IO_THREADS), "--cache-budget", f"{2 * mib}MiB")
+    try:
+        path = f"{root}/ckpt"
+
+        def save(r):
+            off, shp = split(shape, 0, 4, r)
+            part = full[off[0]:off[0] + shp[0]]
+            return ckptd.save_state_dict({"w": ckptd.ShardedTensor(part, shape, off)}, path,
+                                         rank=r, world_size=4, job_id="s3-bench-save",
+                                         socket=d.socket)
+        t = time.perf_counter()
+        run_ranks(4, save)
+        save_s = time.perf_counter() - t
+        info = ckptd.inspect(path, socket=d.socket)
+        data = [(f"{prefix}/ckpt/{f}", n) for f, n in sorted(info.files.items())
+                if f.endswith(".safetensors")]
+        total = sum(n for _, n in data)
+
+        def load(job):
+            outs = {}
+
+            def one(r):
+                off, shp = split(shape, 1, 2, r)
+                buf = np.empty(shp, np.float32)
+                ckptd.load_state_dict({"w": ckptd.ShardedTensor(buf, shape, off)}, path, rank=r,
+                                      world_size=2, job_id=job, socket=d.socket)
+                outs[r] = buf
+            t = time.perf_counter()
+            run_ranks(2, one)
+            s = time.perf_counter() - t
+            got = np.concatenate([outs[0], outs[1]], axis=1)
+            if not np.array_equal(got, full):
+                raise SystemExit("s3_bench: a load delivered wrong bytes")
+            return s
+
+        def counters():
+            return ckptd.status(socket=d.socket)["object_storage"]
+
+        cold, warm, curl = [], [], []
+        per_cold, per_warm, planned = None, None, None
+        for i in range(a.reps):
+            ckptd.evict(path, socket=d.socket)
+            before = counters()
+            cold.append(load(f"s3-bench-cold-{i}"))
+            after = counters()
+            per_cold = {k: after[k] - before[k] for k in ("gets", "lists", "heads")}
+            m = re.findall(r"job=s3-bench-cold-%d .* reads=(\d+)" % i, d.read_log())
+            planned = int(m[-1]) if m else None
+            before = counters()
+            warm.append(load(f"s3-bench-warm-{i}"))
+            after = counters()
+            per_warm = {k: after[k] - before[k] for k in ("gets", "lists", "heads")}
+            curl.append(curl_fetch(data, IO_THREADS))
+        gb = 1e9
+        cold_s, warm_s, curl_s = (statistics.median(x) for x in (cold, warm, curl))
+        rows = []
+
+        def row(name, figure, unit, limit, limit_what, target="-", ok=None):
+            ratio = figure / limit if limit else 0.0
+            met = "-" if ok is None else ("yes" if ok(ratio) else "no")
+            rows.append((name, figure, unit, limit, limit_what, ratio, target, met))
+
+        row("10 s3-cold-load", total / cold_s / gb, "GB/s", total / curl_s / gb,
+            f"curl ranged GETs x{IO_THREADS}", ">=0.8", lambda r: r >= 0.8)
+        row("10 s3-warm-load", total / warm_s / gb, "GB/s", total / curl_s / gb,
+            f"curl ranged GETs x{IO_THREADS}")
+        row("10 s3-save (4 ranks)", total / save_s / gb, "GB/s", total / curl_s / gb,
+            f"curl ranged GETs x{IO_THREADS}")
+        if planned is not None:
+            row("10 s3 GETs per cold job", per_cold["gets"], "GETs", planned + 1,
+                "planned reads + metadata", "=1", lambda r: r == 1)
+        row("10 s3 LISTs per cold job", per_cold["lists"], "LISTs", 1, "one per checkpoint")
+        row("10 s3 GETs per warm job", per_warm["gets"], "GETs", 1, "(0 expected)", "0",
+            lambda r: r == 0)
+        for r in rows:
+            print("%-32s %10.4g %-6s limit %10.4g %-28s ratio %.3f %s %s" % r)
+        print(f"(cold per job: {per_cold}; warm per job: {per_warm}; {total / 2**20:.0f} MiB "
+              f"in {len(data)} objects; medians of {a.reps})")
+        if a.rows:
+            with open(a.rows, "a") as f:
+                for r in rows:
+                    f.write("%s\t%.6g\t%s\t%.6g\t%s\t%.6g\t%s\t%s\n" % r)
+    finally:
+        d.stop()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,130 @@
+"""Faults between ckptd and the S3 gateway (issue 36): a proxy in the test
+(faultproxy.py) answers 503 SlowDown, resets connections, cuts bodies short,
+stalls them and flips a byte, and every load either succeeds exactly (the
+faults retried away) or fails with a clear error naming the object; never
+a success with wrong bytes."""
+import os
+import tempfile
+import time
+import unittest
+import uuid
+
+import numpy as np
+
+import ckptd
+import faultproxy
+import rgwlib
+from testlib import Daemon, main, run_ranks
+
+BUCKET = rgwlib.start()
+MAX_ATTEMPTS = 4
+
+
+def split(shape, dim, parts, r):
+    off, shp = [0] * len(shape), list(shape)
+    shp[dim] = shape[dim] // parts
+    off[dim] = r * shp[dim]
+    return tuple(off), tuple(shp)
+
+
+class S3FaultsTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        port = int(rgwlib.ENDPOINT.rsplit(":", 1)[1])
+        cls.proxy = faultproxy.FaultProxy(port)
+        os.environ["AWS_ENDPOINT_URL"] = f"http://127.0.0.1:{cls.proxy.port}"
+        cfg = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
+        cfg.write(f"s3: {{stall_timeout: 1s, max_attempts: {MAX_ATTEMPTS}}}\n")
+        cfg.close()
+        cls.root = f"s3://{BUCKET}/faults-{uuid.uuid4().hex[:8]}"
+        cls.daemon = Daemon(cls.root, "--config", cfg.name)
+        cls.sock = cls.daemon.socket
+        cls.path = f"{cls.root}/ckpt"
+        cls.full = (np.arange(512 * 256, dtype=np.float32).reshape(512, 256) * 0.5 - 7)
+
+        def save(r):
+            off, shp = split(cls.full.shape, 0, 2, r)
+            part = cls.full[off[0]:off[0] + shp[0]].copy()
+            return ckptd.save_state_dict({"w": ckptd.ShardedTensor(part, cls.full.shape, off)},
+                                         cls.path, rank=r, world_size=2, job_id="faults-save",
+                                         socket=cls.sock)
+        run_ranks(2, save)
+        cls.jobs = 0
+
+    @classmethod
+    def tearDownClass(cls):
+        rc = cls.daemon.stop()
+        assert rc == 0, f"ckptd exited {rc}: {cls.daemon.read_log()[-2000:]}"
+
+    def tearDown(self):
+        self.proxy.clear()
+
+    def cold_load(self):
+        """Evicts the checkpoint, then loads it split on dim 1 by 2 ranks."""
+        ckptd.evict(self.path, socket=self.sock)
+        type(self).jobs += 1
+        job = f"faults-load-{self.jobs}"
+        outs = {}
+
+        def one(r):
+            off, shp = split(self.full.shape, 1, 2, r)
+            buf = np.full(shp, np.nan, np.float32)
+            ckptd.load_state_dict({"w": ckptd.ShardedTensor(buf, self.full.shape, off)},
+                                  self.path, rank=r, world_size=2, job_id=job, socket=self.sock)
+            outs[r] = buf
+        run_ranks(2, one)
+        return np.concatenate([outs[0], outs[1]], axis=1)
+
+    def retries(self):
+        return ckptd.status(socket=self.sock)["object_storage"]["retries"]
+
+    def test_slowdown_bursts_resets_and_short_bodies_are_retried_away(self):
+        for faults in (["slowdown"] * (MAX_ATTEMPTS - 1),
+                       ["reset", "truncate", "reset"],
+                       ["truncate"] * (MAX_ATTEMPTS - 1)):
+            before = self.retries()
+            self.proxy.plan("GET", faults)
+            np.testing.assert_array_equal(self.cold_load(), self.full, err_msg=str(faults))
+            # (libcurl itself retries a request whose reused connection was
+            # reset before any answer: not every reset shows as a retry.)
+            want = len(faults) if faults[0] != "reset" else 1
+            self.assertGreaterEqual(self.retries() - before, want, faults)
+
+    def test_heads_and_listings_are_retried_too(self):
+        self.proxy.plan("HEAD", ["slowdown", "reset", None, "slowdown"])
+        self.proxy.plan("GET", ["slowdown"])  # the listing is the first GET of a load
+        np.testing.assert_array_equal(self.cold_load(), self.full)
+
+    def test_a_stalled_body_is_cut_and_retried(self):
+        self.proxy.stall_s = 4.0
+        self.proxy.plan("GET", [None, "stall"])
+        t = time.monotonic()
+        np.testing.assert_array_equal(self.cold_load(), self.full)
+        self.assertEqual(self.proxy.faults["stall"], 1)
+        # stall_timeout 1 s (curl's low-speed check counts whole seconds).
+        self.assertLess(time.monotonic() - t, 3.9, "the stall was waited out, not cut")
+
+    def test_more_faults_than_attempts_fail_the_load_naming_the_object(self):
+        self.proxy.plan("GET", ["slowdown"] * 50)
+        with self.assertRaises(ckptd.UnavailableError) as e:
+            self.cold_load()
+        msg = str(e.exception)
+        self.assertIn(f"s3://{BUCKET}/", msg)
+        self.assertIn("SlowDown", msg)
+        self.assertIn(f"after {MAX_ATTEMPTS} attempts", msg)
+        self.proxy.clear()
+        np.testing.assert_array_equal(self.cold_load(), self.full)
+
+    def test_a_flipped_byte_is_never_delivered(self):
+        # Every GET of the load gets one byte flipped: the metadata's, the
+        # data's. The load must fail; no rank may be told it succeeded.
+        self.proxy.plan("GET", [None] + ["flip"] * 50)
+        with self.assertRaises(ckptd.CkptdError) as e:
+            self.cold_load()
+        self.assertIn(f"s3://{BUCKET}/", str(e.exception))
+        self.proxy.clear()
+        np.testing.assert_array_equal(self.cold_load(), self.full)
+
+
+if __name__ == "__main__":
+    main("s3_faults_test")
