@@ -152,7 +152,9 @@ class RunWriter {
   absl::Status FlushRemote();
   absl::Status Hash(const uint8_t* data, uint64_t pos, uint64_t n);
 
-  uint8_t* Scratch(bool direct);
+  // The scratch buffer: `piece_` bytes, or (direct) two aligned pieces of
+  // DirectPiece(piece_) or `direct_piece` bytes, whichever is larger.
+  uint8_t* Scratch(bool direct, uint64_t direct_piece);
   // ReadPieces with direct reads: two aligned buffers, the next piece read
   // ahead while the current one is hashed and copied.
   absl::Status ReadDirectPieces(const RandomAccessFile& file, bool verify, bool stream,
@@ -347,8 +349,9 @@ uint64_t DirectPiece(uint64_t piece) {
   return (p + kDirectAlign - 1) / kDirectAlign * kDirectAlign;
 }
 
-uint8_t* RunWriter::Scratch(bool direct) {
-  const uint64_t need = direct ? 2 * DirectPiece(piece_) + kDirectAlign : piece_;
+uint8_t* RunWriter::Scratch(bool direct, uint64_t direct_piece) {
+  const uint64_t need = direct ? 2 * std::max(DirectPiece(piece_), direct_piece) + kDirectAlign
+                               : piece_;
   if (scratch_.size() < need) scratch_.resize(need);
   if (!direct) return scratch_.data();
   const uintptr_t p = reinterpret_cast<uintptr_t>(scratch_.data());
@@ -359,17 +362,30 @@ absl::Status RunWriter::ReadDirectPieces(const RandomAccessFile& file, bool veri
                                          uint8_t* keep, double* read_s, double* copy_s) {
   const ReadRange& rr = *read_;
   const uint64_t end = rr.offset + rr.length;
-  const uint64_t piece = DirectPiece(piece_);
-  uint8_t* bufs[2] = {Scratch(true), nullptr};
-  bufs[1] = bufs[0] + piece;
-  // The aligned file range that holds the read's bytes from `start` on.
+  // Object stores: pieces of at least the file's request size (each piece
+  // is a request), still two of them in flight.
+  // Such a file needs no alignment: when the bytes are kept, the read goes
+  // straight into the cache's buffer in one request (no bounce, no second
+  // copy); else in pieces of at least its request size.
+  const bool into_keep = keep != nullptr && file.MinReadBytes() > 0;
+  const uint64_t piece =
+      into_keep ? rr.length
+                : std::max(DirectPiece(piece_), DirectPiece(file.MinReadBytes()));
+  uint8_t* bufs[2] = {into_keep ? nullptr : Scratch(true, piece), nullptr};
+  if (!into_keep) bufs[1] = bufs[0] + piece;
+  // The (aligned) file range that holds the read's bytes from `start` on.
   auto range = [&](uint64_t start) {
+    if (into_keep) return std::make_pair(start, std::min(piece, end - start));
     const uint64_t at = start / kDirectAlign * kDirectAlign;
     return std::make_pair(
         at, std::min(piece, (end - at + kDirectAlign - 1) / kDirectAlign * kDirectAlign));
   };
+  // Where piece k, of the file range from `at` on, is read into.
+  auto buffer = [&](uint64_t k, uint64_t at) {
+    return into_keep ? keep + (at - rr.offset) : bufs[k % 2];
+  };
   auto [at, len] = range(rr.offset);
-  ahead_.Submit(&file, at, len, bufs[0]);
+  ahead_.Submit(&file, at, len, buffer(0, at));
   bool in_flight = true;
   absl::Status status;
   for (uint64_t start = rr.offset, k = 0; start < end; ++k) {
@@ -382,13 +398,13 @@ absl::Status RunWriter::ReadDirectPieces(const RandomAccessFile& file, bool veri
       return absl::OutOfRangeError(absl::StrCat(file.path(), ": truncated: need bytes [", start,
                                                 ", ", stop, ") but the file ends at ", at + *got));
     }
-    const uint8_t* data = bufs[k % 2] + (start - at);
+    const uint8_t* data = buffer(k, at) + (start - at);
     if (stop < end) {  // read the next piece meanwhile
       std::tie(at, len) = range(stop);
-      ahead_.Submit(&file, at, len, bufs[(k + 1) % 2]);
+      ahead_.Submit(&file, at, len, buffer(k + 1, at));
       in_flight = true;
     }
-    if (keep != nullptr) std::memcpy(keep + (start - rr.offset), data, stop - start);
+    if (keep != nullptr && !into_keep) std::memcpy(keep + (start - rr.offset), data, stop - start);
     if (verify) status = Hash(data, start, stop - start);
     if (!status.ok()) break;
     const auto t1 = Clock::now();
@@ -405,7 +421,10 @@ absl::Status RunWriter::ReadDirectPieces(const RandomAccessFile& file, bool veri
 absl::Status RunWriter::ReadPieces(const RandomAccessFile& file, bool verify, bool stream,
                                    bool direct, LoadStats& stats, uint8_t* keep) {
   const ReadRange& rr = *read_;
-  uint8_t* scratch = keep == nullptr && !direct ? Scratch(false) : nullptr;
+  // A file read in requests (object storage) goes the direct way whatever
+  // direct_io says: big pieces, the next one fetched while this one is copied.
+  direct = direct || file.MinReadBytes() > 0;
+  uint8_t* scratch = keep == nullptr && !direct ? Scratch(false, 0) : nullptr;
   checks_.clear();
   if (verify) {
     for (uint32_t k = 0; k < rr.checks.size(); ++k) checks_.push_back(k);

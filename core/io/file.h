@@ -57,6 +57,10 @@ class RandomAccessFile {
   // `offset`, `n` and `dst` are multiples of kDirectAlign. Returns the bytes
   // read: `n`, or fewer only where the file ends. The default uses Read.
   virtual absl::StatusOr<uint64_t> ReadDirect(uint64_t offset, uint64_t n, void* dst) const;
+  // Reads of fewer bytes than this cost more round trips than they save
+  // (object stores: every Read is a request): the executor reads such a
+  // file in pieces of at least this size. 0: no such floor (local files).
+  virtual uint64_t MinReadBytes() const { return 0; }
   // Whether bytes [offset, offset + n) seem to be in the page cache (a
   // non-blocking probe of a few pages); true when it cannot tell.
   virtual bool Cached(uint64_t offset, uint64_t n) const { return true; }

@@ -10,11 +10,21 @@
 namespace ckptd {
 
 bool MetadataCache::Fresh(const std::string& dir, const Opened& opened) {
+  // An object-storage prefix's stamp is its listing (every object's name,
+  // size and ETag one level down): it already covers the files directly
+  // beneath it, which need no request each.
+  const bool listed = !ckpt::PathScheme(dir).empty();
+  auto covered = [&](const std::string& path) {
+    return listed && path.size() > dir.size() + 1 && absl::StartsWith(path, dir + "/") &&
+           path.find('/', dir.size() + 1) == std::string::npos;
+  };
   for (const auto& [path, stamp] : opened.watched) {
+    if (covered(path)) continue;
     auto now = ckpt::StatFile(path);
     if (!now.ok() || *now != stamp) return false;
   }
   for (const auto& [file, stamp] : opened.stamps) {
+    if (listed && file.find('/') == std::string::npos) continue;
     auto now = ckpt::StatFile(ckpt::JoinPath(dir, file));
     if (!now.ok() || *now != stamp) return false;
   }
