@@ -137,6 +137,9 @@ Online (through a running ckptd; --daemon SOCKET, default /run/ckptd/ckptd.sock)
   ckptctl evict CKPT [--daemon S]
       Drop a checkpoint's cached data and metadata from the daemon.
 
+CKPT, SRC, DIR and DST may be s3://bucket/prefix URLs of S3-compatible object storage:
+offline, ckptctl reaches the store with the AWS variables and files (AWS_ENDPOINT_URL,
+AWS_ACCESS_KEY_ID, AWS_PROFILE, ...); online, the daemon does (docs/object-storage.md).
 ckptctl --version prints ckptctl's version and the ckptd API level it needs.
 Flags may also be written with dashes (--unique-id, --skip-postfix, ...).
 Exit status: 0 on success; 1 with a one-line error on stderr on failure;

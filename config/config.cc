@@ -164,7 +164,8 @@ absl::Status ParseS3(const YAML::Node& v, const std::string& source, S3Config* o
   if (!v.IsMap()) return Bad(source, "s3", "must be a mapping (endpoint, region, ...)");
   static const std::set<std::string> kKeys = {
       "endpoint", "region",       "profile",         "addressing",   "ca_file",
-      "part_size", "spool_dir", "max_attempts", "connect_timeout", "stall_timeout"};
+      "part_size", "spool_dir", "max_attempts", "connect_timeout", "stall_timeout",
+      "max_bandwidth"};
   for (const auto& kv : v) {
     const std::string key = kv.first.as<std::string>();
     const std::string full = "s3." + key;
@@ -180,6 +181,10 @@ absl::Status ParseS3(const YAML::Node& v, const std::string& source, S3Config* o
         return Bad(source, full, "must be a size from 5MiB to 5GiB (S3's part sizes)");
       }
       out->part_size = *b;
+    } else if (key == "max_bandwidth") {
+      auto b = s == "0" ? absl::StatusOr<uint64_t>(0) : ParseBytes(s);
+      if (!b.ok()) return Bad(source, full, "must be bytes per second (500MiB) or 0 (no cap)");
+      out->max_bandwidth = *b;
     } else if (key == "max_attempts") {
       uint64_t n;
       if (!absl::SimpleAtoi(s, &n) || n < 1 || n > 100) {
@@ -672,6 +677,7 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   out << YAML::Key << "max_attempts" << YAML::Value << s3.max_attempts;
   out << YAML::Key << "connect_timeout" << YAML::Value << absl::FormatDuration(s3.connect_timeout);
   out << YAML::Key << "stall_timeout" << YAML::Value << absl::FormatDuration(s3.stall_timeout);
+  out << YAML::Key << "max_bandwidth" << YAML::Value << s3.max_bandwidth;
   out << YAML::EndMap;
   out << YAML::EndMap;
   return std::string(out.c_str()) + "\n";

@@ -60,6 +60,7 @@ struct S3Config {
   uint64_t max_attempts = 6;     // per request, retries with backoff and jitter
   absl::Duration connect_timeout = absl::Seconds(5);
   absl::Duration stall_timeout = absl::Seconds(15);  // < 1 KiB/s this long: retried
+  uint64_t max_bandwidth = 0;  // body bytes per second to and from the store; 0: no cap
 };
 
 // Whether a root or checkpoint path is an object-storage URL ("s3://...").

@@ -19,6 +19,7 @@ ckpt::s3::S3Settings S3SettingsOf(const S3Config& c) {
   s.connect_timeout_ms = absl::ToInt64Milliseconds(c.connect_timeout);
   s.stall_timeout_ms = absl::ToInt64Milliseconds(c.stall_timeout);
   s.max_attempts = static_cast<int>(c.max_attempts);
+  s.max_bytes_per_s = c.max_bandwidth;
   return s;
 }
 

@@ -5,6 +5,7 @@ gateway's request counts, changes behind the daemon's back, and refusals."""
 import json
 import os
 import subprocess
+import tempfile
 import unittest
 import urllib.request
 import uuid
@@ -166,6 +167,48 @@ class S3DaemonTest(unittest.TestCase):
                             text=True)
         self.assertIn(os.environ["AWS_ENDPOINT_URL"], st.stdout)
         self.assertRegex(st.stdout, r"s3 .* \d+ GETs")
+
+    def test_a_two_node_job_reads_each_byte_from_the_store_once(self):
+        # Two more daemons on the same root, peers over Unix sockets; the job's
+        # 4 ranks are spread over them by ckptctl (2 each, a fresh job key).
+        src = os.path.abspath("examples/tiny-model")
+        layout = os.path.abspath("examples/layout-tp4-dim0.json")
+        dst = f"{self.root}/tiny-2node"
+        out = subprocess.run([CKPTCTL, "convert", src, "--out", dst], capture_output=True,
+                             text=True)
+        self.assertEqual(out.returncode, 0, out.stderr)
+        base = tempfile.mkdtemp(prefix="ckptd-2n-", dir="/tmp")
+        peers = [f"unix:{base}/p{i}" for i in range(2)]
+        nodes = [Daemon(self.root, "--peer-listen", peers[i], "--peers", ",".join(peers),
+                        "--io-request-size", "16KiB") for i in range(2)]
+        try:
+            before = [ckptd.status(socket=n.socket)["object_storage"] for n in nodes]
+            tmp = self.daemon.dir
+            r = subprocess.run([CKPTCTL, "load", dst, "--layout", layout, "--out",
+                                f"{tmp}/two-node", "--daemon", f"{nodes[0].socket},{nodes[1].socket}"],
+                               capture_output=True, text=True, timeout=120)
+            self.assertEqual(r.returncode, 0, r.stderr + nodes[0].read_log()[-2000:])
+            local = subprocess.run([CKPTCTL, "load", src, "--layout", layout, "--out",
+                                    f"{tmp}/two-node-local"], capture_output=True, text=True)
+            self.assertEqual(local.returncode, 0, local.stderr)
+            for rank in range(4):
+                a = read_safetensors(f"{tmp}/two-node-local/rank{rank}.safetensors")
+                b = read_safetensors(f"{tmp}/two-node/rank{rank}.safetensors")
+                for k in a:
+                    np.testing.assert_array_equal(a[k][1], b[k][1], err_msg=f"rank {rank} {k}")
+            after = [ckptd.status(socket=n.socket)["object_storage"] for n in nodes]
+            gets = [after[i]["gets"] - before[i]["gets"] for i in range(2)]
+            data = [after[i]["bytes_in"] - before[i]["bytes_in"] for i in range(2)]
+            total = os.path.getsize(os.path.join(src, "model.safetensors"))
+            # Both nodes read (the balancer spread the GETs), and together they
+            # read the checkpoint once, plus on each node the metadata object,
+            # listings and the data object's first 64 KiB (its header).
+            self.assertTrue(all(g > 0 for g in gets), gets)
+            self.assertLess(sum(data), total + 2 * (65536 + 16384), data)
+            self.assertGreater(min(data), 0.2 * total, data)
+        finally:
+            for n in nodes:
+                n.stop()
 
     def test_metrics_count_the_gateway_requests(self):
         port = self.daemon.ports()["metrics"]

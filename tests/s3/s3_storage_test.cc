@@ -115,6 +115,28 @@ TEST(S3Client, ListingsPageWithContinuationTokensAndGroupByDelimiter) {
   EXPECT_EQ(capped.status().code(), absl::StatusCode::kResourceExhausted) << capped.status();
 }
 
+TEST(S3Client, TheBandwidthCapPacesEveryRequestTogether) {
+  auto fast = Client();
+  ASSERT_NE(fast, nullptr);
+  const std::string key = Fresh("capped");
+  std::string data(12 << 20, 'c');
+  ASSERT_TRUE(fast->Put(kBucket, key, data.data(), data.size()).ok());
+  S3Settings capped;
+  capped.max_bytes_per_s = 8 << 20;  // 8 MiB/s
+  auto slow = Client(capped);
+  ASSERT_NE(slow, nullptr);
+  // Two readers of 6 MiB each at once: 12 MiB through one 8 MiB/s cap
+  // cannot take less than 1.5 s (less the 50 ms burst).
+  std::string a(6 << 20, '\0'), b(6 << 20, '\0');
+  const auto t0 = std::chrono::steady_clock::now();
+  std::thread other([&] { EXPECT_TRUE(slow->GetRange(kBucket, key, 0, a.size(), a.data(), "").ok()); });
+  EXPECT_TRUE(slow->GetRange(kBucket, key, 6 << 20, b.size(), b.data(), "").ok());
+  other.join();
+  const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  EXPECT_GE(s, 1.4) << "12 MiB moved in " << s << " s through an 8 MiB/s cap";
+  EXPECT_EQ(a + b, data);
+}
+
 TEST(S3Client, AWrongSecretIsPermissionDeniedNamingTheObject) {
   S3Settings s;
   std::map<std::string, std::string> env = {

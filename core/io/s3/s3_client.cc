@@ -14,6 +14,7 @@
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_join.h"
 #include "absl/strings/strip.h"
+#include "absl/time/clock.h"
 #include "core/io/s3/s3_url.h"
 
 namespace ckpt {
@@ -28,6 +29,7 @@ struct S3Client::Call {
   std::vector<std::pair<std::string, std::string>> query;  // in sorted order
   std::vector<std::string> headers;
   std::atomic<uint64_t>* counter = nullptr;
+  RateLimiter* limiter = nullptr;  // paces the bodies both ways
   // A body to send.
   const uint8_t* upload = nullptr;
   uint64_t upload_n = 0;
@@ -101,6 +103,7 @@ size_t OnHeader(char* data, size_t size, size_t count, void* user) {
 size_t OnBody(char* data, size_t size, size_t count, void* user) {
   auto* call = static_cast<S3Client::Call*>(user);
   const size_t n = size * count;
+  if (call->limiter != nullptr) call->limiter->Acquire(n);
   if (call->Success() && call->dst != nullptr) {
     // Never a byte past the buffer the caller gave: more than asked for
     // aborts the transfer.
@@ -125,6 +128,7 @@ size_t OnUpload(char* buf, size_t size, size_t count, void* user) {
   auto* call = static_cast<S3Client::Call*>(user);
   const uint64_t left = call->upload_n - call->upload_at;
   const size_t n = static_cast<size_t>(std::min<uint64_t>(left, size * count));
+  if (call->limiter != nullptr && n > 0) call->limiter->Acquire(n);
   if (n > 0) std::memcpy(buf, call->upload + call->upload_at, n);
   call->upload_at += n;
   return n;
@@ -172,7 +176,8 @@ absl::StatusOr<std::unique_ptr<S3Client>> S3Client::Create(const S3Settings& set
 S3Client::S3Client(S3Settings settings, Endpoint endpoint, Getenv env)
     : settings_(std::move(settings)),
       endpoint_(std::move(endpoint)),
-      credentials_(settings_, std::move(env)) {}
+      credentials_(settings_, std::move(env)),
+      limiter_(settings_.max_bytes_per_s) {}
 
 S3Client::~S3Client() {
   absl::MutexLock lock(&mu_);
@@ -285,7 +290,22 @@ absl::Status S3Client::PerformOnce(Call& call, void* handle) {
   return absl::OkStatus();
 }
 
+void RateLimiter::Acquire(uint64_t n) {
+  if (rate_ == 0 || n == 0) return;
+  constexpr int64_t kBurstNs = 50'000'000;
+  int64_t wait_ns = 0;
+  {
+    absl::MutexLock lock(&mu_);
+    const int64_t now = absl::GetCurrentTimeNanos();
+    const int64_t start = std::max(next_ns_, now - kBurstNs);
+    next_ns_ = start + static_cast<int64_t>(static_cast<double>(n) * 1e9 / rate_);
+    wait_ns = next_ns_ - kBurstNs - now;
+  }
+  if (wait_ns > 0) std::this_thread::sleep_for(std::chrono::nanoseconds(wait_ns));
+}
+
 absl::Status S3Client::Perform(Call& call) {
+  call.limiter = &limiter_;
   void* h = TakeHandle();
   if (h == nullptr) return absl::ResourceExhaustedError("cannot create a libcurl handle");
   std::mt19937_64 rng(std::random_device{}());

@@ -38,6 +38,20 @@ struct ClientStats {
   std::atomic<uint64_t> bytes_in{0}, bytes_out{0};
 };
 
+// Paces bytes to `rate` per second, all callers together (a virtual clock:
+// each Acquire books its bytes after the previous ones and sleeps until its
+// slot, with up to 50 ms of burst). rate 0: never waits. Thread-safe.
+class RateLimiter {
+ public:
+  explicit RateLimiter(uint64_t rate) : rate_(rate) {}
+  void Acquire(uint64_t n);
+
+ private:
+  const uint64_t rate_;
+  absl::Mutex mu_;
+  int64_t next_ns_ ABSL_GUARDED_BY(mu_) = 0;  // when the booked bytes are through
+};
+
 class S3Client {
  public:
   static absl::StatusOr<std::unique_ptr<S3Client>> Create(const S3Settings& settings,
@@ -48,6 +62,7 @@ class S3Client {
 
   const Endpoint& endpoint() const { return endpoint_; }
   const ClientStats& stats() const { return stats_; }
+  RateLimiter& limiter() { return limiter_; }
   // Where the credentials come from (never what they are).
   std::string CredentialsSource();
 
@@ -91,6 +106,7 @@ class S3Client {
   const Endpoint endpoint_;
   CredentialSource credentials_;
   ClientStats stats_;
+  RateLimiter limiter_;
   absl::Mutex mu_;
   std::vector<void*> idle_ ABSL_GUARDED_BY(mu_);  // CURL* kept alive for reuse
 };

@@ -52,6 +52,10 @@ struct S3Settings {
   // Attempts per request (retries on 500, 502, 503, 504, SlowDown, resets,
   // timeouts), with exponential backoff and jitter from 50 ms up to 2 s.
   int max_attempts = 6;
+  // Body bytes per second moved to and from the endpoint by this client, all
+  // requests together (a node's share of the store's or the network's
+  // bandwidth); 0: no cap.
+  uint64_t max_bytes_per_s = 0;
 };
 
 using Getenv = std::function<const char*(const char*)>;
