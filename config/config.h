@@ -59,7 +59,7 @@ struct S3Config {
   std::string spool_dir;         // where saves spool a file before its upload; empty: $TMPDIR
   uint64_t max_attempts = 6;     // per request, retries with backoff and jitter
   absl::Duration connect_timeout = absl::Seconds(5);
-  absl::Duration stall_timeout = absl::Seconds(15);  // < 1 KiB/s this long: retried
+  absl::Duration stall_timeout = absl::Seconds(15);  // no byte moved this long: retried
   uint64_t max_bandwidth = 0;  // body bytes per second to and from the store; 0: no cap
 };
 

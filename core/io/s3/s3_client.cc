@@ -48,6 +48,11 @@ struct S3Client::Call {
   uint64_t content_length = UINT64_MAX;
 
   std::string what;  // what errors name, when not the object
+  // Stall detection (OnProgress): bytes moved so far, and when the last moved.
+  int64_t stall_ns = 0;
+  uint64_t moved = 0;
+  int64_t moved_at_ns = 0;
+  bool stalled = false;
 
   std::string What() const { return what.empty() ? S3Url{bucket, key}.ToString() : what; }
   bool Success() const { return status >= 200 && status < 300; }
@@ -132,6 +137,25 @@ size_t OnUpload(char* buf, size_t size, size_t count, void* user) {
   if (n > 0) std::memcpy(buf, call->upload + call->upload_at, n);
   call->upload_at += n;
   return n;
+}
+
+// Cuts a transfer that moved no byte either way for the stall timeout (a
+// server or proxy that stops mid-body); libcurl calls this at least once a
+// second, also while nothing arrives.
+int OnProgress(void* user, curl_off_t, curl_off_t dlnow, curl_off_t, curl_off_t ulnow) {
+  auto* call = static_cast<S3Client::Call*>(user);
+  const int64_t now = absl::GetCurrentTimeNanos();
+  const uint64_t moved = static_cast<uint64_t>(dlnow) + static_cast<uint64_t>(ulnow);
+  if (moved != call->moved || call->moved_at_ns == 0) {
+    call->moved = moved;
+    call->moved_at_ns = now;
+    return 0;
+  }
+  if (now - call->moved_at_ns > call->stall_ns) {
+    call->stalled = true;
+    return 1;  // CURLE_ABORTED_BY_CALLBACK
+  }
+  return 0;
 }
 
 bool RetryableHttp(long status) {
@@ -251,9 +275,13 @@ absl::Status S3Client::PerformOnce(Call& call, void* handle) {
   curl_easy_setopt(h, CURLOPT_PROTOCOLS_STR, "http,https");
   curl_easy_setopt(h, CURLOPT_FOLLOWLOCATION, 0L);
   curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(settings_.connect_timeout_ms));
-  curl_easy_setopt(h, CURLOPT_LOW_SPEED_LIMIT, 1024L);
-  curl_easy_setopt(h, CURLOPT_LOW_SPEED_TIME,
-                   std::max(1L, static_cast<long>(settings_.stall_timeout_ms / 1000)));
+  call.stall_ns = std::max<int64_t>(1, settings_.stall_timeout_ms) * 1000000;
+  call.moved = 0;
+  call.moved_at_ns = 0;
+  call.stalled = false;
+  curl_easy_setopt(h, CURLOPT_NOPROGRESS, 0L);
+  curl_easy_setopt(h, CURLOPT_XFERINFOFUNCTION, &OnProgress);
+  curl_easy_setopt(h, CURLOPT_XFERINFODATA, &call);
   curl_easy_setopt(h, CURLOPT_TCP_NODELAY, 1L);
   curl_easy_setopt(h, CURLOPT_EXPECT_100_TIMEOUT_MS, 200L);
   if (!endpoint_.ca_file.empty()) curl_easy_setopt(h, CURLOPT_CAINFO, endpoint_.ca_file.c_str());
@@ -282,6 +310,11 @@ absl::Status S3Client::PerformOnce(Call& call, void* handle) {
   const CURLcode rc = curl_easy_perform(h);
   curl_slist_free_all(headers);
   if (call.counter != nullptr) call.counter->fetch_add(1, std::memory_order_relaxed);
+  if (rc == CURLE_ABORTED_BY_CALLBACK && call.stalled) {
+    return absl::UnavailableError(absl::StrCat(call.What(), ": ", call.verb, " ", endpoint_.url,
+                                               ": stalled: no byte moved for ",
+                                               settings_.stall_timeout_ms, " ms"));
+  }
   if (rc != CURLE_OK && !(rc == CURLE_WRITE_ERROR && call.overflow)) {
     return absl::UnavailableError(absl::StrCat(
         call.What(), ": ", call.verb, " ", endpoint_.url, ": ",

@@ -47,7 +47,7 @@ struct S3Settings {
   Addressing addressing = Addressing::kAuto;
   std::string ca_file;  // PEM bundle for https; empty: the system's
   int64_t connect_timeout_ms = 5000;
-  // A transfer that moves less than 1 KiB/s for this long is retried.
+  // A transfer that moves no byte either way for this long is cut and retried.
   int64_t stall_timeout_ms = 15000;
   // Attempts per request (retries on 500, 502, 503, 504, SlowDown, resets,
   // timeouts), with exponential backoff and jitter from 50 ms up to 2 s.

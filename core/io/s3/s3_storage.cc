@@ -14,6 +14,7 @@
 #include "absl/strings/escaping.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
 #include "core/base/status_macros.h"
 #include "core/base/xxh3.h"
 #include "core/io/s3/s3_url.h"
@@ -145,7 +146,9 @@ class S3Writer final : public AtomicFileWriter {
             absl::StrCat(path_, ": mapping the spooled file: ", std::strerror(errno)));
       }
     }
+    storage_->Changed(url_.bucket, url_.key);
     absl::Status s = Upload(static_cast<const uint8_t*>(map));
+    storage_->Changed(url_.bucket, url_.key);
     if (map != nullptr) ::munmap(map, size_);
     if (s.ok()) committed_ = true;
     return s;
@@ -225,8 +228,7 @@ class S3Directory final : public Directory {
   }
   absl::StatusOr<std::vector<std::string>> List() const override {
     const std::string prefix = url_.key.empty() ? "" : url_.key + "/";
-    auto all = storage_->client().ListAll(url_.bucket, prefix, "/",
-                                          storage_->options().max_list_entries);
+    auto all = storage_->Listing(url_.bucket, prefix);
     if (!all.ok()) return all.status();
     std::vector<std::string> names;
     for (const ListedObject& o : all->objects) {
@@ -246,7 +248,10 @@ class S3Directory final : public Directory {
   absl::Status Sync() const override { return absl::OkStatus(); }
   absl::Status Remove(const std::string& name) const override {
     CKPT_RETURN_IF_ERROR(CheckName(url_, name));
-    return storage_->client().Delete(url_.bucket, KeyIn(url_, name));
+    storage_->Changed(url_.bucket, KeyIn(url_, name));
+    absl::Status s = storage_->client().Delete(url_.bucket, KeyIn(url_, name));
+    storage_->Changed(url_.bucket, KeyIn(url_, name));
+    return s;
   }
   absl::StatusOr<std::unique_ptr<AtomicFileWriter>> NewAtomicFile(
       std::shared_ptr<const Directory> self, const std::string& name) const override {
@@ -305,7 +310,7 @@ absl::StatusOr<FileStamp> S3Storage::Stat(const std::string& path) {
   // so a version written, replaced or removed beneath it changes the stamp,
   // as a POSIX directory's mtime changes.
   const std::string prefix = url->key.empty() ? "" : url->key + "/";
-  auto all = client_->ListAll(url->bucket, prefix, "/", options_.max_list_entries);
+  auto all = Listing(url->bucket, prefix);
   if (!all.ok()) return all.status();
   if (all->objects.empty() && all->common_prefixes.empty()) {
     return absl::NotFoundError(absl::StrCat(path, ": no such object or prefix"));
@@ -382,6 +387,32 @@ absl::StatusOr<S3Storage*> RegisterS3Storage(const S3Settings& settings,
   auto* storage = new S3Storage(*std::move(client), options);
   RegisterSchemeStorage("s3", storage);
   return storage;
+}
+
+absl::StatusOr<ListPage> S3Storage::Listing(const std::string& bucket,
+                                            const std::string& prefix) {
+  const std::string key = absl::StrCat(bucket, "/", prefix);
+  const int64_t now = absl::GetCurrentTimeNanos();
+  {
+    absl::MutexLock lock(&mu_);
+    auto it = listings_.find(key);
+    if (it != listings_.end() && now - it->second.at_ns < kListingReuseMs * 1000000) {
+      return it->second.page;
+    }
+  }
+  auto page = client_->ListAll(bucket, prefix, "/", options_.max_list_entries);
+  if (!page.ok()) return page.status();
+  absl::MutexLock lock(&mu_);
+  if (listings_.size() >= 256) listings_.clear();  // a bound, not an LRU: entries live 0.5 s
+  listings_[key] = CachedListing{now, *page};
+  return page;
+}
+
+void S3Storage::Changed(const std::string& bucket, const std::string& key) {
+  const size_t slash = key.rfind('/');
+  const std::string prefix = slash == std::string::npos ? "" : key.substr(0, slash + 1);
+  absl::MutexLock lock(&mu_);
+  listings_.erase(absl::StrCat(bucket, "/", prefix));
 }
 
 void S3Storage::Unlock(const std::string& dir) {

@@ -21,6 +21,7 @@
 #include <string>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/container/flat_hash_map.h"
 #include "absl/container/flat_hash_set.h"
 #include "absl/synchronization/mutex.h"
 #include "core/io/file.h"
@@ -59,11 +60,27 @@ class S3Storage final : public Storage {
   // For the directory's lock: releases `dir`.
   void Unlock(const std::string& dir);
 
+  // The one-level listing of `prefix` (ending in '/', or empty) in `bucket`:
+  // a listing made in the last kListingReuse is reused (the stamp of a
+  // prefix and the names of a checkpoint opened right after it are one
+  // request, not two), unless this process wrote or removed an object
+  // beneath it since.
+  absl::StatusOr<ListPage> Listing(const std::string& bucket, const std::string& prefix);
+  // This process changed an object: listings of its prefix are stale.
+  void Changed(const std::string& bucket, const std::string& key);
+
+  static constexpr int64_t kListingReuseMs = 500;
+
  private:
+  struct CachedListing {
+    int64_t at_ns = 0;
+    ListPage page;
+  };
   std::unique_ptr<S3Client> client_;
   const S3StorageOptions options_;
   absl::Mutex mu_;
   absl::flat_hash_set<std::string> locked_ ABSL_GUARDED_BY(mu_);
+  absl::flat_hash_map<std::string, CachedListing> listings_ ABSL_GUARDED_BY(mu_);
 };
 
 // Creates an S3Storage from `settings`, the environment and the AWS files,
