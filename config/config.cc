@@ -160,18 +160,38 @@ absl::Status ParseAccess(const YAML::Node& v, const std::string& source,
   return absl::OkStatus();
 }
 
-absl::Status ParseS3(const YAML::Node& v, const std::string& source, S3Config* out) {
-  if (!v.IsMap()) return Bad(source, "s3", "must be a mapping (endpoint, region, ...)");
+absl::Status ParseS3Root(const YAML::Node& v, const std::string& source, S3RootConfig* out);
+
+// The `s3` section (`within` "s3"), or one entry of its `roots` ("s3.roots"):
+// the same keys but `roots` (and, in an entry, `root`).
+absl::Status ParseS3(const YAML::Node& v, const std::string& source, S3Config* out,
+                     const std::string& within = "s3") {
+  if (!v.IsMap()) return Bad(source, within, "must be a mapping (endpoint, region, ...)");
   static const std::set<std::string> kKeys = {
       "endpoint", "region",       "profile",         "addressing",   "ca_file",
       "part_size", "spool_dir", "max_attempts", "connect_timeout", "stall_timeout",
-      "max_bandwidth"};
+      "max_bandwidth", "roots"};
   for (const auto& kv : v) {
     const std::string key = kv.first.as<std::string>();
-    const std::string full = "s3." + key;
-    if (!kKeys.count(key)) {
+    const std::string full = within + "." + key;
+    if (within != "s3" && key == "root") continue;  // the entry's own, read by ParseS3Root
+    static const std::set<std::string> kRootKeys = {"endpoint", "region", "profile",
+                                                     "addressing", "ca_file"};
+    if (!kKeys.count(key) || (within != "s3" && !kRootKeys.count(key))) {
       return absl::InvalidArgumentError(absl::StrCat(
           source, ": unknown key '", full, "' (known: ", absl::StrJoin(kKeys, ", "), ")"));
+    }
+    if (key == "roots") {
+      if (!kv.second.IsSequence()) {
+        return Bad(source, full, "must be a list of {root, endpoint, region, profile, ...}");
+      }
+      out->roots.clear();
+      for (const auto& e : kv.second) {
+        S3RootConfig r;
+        if (absl::Status st = ParseS3Root(e, source, &r); !st.ok()) return st;
+        out->roots.push_back(std::move(r));
+      }
+      continue;
     }
     if (!kv.second.IsScalar()) return Bad(source, full, "must be a single value");
     const std::string s = kv.second.as<std::string>();
@@ -213,6 +233,17 @@ absl::Status ParseS3(const YAML::Node& v, const std::string& source, S3Config* o
     }
   }
   return absl::OkStatus();
+}
+
+absl::Status ParseS3Root(const YAML::Node& v, const std::string& source, S3RootConfig* out) {
+  if (!v.IsMap() || !v["root"] || !v["root"].IsScalar()) {
+    return Bad(source, "s3.roots", "each entry must be a mapping with 'root' (an s3:// root)");
+  }
+  out->root = v["root"].as<std::string>();
+  if (!IsObjectStorageUrl(out->root)) {
+    return Bad(source, "s3.roots.root", absl::StrCat("'", out->root, "' is not an s3:// URL"));
+  }
+  return ParseS3(v, source, &out->settings, "s3.roots");
 }
 
 }  // namespace
@@ -595,6 +626,14 @@ absl::Status ValidateConfig(const DaemonConfig& c) {
           "'tcp_tls_ca' (mutual TLS), or 'insecure_tcp: true' to accept that explicitly"));
     }
   }
+  for (const S3RootConfig& r : c.s3.roots) {
+    bool known = false;
+    for (const std::string& root : c.roots) known = known || r.root == root;
+    if (!known) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("config: s3.roots entry for '", r.root, "' names no configured root"));
+    }
+  }
   for (const RootAccess& a : c.access) {
     bool known = false;
     for (const std::string& r : c.roots) known = known || r == a.root;
@@ -678,6 +717,17 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   out << YAML::Key << "connect_timeout" << YAML::Value << absl::FormatDuration(s3.connect_timeout);
   out << YAML::Key << "stall_timeout" << YAML::Value << absl::FormatDuration(s3.stall_timeout);
   out << YAML::Key << "max_bandwidth" << YAML::Value << s3.max_bandwidth;
+  out << YAML::Key << "roots" << YAML::Value << YAML::BeginSeq;
+  for (const S3RootConfig& r : s3.roots) {
+    out << YAML::BeginMap << YAML::Key << "root" << YAML::Value << r.root;
+    out << YAML::Key << "endpoint" << YAML::Value << r.settings.endpoint;
+    out << YAML::Key << "region" << YAML::Value << r.settings.region;
+    out << YAML::Key << "profile" << YAML::Value << r.settings.profile;
+    out << YAML::Key << "addressing" << YAML::Value << r.settings.addressing;
+    out << YAML::Key << "ca_file" << YAML::Value << r.settings.ca_file;
+    out << YAML::EndMap;
+  }
+  out << YAML::EndSeq;
   out << YAML::EndMap;
   out << YAML::EndMap;
   return std::string(out.c_str()) + "\n";

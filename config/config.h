@@ -45,6 +45,8 @@ struct Limits {
   uint64_t metadata_cache_entries = 256;       // checkpoints whose metadata is kept (LRU)
 };
 
+struct S3RootConfig;
+
 // Object storage (docs/object-storage.md): how ckptd reaches the S3 endpoint
 // of its s3:// roots. Empty fields fall back to the AWS variables and files
 // (AWS_ENDPOINT_URL, AWS_REGION, AWS_PROFILE, ~/.aws/credentials, ...);
@@ -61,6 +63,14 @@ struct S3Config {
   absl::Duration connect_timeout = absl::Seconds(5);
   absl::Duration stall_timeout = absl::Seconds(15);  // no byte moved this long: retried
   uint64_t max_bandwidth = 0;  // body bytes per second to and from the store; 0: no cap
+  // Roots with their own endpoint, region, profile (credentials), addressing
+  // or CA; what an entry leaves empty comes from the section above.
+  std::vector<S3RootConfig> roots;
+};
+
+struct S3RootConfig {
+  std::string root;  // one of DaemonConfig::roots
+  S3Config settings;  // endpoint, region, profile, addressing, ca_file
 };
 
 // Whether a root or checkpoint path is an object-storage URL ("s3://...").

@@ -37,17 +37,30 @@ absl::StatusOr<ckpt::s3::S3Storage*> StartObjectStorage(const DaemonConfig& conf
   ckpt::s3::S3StorageOptions options;
   options.part_bytes = config.s3.part_size;
   options.spool_dir = config.s3.spool_dir;
-  auto storage = ckpt::s3::RegisterS3Storage(S3SettingsOf(config.s3), options);
+  // Roots with settings of their own: what an entry leaves empty comes from
+  // the section.
+  std::vector<std::pair<std::string, ckpt::s3::S3Settings>> own;
+  for (const S3RootConfig& r : config.s3.roots) {
+    S3Config merged = config.s3;
+    const S3Config& e = r.settings;
+    if (!e.endpoint.empty()) merged.endpoint = e.endpoint;
+    if (!e.region.empty()) merged.region = e.region;
+    if (!e.profile.empty()) merged.profile = e.profile;
+    if (e.addressing != "auto") merged.addressing = e.addressing;
+    if (!e.ca_file.empty()) merged.ca_file = e.ca_file;
+    own.emplace_back(r.root, S3SettingsOf(merged));
+  }
+  auto storage = ckpt::s3::RegisterS3Storage(S3SettingsOf(config.s3), options, own);
   if (!storage.ok()) {
     return absl::Status(storage.status().code(),
                         absl::StrCat("object storage (s3 roots): ", storage.status().message()));
   }
-  ckpt::s3::S3Client& client = (*storage)->client();
-  spdlog::info("object storage: endpoint {} region {} ({} addressing), credentials from {}",
-               client.endpoint().url, client.endpoint().region,
-               client.endpoint().path_style ? "path-style" : "virtual-hosted",
-               client.CredentialsSource());
   for (const ckpt::s3::S3Url& root : roots) {
+    ckpt::s3::S3Client& client = (*storage)->ClientFor(root);
+    spdlog::info("root {}: endpoint {} region {} ({} addressing), credentials from {}",
+                 root.ToString(), client.endpoint().url, client.endpoint().region,
+                 client.endpoint().path_style ? "path-style" : "virtual-hosted",
+                 client.CredentialsSource());
     auto page = client.List(root.bucket, root.key.empty() ? "" : root.key + "/", "/", "", 1);
     if (!page.ok()) {
       spdlog::warn("root {}: {}; requests under it fail until the endpoint lists it",
@@ -60,19 +73,22 @@ absl::StatusOr<ckpt::s3::S3Storage*> StartObjectStorage(const DaemonConfig& conf
 void DescribeObjectStorage(ckpt::s3::S3Storage* storage, v1::StatusResponse* resp) {
   if (storage == nullptr) return;
   ckpt::s3::S3Client& c = storage->client();
-  const ckpt::s3::ClientStats& st = c.stats();
   v1::ObjectStorageStatus* o = resp->mutable_object_storage();
   o->set_endpoint(c.endpoint().url);
   o->set_region(c.endpoint().region);
   o->set_credentials(c.CredentialsSource());
-  o->set_heads(st.heads.load());
-  o->set_gets(st.gets.load());
-  o->set_lists(st.lists.load());
-  o->set_puts(st.puts.load());
-  o->set_deletes(st.deletes.load());
-  o->set_retries(st.retries.load());
-  o->set_bytes_in(st.bytes_in.load());
-  o->set_bytes_out(st.bytes_out.load());
+  // Requests of every client (the default one and the roots' own), summed.
+  storage->ForEachClient([o](ckpt::s3::S3Client& each) {
+    const ckpt::s3::ClientStats& st = each.stats();
+    o->set_heads(o->heads() + st.heads.load());
+    o->set_gets(o->gets() + st.gets.load());
+    o->set_lists(o->lists() + st.lists.load());
+    o->set_puts(o->puts() + st.puts.load());
+    o->set_deletes(o->deletes() + st.deletes.load());
+    o->set_retries(o->retries() + st.retries.load());
+    o->set_bytes_in(o->bytes_in() + st.bytes_in.load());
+    o->set_bytes_out(o->bytes_out() + st.bytes_out.load());
+  });
 }
 
 }  // namespace ckptd

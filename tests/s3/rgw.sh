@@ -9,7 +9,8 @@
 #   rgw.sh stop DIR       kills its daemons and removes DIR
 #
 # The gateway's user has the access key and secret printed as
-# AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY; bucket "ckptd-test" exists.
+# AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY; bucket "ckptd-test" exists. A
+# second user (CKPTD_TEST_S3_ACCESS2/_SECRET2) owns bucket "ckptd-test2".
 set -euo pipefail
 
 cmd=${1:?usage: rgw.sh start|stop DIR}
@@ -106,11 +107,23 @@ if [ $ok != 1 ]; then
   echo "rgw.sh: the gateway at $endpoint did not answer in 30 s (logs in $dir/log)" >&2
   exit 1
 fi
+# A second user owning its own bucket (per-root credentials).
+access2=ckptdtestaccess2
+secret2=ckptdtestsecret2-0123456789
+radosgw-admin -c "$conf" user create --uid=ckptd2 --display-name=ckptd2 \
+  --access-key="$access2" --secret="$secret2" >/dev/null 2>&1 || true
+code=$(curl -s -o /dev/null -w '%{http_code}' --aws-sigv4 "aws:amz:us-east-1:s3" \
+  --user "$access2:$secret2" -H 'x-amz-content-sha256: UNSIGNED-PAYLOAD' \
+  -X PUT "$endpoint/ckptd-test2")
+case "$code" in 200|409) ;; *) echo "rgw.sh: bucket ckptd-test2 for the second user: HTTP $code" >&2; exit 1 ;; esac
 cat <<ENV
 export AWS_ENDPOINT_URL=$endpoint
 export AWS_ACCESS_KEY_ID=$access
 export AWS_SECRET_ACCESS_KEY=$secret
 export AWS_REGION=us-east-1
 export CKPTD_TEST_S3_BUCKET=ckptd-test
+export CKPTD_TEST_S3_BUCKET2=ckptd-test2
+export CKPTD_TEST_S3_ACCESS2=$access2
+export CKPTD_TEST_S3_SECRET2=$secret2
 export CKPTD_TEST_RGW_DIR=$dir
 ENV

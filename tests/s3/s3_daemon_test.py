@@ -210,6 +210,85 @@ class S3DaemonTest(unittest.TestCase):
             for n in nodes:
                 n.stop()
 
+    def test_a_root_with_its_own_credentials(self):
+        # Bucket 2 belongs to the gateway's second user: the default
+        # credentials (the first user's, from the environment) may not touch
+        # it; the root's own profile, from a credentials file, may.
+        bucket2 = os.environ["CKPTD_TEST_S3_BUCKET2"]
+        base = tempfile.mkdtemp(prefix="ckptd-cred-", dir="/tmp")
+        with open(f"{base}/credentials", "w") as f:
+            f.write(f"[second]\naws_access_key_id = {os.environ['CKPTD_TEST_S3_ACCESS2']}\n"
+                    f"aws_secret_access_key = {os.environ['CKPTD_TEST_S3_SECRET2']}\n")
+        root2 = f"s3://{bucket2}/{self.prefix}"
+        with open(f"{base}/ckptd.yaml", "w") as f:
+            f.write(f"roots: [{self.root}, {root2}]\n"
+                    f"s3: {{roots: [{{root: {root2}, profile: second}}]}}\n")
+        full = np.arange(8 * 4, dtype=np.float32).reshape(8, 4)
+        os.environ["AWS_SHARED_CREDENTIALS_FILE"] = f"{base}/credentials"
+        try:
+            d = Daemon(self.root, "--config", f"{base}/ckptd.yaml", "--root", f"{self.root},{root2}")
+            plain = Daemon(self.root, "--root", f"{self.root},{root2}")
+        finally:
+            del os.environ["AWS_SHARED_CREDENTIALS_FILE"]
+        try:
+            sd = {"w": ckptd.ShardedTensor(full, full.shape, (0, 0))}
+            ckptd.save_state_dict(sd, f"{root2}/own", rank=0, world_size=1, job_id="own-save",
+                                  socket=d.socket)
+            out = np.zeros_like(full)
+            ckptd.load_state_dict({"w": out}, f"{root2}/own", rank=0, world_size=1,
+                                  job_id="own-load", socket=d.socket)
+            np.testing.assert_array_equal(out, full)
+            self.assertIn(f"credentials from {base}/credentials [second]", d.read_log())
+            # The first root still uses the environment's keys on the same daemon.
+            ckptd.save_state_dict(sd, f"{self.root}/own-default", rank=0, world_size=1,
+                                  job_id="own-save-default", socket=d.socket)
+            # Without the root's own profile: the gateway refuses, and the save
+            # says so naming the object.
+            with self.assertRaises(PermissionError) as e:
+                ckptd.save_state_dict(sd, f"{root2}/refused", rank=0, world_size=1,
+                                      job_id="refused-save", socket=plain.socket)
+            self.assertIn(f"s3://{bucket2}/", str(e.exception))
+            self.assertIn("403", str(e.exception))
+        finally:
+            d.stop()
+            plain.stop()
+
+    def test_bad_s3_settings_are_refused_naming_the_key(self):
+        from testlib import CKPTD
+        base = tempfile.mkdtemp(prefix="ckptd-cfg-", dir="/tmp")
+        cases = {
+            "s3: {colour: blue}": "s3.colour",
+            "s3: {part_size: 1MiB}": "s3.part_size",
+            "s3: {endpoint: 'ftp://x'}": "s3.endpoint",
+            "s3: {max_attempts: 0}": "s3.max_attempts",
+            "s3: {roots: [{root: 's3://nowhere/x', profile: p}]}": "names no configured root",
+            "s3: {roots: [{root: '/data', profile: p}]}": "s3.roots.root",
+            "s3: {roots: [{root: 's3://b/x', part_size: 8MiB}]}": "s3.roots.part_size",
+            "roots: ['s3:///nobucket']": "names no bucket",
+        }
+        for i, (yaml, want) in enumerate(cases.items()):
+            cfg = f"{base}/c{i}.yaml"
+            with open(cfg, "w") as f:
+                f.write(yaml + "\n" + ("" if yaml.startswith("roots") else "roots: ['s3://b/x']\n"))
+            r = subprocess.run([CKPTD, "--check-config", cfg], capture_output=True, text=True)
+            self.assertNotEqual(r.returncode, 0, yaml)
+            self.assertIn(want, r.stderr, yaml)
+        # What --print-config prints is a valid config that prints the same.
+        cfg = f"{base}/ok.yaml"
+        with open(cfg, "w") as f:
+            f.write("roots: ['s3://b/x', 's3://c/y']\n"
+                    "s3: {max_bandwidth: 100MiB, roots: [{root: 's3://c/y', profile: other}]}\n")
+        once = subprocess.run([CKPTD, "--config", cfg, "--print-config"], capture_output=True,
+                              text=True)
+        self.assertEqual(once.returncode, 0, once.stderr)
+        with open(f"{base}/printed.yaml", "w") as f:
+            f.write(once.stdout)
+        twice = subprocess.run([CKPTD, "--config", f"{base}/printed.yaml", "--print-config"],
+                               capture_output=True, text=True)
+        self.assertEqual(twice.returncode, 0, twice.stderr)
+        self.assertEqual(once.stdout, twice.stdout)
+        self.assertIn("profile: other", once.stdout)
+
     def test_metrics_count_the_gateway_requests(self):
         port = self.daemon.ports()["metrics"]
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()

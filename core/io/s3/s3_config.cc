@@ -154,8 +154,12 @@ std::string CredentialSource::CredentialsPath() const {
 
 absl::StatusOr<Credentials> CredentialSource::Load() {
   Credentials c;
-  c.access_key = Env(env_, "AWS_ACCESS_KEY_ID");
-  c.secret_key = Env(env_, "AWS_SECRET_ACCESS_KEY");
+  // A profile named in the settings (a root's own) wins over the
+  // environment's keys, as the AWS CLI's --profile does.
+  if (settings_.profile.empty()) {
+    c.access_key = Env(env_, "AWS_ACCESS_KEY_ID");
+    c.secret_key = Env(env_, "AWS_SECRET_ACCESS_KEY");
+  }
   if (!c.access_key.empty() || !c.secret_key.empty()) {
     if (c.access_key.empty() || c.secret_key.empty()) {
       return absl::InvalidArgumentError(

@@ -73,7 +73,10 @@ struct Endpoint {
 absl::StatusOr<Endpoint> ResolveEndpoint(const S3Settings& settings, const Getenv& env);
 
 // Credentials as the AWS CLI finds them, re-read when the files change (a
-// rotated session token is picked up within a second). Thread-safe.
+// rotated session token is picked up within a second): the environment's
+// keys, else the profile's in the shared credentials file, then in the
+// config file; a profile named in the settings skips the environment (as
+// the CLI's --profile). Thread-safe.
 class CredentialSource {
  public:
   CredentialSource(S3Settings settings, Getenv env);

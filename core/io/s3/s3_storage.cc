@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "absl/strings/escaping.h"
+#include "absl/strings/strip.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -156,7 +157,7 @@ class S3Writer final : public AtomicFileWriter {
 
  private:
   absl::Status Upload(const uint8_t* data) {
-    S3Client& c = storage_->client();
+    S3Client& c = storage_->ClientFor(url_);
     const uint64_t part = std::max<uint64_t>(storage_->options().part_bytes, 5ull << 20);
     if (size_ <= part) return c.Put(url_.bucket, url_.key, data, size_);
     auto id = c.CreateMultipart(url_.bucket, url_.key);
@@ -204,19 +205,22 @@ absl::StatusOr<int> OpenSpool(const std::string& dir_option, const std::string& 
 class S3Directory final : public Directory {
  public:
   S3Directory(S3Storage* storage, S3Url url)
-      : Directory(url.ToString(), /*confine=*/true), storage_(storage), url_(std::move(url)) {}
+      : Directory(url.ToString(), /*confine=*/true),
+        storage_(storage),
+        client_(&storage->ClientFor(url)),
+        url_(std::move(url)) {}
 
   absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenFile(
       const std::string& name) const override {
     CKPT_RETURN_IF_ERROR(CheckName(url_, name));
     S3Url f{url_.bucket, KeyIn(url_, name)};
-    auto info = storage_->client().Head(f.bucket, f.key);
+    auto info = client_->Head(f.bucket, f.key);
     if (!info.ok()) return info.status();
-    return std::unique_ptr<RandomAccessFile>(new S3File(&storage_->client(), std::move(f), *info));
+    return std::unique_ptr<RandomAccessFile>(new S3File(client_, std::move(f), *info));
   }
   absl::StatusOr<FileStamp> Stat(const std::string& name) const override {
     CKPT_RETURN_IF_ERROR(CheckName(url_, name));
-    auto info = storage_->client().Head(url_.bucket, KeyIn(url_, name));
+    auto info = client_->Head(url_.bucket, KeyIn(url_, name));
     if (!info.ok()) return info.status();
     return StampOf(url_.bucket, *info);
   }
@@ -249,7 +253,7 @@ class S3Directory final : public Directory {
   absl::Status Remove(const std::string& name) const override {
     CKPT_RETURN_IF_ERROR(CheckName(url_, name));
     storage_->Changed(url_.bucket, KeyIn(url_, name));
-    absl::Status s = storage_->client().Delete(url_.bucket, KeyIn(url_, name));
+    absl::Status s = client_->Delete(url_.bucket, KeyIn(url_, name));
     storage_->Changed(url_.bucket, KeyIn(url_, name));
     return s;
   }
@@ -264,6 +268,7 @@ class S3Directory final : public Directory {
 
  private:
   S3Storage* const storage_;
+  S3Client* const client_;  // the client of the root this prefix is under
   const S3Url url_;
 };
 
@@ -293,16 +298,17 @@ absl::StatusOr<std::shared_ptr<const Directory>> S3Storage::OpenDirectory(const 
 absl::StatusOr<std::unique_ptr<RandomAccessFile>> S3Storage::OpenFile(const std::string& path) {
   auto url = ParseS3Url(path);
   if (!url.ok()) return url.status();
-  auto info = client_->Head(url->bucket, url->key);
+  S3Client& client = ClientFor(*url);
+  auto info = client.Head(url->bucket, url->key);
   if (!info.ok()) return info.status();
-  return std::unique_ptr<RandomAccessFile>(new S3File(client_.get(), *std::move(url), *info));
+  return std::unique_ptr<RandomAccessFile>(new S3File(&client, *std::move(url), *info));
 }
 
 absl::StatusOr<FileStamp> S3Storage::Stat(const std::string& path) {
   auto url = ParseS3Url(path);
   if (!url.ok()) return url.status();
   if (!url->key.empty()) {
-    auto info = client_->Head(url->bucket, url->key);
+    auto info = ClientFor(*url).Head(url->bucket, url->key);
     if (info.ok()) return StampOf(url->bucket, *info);
     if (!absl::IsNotFound(info.status())) return info.status();
   }
@@ -337,11 +343,12 @@ absl::StatusOr<PathKind> S3Storage::Kind(const std::string& path) {
   auto url = ParseS3Url(path);
   if (!url.ok()) return url.status();
   if (!url->key.empty()) {
-    auto info = client_->Head(url->bucket, url->key);
+    auto info = ClientFor(*url).Head(url->bucket, url->key);
     if (info.ok()) return PathKind::kFile;
     if (!absl::IsNotFound(info.status())) return info.status();
   }
-  auto page = client_->List(url->bucket, url->key.empty() ? "" : url->key + "/", "", "", 1);
+  auto page =
+      ClientFor(*url).List(url->bucket, url->key.empty() ? "" : url->key + "/", "", "", 1);
   if (!page.ok()) return page.status();
   return page->objects.empty() ? PathKind::kMissing : PathKind::kDirectory;
 }
@@ -380,13 +387,45 @@ absl::StatusOr<DirLock> S3Storage::LockDirectory(const std::string& dir, int64_t
                  std::move(held));
 }
 
-absl::StatusOr<S3Storage*> RegisterS3Storage(const S3Settings& settings,
-                                             const S3StorageOptions& options) {
-  auto client = S3Client::Create(settings, [](const char* name) { return std::getenv(name); });
+absl::StatusOr<S3Storage*> RegisterS3Storage(
+    const S3Settings& settings, const S3StorageOptions& options,
+    const std::vector<std::pair<std::string, S3Settings>>& roots) {
+  const Getenv env = [](const char* name) { return std::getenv(name); };
+  auto client = S3Client::Create(settings, env);
   if (!client.ok()) return client.status();
-  auto* storage = new S3Storage(*std::move(client), options);
-  RegisterSchemeStorage("s3", storage);
-  return storage;
+  auto storage = std::make_unique<S3Storage>(*std::move(client), options);
+  for (const auto& [root, root_settings] : roots) {
+    auto url = ParseS3Url(root);
+    if (!url.ok()) return url.status();
+    auto c = S3Client::Create(root_settings, env);
+    if (!c.ok()) {
+      return absl::Status(c.status().code(), absl::StrCat(root, ": ", c.status().message()));
+    }
+    storage->AddRootClient(*std::move(url), *std::move(c));
+  }
+  S3Storage* s = storage.release();  // lives as long as the process
+  RegisterSchemeStorage("s3", s);
+  return s;
+}
+
+void S3Storage::AddRootClient(S3Url root, std::unique_ptr<S3Client> client) {
+  roots_.push_back(RootClient{std::move(root), std::move(client)});
+}
+
+S3Client& S3Storage::ClientFor(const S3Url& url) {
+  const RootClient* best = nullptr;
+  for (const RootClient& r : roots_) {
+    const bool under = r.root.bucket == url.bucket &&
+                       (r.root.key.empty() || url.key == r.root.key ||
+                        absl::StartsWith(url.key, r.root.key + "/"));
+    if (under && (best == nullptr || r.root.key.size() > best->root.key.size())) best = &r;
+  }
+  return best != nullptr ? *best->client : *client_;
+}
+
+void S3Storage::ForEachClient(const std::function<void(S3Client&)>& fn) {
+  fn(*client_);
+  for (RootClient& r : roots_) fn(*r.client);
 }
 
 absl::StatusOr<ListPage> S3Storage::Listing(const std::string& bucket,
@@ -400,7 +439,8 @@ absl::StatusOr<ListPage> S3Storage::Listing(const std::string& bucket,
       return it->second.page;
     }
   }
-  auto page = client_->ListAll(bucket, prefix, "/", options_.max_list_entries);
+  auto page = ClientFor(S3Url{bucket, std::string(absl::StripSuffix(prefix, "/"))})
+                  .ListAll(bucket, prefix, "/", options_.max_list_entries);
   if (!page.ok()) return page.status();
   absl::MutexLock lock(&mu_);
   if (listings_.size() >= 256) listings_.clear();  // a bound, not an LRU: entries live 0.5 s

@@ -17,8 +17,10 @@
 #ifndef CKPTD_CORE_IO_S3_S3_STORAGE_H_
 #define CKPTD_CORE_IO_S3_S3_STORAGE_H_
 
+#include <functional>
 #include <memory>
 #include <string>
+#include <vector>
 
 #include "absl/base/thread_annotations.h"
 #include "absl/container/flat_hash_map.h"
@@ -26,6 +28,7 @@
 #include "absl/synchronization/mutex.h"
 #include "core/io/file.h"
 #include "core/io/s3/s3_client.h"
+#include "core/io/s3/s3_url.h"
 
 namespace ckpt {
 namespace s3 {
@@ -44,7 +47,15 @@ struct S3StorageOptions {
 class S3Storage final : public Storage {
  public:
   S3Storage(std::unique_ptr<S3Client> client, S3StorageOptions options);
+  // The default client (the config's `s3` section and the AWS variables).
   S3Client& client() { return *client_; }
+  // Paths under `root` (s3://bucket[/prefix]) go through `client` (their own
+  // endpoint, region, credentials). Call before the storage is used.
+  void AddRootClient(S3Url root, std::unique_ptr<S3Client> client);
+  // The client of the longest root holding `url`, else the default one.
+  S3Client& ClientFor(const S3Url& url);
+  // The default client, then each root's (statistics).
+  void ForEachClient(const std::function<void(S3Client&)>& fn);
   const S3StorageOptions& options() const { return options_; }
 
   absl::StatusOr<std::shared_ptr<const Directory>> OpenDirectory(const std::string& path,
@@ -76,7 +87,12 @@ class S3Storage final : public Storage {
     int64_t at_ns = 0;
     ListPage page;
   };
+  struct RootClient {
+    S3Url root;
+    std::unique_ptr<S3Client> client;
+  };
   std::unique_ptr<S3Client> client_;
+  std::vector<RootClient> roots_;  // set before use, then read-only
   const S3StorageOptions options_;
   absl::Mutex mu_;
   absl::flat_hash_set<std::string> locked_ ABSL_GUARDED_BY(mu_);
@@ -87,8 +103,11 @@ class S3Storage final : public Storage {
 // and registers it for "s3://" paths (RegisterSchemeStorage): what ckptd and
 // ckptctl do at start. The storage lives as long as the process; a later
 // call replaces the registration (the earlier storage stays allocated).
-absl::StatusOr<S3Storage*> RegisterS3Storage(const S3Settings& settings,
-                                             const S3StorageOptions& options = {});
+// `roots`: s3:// roots with their own settings (endpoint, region, profile,
+// ...), each served by a client of its own.
+absl::StatusOr<S3Storage*> RegisterS3Storage(
+    const S3Settings& settings, const S3StorageOptions& options = {},
+    const std::vector<std::pair<std::string, S3Settings>>& roots = {});
 
 // The stamp of an object: size, Last-Modified as mtime and ctime, the
 // ETag's hash as the inode (a rewritten object gets a new ETag).
