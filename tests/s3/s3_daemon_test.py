@@ -289,6 +289,33 @@ class S3DaemonTest(unittest.TestCase):
         self.assertEqual(once.stdout, twice.stdout)
         self.assertIn("profile: other", once.stdout)
 
+    def test_pytorch_dcp_saves_into_s3_through_the_daemon_storage_writer(self):
+        import torch
+        from ckptd.dcp import DaemonStorageReader, DaemonStorageWriter  # installs the 1.13 patch
+        import torch.distributed._shard.checkpoint as dcp
+        path = f"{self.root}/dcp"
+        sd = {"w": torch.arange(96, dtype=torch.float32).reshape(12, 8) / 5,
+              "b": torch.arange(5, dtype=torch.int64)}
+        dcp.save_state_dict(sd, storage_writer=DaemonStorageWriter(path, socket=self.sock),
+                            no_dist=True)
+        code, _ = rgwlib.request("HEAD", f"{self.prefix}/dcp/.metadata")
+        self.assertEqual(code, 200, "DCP's .metadata object is in the store")
+        self.assertEqual(ckptd.inspect(path, socket=self.sock).format, "pytorch-dcp")
+        # The daemon reads the DCP checkpoint from the store.
+        out = {"w": torch.full((12, 8), float("nan")), "b": torch.full((5,), -1, dtype=torch.int64)}
+        ckptd.load_state_dict(out, path, rank=0, world_size=1, job_id="dcp-s3-load",
+                              socket=self.sock)
+        self.assertTrue(torch.equal(out["w"], sd["w"]))
+        self.assertTrue(torch.equal(out["b"], sd["b"]))
+        # DaemonStorageReader reads DCP's .metadata itself: on s3:// it says it
+        # cannot, instead of failing on a missing file.
+        # (torch 1.13 wraps a rank's error in a CheckpointException, a BaseException.)
+        with self.assertRaises(BaseException) as e:
+            dcp.load_state_dict(out, storage_reader=DaemonStorageReader(path, socket=self.sock),
+                                no_dist=True)
+        self.assertIn("UnimplementedError", repr(e.exception) + str(e.exception.__dict__))
+        self.assertIn("ckptd.load_state_dict", repr(e.exception) + str(e.exception.__dict__))
+
     def test_metrics_count_the_gateway_requests(self):
         port = self.daemon.ports()["metrics"]
         text = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()

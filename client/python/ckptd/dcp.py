@@ -190,6 +190,13 @@ def _read_plain_file(dir_path, name, offset, length, what, limit):
     """Bytes [offset, offset + length) of file `name` in `dir_path`: a plain name (no
     '/', not '.' or '..'), no symlink, a regular file (no FIFO to hang on), the range
     inside the file and at most `limit` bytes."""
+    if "://" in dir_path:
+        # The reader reads DCP's .metadata (and bytes entries) itself, and a client
+        # holds no object-storage credentials: only the daemon reads s3:// paths.
+        raise CkptdError("UNIMPLEMENTED", f"{dir_path}: {what}: DaemonStorageReader reads "
+                         "files of the checkpoint itself, which it cannot do in object "
+                         "storage; load it with ckptd.load_state_dict (the daemon reads "
+                         "DCP checkpoints in s3:// paths) or from a file system path")
     if not isinstance(name, str) or not name or "/" in name or name in (".", "..") or "\0" in name:
         raise CkptdError("DATA_LOSS", f"{dir_path}: {what}: {name!r} is not a file name in "
                          "the checkpoint directory")
