@@ -37,17 +37,11 @@ sys.path.insert(0, os.path.join(ROOT, "tests", "python"))
 
 import ckptd  # noqa: E402
 import rgwlib  # noqa: E402
+from rgwlib import split  # noqa: E402
 from testlib import Daemon, run_ranks  # noqa: E402
 
 IO_THREADS = 2
 REQUEST = 64 << 20  # io_request_size (the default)
-
-
-def split(shape, dim, parts, r):
-    off, shp = [0] * len(shape), list(shape)
-    shp[dim] = shape[dim] // parts
-    off[dim] = r * shp[dim]
-    return tuple(off), tuple(shp)
 
 
 def curl_fetch(keys_sizes, parallel):

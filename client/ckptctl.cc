@@ -33,7 +33,9 @@
 #include "core/tools/layout.h"
 #include "core/tools/cli_help.h"
 #include "absl/strings/match.h"
+#ifndef CKPTD_NO_S3
 #include "core/io/s3/s3_storage.h"
+#endif
 #include "core/tools/offline.h"
 #include "core/base/status_macros.h"
 #include "core/write/writer.h"
@@ -900,10 +902,16 @@ int main(int argc, char** argv) {
   for (size_t i = 2; i < args.size(); ++i) {
     if (absl::StartsWith(args[i], "s3://") ||
         absl::StartsWith(absl::GetFlag(FLAGS_out), "s3://")) {
+#ifndef CKPTD_NO_S3
       if (auto st = ckpt::s3::RegisterS3Storage(ckpt::s3::S3Settings{}); !st.ok()) {
         ckpt::PrintError(st.status());
         return 1;
       }
+#else
+      ckpt::PrintError(absl::UnimplementedError(
+          "this ckptctl was built without object storage (--define=s3=0)"));
+      return 1;
+#endif
       break;
     }
   }

@@ -46,7 +46,7 @@ TEST_PACKAGES=(
 RUNTIME_PACKAGES=(
   libgrpc++1.51 libprotobuf32 libabsl20220623 libyaml-cpp0.7 libspdlog1.10 libfmt9
   libxxhash0 liburing2 libprometheus-cpp-pull1.0 libprometheus-cpp-core1.0 libsystemd0
-  libsimdjson14 libssl3
+  libsimdjson14 libssl3 libcurl4 libexpat1
 )
 
 mode=all

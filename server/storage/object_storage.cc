@@ -3,10 +3,13 @@
 #include <spdlog/spdlog.h>
 
 #include "absl/strings/str_cat.h"
+#include "core/io/s3/s3_storage.h"
 #include "core/io/s3/s3_url.h"
 
 namespace ckptd {
+namespace {
 
+// The S3 settings of `c` (core's form).
 ckpt::s3::S3Settings S3SettingsOf(const S3Config& c) {
   ckpt::s3::S3Settings s;
   s.endpoint = c.endpoint;
@@ -22,6 +25,8 @@ ckpt::s3::S3Settings S3SettingsOf(const S3Config& c) {
   s.max_bytes_per_s = c.max_bandwidth;
   return s;
 }
+
+}  // namespace
 
 absl::StatusOr<ckpt::s3::S3Storage*> StartObjectStorage(const DaemonConfig& config) {
   std::vector<ckpt::s3::S3Url> roots;

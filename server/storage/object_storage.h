@@ -1,18 +1,20 @@
 // The daemon's object storage: the S3 storage (core/io/s3) made from the
 // config's `s3` section and the AWS variables and files, registered for
 // s3:// paths when a root is an s3:// URL; what it reports in Status.
+// A build with --define=s3=0 (the GPU bundle: no libcurl to carry) has
+// object_storage_none.cc instead, which refuses s3:// roots.
 #ifndef CKPTD_SERVER_STORAGE_OBJECT_STORAGE_H_
 #define CKPTD_SERVER_STORAGE_OBJECT_STORAGE_H_
 
 #include "absl/status/statusor.h"
 #include "config/config.h"
-#include "core/io/s3/s3_storage.h"
 #include "proto/ckpt.pb.h"
 
-namespace ckptd {
+namespace ckpt::s3 {
+class S3Storage;
+}  // namespace ckpt::s3
 
-// The S3 settings of `c` (core's form).
-ckpt::s3::S3Settings S3SettingsOf(const S3Config& c);
+namespace ckptd {
 
 // Registers the S3 storage when a root of `config` is an s3:// URL (nullptr
 // when none is): refuses a root that is no valid URL, bad settings or

@@ -1,8 +1,8 @@
 """A throwaway Ceph S3 gateway for the Python object-storage tests
 (tests/s3/rgw.sh): started once per test process, its AWS_* variables put
 into os.environ (daemons started afterwards inherit them), stopped at exit;
-and signed requests made with curl, to look at or change objects behind
-ckptd's back."""
+signed requests made with curl, to look at or change objects behind
+ckptd's back; and the box a rank of an even split owns (split)."""
 import atexit
 import os
 import subprocess
@@ -48,3 +48,11 @@ def request(method, key, *, body=None, extra=()):
     out = subprocess.run(cmd, input=body, capture_output=True, check=True).stdout
     data, _, code = out.rpartition(b"\n")
     return int(code), data
+
+
+def split(shape, dim, parts, r):
+    """(offset, shape) of rank r's part when `shape` is cut in `parts` along `dim`."""
+    off, shp = [0] * len(shape), list(shape)
+    shp[dim] = shape[dim] // parts
+    off[dim] = r * shp[dim]
+    return tuple(off), tuple(shp)

@@ -14,17 +14,10 @@ import numpy as np
 
 import ckptd
 import rgwlib
+from rgwlib import split
 from testlib import CKPTCTL, Daemon, main, read_safetensors, run_ranks
 
 BUCKET = rgwlib.start()
-
-
-def split(shape, dim, parts, r):
-    off = [0] * len(shape)
-    shp = list(shape)
-    shp[dim] = shape[dim] // parts
-    off[dim] = r * shp[dim]
-    return tuple(off), tuple(shp)
 
 
 class S3DaemonTest(unittest.TestCase):

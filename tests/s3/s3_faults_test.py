@@ -14,17 +14,11 @@ import numpy as np
 import ckptd
 import faultproxy
 import rgwlib
+from rgwlib import split
 from testlib import Daemon, main, run_ranks
 
 BUCKET = rgwlib.start()
 MAX_ATTEMPTS = 4
-
-
-def split(shape, dim, parts, r):
-    off, shp = [0] * len(shape), list(shape)
-    shp[dim] = shape[dim] // parts
-    off[dim] = r * shp[dim]
-    return tuple(off), tuple(shp)
 
 
 class S3FaultsTest(unittest.TestCase):

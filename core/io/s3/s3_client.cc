@@ -24,6 +24,9 @@ namespace s3 {
 constexpr size_t kMaxErrorBody = 64 << 10;
 
 struct S3Client::Call {
+  Call(const char* verb, std::string bucket, std::string key, std::atomic<uint64_t>* counter)
+      : verb(verb), bucket(std::move(bucket)), key(std::move(key)), counter(counter) {}
+
   const char* verb = "GET";
   std::string bucket, key;
   std::vector<std::pair<std::string, std::string>> query;  // in sorted order
@@ -394,11 +397,7 @@ absl::Status S3Client::Perform(Call& call) {
 }
 
 absl::StatusOr<ObjectInfo> S3Client::Head(const std::string& bucket, const std::string& key) {
-  Call c;
-  c.verb = "HEAD";
-  c.bucket = bucket;
-  c.key = key;
-  c.counter = &stats_.heads;
+  Call c("HEAD", bucket, key, &stats_.heads);
   absl::Status s = Perform(c);
   if (!s.ok()) {
     if (absl::IsNotFound(s)) return absl::NotFoundError(absl::StrCat(c.What(), ": no such object"));
@@ -418,10 +417,7 @@ absl::Status S3Client::GetRange(const std::string& bucket, const std::string& ke
                                 uint64_t offset, uint64_t n, void* dst,
                                 const std::string& if_match) {
   if (n == 0) return absl::OkStatus();
-  Call c;
-  c.bucket = bucket;
-  c.key = key;
-  c.counter = &stats_.gets;
+  Call c("GET", bucket, key, &stats_.gets);
   c.headers.push_back(absl::StrCat("Range: bytes=", offset, "-", offset + n - 1));
   if (!if_match.empty()) c.headers.push_back(absl::StrCat("If-Match: \"", if_match, "\""));
   c.dst = static_cast<uint8_t*>(dst);
@@ -437,9 +433,7 @@ absl::Status S3Client::GetRange(const std::string& bucket, const std::string& ke
 absl::StatusOr<ListPage> S3Client::List(const std::string& bucket, const std::string& prefix,
                                         const std::string& delimiter, const std::string& token,
                                         int max_keys) {
-  Call c;
-  c.bucket = bucket;
-  c.counter = &stats_.lists;
+  Call c("GET", bucket, std::string(), &stats_.lists);
   c.what = absl::StrCat(S3Url{bucket, std::string(absl::StripSuffix(prefix, "/"))}.ToString(),
                         " (listing)");
   // Sorted by name, as the signature wants them.
@@ -485,11 +479,7 @@ absl::StatusOr<ListPage> S3Client::ListAll(const std::string& bucket, const std:
 
 absl::Status S3Client::Put(const std::string& bucket, const std::string& key, const void* data,
                            uint64_t n) {
-  Call c;
-  c.verb = "PUT";
-  c.bucket = bucket;
-  c.key = key;
-  c.counter = &stats_.puts;
+  Call c("PUT", bucket, key, &stats_.puts);
   c.upload = static_cast<const uint8_t*>(data);
   c.upload_n = n;
   return Perform(c);
@@ -497,11 +487,7 @@ absl::Status S3Client::Put(const std::string& bucket, const std::string& key, co
 
 absl::StatusOr<std::string> S3Client::CreateMultipart(const std::string& bucket,
                                                       const std::string& key) {
-  Call c;
-  c.verb = "POST";
-  c.bucket = bucket;
-  c.key = key;
-  c.counter = &stats_.puts;
+  Call c("POST", bucket, key, &stats_.puts);
   c.query.emplace_back("uploads", "");
   static const uint8_t kEmpty[1] = {0};
   c.upload = kEmpty;
@@ -517,11 +503,7 @@ absl::StatusOr<std::string> S3Client::UploadPart(const std::string& bucket,
                                                  const std::string& key,
                                                  const std::string& upload_id, int part_number,
                                                  const void* data, uint64_t n) {
-  Call c;
-  c.verb = "PUT";
-  c.bucket = bucket;
-  c.key = key;
-  c.counter = &stats_.puts;
+  Call c("PUT", bucket, key, &stats_.puts);
   c.query.emplace_back("partNumber", absl::StrCat(part_number));
   c.query.emplace_back("uploadId", upload_id);
   c.upload = static_cast<const uint8_t*>(data);
@@ -544,11 +526,7 @@ absl::Status S3Client::CompleteMultipart(const std::string& bucket, const std::s
                     "\"</ETag></Part>");
   }
   doc += "</CompleteMultipartUpload>";
-  Call c;
-  c.verb = "POST";
-  c.bucket = bucket;
-  c.key = key;
-  c.counter = &stats_.puts;
+  Call c("POST", bucket, key, &stats_.puts);
   c.query.emplace_back("uploadId", upload_id);
   c.upload = reinterpret_cast<const uint8_t*>(doc.data());
   c.upload_n = doc.size();
@@ -565,22 +543,14 @@ absl::Status S3Client::CompleteMultipart(const std::string& bucket, const std::s
 
 absl::Status S3Client::AbortMultipart(const std::string& bucket, const std::string& key,
                                       const std::string& upload_id) {
-  Call c;
-  c.verb = "DELETE";
-  c.bucket = bucket;
-  c.key = key;
-  c.counter = &stats_.deletes;
+  Call c("DELETE", bucket, key, &stats_.deletes);
   c.query.emplace_back("uploadId", upload_id);
   absl::Status s = Perform(c);
   return absl::IsNotFound(s) ? absl::OkStatus() : s;
 }
 
 absl::Status S3Client::Delete(const std::string& bucket, const std::string& key) {
-  Call c;
-  c.verb = "DELETE";
-  c.bucket = bucket;
-  c.key = key;
-  c.counter = &stats_.deletes;
+  Call c("DELETE", bucket, key, &stats_.deletes);
   absl::Status s = Perform(c);
   return absl::IsNotFound(s) ? absl::OkStatus() : s;
 }
