@@ -68,6 +68,9 @@ struct S3Client::Call {
     last_modified.clear();
     content_length = UINT64_MAX;
     upload_at = 0;
+    moved = 0;
+    moved_at_ns = 0;
+    stalled = false;
   }
 };
 
@@ -278,10 +281,6 @@ absl::Status S3Client::PerformOnce(Call& call, void* handle) {
   curl_easy_setopt(h, CURLOPT_PROTOCOLS_STR, "http,https");
   curl_easy_setopt(h, CURLOPT_FOLLOWLOCATION, 0L);
   curl_easy_setopt(h, CURLOPT_CONNECTTIMEOUT_MS, static_cast<long>(settings_.connect_timeout_ms));
-  call.stall_ns = std::max<int64_t>(1, settings_.stall_timeout_ms) * 1000000;
-  call.moved = 0;
-  call.moved_at_ns = 0;
-  call.stalled = false;
   curl_easy_setopt(h, CURLOPT_NOPROGRESS, 0L);
   curl_easy_setopt(h, CURLOPT_XFERINFOFUNCTION, &OnProgress);
   curl_easy_setopt(h, CURLOPT_XFERINFODATA, &call);
@@ -342,12 +341,15 @@ void RateLimiter::Acquire(uint64_t n) {
 
 absl::Status S3Client::Perform(Call& call) {
   call.limiter = &limiter_;
+  call.stall_ns = std::max<int64_t>(1, settings_.stall_timeout_ms) * 1000000;
   void* h = TakeHandle();
   if (h == nullptr) return absl::ResourceExhaustedError("cannot create a libcurl handle");
   std::mt19937_64 rng(std::random_device{}());
   absl::Status last;
   const int attempts = std::max(1, settings_.max_attempts);
+  int made = 0;  // attempts made
   for (int attempt = 1; attempt <= attempts; ++attempt) {
+    made = attempt;
     absl::Status s = PerformOnce(call, h);
     bool retry = false;
     if (!s.ok()) {
@@ -390,8 +392,8 @@ absl::Status S3Client::Perform(Call& call) {
   }
   ReturnHandle(h);
   if (absl::IsUnavailable(last) || absl::IsDataLoss(last)) {
-    return absl::Status(last.code(), absl::StrCat(last.message(), " (after ", attempts,
-                                                  " attempts)"));
+    return absl::Status(last.code(), absl::StrCat(last.message(), " (after ", made,
+                                                  made == 1 ? " attempt)" : " attempts)"));
   }
   return last;
 }
