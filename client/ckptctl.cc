@@ -899,21 +899,19 @@ int main(int argc, char** argv) {
   }
   // Offline commands read and write s3:// paths themselves (credentials and
   // endpoint from the AWS variables and files, as the AWS CLI finds them).
-  for (size_t i = 2; i < args.size(); ++i) {
-    if (absl::StartsWith(args[i], "s3://") ||
-        absl::StartsWith(absl::GetFlag(FLAGS_out), "s3://")) {
+  bool names_s3 = absl::StartsWith(absl::GetFlag(FLAGS_out), "s3://");
+  for (size_t i = 2; i < args.size(); ++i) names_s3 = names_s3 || absl::StartsWith(args[i], "s3://");
+  if (names_s3) {
 #ifndef CKPTD_NO_S3
-      if (auto st = ckpt::s3::RegisterS3Storage(ckpt::s3::S3Settings{}); !st.ok()) {
-        ckpt::PrintError(st.status());
-        return 1;
-      }
-#else
-      ckpt::PrintError(absl::UnimplementedError(
-          "this ckptctl was built without object storage (--define=s3=0)"));
+    if (auto st = ckpt::s3::RegisterS3Storage(ckpt::s3::S3Settings{}); !st.ok()) {
+      ckpt::PrintError(st.status());
       return 1;
-#endif
-      break;
     }
+#else
+    ckpt::PrintError(absl::UnimplementedError(
+        "this ckptctl was built without object storage (--define=s3=0)"));
+    return 1;
+#endif
   }
   absl::Status s;
   if (cmd == "status") {

@@ -4,6 +4,7 @@
 #include <netinet/in.h>
 #include <sys/stat.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 
@@ -626,18 +627,17 @@ absl::Status ValidateConfig(const DaemonConfig& c) {
           "'tcp_tls_ca' (mutual TLS), or 'insecure_tcp: true' to accept that explicitly"));
     }
   }
+  auto configured = [&c](const std::string& root) {
+    return std::find(c.roots.begin(), c.roots.end(), root) != c.roots.end();
+  };
   for (const S3RootConfig& r : c.s3.roots) {
-    bool known = false;
-    for (const std::string& root : c.roots) known = known || r.root == root;
-    if (!known) {
+    if (!configured(r.root)) {
       return absl::InvalidArgumentError(
           absl::StrCat("config: s3.roots entry for '", r.root, "' names no configured root"));
     }
   }
   for (const RootAccess& a : c.access) {
-    bool known = false;
-    for (const std::string& r : c.roots) known = known || r == a.root;
-    if (!known) {
+    if (!configured(a.root)) {
       return absl::InvalidArgumentError(
           absl::StrCat("config: access entry for '", a.root, "' names no configured root"));
     }
@@ -705,12 +705,16 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   out << YAML::Key << kBarrierLimit << YAML::Value << absl::FormatDuration(l.max_barrier_timeout);
   out << YAML::EndMap;
   const S3Config& s3 = c.s3;
+  // Where a store is: the section's keys that s3.roots entries have too.
+  auto where = [&out](const S3Config& w) {
+    out << YAML::Key << "endpoint" << YAML::Value << w.endpoint;
+    out << YAML::Key << "region" << YAML::Value << w.region;
+    out << YAML::Key << "profile" << YAML::Value << w.profile;
+    out << YAML::Key << "addressing" << YAML::Value << w.addressing;
+    out << YAML::Key << "ca_file" << YAML::Value << w.ca_file;
+  };
   out << YAML::Key << "s3" << YAML::Value << YAML::BeginMap;
-  out << YAML::Key << "endpoint" << YAML::Value << s3.endpoint;
-  out << YAML::Key << "region" << YAML::Value << s3.region;
-  out << YAML::Key << "profile" << YAML::Value << s3.profile;
-  out << YAML::Key << "addressing" << YAML::Value << s3.addressing;
-  out << YAML::Key << "ca_file" << YAML::Value << s3.ca_file;
+  where(s3);
   out << YAML::Key << "part_size" << YAML::Value << s3.part_size;
   out << YAML::Key << "spool_dir" << YAML::Value << s3.spool_dir;
   out << YAML::Key << "max_attempts" << YAML::Value << s3.max_attempts;
@@ -720,11 +724,7 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   out << YAML::Key << "roots" << YAML::Value << YAML::BeginSeq;
   for (const S3RootConfig& r : s3.roots) {
     out << YAML::BeginMap << YAML::Key << "root" << YAML::Value << r.root;
-    out << YAML::Key << "endpoint" << YAML::Value << r.settings.endpoint;
-    out << YAML::Key << "region" << YAML::Value << r.settings.region;
-    out << YAML::Key << "profile" << YAML::Value << r.settings.profile;
-    out << YAML::Key << "addressing" << YAML::Value << r.settings.addressing;
-    out << YAML::Key << "ca_file" << YAML::Value << r.settings.ca_file;
+    where(r.settings);
     out << YAML::EndMap;
   }
   out << YAML::EndSeq;

@@ -362,11 +362,10 @@ absl::Status RunWriter::ReadDirectPieces(const RandomAccessFile& file, bool veri
                                          uint8_t* keep, double* read_s, double* copy_s) {
   const ReadRange& rr = *read_;
   const uint64_t end = rr.offset + rr.length;
-  // Object stores: pieces of at least the file's request size (each piece
-  // is a request), still two of them in flight.
-  // Such a file needs no alignment: when the bytes are kept, the read goes
-  // straight into the cache's buffer in one request (no bounce, no second
-  // copy); else in pieces of at least its request size.
+  // A file read in requests (object storage) needs no alignment: when the
+  // bytes are kept, the read goes straight into the cache's buffer in one
+  // request (no bounce, no second copy); else in pieces of at least its
+  // request size, two in flight.
   const bool into_keep = keep != nullptr && file.MinReadBytes() > 0;
   const uint64_t piece =
       into_keep ? rr.length

@@ -24,8 +24,9 @@ bool MetadataCache::Fresh(const std::string& dir, const Opened& opened) {
     if (!now.ok() || *now != stamp) return false;
   }
   for (const auto& [file, stamp] : opened.stamps) {
-    if (listed && file.find('/') == std::string::npos) continue;
-    auto now = ckpt::StatFile(ckpt::JoinPath(dir, file));
+    const std::string path = ckpt::JoinPath(dir, file);
+    if (covered(path)) continue;
+    auto now = ckpt::StatFile(path);
     if (!now.ok() || *now != stamp) return false;
   }
   return true;

@@ -47,9 +47,7 @@ absl::StatusOr<std::string> Policy::ResolvePath(const std::string& path) const {
   if (path.empty()) return absl::InvalidArgumentError("checkpoint path is empty");
   // A relative path names a checkpoint under the first root, so a multi-node
   // job can name node-local directories that live at different places.
-  // URLs (s3://bucket/prefix) are absolute too.
-  const bool absolute = path[0] == '/' || !ckpt::PathScheme(path).empty();
-  const std::string full = absolute ? path : ckpt::JoinPath(roots_.front(), path);
+  const std::string full = Absolute(path);
   auto canonical = ckpt::Storage::Default()->Canonical(full);
   if (!canonical.ok()) {
     // A path that does not exist outside the roots is as refused as one
@@ -71,6 +69,11 @@ absl::StatusOr<std::string> Policy::ResolvePath(const std::string& path) const {
   return absl::PermissionDeniedError(absl::StrCat(
       path, " (", real, ") is outside the checkpoint roots this daemon serves (",
       absl::StrJoin(roots_, ", "), ")"));
+}
+
+std::string Policy::Absolute(const std::string& path) const {
+  const bool absolute = (!path.empty() && path[0] == '/') || !ckpt::PathScheme(path).empty();
+  return absolute ? path : ckpt::JoinPath(roots_.front(), path);
 }
 
 bool Policy::WouldBeInsideRoots(const std::string& full) const {

@@ -48,6 +48,9 @@ class Policy {
   // it does not exist inside them (outside, a path that does not exist is
   // PERMISSION_DENIED too: the answer tells nothing of what exists there).
   absl::StatusOr<std::string> ResolvePath(const std::string& path) const;
+  // `path` as ResolvePath starts from: absolute paths and URLs
+  // (s3://bucket/prefix) as they are, a relative path under the first root.
+  std::string Absolute(const std::string& path) const;
   // Whether `caller` may read (or save into) `resolved`, a path ResolvePath
   // returned: the root's access rule, then the directory's mode bits.
   absl::Status CheckAccess(const Caller& caller, const std::string& resolved, Access access) const;

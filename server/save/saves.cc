@@ -56,10 +56,7 @@ absl::StatusOr<std::pair<std::string, std::string>> Saves::ResolveSaveDir(
   // path is under the first root (as for loads), so the nodes of a
   // multi-node save can name node-local directories that live at different
   // places.
-  std::string out = request.path();
-  if (!out.empty() && out[0] != '/' && ckpt::PathScheme(out).empty()) {
-    out = ckpt::JoinPath(p_.config->roots.front(), out);  // (URLs are absolute)
-  }
+  std::string out = request.path().empty() ? std::string() : p_.policy->Absolute(request.path());
   while (out.size() > 1 && out.back() == '/') out.pop_back();
   const size_t slash = out.rfind('/');
   if (out.empty() || slash == std::string::npos) {

@@ -66,7 +66,7 @@ absl::StatusOr<ckpt::s3::S3Storage*> StartObjectStorage(const DaemonConfig& conf
                  root.ToString(), client.endpoint().url, client.endpoint().region,
                  client.endpoint().path_style ? "path-style" : "virtual-hosted",
                  client.CredentialsSource());
-    auto page = client.List(root.bucket, root.key.empty() ? "" : root.key + "/", "/", "", 1);
+    auto page = client.List(root.bucket, root.DirPrefix(), "/", "", 1);
     if (!page.ok()) {
       spdlog::warn("root {}: {}; requests under it fail until the endpoint lists it",
                    root.ToString(), std::string(page.status().message()));

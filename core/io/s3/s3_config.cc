@@ -34,7 +34,8 @@ absl::StatusOr<IniFile> ReadIni(const std::string& path) {
   return ini;
 }
 
-std::string StampOf(const std::string& path) {
+// A file's version (mtime, ctime, size, inode): changes when it is rewritten.
+std::string FileVersion(const std::string& path) {
   if (path.empty()) return "-";
   auto st = Storage::Posix()->Stat(path);
   if (!st.ok()) return "-";
@@ -84,12 +85,16 @@ std::string ProfileOf(const S3Settings& s, const Getenv& env) {
   return p.empty() ? "default" : p;
 }
 
-std::string ConfigPathOf(const Getenv& env) {
-  std::string p = Env(env, "AWS_CONFIG_FILE");
+// An AWS file: the variable `var` names it, else ~/.aws/`name` (none without
+// a HOME).
+std::string AwsFile(const Getenv& env, const char* var, const char* name) {
+  std::string p = Env(env, var);
   if (!p.empty()) return p;
   const std::string home = Home(env);
-  return home.empty() ? std::string() : home + "/.aws/config";
+  return home.empty() ? std::string() : absl::StrCat(home, "/.aws/", name);
 }
+
+std::string ConfigPathOf(const Getenv& env) { return AwsFile(env, "AWS_CONFIG_FILE", "config"); }
 }  // namespace
 
 absl::StatusOr<Endpoint> ResolveEndpoint(const S3Settings& settings, const Getenv& env) {
@@ -146,10 +151,7 @@ CredentialSource::CredentialSource(S3Settings settings, Getenv env)
 std::string CredentialSource::Profile() const { return ProfileOf(settings_, env_); }
 std::string CredentialSource::ConfigPath() const { return ConfigPathOf(env_); }
 std::string CredentialSource::CredentialsPath() const {
-  std::string p = Env(env_, "AWS_SHARED_CREDENTIALS_FILE");
-  if (!p.empty()) return p;
-  const std::string home = Home(env_);
-  return home.empty() ? std::string() : home + "/.aws/credentials";
+  return AwsFile(env_, "AWS_SHARED_CREDENTIALS_FILE", "credentials");
 }
 
 absl::StatusOr<Credentials> CredentialSource::Load() {
@@ -206,7 +208,7 @@ absl::StatusOr<Credentials> CredentialSource::Get() {
   const int64_t now = absl::GetCurrentTimeNanos();
   if (checked_ns_ != 0 && now - checked_ns_ < 1000000000) return cached_;
   checked_ns_ = now;
-  const std::string stamp = StampOf(CredentialsPath()) + "|" + StampOf(ConfigPath());
+  const std::string stamp = FileVersion(CredentialsPath()) + "|" + FileVersion(ConfigPath());
   if (stamp != stamp_ || !cached_.ok()) {
     stamp_ = stamp;
     cached_ = Load();

@@ -12,7 +12,6 @@
 #include <thread>
 
 #include "absl/strings/escaping.h"
-#include "absl/strings/strip.h"
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/time/clock.h"
@@ -107,10 +106,7 @@ class S3Writer final : public AtomicFileWriter {
         fd_(fd) {}
   ~S3Writer() override { ::close(fd_); }
 
-  absl::Status Append(const void* data, size_t n) override {
-    CKPT_RETURN_IF_ERROR(WriteAt(size_, data, n));
-    return absl::OkStatus();
-  }
+  absl::Status Append(const void* data, size_t n) override { return WriteAt(size_, data, n); }
   absl::Status WriteAt(uint64_t offset, const void* data, size_t n) override {
     if (committed_) return absl::FailedPreconditionError(absl::StrCat(path_, ": already committed"));
     if (offset > size_) {
@@ -231,8 +227,8 @@ class S3Directory final : public Directory {
     return *kind != PathKind::kMissing;
   }
   absl::StatusOr<std::vector<std::string>> List() const override {
-    const std::string prefix = url_.key.empty() ? "" : url_.key + "/";
-    auto all = storage_->Listing(url_.bucket, prefix);
+    const std::string prefix = url_.DirPrefix();
+    auto all = storage_->Listing(url_);
     if (!all.ok()) return all.status();
     std::vector<std::string> names;
     for (const ListedObject& o : all->objects) {
@@ -315,8 +311,7 @@ absl::StatusOr<FileStamp> S3Storage::Stat(const std::string& path) {
   // A prefix: its stamp is its listing's (names, sizes, ETags, one level),
   // so a version written, replaced or removed beneath it changes the stamp,
   // as a POSIX directory's mtime changes.
-  const std::string prefix = url->key.empty() ? "" : url->key + "/";
-  auto all = Listing(url->bucket, prefix);
+  auto all = Listing(*url);
   if (!all.ok()) return all.status();
   if (all->objects.empty() && all->common_prefixes.empty()) {
     return absl::NotFoundError(absl::StrCat(path, ": no such object or prefix"));
@@ -347,8 +342,7 @@ absl::StatusOr<PathKind> S3Storage::Kind(const std::string& path) {
     if (info.ok()) return PathKind::kFile;
     if (!absl::IsNotFound(info.status())) return info.status();
   }
-  auto page =
-      ClientFor(*url).List(url->bucket, url->key.empty() ? "" : url->key + "/", "", "", 1);
+  auto page = ClientFor(*url).List(url->bucket, url->DirPrefix(), "", "", 1);
   if (!page.ok()) return page.status();
   return page->objects.empty() ? PathKind::kMissing : PathKind::kDirectory;
 }
@@ -428,9 +422,8 @@ void S3Storage::ForEachClient(const std::function<void(S3Client&)>& fn) {
   for (RootClient& r : roots_) fn(*r.client);
 }
 
-absl::StatusOr<ListPage> S3Storage::Listing(const std::string& bucket,
-                                            const std::string& prefix) {
-  const std::string key = absl::StrCat(bucket, "/", prefix);
+absl::StatusOr<ListPage> S3Storage::Listing(const S3Url& dir) {
+  const std::string key = absl::StrCat(dir.bucket, "/", dir.DirPrefix());
   const int64_t now = absl::GetCurrentTimeNanos();
   {
     absl::MutexLock lock(&mu_);
@@ -439,8 +432,7 @@ absl::StatusOr<ListPage> S3Storage::Listing(const std::string& bucket,
       return it->second.page;
     }
   }
-  auto page = ClientFor(S3Url{bucket, std::string(absl::StripSuffix(prefix, "/"))})
-                  .ListAll(bucket, prefix, "/", options_.max_list_entries);
+  auto page = ClientFor(dir).ListAll(dir.bucket, dir.DirPrefix(), "/", options_.max_list_entries);
   if (!page.ok()) return page.status();
   absl::MutexLock lock(&mu_);
   if (listings_.size() >= 256) listings_.clear();  // a bound, not an LRU: entries live 0.5 s

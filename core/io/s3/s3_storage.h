@@ -71,12 +71,12 @@ class S3Storage final : public Storage {
   // For the directory's lock: releases `dir`.
   void Unlock(const std::string& dir);
 
-  // The one-level listing of `prefix` (ending in '/', or empty) in `bucket`:
-  // a listing made in the last kListingReuse is reused (the stamp of a
-  // prefix and the names of a checkpoint opened right after it are one
-  // request, not two), unless this process wrote or removed an object
-  // beneath it since.
-  absl::StatusOr<ListPage> Listing(const std::string& bucket, const std::string& prefix);
+  // The one-level listing of the objects beneath `dir` (its DirPrefix): a
+  // listing made in the last kListingReuse is reused (the stamp of a prefix
+  // and the names of a checkpoint opened right after it are one request,
+  // not two), unless this process wrote or removed an object beneath it
+  // since.
+  absl::StatusOr<ListPage> Listing(const S3Url& dir);
   // This process changed an object: listings of its prefix are stale.
   void Changed(const std::string& bucket, const std::string& key);
 

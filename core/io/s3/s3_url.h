@@ -23,6 +23,9 @@ struct S3Url {
   std::string key;
   // "s3://bucket/key" (the canonical form).
   std::string ToString() const;
+  // The key prefix of the objects beneath this one as a directory: "key/",
+  // or "" for the bucket's top.
+  std::string DirPrefix() const { return key.empty() ? std::string() : key + "/"; }
 };
 
 bool IsS3Url(absl::string_view path);
