@@ -6,7 +6,12 @@ At build time (build_py) this writes into the built package ckptd/:
   proto/ckpt.proto with protoc and grpc_python_plugin (Debian's
   protobuf-compiler and protobuf-compiler-grpc), or `python3 -m
   grpc_tools.protoc` where only grpcio-tools is installed;
-- _version.py with the version and API level of VERSION.
+- _version.py with the version and API level of VERSION;
+- _ckptd_native.so, the client's copy loop (ckptd/_native.c, plain C loaded
+  with ctypes), compiled with the system's C compiler ($CC, else cc). Where
+  that fails the build goes on without it (a warning; the client then copies
+  with numpy) and the wheel stays pure; with it the wheel is tagged
+  py3-none-<platform> (the library uses no Python ABI).
 
 Both files are read from $CKPTD_SOURCE_ROOT, else from _ckptd_source/ beside
 this file (an unpacked sdist: the sdist command puts VERSION and
@@ -24,7 +29,9 @@ import shutil
 import subprocess
 import sys
 
-from setuptools import setup
+import sysconfig
+
+from setuptools import Distribution, setup
 from setuptools.command.build_py import build_py as _build_py
 from setuptools.command.sdist import sdist as _sdist
 
@@ -118,6 +125,30 @@ def write_version(out_dir, version, api_level):
     return path
 
 
+NATIVE_SRC = os.path.join("ckptd", "_native.c")
+NATIVE_LIB = "_ckptd_native.so"
+
+
+def compile_native(out_dir):
+    """Compiles ckptd/_native.c into out_dir; the library's path, or None
+    (with a warning) when no C compiler builds it."""
+    cc = os.environ.get("CC") or sysconfig.get_config_var("CC") or "cc"
+    out = os.path.join(out_dir, NATIVE_LIB)
+    cmd = cc.split() + ["-O2", "-shared", "-fPIC", "-o", out, os.path.join(HERE, NATIVE_SRC)]
+    try:
+        r = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    except OSError as e:
+        r = None
+        why = str(e)
+    else:
+        why = f"exit {r.returncode}:\n{r.stdout}"
+    if r is None or r.returncode != 0 or not os.path.isfile(out):
+        print(f"ckptd setup.py: warning: {' '.join(cmd)} failed ({why}); the client will "
+              "copy cache views with numpy (slower)", file=sys.stderr)
+        return None
+    return out
+
+
 class build_py(_build_py):
     """Copies the package, then generates the stubs and _version.py into it.
     An editable install (pip install -e) generates only the stubs, into the
@@ -129,10 +160,15 @@ class build_py(_build_py):
         if self.dry_run:
             return
         if getattr(self, "editable_mode", False):
-            self._generated = generate_stubs(os.path.join(HERE, "ckptd"))
+            pkg = os.path.join(HERE, "ckptd")
+            self._generated = generate_stubs(pkg) + [p for p in [compile_native(pkg)] if p]
             return
         out = os.path.join(self.build_lib, "ckptd")
         self._generated = generate_stubs(out) + [write_version(out, *read_version())]
+        native = compile_native(out)
+        if native:
+            self._generated.append(native)
+            self.distribution.has_native = True
 
     def get_outputs(self, include_bytecode=1):
         outs = super().get_outputs(include_bytecode)
@@ -151,4 +187,35 @@ class sdist(_sdist):
             shutil.copyfile(source_file(rel), dst)
 
 
-setup(version=read_version()[0], cmdclass={"build_py": build_py, "sdist": sdist})
+class NativeDistribution(Distribution):
+    """Not pure once build_py compiled the native library (a platform wheel)."""
+    has_native = False
+
+    def has_ext_modules(self):
+        return self.has_native
+
+
+cmdclass = {"build_py": build_py, "sdist": sdist}
+try:
+    from wheel.bdist_wheel import bdist_wheel as _bdist_wheel
+except ImportError:  # no wheel package: sdists and installs only
+    _bdist_wheel = None
+if _bdist_wheel is not None:
+    class bdist_wheel(_bdist_wheel):
+        """py3-none-<platform> with the native library (plain C, no Python ABI),
+        py3-none-any without it."""
+
+        def get_tag(self):
+            _, _, plat = super().get_tag()
+            if not self.distribution.has_native:
+                return "py3", "none", "any"
+            return "py3", "none", plat
+
+        def run(self):
+            self.run_command("build_py")  # has_native known before the tag
+            self.root_is_pure = not self.distribution.has_native
+            super().run()
+
+    cmdclass["bdist_wheel"] = bdist_wheel
+
+setup(version=read_version()[0], cmdclass=cmdclass, distclass=NativeDistribution)

@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import subprocess
+import sysconfig
 import unittest
 import zipfile
 
@@ -21,6 +22,8 @@ import testlib
 from ckptd import _version  # the source tree's (PYTHONPATH): reads VERSION
 
 PY = "/usr/bin/python3"
+# The platform tag of a wheel with the native library (bdist_wheel's spelling).
+PLATFORM = sysconfig.get_platform().replace("-", "_").replace(".", "_")
 VERSION, API_LEVEL = _version.read_version_file(testlib.runfile("VERSION"))
 EXAMPLE = testlib.runfile("examples/tiny-model")
 
@@ -47,7 +50,7 @@ def source_copy(dest):
         shutil.copy(testlib.runfile(rel), os.path.join(dest, rel))
     src = testlib.runfile("client/python/ckptd")
     for f in sorted(os.listdir(src)):
-        if f.endswith(".py") and not f.startswith("ckpt_pb2"):
+        if f.endswith((".py", ".c")) and not f.startswith("ckpt_pb2"):
             shutil.copy(os.path.join(src, f), os.path.join(pkg, "ckptd", f))
     return pkg
 
@@ -79,7 +82,7 @@ LOAD_SCRIPT = r"""
 import json, os, sys
 import numpy as np
 import ckptd
-from ckptd import _proto
+from ckptd import _native, _proto
 sock, ckpt, spec_file, out = sys.argv[1:5]
 spec = json.load(open(spec_file))
 sd = {}
@@ -96,6 +99,7 @@ print(json.dumps({
     "version": ckptd.__version__,
     "package": ckptd.__file__,
     "stubs": [m.__file__ for m in _proto.load_stubs()],
+    "native": _native.available(),
     "missing": r.missing_keys, "unexpected": r.unexpected_keys,
     "bytes_delivered": r.bytes_delivered,
     "daemon_version": st["version"], "daemon_api_level": st["api_level"],
@@ -156,6 +160,8 @@ class InstallTest(unittest.TestCase):
         self.assertTrue(info["package"].startswith(site), info["package"])
         pkg_dir = os.path.dirname(info["package"])
         self.assertEqual([os.path.dirname(s) for s in info["stubs"]], [pkg_dir, pkg_dir])
+        # The native copy loop compiled at install (setup.py) and used from there.
+        self.assertEqual(info["native"], os.path.join(pkg_dir, "_ckptd_native.so"))
         self.assertFalse(info["sys_path_has_source"])
         self.assertEqual(info["missing"], [])
         self.assertEqual(info["unexpected"], [])
@@ -187,12 +193,14 @@ class InstallTest(unittest.TestCase):
         wheels = os.path.join(self.tmp, "wheels")
         run([self.pip, "wheel", "--no-build-isolation", "--no-deps", "--no-index", "-w", wheels,
              self.pkg], env=self.env, cwd=self.tmp)
-        whl = os.path.join(wheels, f"ckptd-{VERSION}-py3-none-any.whl")
+        # A platform wheel: it carries the native copy loop (no Python ABI).
+        whl = os.path.join(wheels, f"ckptd-{VERSION}-py3-none-{PLATFORM}.whl")
+        self.assertTrue(os.path.isfile(whl), os.listdir(wheels))
         with zipfile.ZipFile(whl) as z:
             names = set(z.namelist())
             version_py = z.read("ckptd/_version.py").decode()
         for f in ("ckptd/__init__.py", "ckptd/client.py", "ckptd/ckpt_pb2.py",
-                  "ckptd/ckpt_pb2_grpc.py"):
+                  "ckptd/ckpt_pb2_grpc.py", "ckptd/_ckptd_native.so"):
             self.assertIn(f, names)
         self.assertIn(f"__version__ = {VERSION!r}", version_py)
         self.assertIn(f"API_LEVEL = {API_LEVEL!r}", version_py)
@@ -210,7 +218,7 @@ class InstallTest(unittest.TestCase):
         run([PY, "-m", "build", "--no-isolation", "--outdir", dist, self.pkg], env=self.env,
             cwd=self.tmp)
         sdist = os.path.join(dist, f"ckptd-{VERSION}.tar.gz")
-        wheel = os.path.join(dist, f"ckptd-{VERSION}-py3-none-any.whl")
+        wheel = os.path.join(dist, f"ckptd-{VERSION}-py3-none-{PLATFORM}.whl")
         self.assertTrue(os.path.isfile(sdist), os.listdir(dist))
         self.assertTrue(os.path.isfile(wheel), os.listdir(dist))
         for what, artifact in (("sdist", sdist), ("wheel", wheel)):
@@ -225,9 +233,12 @@ class InstallTest(unittest.TestCase):
                            "import ckptd, ckptd.ckpt_pb2 as p; "
                            "print(ckptd.__version__, ckptd._version.API_LEVEL, "
                            "'next_unique_id' in p.SaveRequest.DESCRIPTOR.fields_by_name, "
-                           "ckptd.__file__)"], env=self.env, cwd=elsewhere)
-                version, level, stubs, where = out.split()
+                           "ckptd.__file__, ckptd._native.available())"], env=self.env,
+                          cwd=elsewhere)
+                version, level, stubs, where, native = out.split()
                 self.assertEqual((version, int(level), stubs), (VERSION, API_LEVEL, "True"))
+                self.assertEqual(native, os.path.join(os.path.dirname(where),
+                                                      "_ckptd_native.so"))
                 self.assertTrue(where.startswith(venv), where)
 
     def test_missing_proto_is_a_clear_error(self):

@@ -374,6 +374,57 @@ class NumpyClientTest(unittest.TestCase):
         self.assertEqual(cm.exception.code, "INVALID_ARGUMENT")
         self.assertIn("overlap", cm.exception.message)
 
+    def test_native_copy_loop_matches_numpy(self):
+        """ckptd/_native.c's copy loop (views' runs): pieces below and above the
+        streaming threshold (4 KiB), destinations at every offset within a
+        64-byte line, strided and not; bytes outside the runs untouched."""
+        from ckptd import _native
+        self.assertIsNotNone(_native.available(), "the native library is built with "
+                             "//client/python:ckptd and must load here")
+        rng = np.random.default_rng(7)
+        src = rng.integers(0, 256, 1 << 22, dtype=np.uint8)
+        for length in (1, 63, 64, 4095, 4096, 4097, 16384 + 5, 65536):
+            for count, extra in ((1, 0), (3, 37), (5, 4096)):
+                for shift in (0, 1, 31, 63):
+                    dst = np.zeros(count * (length + extra) + 256, np.uint8)
+                    want = dst.copy()
+                    d0, s0 = 64 + shift, int(rng.integers(0, 1000))
+                    runs = np.array([[dst.ctypes.data + d0, src.ctypes.data + s0, length, count,
+                                      length + extra, length + 2 * extra + 11]], np.uint64)
+                    self.assertTrue(_native.copy_runs(runs))
+                    for i in range(count):
+                        a = d0 + i * (length + extra)
+                        b = s0 + i * (length + 2 * extra + 11)
+                        want[a:a + length] = src[b:b + length]
+                    np.testing.assert_array_equal(dst, want, err_msg=f"{length} {count} {shift}")
+        with self.assertRaises(ValueError):
+            _native.copy_runs(np.zeros((1, 5), np.uint64))
+
+    def test_cache_view_copy_without_the_native_library(self):
+        """Where the native library is missing the client copies with numpy:
+        the same bytes."""
+        from ckptd import _native
+        name = "model.layers.0.mlp.up_proj.weight"
+        full = self.full(name)
+        rows, cols = full.shape
+        ckptd.prefetch(self.tp2, socket=self.sock)
+        self.addCleanup(ckptd.evict, self.tp2, socket=self.sock)  # later tests read cold
+        got = []
+        saved = _native._lib
+        for lib in (saved, False):
+            _native._lib = lib
+            try:
+                part = np.full((rows, cols // 2), np.nan, np.float32)
+                rep = ckptd.load_state_dict(
+                    {name: ckptd.ShardedTensor(part, (rows, cols), (0, cols // 2))}, self.tp2,
+                    socket=self.sock, transport="cache_view")
+            finally:
+                _native._lib = saved
+            self.assertEqual(rep.bytes_from_views, part.nbytes)
+            got.append(part)
+        np.testing.assert_array_equal(got[0], full[:, cols // 2:])
+        np.testing.assert_array_equal(got[1], got[0])
+
     def test_cache_view_copies_cached_bytes_in_the_client(self):
         """transport="cache_view": bytes the daemon's cache holds are copied by
         this process from read-only views of the cache (column halves of a

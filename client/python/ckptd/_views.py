@@ -5,7 +5,8 @@ write the bytes its data cache holds: it sends their places (CacheViews in
 proto/ckpt.proto: views, each a block of the cache, and copies, each `count`
 runs of `length` bytes) and the client takes the views' read-only memfds on
 the fd socket ("VIEWS <token>"), maps them, copies every run into its
-tensors, and closes that connection, which tells the daemon it is done.
+tensors (_native.c's loop, else numpy), and closes that connection, which
+tells the daemon it is done.
 
 Mappings are kept from one load to the next (keyed by the view's key,
 CacheViews.view_keys: random and never reused, so a block the next load uses
@@ -25,6 +26,7 @@ import threading
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from . import _native
 from ._shm import MAX_VIEW_FDS, take_views
 from .errors import CkptdError
 
@@ -63,6 +65,23 @@ def mapped_views():
         return len(_maps)
 
 
+def _copy_numpy(plan, order, srcs):
+    """copy_views' copies made with numpy (no native library)."""
+    dsts = {}
+    for c, t, rel in plan:
+        dst = dsts.get(t)
+        if dst is None:
+            a, nb = order[t]
+            dst = dsts[t] = np.ctypeslib.as_array((ctypes.c_uint8 * nb).from_address(a))
+        src = srcs[c.view]
+        if c.count == 1:
+            np.copyto(dst[rel:rel + c.length], src[c.offset:c.offset + c.length])
+        else:
+            np.copyto(as_strided(dst[rel:], (c.count, c.length), (c.dst_stride, 1)),
+                      as_strided(src[c.offset:], (c.count, c.length), (c.src_stride, 1),
+                                 writeable=False))
+
+
 def copy_views(fd_socket, views, targets, timeout=10.0):
     """Copies `views` (a CacheViews message) into `targets`, the rank's
     tensors as (address, nbytes). Every copy is checked to lie inside its
@@ -94,19 +113,11 @@ def copy_views(fd_socket, views, targets, timeout=10.0):
         finally:
             for fd in fds:
                 os.close(fd)
-        dsts = {}
-        for c, t, rel in plan:
-            dst = dsts.get(t)
-            if dst is None:
-                a, nb = order[t]
-                dst = dsts[t] = np.ctypeslib.as_array((ctypes.c_uint8 * nb).from_address(a))
-            src = srcs[c.view]
-            if c.count == 1:
-                np.copyto(dst[rel:rel + c.length], src[c.offset:c.offset + c.length])
-            else:
-                np.copyto(as_strided(dst[rel:], (c.count, c.length), (c.dst_stride, 1)),
-                          as_strided(src[c.offset:], (c.count, c.length), (c.src_stride, 1),
-                                     writeable=False))
+        if not _native.copy_runs(np.array(
+                [(order[t][0] + rel, srcs[c.view].ctypes.data + c.offset, c.length, c.count,
+                  c.dst_stride, c.src_stride) for c, t, rel in plan],
+                dtype=np.uint64).reshape(-1, _native.RUN_FIELDS)):
+            _copy_numpy(plan, order, srcs)
     finally:
         sock.close()  # done: the daemon lets go of the views
         _keep(views.view_keys)
