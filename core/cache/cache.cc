@@ -678,6 +678,16 @@ absl::StatusOr<RangeView> CachingSource::Fetch(
   return v;
 }
 
+absl::StatusOr<std::optional<CachingSource::SharedFile>> CachingSource::ShareUncached(
+    const std::string& file, uint64_t offset, uint64_t n) {
+  CKPT_ASSIGN_OR_RETURN(Probed p, Probe(file, offset, n));
+  if (p.hit) return std::nullopt;
+  CKPT_ASSIGN_OR_RETURN(int fd, p.file->ShareReadOnly());
+  absl::MutexLock lock(&mu_);
+  deferred_.emplace_back(file, offset);
+  return SharedFile{fd, p.file->size(), p.path, *p.stamp};
+}
+
 std::vector<std::pair<std::string, uint64_t>> CachingSource::Deferred() const {
   absl::MutexLock lock(&mu_);
   return deferred_;

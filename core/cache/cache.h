@@ -200,9 +200,24 @@ class CachingSource final : public RangeSource {
   // after its last read but before the load ends fails the load too
   // (ABORTED naming the file).
   absl::Status CheckOpenedFilesUnchanged();
-  // Reads delivered without being kept (SourceOptions::defer_fresh_memory),
-  // as (file, offset), in no particular order.
+  // Reads delivered without being kept (SourceOptions::defer_fresh_memory,
+  // ShareUncached), as (file, offset), in no particular order.
   std::vector<std::pair<std::string, uint64_t>> Deferred() const;
+
+  // For a client that reads bytes [offset, offset + n) of `file` itself
+  // (cache views of files, core/cache/cache_view.h): nullopt when the cache
+  // holds them (the client copies those from the cache); else a new
+  // read-only descriptor of the file, opened and checked against its stamp
+  // as for a read (CheckOpenedFilesUnchanged covers it), its size, and the
+  // range noted in Deferred() (filled into the cache after the load).
+  struct SharedFile {
+    int fd = -1;  // owned by the caller
+    uint64_t size = 0;
+    std::string path;
+    FileStamp stamp;  // the file as the plan was made (checked again once read)
+  };
+  absl::StatusOr<std::optional<SharedFile>> ShareUncached(const std::string& file,
+                                                          uint64_t offset, uint64_t n);
 
  private:
   class CacheFill;

@@ -3,7 +3,11 @@
 #include <algorithm>
 #include <limits>
 
+#include <unistd.h>
+
 #include "absl/strings/str_cat.h"
+#include "core/exec/copy.h"
+#include "core/io/file_posix.h"
 
 namespace ckpt {
 
@@ -46,7 +50,10 @@ bool ViewRecorder::Record(const uint8_t* p, uint64_t n, uint64_t address) {
     by_address_.emplace(reinterpret_cast<uintptr_t>(r->block_data), v);
     last_.push_back(std::numeric_limits<size_t>::max());
   }
-  const uint64_t off = static_cast<uint64_t>(p - base_[v]);
+  return Append(v, static_cast<uint64_t>(p - base_[v]), n, address);
+}
+
+bool ViewRecorder::Append(uint32_t v, uint64_t off, uint64_t n, uint64_t address) {
   recorded_ += n;
   // Extend the view's latest copy where this run continues it: the rest of
   // a run (split where a read piece ended), or the next row of a strided
@@ -79,6 +86,48 @@ bool ViewRecorder::Record(const uint8_t* p, uint64_t n, uint64_t address) {
   }
   last_[v] = copies_.size();
   copies_.push_back({v, off, address, n, 1, 0, 0});
+  return true;
+}
+
+bool ViewRecorder::Room(size_t runs) const {
+  absl::MutexLock lock(&mu_);
+  return !released_ && views_.size() < max_views_ && runs <= kMaxCopies - copies_.size();
+}
+
+bool ViewRecorder::RecordFile(uint64_t file_key, int fd, uint64_t file_bytes,
+                              const std::string& path, const FileStamp& stamp,
+                              const std::vector<FileRun>& runs) {
+  absl::MutexLock lock(&mu_);
+  auto known = files_.find(file_key);
+  const bool fresh = known == files_.end();
+  if (released_ || (fresh && views_.size() >= max_views_) ||
+      runs.size() > kMaxCopies - copies_.size()) {
+    ::close(fd);
+    return false;
+  }
+  uint32_t v;
+  if (fresh) {
+    v = static_cast<uint32_t>(views_.size());
+    views_.push_back({0, fd, file_bytes, true});
+    // The descriptor lives as long as the view is held.
+    holds_.push_back(std::shared_ptr<const void>(nullptr, [fd](const void*) { ::close(fd); }));
+    base_.push_back(nullptr);
+    last_.push_back(std::numeric_limits<size_t>::max());
+    files_.emplace(file_key, v);
+    file_stamps_.push_back({path, stamp});
+    file_fds_.push_back(fd);
+  } else {
+    v = known->second;
+    ::close(fd);
+  }
+  uint64_t bytes = 0;
+  for (const FileRun& r : runs) {
+    if (r.length == 0) continue;
+    Append(v, r.offset, r.length, r.address);  // fits: checked above
+    bytes += r.length;
+  }
+  recorded_ -= bytes;  // counted apart from the cache's
+  file_bytes_ += bytes;
   return true;
 }
 
@@ -120,6 +169,25 @@ uint64_t ViewRecorder::bytes_recorded() const {
   return recorded_;
 }
 
+absl::Status ViewRecorder::CheckFilesUnchanged() const {
+  absl::MutexLock lock(&mu_);
+  for (size_t i = 0; i < file_fds_.size(); ++i) {
+    const auto& [path, stamp] = file_stamps_[i];
+    absl::StatusOr<FileStamp> now = StatFd(file_fds_[i], path);
+    if (!now.ok()) return now.status();
+    if (*now != stamp) {
+      return absl::AbortedError(
+          absl::StrCat(path, ": file changed during the load (while the client read it)"));
+    }
+  }
+  return absl::OkStatus();
+}
+
+uint64_t ViewRecorder::bytes_from_files() const {
+  absl::MutexLock lock(&mu_);
+  return file_bytes_;
+}
+
 uint64_t ViewRecorder::bytes_written() const {
   absl::MutexLock lock(&mu_);
   return written_;
@@ -132,6 +200,20 @@ void ViewRecorder::Release() {
     released_ = true;
     holds.swap(holds_);
   }
+}
+
+bool AppendFileRuns(const CopyOp& op, const TargetTensor& target, uint64_t address,
+                    size_t max_runs, std::vector<ViewRecorder::FileRun>* out) {
+  if (op.src.dtype != target.dtype) return false;
+  std::vector<CopyRun> runs;
+  if (!AppendCopyRuns(op.src, target.layout(), op.region, max_runs, &runs)) return false;
+  const uint64_t size = DTypeSize(target.dtype);
+  for (const CopyRun& r : runs) {
+    out->push_back({op.src_offset + static_cast<uint64_t>(r.src) * size,
+                    address + static_cast<uint64_t>(r.dst) * size,
+                    static_cast<uint64_t>(r.len) * size});
+  }
+  return true;
 }
 
 }  // namespace ckpt

@@ -13,7 +13,10 @@
 //
 // Bytes that are not in an exportable cache block (a read not kept, a cast
 // converted on the way, bytes from a peer) are written through `fallback`
-// (the rank's ProcessMemory); without one they fail the load.
+// (the rank's ProcessMemory); without one they fail the load. Bytes the
+// cache does not hold may instead be left to the client to read from the
+// checkpoint's file itself (RecordFile: the loader decides which, before the
+// plan runs; server/load/file_views.cc).
 #ifndef CKPTD_CORE_CACHE_VIEW_H_
 #define CKPTD_CORE_CACHE_VIEW_H_
 
@@ -29,6 +32,7 @@
 #include "absl/status/status.h"
 #include "absl/synchronization/mutex.h"
 #include "core/cache/cache.h"
+#include "core/plan/planner.h"
 #include "core/exec/executor.h"
 
 namespace ckpt {
@@ -43,9 +47,10 @@ class ViewRecorder final : public RemoteMemory {
   static constexpr size_t kMaxCopies = 65536;
 
   struct View {
-    uint64_t key = 0;    // ExportedRange::key: names the block to the client
+    uint64_t key = 0;    // ExportedRange::key: names the block to the client (0: a file)
     int fd = -1;         // read-only; valid until Release (not to be closed)
-    uint64_t bytes = 0;  // the block's size
+    uint64_t bytes = 0;  // the block's size (a file's: its size)
+    bool file = false;   // a checkpoint file the client reads (RecordFile), not a block
   };
   // `count` runs of `length` bytes: run i is bytes [offset + i * src_stride,
   // + length) of view `view`, for address + i * dst_stride in the client.
@@ -68,9 +73,33 @@ class ViewRecorder final : public RemoteMemory {
   // writes the others through the fallback.
   absl::Status Write(const struct iovec* local, const struct iovec* remote, size_t n) override;
 
+  // Bytes of a checkpoint file the client reads itself (pread, not a
+  // mapping): run i is `length` bytes at file offset `offset` for client
+  // `address` (inside one target).
+  struct FileRun {
+    uint64_t offset = 0;
+    uint64_t address = 0;
+    uint64_t length = 0;
+  };
+  // Whether RecordFile of `runs` runs of a file not viewed yet would fit
+  // within the view and copy limits, whatever they coalesce to.
+  bool Room(size_t runs) const;
+  // Records `runs` of the file open read-only as `fd` (`file_bytes` long,
+  // `path` at `stamp`), all of them; `fd` is closed at Release (or at once
+  // if this recorder already views the file under another descriptor:
+  // `file_key` names the file, e.g. its index in the plan). Check Room
+  // first: false (nothing recorded, fd closed) when the limits do not allow
+  // them.
+  bool RecordFile(uint64_t file_key, int fd, uint64_t file_bytes, const std::string& path,
+                  const FileStamp& stamp, const std::vector<FileRun>& runs);
+  // Once the client read its file views: ABORTED naming a file that changed
+  // since its stamp (a write in place while the client read it).
+  absl::Status CheckFilesUnchanged() const;
+
   std::vector<View> views() const;
   std::vector<Copy> copies() const;
-  uint64_t bytes_recorded() const;
+  uint64_t bytes_recorded() const;    // from cache blocks
+  uint64_t bytes_from_files() const;  // from files (RecordFile)
   uint64_t bytes_written() const;
   // Lets go of every block (their fds are then no longer valid here).
   void Release();
@@ -78,6 +107,10 @@ class ViewRecorder final : public RemoteMemory {
  private:
   // Records [p, p + n) -> address if its block is (or can be) viewed.
   bool Record(const uint8_t* p, uint64_t n, uint64_t address) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Records bytes [off, off + n) of view v -> address, extending the view's
+  // latest copy where it continues it; false when a new copy is over the limit.
+  bool Append(uint32_t v, uint64_t off, uint64_t n, uint64_t address)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Index of the target holding `address` (npos when none).
   size_t TargetOf(uint64_t address) const;
@@ -95,10 +128,22 @@ class ViewRecorder final : public RemoteMemory {
   std::vector<const uint8_t*> base_ ABSL_GUARDED_BY(mu_);  // per view
   std::vector<Copy> copies_ ABSL_GUARDED_BY(mu_);
   std::vector<size_t> last_ ABSL_GUARDED_BY(mu_);  // per view: its latest copy
+  std::map<uint64_t, uint32_t> files_ ABSL_GUARDED_BY(mu_);  // file_key -> view
+  // Per file view: its path and stamp (CheckFilesUnchanged).
+  std::vector<std::pair<std::string, FileStamp>> file_stamps_ ABSL_GUARDED_BY(mu_);
+  std::vector<int> file_fds_ ABSL_GUARDED_BY(mu_);
   uint64_t recorded_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t file_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t written_ ABSL_GUARDED_BY(mu_) = 0;
   bool released_ ABSL_GUARDED_BY(mu_) = false;
 };
+
+// Appends the runs rank copy `op` makes (into `target`, whose first byte is
+// `address` in the client) as bytes of the read's file, when it is a plain
+// byte copy (same dtype, no permutation) of at most `max_runs` runs; false
+// (nothing appended) else: a cast or a transposition is the daemon's to make.
+bool AppendFileRuns(const CopyOp& op, const TargetTensor& target, uint64_t address,
+                    size_t max_runs, std::vector<ViewRecorder::FileRun>* out);
 
 }  // namespace ckpt
 

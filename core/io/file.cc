@@ -23,6 +23,10 @@ absl::StatusOr<FileStamp> RandomAccessFile::Stamp() const {
   return absl::UnimplementedError(absl::StrCat(path(), ": no file descriptor to stat"));
 }
 
+absl::StatusOr<int> RandomAccessFile::ShareReadOnly() const {
+  return absl::UnimplementedError(absl::StrCat(path(), ": no file descriptor to share"));
+}
+
 absl::StatusOr<uint64_t> RandomAccessFile::ReadDirect(uint64_t offset, uint64_t n,
                                                       void* dst) const {
   const uint64_t have = offset < size() ? std::min(n, size() - offset) : 0;

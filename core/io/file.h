@@ -67,6 +67,11 @@ class RandomAccessFile {
   // The identity of the open file now (fstat); UNIMPLEMENTED for files not
   // backed by a descriptor.
   virtual absl::StatusOr<FileStamp> Stamp() const;
+  // A new read-only descriptor of this very file (its own open file
+  // description), for another process to read it with pread (a client
+  // reading bytes the data cache does not hold itself); the caller owns it.
+  // UNIMPLEMENTED for files not backed by a descriptor (object storage).
+  virtual absl::StatusOr<int> ShareReadOnly() const;
 };
 
 // ---- Checkpoint storage ----------------------------------------------------

@@ -146,6 +146,25 @@ class PosixFile final : public RandomAccessFile {
 
   absl::StatusOr<FileStamp> Stamp() const override { return StatFd(fd_, path_); }
 
+  absl::StatusOr<int> ShareReadOnly() const override {
+    // Through /proc/self/fd/N: the inode `fd_` holds, never the path again,
+    // with an open file description of its own (no flags shared with ours);
+    // where /proc is missing, a duplicate (the same description).
+    const int fd = ::open(absl::StrCat("/proc/self/fd/", fd_).c_str(),
+                          O_RDONLY | O_CLOEXEC | O_NOCTTY);
+    if (fd >= 0) {
+      struct stat a, b;
+      if (::fstat(fd_, &a) == 0 && ::fstat(fd, &b) == 0 && a.st_dev == b.st_dev &&
+          a.st_ino == b.st_ino) {
+        return fd;
+      }
+      ::close(fd);
+    }
+    const int dup = ::fcntl(fd_, F_DUPFD_CLOEXEC, 0);
+    if (dup < 0) return ErrnoError(errno, "sharing its descriptor", path_);
+    return dup;
+  }
+
  private:
   // A second descriptor with O_DIRECT, opened on first use; -1 where the
   // file system refuses it. It is opened through /proc/self/fd/N, i.e. the

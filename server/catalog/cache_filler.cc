@@ -58,11 +58,13 @@ CacheFiller::CacheFiller(ckpt::HostCache* cache) : cache_(cache) {
 CacheFiller::~CacheFiller() { Stop(); }
 
 void CacheFiller::Submit(std::string dir, std::map<std::string, ckpt::FileStamp> stamps,
-                         ckpt::LoadPlan plan, uint32_t tenant) {
+                         ckpt::LoadPlan plan, uint32_t tenant, std::weak_ptr<const void> after,
+                         absl::Duration max_wait) {
   plan.ranks.clear();
   absl::MutexLock lock(&mu_);
   if (stopping_ || plan.reads.empty()) return;
-  queue_.push_back({std::move(dir), std::move(stamps), std::move(plan), tenant});
+  queue_.push_back(
+      {std::move(dir), std::move(stamps), std::move(plan), tenant, std::move(after), max_wait});
 }
 
 bool CacheFiller::Busy(const std::string& prefix) const {
@@ -110,6 +112,12 @@ void CacheFiller::Run() {
       task = std::move(queue_.front());
       queue_.pop_front();
       running_ = task.dir;
+    }
+    // Not while the load's clients still read these bytes themselves (the
+    // hold goes when the last of them is done; bounded by max_wait).
+    const absl::Time until = absl::Now() + task.max_wait;
+    while (!task.after.expired() && !stop_.load() && absl::Now() < until) {
+      absl::SleepFor(absl::Milliseconds(2));
     }
     const auto t0 = std::chrono::steady_clock::now();
     ckpt::SourceOptions options;

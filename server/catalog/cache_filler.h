@@ -35,8 +35,12 @@ class CacheFiller {
   // Queues the reads of `plan` (its ranks are ignored) of checkpoint `dir`,
   // files at `stamps`, for filling. Nothing happens after Stop().
   // `tenant`: whom the entries are reserved for (HostCache::Reserve).
+  // The fill starts once `after` has expired (the load's clients that read
+  // those bytes from the files themselves are done: the fill would compete
+  // with them for cores and memory bandwidth), or `max_wait` passed.
   void Submit(std::string dir, std::map<std::string, ckpt::FileStamp> stamps, ckpt::LoadPlan plan,
-              uint32_t tenant);
+              uint32_t tenant, std::weak_ptr<const void> after = {},
+              absl::Duration max_wait = absl::ZeroDuration());
   // Waits until no fill of a checkpoint whose directory is `prefix` or
   // under it (prefix ending in '/') is queued or running, at most `timeout`.
   // False on timeout.
@@ -57,6 +61,8 @@ class CacheFiller {
     std::map<std::string, ckpt::FileStamp> stamps;
     ckpt::LoadPlan plan;
     uint32_t tenant = 0;
+    std::weak_ptr<const void> after;
+    absl::Duration max_wait;
   };
   void Run();
   bool Busy(const std::string& prefix) const ABSL_SHARED_LOCKS_REQUIRED(mu_);

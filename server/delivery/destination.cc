@@ -122,7 +122,7 @@ RankDelivery StreamDestination::Prepare(const ckpt::RankPlan& plan) {
 absl::StatusOr<std::unique_ptr<Destination>> ProcessDestination::Open(
     const std::string& who, pid_t pid, const std::vector<TargetPlace>& targets,
     uint64_t cookie_address, const std::string& cookie, ckpt::HostCache* views_of,
-    uint32_t tenant) {
+    uint32_t tenant, bool file_views) {
   // Targets: no address wraps, no two overlap (a client that overlapped
   // them would only garble its own tensors, but it is a bug worth naming).
   std::vector<TargetRange> checked;
@@ -152,6 +152,7 @@ absl::StatusOr<std::unique_ptr<Destination>> ProcessDestination::Open(
   }
   std::unique_ptr<ProcessDestination> d(new ProcessDestination);
   d->memory_ = std::shared_ptr<ckpt::ProcessMemory>(std::move(*memory));
+  d->file_views_ = file_views;
   remote.memory = d->memory_;
   if (views_of != nullptr) {
     // Cached bytes are left to the client to copy (core/cache/cache_view.h).

@@ -88,6 +88,9 @@ class Destination {
   // process_memory with views: what the client copies itself (after the job,
   // by the rank's thread); null else.
   virtual ckpt::ViewRecorder* views() { return nullptr; }
+  // With views: whether the client also reads bytes the cache does not hold
+  // from the checkpoint's files itself (ProcessMemoryDestination.file_views).
+  virtual bool reads_files() const { return false; }
   // The memory a save's bytes are in, each target at its offset (shm, the
   // daemon's copy of it, a device save staged to host); null else.
   virtual MappedSegment* segment() { return nullptr; }
@@ -153,18 +156,22 @@ class ProcessDestination final : public Destination {
   // opens process `pid` and checks that it holds `cookie` at
   // `cookie_address`. With `views_of` (the data cache; null: no views),
   // cached bytes are left to the client to copy (core/cache/cache_view.h),
-  // from the blocks `tenant` may view. FAILED_PRECONDITION "process_memory
-  // unavailable for <who>: ...; use shm" where the kernel refuses.
+  // from the blocks `tenant` may view, and with `file_views` bytes it does
+  // not hold may be left to the client to read from the files (reads_files).
+  // FAILED_PRECONDITION "process_memory unavailable for <who>: ...; use shm"
+  // where the kernel refuses.
   static absl::StatusOr<std::unique_ptr<Destination>> Open(
       const std::string& who, pid_t pid, const std::vector<TargetPlace>& targets,
       uint64_t cookie_address, const std::string& cookie, ckpt::HostCache* views_of,
-      uint32_t tenant);
+      uint32_t tenant, bool file_views);
   RankDelivery Prepare(const ckpt::RankPlan& plan) override;
   void StopWhen(std::function<bool()> stop) override { memory_->StopWhen(std::move(stop)); }
   ckpt::ViewRecorder* views() override { return views_.get(); }
+  bool reads_files() const override { return views_ != nullptr && file_views_; }
 
  private:
   ProcessDestination() = default;
+  bool file_views_ = false;
   std::shared_ptr<ckpt::ProcessMemory> memory_;
   // With views: the rank's RemoteRank memory (it writes the rest to memory_).
   std::shared_ptr<ckpt::ViewRecorder> views_;

@@ -115,7 +115,8 @@ absl::StatusOr<std::unique_ptr<Destination>> DestinationOpener::OpenProcess(
   // Cached bytes are left to the client to copy (core/cache/cache_view.h).
   const bool views = pm.views() && fd_receiver_ && parts_.cache->CanExport();
   return ProcessDestination::Open(who, caller.pid, targets, pm.cookie_address(), pm.cookie(),
-                                  views ? parts_.cache : nullptr, caller.uid);
+                                  views ? parts_.cache : nullptr, caller.uid,
+                                  views && pm.file_views());
 }
 
 absl::Status DestinationOpener::DeliverViews(const Caller& caller, ckpt::ViewRecorder& rec,
@@ -130,11 +131,15 @@ absl::Status DestinationOpener::DeliverViews(const Caller& caller, ckpt::ViewRec
   v1::LoadEvent ev;
   v1::CacheViews* cv = ev.mutable_views();
   std::vector<int> fds;
+  bool files = false;
   for (const ckpt::ViewRecorder::View& v : rec.views()) {
     cv->add_view_bytes(v.bytes);
     cv->add_view_keys(v.key);
+    cv->add_view_is_file(v.file);
+    files = files || v.file;
     fds.push_back(v.fd);
   }
+  if (!files) cv->clear_view_is_file();  // as before file views: nothing to say
   for (const ckpt::ViewRecorder::Copy& c : copies) {
     v1::ViewCopy* m = cv->add_copies();
     m->set_view(c.view);
@@ -145,7 +150,7 @@ absl::Status DestinationOpener::DeliverViews(const Caller& caller, ckpt::ViewRec
     m->set_src_stride(c.src_stride);
     m->set_dst_stride(c.dst_stride);
   }
-  cv->set_bytes(rec.bytes_recorded());
+  cv->set_bytes(rec.bytes_recorded() + rec.bytes_from_files());
   const std::string token = parts_.view_leases->Offer(caller.uid, std::move(fds), who);
   cv->set_token(token);
   // The client copies while the views are held; they are let go once it is
@@ -154,6 +159,9 @@ absl::Status DestinationOpener::DeliverViews(const Caller& caller, ckpt::ViewRec
   absl::Status s = send(ev) ? parts_.view_leases->AwaitDone(token, absl::Now() + parts_.load_timeout,
                                                      cancelled)
                             : absl::CancelledError(absl::StrCat(who, ": client went away"));
+  // Files the client read itself: unchanged while it read them (else its
+  // tensors may hold bytes of two versions).
+  if (s.ok() && files) s = rec.CheckFilesUnchanged();
   parts_.view_leases->Withdraw(token);
   if (fd_receiver_) fd_receiver_->EndViews(token);
   rec.Release();

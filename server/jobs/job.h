@@ -67,6 +67,9 @@ struct RankSlot {
   absl::Status status ABSL_GUARDED_BY(mu);
   v1::LoadResult result ABSL_GUARDED_BY(mu);
   v1::SaveResponse save_result ABSL_GUARDED_BY(mu);
+  // Loads whose client reads files itself (file views): held until the
+  // rank's views are delivered; the cache fill of those reads waits for it.
+  std::shared_ptr<const void> fill_after ABSL_GUARDED_BY(mu);
 };
 
 // A job of this node: its ranks (those of the job's world on this node),

@@ -75,6 +75,12 @@ absl::Status Loads::Load(const Caller& caller, const v1::LoadRequest& request,
   absl::Status status = p_.jobs->AwaitSlot(
       job, slot, request.rank(),
       BarrierTimeout(request.barrier_timeout_ms(), p_.config->barrier_timeout), send, cancelled);
+  // Let go (whatever happens next) when this call ends: the views delivered.
+  std::shared_ptr<const void> fill_after;
+  {
+    absl::MutexLock lock(&slot->mu);
+    fill_after = std::move(slot->fill_after);
+  }
   if (!status.ok()) return fail(status);
   v1::LoadResult result;
   {
@@ -87,6 +93,7 @@ absl::Status Loads::Load(const Caller& caller, const v1::LoadRequest& request,
       return fail(v);
     }
     result.set_bytes_from_views(views->bytes_recorded());
+    result.set_bytes_from_files(views->bytes_from_files());
   }
   result.mutable_timings()->set_total_s(Seconds(slot->start));
   if (request.has_stream()) {

@@ -12,6 +12,7 @@
 #include "absl/synchronization/mutex.h"
 #include "core/plan/aoa.h"
 #include "core/exec/executor.h"
+#include "server/load/file_views.h"
 #include "server/load/loads.h"
 
 namespace ckptd {
@@ -197,7 +198,6 @@ absl::StatusOr<ckpt::LoadStats> Loads::RunNodePart(
   ckpt::CachingSource storage(job->path, p_.cache, stamps, storage_options);
   GatedSource source(remote != nullptr ? remote->Wrap(&storage) : &storage, job.get(),
                      p_.config->testing_delay_read);
-  auto delivery = JobDelivery(*p_.gpu, std::move(parts));
   ckpt::ExecuteOptions eo;
   eo.threads = p_.config->io_threads;
   eo.direct_io = p_.direct_io;
@@ -206,12 +206,33 @@ absl::StatusOr<ckpt::LoadStats> Loads::RunNodePart(
   // verified unless every rank asks not to (and then nothing read is cached:
   // core publishes only verified fills).
   eo.verify_checksums = !AllRanksSkipVerify(slots);
+  // Reads the ranks' clients make themselves (file_views.h); not across nodes.
+  absl::StatusOr<std::optional<ClientFileReads>> by_clients = std::nullopt;
+  if (remote == nullptr) {
+    std::vector<Destination*> dests;
+    for (const auto& s : slots) dests.push_back(s->destination.get());
+    by_clients = LeaveReadsToClients(plan, storage, dests, parts, skip, eo.verify_checksums);
+  }
+  const bool left = by_clients.ok() && by_clients->has_value();
+  if (left) {
+    absl::MutexLock lock(&job->mu);
+    job->total -= (*by_clients)->read_bytes;
+  }
+  const ckpt::LoadPlan& daemon_reads = left ? (*by_clients)->rest : plan;
+  auto delivery = JobDelivery(*p_.gpu, std::move(parts));
   eo.progress_bytes = &job->progress;
   eo.skip_rank = [&](size_t i) { return skip[i] || slots[i]->cancelled(); };
   eo.deadline = std::chrono::steady_clock::now() +
                 std::chrono::milliseconds(absl::ToInt64Milliseconds(p_.config->load_timeout));
-  auto stats = delivery.ok() ? ckpt::ExecutePlan(plan, source, **delivery, eo)
-                             : absl::StatusOr<ckpt::LoadStats>(delivery.status());
+  auto stats = !by_clients.ok() ? absl::StatusOr<ckpt::LoadStats>(by_clients.status())
+               : delivery.ok()  ? ckpt::ExecutePlan(daemon_reads, source, **delivery, eo)
+                                : absl::StatusOr<ckpt::LoadStats>(delivery.status());
+  if (stats.ok() && left) {  // delivered by the clients, once they copy
+    for (size_t i = 0; i < slots.size(); ++i) {
+      stats->rank_bytes_delivered[i] += (*by_clients)->rank_bytes[i];
+    }
+    stats->bytes_delivered += (*by_clients)->bytes;
+  }
   // A file changed after its last read, before the load ends, fails it too
   // (docs/daemon.md: a file that changes or vanishes during a load fails that load).
   if (stats.ok()) {
@@ -245,7 +266,16 @@ absl::StatusOr<ckpt::LoadStats> Loads::RunNodePart(
       bytes += rr.length;
       fill.reads.push_back(rr);
     }
-    p_.filler->Submit(job->path, stamps, std::move(fill), job->owner);
+    // After the ranks' clients are done reading (file views): the fill
+    // would compete with them (a first load after start: fresh memory).
+    auto hold = std::make_shared<int>(0);
+    for (const auto& s : slots) {
+      if (!s->destination->reads_files()) continue;
+      absl::MutexLock lock(&s->mu);
+      s->fill_after = hold;
+    }
+    p_.filler->Submit(job->path, stamps, std::move(fill), job->owner, hold,
+                      p_.config->load_timeout);
   }
   return stats;
 }

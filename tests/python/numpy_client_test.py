@@ -407,6 +407,8 @@ class NumpyClientTest(unittest.TestCase):
         name = "model.layers.0.mlp.up_proj.weight"
         full = self.full(name)
         rows, cols = full.shape
+        # Whole files in the cache (entries of 64 KiB and more are views).
+        ckptd.evict(self.tp2, socket=self.sock)
         ckptd.prefetch(self.tp2, socket=self.sock)
         self.addCleanup(ckptd.evict, self.tp2, socket=self.sock)  # later tests read cold
         got = []
@@ -477,14 +479,96 @@ class NumpyClientTest(unittest.TestCase):
         self.assertEqual(rep.bytes_from_views, 64 * 4)  # the norm only
         np.testing.assert_array_equal(as64, full[:, :half].astype(np.float64))
         np.testing.assert_array_equal(both["model.norm.weight"], self.full("model.norm.weight"))
-        # Nothing cached (evicted; a load without verification keeps nothing).
+        # Nothing cached (evicted): bytes with nothing to verify or convert are
+        # read by this process from the checkpoint's file itself (file views);
+        # the daemon reads none of them and caches them after the load.
         ckptd.evict(self.tp2, socket=self.sock)
         part[:] = np.nan
-        rep = ckptd.load_state_dict(sd, self.tp2, socket=self.sock, transport="cache_view",
-                                    verify=False)
-        self.assertEqual(rep.transport, "process_memory")
-        self.assertEqual(rep.bytes_from_views, 0)
+        rep = ckptd.load_state_dict(sd, self.tp2, socket=self.sock, transport="cache_view")
+        self.assertEqual(rep.transport, "cache_view")
+        self.assertEqual((rep.bytes_from_views, rep.bytes_from_files, rep.bytes_read),
+                         (0, part.nbytes, 0))
+        self.assertEqual(rep.bytes_delivered, part.nbytes)
         np.testing.assert_array_equal(part, full[:, half:])
+        part[:] = np.nan
+        rep = ckptd.load_state_dict(sd, self.tp2, socket=self.sock, transport="cache_view")
+        self.assertEqual((rep.bytes_from_files, rep.bytes_read), (0, 0))
+        self.assertGreater(rep.bytes_from_cache, 0)  # filled after the first
+        np.testing.assert_array_equal(part, full[:, half:])
+        ckptd.evict(self.tp2, socket=self.sock)
+
+    def test_a_file_changed_while_the_client_reads_it_fails_the_load(self):
+        """File views: a checkpoint file written in place while the client reads
+        it fails the load (ABORTED, naming the file: the daemon checks the
+        file once the client is done); one truncated under it fails in the
+        client (a short read), never a crash (the client reads, not maps)."""
+        from ckptd import _views
+        name = "model.layers.0.mlp.up_proj.weight"
+        rows, cols = self.full(name).shape
+        for how in ("write", "truncate"):
+            with self.subTest(how):
+                ckpt = os.path.join(self.root, f"tp2-{how}")
+                shutil.copytree(self.tp2, ckpt)
+                data = sorted(f for f in os.listdir(ckpt) if not f.endswith(".metadata"))
+                read = _views._read_file
+
+                def meddle(fd, runs):
+                    for f in data:
+                        p = os.path.join(ckpt, f)
+                        if how == "truncate":
+                            os.truncate(p, 100)
+                        else:
+                            with open(p, "r+b") as fh:
+                                b = fh.read(1)
+                                fh.seek(0)
+                                fh.write(b)  # same bytes: only the file's times change
+                    return read(fd, runs)
+
+                _views._read_file = meddle
+                try:
+                    part = np.full((rows, cols // 2), np.nan, np.float32)
+                    with self.assertRaises(ckptd.CkptdError) as cm:
+                        ckptd.load_state_dict(
+                            {name: ckptd.ShardedTensor(part, (rows, cols), (0, cols // 2))},
+                            ckpt, socket=self.sock, transport="cache_view")
+                finally:
+                    _views._read_file = read
+                self.assertEqual(cm.exception.code, "ABORTED", cm.exception.message)
+                self.assertIn("changed during the load", cm.exception.message)
+                if how == "write":
+                    self.assertIn(ckpt, cm.exception.message)
+                ckptd.evict(ckpt, socket=self.sock)
+
+    def test_file_views_leave_checks_and_casts_to_the_daemon(self):
+        """Reads with a stored checksum to verify, or copies that convert, are
+        the daemon's even when the client reads files: whole shards of tp2
+        carry checksums; a cast is converted on the way. With verify=False
+        the same whole shard is the client's to read."""
+        name = "model.layers.0.mlp.up_proj.weight"
+        full = self.full(name)
+        rows, cols = full.shape
+        ckptd.evict(self.tp2, socket=self.sock)
+        self.addCleanup(ckptd.evict, self.tp2, socket=self.sock)
+        whole = np.full((rows, cols), np.nan, np.float32)
+        rep = ckptd.load_state_dict({name: whole}, self.tp2, socket=self.sock,
+                                    transport="cache_view")
+        self.assertGreater(rep.checksums_verified, 0)
+        self.assertEqual(rep.bytes_from_files, 0)
+        self.assertEqual(rep.bytes_read, whole.nbytes)
+        np.testing.assert_array_equal(whole, full)
+        ckptd.evict(self.tp2, socket=self.sock)
+        whole[:] = np.nan
+        rep = ckptd.load_state_dict({name: whole}, self.tp2, socket=self.sock,
+                                    transport="cache_view", verify=False)
+        self.assertEqual((rep.bytes_from_files, rep.bytes_read), (whole.nbytes, 0))
+        np.testing.assert_array_equal(whole, full)
+        ckptd.evict(self.tp2, socket=self.sock)
+        as64 = np.full((rows, cols), np.nan, np.float64)
+        rep = ckptd.load_state_dict({name: as64}, self.tp2, socket=self.sock,
+                                    transport="cache_view", verify=False)
+        self.assertEqual(rep.bytes_from_files, 0)
+        self.assertGreater(rep.bytes_read, 0)
+        np.testing.assert_array_equal(as64, full.astype(np.float64))
 
     def test_stream_transport(self):
         sd = {"model.layers.0.mlp.down_proj.weight": np.zeros((64, 128), np.float32),

@@ -11,12 +11,18 @@
  * Measured on the dev VM, two processes copying 512 MiB each in 16 KiB pieces
  * at once: 8.2 against 6.6 GB/s each.
  *
- * The caller has checked every run against its source mapping and its
- * destination tensor (_views.copy_views); this file trusts them.
+ * ckptd_pread_runs reads runs from a checkpoint file instead (file views:
+ * bytes the cache does not hold).
+ *
+ * The caller has checked every run against its source mapping or file and
+ * its destination tensor (_views.copy_views); this file trusts them.
  */
+#define _GNU_SOURCE
+#include <errno.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
+#include <unistd.h>
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -102,4 +108,31 @@ uint64_t ckptd_copy_runs(const struct ckptd_run* runs, uint64_t n) {
   (void)streamed;
 #endif
   return total;
+}
+
+/* Reads every run from file `fd` (src: the file offset of piece 0) with
+ * pread: the bytes of a load the daemon's cache does not hold, read by the
+ * client itself (file views). Returns 0, -errno on an error, or -ENODATA
+ * when the file ends before a piece does (it changed since the load began). */
+int64_t ckptd_pread_runs(int fd, const struct ckptd_run* runs, uint64_t n) {
+  for (uint64_t r = 0; r < n; ++r) {
+    const struct ckptd_run* run = &runs[r];
+    for (uint64_t i = 0; i < run->count; ++i) {
+      uint8_t* d = (uint8_t*)(uintptr_t)(run->dst + i * run->dst_stride);
+      uint64_t at = run->src + i * run->src_stride;
+      uint64_t left = run->length;
+      while (left > 0) {
+        ssize_t got = pread(fd, d, left, (off_t)at);
+        if (got < 0) {
+          if (errno == EINTR) continue;
+          return -(int64_t)errno;
+        }
+        if (got == 0) return -(int64_t)ENODATA;
+        d += got;
+        at += (uint64_t)got;
+        left -= (uint64_t)got;
+      }
+    }
+  }
+  return 0;
 }

@@ -47,6 +47,9 @@ def _load():
                         continue
                     lib.ckptd_copy_runs.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
                     lib.ckptd_copy_runs.restype = ctypes.c_uint64
+                    lib.ckptd_pread_runs.argtypes = [ctypes.c_int, ctypes.c_void_p,
+                                                     ctypes.c_uint64]
+                    lib.ckptd_pread_runs.restype = ctypes.c_int64
                     _lib, _where = lib, path
                     break
         return _lib
@@ -62,6 +65,25 @@ def available():
 RUN_FIELDS = 6
 
 
+def _checked(runs):
+    runs = np.ascontiguousarray(runs, dtype=np.uint64)
+    if runs.ndim != 2 or runs.shape[1] != RUN_FIELDS:
+        raise ValueError(f"runs of shape {runs.shape}, not (n, {RUN_FIELDS})")
+    return runs
+
+
+def pread_runs(fd, runs):
+    """Reads `runs` (as copy_runs, src = the file offset of piece 0) from file
+    `fd` with pread, GIL released. None when the native library is not
+    available (the caller reads with os.preadv); else 0, or -errno (-ENODATA:
+    the file ended before a piece did)."""
+    lib = _load()
+    if not lib:
+        return None
+    runs = _checked(runs)
+    return int(lib.ckptd_pread_runs(fd, runs.ctypes.data, len(runs))) if len(runs) else 0
+
+
 def copy_runs(runs):
     """Copies `runs`, a uint64 array of shape (n, 6), checked by the caller
     (every piece inside its source mapping and its destination). The GIL is
@@ -70,9 +92,7 @@ def copy_runs(runs):
     lib = _load()
     if not lib:
         return False
-    runs = np.ascontiguousarray(runs, dtype=np.uint64)
-    if runs.ndim != 2 or runs.shape[1] != RUN_FIELDS:
-        raise ValueError(f"copy_runs: runs of shape {runs.shape}, not (n, {RUN_FIELDS})")
+    runs = _checked(runs)
     if len(runs):
         lib.ckptd_copy_runs(runs.ctypes.data, len(runs))
     return True

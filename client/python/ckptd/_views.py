@@ -6,7 +6,11 @@ proto/ckpt.proto: views, each a block of the cache, and copies, each `count`
 runs of `length` bytes) and the client takes the views' read-only memfds on
 the fd socket ("VIEWS <token>"), maps them, copies every run into its
 tensors (_native.c's loop, else numpy), and closes that connection, which
-tells the daemon it is done.
+tells the daemon it is done. Views marked as files (CacheViews.view_is_file:
+bytes the cache did not hold, file_views) are checkpoint files opened
+read-only: their runs are read with pread, never mapped (a file truncated
+under a mapping would kill this process with SIGBUS; a short read fails the
+load instead).
 
 Mappings are kept from one load to the next (keyed by the view's key,
 CacheViews.view_keys: random and never reused, so a block the next load uses
@@ -19,8 +23,10 @@ descriptor each (Python's mmap keeps a duplicate of the fd).
 """
 import bisect
 import ctypes
+import errno
 import mmap
 import os
+import stat
 import threading
 
 import numpy as np
@@ -52,8 +58,8 @@ def _mapping(key, fd, size):
 def _keep(keys):
     """Drops the mappings of every view but `keys` (the load just done's); each
     is unmapped once no array refers to it (a copy in another thread holds its
-    own)."""
-    keep = set(keys)
+    own). File views (key 0) are never mapped."""
+    keep = set(keys) - {0}
     with _lock:
         for key in [k for k in _maps if k not in keep]:
             del _maps[key]
@@ -82,6 +88,39 @@ def _copy_numpy(plan, order, srcs):
                                  writeable=False))
 
 
+def _check_file(fd, size):
+    """A file view's descriptor: a regular file of at least `size` bytes."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise CkptdError("DATA_LOSS", "a file view is not a regular file")
+    if st.st_size < size:
+        raise CkptdError("ABORTED", f"a checkpoint file holds {st.st_size} bytes, not {size} "
+                         "as when the load began: it changed during the load")
+
+
+def _read_file(fd, runs):
+    """Reads `runs` (dst, file offset, length, count, dst_stride, src_stride)
+    of a file view with pread (the native loop, else os.preadv)."""
+    got = _native.pread_runs(fd, np.array(runs, dtype=np.uint64).reshape(-1, _native.RUN_FIELDS))
+    if got is None:
+        got = 0
+        for dst, off, length, count, dstride, sstride in runs:
+            for i in range(count):
+                buf = (ctypes.c_uint8 * length).from_address(dst + i * dstride)
+                at, view = off + i * sstride, memoryview(buf).cast("B")
+                while len(view):
+                    k = os.preadv(fd, [view], at)
+                    if k == 0:
+                        got = -errno.ENODATA
+                        break
+                    at, view = at + k, view[k:]
+    if got == -errno.ENODATA:
+        raise CkptdError("ABORTED", "a checkpoint file ended before the bytes this load reads "
+                         "from it: it changed during the load")
+    if got < 0:
+        raise CkptdError("DATA_LOSS", f"reading a checkpoint file: {os.strerror(-got)}")
+
+
 def copy_views(fd_socket, views, targets, timeout=10.0):
     """Copies `views` (a CacheViews message) into `targets`, the rank's
     tensors as (address, nbytes). Every copy is checked to lie inside its
@@ -105,19 +144,32 @@ def copy_views(fd_socket, views, targets, timeout=10.0):
                 (count > 1 and c.dst_stride < length):
             raise CkptdError("DATA_LOSS", f"a cache view copy writes outside the tensors: {c}")
         plan.append((c, t, rel))
+    is_file = list(views.view_is_file) or [False] * n
+    if len(is_file) != n:
+        raise CkptdError("DATA_LOSS", f"the daemon sent {n} cache views but {len(is_file)} "
+                         "file marks")
     sock, fds = take_views(fd_socket, views.token, n, timeout)
     try:
         try:
-            srcs = [_mapping(key, fd, size)
-                    for key, fd, size in zip(views.view_keys, fds, views.view_bytes)]
+            srcs = [None if f else _mapping(key, fd, size)
+                    for key, fd, size, f in zip(views.view_keys, fds, views.view_bytes, is_file)]
+            for fd, size, f in zip(fds, views.view_bytes, is_file):
+                if f:
+                    _check_file(fd, size)
+            runs = [(order[t][0] + rel, c.offset if is_file[c.view]
+                     else srcs[c.view].ctypes.data + c.offset, c.length, c.count,
+                     c.dst_stride, c.src_stride) for c, t, rel in plan]
+            cached = [i for i, (c, _, _) in enumerate(plan) if not is_file[c.view]]
+            if not _native.copy_runs(np.array([runs[i] for i in cached], dtype=np.uint64)
+                                     .reshape(-1, _native.RUN_FIELDS)):
+                _copy_numpy([plan[i] for i in cached], order, srcs)
+            for v in range(n):
+                if is_file[v]:
+                    _read_file(fds[v], [runs[i] for i, (c, _, _) in enumerate(plan)
+                                        if c.view == v])
         finally:
             for fd in fds:
                 os.close(fd)
-        if not _native.copy_runs(np.array(
-                [(order[t][0] + rel, srcs[c.view].ctypes.data + c.offset, c.length, c.count,
-                  c.dst_stride, c.src_stride) for c, t, rel in plan],
-                dtype=np.uint64).reshape(-1, _native.RUN_FIELDS)):
-            _copy_numpy(plan, order, srcs)
     finally:
         sock.close()  # done: the daemon lets go of the views
         _keep(views.view_keys)

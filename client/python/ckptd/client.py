@@ -261,6 +261,7 @@ class LoadReport:
     bytes_from_cache: int = 0
     bytes_delivered: int = 0       # into this rank's tensors
     bytes_from_views: int = 0      # of them: copied here from the daemon's cache (cache_view)
+    bytes_from_files: int = 0      # of them: read here from the checkpoint's files (cache_view)
     job_bytes_delivered: int = 0
     checksums_verified: int = 0
     unique_id: int = 0
@@ -823,6 +824,8 @@ class Client:
                 # cache_view: the bytes the daemon's cache holds are copied
                 # here, from read-only views of its cache (_views.py).
                 req.process_memory.views = transport == "cache_view"
+                # ... and reads bytes its cache does not hold from the files.
+                req.process_memory.file_views = transport == "cache_view"
                 req.targets.extend(self._targets(entries, offsets))
                 report.zero_copy = True  # the daemon writes the tensors themselves
             elif transport == "cuda_ipc":
@@ -920,7 +923,7 @@ class Client:
             if seg is not None:
                 seg.close()
         if transport == "cache_view":
-            if result.bytes_from_views:
+            if result.bytes_from_views or result.bytes_from_files:
                 report.zero_copy = False  # this process copied those bytes
             else:
                 transport = "process_memory"  # nothing was cached (or an older daemon)
@@ -933,7 +936,7 @@ class Client:
         report.renamed_keys = dict(result.renamed_keys)
         for f in ("bytes_read", "bytes_from_cache", "bytes_delivered", "job_bytes_delivered",
                   "checksums_verified", "unique_id", "format", "local_fast_path",
-                  "bytes_from_views"):
+                  "bytes_from_views", "bytes_from_files"):
             setattr(report, f, getattr(result, f))
         tm = result.timings
         report.timings = {"list_s": tm.list_s, "plan_s": tm.plan_s, "read_s": tm.read_s,
@@ -1336,10 +1339,13 @@ def load_state_dict(state_dict, path, *, rank=None, world_size=None, job_id=None
       "cache_view" when every tensor is contiguous CPU memory and none
         overlaps another, on the daemon of this process's uid: bytes the
         daemon's data cache holds are copied by this process from read-only
-        mappings of the cache (one copy, made in every rank at once), the
+        mappings of the cache (one copy, made in every rank at once); bytes
+        it does not hold and has nothing to verify or convert in are read
+        by this process from the checkpoint's files itself with pread
+        (report.bytes_from_files; the daemon caches them afterwards); the
         rest the daemon writes as with "process_memory"; the report says
-        "process_memory" when nothing came from the cache
-        (report.bytes_from_views);
+        "process_memory" when no byte came either way
+        (report.bytes_from_views, report.bytes_from_files);
       "process_memory": the daemon writes the tensors themselves with
         process_vm_writev (one copy, no segment). The kernel allows it when
         the daemon runs as this process's uid (or has CAP_SYS_PTRACE);
