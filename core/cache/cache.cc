@@ -682,10 +682,12 @@ absl::StatusOr<std::optional<CachingSource::SharedFile>> CachingSource::ShareUnc
     const std::string& file, uint64_t offset, uint64_t n) {
   CKPT_ASSIGN_OR_RETURN(Probed p, Probe(file, offset, n));
   if (p.hit) return std::nullopt;
-  CKPT_ASSIGN_OR_RETURN(int fd, p.file->ShareReadOnly());
+  absl::StatusOr<int> fd = p.file->ShareReadOnly();
+  if (absl::IsUnimplemented(fd.status())) return std::nullopt;  // object storage: ours to read
+  if (!fd.ok()) return fd.status();
   absl::MutexLock lock(&mu_);
   deferred_.emplace_back(file, offset);
-  return SharedFile{fd, p.file->size(), p.path, *p.stamp};
+  return SharedFile{*fd, p.file->size(), p.path, *p.stamp};
 }
 
 std::vector<std::pair<std::string, uint64_t>> CachingSource::Deferred() const {

@@ -206,7 +206,8 @@ class CachingSource final : public RangeSource {
 
   // For a client that reads bytes [offset, offset + n) of `file` itself
   // (cache views of files, core/cache/cache_view.h): nullopt when the cache
-  // holds them (the client copies those from the cache); else a new
+  // holds them (the client copies those from the cache) or the file has no
+  // descriptor to share (object storage: the daemon reads it); else a new
   // read-only descriptor of the file, opened and checked against its stamp
   // as for a read (CheckOpenedFilesUnchanged covers it), its size, and the
   // range noted in Deferred() (filled into the cache after the load).

@@ -222,6 +222,9 @@ struct LoadStats {
   uint64_t bytes_read_direct = 0;  // of which around the page cache (O_DIRECT)
   uint64_t bytes_from_cache = 0;  // served by the source from memory
   uint64_t bytes_delivered = 0;   // written into destinations
+  // Of bytes_delivered: read by the ranks' clients from the files themselves
+  // (the daemon's file views; set by the daemon, not by ExecutePlan).
+  uint64_t bytes_from_files = 0;
   std::vector<uint64_t> rank_bytes_delivered;  // per plan rank
   int64_t checksums_verified = 0;
   double read_seconds = 0;  // summed over threads

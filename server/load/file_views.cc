@@ -3,6 +3,7 @@
 #include <fcntl.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <cerrno>
 #include <cstring>
 #include <utility>
@@ -46,6 +47,19 @@ ckpt::LoadPlan WithoutReads(const ckpt::LoadPlan& plan, const std::vector<bool>&
     }
   }
   return rest;
+}
+
+// Whether two ranks' runs (of one read) share a byte.
+bool RanksOverlap(const std::vector<std::vector<ckpt::ViewRecorder::FileRun>>& runs) {
+  std::vector<std::pair<uint64_t, uint64_t>> spans;
+  for (const auto& rank : runs) {
+    for (const auto& r : rank) spans.push_back({r.offset, r.offset + r.length});
+  }
+  std::sort(spans.begin(), spans.end());
+  for (size_t i = 1; i < spans.size(); ++i) {
+    if (spans[i].first < spans[i - 1].second) return true;
+  }
+  return false;
 }
 
 // Closes the descriptors it holds unless released.
@@ -101,7 +115,9 @@ absl::StatusOr<std::optional<ClientFileReads>> LeaveReadsToClients(
     for (size_t r = 0; ok && r < n; ++r) {
       ok = runs[r].empty() || ranks[r]->views()->Room(runs[r].size());
     }
-    if (!ok) continue;
+    // Bytes two ranks need (a replicated tensor) stay the daemon's: read once
+    // for all of them, not once per client.
+    if (!ok || RanksOverlap(runs)) continue;
     CKPT_ASSIGN_OR_RETURN(std::optional<ckpt::CachingSource::SharedFile> shared,
                           storage.ShareUncached(plan.files[rr.file], rr.offset, rr.length));
     if (!shared) continue;  // cached: its block's views serve it

@@ -11,7 +11,8 @@
 // A read qualifies only where the daemon has nothing to do with its bytes:
 // no stored checksum to verify (or every rank asked skip_verify), every copy
 // from it a plain byte copy (no cast, no transposition) into a rank that
-// reads files, and room in every such rank's view limits. The others run
+// reads files, no byte of it needed by two ranks (a replica is read once, by
+// the daemon), and room in every such rank's view limits. The others run
 // through the executor as before. Single-node jobs only.
 #ifndef CKPTD_SERVER_LOAD_FILE_VIEWS_H_
 #define CKPTD_SERVER_LOAD_FILE_VIEWS_H_

@@ -232,6 +232,7 @@ absl::StatusOr<ckpt::LoadStats> Loads::RunNodePart(
       stats->rank_bytes_delivered[i] += (*by_clients)->rank_bytes[i];
     }
     stats->bytes_delivered += (*by_clients)->bytes;
+    stats->bytes_from_files = (*by_clients)->bytes;
   }
   // A file changed after its last read, before the load ends, fails it too
   // (docs/daemon.md: a file that changes or vanishes during a load fails that load).
@@ -293,6 +294,7 @@ void Loads::FinishLoadJob(const std::shared_ptr<Job>& job,
   const ckpt::LoadStats& stats = *fig.stats;
   rec.bytes_read = stats.bytes_read;
   rec.bytes_read_direct = stats.bytes_read_direct;
+  rec.bytes_from_files = stats.bytes_from_files;
   rec.bytes_from_cache = fig.bytes_from_cache;
   rec.bytes_delivered = stats.bytes_delivered;
   rec.reads = plan.reads.size();

@@ -478,6 +478,7 @@ void RecordLoadJob(const LoadJobRecord& r) {
       j["bytes_read"] = r.bytes_read;
       j["bytes_read_direct"] = r.bytes_read_direct;
       j["bytes_from_cache"] = r.bytes_from_cache;
+      if (r.node.empty()) j["bytes_from_files"] = r.bytes_from_files;
       if (!r.node.empty()) {
         j["bytes_from_peers"] = r.bytes_from_peers;
         j["bytes_to_peers"] = r.bytes_to_peers;
@@ -508,10 +509,10 @@ void RecordLoadJob(const LoadJobRecord& r) {
                  r.status.ToString());
   } else if (r.node.empty()) {
     spdlog::info(
-        "load job={} path={} ranks={} read={}B direct={}B cache={}B delivered={}B reads={} "
-        "verified={} list={:.4f}s plan={:.4f}s read={:.4f}s copy={:.4f}s wall={:.4f}s",
+        "load job={} path={} ranks={} read={}B direct={}B cache={}B files={}B delivered={}B "
+        "reads={} verified={} list={:.4f}s plan={:.4f}s read={:.4f}s copy={:.4f}s wall={:.4f}s",
         r.job, r.path, r.ranks, r.bytes_read, r.bytes_read_direct, r.bytes_from_cache,
-        r.bytes_delivered, r.reads, r.checksums_verified, r.list_s, r.plan_s, r.read_s, r.copy_s,
+        r.bytes_from_files, r.bytes_delivered, r.reads, r.checksums_verified, r.list_s, r.plan_s, r.read_s, r.copy_s,
         r.wall_s);
   } else {
     spdlog::info(

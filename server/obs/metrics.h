@@ -34,6 +34,7 @@ struct LoadJobRecord {
   uint64_t bytes_read = 0;        // from storage
   uint64_t bytes_read_direct = 0;  // of which around the page cache (O_DIRECT)
   uint64_t bytes_from_cache = 0;  // from the data cache
+  uint64_t bytes_from_files = 0;  // read by the clients from the files (file views)
   uint64_t bytes_from_peers = 0;  // multi-node: received from other daemons
   uint64_t bytes_to_peers = 0;    // multi-node: sent to other daemons
   uint64_t bytes_delivered = 0;   // into the ranks' destinations

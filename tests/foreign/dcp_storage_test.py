@@ -120,7 +120,8 @@ def load_worker(rank, gen_dir, path, sock, init_file, out_dir):
     rep = reader.last_report
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump({"bad": bad, "job_id": rep.job_id, "rank": rank,
-                   "bytes_read": rep.bytes_read, "transport": rep.transport}, f)
+                   "bytes_read": rep.bytes_read, "transport": rep.transport,
+                   "bytes_from_files": rep.bytes_from_files}, f)
     dist.destroy_process_group()
 
 
@@ -257,9 +258,12 @@ class DaemonStorageReaderTest(testlib.DaemonTestCase):
         self.assertEqual(reps[0]["job_id"], reps[1]["job_id"])  # one ckptd job
         self.assertTrue(reps[0]["job_id"].startswith("dcp-"), reps[0]["job_id"])
         # Both ranks together need every byte of the tensors they load (all but
-        # "step"): the node read each once.
+        # "step"): the node read each once, the daemon or (file views) the rank
+        # that needed it.
         cold = self.bytes_read() - before
-        self.assertEqual(cold, sum(t.bytes for n, t in info.tensors.items() if n != "step"))
+        by_ranks = sum(rep["bytes_from_files"] for rep in reps)
+        self.assertEqual(cold + by_ranks,
+                         sum(t.bytes for n, t in info.tensors.items() if n != "step"))
         # A restart: served from the daemon's cache, nothing read from storage.
         reps = self.spawn_load(path)
         for rep in reps:

@@ -351,6 +351,116 @@ TEST(ViewRecorder, PastItsViewLimitBytesGoThroughTheFallback) {
   EXPECT_EQ(dst[32], 2);  // the second block's bytes, written
 }
 
+TEST(ViewRecorder, FileViewsCoalesceShareOneViewPerFileAndCheckTheFile) {
+  testing::TempDir tmp;
+  {
+    std::ofstream f(tmp.Sub("d.bin"));
+    f << std::string(4096, 'a');
+  }
+  auto stamp = StatFile(tmp.Sub("d.bin"));
+  ASSERT_TRUE(stamp.ok());
+  HostCache c(8 * kBlock);
+  std::vector<uint8_t> t(4096, 0);
+  const auto a = reinterpret_cast<uint64_t>(t.data());
+  ViewRecorder rec(&c, 7, nullptr, {{a, a + t.size()}}, /*max_views=*/2);
+  auto open_ro = [&] { return ::open(tmp.Sub("d.bin").c_str(), O_RDONLY | O_CLOEXEC); };
+  // Rows of 16 bytes every 64 bytes of the file: one strided copy.
+  std::vector<ViewRecorder::FileRun> runs;
+  for (uint64_t r = 0; r < 8; ++r) runs.push_back({100 + 64 * r, a + 16 * r, 16});
+  ASSERT_TRUE(rec.Room(runs.size()));
+  ASSERT_TRUE(rec.RecordFile(3, open_ro(), 4096, tmp.Sub("d.bin"), *stamp, runs));
+  // The same file again (another read of it): the same view, its fd closed.
+  ASSERT_TRUE(rec.RecordFile(3, open_ro(), 4096, tmp.Sub("d.bin"), *stamp,
+                             {{2000, a + 1000, 50}}));
+  EXPECT_EQ(rec.bytes_from_files(), 8u * 16 + 50);
+  EXPECT_EQ(rec.bytes_recorded(), 0u);  // cache bytes only
+  ASSERT_EQ(rec.views().size(), 1u);
+  EXPECT_TRUE(rec.views()[0].file);
+  EXPECT_EQ(rec.views()[0].key, 0u);
+  EXPECT_EQ(rec.views()[0].bytes, 4096u);
+  const std::vector<ViewRecorder::Copy> copies = rec.copies();
+  ASSERT_EQ(copies.size(), 2u);
+  EXPECT_EQ(copies[0].offset, 100u);
+  EXPECT_EQ(copies[0].count, 8u);
+  EXPECT_EQ(copies[0].src_stride, 64u);
+  EXPECT_EQ(copies[0].dst_stride, 16u);
+  EXPECT_EQ(copies[1].offset, 2000u);
+  EXPECT_TRUE(rec.CheckFilesUnchanged().ok());
+  // Past the view limit (2): a second file fits, a third does not (its fd closed).
+  ASSERT_TRUE(rec.RecordFile(4, open_ro(), 4096, tmp.Sub("d.bin"), *stamp, {{0, a, 1}}));
+  EXPECT_FALSE(rec.Room(1));
+  const int fd = open_ro();
+  EXPECT_FALSE(rec.RecordFile(5, fd, 4096, tmp.Sub("d.bin"), *stamp, {{0, a, 1}}));
+  EXPECT_EQ(::fcntl(fd, F_GETFD), -1);
+  // Written in place while "the client reads": the check names the file.
+  {
+    std::fstream f(tmp.Sub("d.bin"), std::ios::in | std::ios::out | std::ios::binary);
+    f.seekp(10);
+    f << 'b';
+  }
+  absl::Status changed = rec.CheckFilesUnchanged();
+  EXPECT_TRUE(absl::IsAborted(changed)) << changed;
+  EXPECT_THAT(std::string(changed.message()), HasSubstr("d.bin: file changed during the load"));
+  rec.Release();
+}
+
+TEST(CachingSource, SharesUncachedFilesAndDefersThem) {
+  testing::TempDir tmp;
+  {
+    std::ofstream f(tmp.Sub("d.bin"));
+    f << std::string(64, 'a') << std::string(64, 'b');
+  }
+  auto stamp = StatFile(tmp.Sub("d.bin"));
+  ASSERT_TRUE(stamp.ok());
+  HostCache cache(1 << 20);
+  std::vector<uint8_t> scratch;
+  CachingSource src(tmp.path(), &cache, {{"d.bin", *stamp}});
+  auto verified = [](const uint8_t*) { return absl::OkStatus(); };
+  ASSERT_TRUE(src.Fetch("d.bin", 0, 64, scratch, verified).ok());  // cached
+  auto hit = src.ShareUncached("d.bin", 0, 64);
+  ASSERT_TRUE(hit.ok()) << hit.status();
+  EXPECT_FALSE(hit->has_value());  // the cache's views serve it
+  auto miss = src.ShareUncached("d.bin", 64, 64);
+  ASSERT_TRUE(miss.ok()) << miss.status();
+  ASSERT_TRUE(miss->has_value());
+  const int fd = (*miss)->fd;
+  EXPECT_EQ((*miss)->size, 128u);
+  EXPECT_EQ((*miss)->stamp, *stamp);
+  char b = 0;
+  EXPECT_EQ(::pread(fd, &b, 1, 64), 1);
+  EXPECT_EQ(b, 'b');
+  EXPECT_EQ(::fcntl(fd, F_GETFL) & O_ACCMODE, O_RDONLY);
+  ::close(fd);
+  EXPECT_EQ(src.Deferred(), (std::vector<std::pair<std::string, uint64_t>>{{"d.bin", 64}}));
+}
+
+TEST(AppendFileRuns, PlainCopiesOnlyAsFileOffsetsAndAddresses) {
+  // A [4, 8] f32 shard stored at file offset 1000; the target owns columns 2..5.
+  TargetTensor t;
+  t.name = "w";
+  t.dtype = DType::kF32;
+  t.global_shape = {4, 8};
+  t.box = Box{{0, 2}, {4, 4}};
+  CopyOp op;
+  op.src = StoredLayout::Whole(Box{{0, 0}, {4, 8}}, DType::kF32);
+  op.src_offset = 1000;
+  op.region = t.box;
+  op.elements = 16;
+  std::vector<ViewRecorder::FileRun> runs;
+  ASSERT_TRUE(AppendFileRuns(op, t, 5000, 100, &runs));
+  ASSERT_EQ(runs.size(), 4u);
+  for (uint64_t r = 0; r < 4; ++r) {
+    EXPECT_EQ(runs[r].offset, 1000 + (r * 8 + 2) * 4);
+    EXPECT_EQ(runs[r].address, 5000 + r * 16);
+    EXPECT_EQ(runs[r].length, 16u);
+  }
+  runs.clear();
+  EXPECT_FALSE(AppendFileRuns(op, t, 5000, 3, &runs));  // more runs than allowed
+  t.dtype = DType::kBF16;                                 // a cast: the daemon's
+  EXPECT_FALSE(AppendFileRuns(op, t, 5000, 100, &runs));
+  EXPECT_TRUE(runs.empty());
+}
+
 TEST(CachingSource, DetectsChangedFiles) {
   testing::TempDir tmp;
   {
