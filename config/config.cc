@@ -34,7 +34,8 @@ const std::set<std::string>& KnownKeys() {
       "tcp_tls_cert",  "tcp_tls_key",     "tcp_tls_ca",      "insecure_tcp",
       "tcp_uid",       "admin_uids",      "access",          "limits",
       "peer_tls_cert", "peer_tls_key",    "peer_tls_ca",     "peer_insecure",
-      "peer_unkeyed_jobs", "nccl_connect_timeout", "nccl_device", "port_file", "memory_limit", "save_buffer", "s3"};
+      "peer_unkeyed_jobs", "nccl_connect_timeout", "nccl_device", "port_file", "memory_limit", "save_buffer", "s3",
+      "cache_huge_pages"};
   return *keys;
 }
 
@@ -429,6 +430,9 @@ absl::StatusOr<DaemonConfig> ParseConfig(const std::string& yaml, const std::str
          : key == "arena_pool"      ? c.arena_pool
          : key == "save_buffer"     ? c.save_buffer
                                     : c.arena_limit) = *b;
+      } else if (key == "cache_huge_pages") {
+        if (s != "auto" && s != "off") return Bad(source, key, "must be auto or off");
+        c.cache_huge_pages = s;
       } else if (key == "direct_io") {
         if (!IsDirectIoMode(s)) return Bad(source, key, "must be never, auto or always");
         c.direct_io = s;
@@ -524,6 +528,10 @@ absl::Status ValidateConfig(const DaemonConfig& c) {
   }
   if (c.io_request_size < 4096) {
     return absl::InvalidArgumentError("config: 'io_request_size' must be at least 4KiB");
+  }
+  if (c.cache_huge_pages != "auto" && c.cache_huge_pages != "off") {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "config: 'cache_huge_pages' is '", c.cache_huge_pages, "', not one of auto, off"));
   }
   if (!IsDirectIoMode(c.direct_io)) {
     return absl::InvalidArgumentError(absl::StrCat(
@@ -656,6 +664,7 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   out << YAML::Key << "tcp_address" << YAML::Value << c.tcp_address;
   out << YAML::Key << "roots" << YAML::Value << c.roots;
   out << YAML::Key << "cache_budget" << YAML::Value << c.cache_budget;
+  out << YAML::Key << "cache_huge_pages" << YAML::Value << c.cache_huge_pages;
   out << YAML::Key << "arena_pool" << YAML::Value << c.arena_pool;
   out << YAML::Key << "arena_limit" << YAML::Value << c.arena_limit;
   out << YAML::Key << "save_buffer" << YAML::Value << c.save_buffer;

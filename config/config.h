@@ -91,6 +91,11 @@ struct DaemonConfig {
   std::vector<std::string> roots;  // checkpoints outside these are refused (paths or s3:// URLs)
   S3Config s3;
   uint64_t cache_budget = 4ull << 30;  // bytes of checkpoint data kept in memory
+  // Huge pages for the data cache's shared-memory blocks (the ones clients
+  // map as cache views): "auto" (asked for where the kernel's shmem THP
+  // setting honours the request: shmem_enabled advise, always or
+  // within_size; said at start-up either way), "off".
+  std::string cache_huge_pages = "auto";
   // Destination arenas the daemon lends clients (server/arena_pool.h): free
   // ones kept mapped for the next client, and all leased ones together.
   uint64_t arena_pool = 4ull << 30;

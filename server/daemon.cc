@@ -27,6 +27,24 @@ gpu::GpuOptions GpuOptionsOf(const DaemonConfig& c) {
   o.pinned_limit = c.cache_budget + 2 * o.pinned_chunk;  // room for fragmentation
   return o;
 }
+// cache_huge_pages: whether the data cache asks for huge pages for its
+// shared blocks, said once at start-up with the reason.
+bool CacheHugePages(const DaemonConfig& c) {
+  if (c.cache_huge_pages == "off") {
+    spdlog::info("cache: 4 KiB pages for shared blocks (cache_huge_pages: off)");
+    return false;
+  }
+  const ckpt::ShmemHugePages probe = ckpt::ProbeShmemHugePages();
+  if (probe.honoured) {
+    spdlog::info("cache: huge pages for shared blocks (shmem THP: {})", probe.setting);
+  } else {
+    spdlog::info("cache: 4 KiB pages for shared blocks: this kernel gives shared memory no huge "
+                 "pages (shmem THP: {}; 'advise' in "
+                 "/sys/kernel/mm/transparent_hugepage/shmem_enabled allows them)",
+                 probe.setting);
+  }
+  return probe.honoured;
+}
 }  // namespace
 
 Daemon::Daemon(DaemonConfig config)
@@ -34,7 +52,8 @@ Daemon::Daemon(DaemonConfig config)
       direct_io_(ckpt::ParseDirectIo(config_.direct_io).value_or(ckpt::DirectIo::kNever)),
       started_(absl::Now()),
       gpu_(gpu::CreateGpuRuntime(GpuOptionsOf(config_))),
-      cache_(config_.cache_budget, gpu_->host_allocator()),
+      cache_(config_.cache_budget, gpu_->host_allocator(),
+             gpu_->host_allocator() == nullptr && CacheHugePages(config_)),
       arenas_(std::make_unique<ArenaPool>(config_.arena_pool, config_.arena_limit)),
       filler_(std::make_unique<CacheFiller>(&cache_)),
       opener_(DestinationOpener::Parts{arenas_.get(), &view_leases_, &cache_, gpu_.get(),

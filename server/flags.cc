@@ -38,6 +38,8 @@ ABSL_FLAG(std::string, memory_limit, "",
           "or a size (overrides the config)");
 ABSL_FLAG(int, io_threads, 0, "I/O threads (overrides the config)");
 ABSL_FLAG(std::string, direct_io, "", "never|auto|always: O_DIRECT reads (overrides the config)");
+ABSL_FLAG(std::string, cache_huge_pages, "",
+          "auto|off: huge pages for the data cache's shared blocks (overrides the config)");
 ABSL_FLAG(std::string, barrier_timeout, "", "e.g. 120s (overrides the config)");
 ABSL_FLAG(std::string, log_level, "", "trace|debug|info|warn|error (overrides the config)");
 ABSL_FLAG(std::string, log_format, "", "text|json (overrides the config)");
@@ -221,6 +223,9 @@ absl::StatusOr<StartupConfig> ConfigFromFlags() {
   }
   if (absl::GetFlag(FLAGS_io_threads) > 0) config.io_threads = absl::GetFlag(FLAGS_io_threads);
   if (!absl::GetFlag(FLAGS_direct_io).empty()) config.direct_io = absl::GetFlag(FLAGS_direct_io);
+  if (!absl::GetFlag(FLAGS_cache_huge_pages).empty()) {
+    config.cache_huge_pages = absl::GetFlag(FLAGS_cache_huge_pages);
+  }
   if (!absl::GetFlag(FLAGS_barrier_timeout).empty()) {
     auto d = ParseDuration(absl::GetFlag(FLAGS_barrier_timeout));
     if (!d.ok()) return absl::InvalidArgumentError(absl::StrCat("--barrier_timeout: ", d.status().message()));

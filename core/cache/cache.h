@@ -83,11 +83,28 @@ class HostAllocator {
   virtual bool HasRecycled(uint64_t n) const { return true; }
 };
 
+// Whether the kernel backs shared memory with huge pages where a mapping
+// asks (MADV_HUGEPAGE), and the setting that decides it:
+// /sys/kernel/mm/transparent_hugepage/shmem_enabled ("always", "within_size"
+// and "advise" honour the request; "never", "deny" or no such file do not),
+// or, where the kernel has one and it does not say "inherit", the per-size
+// hugepages-2048kB/shmem_enabled.
+struct ShmemHugePages {
+  bool honoured = false;
+  std::string setting;  // the value that decided, e.g. "advise"; "unknown" without the files
+};
+ShmemHugePages ProbeShmemHugePages();
+
 class HostCache {
  public:
   // `allocator` (optional, not owned) must outlive the cache; without one
-  // the cache recycles its own blocks of memory (cache.cc, BlockPool).
-  explicit HostCache(uint64_t budget_bytes, HostAllocator* allocator = nullptr);
+  // the cache recycles its own blocks of memory (cache.cc, BlockPool), and
+  // with `huge_pages` asks for huge pages for its shared blocks of 2 MiB and
+  // more (ProbeShmemHugePages says whether the kernel gives them): a
+  // client's first copy out of a view then takes one fault per 2 MiB
+  // instead of one per 4 KiB.
+  explicit HostCache(uint64_t budget_bytes, HostAllocator* allocator = nullptr,
+                     bool huge_pages = false);
   ~HostCache();
   HostCache(const HostCache&) = delete;
   HostCache& operator=(const HostCache&) = delete;

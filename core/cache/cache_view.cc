@@ -171,6 +171,9 @@ uint64_t ViewRecorder::bytes_recorded() const {
 
 absl::Status ViewRecorder::CheckFilesUnchanged() const {
   absl::MutexLock lock(&mu_);
+  if (released_ && !file_fds_.empty()) {  // the descriptors are closed
+    return absl::InternalError("file views checked after they were let go");
+  }
   for (size_t i = 0; i < file_fds_.size(); ++i) {
     const auto& [path, stamp] = file_stamps_[i];
     absl::StatusOr<FileStamp> now = StatFd(file_fds_[i], path);

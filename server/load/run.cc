@@ -268,12 +268,13 @@ absl::StatusOr<ckpt::LoadStats> Loads::RunNodePart(
       fill.reads.push_back(rr);
     }
     // After the ranks' clients are done reading (file views): the fill
-    // would compete with them (a first load after start: fresh memory).
+    // would compete with them (a first load after start: fresh memory). A
+    // rank whose thread is gone already holds it until the job is let go.
     auto hold = std::make_shared<int>(0);
-    for (const auto& s : slots) {
-      if (!s->destination->reads_files()) continue;
-      absl::MutexLock lock(&s->mu);
-      s->fill_after = hold;
+    for (size_t i = 0; i < slots.size(); ++i) {
+      if (skip[i] || !slots[i]->destination->reads_files()) continue;
+      absl::MutexLock lock(&slots[i]->mu);
+      slots[i]->fill_after = hold;
     }
     p_.filler->Submit(job->path, stamps, std::move(fill), job->owner, hold,
                       p_.config->load_timeout);

@@ -332,11 +332,16 @@ class OpsTest(unittest.TestCase):
         # them (those this daemon called most recently first) and says how
         # many there are (issue 34: a scrape of every daemon of a large peer
         # set must not cost N^2 pings). Nothing listens there.
-        ports = []
-        for _ in range(70):
-            with socket.socket() as s:
+        # All 70 bound at once, so the kernel hands out 70 different ports
+        # (one at a time, a port freed could come back: 69 distinct peers).
+        held = [socket.socket() for _ in range(70)]
+        try:
+            for s in held:
                 s.bind(("127.0.0.1", 0))
-                ports.append(s.getsockname()[1])
+            ports = [s.getsockname()[1] for s in held]
+        finally:
+            for s in held:
+                s.close()
         peers = ",".join(f"127.0.0.1:{p}" for p in ports)
         with testlib.Daemon(self.root, "--peer-listen", "127.0.0.1:0", "--peers", peers) as d:
             st = json.loads(ckptctl("status", "--daemon", d.socket, "--json").stdout)

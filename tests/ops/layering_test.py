@@ -346,7 +346,8 @@ FS_CALL_ALLOWED = {"core/io/file_posix.cc"}
 # Files that touch the file system for the daemon's own things, never a
 # checkpoint's: {path: reason}.
 OWN_FILES = {
-    "core/cache/cache.cc": "a read-only view of the cache's own memfd (/proc/self/fd)",
+    "core/cache/cache.cc": "a read-only view of the cache's own memfd (/proc/self/fd); the "
+                           "kernel's shmem THP setting (/sys)",
     "server/lifecycle.cc": "the daemon's socket and port files",
     "server/delivery/fd_channel.cc": "the fd-passing socket",
     "server/api/uds_listener.cc": "the gRPC Unix socket",

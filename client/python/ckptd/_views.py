@@ -159,14 +159,17 @@ def copy_views(fd_socket, views, targets, timeout=10.0):
             runs = [(order[t][0] + rel, c.offset if is_file[c.view]
                      else srcs[c.view].ctypes.data + c.offset, c.length, c.count,
                      c.dst_stride, c.src_stride) for c, t, rel in plan]
-            cached = [i for i, (c, _, _) in enumerate(plan) if not is_file[c.view]]
+            cached, by_file = [], {}
+            for i, (c, _, _) in enumerate(plan):
+                if is_file[c.view]:
+                    by_file.setdefault(c.view, []).append(runs[i])
+                else:
+                    cached.append(i)
             if not _native.copy_runs(np.array([runs[i] for i in cached], dtype=np.uint64)
                                      .reshape(-1, _native.RUN_FIELDS)):
                 _copy_numpy([plan[i] for i in cached], order, srcs)
-            for v in range(n):
-                if is_file[v]:
-                    _read_file(fds[v], [runs[i] for i, (c, _, _) in enumerate(plan)
-                                        if c.view == v])
+            for v, file_runs in by_file.items():
+                _read_file(fds[v], file_runs)
         finally:
             for fd in fds:
                 os.close(fd)
