@@ -150,16 +150,8 @@ class PosixFile final : public RandomAccessFile {
     // Through /proc/self/fd/N: the inode `fd_` holds, never the path again,
     // with an open file description of its own (no flags shared with ours);
     // where /proc is missing, a duplicate (the same description).
-    const int fd = ::open(absl::StrCat("/proc/self/fd/", fd_).c_str(),
-                          O_RDONLY | O_CLOEXEC | O_NOCTTY);
-    if (fd >= 0) {
-      struct stat a, b;
-      if (::fstat(fd_, &a) == 0 && ::fstat(fd, &b) == 0 && a.st_dev == b.st_dev &&
-          a.st_ino == b.st_ino) {
-        return fd;
-      }
-      ::close(fd);
-    }
+    const int fd = ReopenSelf(O_RDONLY | O_CLOEXEC | O_NOCTTY);
+    if (fd >= 0) return fd;
     const int dup = ::fcntl(fd_, F_DUPFD_CLOEXEC, 0);
     if (dup < 0) return ErrnoError(errno, "sharing its descriptor", path_);
     return dup;
@@ -171,19 +163,24 @@ class PosixFile final : public RandomAccessFile {
   // very inode `fd_` holds (never the path again: the path may have been
   // swapped for a symlink since), and checked to be that inode.
   int DirectFd() const {
-    std::call_once(direct_once_, [this] {
-      const std::string self = absl::StrCat("/proc/self/fd/", fd_);
-      const int dfd = ::open(self.c_str(), O_RDONLY | O_CLOEXEC | O_DIRECT | O_NOCTTY);
-      if (dfd < 0) return;
-      struct stat a, b;
-      if (::fstat(fd_, &a) != 0 || ::fstat(dfd, &b) != 0 || a.st_dev != b.st_dev ||
-          a.st_ino != b.st_ino) {
-        ::close(dfd);
-        return;
-      }
-      direct_fd_ = dfd;
-    });
+    std::call_once(direct_once_,
+                   [this] { direct_fd_ = ReopenSelf(O_RDONLY | O_CLOEXEC | O_DIRECT | O_NOCTTY); });
     return direct_fd_;
+  }
+
+  // A new open file description of the inode `fd_` holds, with `flags`,
+  // through /proc/self/fd/N (never the path again) and checked to be that
+  // inode; -1 where it cannot be opened so.
+  int ReopenSelf(int flags) const {
+    const int fd = ::open(absl::StrCat("/proc/self/fd/", fd_).c_str(), flags);
+    if (fd < 0) return -1;
+    struct stat a, b;
+    if (::fstat(fd_, &a) != 0 || ::fstat(fd, &b) != 0 || a.st_dev != b.st_dev ||
+        a.st_ino != b.st_ino) {
+      ::close(fd);
+      return -1;
+    }
+    return fd;
   }
 
   std::string path_;

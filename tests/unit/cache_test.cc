@@ -352,14 +352,21 @@ TEST(ViewRecorder, PastItsViewLimitBytesGoThroughTheFallback) {
   EXPECT_EQ(dst[32], 2);  // the second block's bytes, written
 }
 
+// Writes `contents` to `name` in `tmp` and returns the file's stamp.
+FileStamp WriteStamped(const testing::TempDir& tmp, const std::string& name,
+                       const std::string& contents) {
+  {
+    std::ofstream f(tmp.Sub(name));
+    f << contents;
+  }
+  auto stamp = StatFile(tmp.Sub(name));
+  EXPECT_TRUE(stamp.ok()) << stamp.status();
+  return stamp.value_or(FileStamp{});
+}
+
 TEST(ViewRecorder, FileViewsCoalesceShareOneViewPerFileAndCheckTheFile) {
   testing::TempDir tmp;
-  {
-    std::ofstream f(tmp.Sub("d.bin"));
-    f << std::string(4096, 'a');
-  }
-  auto stamp = StatFile(tmp.Sub("d.bin"));
-  ASSERT_TRUE(stamp.ok());
+  const FileStamp stamp = WriteStamped(tmp, "d.bin", std::string(4096, 'a'));
   HostCache c(8 * kBlock);
   std::vector<uint8_t> t(4096, 0);
   const auto a = reinterpret_cast<uint64_t>(t.data());
@@ -369,9 +376,9 @@ TEST(ViewRecorder, FileViewsCoalesceShareOneViewPerFileAndCheckTheFile) {
   std::vector<ViewRecorder::FileRun> runs;
   for (uint64_t r = 0; r < 8; ++r) runs.push_back({100 + 64 * r, a + 16 * r, 16});
   ASSERT_TRUE(rec.Room(runs.size()));
-  ASSERT_TRUE(rec.RecordFile(3, open_ro(), 4096, tmp.Sub("d.bin"), *stamp, runs));
+  ASSERT_TRUE(rec.RecordFile(3, open_ro(), 4096, tmp.Sub("d.bin"), stamp, runs));
   // The same file again (another read of it): the same view, its fd closed.
-  ASSERT_TRUE(rec.RecordFile(3, open_ro(), 4096, tmp.Sub("d.bin"), *stamp,
+  ASSERT_TRUE(rec.RecordFile(3, open_ro(), 4096, tmp.Sub("d.bin"), stamp,
                              {{2000, a + 1000, 50}}));
   EXPECT_EQ(rec.bytes_from_files(), 8u * 16 + 50);
   EXPECT_EQ(rec.bytes_recorded(), 0u);  // cache bytes only
@@ -388,10 +395,10 @@ TEST(ViewRecorder, FileViewsCoalesceShareOneViewPerFileAndCheckTheFile) {
   EXPECT_EQ(copies[1].offset, 2000u);
   EXPECT_TRUE(rec.CheckFilesUnchanged().ok());
   // Past the view limit (2): a second file fits, a third does not (its fd closed).
-  ASSERT_TRUE(rec.RecordFile(4, open_ro(), 4096, tmp.Sub("d.bin"), *stamp, {{0, a, 1}}));
+  ASSERT_TRUE(rec.RecordFile(4, open_ro(), 4096, tmp.Sub("d.bin"), stamp, {{0, a, 1}}));
   EXPECT_FALSE(rec.Room(1));
   const int fd = open_ro();
-  EXPECT_FALSE(rec.RecordFile(5, fd, 4096, tmp.Sub("d.bin"), *stamp, {{0, a, 1}}));
+  EXPECT_FALSE(rec.RecordFile(5, fd, 4096, tmp.Sub("d.bin"), stamp, {{0, a, 1}}));
   EXPECT_EQ(::fcntl(fd, F_GETFD), -1);
   // Written in place while "the client reads": the check names the file.
   {
@@ -407,15 +414,10 @@ TEST(ViewRecorder, FileViewsCoalesceShareOneViewPerFileAndCheckTheFile) {
 
 TEST(CachingSource, SharesUncachedFilesAndDefersThem) {
   testing::TempDir tmp;
-  {
-    std::ofstream f(tmp.Sub("d.bin"));
-    f << std::string(64, 'a') << std::string(64, 'b');
-  }
-  auto stamp = StatFile(tmp.Sub("d.bin"));
-  ASSERT_TRUE(stamp.ok());
+  const FileStamp stamp = WriteStamped(tmp, "d.bin", std::string(64, 'a') + std::string(64, 'b'));
   HostCache cache(1 << 20);
   std::vector<uint8_t> scratch;
-  CachingSource src(tmp.path(), &cache, {{"d.bin", *stamp}});
+  CachingSource src(tmp.path(), &cache, {{"d.bin", stamp}});
   auto verified = [](const uint8_t*) { return absl::OkStatus(); };
   ASSERT_TRUE(src.Fetch("d.bin", 0, 64, scratch, verified).ok());  // cached
   auto hit = src.ShareUncached("d.bin", 0, 64);
@@ -426,7 +428,7 @@ TEST(CachingSource, SharesUncachedFilesAndDefersThem) {
   ASSERT_TRUE(miss->has_value());
   const int fd = (*miss)->fd;
   EXPECT_EQ((*miss)->size, 128u);
-  EXPECT_EQ((*miss)->stamp, *stamp);
+  EXPECT_EQ((*miss)->stamp, stamp);
   char b = 0;
   EXPECT_EQ(::pread(fd, &b, 1, 64), 1);
   EXPECT_EQ(b, 'b');
@@ -464,18 +466,13 @@ TEST(AppendFileRuns, PlainCopiesOnlyAsFileOffsetsAndAddresses) {
 
 TEST(CachingSource, DetectsChangedFiles) {
   testing::TempDir tmp;
-  {
-    std::ofstream f(tmp.Sub("d.bin"));
-    f << std::string(64, 'a');
-  }
-  auto stamp = StatFile(tmp.Sub("d.bin"));
-  ASSERT_TRUE(stamp.ok());
+  const FileStamp stamp = WriteStamped(tmp, "d.bin", std::string(64, 'a'));
   HostCache cache(1 << 20);
   std::vector<uint8_t> scratch;
   // A verified read is kept (a read without a verify function would not be).
   auto verified = [](const uint8_t*) { return absl::OkStatus(); };
   {
-    CachingSource src(tmp.path(), &cache, {{"d.bin", *stamp}});
+    CachingSource src(tmp.path(), &cache, {{"d.bin", stamp}});
     auto v = src.Fetch("d.bin", 0, 64, scratch, verified);
     ASSERT_TRUE(v.ok()) << v.status();
     EXPECT_TRUE(v->from_storage);
@@ -487,7 +484,7 @@ TEST(CachingSource, DetectsChangedFiles) {
     std::ofstream f(tmp.Sub("d.bin"), std::ios::app);
     f << "more";
   }
-  CachingSource src(tmp.path(), &cache, {{"d.bin", *stamp}});
+  CachingSource src(tmp.path(), &cache, {{"d.bin", stamp}});
   auto v = src.Fetch("d.bin", 0, 8, scratch, nullptr);
   ASSERT_FALSE(v.ok());
   EXPECT_THAT(std::string(v.status().message()), HasSubstr("d.bin: file changed"));
