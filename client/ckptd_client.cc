@@ -581,20 +581,85 @@ bool ProcessMemoryFits(const LoadSpec& spec) {
 #define MADV_POPULATE_WRITE 23  // Linux 5.14
 #endif
 
+// Bytes of free memory in blocks of `huge` or more, every zone
+// (/proc/buddyinfo: per zone, the free blocks of page << order); 0 where it
+// cannot be read.
+uint64_t HugeBlocksFree(uint64_t page, uint64_t huge) {
+  std::FILE* f = std::fopen("/proc/buddyinfo", "re");
+  if (f == nullptr) return 0;
+  uint64_t total = 0;
+  char line[512];
+  while (std::fgets(line, sizeof line, f) != nullptr) {
+    // "Node 0, zone   Normal   c0 c1 ... c10"
+    const char* p = std::strstr(line, "zone");
+    if (p == nullptr) continue;
+    p += 4;
+    while (*p == ' ') ++p;
+    while (*p != '\0' && *p != ' ') ++p;  // the zone's name
+    for (int order = 0; *p != '\0' && *p != '\n'; ++order) {
+      char* end = nullptr;
+      const unsigned long long n = std::strtoull(p, &end, 10);
+      if (end == p) break;
+      p = end;
+      if (order < 40 && (page << order) >= huge) total += n * (page << order);
+    }
+  }
+  std::fclose(f);
+  return total;
+}
+
 // Faults the buffers' pages in (writable) before the daemon writes them:
 // process_vm_writev into pages never touched faults them one by one under
 // this process's mmap lock, the daemon's I/O threads queueing on it; one
-// madvise per buffer maps them at first-touch speed (a page-table walk for
-// buffers already in memory). Contents are unchanged. Best effort.
+// madvise per run of pages mincore reports missing maps them at first-touch
+// speed (pages already there are left alone: no page-table walk). Fresh
+// memory is first advised huge (MADV_HUGEPAGE on the whole 2 MiB pages inside
+// the buffer, never past it) where the kernel leaves THP to madvise: a fault
+// then maps 2 MiB. Only as many bytes are advised as half the node's free
+// memory in blocks of 2 MiB or more: a huge page beyond that would be made by
+// compaction, which with THP defrag "madvise" stalls the fault.
+// CKPTD_HUGE_PAGES=0 leaves the advice out. Contents are unchanged. Best
+// effort.
 void Populate(const LoadSpec& spec) {
   const uintptr_t page = static_cast<uintptr_t>(::sysconf(_SC_PAGESIZE));
+  constexpr uintptr_t kHuge = uintptr_t{2} << 20;
+  const char* env = std::getenv("CKPTD_HUGE_PAGES");
+  // Each advised range splits its mapping: a bound against vm.max_map_count.
+  int huge_left = 0;
+  uint64_t huge_bytes = 0;
+  if (env == nullptr || std::string(env) != "0") {
+    huge_left = 4096;
+    huge_bytes = HugeBlocksFree(page, kHuge) / 2;
+  }
+  std::vector<unsigned char> resident;
   for (const TensorSpec& t : spec.tensors) {
     if (t.num_bytes() < page) continue;
     const uintptr_t at = reinterpret_cast<uintptr_t>(t.buffer);
-    const uintptr_t start = at - at % page;
-    if (::madvise(reinterpret_cast<void*>(start), at + t.num_bytes() - start,
-                  MADV_POPULATE_WRITE) != 0) {
-      return;  // EINVAL: an older kernel or a special mapping
+    const uintptr_t start = at - at % page, end = at + t.num_bytes();
+    const size_t pages = (end - start + page - 1) / page;
+    resident.assign(pages, 1);
+    if (::mincore(reinterpret_cast<void*>(start), end - start, resident.data()) != 0) {
+      std::fill(resident.begin(), resident.end(), 0);  // unknown: populate it all
+    }
+    for (size_t i = 0; i < pages;) {
+      if (resident[i] & 1) {
+        ++i;
+        continue;
+      }
+      size_t j = i;
+      while (j < pages && !(resident[j] & 1)) ++j;
+      const uintptr_t a = start + i * page, b = std::min(end, start + j * page);
+      const uintptr_t ha = (a + kHuge - 1) / kHuge * kHuge;
+      const uintptr_t hb = std::min<uint64_t>(b, ha + huge_bytes) / kHuge * kHuge;
+      if (huge_left > 0 && hb > ha) {
+        --huge_left;
+        huge_bytes -= hb - ha;
+        ::madvise(reinterpret_cast<void*>(ha), hb - ha, MADV_HUGEPAGE);  // a hint
+      }
+      if (::madvise(reinterpret_cast<void*>(a), b - a, MADV_POPULATE_WRITE) != 0) {
+        return;  // EINVAL: an older kernel or a special mapping
+      }
+      i = j;
     }
   }
 }

@@ -1,6 +1,7 @@
 // Integration tests: the real ckptd binary, real client processes (ckptctl)
 // and the C++ client library over the daemon's Unix socket.
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <grpcpp/grpcpp.h>
 #include <unistd.h>
 
@@ -280,6 +281,77 @@ TEST_F(BadRequests, AutoWritesPlainBuffersInPlace) {
   s.job_id += "-forced";
   EXPECT_EQ(client->Load(s).status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_TRUE(d.Alive());
+}
+
+// AnonHugePages (KiB) of the mappings that hold [lo, hi) of this process.
+int64_t HugeKib(uintptr_t lo, uintptr_t hi) {
+  std::ifstream f("/proc/self/smaps");
+  std::string line;
+  int64_t total = 0;
+  bool inside = false;
+  while (std::getline(f, line)) {
+    unsigned long s = 0, e = 0;
+    if (std::sscanf(line.c_str(), "%lx-%lx ", &s, &e) == 2 && line.find(':') > line.find(' ')) {
+      inside = s < hi && e > lo;
+    } else if (inside && line.rfind("AnonHugePages:", 0) == 0) {
+      total += std::strtoll(line.c_str() + 14, nullptr, 10);
+    }
+  }
+  return total;
+}
+
+// Fresh memory in a destination is advised huge before it is faulted in
+// (where THP is left to madvise), only the whole 2 MiB pages inside the
+// buffer; CKPTD_HUGE_PAGES=0 and memory already there keep 4 KiB pages; the
+// loads are exact either way.
+TEST_F(DaemonTest, FreshBuffersGetHugePages) {
+  std::ifstream mode_file("/sys/kernel/mm/transparent_hugepage/enabled");
+  std::string mode((std::istreambuf_iterator<char>(mode_file)), {});
+  if (mode.find("[madvise]") == std::string::npos) GTEST_SKIP() << "THP: " << mode;
+  const std::string big = tmp_.Sub("big");
+  constexpr int64_t kRows = 1024, kCols = 2048;  // 8 MiB of f32
+  std::vector<float> full(kRows * kCols);
+  for (size_t i = 0; i < full.size(); ++i) full[i] = static_cast<float>(i % 1000003);
+  ASSERT_TRUE(MakeDirs(big + "/m").ok());
+  ASSERT_TRUE(WriteSafetensors(big + "/m/model.safetensors",
+                               {{"w", DType::kF32, {kRows, kCols}, full.data()}}, {})
+                  .ok());
+  DaemonProcess d(big);
+  ASSERT_TRUE(d.Ready()) << Slurp(d.log());
+  auto client = Connect(d);
+  const size_t bytes = full.size() * sizeof(float), huge = size_t{2} << 20;
+  auto load = [&](const std::string& job, bool touch) -> int64_t {
+    void* m = ::mmap(nullptr, bytes + 2 * huge, PROT_READ | PROT_WRITE,
+                     MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    EXPECT_NE(m, MAP_FAILED);
+    if (m == MAP_FAILED) return -1;
+    const uintptr_t at = (reinterpret_cast<uintptr_t>(m) + huge - 1) / huge * huge + 4096;
+    auto* buf = reinterpret_cast<float*>(at);
+    if (touch) std::memset(buf, kPoison, bytes);
+    ckptd::LoadSpec spec;
+    spec.job_id = job;
+    spec.path = big + "/m";
+    spec.transport = ckptd::Transport::kProcessMemory;
+    ckptd::TensorSpec t;
+    t.name = "w";
+    t.dtype = DType::kF32;
+    t.global_shape = {kRows, kCols};
+    t.box = Box{{0, 0}, {kRows, kCols}};
+    t.buffer = buf;
+    spec.tensors.push_back(t);
+    auto r = client->Load(spec);
+    EXPECT_TRUE(r.ok()) << r.status();
+    EXPECT_EQ(std::memcmp(buf, full.data(), bytes), 0) << job;
+    const int64_t kib = HugeKib(at, at + bytes);
+    ::munmap(m, bytes + 2 * huge);
+    return kib;
+  };
+  // 8 MiB from 4 KiB past a boundary: 3 whole 2 MiB pages inside.
+  EXPECT_EQ(load("huge-fresh", false), 3 * 2048);
+  EXPECT_EQ(load("huge-touched", true), 0);
+  ::setenv("CKPTD_HUGE_PAGES", "0", 1);
+  EXPECT_EQ(load("huge-off", false), 0);
+  ::unsetenv("CKPTD_HUGE_PAGES");
 }
 
 TEST_F(BadRequests, EachGetsTheRightCodeAndMessage) {

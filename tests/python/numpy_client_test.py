@@ -2,6 +2,7 @@
 bundled example checkpoint, values checked with an independent safetensors
 reader."""
 import json
+import mmap
 import os
 import shutil
 import socket as pysocket
@@ -631,6 +632,69 @@ class NumpyClientTest(unittest.TestCase):
                                   strict=False)
         self.assertEqual(r.missing_keys, ["layer.b"])
         np.testing.assert_array_equal(w, full * 2)
+
+    def test_fresh_destinations_get_huge_pages(self):
+        """Fresh memory in a destination is advised huge before it is faulted
+        in (where the kernel leaves THP to madvise), never beyond the
+        tensor's own bytes; a load into it is exact; CKPTD_HUGE_PAGES=0 and
+        memory already there keep 4 KiB pages."""
+        mode = open("/sys/kernel/mm/transparent_hugepage/enabled").read()
+        if "[madvise]" not in mode:
+            self.skipTest(f"THP is not left to madvise here: {mode.strip()}")
+        if ckclient._huge_blocks_free() < 64 << 20:
+            self.skipTest("under 64 MiB free in 2 MiB blocks (the client advises half)")
+        out = os.path.join(self.root, "saved-huge")
+        g = (1024, 2048)  # 8 MiB of float32
+        full = np.arange(g[0] * g[1], dtype=np.float32).reshape(g) / 3
+        ckptd.save_state_dict({"w": full}, out, job_id="np-huge-save", socket=self.sock)
+
+        def fresh():
+            """A float32 array of shape g on a fresh anonymous mapping that
+            starts 4 KiB past a 2 MiB boundary (so the advice must be cut)."""
+            m = mmap.mmap(-1, full.nbytes + (4 << 20), flags=mmap.MAP_PRIVATE)
+            base = np.frombuffer(m, np.uint8)
+            addr = base.ctypes.data
+            skip = (-addr) % (2 << 20) + 4096
+            return m, base[skip:skip + full.nbytes].view(np.float32).reshape(g)
+
+        def huge_kib(a):
+            """AnonHugePages of the mappings that hold a's bytes, in KiB."""
+            lo, hi = a.ctypes.data, a.ctypes.data + a.nbytes
+            total, inside = 0, False
+            with open("/proc/self/smaps") as f:
+                for line in f:
+                    head = line.split()[0]
+                    if "-" in head and not head.endswith(":"):
+                        s, e = (int(x, 16) for x in head.split("-"))
+                        inside = s < hi and e > lo
+                    elif inside and head == "AnonHugePages:":
+                        total += int(line.split()[1])
+            return total
+
+        for transport in ("process_memory", "cache_view"):
+            m, w = fresh()
+            r = ckptd.load_state_dict({"w": w}, out, socket=self.sock, transport=transport)
+            self.assertEqual(r.missing_keys, [])
+            np.testing.assert_array_equal(w, full, err_msg=transport)
+            # 8 MiB from 4 KiB past a boundary: 3 whole 2 MiB pages inside.
+            self.assertEqual(huge_kib(w), 3 * 2048, transport)
+            del w, m
+        os.environ["CKPTD_HUGE_PAGES"] = "0"
+        try:
+            m, w = fresh()
+            ckptd.load_state_dict({"w": w}, out, socket=self.sock, transport="process_memory")
+            np.testing.assert_array_equal(w, full)
+            self.assertEqual(huge_kib(w), 0)
+            del w, m
+        finally:
+            del os.environ["CKPTD_HUGE_PAGES"]
+        # Memory already touched is not advised (its pages are there).
+        m, w = fresh()
+        w.fill(0)
+        ckptd.load_state_dict({"w": w}, out, socket=self.sock, transport="process_memory")
+        np.testing.assert_array_equal(w, full)
+        self.assertEqual(huge_kib(w), 0)
+        del w, m
 
     # --- inspect / merge / admin ---
 

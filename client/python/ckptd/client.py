@@ -1200,8 +1200,13 @@ def _no_arena(err):
     return err.code in ("RESOURCE_EXHAUSTED", "UNAVAILABLE")
 
 
+_MADV_HUGEPAGE = 14
 _MADV_POPULATE_WRITE = 23  # Linux 5.14
 _PAGE = os.sysconf("SC_PAGE_SIZE")
+_HUGE = 2 << 20  # x86-64's transparent huge page
+# At most this many ranges get the huge-page advice per load: each splits its
+# mapping (up to two more entries against the process's vm.max_map_count).
+_MAX_HUGE_RANGES = 4096
 _libc = None
 
 
@@ -1216,21 +1221,58 @@ def _populate(entries, addresses):
     again costs a page-table walk through every page (11 ms per 512 MiB
     against 0.5 ms for mincore on the dev VM). Contents are unchanged. Best
     effort: a kernel or mapping without it leaves the faults to the daemon's
-    writes."""
+    writes.
+
+    Fresh memory (pages not there yet) inside a tensor is first advised to
+    be backed by transparent huge pages (MADV_HUGEPAGE on its whole 2 MiB
+    pages, never past the tensor's own bytes) where the kernel leaves THP to
+    madvise: a fault then maps 2 MiB instead of 4 KiB, and populating a fresh
+    tensor runs near memory bandwidth (9-11 GB/s against 0.4-3.5 GB/s for
+    512 MiB on the dev VM). Only as many bytes are advised as half of the
+    node's free memory in blocks of 2 MiB or more (/proc/buddyinfo): a huge
+    page beyond that would be made by compaction, which with THP defrag
+    "madvise" stalls the fault (0.07-1.3 s per 512 MiB measured on a
+    fragmented node). CKPTD_HUGE_PAGES=0 leaves the advice out."""
     global _libc
     if _libc is None:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
         libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
         _libc = libc
+    huge_left, huge_bytes = 0, 0
+    if os.environ.get("CKPTD_HUGE_PAGES", "1") != "0":
+        huge_left, huge_bytes = _MAX_HUGE_RANGES, _huge_blocks_free() // 2
     for e, addr in zip(entries, addresses):
         if e.nbytes < _PAGE:
             continue
         start = addr - addr % _PAGE
         end = addr + e.nbytes
         for a, b in _absent_runs(start, end):
+            ha = -(-a // _HUGE) * _HUGE
+            hb = min(b, ha + huge_bytes) // _HUGE * _HUGE
+            if huge_left and hb > ha:
+                huge_left -= 1
+                huge_bytes -= hb - ha
+                _libc.madvise(ha, hb - ha, _MADV_HUGEPAGE)  # a hint: EINVAL (no THP) is fine
             if _libc.madvise(a, b - a, _MADV_POPULATE_WRITE) != 0:
                 return  # EINVAL (old kernel, special mapping): stop trying
+
+
+def _huge_blocks_free():
+    """Bytes of free memory in blocks of 2 MiB or more, every zone
+    (/proc/buddyinfo: per zone, the free blocks of 4 KiB << order for orders
+    0 to 10); 0 where it cannot be read."""
+    total = 0
+    try:
+        with open("/proc/buddyinfo") as f:
+            for line in f:
+                counts = line.split()[4:]
+                for order, n in enumerate(counts):
+                    if _PAGE << order >= _HUGE:
+                        total += int(n) * (_PAGE << order)
+    except (OSError, ValueError):
+        return 0
+    return total
 
 
 def _absent_runs(start, end):
