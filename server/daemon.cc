@@ -158,6 +158,11 @@ absl::StatusOr<v1::InspectResponse> Daemon::Inspect(const Caller& caller,
   return catalog_.Inspect(caller, request);
 }
 
+absl::StatusOr<v1::ReadCheckpointFileResponse> Daemon::ReadCheckpointFile(
+    const Caller& caller, const v1::ReadCheckpointFileRequest& request) {
+  return catalog_.ReadCheckpointFile(caller, request);
+}
+
 absl::StatusOr<v1::PrefetchResponse> Daemon::Prefetch(const Caller& caller,
                                                       const v1::PrefetchRequest& request) {
   return catalog_.Prefetch(caller, request);

@@ -7,7 +7,7 @@
 //                        multinode/multinode_save.h)
 //   AwaitSave, drain     save/async_saves.h
 //   Inspect, Prefetch,   catalog/catalog.h
-//   Evict
+//   Evict, ReadCheckpointFile
 //   Status               every component's figures
 //   peer RPCs            multinode/dist_jobs.h, through dist_jobs()
 //   AbortLoads           jobs/registry.h
@@ -76,6 +76,8 @@ class Daemon {
   // tokens and limits are decided by it (docs/security.md).
   absl::StatusOr<v1::InspectResponse> Inspect(const Caller& caller,
                                               const v1::InspectRequest& request);
+  absl::StatusOr<v1::ReadCheckpointFileResponse> ReadCheckpointFile(
+      const Caller& caller, const v1::ReadCheckpointFileRequest& request);
   // Runs one rank's Load. `send` writes an event to the client (false when
   // the stream is gone); `cancelled` tells whether the client went away.
   absl::Status Load(const Caller& caller, const v1::LoadRequest& request,

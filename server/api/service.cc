@@ -63,6 +63,17 @@ grpc::Status CkptdService::Inspect(grpc::ServerContext* ctx, const v1::InspectRe
   });
 }
 
+grpc::Status CkptdService::ReadCheckpointFile(grpc::ServerContext* ctx,
+                                              const v1::ReadCheckpointFileRequest* req,
+                                              v1::ReadCheckpointFileResponse* resp) {
+  return Guard("ReadCheckpointFile", ctx, [&](const Caller& c) -> absl::Status {
+    auto r = daemon_->ReadCheckpointFile(c, *req);
+    if (!r.ok()) return r.status();
+    *resp = std::move(*r);
+    return absl::OkStatus();
+  });
+}
+
 grpc::Status CkptdService::Load(grpc::ServerContext* ctx, const v1::LoadRequest* req,
                                 grpc::ServerWriter<v1::LoadEvent>* writer) {
   return Guard("Load", ctx, [&](const Caller& c) {

@@ -33,6 +33,9 @@ class CkptdService final : public v1::Ckptd::Service {
 
   grpc::Status Inspect(grpc::ServerContext* ctx, const v1::InspectRequest* req,
                        v1::InspectResponse* resp) override;
+  grpc::Status ReadCheckpointFile(grpc::ServerContext* ctx,
+                                  const v1::ReadCheckpointFileRequest* req,
+                                  v1::ReadCheckpointFileResponse* resp) override;
   grpc::Status Load(grpc::ServerContext* ctx, const v1::LoadRequest* req,
                     grpc::ServerWriter<v1::LoadEvent>* writer) override;
   grpc::Status Save(grpc::ServerContext* ctx, const v1::SaveRequest* req,

@@ -1,5 +1,6 @@
 #include "server/catalog/catalog.h"
 
+#include <algorithm>
 #include <chrono>
 #include <optional>
 #include <set>
@@ -9,6 +10,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "core/io/file.h"
 #include "core/plan/planner.h"
 #include "core/base/status_macros.h"
 
@@ -70,6 +72,56 @@ absl::StatusOr<v1::InspectResponse> Catalog::Inspect(const Caller& caller,
     total += bytes;
   }
   resp.set_total_bytes(total);
+  return resp;
+}
+
+absl::StatusOr<v1::ReadCheckpointFileResponse> Catalog::ReadCheckpointFile(
+    const Caller& caller, const v1::ReadCheckpointFileRequest& request) const {
+  CKPT_ASSIGN_OR_RETURN(std::string dir, p_.policy->ResolvePath(request.path()));
+  CKPT_RETURN_IF_ERROR(p_.policy->CheckAccess(caller, dir, Policy::Access::kRead));
+  std::optional<int64_t> uid;
+  if (request.has_unique_id()) uid = request.unique_id();
+  CKPT_ASSIGN_OR_RETURN(auto opened, p_.metadata->Open(dir, uid));
+  const ckpt::Checkpoint& c = opened->checkpoint;
+  const std::string& name = request.file();
+  const std::string path = ckpt::JoinPath(dir, name);
+  // Only the checkpoint's own files, by the identity they were read with:
+  // the data files its metadata names, else the files OpenCheckpoint read
+  // (its metadata or index file).
+  const ckpt::FileStamp* stamp = nullptr;
+  if (auto it = opened->stamps.find(name); it != opened->stamps.end()) {
+    stamp = &it->second;
+  } else if (auto it = c.file_stamps.find(name); it != c.file_stamps.end()) {
+    stamp = &it->second;
+  }
+  if (stamp == nullptr) {
+    return absl::NotFoundError(absl::StrCat(path, ": not a file of the checkpoint (its metadata "
+                                            "file or a data file its metadata names)"));
+  }
+  const uint64_t offset = request.offset();
+  if (request.length() == 0 || request.length() > kMaxFileRead) {
+    return absl::InvalidArgumentError(absl::StrCat(path, ": ", request.length(),
+                                                   " bytes asked for; a read is 1 to ",
+                                                   kMaxFileRead, " bytes"));
+  }
+  if (offset > stamp->size) {
+    return absl::OutOfRangeError(absl::StrCat(path, ": offset ", offset,
+                                              " is past the end of the file's ", stamp->size,
+                                              " bytes"));
+  }
+  const uint64_t n = std::min<uint64_t>(request.length(), stamp->size - offset);
+  v1::ReadCheckpointFileResponse resp;
+  resp.set_file_size(stamp->size);
+  if (n == 0) return resp;
+  ckpt::SourceOptions options;
+  options.tenant = caller.uid;
+  ckpt::CachingSource source(dir, p_.cache, {{name, *stamp}}, options);
+  std::vector<uint8_t> scratch;
+  // No verify function: the bytes are read into scratch, never kept, and
+  // the file is checked unchanged after the read.
+  CKPT_ASSIGN_OR_RETURN(ckpt::RangeView view, source.Fetch(name, offset, n, scratch, nullptr));
+  CKPT_RETURN_IF_ERROR(source.CheckOpenedFilesUnchanged());
+  resp.set_data(view.data, n);
   return resp;
 }
 

@@ -1,6 +1,8 @@
 // Catalog: the daemon's answers about checkpoints that deliver nothing to a
-// rank: Inspect (what a checkpoint holds), Prefetch (read it into the data
-// cache ahead of a job) and Evict (drop it from the caches). The gRPC
+// rank: Inspect (what a checkpoint holds), ReadCheckpointFile (bytes of its
+// own files, for clients that parse a format's metadata themselves),
+// Prefetch (read it into the data cache ahead of a job) and Evict (drop it
+// from the caches). The gRPC
 // service calls them through Daemon; each checks the caller's right to the
 // path with the Policy first.
 //
@@ -43,6 +45,12 @@ class Catalog {
   // The checkpoint's format, versions, tensors and their shards.
   absl::StatusOr<v1::InspectResponse> Inspect(const Caller& caller,
                                               const v1::InspectRequest& request) const;
+  // Bytes of one of the checkpoint's own files: its metadata file or a data
+  // file the metadata names, checked against the identity the metadata was
+  // read with (ABORTED when it changed since), at most kMaxFileRead.
+  absl::StatusOr<v1::ReadCheckpointFileResponse> ReadCheckpointFile(
+      const Caller& caller, const v1::ReadCheckpointFileRequest& request) const;
+  static constexpr uint64_t kMaxFileRead = 2ull << 20;
   // Reads the requested tensors (all when none are named) into the data
   // cache, reserved for the caller's uid.
   absl::StatusOr<v1::PrefetchResponse> Prefetch(const Caller& caller,

@@ -348,6 +348,68 @@ class DaemonStorageReaderTest(testlib.DaemonTestCase):
             _read_plain_file(d, ".metadata", 0, 1 << 40, "x", 1 << 50)
         self.assertIn("outside the file", cm.exception.message)
 
+    def test_the_daemon_reads_only_the_checkpoints_own_files(self):
+        """ReadCheckpointFile (what DaemonStorageReader uses where it cannot open the
+        files: object storage): the metadata file and the data files, whole or in
+        ranges across its 2 MiB pieces, byte-exact; nothing else in the directory,
+        nothing past the end, no file that no longer holds what the metadata says."""
+        path = os.path.join(self.root, "ckpt-files")
+        shutil.copytree(os.path.join(self.gen, "ckpt"), path)
+        for extra in ("notes.txt", "__9_0.distcp"):  # files its metadata does not name
+            with open(os.path.join(path, extra), "w") as f:
+                f.write("not the checkpoint's")
+        # A data file of 5 MiB: read in three pieces.
+        native = os.path.join(self.root, "native-files")
+        ckptd.save_state_dict({"w": np.arange(5 << 18, dtype=np.float32)}, native, rank=0,
+                              world_size=1, socket=self.sock)
+        big = sorted(ckptd.inspect(native, socket=self.sock).files)[0]
+        with open(os.path.join(native, big), "rb") as f:
+            want = f.read()
+        self.assertGreater(len(want), 5 << 20)
+        with ckptd.Client(self.sock) as c:
+            self.assertEqual(c.read_checkpoint_file(native, big), want)
+            self.assertEqual(c.read_checkpoint_file(native, big, (2 << 20) - 7, 3 << 20),
+                             want[(2 << 20) - 7:(5 << 20) - 7])
+        info = ckptd.inspect(path, socket=self.sock)
+        data_file = sorted(info.files)[0]
+        with ckptd.Client(self.sock) as c:
+            for name in (".metadata", data_file):
+                with open(os.path.join(path, name), "rb") as f:
+                    want = f.read()
+                self.assertEqual(c.read_checkpoint_file(path, name), want, name)
+                self.assertEqual(c.read_checkpoint_file(path, name, 3, 5), want[3:8], name)
+            for name, code, says in (
+                    ("notes.txt", "NOT_FOUND", "not a file of the checkpoint"),
+                    ("__9_0.distcp", "NOT_FOUND", "not a file of the checkpoint"),
+                    ("../ckpt-files/.metadata", "NOT_FOUND", "not a file of the checkpoint")):
+                with self.assertRaises(ckptd.CkptdError, msg=name) as cm:
+                    c.read_checkpoint_file(path, name)
+                self.assertEqual(cm.exception.code, code, name)
+                self.assertIn(says, cm.exception.message)
+            size = os.path.getsize(os.path.join(path, data_file))
+            with self.assertRaises(ckptd.CkptdError) as cm:
+                c.read_checkpoint_file(path, data_file, size + 1, 1)
+            self.assertEqual(cm.exception.code, "OUT_OF_RANGE")
+            with self.assertRaises(ckptd.CkptdError) as cm:
+                c.read_checkpoint_file(path, data_file, 0, size + 1)
+            self.assertEqual(cm.exception.code, "OUT_OF_RANGE")
+            with self.assertRaises(ckptd.CkptdError) as cm:
+                c.read_checkpoint_file(path, ".metadata", limit=10)
+            self.assertEqual(cm.exception.code, "RESOURCE_EXHAUSTED")
+            for n in (0, (2 << 20) + 1):  # the RPC itself: 1 byte to 2 MiB a call
+                req = c._pb2.ReadCheckpointFileRequest(path=path, file=".metadata", length=n)
+                with self.assertRaises(ckptd.CkptdError) as cm:
+                    c._call("ReadCheckpointFile", req, 10)
+                self.assertEqual(cm.exception.code, "INVALID_ARGUMENT", n)
+            # A data file rewritten after its metadata was read: opened again, and
+            # its header, broken now, fails the read naming it.
+            with open(os.path.join(path, data_file), "r+b") as f:
+                f.write(b"\x01")
+            with self.assertRaises(ckptd.CkptdError) as cm:
+                c.read_checkpoint_file(path, data_file)
+            self.assertEqual(cm.exception.code, "DATA_LOSS", cm.exception.message)
+            self.assertIn(data_file, cm.exception.message)
+
     def test_a_tensor_of_another_shape_fails_naming_it(self):
         sd = {"bias": poisoned((6,), torch.float32)}  # the checkpoint's bias is [5]
         with self.assertRaises(BaseException) as cm:

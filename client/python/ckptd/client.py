@@ -664,6 +664,43 @@ class Client:
         return CheckpointInfo(r.path, r.format, r.unique_id, list(r.versions), tensors,
                               dict(r.files), r.total_bytes)
 
+    def read_checkpoint_file(self, path, file, offset=0, length=None, *, unique_id=None,
+                             limit=256 << 20, timeout=60.0):
+        """Bytes [offset, offset + length) of one of the checkpoint's own files (its
+        metadata file or a data file its metadata names; to its end when length is
+        None), read by the daemon: for files this process cannot open, as in object
+        storage. At most `limit` bytes; asked for in pieces of 2 MiB."""
+        piece, out, size, pos = 2 << 20, bytearray(), None, offset
+        end = None if length is None else offset + length
+        while True:
+            n = piece if end is None else min(piece, end - pos)
+            if n <= 0:
+                break
+            req = self._pb2.ReadCheckpointFileRequest(path=_abs(path), file=file, offset=pos,
+                                                      length=n)
+            if unique_id is not None:
+                req.unique_id = int(unique_id)
+            r = self._call("ReadCheckpointFile", req, timeout)
+            if size is None:
+                size = r.file_size
+                if end is not None and end > size:
+                    raise CkptdError("OUT_OF_RANGE", f"{path}/{file}: bytes [{offset}, {end}) "
+                                     f"are outside the file's {size}")
+                if (end if end is not None else size) - offset > limit:
+                    raise CkptdError("RESOURCE_EXHAUSTED", f"{path}/{file}: "
+                                     f"{(end or size) - offset} bytes, more than the {limit} "
+                                     "allowed")
+            elif r.file_size != size:
+                raise CkptdError("ABORTED", f"{path}/{file}: the file changed while it was read")
+            if len(r.data) != min(n, size - pos):
+                raise CkptdError("DATA_LOSS", f"{path}/{file}: the daemon sent {len(r.data)} "
+                                 f"bytes at {pos} of a {size}-byte file, asked for {n}")
+            out += r.data
+            pos += len(r.data)
+            if pos >= size:
+                break
+        return bytes(out)
+
     def status(self, *, timeout=60.0):
         return _message_dict(self._call("Status", self._pb2.StatusRequest(), timeout))
 

@@ -186,17 +186,19 @@ def _check_plain_save(data):
 _MAX_METADATA_BYTES = 256 << 20
 
 
-def _read_plain_file(dir_path, name, offset, length, what, limit):
+def _read_plain_file(dir_path, name, offset, length, what, limit, socket=None):
     """Bytes [offset, offset + length) of file `name` in `dir_path`: a plain name (no
     '/', not '.' or '..'), no symlink, a regular file (no FIFO to hang on), the range
-    inside the file and at most `limit` bytes."""
+    inside the file and at most `limit` bytes. In object storage (an s3:// path),
+    whose credentials only the daemon holds, the daemon at `socket` reads it (one
+    of the checkpoint's own files only)."""
     if "://" in dir_path:
-        # The reader reads DCP's .metadata (and bytes entries) itself, and a client
-        # holds no object-storage credentials: only the daemon reads s3:// paths.
-        raise CkptdError("UNIMPLEMENTED", f"{dir_path}: {what}: DaemonStorageReader reads "
-                         "files of the checkpoint itself, which it cannot do in object "
-                         "storage; load it with ckptd.load_state_dict (the daemon reads "
-                         "DCP checkpoints in s3:// paths) or from a file system path")
+        with _client.Client(socket) as c:
+            try:
+                return c.read_checkpoint_file(dir_path, name, offset or 0, length,
+                                              limit=limit)
+            except CkptdError as e:
+                raise CkptdError(e.code, f"{what}: {e.message}") from None
     if not isinstance(name, str) or not name or "/" in name or name in (".", "..") or "\0" in name:
         raise CkptdError("DATA_LOSS", f"{dir_path}: {what}: {name!r} is not a file name in "
                          "the checkpoint directory")
@@ -394,7 +396,7 @@ class DaemonStorageReader(_DaemonStorage, _st.StorageReader):
         only DCP's metadata classes allowed (DCP's own reader runs any pickle)."""
         path = os.path.join(self.path, ".metadata")
         raw = _read_plain_file(self.path, ".metadata", 0, None, "DCP metadata",
-                               _MAX_METADATA_BYTES)
+                               _MAX_METADATA_BYTES, self.socket)
         try:
             md = _MetadataUnpickler(io.BytesIO(raw)).load()
         except CkptdError as e:
@@ -416,7 +418,7 @@ class DaemonStorageReader(_DaemonStorage, _st.StorageReader):
             raise CkptdError("UNIMPLEMENTED", f"{self.path}: {what} is stored with transforms "
                              f"{where.transform_descriptors}")
         data = _read_plain_file(self.path, where.relative_path, int(where.offset),
-                                int(where.length), what, _MAX_METADATA_BYTES)
+                                int(where.length), what, _MAX_METADATA_BYTES, self.socket)
         if not self.allow_pickle:
             try:
                 _check_plain_save(data)
