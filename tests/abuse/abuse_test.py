@@ -1451,8 +1451,8 @@ class AbuseTest(unittest.TestCase):
         """docs/security.md "What each uid may do": on top of the access rule a caller
         needs r-x on the checkpoint directory (its mode bits for the caller's uid and
         groups). uid 65534 may read the shared root; a root-owned checkpoint there
-        with mode 0700 or 0711 is PERMISSION_DENIED for Load and Inspect, the same
-        checkpoint at 0755 loads."""
+        with mode 0700 or 0711 is PERMISSION_DENIED for Load, Inspect and
+        ReadCheckpointFile, the same checkpoint at 0755 loads."""
         self.need_other_uid()
         n = "model.norm.weight"
         dt, a = self.ref[n]
@@ -1472,14 +1472,18 @@ class AbuseTest(unittest.TestCase):
                 "job_id": f"{job}-{mode:o}", "rank": 0, "world_size": 1, "path": d,
                 "targets": [tgt], "stream": {}}})
             calls.append({"rpc": "Inspect", "request": {"path": d}})
+            calls.append({"rpc": "ReadCheckpointFile", "request": {
+                "path": d, "file": "5.metadata", "length": 64}})
         out = self.peer_calls(calls)
         for i, (mode, d) in enumerate(dirs.items()):
-            load, inspect = out[2 * i], out[2 * i + 1]
+            load, inspect, read = out[3 * i], out[3 * i + 1], out[3 * i + 2]
             if mode == 0o755:
                 self.assertRpc(load, "OK", what=f"uid 65534 loading a {mode:o} directory")
                 self.assertRpc(inspect, "OK", what=f"uid 65534 inspecting a {mode:o} directory")
+                self.assertRpc(read, "OK", what=f"uid 65534 reading the metadata of a {mode:o} "
+                               "directory")
                 continue
-            for what, rpc in (("Load", load), ("Inspect", inspect)):
+            for what, rpc in (("Load", load), ("Inspect", inspect), ("ReadCheckpointFile", read)):
                 self.assertRpc(rpc, "PERMISSION_DENIED", f"uid {OTHER_UID} (pid ",
                                f"may not read {d} (its mode bits do not allow it)",
                                what=f"uid 65534 {what} of a {mode:o} directory")

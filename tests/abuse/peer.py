@@ -19,7 +19,8 @@ SPEC (calls): {"socket": S, "calls": [CALL, ...]} where CALL is
                                              kept open to the end; the result adds
                                              "bytes" (the arena's size) and "nonzero"
                                              (its bytes that are not 0 as received)
-  {"rpc": "Load"|"Save"|"Status"|"Inspect"|"AwaitSave", "request": {...}, "timeout": s}
+  {"rpc": "Load"|"Save"|"Status"|"Inspect"|"AwaitSave"|"ReadCheckpointFile", "request": {...},
+   "timeout": s}
 and each result is {"code": "OK"|CODE, "details": str, ...} (Status adds
 "job_ids" and "save_ids", Load adds "events").
 
@@ -127,7 +128,8 @@ def do_calls(spec):
         rpc, timeout = call["rpc"], float(call.get("timeout", 20))
         req_type = {"Load": ckpt_pb2.LoadRequest, "Save": ckpt_pb2.SaveRequest,
                     "Status": ckpt_pb2.StatusRequest, "Inspect": ckpt_pb2.InspectRequest,
-                    "AwaitSave": ckpt_pb2.AwaitSaveRequest}[rpc]
+                    "AwaitSave": ckpt_pb2.AwaitSaveRequest,
+                    "ReadCheckpointFile": ckpt_pb2.ReadCheckpointFileRequest}[rpc]
         req = json_format.ParseDict(substitute(call.get("request", {}), env), req_type())
         if rpc == "Load":
             def run():
