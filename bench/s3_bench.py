@@ -86,6 +86,7 @@ def main():
     ap.add_argument("--rows")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--transport", default="auto", help="the clients' transport (default auto)")
     a = ap.parse_args()
     os.environ["CKPTD_BIN"] = os.path.abspath(a.ckptd)
     import testlib
@@ -124,7 +125,8 @@ def main():
             def one(r):
                 off, _ = split(shape, 1, 2, r)
                 ckptd.load_state_dict({"w": ckptd.ShardedTensor(outs[r], shape, off)}, path,
-                                      rank=r, world_size=2, job_id=job, socket=d.socket)
+                                      rank=r, world_size=2, job_id=job, socket=d.socket,
+                                      transport=a.transport)
             t = time.perf_counter()
             run_ranks(2, one)
             s = time.perf_counter() - t

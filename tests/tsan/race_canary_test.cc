@@ -8,6 +8,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdio>
 #include <cstring>
 #include <fstream>
@@ -36,9 +37,26 @@ __attribute__((noinline)) void RacyIncrement(bool lock) {
   }
 }
 
+// Both threads start their loops only once both exist: a thread that ran to
+// its end before the other began could hand its TSan slot to the other, whose
+// accesses then look ordered after its own and race with nothing (seen once on
+// a loaded CI machine).
+std::atomic<int> started{0};
+
+void Together() {
+  started.fetch_add(1);
+  while (started.load() < 2) std::this_thread::yield();
+}
+
 int Child(bool both_locked) {
-  std::thread a([] { RacyIncrement(true); });
-  std::thread b([both_locked] { RacyIncrement(both_locked); });
+  std::thread a([] {
+    Together();
+    RacyIncrement(true);
+  });
+  std::thread b([both_locked] {
+    Together();
+    RacyIncrement(both_locked);
+  });
   a.join();
   b.join();
   std::printf("counter %ld\n", counter);
