@@ -32,14 +32,22 @@ double Seconds(std::chrono::steady_clock::time_point t0) {
 
 }  // namespace
 
-absl::StatusOr<v1::InspectResponse> Catalog::Inspect(const Caller& caller,
-                                                    const v1::InspectRequest& request) const {
-  CKPT_ASSIGN_OR_RETURN(std::string dir, p_.policy->ResolvePath(request.path()));
-  CKPT_RETURN_IF_ERROR(p_.policy->CheckAccess(caller, dir, Policy::Access::kRead));
+template <typename Request>
+absl::StatusOr<Catalog::Readable> Catalog::OpenToRead(const Caller& caller,
+                                                     const Request& request) const {
+  Readable r;
+  CKPT_ASSIGN_OR_RETURN(r.dir, p_.policy->ResolvePath(request.path()));
+  CKPT_RETURN_IF_ERROR(p_.policy->CheckAccess(caller, r.dir, Policy::Access::kRead));
   std::optional<int64_t> uid;
   if (request.has_unique_id()) uid = request.unique_id();
-  CKPT_ASSIGN_OR_RETURN(auto opened, p_.metadata->Open(dir, uid));
-  const ckpt::Checkpoint& c = opened->checkpoint;
+  CKPT_ASSIGN_OR_RETURN(r.opened, p_.metadata->Open(r.dir, uid));
+  return r;
+}
+
+absl::StatusOr<v1::InspectResponse> Catalog::Inspect(const Caller& caller,
+                                                    const v1::InspectRequest& request) const {
+  CKPT_ASSIGN_OR_RETURN(Readable r, OpenToRead(caller, request));
+  const ckpt::Checkpoint& c = r.opened->checkpoint;
   v1::InspectResponse resp;
   resp.set_path(c.dir);
   resp.set_format(ckpt::FormatName(c.format));
@@ -77,11 +85,9 @@ absl::StatusOr<v1::InspectResponse> Catalog::Inspect(const Caller& caller,
 
 absl::StatusOr<v1::ReadCheckpointFileResponse> Catalog::ReadCheckpointFile(
     const Caller& caller, const v1::ReadCheckpointFileRequest& request) const {
-  CKPT_ASSIGN_OR_RETURN(std::string dir, p_.policy->ResolvePath(request.path()));
-  CKPT_RETURN_IF_ERROR(p_.policy->CheckAccess(caller, dir, Policy::Access::kRead));
-  std::optional<int64_t> uid;
-  if (request.has_unique_id()) uid = request.unique_id();
-  CKPT_ASSIGN_OR_RETURN(auto opened, p_.metadata->Open(dir, uid));
+  CKPT_ASSIGN_OR_RETURN(Readable r, OpenToRead(caller, request));
+  const std::string& dir = r.dir;
+  const auto& opened = r.opened;
   const ckpt::Checkpoint& c = opened->checkpoint;
   const std::string& name = request.file();
   const std::string path = ckpt::JoinPath(dir, name);
@@ -128,11 +134,9 @@ absl::StatusOr<v1::ReadCheckpointFileResponse> Catalog::ReadCheckpointFile(
 absl::StatusOr<v1::PrefetchResponse> Catalog::Prefetch(const Caller& caller,
                                                       const v1::PrefetchRequest& request) {
   const auto t0 = std::chrono::steady_clock::now();
-  CKPT_ASSIGN_OR_RETURN(std::string dir, p_.policy->ResolvePath(request.path()));
-  CKPT_RETURN_IF_ERROR(p_.policy->CheckAccess(caller, dir, Policy::Access::kRead));
-  std::optional<int64_t> uid;
-  if (request.has_unique_id()) uid = request.unique_id();
-  CKPT_ASSIGN_OR_RETURN(auto opened, p_.metadata->Open(dir, uid));
+  CKPT_ASSIGN_OR_RETURN(Readable r, OpenToRead(caller, request));
+  const std::string& dir = r.dir;
+  const auto& opened = r.opened;
   const auto& meta = opened->checkpoint.metadata;
   ckpt::RankTargets rt;
   std::set<std::string> wanted(request.tensors().begin(), request.tensors().end());

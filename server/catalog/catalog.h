@@ -60,6 +60,15 @@ class Catalog {
   absl::StatusOr<v1::EvictResponse> Evict(const Caller& caller, const v1::EvictRequest& request);
 
  private:
+  struct Readable {
+    std::string dir;  // the resolved path
+    std::shared_ptr<const MetadataCache::Opened> opened;
+  };
+  // The checkpoint a request names (its path and unique_id), once the
+  // caller may read it.
+  template <typename Request>
+  absl::StatusOr<Readable> OpenToRead(const Caller& caller, const Request& request) const;
+
   const Parts p_;
 };
 
