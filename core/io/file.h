@@ -64,6 +64,11 @@ class RandomAccessFile {
   // Whether bytes [offset, offset + n) seem to be in the page cache (a
   // non-blocking probe of a few pages); true when it cannot tell.
   virtual bool Cached(uint64_t offset, uint64_t n) const { return true; }
+  // Whether every Read is pinned to the version opened: it fails (ABORTED)
+  // rather than return bytes of a file replaced since (object stores: each
+  // GET carries If-Match with the ETag opened). A reader of such a file
+  // needs no check of its name after each read, only once the load is done.
+  virtual bool ReadsPinned() const { return false; }
   // The identity of the open file now (fstat); UNIMPLEMENTED for files not
   // backed by a descriptor.
   virtual absl::StatusOr<FileStamp> Stamp() const;

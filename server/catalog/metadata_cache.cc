@@ -56,8 +56,12 @@ absl::StatusOr<std::shared_ptr<MetadataCache::Opened>> MetadataCache::Reopen(
     const std::string mp = ckpt::JoinPath(dir, opened->checkpoint.metadata_file);
     CKPT_ASSIGN_OR_RETURN(opened->watched[mp], stamp_of(opened->checkpoint.metadata_file));
   }
-  const std::string index = ckpt::JoinPath(dir, "model.safetensors.index.json");
-  if (auto st = stamp_of("model.safetensors.index.json"); st.ok()) opened->watched[index] = *st;
+  // The HF index, where OpenCheckpoint read one (one appearing later changes
+  // the directory's stamp; asking for a missing one costs object storage a
+  // HEAD and a listing per open).
+  if (auto it = read.find("model.safetensors.index.json"); it != read.end()) {
+    opened->watched[ckpt::JoinPath(dir, it->first)] = it->second;
+  }
   for (const std::string& f : opened->checkpoint.data_files) {
     auto st = stamp_of(f);
     if (!st.ok() && !all_files_local && absl::IsNotFound(st.status())) continue;

@@ -4,8 +4,10 @@ client saving and loading resharded, ckptctl offline and online, the
 gateway's request counts, changes behind the daemon's back, and refusals."""
 import json
 import os
+import re
 import subprocess
 import tempfile
+import time
 import unittest
 import urllib.request
 import uuid
@@ -80,6 +82,30 @@ class S3DaemonTest(unittest.TestCase):
         self.assertGreater(before["gets"], 0)
         self.assertEqual(after["retries"], 0)
         self.assertEqual(after["credentials"], "environment")
+
+    def test_a_cold_job_lists_the_checkpoint_once_and_heads_each_object_thrice(self):
+        """The gateway's requests for one cold job (after an evict): one LIST (the
+        prefix's stamp, whose names the open reuses), a GET per planned read plus the
+        metadata object and each data object's 64 KiB head, and three HEADs per data
+        object: the open of the checkpoint, the load's open, the check once the load
+        is done (GETs are pinned to the ETag: no HEAD after each), plus the
+        directory's and the metadata object's."""
+        path = f"{self.root}/run-count"
+        full = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
+        self.save(path, full, "s3-save-count")
+        objects = [f for f in ckptd.inspect(path, socket=self.sock).files]
+        ckptd.evict(path, socket=self.sock)
+        time.sleep(0.6)  # past the 0.5 s a listing (the inspect's) is reused
+        before = self.s3()
+        got, _ = self.load_by_columns(path, full.shape, "s3-load-count")
+        after = self.s3()
+        np.testing.assert_array_equal(got, full)
+        used = {k: after[k] - before[k] for k in ("lists", "heads", "gets")}
+        planned = re.findall(r"load job=s3-load-count .* reads=(\d+)", self.daemon.read_log())
+        self.assertTrue(planned, "the daemon logged the job's planned reads")
+        self.assertEqual(used["lists"], 1, used)
+        self.assertEqual(used["heads"], 2 + 3 * len(objects), used)
+        self.assertEqual(used["gets"], int(planned[-1]) + 1 + len(objects), used)
 
     def test_a_new_version_and_a_replaced_object_are_seen(self):
         path = f"{self.root}/run-b"

@@ -82,6 +82,8 @@ class S3File final : public RandomAccessFile {
   }
   // Nothing of an object is in this node's page cache.
   bool Cached(uint64_t, uint64_t) const override { return false; }
+  // Every GET carries If-Match with the ETag opened (412: ABORTED).
+  bool ReadsPinned() const override { return true; }
   // Every Read is a GET (about 1 ms of round trip on a LAN): pieces of
   // 16 MiB keep that under a tenth of a GB/s-class transfer.
   uint64_t MinReadBytes() const override { return kReadPieceBytes; }
