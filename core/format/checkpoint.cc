@@ -1,8 +1,10 @@
 #include "core/format/checkpoint.h"
 
 #include <algorithm>
+#include <atomic>
 #include <map>
 #include <set>
+#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -52,19 +54,41 @@ bool ParseDataFileName(absl::string_view name, absl::string_view ext, int64_t* u
   return ParseUid(name.substr(0, us), &rank) && ParseUid(name.substr(us + 1), uid);
 }
 
-// Opens data file `file` of the checkpoint, recording its stamp.
-absl::StatusOr<std::unique_ptr<RandomAccessFile>> OpenDataFile(Checkpoint& ckpt,
-                                                               const Directory& dir,
-                                                               const std::string& file) {
-  auto f = dir.OpenFile(file);
-  if (!f.ok()) {
-    return absl::Status(f.status().code(),
-                        absl::StrCat("checkpoint ", ckpt.dir, ": data file '", file,
-                                     "' named by the metadata cannot be opened: ",
-                                     f.status().message()));
-  }
-  CKPT_ASSIGN_OR_RETURN(ckpt.file_stamps[file], (*f)->Stamp());
-  return f;
+// A data file opened and its safetensors header read (ReadHeaders).
+struct HeaderRead {
+  absl::Status opened;  // the open's failure (its message as the storage gave it)
+  FileStamp stamp;
+  absl::StatusOr<SafetensorsHeader> header = absl::UnknownError("not read");
+};
+
+// Opens `files` of `dir` and reads their safetensors headers, up to 8 at a
+// time: in object storage each is a HEAD and a GET, whose round trips would
+// add up over a checkpoint of many files. Results in the order of `files`.
+std::vector<HeaderRead> ReadHeaders(const Directory& dir, const std::vector<std::string>& files) {
+  std::vector<HeaderRead> out(files.size());
+  std::atomic<size_t> next{0};
+  auto work = [&] {
+    for (size_t i; (i = next.fetch_add(1)) < files.size();) {
+      auto f = dir.OpenFile(files[i]);
+      if (!f.ok()) {
+        out[i].opened = f.status();
+        continue;
+      }
+      auto stamp = (*f)->Stamp();
+      if (!stamp.ok()) {
+        out[i].opened = stamp.status();
+        continue;
+      }
+      out[i].stamp = *stamp;
+      out[i].header = ReadSafetensorsHeader(**f);
+    }
+  };
+  const size_t threads = std::min<size_t>(8, files.size());
+  std::vector<std::thread> pool;
+  for (size_t t = 1; t < threads; ++t) pool.emplace_back(work);
+  work();
+  for (std::thread& t : pool) t.join();
+  return out;
 }
 
 absl::Status CheckDataFiles(Checkpoint& ckpt, const Directory& dir) {
@@ -72,10 +96,21 @@ absl::Status CheckDataFiles(Checkpoint& ckpt, const Directory& dir) {
   for (const auto& [name, t] : ckpt.metadata.tensors) {
     for (const ShardMeta& s : t.shards) by_file[s.file].push_back({name, &s});
   }
+  std::vector<std::string> files;
+  for (const auto& [file, shards] : by_file) files.push_back(file);
+  std::vector<HeaderRead> read = ReadHeaders(dir, files);
+  size_t k = 0;
   for (const auto& [file, shards] : by_file) {
     const std::string path = JoinPath(ckpt.dir, file);
-    CKPT_ASSIGN_OR_RETURN(auto f, OpenDataFile(ckpt, dir, file));
-    CKPT_ASSIGN_OR_RETURN(SafetensorsHeader h, ReadSafetensorsHeader(*f));
+    HeaderRead& r = read[k++];
+    if (!r.opened.ok()) {
+      return absl::Status(r.opened.code(),
+                          absl::StrCat("checkpoint ", ckpt.dir, ": data file '", file,
+                                       "' named by the metadata cannot be opened: ",
+                                       r.opened.message()));
+    }
+    ckpt.file_stamps[file] = r.stamp;
+    CKPT_ASSIGN_OR_RETURN(SafetensorsHeader h, std::move(r.header));
     std::multimap<uint64_t, const SafetensorsTensor*> by_begin;
     for (const auto& t : h.tensors) by_begin.emplace(t.begin, &t);
     for (const auto& [name, s] : shards) {
@@ -202,14 +237,15 @@ absl::Status OpenHuggingFace(Checkpoint& ckpt, const Directory& dir,
       if (absl::EndsWith(n, ".safetensors")) files.push_back(n);
     }
   }
-  for (const std::string& file : files) {
-    auto f = dir.OpenFile(file);
-    if (!f.ok()) {
-      return absl::Status(f.status().code(), absl::StrCat("checkpoint ", ckpt.dir, ": file '",
-                                                          file, "': ", f.status().message()));
+  std::vector<HeaderRead> read = ReadHeaders(dir, files);
+  for (size_t k = 0; k < files.size(); ++k) {
+    const std::string& file = files[k];
+    if (!read[k].opened.ok()) {
+      return absl::Status(read[k].opened.code(), absl::StrCat("checkpoint ", ckpt.dir, ": file '",
+                                                              file, "': ", read[k].opened.message()));
     }
-    CKPT_ASSIGN_OR_RETURN(ckpt.file_stamps[file], (*f)->Stamp());
-    CKPT_ASSIGN_OR_RETURN(SafetensorsHeader h, ReadSafetensorsHeader(**f));
+    ckpt.file_stamps[file] = read[k].stamp;
+    CKPT_ASSIGN_OR_RETURN(SafetensorsHeader h, std::move(read[k].header));
     for (const SafetensorsTensor& t : h.tensors) {
       if (ckpt.metadata.tensors.count(t.name)) {
         return absl::DataLossError(absl::StrCat("checkpoint ", ckpt.dir, ": tensor '", t.name,

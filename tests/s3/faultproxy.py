@@ -9,6 +9,7 @@ client connection, keep-alive on both sides.
     proxy.plan("GET", ["slowdown", "slowdown", None])  # the next three GETs
     ... point AWS_ENDPOINT_URL at http://127.0.0.1:{proxy.port} ...
     proxy.seen["GET"], proxy.faults  # what passed through, what was injected
+    proxy.delay_s = 0.2; proxy.max_inflight["HEAD"]  # latency; the most requests at once
 """
 import collections
 import socket
@@ -80,6 +81,9 @@ class FaultProxy:
         self.seen = collections.Counter()   # method -> requests forwarded or faulted
         self.faults = collections.Counter()  # fault -> times injected
         self.stall_s = 3.0
+        self.delay_s = 0.0  # added before forwarding every request (a far-away store)
+        self.inflight = collections.Counter()      # method -> requests being answered now
+        self.max_inflight = collections.Counter()  # method -> the most at once
         threading.Thread(target=self._accept, daemon=True).start()
 
     def plan(self, method, faults):
@@ -131,8 +135,18 @@ class FaultProxy:
                     client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
                                       b"\x01\x00\x00\x00\x00\x00\x00\x00")
                     return
-                up.sendall(head + body)
-                rhead, ubuf = _read_head(up, ubuf)
+                with self.lock:
+                    self.inflight[method] += 1
+                    self.max_inflight[method] = max(self.max_inflight[method],
+                                                    self.inflight[method])
+                try:
+                    if self.delay_s:
+                        time.sleep(self.delay_s)
+                    up.sendall(head + body)
+                    rhead, ubuf = _read_head(up, ubuf)
+                finally:
+                    with self.lock:
+                        self.inflight[method] -= 1
                 if rhead is None:
                     return
                 status = int(rhead.split(b" ", 2)[1])

@@ -72,6 +72,23 @@ class S3FaultsTest(unittest.TestCase):
     def retries(self):
         return ckptd.status(socket=self.sock)["object_storage"]["retries"]
 
+    def test_opening_a_checkpoint_asks_for_its_objects_at_once(self):
+        """Opening a checkpoint in a far-away store (every request 0.2 s late
+        here) opens its data objects and reads their headers several at a
+        time, not one after the other (whose round trips add up over many
+        objects)."""
+        ckptd.evict(self.path, socket=self.sock)
+        self.proxy.max_inflight.clear()
+        self.proxy.delay_s = 0.2
+        try:
+            info = ckptd.inspect(self.path, socket=self.sock)
+        finally:
+            self.proxy.delay_s = 0.0
+        self.assertEqual(len(info.files), 2)
+        self.assertEqual(self.proxy.max_inflight["HEAD"], 2, dict(self.proxy.max_inflight))
+        self.assertEqual(self.proxy.max_inflight["GET"], 2, dict(self.proxy.max_inflight))
+        np.testing.assert_array_equal(self.cold_load(), self.full)
+
     def test_slowdown_bursts_resets_and_short_bodies_are_retried_away(self):
         for faults in (["slowdown"] * (MAX_ATTEMPTS - 1),
                        ["reset", "truncate", "reset"],
