@@ -649,7 +649,8 @@ void Populate(const LoadSpec& spec) {
       size_t j = i;
       while (j < pages && !(resident[j] & 1)) ++j;
       const uintptr_t a = start + i * page, b = std::min(end, start + j * page);
-      const uintptr_t ha = (a + kHuge - 1) / kHuge * kHuge;
+      // Never before the buffer's first byte (a run starts at its page).
+      const uintptr_t ha = (std::max(a, at) + kHuge - 1) / kHuge * kHuge;
       const uintptr_t hb = std::min<uint64_t>(b, ha + huge_bytes) / kHuge * kHuge;
       if (huge_left > 0 && hb > ha) {
         --huge_left;

@@ -1285,7 +1285,7 @@ def _populate(entries, addresses):
         start = addr - addr % _PAGE
         end = addr + e.nbytes
         for a, b in _absent_runs(start, end):
-            ha = -(-a // _HUGE) * _HUGE
+            ha = -(-max(a, addr) // _HUGE) * _HUGE  # never before the tensor's first byte
             hb = min(b, ha + huge_bytes) // _HUGE * _HUGE
             if huge_left and hb > ha:
                 huge_left -= 1
