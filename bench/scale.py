@@ -214,6 +214,8 @@ class Node:
                "--metrics-address", f"{self.host}:0", "--io-request-size", "2MiB",
                "--cache-budget", args.cache_budget, "--peer-timeout", args.peer_timeout,
                "--io-threads", "1"]
+        if args.reader_min_bytes is not None:
+            cmd += ["--peer-reader-min-bytes", args.reader_min_bytes]
         self.proc = subprocess.Popen(cmd, stdout=open(self.log, "wb"), stderr=subprocess.STDOUT)
 
     def wait_ready(self, deadline):
@@ -367,6 +369,9 @@ def main():
                     help="also the same load again at once (channels open, caches warm)")
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--cache-budget", default="4GiB")
+    ap.add_argument("--reader-min-bytes", default=None,
+                    help="the daemons' --peer-reader-min-bytes (default: theirs, 32MiB); "
+                         "0: every node reads a share of the reads all nodes need")
     ap.add_argument("--peer-timeout", default="10s")
     ap.add_argument("--job-timeout", type=float, default=600)
     ap.add_argument("--json", default=None)

@@ -34,7 +34,7 @@ const std::set<std::string>& KnownKeys() {
       "tcp_tls_cert",  "tcp_tls_key",     "tcp_tls_ca",      "insecure_tcp",
       "tcp_uid",       "admin_uids",      "access",          "limits",
       "peer_tls_cert", "peer_tls_key",    "peer_tls_ca",     "peer_insecure",
-      "peer_unkeyed_jobs", "nccl_connect_timeout", "nccl_device", "port_file", "memory_limit", "save_buffer", "s3",
+      "peer_unkeyed_jobs", "peer_reader_min_bytes", "nccl_connect_timeout", "nccl_device", "port_file", "memory_limit", "save_buffer", "s3",
       "cache_huge_pages"};
   return *keys;
 }
@@ -422,13 +422,14 @@ absl::StatusOr<DaemonConfig> ParseConfig(const std::string& yaml, const std::str
       } else if (key == "tcp_uid") {
         if (!absl::SimpleAtoi(s, &c.tcp_uid)) return Bad(source, key, "must be a numeric uid");
       } else if (key == "cache_budget" || key == "io_request_size" || key == "arena_pool" ||
-                 key == "arena_limit" || key == "save_buffer") {
+                 key == "arena_limit" || key == "save_buffer" || key == "peer_reader_min_bytes") {
         auto b = ParseBytes(s);
         if (!b.ok()) return Bad(source, key, b.status().message());
         (key == "cache_budget"      ? c.cache_budget
          : key == "io_request_size" ? c.io_request_size
          : key == "arena_pool"      ? c.arena_pool
          : key == "save_buffer"     ? c.save_buffer
+         : key == "peer_reader_min_bytes" ? c.peer_reader_min_bytes
                                     : c.arena_limit) = *b;
       } else if (key == "cache_huge_pages") {
         if (s != "auto" && s != "off") return Bad(source, key, "must be auto or off");
@@ -689,6 +690,7 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   out << YAML::Key << "peer_insecure" << YAML::Value << (c.peer_insecure ? "true" : "false");
   out << YAML::Key << "peer_unkeyed_jobs" << YAML::Value
       << (c.peer_unkeyed_jobs ? "true" : "false");
+  out << YAML::Key << "peer_reader_min_bytes" << YAML::Value << c.peer_reader_min_bytes;
   out << YAML::Key << "nccl_connect_timeout" << YAML::Value
       << absl::FormatDuration(c.nccl_connect_timeout);
   out << YAML::Key << "nccl_device" << YAML::Value << c.nccl_device;

@@ -152,6 +152,10 @@ struct DaemonConfig {
   // that knows a job's id could join it first for a rank and be served the
   // job's bytes (docs/security.md, "Job keys").
   bool peer_unkeyed_jobs = false;
+  // A multi-node load's reads that several nodes need go to at most one
+  // reader per this many bytes read and sent (ckpt::AssignOptions); 0: to
+  // every node that can read them.
+  uint64_t peer_reader_min_bytes = 32ull << 20;
   // Connecting a job's NCCL links (GPU nodes) gives up after this; the reads
   // then move over gRPC, and NCCL stays off for that pair of nodes a while.
   absl::Duration nccl_connect_timeout = absl::Seconds(5);

@@ -3,6 +3,7 @@
 
 #include <cstdlib>
 #include <iostream>
+#include <tuple>
 
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
@@ -69,6 +70,9 @@ ABSL_FLAG(std::string, nccl_connect_timeout, "", "multi-node GPU: e.g. 5s (overr
 ABSL_FLAG(bool, testing_corrupt_served, false,
           "testing only: flip a byte of every read served to peers (fault injection)");
 ABSL_FLAG(std::string, io_request_size, "", "largest single read, e.g. 64MiB (overrides the config)");
+ABSL_FLAG(std::string, peer_reader_min_bytes, "",
+          "multi-node: bytes read and sent per reader of reads several nodes need, e.g. 32MiB; 0: "
+          "every node reads (overrides the config)");
 ABSL_FLAG(int, testing_delay_part_ms, 0,
           "testing only: pause before executing a multi-node plan part (fault injection)");
 ABSL_FLAG(int, testing_delay_read_ms, 0,
@@ -240,10 +244,14 @@ absl::StatusOr<StartupConfig> ConfigFromFlags() {
   if (!absl::GetFlag(FLAGS_peer_listen).empty()) config.peer_listen = absl::GetFlag(FLAGS_peer_listen);
   if (!absl::GetFlag(FLAGS_peers).empty()) config.peers = absl::GetFlag(FLAGS_peers);
   if (!absl::GetFlag(FLAGS_peer_dns).empty()) config.peer_dns = absl::GetFlag(FLAGS_peer_dns);
-  if (!absl::GetFlag(FLAGS_io_request_size).empty()) {
-    auto b = ParseBytes(absl::GetFlag(FLAGS_io_request_size));
-    if (!b.ok()) return absl::InvalidArgumentError(absl::StrCat("--io_request_size: ", b.status().message()));
-    config.io_request_size = *b;
+  for (const auto& [flag, name, field] :
+       {std::make_tuple(&FLAGS_io_request_size, "io_request_size", &config.io_request_size),
+        std::make_tuple(&FLAGS_peer_reader_min_bytes, "peer_reader_min_bytes",
+                        &config.peer_reader_min_bytes)}) {
+    if (absl::GetFlag(*flag).empty()) continue;
+    auto b = ParseBytes(absl::GetFlag(*flag));
+    if (!b.ok()) return absl::InvalidArgumentError(absl::StrCat("--", name, ": ", b.status().message()));
+    *field = *b;
   }
   config.testing_delay_part = absl::Milliseconds(absl::GetFlag(FLAGS_testing_delay_part_ms));
   config.testing_delay_read = absl::Milliseconds(absl::GetFlag(FLAGS_testing_delay_read_ms));

@@ -1,6 +1,7 @@
 #include "core/plan/balancer.h"
 
 #include <algorithm>
+#include <map>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
@@ -8,9 +9,30 @@
 
 namespace ckpt {
 
+namespace {
+
+// The K of balancer.h: readers for the shared reads, from their bytes read
+// and sent (`need[i]`: bytes each needer copies from read i, at most its
+// length).
+int SharedReaders(const LoadPlan& plan, const std::vector<std::map<int, uint64_t>>& need,
+                  int nodes, const AssignOptions& options) {
+  if (options.min_reader_bytes == 0) return nodes;
+  uint64_t weight = 0;
+  for (size_t i = 0; i < plan.reads.size(); ++i) {
+    if (need[i].size() < 2) continue;
+    weight += plan.reads[i].length;
+    for (const auto& [node, bytes] : need[i]) weight += std::min(bytes, plan.reads[i].length);
+  }
+  const uint64_t k = (weight + options.min_reader_bytes - 1) / options.min_reader_bytes;
+  return static_cast<int>(std::clamp<uint64_t>(k, 1, static_cast<uint64_t>(nodes)));
+}
+
+}  // namespace
+
 absl::StatusOr<ReadAssignment> AssignReads(const LoadPlan& plan,
                                            const std::vector<int>& node_of_rank,
-                                           const std::vector<std::set<std::string>>& readable) {
+                                           const std::vector<std::set<std::string>>& readable,
+                                           const AssignOptions& options) {
   const int nodes = static_cast<int>(readable.size());
   if (node_of_rank.size() != plan.ranks.size()) {
     return absl::InvalidArgumentError("AssignReads: one node per plan rank is required");
@@ -19,14 +41,23 @@ absl::StatusOr<ReadAssignment> AssignReads(const LoadPlan& plan,
   a.reader.assign(plan.reads.size(), -1);
   a.needed_by.resize(plan.reads.size());
   a.bytes_per_node.assign(nodes, 0);
-  std::vector<std::set<int>> needers(plan.reads.size());
+  // Per read: its needers, with the bytes each copies from it.
+  std::vector<std::map<int, uint64_t>> needers(plan.reads.size());
   for (size_t r = 0; r < plan.ranks.size(); ++r) {
     const int node = node_of_rank[r];
     if (node < 0 || node >= nodes) {
       return absl::InvalidArgumentError(absl::StrCat("AssignReads: rank ", plan.ranks[r].rank,
                                                      " is on unknown node ", node));
     }
-    for (const CopyOp& c : plan.ranks[r].copies) needers[c.read].insert(node);
+    for (const CopyOp& c : plan.ranks[r].copies) {
+      needers[c.read][node] += static_cast<uint64_t>(c.elements) * DTypeSize(c.src.dtype);
+    }
+  }
+  a.shared_readers = SharedReaders(plan, needers, nodes, options);
+  // The K nodes shared reads prefer, evenly over the indices (0 among them).
+  std::vector<bool> preferred(nodes, false);
+  for (int j = 0; j < a.shared_readers; ++j) {
+    preferred[static_cast<size_t>(static_cast<int64_t>(j) * nodes / a.shared_readers)] = true;
   }
   struct Item {
     size_t read;
@@ -36,10 +67,10 @@ absl::StatusOr<ReadAssignment> AssignReads(const LoadPlan& plan,
   std::vector<Item> items;
   for (size_t i = 0; i < plan.reads.size(); ++i) {
     if (needers[i].empty()) continue;
-    a.needed_by[i].assign(needers[i].begin(), needers[i].end());
+    for (const auto& [node, bytes] : needers[i]) a.needed_by[i].push_back(node);
     const std::string& file = plan.files[plan.reads[i].file];
     Item it{i, {}, true};
-    for (int n : needers[i]) {
+    for (int n : a.needed_by[i]) {
       if (readable[n].count(file)) it.candidates.push_back(n);
     }
     if (it.candidates.empty()) {
@@ -47,6 +78,13 @@ absl::StatusOr<ReadAssignment> AssignReads(const LoadPlan& plan,
       for (int n = 0; n < nodes; ++n) {
         if (readable[n].count(file)) it.candidates.push_back(n);
       }
+    }
+    if (a.needed_by[i].size() > 1 && a.shared_readers < nodes) {
+      std::vector<int> kept;
+      for (int n : it.candidates) {
+        if (preferred[static_cast<size_t>(n)]) kept.push_back(n);
+      }
+      if (!kept.empty()) it.candidates = std::move(kept);
     }
     if (it.candidates.empty()) {
       return absl::NotFoundError(absl::StrCat(

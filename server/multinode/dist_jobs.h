@@ -84,13 +84,11 @@ class DistJobs {
   absl::Status AdoptPart(const std::shared_ptr<DistJob>& dj, const peer::v1::PlanPart& part,
                          const std::string& coordinator, PlanPartContext pctx, LocalPart* out);
   // The reads of this node's part `part` of `dj` that peers serve (global
-  // read indices, their readers and the spans to fetch of each from
-  // LocalPartOf), over gRPC or NCCL.
-  std::unique_ptr<RemoteReads> PeerReadsFor(
-      const std::shared_ptr<DistJob>& dj, const peer::v1::PlanPart& part,
-      std::map<std::pair<std::string, uint64_t>, uint32_t> global_index,
-      std::map<uint32_t, std::string> reader,
-      std::map<uint32_t, std::vector<ckpt::ReadSpan>> fetch_spans);
+  // read indices, their readers and the spans to fetch of each, taken out of
+  // `mine`, AdoptPart's), over gRPC (one FetchReads stream per peer) or
+  // NCCL.
+  std::unique_ptr<RemoteReads> PeerReadsFor(const std::shared_ptr<DistJob>& dj,
+                                            const peer::v1::PlanPart& part, LocalPart& mine);
   // Step 3: this node's part is done (`done`): the coordinator concludes the
   // job (AwaitOutcome here, or Complete sent to `coordinator`), bounded.
   absl::StatusOr<peer::v1::CompleteResponse> ReportCompletion(const std::shared_ptr<DistJob>& dj,
@@ -109,6 +107,9 @@ class DistJobs {
   absl::Status PeerFetchRead(const PeerCaller& caller, const peer::v1::FetchReadRequest& request,
                              const std::function<bool(const peer::v1::Chunk&)>& send,
                              const std::function<bool()>& cancelled);
+  absl::Status PeerFetchReads(const PeerCaller& caller, const peer::v1::FetchReadsRequest& request,
+                              const std::function<bool(const peer::v1::Chunk&)>& send,
+                              const std::function<bool()>& cancelled);
   absl::StatusOr<peer::v1::CompleteResponse> PeerComplete(const PeerCaller& caller,
                                                           const peer::v1::CompleteRequest& request,
                                                           const std::function<bool()>& cancelled);
@@ -120,6 +121,12 @@ class DistJobs {
 
  private:
   friend class PeerReads;  // peer_reads.cc
+  // A fetch of `request`'s reads by a node of the job (serve_reads.cc):
+  // each needed from here by that node, fetched once, with valid spans; a
+  // violation (failing the job) otherwise.
+  absl::Status AdmitFetchLocked(DistJob& dj, const PeerCaller& caller,
+                                const peer::v1::FetchReadsRequest& request)
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(dj.mu);
   // The multi-node job `id` registered here, or null.
   std::shared_ptr<DistJob> Find(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);
   void PurgeLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -56,8 +56,10 @@ absl::StatusOr<JobParts> PlanJobParts(const JobPlanInput& in) {
   for (size_t n = 0; n < num_nodes; ++n) {
     for (const auto& f : in.joins[n]->readable()) readable[n].insert(f.name());
   }
+  ckpt::AssignOptions ao;
+  if (!in.whole_tables) ao.min_reader_bytes = in.min_reader_bytes;
   CKPT_ASSIGN_OR_RETURN(ckpt::ReadAssignment assign,
-                        ckpt::AssignReads(plan, node_of_rank, readable));
+                        ckpt::AssignReads(plan, node_of_rank, readable, ao));
 
   // Which reads each part holds (ascending): the node's own and those its
   // ranks copy from.
@@ -80,6 +82,7 @@ absl::StatusOr<JobParts> PlanJobParts(const JobPlanInput& in) {
   out.reads = plan.reads.size();
   out.ranks = plan.ranks.size();
   out.bytes_per_node = assign.bytes_per_node;
+  out.shared_readers = assign.shared_readers;
   out.bytes_to_read = plan.bytes_to_read;
   std::vector<std::vector<size_t>> ranks_of_node(num_nodes);
   for (size_t r = 0; r < plan.ranks.size(); ++r) {

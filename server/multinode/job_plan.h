@@ -34,6 +34,9 @@ struct JobPlanInput {
   std::vector<const peer::v1::JoinRequest*> joins;
   std::string coordinator;  // a node of `nodes`: named in every part
   uint64_t max_read_bytes = 0;  // the coordinator's io_request_size (0: no cut)
+  // The coordinator's peer_reader_min_bytes (ckpt::AssignOptions; not with
+  // whole_tables: NCCL jobs spread over every node).
+  uint64_t min_reader_bytes = 0;
   // Every read and node in every part (jobs moving reads over NCCL).
   bool whole_tables = false;
   // Stamped on every part.
@@ -47,6 +50,7 @@ struct JobParts {
   size_t reads = 0;
   size_t ranks = 0;
   std::vector<uint64_t> bytes_per_node;  // as `nodes`
+  int shared_readers = 0;                // nodes the shared reads went to at most
   uint64_t bytes_to_read = 0;
 };
 

@@ -106,6 +106,7 @@ absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> MultiNodeLoad::PlanPar
   for (const auto& j : joins) in.joins.push_back(&j);
   in.coordinator = p_.config->peer_listen;
   in.max_read_bytes = p_.config->io_request_size;
+  in.min_reader_bytes = p_.config->peer_reader_min_bytes;
   in.whole_tables = !nccl_id.empty();
   in.format = ckpt::FormatName(opened->checkpoint.format);
   in.unique_id = opened->checkpoint.unique_id.value_or(0);
@@ -121,9 +122,10 @@ absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> MultiNodeLoad::PlanPar
   for (size_t n = 0; n < nodes.size(); ++n) {
     balance += absl::StrCat(n ? " " : "", nodes[n], "=", planned.bytes_per_node[n], "B");
   }
-  spdlog::info("coordinator job={} nodes={} ranks={} reads={} plan={:.4f}s parts={}B storage "
-               "reads: {}",
-               dj.id, nodes.size(), planned.ranks, planned.reads, plan_s, part_bytes, balance);
+  spdlog::info("coordinator job={} nodes={} ranks={} reads={} plan={:.4f}s parts={}B shared "
+               "readers={} storage reads: {}",
+               dj.id, nodes.size(), planned.ranks, planned.reads, plan_s, part_bytes,
+               planned.shared_readers, balance);
   return std::move(planned.parts);
 }
 
@@ -196,8 +198,7 @@ void MultiNodeLoad::Run(const std::shared_ptr<Job>& job,
   ckpt::LoadStats stats;
   std::unique_ptr<RemoteReads> peers;
   if (exec.ok()) {
-    peers = p_.dist_jobs->PeerReadsFor(dj, part, std::move(mine.global_index),
-                                       std::move(mine.reader), std::move(mine.fetch_spans));
+    peers = p_.dist_jobs->PeerReadsFor(dj, part, mine);
     auto st = p_.loads->RunNodePart(job, slots, lp, stamps, "reading (multi-node)", peers.get());
     if (st.ok()) {
       stats = *st;

@@ -16,6 +16,7 @@
 #include "core/base/xxh3.h"
 #include "core/exec/executor.h"
 #include "server/multinode/dist_jobs.h"
+#include "server/multinode/peer_fetch.h"
 #include "server/multinode/peer_nccl.h"
 #include "server/peer/peer_plane.h"
 
@@ -34,11 +35,11 @@ class DistSource final : public ckpt::RangeSource {
   DistSource(std::string me, std::string job_id, ckpt::RangeSource* storage,
              std::map<std::pair<std::string, uint64_t>, uint32_t> global_index,
              std::map<uint32_t, std::string> reader,
-             std::map<uint32_t, std::vector<ckpt::ReadSpan>> fetch_spans, PublishFn publish,
+             std::map<uint32_t, PeerFetch::Want> wants, PublishFn publish,
              StubFn stub, std::function<absl::Status()> aborted, absl::Duration timeout)
       : me_(std::move(me)), job_id_(std::move(job_id)), storage_(storage),
         global_index_(std::move(global_index)), reader_(std::move(reader)),
-        fetch_spans_(std::move(fetch_spans)), publish_(std::move(publish)),
+        wants_(std::move(wants)), publish_(std::move(publish)),
         stub_(std::move(stub)), aborted_(std::move(aborted)), timeout_(timeout) {}
 
   absl::StatusOr<ckpt::RangeView> Fetch(
@@ -68,39 +69,23 @@ class DistSource final : public ckpt::RangeSource {
     if (links_ != nullptr && links_->Receives(g)) {
       if (auto b = links_->Take(g, absl::Now() + timeout_)) {
         CKPT_RETURN_IF_ERROR(Check(b->view.data, n, b->xxh3, what + " over NCCL", verify));
-        Arrived(n, n);
+        received_ += n;
+        peer_read_length_ += n;
         return b->view;
       }  // links failed: gRPC below
     }
-    auto spans = fetch_spans_.find(g);
-    if (spans != fetch_spans_.end()) {
-      return FetchSpans(g, reader, file, offset, n, spans->second, scratch);
-    }
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx);
-    auto stream = stub_(reader)->FetchRead(&ctx, Request(g));
-    if (scratch.size() < n) scratch.resize(n);
-    uint64_t got = 0;
-    std::optional<uint64_t> xxh3;
-    peer::v1::Chunk c;
-    while (stream->Read(&c)) {
-      if (c.offset() != got || c.data().size() > n - got || (c.has_xxh3() && got != 0)) {
-        ctx.TryCancel();
-        return absl::DataLossError(absl::StrCat(what, ": a chunk out of order or too long"));
-      }
-      if (c.has_xxh3()) xxh3 = c.xxh3();
-      std::memcpy(scratch.data() + got, c.data().data(), c.data().size());
-      got += c.data().size();
-    }
-    grpc::Status s = stream->Finish();
-    if (!s.ok() || got != n) return SendFailed(s, reader, file, offset, n, got, n);
-    if (!xxh3) return absl::DataLossError(absl::StrCat(what, ": sent without its checksum"));
-    CKPT_RETURN_IF_ERROR(Check(scratch.data(), n, *xxh3, what, verify));
-    Arrived(n, n);
-    return ckpt::RangeView{scratch.data(), nullptr, false};
+    absl::StatusOr<ckpt::RangeView> v = FetchFrom(reader, g)->Take(g, verify);
+    if (v.ok()) peer_read_length_ += n;
+    return v;
   }
 
-  uint64_t received() const { return received_.load(); }
+  // Bytes received from peers (streams and NCCL links).
+  uint64_t received() const ABSL_LOCKS_EXCLUDED(fetches_mu_) {
+    uint64_t n = received_.load();
+    absl::MutexLock lock(&fetches_mu_);
+    for (const auto& [key, f] : fetches_) n += f->received();
+    return n;
+  }
   // The whole length of the reads that came from peers (whole or by spans:
   // what the executor counts as not from storage for them).
   uint64_t peer_read_length() const { return peer_read_length_.load(); }
@@ -108,105 +93,24 @@ class DistSource final : public ckpt::RangeSource {
   void set_storage(ckpt::RangeSource* storage) { storage_ = storage; }
 
  private:
-  // A call to a peer: bounded by peer_timeout.
-  void SetDeadline(grpc::ClientContext* ctx) const {
-    ctx->set_deadline(std::chrono::system_clock::now() +
-                      std::chrono::milliseconds(absl::ToInt64Milliseconds(timeout_)));
-  }
-
-  // A read of `length` bytes came from a peer, `moved` of them over the wire
-  // (fewer when fetched by spans).
-  void Arrived(uint64_t moved, uint64_t length) {
-    received_ += moved;
-    peer_read_length_ += length;
-  }
-
-  // This node's fetch of read `g` of the job.
-  peer::v1::FetchReadRequest Request(uint32_t g) const {
-    peer::v1::FetchReadRequest req;
-    req.set_job_id(job_id_);
-    req.set_read(g);
-    req.set_node(me_);
-    return req;
-  }
-
-  // Only the bytes of read `g` (`n` at `offset` of `file`, made by
-  // `reader`) the ranks here copy: `spans`, cut and sent one after another by the peer, each chunk
-  // with the xxh3 of its own bytes, placed at their offsets in `scratch`.
-  // The rest of `scratch` is never read (the copies touch only the spans),
-  // and the plan's checksums, over whole blocks, are not checked here: the
-  // peer checked them as it read (and checks its xxh3 against them).
-  absl::StatusOr<ckpt::RangeView> FetchSpans(uint32_t g, const std::string& reader,
-                                             const std::string& file, uint64_t offset, uint64_t n,
-                                             const std::vector<ckpt::ReadSpan>& spans,
-                                             std::vector<uint8_t>& scratch) {
-    const std::string what = absl::StrCat("read ", g, " (", file, " bytes [", offset, ", ",
-                                          offset + n, "), ", spans.size(),
-                                          " spans) from peer ", reader);
-    grpc::ClientContext ctx;
-    SetDeadline(&ctx);
-    peer::v1::FetchReadRequest req = Request(g);
-    uint64_t want = 0;
-    for (const ckpt::ReadSpan& sp : spans) {
-      peer::v1::Range* r = req.add_spans();
-      r->set_begin(static_cast<int64_t>(sp.begin));
-      r->set_end(static_cast<int64_t>(sp.end));
-      want += sp.end - sp.begin;
+  // The stream `g` comes over from `reader`: one per peer with every read
+  // fetched from it; in NCCL jobs (where gRPC carries a read only when its
+  // link failed) one per read.
+  PeerFetch* FetchFrom(const std::string& reader, uint32_t g) ABSL_LOCKS_EXCLUDED(fetches_mu_) {
+    const std::string key = links_ != nullptr ? absl::StrCat(reader, "#", g) : reader;
+    absl::MutexLock lock(&fetches_mu_);
+    std::unique_ptr<PeerFetch>& f = fetches_[key];
+    if (f == nullptr) {
+      std::vector<PeerFetch::Want> wants;
+      for (const auto& [id, w] : wants_) {
+        auto who = reader_.find(id);
+        if (who == reader_.end() || who->second != reader || (links_ != nullptr && id != g)) continue;
+        wants.push_back(w);
+      }
+      f = std::make_unique<PeerFetch>(reader, me_, job_id_, std::move(wants), stub_(reader),
+                                      timeout_);
     }
-    if (scratch.size() < n) scratch.resize(n);
-    auto stream = stub_(reader)->FetchRead(&ctx, req);
-    uint64_t got = 0;  // position in the spans' bytes
-    size_t span = 0;
-    uint64_t in_span = 0;  // bytes of spans[span] placed so far
-    peer::v1::Chunk c;
-    while (stream->Read(&c)) {
-      if (c.offset() != got || c.data().size() > want - got || !c.has_xxh3()) {
-        ctx.TryCancel();
-        return absl::DataLossError(
-            absl::StrCat(what, ": a chunk out of order, too long or without its xxh3"));
-      }
-      const uint64_t have = XXH3_64bits(c.data().data(), c.data().size());
-      if (have != c.xxh3()) {
-        ctx.TryCancel();
-        return absl::DataLossError(absl::StrCat(
-            what, ": the bytes received at ", got, " hash to xxh3 ",
-            absl::Hex(have, absl::kZeroPad16), ", the peer sent ",
-            absl::Hex(c.xxh3(), absl::kZeroPad16),
-            " (altered in transit or by the peer); none of it was delivered"));
-      }
-      const char* p = c.data().data();
-      uint64_t left = c.data().size();
-      while (left > 0) {  // got + left <= want: spans remain
-        const ckpt::ReadSpan& sp = spans[span];
-        const uint64_t k = std::min(left, sp.end - sp.begin - in_span);
-        std::memcpy(scratch.data() + sp.begin + in_span, p, k);
-        p += k;
-        left -= k;
-        in_span += k;
-        if (in_span == sp.end - sp.begin) {
-          ++span;
-          in_span = 0;
-        }
-      }
-      got += c.data().size();
-    }
-    grpc::Status s = stream->Finish();
-    if (!s.ok() || got != want) return SendFailed(s, reader, file, offset, n, got, want);
-    Arrived(want, n);
-    return ckpt::RangeView{scratch.data(), nullptr, false};
-  }
-
-  // A fetch from `reader` that ended with `s` after `got` of `want` bytes.
-  static absl::Status SendFailed(const grpc::Status& s, const std::string& reader,
-                                 const std::string& file, uint64_t offset, uint64_t n,
-                                 uint64_t got, uint64_t want) {
-    const auto code =
-        s.ok() ? absl::StatusCode::kUnavailable : static_cast<absl::StatusCode>(s.error_code());
-    return absl::Status(
-        code == absl::StatusCode::kPermissionDenied ? code : absl::StatusCode::kUnavailable,
-        absl::StrCat("peer ", reader, " failed to send ", file, " bytes [", offset, ", ",
-                     offset + n, ") (got ", got, " of ", want, "): ",
-                     s.ok() ? "stream ended early" : s.error_message()));
+    return f.get();
   }
 
   // The received bytes against the sender's xxh3, then the plan's checksums.
@@ -232,13 +136,15 @@ class DistSource final : public ckpt::RangeSource {
   ckpt::RangeSource* storage_;
   const std::map<std::pair<std::string, uint64_t>, uint32_t> global_index_;
   const std::map<uint32_t, std::string> reader_;
-  const std::map<uint32_t, std::vector<ckpt::ReadSpan>> fetch_spans_;
+  const std::map<uint32_t, PeerFetch::Want> wants_;  // the reads peers make
   const PublishFn publish_;
   const StubFn stub_;
   const std::function<absl::Status()> aborted_;
   const absl::Duration timeout_;
-  std::atomic<uint64_t> received_{0};
+  std::atomic<uint64_t> received_{0};  // over NCCL links
   std::atomic<uint64_t> peer_read_length_{0};
+  mutable absl::Mutex fetches_mu_;
+  std::map<std::string, std::unique_ptr<PeerFetch>> fetches_ ABSL_GUARDED_BY(fetches_mu_);
 };
 
 }  // namespace
@@ -250,11 +156,10 @@ class PeerReads final : public RemoteReads {
  public:
   PeerReads(DistJobs* d, std::shared_ptr<DistJob> dj, const peer::v1::PlanPart& part,
             const std::string& me, std::map<std::pair<std::string, uint64_t>, uint32_t> global_index,
-            std::map<uint32_t, std::string> reader,
-            std::map<uint32_t, std::vector<ckpt::ReadSpan>> fetch_spans)
+            std::map<uint32_t, std::string> reader, std::map<uint32_t, PeerFetch::Want> wants)
       : d_(d), dj_(std::move(dj)), part_(part), me_(me),
         source_(me, dj_->id, nullptr, std::move(global_index), std::move(reader),
-                std::move(fetch_spans),
+                std::move(wants),
                 [this](uint32_t g, const ckpt::RangeView& v, uint64_t xxh3) { Publish(g, v, xxh3); },
                 [d](const std::string& a) { return d->peers_->Stub(a); },
                 [dj = dj_]() -> absl::Status {
@@ -339,12 +244,25 @@ class PeerReads final : public RemoteReads {
   std::unique_ptr<NcclTransfers> nccl_;
 };
 
-std::unique_ptr<RemoteReads> DistJobs::PeerReadsFor(
-    const std::shared_ptr<DistJob>& dj, const peer::v1::PlanPart& part,
-    std::map<std::pair<std::string, uint64_t>, uint32_t> global_index,
-    std::map<uint32_t, std::string> reader, std::map<uint32_t, std::vector<ckpt::ReadSpan>> fetch_spans) {
-  return std::make_unique<PeerReads>(this, dj, part, config_.peer_listen, std::move(global_index),
-                                     std::move(reader), std::move(fetch_spans));
+std::unique_ptr<RemoteReads> DistJobs::PeerReadsFor(const std::shared_ptr<DistJob>& dj,
+                                                    const peer::v1::PlanPart& part,
+                                                    LocalPart& mine) {
+  const std::string& me = config_.peer_listen;
+  std::map<uint32_t, PeerFetch::Want> wants;  // the reads peers make, what of each
+  for (size_t l = 0; l < mine.plan.reads.size(); ++l) {
+    const uint32_t g = mine.global_read[l];
+    if (mine.reader[g] == me) continue;
+    const ckpt::ReadRange& rr = mine.plan.reads[l];
+    PeerFetch::Want& w = wants[g];
+    w.read = g;
+    w.file = mine.plan.files[rr.file];
+    w.offset = rr.offset;
+    w.length = rr.length;
+    auto spans = mine.fetch_spans.find(g);
+    if (spans != mine.fetch_spans.end()) w.spans = std::move(spans->second);
+  }
+  return std::make_unique<PeerReads>(this, dj, part, me, std::move(mine.global_index),
+                                     std::move(mine.reader), std::move(wants));
 }
 
 }  // namespace ckptd

@@ -129,6 +129,8 @@ struct LocalPart {
 // Spans one fetch may ask for (FetchReadRequest.spans): more are merged
 // across their smallest gaps (ckpt::NeededSpans).
 inline constexpr size_t kMaxFetchSpans = 1 << 16;
+// Reads one FetchReads call may ask for.
+inline constexpr size_t kMaxFetchReads = 1 << 16;
 // A node fetches a read whole when its ranks need at least this share of it
 // (percent).
 inline constexpr uint64_t kWholeReadPercent = 95;

@@ -78,9 +78,9 @@ struct Instruments {
     peer_rpcs = &prometheus::BuildCounter()
                      .Name("ckptd_peer_rpcs_total")
                      .Help("Calls of the peer service this daemon served (multi-node jobs), by "
-                           "rpc: Join, Locate, FetchRead, Complete, Ping")
+                           "rpc: Join, Locate, FetchRead, FetchReads, Complete, Ping")
                      .Register(*registry);
-    for (const char* rpc : {"Join", "Locate", "FetchRead", "Complete", "Ping"}) {
+    for (const char* rpc : {"Join", "Locate", "FetchRead", "FetchReads", "Complete", "Ping"}) {
       peer_rpcs->Add({{"rpc", rpc}});  // served as 0 until the first call
     }
     auto& h = prometheus::BuildHistogram()

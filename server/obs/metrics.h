@@ -50,7 +50,7 @@ struct LoadJobRecord {
 // it failed; text or one JSON object, as set up by SetUpLogging.
 void RecordLoadJob(const LoadJobRecord& record);
 
-// Counts one call of the peer service (`rpc`: Join, Locate, FetchRead,
+// Counts one call of the peer service (`rpc`: Join, Locate, FetchRead, FetchReads,
 // Complete, Ping) served by this daemon: ckptd_peer_rpcs_total{rpc}.
 void RecordPeerRpc(const char* rpc);
 

@@ -68,6 +68,16 @@ grpc::Status PeerService::FetchRead(grpc::ServerContext* ctx, const peer::v1::Fe
   });
 }
 
+grpc::Status PeerService::FetchReads(grpc::ServerContext* ctx,
+                                     const peer::v1::FetchReadsRequest* req,
+                                     grpc::ServerWriter<peer::v1::Chunk>* writer) {
+  return Run("FetchReads", ctx, [&](const PeerCaller& c) {
+    return jobs_->PeerFetchReads(
+        c, *req, [writer](const peer::v1::Chunk& chunk) { return writer->Write(chunk); },
+        [ctx] { return ctx->IsCancelled(); });
+  });
+}
+
 grpc::Status PeerService::Complete(grpc::ServerContext* ctx, const peer::v1::CompleteRequest* req,
                                    peer::v1::CompleteResponse* resp) {
   return Run("Complete", ctx, [&](const PeerCaller& c) {

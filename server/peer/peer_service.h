@@ -26,6 +26,8 @@ class PeerService final : public peer::v1::Peer::Service {
                     peer::v1::PlanPart* resp) override;
   grpc::Status FetchRead(grpc::ServerContext* ctx, const peer::v1::FetchReadRequest* req,
                          grpc::ServerWriter<peer::v1::Chunk>* writer) override;
+  grpc::Status FetchReads(grpc::ServerContext* ctx, const peer::v1::FetchReadsRequest* req,
+                          grpc::ServerWriter<peer::v1::Chunk>* writer) override;
   grpc::Status Complete(grpc::ServerContext* ctx, const peer::v1::CompleteRequest* req,
                         peer::v1::CompleteResponse* resp) override;
   grpc::Status Ping(grpc::ServerContext* ctx, const peer::v1::PingRequest* req,

@@ -1,6 +1,8 @@
 // Multi-node jobs: 3-4 real daemons on loopback (own sockets, own peer
 // ports, own "local disks"), 8-12 ranks spread over them as separate
 // ckptctl processes.
+#include <algorithm>
+#include <csignal>
 #include <unistd.h>
 
 #include <filesystem>
@@ -348,8 +350,11 @@ TEST_P(MultiNode, AJobWithoutAKeyIsRefusedUnlessUnkeyedJobsAreAllowed) {
 TEST_P(MultiNode, SharedDirectoryReadingSplitEvenly) {
   const int kNodes = 3, kWorld = 12;
   ASSERT_TRUE(ShardCheckpoint(tmp_.Sub("src"), MakeLayout(4, 0, false), tmp_.Sub("shared/ckpt"), {}).ok());
-  StartNodes({tmp_.Sub("shared"), tmp_.Sub("shared"), tmp_.Sub("shared")});
-  Layout load = MakeLayout(kWorld, 1, false);
+  // Every node may read the reads all nodes need (the checkpoint is small:
+  // by default one node would read them all, below).
+  StartNodes({tmp_.Sub("shared"), tmp_.Sub("shared"), tmp_.Sub("shared")},
+             {"--peer_reader_min_bytes", "0"});
+  Layout load = MakeLayout(kWorld, 1, false);  // every node needs a slice of every read
   std::string lf = WriteLayout(load, "load12.json");
   EXPECT_THAT(RunJob(tmp_.Sub("shared/ckpt"), lf, kWorld, "shared", tmp_.Sub("out-shared")),
               ::testing::Each(0))
@@ -371,6 +376,20 @@ TEST_P(MultiNode, SharedDirectoryReadingSplitEvenly) {
   for (int n = 0; n < kNodes; ++n) {
     EXPECT_NEAR(per_node[n], even, 0.10 * even) << "node " << n;
   }
+
+  // The default (peer_reader_min_bytes 32 MiB): a checkpoint this small has
+  // one reader for the reads every node needs (the first of the job's nodes
+  // in address order), which the others fetch from it.
+  StartNodes({tmp_.Sub("shared"), tmp_.Sub("shared"), tmp_.Sub("shared")});
+  EXPECT_THAT(RunJob(tmp_.Sub("shared/ckpt"), lf, kWorld, "shared-few", tmp_.Sub("out-few")),
+              ::testing::Each(0))
+      << Slurp(tmp_.Sub("shared-few.log"));
+  ASSERT_TRUE(LayoutMatchesOracle(tmp_.Sub("out-few"), load, full_));
+  std::vector<uint64_t> few;
+  for (int n = 0; n < kNodes; ++n) few.push_back(BytesRead(n));
+  std::sort(few.begin(), few.end());
+  EXPECT_THAT(few, ::testing::ElementsAre(0u, 0u, unique));
+  EXPECT_THAT(Slurp(nodes_[0]->log()), ::testing::HasSubstr("shared readers=1"));
 }
 
 // (c) A peer killed mid-load: every rank gets a clear error within the
@@ -422,6 +441,47 @@ TEST_P(MultiNode, PeerKilledMidLoadThenRetrySucceeds) {
   EXPECT_THAT(RunJob("ckpt", lf, kWorld, "retry", tmp_.Sub("out-retry")), ::testing::Each(0))
       << Slurp(tmp_.Sub("retry.log"));
   ASSERT_TRUE(LayoutMatchesOracle(tmp_.Sub("out-retry"), load, full_));
+}
+
+// A peer that stops answering once the plan is out (SIGSTOP: its
+// connections stay open, nothing moves): every rank of the other nodes fails
+// within peer_timeout and some slack, naming it (the FetchReads stream from it
+// waits at most peer_timeout for each chunk); once it runs again its own
+// ranks fail too, and the nodes serve the next job.
+TEST_P(MultiNode, PeerStoppedMidLoadFailsTheOthersWithinPeerTimeout) {
+  const int kNodes = 3, kWorld = 6;
+  const std::vector<std::string> roots = NodeLocalCheckpoint(kNodes, kWorld, false);
+  StartNodes(roots, {"--testing-delay-part-ms", "1500"});
+  Layout load = MakeLayout(kWorld, 1, false);
+  std::string lf = WriteLayout(load, "load6.json");
+  std::vector<pid_t> pids;
+  for (int r = 0; r < kWorld; ++r) {
+    pids.push_back(Spawn({Runfile("client/ckptctl"), "load", "ckpt", "--layout", lf, "--out",
+                          tmp_.Sub("out-stopped"), "--daemon", Sockets(), "--ranks",
+                          std::to_string(r), "--job-id", "stopped"},
+                         tmp_.Sub("stopped.log")));
+  }
+  ASSERT_TRUE(Await(
+      [&] {
+        return Slurp(nodes_[2]->log()).find("multi-node job=stopped: plan part received") !=
+               std::string::npos;
+      },
+      "node 2 to log that it received its part of job 'stopped'"))
+      << Slurp(nodes_[2]->log());
+  ASSERT_EQ(::kill(nodes_[2]->pid(), SIGSTOP), 0);
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<int> codes;
+  for (int r = 0; r < 4; ++r) codes.push_back(WaitExit(pids[r], std::chrono::seconds(30)));
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  ASSERT_EQ(::kill(nodes_[2]->pid(), SIGCONT), 0);
+  EXPECT_THAT(codes, ::testing::Each(::testing::Ne(0)));
+  EXPECT_LT(took, 15.0);  // peer_timeout 4s, plus slack
+  EXPECT_THAT(Slurp(tmp_.Sub("stopped.log")), HasSubstr(addrs_[2]));  // names the stopped peer
+  for (int r = 4; r < kWorld; ++r) EXPECT_NE(WaitExit(pids[r], std::chrono::seconds(30)), 0);
+  EXPECT_FALSE(fs::exists(tmp_.Sub("out-stopped/rank0.safetensors")));
+  EXPECT_THAT(RunJob("ckpt", lf, kWorld, "after", tmp_.Sub("out-after")), ::testing::Each(0))
+      << Slurp(tmp_.Sub("after.log"));
+  ASSERT_TRUE(LayoutMatchesOracle(tmp_.Sub("out-after"), load, full_));
 }
 
 // (e) A save across 3 daemons into node-local directories: every node

@@ -276,6 +276,31 @@ class PeerAbuse : public ::testing::Test {
     return stream->Finish();
   }
 
+  // FetchReads of `reads` (id, spans) as `node`; every chunk into `chunks`.
+  grpc::Status FetchMany(const std::string& job, const std::string& node,
+                         const std::vector<std::pair<uint32_t, std::vector<std::pair<int64_t, int64_t>>>>& reads,
+                         std::vector<pv1::Chunk>* chunks) {
+    auto stub = Stub(ports_[0], &node_);
+    grpc::ClientContext ctx;
+    Deadline(&ctx, 10);
+    pv1::FetchReadsRequest req;
+    req.set_job_id(job);
+    req.set_node(node);
+    for (const auto& [id, spans] : reads) {
+      pv1::FetchReadRequest* r = req.add_reads();
+      r->set_read(id);
+      for (const auto& [b, e] : spans) {
+        pv1::Range* range = r->add_spans();
+        range->set_begin(b);
+        range->set_end(e);
+      }
+    }
+    auto stream = stub->FetchReads(&ctx, req);
+    pv1::Chunk c;
+    while (stream->Read(&c)) chunks->push_back(c);
+    return stream->Finish();
+  }
+
   testing::TempDir tmp_;
   std::string certs_;
   CertFiles node_, intruder_, elsewhere_, foreign_;
@@ -408,6 +433,70 @@ TEST_F(PeerAbuse, MemberFetchingSpansGetsThoseBytesOnlyAndMalformedSpansFailTheJ
   EXPECT_THAT(bad.error_message(), HasSubstr("spans[1] [8, 12)"));
   EXPECT_NE(WaitExit(rank0, std::chrono::seconds(20)), 0);
   EXPECT_THAT(Slurp(tmp_.Sub("spans.log")), HasSubstr("spans[1] [8, 12)"));
+  EXPECT_TRUE(nodes_[0]->Alive()) << Slurp(nodes_[0]->log());
+}
+
+// FetchReads (issue 34): the reads a member needs from a node in one stream,
+// in the order asked, every chunk naming its read (a whole read's first chunk
+// with the read's xxh3; a fetch of spans, each chunk with its own). A call
+// asking for no read is a violation: PERMISSION_DENIED, the job fails, the
+// daemon serves on.
+TEST_F(PeerAbuse, MemberFetchingReadsInOneStreamGetsThemInTheOrderAsked) {
+  GiveAllFilesToA();
+  Start(0);
+  const Layout load = MakeLayout(2, 1, false);
+  const std::string lf = WriteLayout(load, "load2.json");
+  pid_t rank0 = StartRank(0, lf, "many");
+  pv1::PlanPart part;
+  grpc::Status joined = JoinAs("many", X(), load, {1}, &node_, &part);
+  ASSERT_TRUE(joined.ok()) << joined.error_message() << Slurp(nodes_[0]->log());
+  std::vector<int> mine;  // positions of reads A makes that X needs, of 64 bytes or more
+  for (int i = 0; i < part.reads_size(); ++i) {
+    const auto& r = part.reads(i);
+    if (r.reader() == Addr(ports_[0]) && r.length() >= 64 &&
+        std::find(r.needed_by().begin(), r.needed_by().end(), X()) != r.needed_by().end()) {
+      mine.push_back(i);
+    }
+  }
+  ASSERT_GE(mine.size(), 2u) << "X needs fewer than two reads of A";
+  auto id = [&](int i) { return part.reads(i).has_id() ? part.reads(i).id() : static_cast<uint32_t>(i); };
+  auto bytes_of = [&](int i) {
+    const auto& r = part.reads(i);
+    return Slurp(tmp_.Sub("node0/ckpt/" + part.files(r.file()))).substr(r.offset(), r.length());
+  };
+  const std::string whole = bytes_of(mine[1]), cut = bytes_of(mine[0]);
+  const int64_t n = static_cast<int64_t>(cut.size());
+  std::vector<pv1::Chunk> chunks;
+  // The later read first, whole; then the earlier one's first 8 and last 4 bytes.
+  grpc::Status got = FetchMany("many", X(), {{id(mine[1]), {}}, {id(mine[0]), {{0, 8}, {n - 4, n}}}},
+                               &chunks);
+  ASSERT_TRUE(got.ok()) << got.error_message();
+  std::string first, second;
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    const pv1::Chunk& c = chunks[i];
+    if (c.read() == id(mine[1])) {
+      EXPECT_TRUE(second.empty()) << "chunk " << i << " of the first read after the second's";
+      EXPECT_EQ(c.offset(), first.size());
+      EXPECT_EQ(c.has_xxh3(), first.empty()) << "chunk " << i;
+      if (first.empty()) EXPECT_EQ(c.xxh3(), XXH3_64bits(whole.data(), whole.size()));
+      first += c.data();
+    } else {
+      ASSERT_EQ(c.read(), id(mine[0])) << "chunk " << i;
+      EXPECT_EQ(c.offset(), second.size());
+      ASSERT_TRUE(c.has_xxh3()) << "chunk " << i;
+      EXPECT_EQ(c.xxh3(), XXH3_64bits(c.data().data(), c.data().size()));
+      second += c.data();
+    }
+  }
+  EXPECT_EQ(first, whole);
+  EXPECT_EQ(second, cut.substr(0, 8) + cut.substr(n - 4, 4));
+  chunks.clear();
+  grpc::Status none = FetchMany("many", X(), {}, &chunks);
+  EXPECT_EQ(none.error_code(), grpc::StatusCode::PERMISSION_DENIED) << none.error_message();
+  EXPECT_THAT(none.error_message(), HasSubstr("fetched 0 reads"));
+  EXPECT_TRUE(chunks.empty());
+  EXPECT_NE(WaitExit(rank0, std::chrono::seconds(20)), 0);
+  EXPECT_THAT(Slurp(tmp_.Sub("many.log")), HasSubstr("fetched 0 reads"));
   EXPECT_TRUE(nodes_[0]->Alive()) << Slurp(nodes_[0]->log());
 }
 

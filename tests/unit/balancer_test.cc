@@ -159,5 +159,57 @@ TEST(Balancer, UnreadableNeededFileIsNamed) {
   EXPECT_THAT(a->reader, ElementsAre(0, -1));
 }
 
+
+// With min_reader_bytes, reads several nodes need go to K readers only, K
+// from their bytes read plus the bytes their needers copy out of them, spread
+// over the node indices; a read one node needs stays local, and a shared read
+// only a node outside the K can read still goes there.
+TEST(Balancer, SharedReadsGoToFewReadersWhenSmall) {
+  // 8 nodes, one rank each. Reads 0-15: 1000 bytes that every rank copies
+  // 124 bytes of (31 F32); read 16: only rank 5's; read 17 (file "x", which
+  // only node 3 can read): ranks 1 and 3.
+  std::vector<Read> reads;
+  for (int i = 0; i < 16; ++i) reads.push_back({0, 1000, {0, 1, 2, 3, 4, 5, 6, 7}});
+  reads.push_back({0, 1000, {5}});
+  reads.push_back({1, 100, {1, 3}});
+  LoadPlan p = MakePlan({"f", "x"}, reads, 8);
+  for (RankPlan& rp : p.ranks) {
+    for (CopyOp& c : rp.copies) c.elements = 31;
+  }
+  std::vector<std::set<std::string>> readable(8, std::set<std::string>{"f"});
+  readable[3].insert("x");
+  const std::vector<int> node_of_rank = {0, 1, 2, 3, 4, 5, 6, 7};
+
+  auto all = AssignReads(p, node_of_rank, readable);  // no limit: every node reads
+  ASSERT_TRUE(all.ok()) << all.status();
+  EXPECT_EQ(all->shared_readers, 8);
+  for (uint64_t b : all->bytes_per_node) EXPECT_GT(b, 0u);
+
+  // Shared bytes: 16 x (1000 + 8 x 124) + (100 + 2 x 100 capped at the
+  // read) = 32172: K = ceil(32172 / 8000) = 5 -> nodes 0, 1, 3, 4, 6.
+  AssignOptions o;
+  o.min_reader_bytes = 8000;
+  auto few = AssignReads(p, node_of_rank, readable, o);
+  ASSERT_TRUE(few.ok()) << few.status();
+  EXPECT_EQ(few->shared_readers, 5);
+  std::set<int> shared_readers;
+  for (int i = 0; i < 16; ++i) shared_readers.insert(few->reader[i]);
+  EXPECT_THAT(shared_readers, ::testing::ElementsAre(0, 1, 3, 4, 6));
+  EXPECT_EQ(few->reader[16], 5);  // one needer: local
+  EXPECT_EQ(few->reader[17], 3);  // only node 3 has "x" (preferred anyway)
+  EXPECT_EQ(Sum(few->bytes_per_node), 16u * 1000 + 1000 + 100);
+  // Balanced over the five: 16 reads -> 4, 3, 3, 3, 3 (node 3 also has "x").
+  EXPECT_THAT(few->bytes_per_node, ElementsAre(4000, 3000, 0, 3100, 3000, 1000, 3000, 0));
+
+  // One reader: every shared read of "f" goes to node 0;
+  // all 16 go to node 0; "x" still to node 3.
+  o.min_reader_bytes = 1ull << 40;
+  auto one = AssignReads(p, node_of_rank, readable, o);
+  ASSERT_TRUE(one.ok()) << one.status();
+  EXPECT_EQ(one->shared_readers, 1);
+  EXPECT_EQ(one->bytes_per_node[0], 16000u);
+  EXPECT_EQ(one->reader[17], 3);
+}
+
 }  // namespace
 }  // namespace ckpt

@@ -1,0 +1,233 @@
+#include "server/multinode/peer_fetch.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "absl/strings/str_cat.h"
+#include "core/base/status_macros.h"
+#include "core/base/xxh3.h"
+#include "server/multinode/dist_job.h"
+
+namespace ckptd {
+namespace {
+
+void* const kTag = reinterpret_cast<void*>(1);  // the one operation in flight
+
+}  // namespace
+
+PeerFetch::PeerFetch(std::string peer, std::string me, std::string job_id,
+                     std::vector<Want> wants, std::shared_ptr<peer::v1::Peer::Stub> stub,
+                     absl::Duration timeout)
+    : peer_(std::move(peer)), me_(std::move(me)), job_id_(std::move(job_id)),
+      stub_(std::move(stub)), timeout_(timeout) {
+  slots_.resize(wants.size());
+  for (size_t i = 0; i < wants.size(); ++i) {
+    Slot& s = slots_[i];
+    s.want = std::move(wants[i]);
+    s.expect = s.want.spans.empty() ? s.want.length : ckpt::SpanBytes(s.want.spans);
+    index_[s.want.read] = i;
+  }
+}
+
+PeerFetch::~PeerFetch() {
+  if (live_) {
+    ctx_.TryCancel();
+    grpc::Status ignored;
+    call_->Finish(&ignored, kTag);
+    void* tag;
+    bool ok;
+    cq_.Next(&tag, &ok);  // a cancelled call finishes at once
+  }
+  cq_.Shutdown();
+  void* tag;
+  bool ok;
+  while (cq_.Next(&tag, &ok)) {
+  }
+}
+
+std::string PeerFetch::What(const Slot& s) const {
+  return absl::StrCat("read ", s.want.read, " (", s.want.file, " bytes [", s.want.offset, ", ",
+                      s.want.offset + s.want.length, ")",
+                      s.want.spans.empty() ? "" : absl::StrCat(", ", s.want.spans.size(), " spans"),
+                      ") from peer ", peer_);
+}
+
+absl::StatusOr<ckpt::RangeView> PeerFetch::Take(
+    uint32_t read, const std::function<absl::Status(const uint8_t*)>& verify) {
+  auto it = index_.find(read);
+  if (it == index_.end()) {
+    return absl::InternalError(absl::StrCat("read ", read, " is not fetched from ", peer_));
+  }
+  Slot& s = slots_[it->second];
+  {
+    absl::MutexLock lock(&mu_);
+    while (!s.done) {
+      if (!failed_.ok()) return failed_;
+      if (!driving_) {
+        DriveLocked();
+        continue;
+      }
+      // Another thread is taking a chunk off the stream: at most
+      // peer_timeout (its own wait's bound), then this one may.
+      auto moved = [this, &s]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        return !driving_ || s.done || !failed_.ok();
+      };
+      if (!mu_.AwaitWithDeadline(absl::Condition(&moved),
+                                 absl::Now() + timeout_ + absl::Seconds(5))) {
+        return absl::DeadlineExceededError(absl::StrCat(
+            What(s), ": the stream did not move for ", absl::FormatDuration(timeout_)));
+      }
+    }
+    if (s.taken) return absl::InternalError(absl::StrCat(What(s), " taken twice"));
+    s.taken = true;
+  }
+  std::shared_ptr<uint8_t> buf = std::move(s.buf);  // freed once the executor is done with it
+  if (s.want.spans.empty()) {
+    const uint64_t have = XXH3_64bits(buf.get(), s.want.length);
+    if (have != s.xxh3) {
+      return absl::DataLossError(absl::StrCat(
+          What(s), ": the bytes received hash to xxh3 ", absl::Hex(have, absl::kZeroPad16),
+          ", the peer read ", absl::Hex(s.xxh3, absl::kZeroPad16),
+          " (altered in transit or by the peer); none of it was delivered"));
+    }
+    if (verify) {
+      absl::Status v = verify(buf.get());
+      if (!v.ok()) return absl::Status(v.code(), absl::StrCat(What(s), ": ", v.message()));
+    }
+  }
+  return ckpt::RangeView{buf.get(), buf, false};
+}
+
+void PeerFetch::DriveLocked() {
+  driving_ = true;
+  mu_.Unlock();
+  absl::Status st = Step();
+  mu_.Lock();
+  driving_ = false;
+  if (!st.ok() && failed_.ok()) failed_ = st;
+}
+
+bool PeerFetch::Await(absl::Time deadline, bool* ok) {
+  void* tag = nullptr;
+  if (cq_.AsyncNext(&tag, ok, ToChrono(deadline)) == grpc::CompletionQueue::GOT_EVENT) return true;
+  ctx_.TryCancel();
+  cq_.Next(&tag, ok);  // the cancelled operation completes at once
+  return false;
+}
+
+absl::Status PeerFetch::Start() {
+  peer::v1::FetchReadsRequest req;
+  req.set_job_id(job_id_);
+  req.set_node(me_);
+  for (Slot& s : slots_) {
+    peer::v1::FetchReadRequest* r = req.add_reads();
+    r->set_read(s.want.read);
+    for (const ckpt::ReadSpan& sp : s.want.spans) {
+      peer::v1::Range* range = r->add_spans();
+      range->set_begin(static_cast<int64_t>(sp.begin));
+      range->set_end(static_cast<int64_t>(sp.end));
+    }
+  }
+  started_ = true;
+  call_ = stub_->PrepareAsyncFetchReads(&ctx_, req, &cq_);
+  call_->StartCall(kTag);
+  live_ = true;
+  bool ok = false;
+  if (!Await(absl::Now() + timeout_, &ok)) {
+    return Ended(absl::StrCat("no answer within ", absl::FormatDuration(timeout_)));
+  }
+  if (!ok) return Ended("the call did not start");
+  return absl::OkStatus();
+}
+
+absl::Status PeerFetch::Ended(const std::string& why) {
+  grpc::Status s;
+  if (live_) {
+    call_->Finish(&s, kTag);
+    void* tag;
+    bool ok;
+    cq_.Next(&tag, &ok);  // the stream is over: its status is there
+    live_ = false;
+  }
+  const Slot& at = slots_[std::min(cur_, slots_.size() - 1)];
+  const auto code =
+      s.ok() ? absl::StatusCode::kUnavailable : static_cast<absl::StatusCode>(s.error_code());
+  return absl::Status(
+      code == absl::StatusCode::kPermissionDenied ? code : absl::StatusCode::kUnavailable,
+      absl::StrCat("peer ", peer_, " failed to send ", at.want.file, " bytes [", at.want.offset,
+                   ", ", at.want.offset + at.want.length, ") (got ", at.got, " of ", at.expect,
+                   "): ", s.ok() ? why : s.error_message()));
+}
+
+absl::Status PeerFetch::Step() {
+  if (!started_) CKPT_RETURN_IF_ERROR(Start());
+  if (!live_) return absl::InternalError(absl::StrCat("the stream from ", peer_, " is over"));
+  call_->Read(&chunk_, kTag);
+  bool ok = false;
+  if (!Await(absl::Now() + timeout_, &ok)) {
+    return Ended(absl::StrCat("nothing arrived for ", absl::FormatDuration(timeout_)));
+  }
+  if (!ok) return Ended("stream ended early");
+  return Place(chunk_);
+}
+
+absl::Status PeerFetch::Place(const peer::v1::Chunk& c) {
+  if (cur_ >= slots_.size()) {
+    ctx_.TryCancel();
+    return absl::DataLossError(absl::StrCat("peer ", peer_, " sent more than the ",
+                                            slots_.size(), " reads asked for"));
+  }
+  Slot& s = slots_[cur_];
+  const bool whole = s.want.spans.empty();
+  const std::string& d = c.data();
+  if (c.read() != s.want.read || c.offset() != s.got || d.size() > s.expect - s.got ||
+      (whole ? c.has_xxh3() == s.first : !c.has_xxh3())) {
+    ctx_.TryCancel();
+    return absl::DataLossError(absl::StrCat(
+        What(s), ": a chunk of another read, out of order, too long or without its xxh3"));
+  }
+  if (!s.first) {
+    // Only the wanted bytes are ever written or read: no need to clear it.
+    s.buf = std::shared_ptr<uint8_t>(new uint8_t[std::max<uint64_t>(s.want.length, 1)],
+                                     std::default_delete<uint8_t[]>());
+  }
+  if (whole) {
+    if (!s.first) s.xxh3 = c.xxh3();
+    std::memcpy(s.buf.get() + s.got, d.data(), d.size());
+  } else {
+    const uint64_t have = XXH3_64bits(d.data(), d.size());
+    if (have != c.xxh3()) {
+      ctx_.TryCancel();
+      return absl::DataLossError(absl::StrCat(
+          What(s), ": the bytes received at ", s.got, " hash to xxh3 ",
+          absl::Hex(have, absl::kZeroPad16), ", the peer sent ",
+          absl::Hex(c.xxh3(), absl::kZeroPad16),
+          " (altered in transit or by the peer); none of it was delivered"));
+    }
+    const char* p = d.data();
+    uint64_t left = d.size();
+    while (left > 0) {  // s.got + left <= s.expect: spans remain
+      const ckpt::ReadSpan& sp = s.want.spans[s.span];
+      const uint64_t k = std::min(left, sp.end - sp.begin - s.in_span);
+      std::memcpy(s.buf.get() + sp.begin + s.in_span, p, k);
+      p += k;
+      left -= k;
+      s.in_span += k;
+      if (s.in_span == sp.end - sp.begin) {
+        ++s.span;
+        s.in_span = 0;
+      }
+    }
+  }
+  s.got += d.size();
+  s.first = true;
+  received_ += d.size();
+  if (s.got == s.expect) {
+    ++cur_;
+    absl::MutexLock lock(&mu_);
+    s.done = true;
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace ckptd

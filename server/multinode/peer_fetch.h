@@ -1,0 +1,121 @@
+// The reads one node of a multi-node load fetches from one peer, over one
+// FetchReads stream (proto/peer.proto): one call per pair of nodes per job
+// instead of one per read, which is what a job over many nodes pays for
+// (docs/multi-node.md "At scale").
+//
+// The request names every read in the order the executor claims them
+// (ascending ids); the peer sends each as soon as it has read it. The
+// stream has no thread of its own: a thread that needs a read not yet here
+// takes the next chunk off the stream (the others wait for it), so a read
+// arrives no earlier than the reads before it are being fetched and at most
+// the reads the executor's threads are working on are held here. Every wait
+// is bounded by peer_timeout: a peer that sends nothing for that long
+// cancels the stream and fails its reads, naming the peer.
+//
+// A read's bytes reach its fetcher only once checked: whole, against the
+// xxh3 the peer took as it read them and then the plan's checksums; by
+// spans, each chunk against its own xxh3.
+//
+//   PeerFetch f(peer, me, job, wants, stub, timeout);
+//   absl::StatusOr<ckpt::RangeView> v = f.Take(read, verify);  // any thread
+//
+// Thread-safe.
+#ifndef CKPTD_SERVER_MULTINODE_PEER_FETCH_H_
+#define CKPTD_SERVER_MULTINODE_PEER_FETCH_H_
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <grpcpp/grpcpp.h>
+
+#include "absl/base/thread_annotations.h"
+#include "absl/status/statusor.h"
+#include "absl/synchronization/mutex.h"
+#include "absl/time/time.h"
+#include "core/exec/executor.h"
+#include "core/plan/planner.h"
+#include "proto/peer.grpc.pb.h"
+
+namespace ckptd {
+
+class PeerFetch {
+ public:
+  struct Want {
+    uint32_t read = 0;  // the read's id in the job
+    std::string file;   // where it is (for messages)
+    uint64_t offset = 0;
+    uint64_t length = 0;
+    std::vector<ckpt::ReadSpan> spans;  // the bytes wanted; empty: the whole read
+  };
+
+  PeerFetch(std::string peer, std::string me, std::string job_id, std::vector<Want> wants,
+            std::shared_ptr<peer::v1::Peer::Stub> stub, absl::Duration timeout);
+  ~PeerFetch();  // cancels a stream still open
+  PeerFetch(const PeerFetch&) = delete;
+  PeerFetch& operator=(const PeerFetch&) = delete;
+
+  // Read `read`'s bytes (one of the wants, once): `length` bytes whose
+  // wanted spans are set (the rest is not). `verify` (may be empty) checks a
+  // whole read's bytes against the plan's checksums.
+  absl::StatusOr<ckpt::RangeView> Take(uint32_t read,
+                                       const std::function<absl::Status(const uint8_t*)>& verify)
+      ABSL_LOCKS_EXCLUDED(mu_);
+  // Bytes received so far (the spans', or the whole reads').
+  uint64_t received() const { return received_.load(); }
+
+ private:
+  struct Slot {
+    Want want;
+    uint64_t expect = 0;  // bytes the stream carries for it
+    std::shared_ptr<uint8_t> buf;
+    uint64_t got = 0;
+    size_t span = 0;       // spans: the one being filled
+    uint64_t in_span = 0;  // its bytes placed so far
+    bool first = false;    // a chunk arrived
+    uint64_t xxh3 = 0;     // whole: the read's, from its first chunk
+    bool done = false;     // ABSL_GUARDED_BY(mu_) once the stream started
+    bool taken = false;    // ABSL_GUARDED_BY(mu_)
+  };
+  // The taking thread moves the stream on by one chunk, unlocked.
+  void DriveLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // One chunk off the stream into its slot (the driving thread only).
+  absl::Status Step() ABSL_LOCKS_EXCLUDED(mu_);
+  absl::Status Start();
+  absl::Status Place(const peer::v1::Chunk& c) ABSL_LOCKS_EXCLUDED(mu_);
+  // Waits for the one operation in flight; false when `deadline` passed
+  // first (the call is then cancelled and the operation drained).
+  bool Await(absl::Time deadline, bool* ok);
+  // The stream ended (or was cancelled): its status, as an error naming the
+  // read it was on.
+  absl::Status Ended(const std::string& why);
+  std::string What(const Slot& s) const;
+
+  const std::string peer_, me_, job_id_;
+  const std::shared_ptr<peer::v1::Peer::Stub> stub_;
+  const absl::Duration timeout_;
+  std::vector<Slot> slots_;            // in stream order; never resized
+  std::map<uint32_t, size_t> index_;   // read id -> slot
+  std::atomic<uint64_t> received_{0};
+
+  // The driving thread's own (one at a time, under driving_).
+  grpc::ClientContext ctx_;
+  grpc::CompletionQueue cq_;
+  std::unique_ptr<grpc::ClientAsyncReader<peer::v1::Chunk>> call_;
+  peer::v1::Chunk chunk_;
+  bool started_ = false;
+  bool live_ = false;  // started and not finished
+  size_t cur_ = 0;     // the slot the next chunk is for
+
+  absl::Mutex mu_;
+  bool driving_ ABSL_GUARDED_BY(mu_) = false;
+  absl::Status failed_ ABSL_GUARDED_BY(mu_);
+};
+
+}  // namespace ckptd
+
+#endif  // CKPTD_SERVER_MULTINODE_PEER_FETCH_H_
