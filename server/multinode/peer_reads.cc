@@ -23,6 +23,10 @@
 namespace ckptd {
 namespace {
 
+// A peer's reads come in one stream per this many bytes (up to the I/O
+// threads).
+constexpr uint64_t kLaneBytes = 64ull << 20;
+
 // Reads of one node's part: storage for reads assigned here (published for
 // the nodes that need them, with their xxh3), peers for the rest. Bytes from
 // a peer reach the executor only after their xxh3 matched the one the
@@ -36,11 +40,29 @@ class DistSource final : public ckpt::RangeSource {
              std::map<std::pair<std::string, uint64_t>, uint32_t> global_index,
              std::map<uint32_t, std::string> reader,
              std::map<uint32_t, PeerFetch::Want> wants, PublishFn publish,
-             StubFn stub, std::function<absl::Status()> aborted, absl::Duration timeout)
+             StubFn stub, std::function<absl::Status()> aborted, absl::Duration timeout,
+             int max_lanes)
       : me_(std::move(me)), job_id_(std::move(job_id)), storage_(storage),
         global_index_(std::move(global_index)), reader_(std::move(reader)),
         wants_(std::move(wants)), publish_(std::move(publish)),
-        stub_(std::move(stub)), aborted_(std::move(aborted)), timeout_(timeout) {}
+        stub_(std::move(stub)), aborted_(std::move(aborted)), timeout_(timeout) {
+    // Per peer, its reads dealt round-robin over lanes (streams): one per
+    // kLaneBytes received from it, at most max_lanes (the I/O threads), so a
+    // large transfer between two nodes is not held to one stream's pace.
+    std::map<std::string, std::vector<std::pair<uint32_t, uint64_t>>> by_peer;
+    for (const auto& [g, w] : wants_) {
+      auto who = reader_.find(g);
+      if (who == reader_.end()) continue;
+      by_peer[who->second].push_back({g, w.spans.empty() ? w.length : ckpt::SpanBytes(w.spans)});
+    }
+    for (const auto& [peer, reads] : by_peer) {
+      uint64_t bytes = 0;
+      for (const auto& r : reads) bytes += r.second;
+      const size_t lanes = static_cast<size_t>(std::clamp<uint64_t>(
+          (bytes + kLaneBytes - 1) / kLaneBytes, 1, static_cast<uint64_t>(std::max(1, max_lanes))));
+      for (size_t k = 0; k < reads.size(); ++k) lane_[reads[k].first] = k % lanes;
+    }
+  }
 
   absl::StatusOr<ckpt::RangeView> Fetch(
       const std::string& file, uint64_t offset, uint64_t n, std::vector<uint8_t>& scratch,
@@ -93,18 +115,28 @@ class DistSource final : public ckpt::RangeSource {
   void set_storage(ckpt::RangeSource* storage) { storage_ = storage; }
 
  private:
-  // The stream `g` comes over from `reader`: one per peer with every read
-  // fetched from it; in NCCL jobs (where gRPC carries a read only when its
+  size_t LaneOf(uint32_t g) const {
+    auto it = lane_.find(g);
+    return it == lane_.end() ? 0 : it->second;
+  }
+
+  // The stream `g` comes over from `reader`: one per lane of the peer with
+  // the lane's reads; in NCCL jobs (where gRPC carries a read only when its
   // link failed) one per read.
   PeerFetch* FetchFrom(const std::string& reader, uint32_t g) ABSL_LOCKS_EXCLUDED(fetches_mu_) {
-    const std::string key = links_ != nullptr ? absl::StrCat(reader, "#", g) : reader;
+    const size_t lane = LaneOf(g);
+    const std::string key =
+        links_ != nullptr ? absl::StrCat(reader, " read ", g) : absl::StrCat(reader, " lane ", lane);
     absl::MutexLock lock(&fetches_mu_);
     std::unique_ptr<PeerFetch>& f = fetches_[key];
     if (f == nullptr) {
       std::vector<PeerFetch::Want> wants;
       for (const auto& [id, w] : wants_) {
         auto who = reader_.find(id);
-        if (who == reader_.end() || who->second != reader || (links_ != nullptr && id != g)) continue;
+        if (who == reader_.end() || who->second != reader ||
+            (links_ != nullptr ? id != g : LaneOf(id) != lane)) {
+          continue;
+        }
         wants.push_back(w);
       }
       f = std::make_unique<PeerFetch>(reader, me_, job_id_, std::move(wants), stub_(reader),
@@ -137,6 +169,7 @@ class DistSource final : public ckpt::RangeSource {
   const std::map<std::pair<std::string, uint64_t>, uint32_t> global_index_;
   const std::map<uint32_t, std::string> reader_;
   const std::map<uint32_t, PeerFetch::Want> wants_;  // the reads peers make
+  std::map<uint32_t, size_t> lane_;                  // each one's lane (constructor)
   const PublishFn publish_;
   const StubFn stub_;
   const std::function<absl::Status()> aborted_;
@@ -166,7 +199,7 @@ class PeerReads final : public RemoteReads {
                   absl::MutexLock lock(&dj->mu);
                   return dj->violation;
                 },
-                d->config_.peer_timeout) {}
+                d->config_.peer_timeout, d->config_.io_threads) {}
 
   ckpt::RangeSource* Wrap(ckpt::RangeSource* storage) override {
     source_.set_storage(storage);
