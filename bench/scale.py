@@ -11,7 +11,7 @@ loopback allows), one checkpoint on storage they all see, and per N:
      coordinator's plan time and plan parts' bytes, the bytes between the
      daemons against the checkpoint's (256 MiB) and against the bytes the
      nodes' ranks need from reads other nodes make (needed_from_peers),
-     the peer calls the daemons served per job (Join, Locate, FetchRead, Complete;
+     the peer calls the daemons served per job (Join, Locate, FetchReads, Complete;
      not Ping: a metrics scrape pings the peers), and per daemon after the
      job: RSS (against its cache and its idle RSS), sockets opened since it
      started (right after the job and --idle-wait s later, once idle peer
@@ -370,7 +370,7 @@ def main():
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--cache-budget", default="4GiB")
     ap.add_argument("--reader-min-bytes", default=None,
-                    help="the daemons' --peer-reader-min-bytes (default: theirs, 32MiB); "
+                    help="the daemons' --peer-reader-min-bytes (default: theirs, 64MiB); "
                          "0: every node reads a share of the reads all nodes need")
     ap.add_argument("--peer-timeout", default="10s")
     ap.add_argument("--job-timeout", type=float, default=600)

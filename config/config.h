@@ -155,7 +155,7 @@ struct DaemonConfig {
   // A multi-node load's reads that several nodes need go to at most one
   // reader per this many bytes read and sent (ckpt::AssignOptions); 0: to
   // every node that can read them.
-  uint64_t peer_reader_min_bytes = 32ull << 20;
+  uint64_t peer_reader_min_bytes = 64ull << 20;
   // Connecting a job's NCCL links (GPU nodes) gives up after this; the reads
   // then move over gRPC, and NCCL stays off for that pair of nodes a while.
   absl::Duration nccl_connect_timeout = absl::Seconds(5);

@@ -71,7 +71,7 @@ ABSL_FLAG(bool, testing_corrupt_served, false,
           "testing only: flip a byte of every read served to peers (fault injection)");
 ABSL_FLAG(std::string, io_request_size, "", "largest single read, e.g. 64MiB (overrides the config)");
 ABSL_FLAG(std::string, peer_reader_min_bytes, "",
-          "multi-node: bytes read and sent per reader of reads several nodes need, e.g. 32MiB; 0: "
+          "multi-node: bytes read and sent per reader of reads several nodes need, e.g. 64MiB; 0: "
           "every node reads (overrides the config)");
 ABSL_FLAG(int, testing_delay_part_ms, 0,
           "testing only: pause before executing a multi-node plan part (fault injection)");

@@ -377,7 +377,7 @@ TEST_P(MultiNode, SharedDirectoryReadingSplitEvenly) {
     EXPECT_NEAR(per_node[n], even, 0.10 * even) << "node " << n;
   }
 
-  // The default (peer_reader_min_bytes 32 MiB): a checkpoint this small has
+  // The default (peer_reader_min_bytes 64 MiB): a checkpoint this small has
   // one reader for the reads every node needs (the first of the job's nodes
   // in address order), which the others fetch from it.
   StartNodes({tmp_.Sub("shared"), tmp_.Sub("shared"), tmp_.Sub("shared")});
