@@ -9,6 +9,7 @@
 #include <cstring>
 #include <functional>
 #include <limits>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
@@ -118,17 +119,30 @@ absl::Status ProcessMemory::Read(uint64_t address, void* out, size_t n) const {
 }
 
 absl::Status ProcessMemory::Write(const iovec* local, const iovec* remote, size_t n) {
+  // Remote runs that follow each other go as one iovec: the kernel pins the
+  // other process's pages once per remote iovec (a column slice's rows land
+  // back to back in the rank's tensor: one pin per page, not per row).
+  std::vector<iovec> to;
   for (size_t at = 0; at < n;) {
     const size_t k = std::min(kMaxIov, n - at);
     size_t want = 0;
-    for (size_t i = at; i < at + k; ++i) want += local[i].iov_len;
+    to.clear();
+    for (size_t i = at; i < at + k; ++i) {
+      want += local[i].iov_len;
+      if (!to.empty() &&
+          static_cast<const uint8_t*>(to.back().iov_base) + to.back().iov_len == remote[i].iov_base) {
+        to.back().iov_len += remote[i].iov_len;
+      } else {
+        to.push_back(remote[i]);
+      }
+    }
     // A process that exited gets nothing more (its pid may name another
     // process soon); like a client that left, it does not fail the others'
     // load: its bytes have nowhere to go (see header).
     if (Stopped()) return absl::OkStatus();
     ssize_t put;
     do {
-      put = ::process_vm_writev(options_.pid, local + at, k, remote + at, k, 0);
+      put = ::process_vm_writev(options_.pid, local + at, k, to.data(), to.size(), 0);
     } while (put < 0 && errno == EINTR);
     const int err = put < 0 ? errno : 0;  // before Stopped() calls anything
     if (put < 0 && err == ESRCH) return absl::OkStatus();

@@ -256,6 +256,33 @@ TEST(HostCacheExport, AHeldBlockIsNotRecycledUntilLetGo) {
   EXPECT_NE(c.Reserve(8 * kBlock, 7), nullptr);  // the free block is trimmed for it
 }
 
+// ProcessMemory::Write (process_vm_writev into this process): runs whose
+// destinations follow each other go as one remote iovec, across its 1,024
+// entry calls; every byte lands where its pair says, none elsewhere.
+TEST(ProcessMemory, StridedRunsIntoContiguousAndScatteredDestinationsExactly) {
+  auto self = ProcessMemory::Open({::getpid(), "this test"});
+  ASSERT_TRUE(self.ok()) << self.status();
+  constexpr int kRows = 3000;  // three calls' worth of pairs
+  std::vector<uint8_t> src(kRows * 256);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 13 + 5);
+  std::vector<uint8_t> dst(kRows * 64 + 4096, 0);
+  std::vector<iovec> local, remote;
+  // Rows 0-1999 back to back at dst[0...); rows 2000-2999 each one byte
+  // further apart (no two remote runs touch).
+  for (int r = 0; r < kRows; ++r) {
+    const size_t to = r < 2000 ? 64 * r : 64 * r + (r - 1999);
+    local.push_back({src.data() + 256 * r, 64});
+    remote.push_back({dst.data() + to, 64});
+  }
+  ASSERT_TRUE((*self)->Write(local.data(), remote.data(), local.size()).ok());
+  std::vector<uint8_t> want(dst.size(), 0);
+  for (int r = 0; r < kRows; ++r) {
+    const size_t to = r < 2000 ? 64 * r : 64 * r + (r - 1999);
+    std::memcpy(want.data() + to, src.data() + 256 * r, 64);
+  }
+  EXPECT_EQ(dst, want);
+}
+
 // ViewRecorder over a real cache and this process's own memory as the
 // fallback (process_vm_writev into itself).
 TEST(ViewRecorder, RecordsCachedRunsCoalescedAndWritesTheRest) {
