@@ -150,18 +150,28 @@ class MultiNode : public ::testing::TestWithParam<bool> {
     return s;
   }
 
-  // One ckptctl process per rank, all through their node's daemon.
-  std::vector<int> RunJob(const std::string& path, const std::string& layout_file, int world,
-                          const std::string& job, const std::string& out) {
+  // Starts one ckptctl process per rank of `job`, all through their node's
+  // daemon, with `extra` arguments (their output in <job>.log): their pids.
+  std::vector<pid_t> SpawnJob(const std::string& path, const std::string& layout_file, int world,
+                              const std::string& job, const std::string& out,
+                              const std::vector<std::string>& extra = {}) {
     std::vector<pid_t> pids;
     for (int r = 0; r < world; ++r) {
-      pids.push_back(Spawn({Runfile("client/ckptctl"), "load", path, "--layout", layout_file,
-                            "--out", out, "--daemon", Sockets(), "--ranks", std::to_string(r),
-                            "--job-id", job, "--json",
-                            // Poisoned buffers: an element never written shows.
-                            "--fill_byte=165"},
-                           tmp_.Sub(job + ".log")));
+      std::vector<std::string> argv = {Runfile("client/ckptctl"), "load", path, "--layout",
+                                       layout_file, "--out", out, "--daemon", Sockets(),
+                                       "--ranks", std::to_string(r), "--job-id", job};
+      argv.insert(argv.end(), extra.begin(), extra.end());
+      pids.push_back(Spawn(argv, tmp_.Sub(job + ".log")));
     }
+    return pids;
+  }
+
+  // SpawnJob, then every rank's exit code. Poisoned buffers: an element never
+  // written shows.
+  std::vector<int> RunJob(const std::string& path, const std::string& layout_file, int world,
+                          const std::string& job, const std::string& out) {
+    const std::vector<pid_t> pids =
+        SpawnJob(path, layout_file, world, job, out, {"--json", "--fill_byte=165"});
     std::vector<int> codes;
     for (pid_t p : pids) codes.push_back(WaitExit(p));
     return codes;
@@ -403,13 +413,7 @@ TEST_P(MultiNode, PeerKilledMidLoadThenRetrySucceeds) {
   Layout load = MakeLayout(kWorld, 1, false);
   std::string lf = WriteLayout(load, "load6.json");
   const auto t0 = std::chrono::steady_clock::now();
-  std::vector<pid_t> pids;
-  for (int r = 0; r < kWorld; ++r) {
-    pids.push_back(Spawn({Runfile("client/ckptctl"), "load", "ckpt", "--layout", lf, "--out",
-                          tmp_.Sub("out-killed"), "--daemon", Sockets(), "--ranks",
-                          std::to_string(r), "--job-id", "killed"},
-                         tmp_.Sub("killed.log")));
-  }
+  const std::vector<pid_t> pids = SpawnJob("ckpt", lf, kWorld, "killed", tmp_.Sub("out-killed"));
   // Wait for the coordinator to log the plan (it plans once every node has
   // joined, and each node's Join is answered with its part as soon as the
   // plan is made), then kill node 2.
@@ -454,13 +458,7 @@ TEST_P(MultiNode, PeerStoppedMidLoadFailsTheOthersWithinPeerTimeout) {
   StartNodes(roots, {"--testing-delay-part-ms", "1500"});
   Layout load = MakeLayout(kWorld, 1, false);
   std::string lf = WriteLayout(load, "load6.json");
-  std::vector<pid_t> pids;
-  for (int r = 0; r < kWorld; ++r) {
-    pids.push_back(Spawn({Runfile("client/ckptctl"), "load", "ckpt", "--layout", lf, "--out",
-                          tmp_.Sub("out-stopped"), "--daemon", Sockets(), "--ranks",
-                          std::to_string(r), "--job-id", "stopped"},
-                         tmp_.Sub("stopped.log")));
-  }
+  const std::vector<pid_t> pids = SpawnJob("ckpt", lf, kWorld, "stopped", tmp_.Sub("out-stopped"));
   ASSERT_TRUE(Await(
       [&] {
         return Slurp(nodes_[2]->log()).find("multi-node job=stopped: plan part received") !=

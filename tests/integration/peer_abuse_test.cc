@@ -276,6 +276,31 @@ class PeerAbuse : public ::testing::Test {
     return stream->Finish();
   }
 
+  // Job `job` on A (every file A's, 2 ranks loading split on dim 1, rank 0
+  // started on A) joined by member X for rank 1: rank 0's pid, X's part in
+  // *part (a failure recorded if the join failed).
+  pid_t JoinedAsX(const std::string& job, pv1::PlanPart* part) {
+    GiveAllFilesToA();
+    Start(0);
+    const Layout load = MakeLayout(2, 1, false);
+    const pid_t rank0 = StartRank(0, WriteLayout(load, "load2.json"), job);
+    grpc::Status joined = JoinAs(job, X(), load, {1}, &node_, part);
+    EXPECT_TRUE(joined.ok()) << joined.error_message() << Slurp(nodes_[0]->log());
+    return rank0;
+  }
+  // Positions in `part` of the reads A makes that X needs, of at least
+  // `min_length` bytes.
+  std::vector<int> ReadsOfAForX(const pv1::PlanPart& part, uint64_t min_length) {
+    std::vector<int> out;
+    for (int i = 0; i < part.reads_size(); ++i) {
+      const auto& r = part.reads(i);
+      if (r.reader() == Addr(ports_[0]) && r.length() >= min_length &&
+          std::find(r.needed_by().begin(), r.needed_by().end(), X()) != r.needed_by().end()) {
+        out.push_back(i);
+      }
+    }
+    return out;
+  }
   // FetchReads of `reads` (id, spans) as `node`; every chunk into `chunks`.
   grpc::Status FetchMany(const std::string& job, const std::string& node,
                          const std::vector<std::pair<uint32_t, std::vector<std::pair<int64_t, int64_t>>>>& reads,
@@ -394,22 +419,10 @@ TEST_F(PeerAbuse, StrangersAreTurnedAwayOnEveryRpc) {
 // read are a violation: PERMISSION_DENIED naming the span, the job fails,
 // the daemon serves on.
 TEST_F(PeerAbuse, MemberFetchingSpansGetsThoseBytesOnlyAndMalformedSpansFailTheJob) {
-  GiveAllFilesToA();
-  Start(0);
-  const Layout load = MakeLayout(2, 1, false);
-  const std::string lf = WriteLayout(load, "load2.json");
-  pid_t rank0 = StartRank(0, lf, "spans");
   pv1::PlanPart part;
-  grpc::Status joined = JoinAs("spans", X(), load, {1}, &node_, &part);
-  ASSERT_TRUE(joined.ok()) << joined.error_message() << Slurp(nodes_[0]->log());
-  std::vector<int> mine;  // reads A makes that X needs, of 64 bytes or more
-  for (int i = 0; i < part.reads_size(); ++i) {
-    const auto& r = part.reads(i);
-    if (r.reader() == Addr(ports_[0]) && r.length() >= 64 &&
-        std::find(r.needed_by().begin(), r.needed_by().end(), X()) != r.needed_by().end()) {
-      mine.push_back(i);
-    }
-  }
+  const pid_t rank0 = JoinedAsX("spans", &part);
+  ASSERT_FALSE(HasFailure());
+  const std::vector<int> mine = ReadsOfAForX(part, 64);
   ASSERT_GE(mine.size(), 2u) << "X needs fewer than two reads of A";
   const auto& r = part.reads(mine[0]);
   const std::string file = Slurp(tmp_.Sub("node0/ckpt/" + part.files(r.file())));
@@ -442,22 +455,10 @@ TEST_F(PeerAbuse, MemberFetchingSpansGetsThoseBytesOnlyAndMalformedSpansFailTheJ
 // asking for no read is a violation: PERMISSION_DENIED, the job fails, the
 // daemon serves on.
 TEST_F(PeerAbuse, MemberFetchingReadsInOneStreamGetsThemInTheOrderAsked) {
-  GiveAllFilesToA();
-  Start(0);
-  const Layout load = MakeLayout(2, 1, false);
-  const std::string lf = WriteLayout(load, "load2.json");
-  pid_t rank0 = StartRank(0, lf, "many");
   pv1::PlanPart part;
-  grpc::Status joined = JoinAs("many", X(), load, {1}, &node_, &part);
-  ASSERT_TRUE(joined.ok()) << joined.error_message() << Slurp(nodes_[0]->log());
-  std::vector<int> mine;  // positions of reads A makes that X needs, of 64 bytes or more
-  for (int i = 0; i < part.reads_size(); ++i) {
-    const auto& r = part.reads(i);
-    if (r.reader() == Addr(ports_[0]) && r.length() >= 64 &&
-        std::find(r.needed_by().begin(), r.needed_by().end(), X()) != r.needed_by().end()) {
-      mine.push_back(i);
-    }
-  }
+  const pid_t rank0 = JoinedAsX("many", &part);
+  ASSERT_FALSE(HasFailure());
+  const std::vector<int> mine = ReadsOfAForX(part, 64);
   ASSERT_GE(mine.size(), 2u) << "X needs fewer than two reads of A";
   auto id = [&](int i) { return part.reads(i).has_id() ? part.reads(i).id() : static_cast<uint32_t>(i); };
   auto bytes_of = [&](int i) {
