@@ -181,6 +181,10 @@ struct DaemonConfig {
   // of every read this node serves to peers, after its checksum was taken,
   // as a faulty link or a malicious peer would.
   bool testing_corrupt_served = false;
+  // Testing only (flag --testing-peer-lane-bytes, not in YAML): a peer's reads
+  // come in one FetchReads stream per this many bytes (up to io_threads)
+  // instead of per 64 MiB, so tests move reads over several streams.
+  uint64_t testing_peer_lane_bytes = 0;
   // The keys the operator set (in the YAML file or by a flag), "limits.x"
   // for limits: budgets not in it may be fitted to the memory limit.
   std::set<std::string> set_keys;

@@ -1,6 +1,7 @@
 // The daemon's command line: every flag, and the config they make (flags.h).
 #include "server/flags.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <iostream>
 #include <tuple>
@@ -79,6 +80,8 @@ ABSL_FLAG(int, testing_delay_read_ms, 0,
           "testing only: pause before each planned read of a load job (keeps a job in flight)");
 ABSL_FLAG(int, testing_delay_persist_ms, 0,
           "testing only: pause before each file an asynchronous save persists");
+ABSL_FLAG(int64_t, testing_peer_lane_bytes, 0,
+          "testing only: a peer's reads come in one stream per this many bytes (0: 64 MiB)");
 ABSL_FLAG(int, testing_fd_token_ttl_ms, 0,
           "testing only: fd tokens expire after this instead of barrier_timeout + 1 minute");
 
@@ -259,6 +262,8 @@ absl::StatusOr<StartupConfig> ConfigFromFlags() {
       absl::Milliseconds(absl::GetFlag(FLAGS_testing_delay_persist_ms));
   config.testing_fd_token_ttl = absl::Milliseconds(absl::GetFlag(FLAGS_testing_fd_token_ttl_ms));
   config.testing_corrupt_served = absl::GetFlag(FLAGS_testing_corrupt_served);
+  config.testing_peer_lane_bytes =
+      static_cast<uint64_t>(std::max<int64_t>(0, absl::GetFlag(FLAGS_testing_peer_lane_bytes)));
   if (!absl::GetFlag(FLAGS_peer_tls_cert).empty()) config.peer_tls_cert = absl::GetFlag(FLAGS_peer_tls_cert);
   if (!absl::GetFlag(FLAGS_peer_tls_key).empty()) config.peer_tls_key = absl::GetFlag(FLAGS_peer_tls_key);
   if (!absl::GetFlag(FLAGS_peer_tls_ca).empty()) config.peer_tls_ca = absl::GetFlag(FLAGS_peer_tls_ca);

@@ -24,7 +24,7 @@ namespace ckptd {
 namespace {
 
 // A peer's reads come in one stream per this many bytes (up to the I/O
-// threads).
+// threads; config testing_peer_lane_bytes in tests).
 constexpr uint64_t kLaneBytes = 64ull << 20;
 
 // Reads of one node's part: storage for reads assigned here (published for
@@ -41,14 +41,14 @@ class DistSource final : public ckpt::RangeSource {
              std::map<uint32_t, std::string> reader,
              std::map<uint32_t, PeerFetch::Want> wants, PublishFn publish,
              StubFn stub, std::function<absl::Status()> aborted, absl::Duration timeout,
-             int max_lanes)
+             int max_lanes, uint64_t lane_bytes)
       : me_(std::move(me)), job_id_(std::move(job_id)), storage_(storage),
         global_index_(std::move(global_index)), reader_(std::move(reader)),
         wants_(std::move(wants)), publish_(std::move(publish)),
         stub_(std::move(stub)), aborted_(std::move(aborted)), timeout_(timeout) {
     // Per peer, its reads dealt round-robin over lanes (streams): one per
-    // kLaneBytes received from it, at most max_lanes (the I/O threads), so a
-    // large transfer between two nodes is not held to one stream's pace.
+    // `lane_bytes` received from it, at most max_lanes (the I/O threads), so
+    // a large transfer between two nodes is not held to one stream's pace.
     std::map<std::string, std::vector<std::pair<uint32_t, uint64_t>>> by_peer;
     for (const auto& [g, w] : wants_) {
       auto who = reader_.find(g);
@@ -59,9 +59,11 @@ class DistSource final : public ckpt::RangeSource {
       uint64_t bytes = 0;
       for (const auto& r : reads) bytes += r.second;
       const size_t lanes = static_cast<size_t>(std::clamp<uint64_t>(
-          (bytes + kLaneBytes - 1) / kLaneBytes, 1, static_cast<uint64_t>(std::max(1, max_lanes))));
+          (bytes + lane_bytes - 1) / lane_bytes, 1, static_cast<uint64_t>(std::max(1, max_lanes))));
       for (size_t k = 0; k < reads.size(); ++k) lane_[reads[k].first] = k % lanes;
+      streams_ += std::min(lanes, reads.size());
     }
+    peers_ = by_peer.size();
   }
 
   absl::StatusOr<ckpt::RangeView> Fetch(
@@ -112,6 +114,10 @@ class DistSource final : public ckpt::RangeSource {
   // what the executor counts as not from storage for them).
   uint64_t peer_read_length() const { return peer_read_length_.load(); }
   void set_links(NcclTransfers* links) { links_ = links; }
+  // The reads peers make, the peers, and the FetchReads streams for them.
+  size_t fetched_reads() const { return wants_.size(); }
+  size_t peers() const { return peers_; }
+  size_t streams() const { return streams_; }
   void set_storage(ckpt::RangeSource* storage) { storage_ = storage; }
 
  private:
@@ -170,6 +176,7 @@ class DistSource final : public ckpt::RangeSource {
   const std::map<uint32_t, std::string> reader_;
   const std::map<uint32_t, PeerFetch::Want> wants_;  // the reads peers make
   std::map<uint32_t, size_t> lane_;                  // each one's lane (constructor)
+  size_t peers_ = 0, streams_ = 0;
   const PublishFn publish_;
   const StubFn stub_;
   const std::function<absl::Status()> aborted_;
@@ -199,7 +206,9 @@ class PeerReads final : public RemoteReads {
                   absl::MutexLock lock(&dj->mu);
                   return dj->violation;
                 },
-                d->config_.peer_timeout, d->config_.io_threads) {}
+                d->config_.peer_timeout, d->config_.io_threads,
+                d->config_.testing_peer_lane_bytes > 0 ? d->config_.testing_peer_lane_bytes
+                                                       : kLaneBytes) {}
 
   ckpt::RangeSource* Wrap(ckpt::RangeSource* storage) override {
     source_.set_storage(storage);
@@ -209,6 +218,10 @@ class PeerReads final : public RemoteReads {
         std::min(c.nccl_connect_timeout, c.peer_timeout),
         [this](uint32_t g, absl::Time deadline) { return Served(g, deadline); });
     source_.set_links(nccl_.get());
+    spdlog::info("multi-node job={}: {} reads from {} peers {}", dj_->id, source_.fetched_reads(),
+                 source_.peers(),
+                 nccl_ != nullptr ? std::string("over NCCL links (gRPC where one fails)")
+                                  : absl::StrCat("in ", source_.streams(), " FetchReads streams"));
     return &source_;
   }
 

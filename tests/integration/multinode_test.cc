@@ -333,6 +333,20 @@ TEST_P(MultiNode, NodeLocalFilesReshardedByteExactReadOnce) {
   EXPECT_GE(moved, needed);
   EXPECT_LE(static_cast<double>(moved), 1.05 * static_cast<double>(needed))
       << "moved " << moved << " needed " << needed;
+  EXPECT_THAT(Slurp(nodes_[0]->log()), HasSubstr("from 3 peers in 3 FetchReads streams"));
+  // One stream per peer here; with a stream per 4 KiB (a test knob; 64 MiB
+  // otherwise) and 4 I/O threads, each peer's reads spread over up to 4
+  // streams driven at once: still byte-exact.
+  StartNodes(roots, {"--testing_peer_lane_bytes", "4096", "--io_threads", "4"});
+  EXPECT_THAT(Slurp(nodes_[0]->log()), ::testing::Not(HasSubstr("FetchReads streams")));
+  EXPECT_THAT(RunJob("ckpt", lf, kWorld, "lanes", tmp_.Sub("out-lanes")), ::testing::Each(0))
+      << Slurp(tmp_.Sub("lanes.log")) << Slurp(nodes_[0]->log());
+  ASSERT_TRUE(LayoutMatchesOracle(tmp_.Sub("out-lanes"), load, full_));
+  for (int n = 0; n < kNodes; ++n) {
+    EXPECT_THAT(Slurp(nodes_[n]->log()),
+                ::testing::ContainsRegex("from 3 peers in ([4-9]|1[0-2]) FetchReads streams"))
+        << "node " << n;
+  }
 }
 
 // A job spanning several daemons whose ranks sent no job key is refused
