@@ -202,7 +202,9 @@ TEST(Copy, StreamingStoresForLargeRegionsAreExact) {
     StreamingCopy(b.data() + 1, a.data(), len);
     StreamingFence();
     EXPECT_TRUE(std::equal(a.begin(), a.begin() + len, b.begin() + 1)) << len;
-    if (len + 1 < b.size()) EXPECT_EQ(b[len + 1], 0);
+    if (len + 1 < b.size()) {
+      EXPECT_EQ(b[len + 1], 0);
+    }
   }
 }
 

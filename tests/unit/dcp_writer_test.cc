@@ -66,7 +66,9 @@ TEST(DcpWriter, TensorsAndRawItemsReadBackExactly) {
     EXPECT_EQ(t->size, items[i].shape);
     EXPECT_EQ(t->storage_offset, 0);
     EXPECT_EQ(t->nbytes, items[i].nbytes);
-    if (t->nbytes > 0) EXPECT_EQ(t->data_offset % 64, 0u);  // aligned, as torch aligns
+    if (t->nbytes > 0) {
+      EXPECT_EQ(t->data_offset % 64, 0u);  // aligned, as torch aligns
+    }
     if (items[i].nbytes > 0) {
       EXPECT_EQ(std::memcmp(bytes.data() + t->data_offset, items[i].data, items[i].nbytes), 0);
     }

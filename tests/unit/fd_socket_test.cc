@@ -41,7 +41,9 @@ int MakeMemfd(uint64_t size, bool allow_sealing = true, int seals = F_SEAL_SHRIN
   const int fd = ::memfd_create("fd-socket-test", MFD_CLOEXEC | (allow_sealing ? MFD_ALLOW_SEALING : 0));
   EXPECT_GE(fd, 0);
   EXPECT_EQ(::ftruncate(fd, static_cast<off_t>(size)), 0);
-  if (allow_sealing && seals != 0) EXPECT_EQ(::fcntl(fd, F_ADD_SEALS, seals), 0);
+  if (allow_sealing && seals != 0) {
+    EXPECT_EQ(::fcntl(fd, F_ADD_SEALS, seals), 0);
+  }
   return fd;
 }
 
