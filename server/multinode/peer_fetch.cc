@@ -15,6 +15,29 @@ void* const kTag = reinterpret_cast<void*>(1);  // the one operation in flight
 
 }  // namespace
 
+std::vector<size_t> AssignStreams(const std::vector<StreamRead>& reads, uint64_t lane_bytes,
+                                  int max_lanes, uint64_t max_reads, uint64_t max_spans) {
+  uint64_t bytes = 0;
+  for (const StreamRead& r : reads) bytes += r.bytes;
+  const uint64_t lanes = std::clamp<uint64_t>((bytes + std::max<uint64_t>(lane_bytes, 1) - 1) /
+                                                  std::max<uint64_t>(lane_bytes, 1),
+                                              1, static_cast<uint64_t>(std::max(1, max_lanes)));
+  std::vector<size_t> out(reads.size());
+  uint64_t segment = 0, in_segment = 0, seg_spans = 0;
+  for (size_t k = 0; k < reads.size(); ++k) {
+    if (in_segment > 0 &&
+        (in_segment + 1 > max_reads || seg_spans + reads[k].spans > max_spans)) {
+      ++segment;
+      in_segment = 0;
+      seg_spans = 0;
+    }
+    out[k] = static_cast<size_t>(segment * lanes + in_segment % lanes);
+    ++in_segment;
+    seg_spans += reads[k].spans;
+  }
+  return out;
+}
+
 PeerFetch::PeerFetch(std::string peer, std::string me, std::string job_id,
                      std::vector<Want> wants, std::shared_ptr<peer::v1::Peer::Stub> stub,
                      absl::Duration timeout)
@@ -180,11 +203,13 @@ absl::Status PeerFetch::Place(const peer::v1::Chunk& c) {
   Slot& s = slots_[cur_];
   const bool whole = s.want.spans.empty();
   const std::string& d = c.data();
+  // (Only an empty read comes in an empty chunk: a stream of empty chunks
+  // would never end.)
   if (c.read() != s.want.read || c.offset() != s.got || d.size() > s.expect - s.got ||
-      (whole ? c.has_xxh3() == s.first : !c.has_xxh3())) {
+      (d.empty() && s.expect > 0) || (whole ? c.has_xxh3() == s.first : !c.has_xxh3())) {
     ctx_.TryCancel();
     return absl::DataLossError(absl::StrCat(
-        What(s), ": a chunk of another read, out of order, too long or without its xxh3"));
+        What(s), ": a chunk of another read, out of order, empty, too long or without its xxh3"));
   }
   if (!s.first) {
     // Only the wanted bytes are ever written or read: no need to clear it.

@@ -40,8 +40,29 @@
 #include "core/exec/executor.h"
 #include "core/plan/planner.h"
 #include "proto/peer.grpc.pb.h"
+#include "server/multinode/plan_codec.h"
 
 namespace ckptd {
+
+// Spans one FetchReads stream asks for at most (its request stays a few
+// MiB; the peer service takes messages of up to 256 MiB).
+inline constexpr uint64_t kMaxStreamSpans = 1 << 20;
+
+// Which stream each read a node fetches from one peer comes in. `reads`: in
+// the order the executor takes them, each with its bytes and span count.
+// Consecutive reads form segments of at most `max_reads` reads and
+// `max_spans` spans (a stream's limits; one segment unless the peer sends
+// very many reads), and each segment's reads are dealt round-robin over
+// `lanes` streams, one per `lane_bytes` of the peer's bytes, at most
+// `max_lanes` (the I/O threads: a large transfer between two nodes is then
+// not held to one stream's pace). Stream i is segment i / lanes.
+struct StreamRead {
+  uint64_t bytes = 0;
+  uint64_t spans = 0;
+};
+std::vector<size_t> AssignStreams(const std::vector<StreamRead>& reads, uint64_t lane_bytes,
+                                  int max_lanes, uint64_t max_reads = kMaxFetchReads,
+                                  uint64_t max_spans = kMaxStreamSpans);
 
 class PeerFetch {
  public:

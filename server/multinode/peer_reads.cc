@@ -7,6 +7,7 @@
 #include <chrono>
 #include <cstring>
 #include <optional>
+#include <set>
 
 #include <grpcpp/grpcpp.h>
 #include <spdlog/spdlog.h>
@@ -46,22 +47,24 @@ class DistSource final : public ckpt::RangeSource {
         global_index_(std::move(global_index)), reader_(std::move(reader)),
         wants_(std::move(wants)), publish_(std::move(publish)),
         stub_(std::move(stub)), aborted_(std::move(aborted)), timeout_(timeout) {
-    // Per peer, its reads dealt round-robin over lanes (streams): one per
-    // `lane_bytes` received from it, at most max_lanes (the I/O threads), so
-    // a large transfer between two nodes is not held to one stream's pace.
-    std::map<std::string, std::vector<std::pair<uint32_t, uint64_t>>> by_peer;
+    // Per peer, the stream each read comes in (AssignStreams).
+    std::map<std::string, std::pair<std::vector<uint32_t>, std::vector<StreamRead>>> by_peer;
     for (const auto& [g, w] : wants_) {
       auto who = reader_.find(g);
       if (who == reader_.end()) continue;
-      by_peer[who->second].push_back({g, w.spans.empty() ? w.length : ckpt::SpanBytes(w.spans)});
+      auto& [ids, reads] = by_peer[who->second];
+      ids.push_back(g);
+      reads.push_back({w.spans.empty() ? w.length : ckpt::SpanBytes(w.spans),
+                       std::max<uint64_t>(w.spans.size(), 1)});
     }
-    for (const auto& [peer, reads] : by_peer) {
-      uint64_t bytes = 0;
-      for (const auto& r : reads) bytes += r.second;
-      const size_t lanes = static_cast<size_t>(std::clamp<uint64_t>(
-          (bytes + lane_bytes - 1) / lane_bytes, 1, static_cast<uint64_t>(std::max(1, max_lanes))));
-      for (size_t k = 0; k < reads.size(); ++k) lane_[reads[k].first] = k % lanes;
-      streams_ += std::min(lanes, reads.size());
+    for (const auto& [peer, p] : by_peer) {
+      const std::vector<size_t> lanes = AssignStreams(p.second, lane_bytes, max_lanes);
+      std::set<size_t> used;
+      for (size_t k = 0; k < lanes.size(); ++k) {
+        lane_[p.first[k]] = lanes[k];
+        used.insert(lanes[k]);
+      }
+      streams_ += used.size();
     }
     peers_ = by_peer.size();
   }
