@@ -40,9 +40,9 @@ std::vector<size_t> AssignStreams(const std::vector<StreamRead>& reads, uint64_t
 
 PeerFetch::PeerFetch(std::string peer, std::string me, std::string job_id,
                      std::vector<Want> wants, std::shared_ptr<peer::v1::Peer::Stub> stub,
-                     absl::Duration timeout)
+                     absl::Duration timeout, absl::Time call_deadline)
     : peer_(std::move(peer)), me_(std::move(me)), job_id_(std::move(job_id)),
-      stub_(std::move(stub)), timeout_(timeout) {
+      stub_(std::move(stub)), timeout_(timeout), call_deadline_(call_deadline) {
   slots_.resize(wants.size());
   for (size_t i = 0; i < wants.size(); ++i) {
     Slot& s = slots_[i];
@@ -152,6 +152,7 @@ absl::Status PeerFetch::Start() {
     }
   }
   started_ = true;
+  ctx_.set_deadline(ToChrono(call_deadline_));
   call_ = stub_->PrepareAsyncFetchReads(&ctx_, req, &cq_);
   call_->StartCall(kTag);
   live_ = true;

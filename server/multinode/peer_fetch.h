@@ -74,8 +74,12 @@ class PeerFetch {
     std::vector<ckpt::ReadSpan> spans;  // the bytes wanted; empty: the whole read
   };
 
+  // `timeout`: the longest wait for a chunk (peer_timeout); `call_deadline`:
+  // when the call ends at the latest (the job's own bound, so a fetching node
+  // that stopped never holds the serving node's call open).
   PeerFetch(std::string peer, std::string me, std::string job_id, std::vector<Want> wants,
-            std::shared_ptr<peer::v1::Peer::Stub> stub, absl::Duration timeout);
+            std::shared_ptr<peer::v1::Peer::Stub> stub, absl::Duration timeout,
+            absl::Time call_deadline);
   ~PeerFetch();  // cancels a stream still open
   PeerFetch(const PeerFetch&) = delete;
   PeerFetch& operator=(const PeerFetch&) = delete;
@@ -119,6 +123,7 @@ class PeerFetch {
   const std::string peer_, me_, job_id_;
   const std::shared_ptr<peer::v1::Peer::Stub> stub_;
   const absl::Duration timeout_;
+  const absl::Time call_deadline_;
   std::vector<Slot> slots_;            // in stream order; never resized
   std::map<uint32_t, size_t> index_;   // read id -> slot
   std::atomic<uint64_t> received_{0};

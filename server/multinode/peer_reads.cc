@@ -42,11 +42,12 @@ class DistSource final : public ckpt::RangeSource {
              std::map<uint32_t, std::string> reader,
              std::map<uint32_t, PeerFetch::Want> wants, PublishFn publish,
              StubFn stub, std::function<absl::Status()> aborted, absl::Duration timeout,
-             int max_lanes, uint64_t lane_bytes)
+             absl::Time call_deadline, int max_lanes, uint64_t lane_bytes)
       : me_(std::move(me)), job_id_(std::move(job_id)), storage_(storage),
         global_index_(std::move(global_index)), reader_(std::move(reader)),
         wants_(std::move(wants)), publish_(std::move(publish)),
-        stub_(std::move(stub)), aborted_(std::move(aborted)), timeout_(timeout) {
+        stub_(std::move(stub)), aborted_(std::move(aborted)), timeout_(timeout),
+        call_deadline_(call_deadline) {
     // Per peer, the stream each read comes in (AssignStreams).
     std::map<std::string, std::pair<std::vector<uint32_t>, std::vector<StreamRead>>> by_peer;
     for (const auto& [g, w] : wants_) {
@@ -149,7 +150,7 @@ class DistSource final : public ckpt::RangeSource {
         wants.push_back(w);
       }
       f = std::make_unique<PeerFetch>(reader, me_, job_id_, std::move(wants), stub_(reader),
-                                      timeout_);
+                                      timeout_, call_deadline_);
     }
     return f.get();
   }
@@ -184,6 +185,7 @@ class DistSource final : public ckpt::RangeSource {
   const StubFn stub_;
   const std::function<absl::Status()> aborted_;
   const absl::Duration timeout_;
+  const absl::Time call_deadline_;  // the job's (DistJob::outcome_deadline)
   std::atomic<uint64_t> received_{0};  // over NCCL links
   std::atomic<uint64_t> peer_read_length_{0};
   mutable absl::Mutex fetches_mu_;
@@ -209,7 +211,7 @@ class PeerReads final : public RemoteReads {
                   absl::MutexLock lock(&dj->mu);
                   return dj->violation;
                 },
-                d->config_.peer_timeout, d->config_.io_threads,
+                d->config_.peer_timeout, dj_->outcome_deadline, d->config_.io_threads,
                 d->config_.testing_peer_lane_bytes > 0 ? d->config_.testing_peer_lane_bytes
                                                        : kLaneBytes) {}
 
