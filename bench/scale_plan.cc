@@ -35,6 +35,7 @@
 #include "absl/strings/str_format.h"
 #include "absl/strings/str_split.h"
 #include "bench/bench_util.h"
+#include "config/config.h"
 #include "core/format/metadata.h"
 #include "core/plan/planner.h"
 #include "server/multinode/job_plan.h"
@@ -130,6 +131,7 @@ Row Run(const ckpt::CheckpointMetadata& m, const std::vector<ckptd::peer::v1::Jo
   }
   in.coordinator = in.nodes.front();
   in.max_read_bytes = 2 << 20;
+  in.min_reader_bytes = ckptd::DaemonConfig().peer_reader_min_bytes;  // the default's readers
   in.whole_tables = whole;
   const auto t0 = Clock::now();
   auto parts = ckptd::PlanJobParts(in);
