@@ -16,7 +16,7 @@
 // xxh3 the peer took as it read them and then the plan's checksums; by
 // spans, each chunk against its own xxh3.
 //
-//   PeerFetch f(peer, me, job, wants, stub, timeout);
+//   PeerFetch f(peer, me, job, wants, stub, peer_timeout, job_deadline);
 //   absl::StatusOr<ckpt::RangeView> v = f.Take(read, verify);  // any thread
 //
 // Thread-safe.

@@ -92,11 +92,11 @@ class DistSource final : public ckpt::RangeSource {
       publish_(g, v, XXH3_64bits(v.data, n));
       return v;
     }
-    const std::string what =
-        absl::StrCat("read ", g, " (", file, " bytes [", offset, ", ", offset + n, ")) from peer ", reader);
     if (links_ != nullptr && links_->Receives(g)) {
       if (auto b = links_->Take(g, absl::Now() + timeout_)) {
-        CKPT_RETURN_IF_ERROR(Check(b->view.data, n, b->xxh3, what + " over NCCL", verify));
+        const std::string what = absl::StrCat("read ", g, " (", file, " bytes [", offset, ", ",
+                                              offset + n, ")) from peer ", reader, " over NCCL");
+        CKPT_RETURN_IF_ERROR(Check(b->view.data, n, b->xxh3, what, verify));
         received_ += n;
         peer_read_length_ += n;
         return b->view;
