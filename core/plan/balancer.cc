@@ -54,11 +54,21 @@ absl::StatusOr<ReadAssignment> AssignReads(const LoadPlan& plan,
     }
   }
   a.shared_readers = SharedReaders(plan, needers, nodes, options);
-  // The K nodes shared reads prefer, evenly over the indices (0 among them).
+  // The K nodes shared reads prefer: first_readers, then evenly over the
+  // indices (0 among them), then the lowest indices left.
   std::vector<bool> preferred(nodes, false);
+  int chosen = 0;
+  auto prefer = [&](int n) {
+    if (chosen < a.shared_readers && n >= 0 && n < nodes && !preferred[static_cast<size_t>(n)]) {
+      preferred[static_cast<size_t>(n)] = true;
+      ++chosen;
+    }
+  };
+  for (int n : options.first_readers) prefer(n);
   for (int j = 0; j < a.shared_readers; ++j) {
-    preferred[static_cast<size_t>(static_cast<int64_t>(j) * nodes / a.shared_readers)] = true;
+    prefer(static_cast<int>(static_cast<int64_t>(j) * nodes / a.shared_readers));
   }
+  for (int n = 0; n < nodes; ++n) prefer(n);
   struct Item {
     size_t read;
     std::vector<int> candidates;
@@ -80,9 +90,17 @@ absl::StatusOr<ReadAssignment> AssignReads(const LoadPlan& plan,
       }
     }
     if (a.needed_by[i].size() > 1 && a.shared_readers < nodes) {
+      // A preferred node among its needers, else any preferred node that
+      // can read it (it sends to every needer then), else its candidates.
       std::vector<int> kept;
       for (int n : it.candidates) {
         if (preferred[static_cast<size_t>(n)]) kept.push_back(n);
+      }
+      if (kept.empty()) {
+        for (int n = 0; n < nodes; ++n) {
+          if (preferred[static_cast<size_t>(n)] && readable[n].count(file)) kept.push_back(n);
+        }
+        if (!kept.empty()) it.local = false;
       }
       if (!kept.empty()) it.candidates = std::move(kept);
     }

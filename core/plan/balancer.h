@@ -14,9 +14,11 @@
 // every pair of nodes and cost every node a call per peer, more than the
 // bytes themselves. With `min_reader_bytes`, such shared reads go to at most
 // K readers, K = ceil(W / min_reader_bytes) where W is their bytes read plus
-// the bytes their needers copy from them (what the readers read and send),
-// spread evenly over the node indices; a shared read none of those K can
-// read keeps its own candidates, and a read one node needs stays local.
+// the bytes their needers copy from them (what the readers read and send):
+// the nodes of `first_readers` first (those every node talks to anyway, such
+// as a job's coordinator: a connection fewer for each), the rest spread
+// evenly over the node indices; a shared read none of those K can read
+// keeps its own candidates, and a read one node needs stays local.
 #ifndef CKPTD_CORE_BALANCER_H_
 #define CKPTD_CORE_BALANCER_H_
 
@@ -39,6 +41,8 @@ struct ReadAssignment {
 struct AssignOptions {
   // 0: shared reads may go to every node that can read them.
   uint64_t min_reader_bytes = 0;
+  // Node indices among the K first (in this order, while K allows).
+  std::vector<int> first_readers;
 };
 
 // `node_of_rank[i]` is the node of plan.ranks[i]; `readable[n]` the data

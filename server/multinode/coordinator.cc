@@ -250,6 +250,7 @@ void DistJobs::Announce(const std::shared_ptr<DistJob>& dj, const std::string& m
       absl::Status s = rendezvous_.Announce(dj->id, me, mac);
       if (s.ok()) {
         ++announced;
+        dj->announced_at.push_back(r);
       } else {
         failed.push_back(absl::StrCat(r, ": ", s.message()));
       }
@@ -266,6 +267,7 @@ void DistJobs::Announce(const std::shared_ptr<DistJob>& dj, const std::string& m
     grpc::Status s = peers_->Stub(r)->Locate(&ctx, req, &resp);
     if (s.ok()) {
       ++announced;
+      dj->announced_at.push_back(r);
     } else {
       failed.push_back(absl::StrCat(r, ": ", s.error_message()));
     }

@@ -61,6 +61,10 @@ struct DistJob {
   int world_size = 0;
   std::string aoa;  // the job's AOA statements (compared across nodes)
   std::string job_key;  // the ranks' key (Job::job_key): MACs (job_mac.h)
+  // Coordinator: the rendezvous nodes it announced itself at, in ring order
+  // (the joiners ask the first). Set and read on the coordinator's own
+  // thread (DistJobs::PlanPartOf: Announce, then the planning).
+  std::vector<std::string> announced_at;
 
   absl::Mutex mu;
   // A finished job stays a little (late joiners get its error, slow fetchers

@@ -58,6 +58,10 @@ absl::StatusOr<JobParts> PlanJobParts(const JobPlanInput& in) {
   }
   ckpt::AssignOptions ao;
   if (!in.whole_tables) ao.min_reader_bytes = in.min_reader_bytes;
+  for (const std::string& f : in.first_readers) {
+    auto at = std::find(in.nodes.begin(), in.nodes.end(), f);
+    if (at != in.nodes.end()) ao.first_readers.push_back(static_cast<int>(at - in.nodes.begin()));
+  }
   CKPT_ASSIGN_OR_RETURN(ckpt::ReadAssignment assign,
                         ckpt::AssignReads(plan, node_of_rank, readable, ao));
 

@@ -37,6 +37,10 @@ struct JobPlanInput {
   // The coordinator's peer_reader_min_bytes (ckpt::AssignOptions; not with
   // whole_tables: NCCL jobs spread over every node).
   uint64_t min_reader_bytes = 0;
+  // Nodes that every node calls anyway (the coordinator, the rendezvous
+  // node): the first readers of the shared reads (ckpt::AssignOptions),
+  // so fetching from them costs no connection of its own.
+  std::vector<std::string> first_readers;
   // Every read and node in every part (jobs moving reads over NCCL).
   bool whole_tables = false;
   // Stamped on every part.

@@ -107,6 +107,10 @@ absl::StatusOr<std::map<std::string, peer::v1::PlanPart>> MultiNodeLoad::PlanPar
   in.coordinator = p_.config->peer_listen;
   in.max_read_bytes = p_.config->io_request_size;
   in.min_reader_bytes = p_.config->peer_reader_min_bytes;
+  // This node and the rendezvous node the joiners asked: every node has
+  // called both already.
+  in.first_readers = {in.coordinator};
+  if (!dj.announced_at.empty()) in.first_readers.push_back(dj.announced_at.front());
   in.whole_tables = !nccl_id.empty();
   in.format = ckpt::FormatName(opened->checkpoint.format);
   in.unique_id = opened->checkpoint.unique_id.value_or(0);

@@ -209,6 +209,58 @@ TEST(Balancer, SharedReadsGoToFewReadersWhenSmall) {
   EXPECT_EQ(one->shared_readers, 1);
   EXPECT_EQ(one->bytes_per_node[0], 16000u);
   EXPECT_EQ(one->reader[17], 3);
+
+  // First readers (a coordinator, a rendezvous node) come first, the rest
+  // evenly; out-of-range and repeated entries are passed over.
+  o.min_reader_bytes = 8000;
+  o.first_readers = {5, 2, 5, -1, 9};
+  auto first = AssignReads(p, node_of_rank, readable, o);
+  ASSERT_TRUE(first.ok()) << first.status();
+  EXPECT_EQ(first->shared_readers, 5);
+  shared_readers.clear();
+  for (int i = 0; i < 16; ++i) shared_readers.insert(first->reader[i]);
+  EXPECT_THAT(shared_readers, ::testing::ElementsAre(0, 1, 2, 3, 5));
+  o.min_reader_bytes = 1ull << 40;
+  auto first_one = AssignReads(p, node_of_rank, readable, o);
+  ASSERT_TRUE(first_one.ok()) << first_one.status();
+  EXPECT_EQ(first_one->bytes_per_node[5], 16000u + 1000u);  // and its own read 16
+  EXPECT_EQ(first_one->bytes_per_node[0], 0u);
+}
+
+// A read several nodes need, none of them among the K readers (a block of
+// rows that a few nodes share): it goes to one of the K, which sends it to
+// all of its needers, not to one of the needers (which would make every
+// such block's needers readers, as many as the blocks).
+TEST(Balancer, SharedReadsWhoseNeedersAreNoReadersGoToTheReaders) {
+  // 8 nodes; reads 0-3 of 4000 bytes, each needed by two nodes: {2, 3},
+  // {4, 5}, {6, 7}, {2, 7}; node 6 alone cannot read file "x" (read 4,
+  // needed by 1 and 6 with 1 not preferred either).
+  std::vector<Read> reads = {{0, 4000, {2, 3}}, {0, 4000, {4, 5}}, {0, 4000, {6, 7}},
+                             {0, 4000, {2, 7}}, {1, 4000, {1, 6}}};
+  LoadPlan p = MakePlan({"f", "x"}, reads, 8);
+  for (RankPlan& rp : p.ranks) {
+    for (CopyOp& c : rp.copies) c.elements = 1000;
+  }
+  std::vector<std::set<std::string>> readable(8, std::set<std::string>{"f", "x"});
+  readable[0].erase("x");
+  readable[4].erase("x");
+  const std::vector<int> node_of_rank = {0, 1, 2, 3, 4, 5, 6, 7};
+  AssignOptions o;
+  o.min_reader_bytes = 20000;  // 5 x (4000 + 2 x 4000) = 60000: K = 3 -> nodes 0, 2, 5
+  auto a = AssignReads(p, node_of_rank, readable, o);
+  ASSERT_TRUE(a.ok()) << a.status();
+  ASSERT_EQ(a->shared_readers, 3);
+  EXPECT_EQ(a->reader[0], 2);  // a needer among the readers: it reads
+  EXPECT_EQ(a->reader[1], 5);
+  EXPECT_EQ(a->reader[3], 2);
+  // {6, 7}: no reader needs it: the least loaded reader that can read it.
+  EXPECT_EQ(a->reader[2], 0);
+  // "x": 0 cannot read it; 2 and 5 can (balanced by bytes).
+  EXPECT_TRUE(a->reader[4] == 2 || a->reader[4] == 5) << a->reader[4];
+  for (size_t i = 0; i < reads.size(); ++i) {
+    EXPECT_TRUE(a->reader[i] == 0 || a->reader[i] == 2 || a->reader[i] == 5) << "read " << i;
+  }
+  EXPECT_EQ(Sum(a->bytes_per_node), 5u * 4000);
 }
 
 }  // namespace
