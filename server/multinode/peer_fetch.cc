@@ -38,11 +38,47 @@ std::vector<size_t> AssignStreams(const std::vector<StreamRead>& reads, uint64_t
   return out;
 }
 
+std::shared_ptr<uint8_t> ReceiveBuffers::Get(uint64_t n) {
+  n = std::max<uint64_t>(n, 1);
+  std::unique_ptr<uint8_t[]> p;
+  uint64_t size = n;
+  {
+    absl::MutexLock lock(&mu_);
+    for (size_t i = 0; i < kept_.size(); ++i) {
+      if (kept_[i].first >= n && kept_[i].first / 2 <= n) {  // not more than twice the need
+        size = kept_[i].first;
+        p = std::move(kept_[i].second);
+        kept_.erase(kept_.begin() + static_cast<std::ptrdiff_t>(i));
+        break;
+      }
+    }
+  }
+  if (p == nullptr) p.reset(new uint8_t[size]);
+  std::weak_ptr<ReceiveBuffers> pool = weak_from_this();
+  return std::shared_ptr<uint8_t>(p.release(), [pool, size](uint8_t* q) {
+    if (std::shared_ptr<ReceiveBuffers> live = pool.lock()) {
+      live->Return(size, q);
+    } else {
+      delete[] q;
+    }
+  });
+}
+
+void ReceiveBuffers::Return(uint64_t size, uint8_t* p) {
+  std::unique_ptr<uint8_t[]> owned(p);
+  absl::MutexLock lock(&mu_);
+  if (max_kept_ == 0) return;
+  if (kept_.size() == max_kept_) kept_.erase(kept_.begin());  // the oldest goes
+  kept_.emplace_back(size, std::move(owned));
+}
+
 PeerFetch::PeerFetch(std::string peer, std::string me, std::string job_id,
                      std::vector<Want> wants, std::shared_ptr<peer::v1::Peer::Stub> stub,
-                     absl::Duration timeout, absl::Time call_deadline)
+                     absl::Duration timeout, absl::Time call_deadline,
+                     std::shared_ptr<ReceiveBuffers> buffers)
     : peer_(std::move(peer)), me_(std::move(me)), job_id_(std::move(job_id)),
-      stub_(std::move(stub)), timeout_(timeout), call_deadline_(call_deadline) {
+      stub_(std::move(stub)), timeout_(timeout), call_deadline_(call_deadline),
+      buffers_(std::move(buffers)) {
   slots_.resize(wants.size());
   for (size_t i = 0; i < wants.size(); ++i) {
     Slot& s = slots_[i];
@@ -223,8 +259,10 @@ absl::Status PeerFetch::Place(const peer::v1::Chunk& c) {
   }
   if (!s.first) {
     // Only the wanted bytes are ever written or read: no need to clear it.
-    s.buf = std::shared_ptr<uint8_t>(new uint8_t[std::max<uint64_t>(s.want.length, 1)],
-                                     std::default_delete<uint8_t[]>());
+    s.buf = buffers_ != nullptr
+                ? buffers_->Get(s.want.length)
+                : std::shared_ptr<uint8_t>(new uint8_t[std::max<uint64_t>(s.want.length, 1)],
+                                           std::default_delete<uint8_t[]>());
   }
   if (whole) {
     if (!s.first) s.xxh3 = c.xxh3();

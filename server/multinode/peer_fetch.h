@@ -67,6 +67,31 @@ std::vector<size_t> AssignStreams(const std::vector<StreamRead>& reads, uint64_t
                                   int max_lanes, uint64_t max_reads = kMaxFetchReads,
                                   uint64_t max_spans = kMaxStreamSpans);
 
+// Receive buffers kept for the next reads of one node's fetch streams in a
+// job: a node's share of a read is often spans all over it (a column slice:
+// some bytes of every row), and a fresh buffer faults in every page those
+// touch. A buffer goes back when the executor lets its read go; the latest
+// `max_kept` are kept (what the I/O threads cycle through); the others, and
+// all once the last holder lets go, are freed. Thread-safe.
+class ReceiveBuffers : public std::enable_shared_from_this<ReceiveBuffers> {
+ public:
+  explicit ReceiveBuffers(size_t max_kept) : max_kept_(max_kept) {}
+  // At least `n` bytes (their contents: whatever a read before left).
+  std::shared_ptr<uint8_t> Get(uint64_t n) ABSL_LOCKS_EXCLUDED(mu_);
+  // Buffers waiting for a read.
+  size_t kept() ABSL_LOCKS_EXCLUDED(mu_) {
+    absl::MutexLock lock(&mu_);
+    return kept_.size();
+  }
+
+ private:
+  void Return(uint64_t size, uint8_t* p) ABSL_LOCKS_EXCLUDED(mu_);
+
+  const size_t max_kept_;
+  absl::Mutex mu_;
+  std::vector<std::pair<uint64_t, std::unique_ptr<uint8_t[]>>> kept_ ABSL_GUARDED_BY(mu_);
+};
+
 class PeerFetch {
  public:
   struct Want {
@@ -80,9 +105,10 @@ class PeerFetch {
   // `timeout`: the longest wait for a chunk (peer_timeout); `call_deadline`:
   // when the call ends at the latest (the job's own bound, so a fetching node
   // that stopped never holds the serving node's call open).
+  // `buffers` (may be null: each read its own) supplies the receive buffers.
   PeerFetch(std::string peer, std::string me, std::string job_id, std::vector<Want> wants,
             std::shared_ptr<peer::v1::Peer::Stub> stub, absl::Duration timeout,
-            absl::Time call_deadline);
+            absl::Time call_deadline, std::shared_ptr<ReceiveBuffers> buffers = nullptr);
   ~PeerFetch();  // cancels a stream still open
   PeerFetch(const PeerFetch&) = delete;
   PeerFetch& operator=(const PeerFetch&) = delete;
@@ -127,6 +153,7 @@ class PeerFetch {
   const std::shared_ptr<peer::v1::Peer::Stub> stub_;
   const absl::Duration timeout_;
   const absl::Time call_deadline_;
+  const std::shared_ptr<ReceiveBuffers> buffers_;
   std::vector<Slot> slots_;            // in stream order; never resized
   std::map<uint32_t, size_t> index_;   // read id -> slot
   std::atomic<uint64_t> received_{0};

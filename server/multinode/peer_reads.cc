@@ -47,7 +47,8 @@ class DistSource final : public ckpt::RangeSource {
         global_index_(std::move(global_index)), reader_(std::move(reader)),
         wants_(std::move(wants)), publish_(std::move(publish)),
         stub_(std::move(stub)), aborted_(std::move(aborted)), timeout_(timeout),
-        call_deadline_(call_deadline) {
+        call_deadline_(call_deadline),
+        buffers_(std::make_shared<ReceiveBuffers>(2 * static_cast<size_t>(std::max(1, max_lanes)) + 2)) {
     // Per peer, the stream each read comes in (AssignStreams).
     std::map<std::string, std::pair<std::vector<uint32_t>, std::vector<StreamRead>>> by_peer;
     for (const auto& [g, w] : wants_) {
@@ -150,7 +151,7 @@ class DistSource final : public ckpt::RangeSource {
         wants.push_back(w);
       }
       f = std::make_unique<PeerFetch>(reader, me_, job_id_, std::move(wants), stub_(reader),
-                                      timeout_, call_deadline_);
+                                      timeout_, call_deadline_, buffers_);
     }
     return f.get();
   }
@@ -186,6 +187,8 @@ class DistSource final : public ckpt::RangeSource {
   const std::function<absl::Status()> aborted_;
   const absl::Duration timeout_;
   const absl::Time call_deadline_;  // the job's (DistJob::outcome_deadline)
+  // Receive buffers, recycled over the job's streams (the I/O threads' worth).
+  const std::shared_ptr<ReceiveBuffers> buffers_;
   std::atomic<uint64_t> received_{0};  // over NCCL links
   std::atomic<uint64_t> peer_read_length_{0};
   mutable absl::Mutex fetches_mu_;

@@ -1,9 +1,11 @@
 // Which FetchReads stream each read a node fetches from one peer comes in
 // (server/multinode/peer_fetch.h AssignStreams): one stream per peer for a
 // small transfer, lanes round-robin for a large one (up to the I/O threads),
-// and consecutive segments within a stream's read and span limits.
+// and consecutive segments within a stream's read and span limits; and the
+// receive buffers recycled over a node's streams (ReceiveBuffers).
 #include "server/multinode/peer_fetch.h"
 
+#include <memory>
 #include <vector>
 
 #include "gmock/gmock.h"
@@ -43,6 +45,47 @@ TEST(AssignStreams, SegmentsKeepEachStreamWithinItsLimits) {
               ElementsAre(0, 1, 0, 2, 3, 2, 4, 5));
   // A read with more spans than the limit still goes somewhere (alone).
   EXPECT_THAT(AssignStreams({{1, 20}, {1, 1}}, 64 << 20, 4, 1000, 10), ElementsAre(0, 1));
+}
+
+// A buffer the executor let go serves the next read of a like size (its
+// pages are in already); the latest max_kept wait; one more than twice the
+// size asked is not handed out; buffers outlive the pool safely.
+TEST(ReceiveBuffers, LetGoBuffersServeTheNextReadsWithinTheBound) {
+  auto pool = std::make_shared<ReceiveBuffers>(2);
+  std::shared_ptr<uint8_t> a = pool->Get(1 << 20);
+  uint8_t* const pa = a.get();
+  pa[(1 << 20) - 1] = 7;
+  a.reset();                                  // kept
+  std::shared_ptr<uint8_t> b = pool->Get(1 << 20);
+  EXPECT_EQ(b.get(), pa);                     // the same memory again
+  EXPECT_EQ(b.get()[(1 << 20) - 1], 7);       // as the last read left it
+  std::shared_ptr<uint8_t> small = pool->Get(1000);
+  EXPECT_NE(small.get(), pa);
+  b.reset();
+  std::shared_ptr<uint8_t> tiny = pool->Get(100);  // 1 MiB is over twice 100 bytes
+  EXPECT_NE(tiny.get(), pa);
+  std::shared_ptr<uint8_t> again = pool->Get(600 << 10);  // within twice
+  EXPECT_EQ(again.get(), pa);
+  again.reset();
+
+  EXPECT_EQ(pool->kept(), 1u);
+
+  // Four let go, the last two kept (the 1 MiB one, over twice 4096, goes);
+  // taken again by the next two.
+  std::vector<std::shared_ptr<uint8_t>> held;
+  for (int i = 0; i < 4; ++i) held.push_back(pool->Get(4096));
+  EXPECT_EQ(pool->kept(), 1u);
+  held.clear();
+  EXPECT_EQ(pool->kept(), 2u);
+  for (int i = 0; i < 2; ++i) held.push_back(pool->Get(4096));
+  EXPECT_EQ(pool->kept(), 0u);
+
+  // The pool goes first: the buffers still held are freed by their holders
+  // (the sanitizer runs check it).
+  pool.reset();
+  held.clear();
+  small.reset();
+  tiny.reset();
 }
 
 }  // namespace
