@@ -178,7 +178,6 @@ absl::Status PeerFetch::Start() {
   peer::v1::FetchReadsRequest req;
   req.set_job_id(job_id_);
   req.set_node(me_);
-  req.set_packed(true);
   for (Slot& s : slots_) {
     peer::v1::FetchReadRequest* r = req.add_reads();
     r->set_read(s.want.read);
@@ -229,15 +228,7 @@ absl::Status PeerFetch::Step() {
     return Ended(absl::StrCat("nothing arrived for ", absl::FormatDuration(timeout_)));
   }
   if (!ok) return Ended("stream ended early");
-  CKPT_RETURN_IF_ERROR(Place(chunk_));
-  for (const peer::v1::Chunk& c : chunk_.next()) {
-    if (c.next_size() > 0) {
-      ctx_.TryCancel();
-      return absl::DataLossError(absl::StrCat("peer ", peer_, " packed chunks within chunks"));
-    }
-    CKPT_RETURN_IF_ERROR(Place(c));
-  }
-  return absl::OkStatus();
+  return Place(chunk_);
 }
 
 absl::Status PeerFetch::Place(const peer::v1::Chunk& c) {

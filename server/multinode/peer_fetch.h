@@ -4,14 +4,11 @@
 // (docs/multi-node.md "At scale").
 //
 // The request names every read in the order the executor claims them
-// (ascending ids); the peer sends each as soon as it has read it, the
-// chunks of reads it already holds packed together (up to 1 MiB of data a
-// message: a node's share of many small reads comes in a few messages). The
+// (ascending ids); the peer sends each as soon as it has read it. The
 // stream has no thread of its own: a thread that needs a read not yet here
-// takes the next message off the stream (the others wait for it), so a read
+// takes the next chunk off the stream (the others wait for it), so a read
 // arrives no earlier than the reads before it are being fetched and at most
-// the reads the executor's threads are working on, plus one message, are
-// held here. Every wait
+// the reads the executor's threads are working on are held here. Every wait
 // is bounded by peer_timeout: a peer that sends nothing for that long
 // cancels the stream and fails its reads, naming the peer.
 //

@@ -41,50 +41,6 @@ absl::Status CheckFetchSpans(const peer::v1::FetchReadRequest& req, uint64_t len
   return absl::OkStatus();
 }
 
-// Data per chunk, and per message when chunks are packed.
-constexpr uint64_t kChunk = 1 << 20;
-
-// Sends a fetch's chunks: each in a message of its own, or (`packed`, what
-// the fetching node asked for) the chunks of consecutive reads together in
-// one message (Chunk.next) up to kChunk bytes of data, sent when full or on
-// Flush (before the serving node waits for its next read, and at the end).
-// A false return: the fetching node went away.
-class ChunkSender {
- public:
-  ChunkSender(bool packed, const std::function<bool(const peer::v1::Chunk&)>& send)
-      : packed_(packed), send_(send) {}
-
-  bool Add(peer::v1::Chunk c) {
-    if (!packed_) return send_(c);
-    const uint64_t n = c.data().size();
-    if (pending_ && bytes_ + n > kChunk && !Flush()) return false;
-    if (!pending_) {
-      msg_ = std::move(c);
-      pending_ = true;
-    } else {
-      *msg_.add_next() = std::move(c);
-    }
-    bytes_ += n;
-    return true;
-  }
-
-  bool Flush() {
-    if (!pending_) return true;
-    const bool ok = send_(msg_);
-    msg_.Clear();
-    pending_ = false;
-    bytes_ = 0;
-    return ok;
-  }
-
- private:
-  const bool packed_;
-  const std::function<bool(const peer::v1::Chunk&)>& send_;
-  peer::v1::Chunk msg_;
-  bool pending_ = false;
-  uint64_t bytes_ = 0;
-};
-
 // Streams read bytes `view` (`length` bytes, xxh3 `xxh3` as read) to a
 // fetcher: whole (the first chunk with the read's xxh3), or only the spans
 // `req` asks for, one after another, each chunk with its own xxh3. Every
@@ -93,7 +49,8 @@ class ChunkSender {
 // away.
 absl::StatusOr<uint64_t> SendRead(const ckpt::RangeView& view, uint64_t length, uint64_t xxh3,
                                   const peer::v1::FetchReadRequest& req, bool corrupt,
-                                  ChunkSender& out) {
+                                  const std::function<bool(const peer::v1::Chunk&)>& send) {
+  constexpr uint64_t kChunk = 1 << 20;
   if (req.spans_size() == 0) {
     for (uint64_t off = 0; off == 0 || off < length; off += kChunk) {
       peer::v1::Chunk c;
@@ -106,7 +63,7 @@ absl::StatusOr<uint64_t> SendRead(const ckpt::RangeView& view, uint64_t length, 
           (*c.mutable_data())[0] ^= 0x01;  // fault injection for tests only
         }
       }
-      if (!out.Add(std::move(c))) return absl::CancelledError("the fetching node went away");
+      if (!send(c)) return absl::CancelledError("the fetching node went away");
     }
     return length;
   }
@@ -114,17 +71,17 @@ absl::StatusOr<uint64_t> SendRead(const ckpt::RangeView& view, uint64_t length, 
   // chunks of up to kChunk bytes, each with its own xxh3.
   uint64_t sent = 0;
   peer::v1::Chunk c;
+  c.set_read(req.read());
   auto flush = [&]() {
-    std::string* d = c.mutable_data();
-    c.set_read(req.read());
-    c.set_offset(sent);
-    c.set_xxh3(XXH3_64bits(d->data(), d->size()));
-    if (corrupt && !d->empty()) {
-      (*d)[0] ^= 0x01;  // fault injection for tests only
+    const std::string& d = c.data();
+    c.set_xxh3(XXH3_64bits(d.data(), d.size()));
+    if (corrupt && !d.empty()) {
+      (*c.mutable_data())[0] ^= 0x01;  // fault injection for tests only
     }
-    sent += d->size();
-    const bool ok = out.Add(std::move(c));
-    c = peer::v1::Chunk();
+    sent += d.size();
+    const bool ok = send(c);
+    c.set_offset(sent);
+    c.clear_data();
     return ok;
   };
   for (const peer::v1::Range& r : req.spans()) {
@@ -254,21 +211,11 @@ absl::Status DistJobs::PeerFetchReads(const PeerCaller& caller,
     }
     CKPT_RETURN_IF_ERROR(AdmitFetchLocked(*dj, caller, req));
   }
-  // Each read in the order asked, as soon as this node has it; packed, the
-  // reads already here go together, and what is pending goes out before a
-  // wait.
-  ChunkSender out(req.packed(), send);
-  const auto went_away = []() { return absl::CancelledError("the fetching node went away"); };
+  // Each read in the order asked, as soon as this node has it.
   for (const peer::v1::FetchReadRequest& r : req.reads()) {
     const uint32_t g = r.read();
     ckpt::RangeView view;
     uint64_t length = 0, xxh3 = 0;
-    bool here = false;
-    {
-      absl::MutexLock lock(&dj->mu);
-      here = dj->served[g].ready || over();
-    }
-    if (!here && !out.Flush()) return went_away();
     {
       absl::MutexLock lock(&dj->mu);
       DistJob::Served& served = dj->served[g];  // admitted above; entries are never erased
@@ -289,14 +236,13 @@ absl::Status DistJobs::PeerFetchReads(const PeerCaller& caller,
       xxh3 = served.xxh3;
     }
     absl::StatusOr<uint64_t> sent =
-        SendRead(view, length, xxh3, r, config_.testing_corrupt_served, out);
+        SendRead(view, length, xxh3, r, config_.testing_corrupt_served, send);
     if (!sent.ok()) return sent.status();
     absl::MutexLock lock(&dj->mu);
     dj->bytes_sent += *sent;
     DistJob::Served& served = dj->served[g];
     if (--served.remaining <= 0) served.view = ckpt::RangeView{};  // unpin
   }
-  if (!out.Flush()) return went_away();
   return absl::OkStatus();
 }
 

@@ -301,13 +301,10 @@ class PeerAbuse : public ::testing::Test {
     }
     return out;
   }
-  // FetchReads of `reads` (id, spans) as `node`; every chunk into `chunks`
-  // (`packed`: asked for packed messages, whose chunks are checked to hold
-  // at most 1 MiB of data each and are taken out of them, in order).
+  // FetchReads of `reads` (id, spans) as `node`; every chunk into `chunks`.
   grpc::Status FetchMany(const std::string& job, const std::string& node,
                          const std::vector<std::pair<uint32_t, std::vector<std::pair<int64_t, int64_t>>>>& reads,
-                         std::vector<pv1::Chunk>* chunks, bool packed = false,
-                         int* messages = nullptr) {
+                         std::vector<pv1::Chunk>* chunks) {
     auto stub = Stub(ports_[0], &node_);
     grpc::ClientContext ctx;
     Deadline(&ctx, 10);
@@ -323,23 +320,9 @@ class PeerAbuse : public ::testing::Test {
         range->set_end(e);
       }
     }
-    req.set_packed(packed);
     auto stream = stub->FetchReads(&ctx, req);
     pv1::Chunk c;
-    while (stream->Read(&c)) {
-      if (messages != nullptr) ++*messages;
-      size_t bytes = c.data().size();
-      for (const pv1::Chunk& n : c.next()) {
-        EXPECT_EQ(n.next_size(), 0) << "a packed chunk within a packed chunk";
-        EXPECT_TRUE(packed) << "chunks packed for a node that did not ask";
-        bytes += n.data().size();
-      }
-      EXPECT_LE(bytes, size_t{1} << 20) << "a message over 1 MiB of data";
-      std::vector<pv1::Chunk> next(c.next().begin(), c.next().end());
-      c.clear_next();
-      chunks->push_back(c);
-      chunks->insert(chunks->end(), next.begin(), next.end());
-    }
+    while (stream->Read(&c)) chunks->push_back(c);
     return stream->Finish();
   }
 
@@ -485,15 +468,10 @@ TEST_F(PeerAbuse, MemberFetchingReadsInOneStreamGetsThemInTheOrderAsked) {
   const std::string whole = bytes_of(mine[1]), cut = bytes_of(mine[0]);
   const int64_t n = static_cast<int64_t>(cut.size());
   std::vector<pv1::Chunk> chunks;
-  // The later read first, whole; then the earlier one's first 8 and last 4
-  // bytes; packed (the same chunks, several to a message where the serving
-  // node holds the next read already).
-  int messages = 0;
+  // The later read first, whole; then the earlier one's first 8 and last 4 bytes.
   grpc::Status got = FetchMany("many", X(), {{id(mine[1]), {}}, {id(mine[0]), {{0, 8}, {n - 4, n}}}},
-                               &chunks, /*packed=*/true, &messages);
+                               &chunks);
   ASSERT_TRUE(got.ok()) << got.error_message();
-  EXPECT_GE(messages, 1);
-  EXPECT_LE(static_cast<size_t>(messages), chunks.size());
   std::string first, second;
   for (size_t i = 0; i < chunks.size(); ++i) {
     const pv1::Chunk& c = chunks[i];
