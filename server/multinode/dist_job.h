@@ -8,6 +8,7 @@
 #ifndef CKPTD_SERVER_MULTINODE_DIST_JOB_H_
 #define CKPTD_SERVER_MULTINODE_DIST_JOB_H_
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <map>
@@ -90,8 +91,10 @@ struct DistJob {
     int remaining = 0;     // fetches still expected
   };
   std::map<uint32_t, Served> served ABSL_GUARDED_BY(mu);
-  // Bytes of this node's reads sent to peers (gRPC streams, NCCL links).
-  uint64_t bytes_sent ABSL_GUARDED_BY(mu) = 0;
+  // Bytes of this node's reads sent to peers (gRPC streams, NCCL links),
+  // counted as they are handed over (before a fetching node can have them:
+  // once the outcome is in, every byte its nodes received is counted here).
+  std::atomic<uint64_t> bytes_sent{0};
   bool part_known ABSL_GUARDED_BY(mu) = false;
   absl::Status exec_status ABSL_GUARDED_BY(mu);
   // The first authorization violation seen here (PERMISSION_DENIED naming

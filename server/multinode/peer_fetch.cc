@@ -38,6 +38,23 @@ std::vector<size_t> AssignStreams(const std::vector<StreamRead>& reads, uint64_t
   return out;
 }
 
+absl::Status CheckReceivedRead(const uint8_t* data, uint64_t n, uint64_t want,
+                               const std::string& what,
+                               const std::function<absl::Status(const uint8_t*)>& verify) {
+  const uint64_t have = XXH3_64bits(data, n);
+  if (have != want) {
+    return absl::DataLossError(absl::StrCat(
+        what, ": the bytes received hash to xxh3 ", absl::Hex(have, absl::kZeroPad16),
+        ", the peer read ", absl::Hex(want, absl::kZeroPad16),
+        " (altered in transit or by the peer); none of it was delivered"));
+  }
+  if (verify) {
+    absl::Status v = verify(data);
+    if (!v.ok()) return absl::Status(v.code(), absl::StrCat(what, ": ", v.message()));
+  }
+  return absl::OkStatus();
+}
+
 std::shared_ptr<uint8_t> ReceiveBuffers::Get(uint64_t n) {
   n = std::max<uint64_t>(n, 1);
   std::unique_ptr<uint8_t[]> p;
@@ -142,17 +159,7 @@ absl::StatusOr<ckpt::RangeView> PeerFetch::Take(
   }
   std::shared_ptr<uint8_t> buf = std::move(s.buf);  // freed once the executor is done with it
   if (s.want.spans.empty()) {
-    const uint64_t have = XXH3_64bits(buf.get(), s.want.length);
-    if (have != s.xxh3) {
-      return absl::DataLossError(absl::StrCat(
-          What(s), ": the bytes received hash to xxh3 ", absl::Hex(have, absl::kZeroPad16),
-          ", the peer read ", absl::Hex(s.xxh3, absl::kZeroPad16),
-          " (altered in transit or by the peer); none of it was delivered"));
-    }
-    if (verify) {
-      absl::Status v = verify(buf.get());
-      if (!v.ok()) return absl::Status(v.code(), absl::StrCat(What(s), ": ", v.message()));
-    }
+    CKPT_RETURN_IF_ERROR(CheckReceivedRead(buf.get(), s.want.length, s.xxh3, What(s), verify));
   }
   return ckpt::RangeView{buf.get(), buf, false};
 }

@@ -64,6 +64,14 @@ std::vector<size_t> AssignStreams(const std::vector<StreamRead>& reads, uint64_t
                                   int max_lanes, uint64_t max_reads = kMaxFetchReads,
                                   uint64_t max_spans = kMaxStreamSpans);
 
+// A whole read received from a peer (`n` bytes at `data`), checked against
+// the xxh3 the peer took as it read it (`want`), then against the plan's
+// checksums (`verify`, may be empty): DATA_LOSS, or verify's error, naming
+// `what`.
+absl::Status CheckReceivedRead(const uint8_t* data, uint64_t n, uint64_t want,
+                               const std::string& what,
+                               const std::function<absl::Status(const uint8_t*)>& verify);
+
 // Receive buffers kept for the next reads of one node's fetch streams in a
 // job: a node's share of a read is often spans all over it (a column slice:
 // some bytes of every row), and a fresh buffer faults in every page those

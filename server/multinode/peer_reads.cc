@@ -97,7 +97,7 @@ class DistSource final : public ckpt::RangeSource {
       if (auto b = links_->Take(g, absl::Now() + timeout_)) {
         const std::string what = absl::StrCat("read ", g, " (", file, " bytes [", offset, ", ",
                                               offset + n, ")) from peer ", reader, " over NCCL");
-        CKPT_RETURN_IF_ERROR(Check(b->view.data, n, b->xxh3, what, verify));
+        CKPT_RETURN_IF_ERROR(CheckReceivedRead(b->view.data, n, b->xxh3, what, verify));
         received_ += n;
         peer_read_length_ += n;
         return b->view;
@@ -156,23 +156,6 @@ class DistSource final : public ckpt::RangeSource {
     return f.get();
   }
 
-  // The received bytes against the sender's xxh3, then the plan's checksums.
-  static absl::Status Check(const uint8_t* data, uint64_t n, uint64_t want,
-                            const std::string& what,
-                            const std::function<absl::Status(const uint8_t*)>& verify) {
-    const uint64_t have = XXH3_64bits(data, n);
-    if (have != want) {
-      return absl::DataLossError(absl::StrCat(
-          what, ": the bytes received hash to xxh3 ", absl::Hex(have, absl::kZeroPad16),
-          ", the peer read ", absl::Hex(want, absl::kZeroPad16),
-          " (altered in transit or by the peer); none of it was delivered"));
-    }
-    if (verify) {
-      absl::Status v = verify(data);
-      if (!v.ok()) return absl::Status(v.code(), absl::StrCat(what, ": ", v.message()));
-    }
-    return absl::OkStatus();
-  }
 
   NcclTransfers* links_ = nullptr;
   const std::string me_, job_id_;
@@ -249,10 +232,7 @@ class PeerReads final : public RemoteReads {
 
   uint64_t bytes_received() const override { return source_.received(); }
   uint64_t peer_read_length() const override { return source_.peer_read_length(); }
-  uint64_t bytes_sent() const override {
-    absl::MutexLock lock(&dj_->mu);
-    return dj_->bytes_sent;
-  }
+  uint64_t bytes_sent() const override { return dj_->bytes_sent.load(); }
 
  private:
   // One of this node's reads, verified: kept for the peers that need it.

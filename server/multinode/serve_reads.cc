@@ -7,6 +7,7 @@
 // first chunk with the xxh3 of the read) or as the spans asked for (each
 // chunk with the xxh3 of its own bytes).
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 
 #include "absl/strings/str_cat.h"
@@ -45,10 +46,12 @@ absl::Status CheckFetchSpans(const peer::v1::FetchReadRequest& req, uint64_t len
 // fetcher: whole (the first chunk with the read's xxh3), or only the spans
 // `req` asks for, one after another, each chunk with its own xxh3. Every
 // chunk names the read. `corrupt`: fault injection for tests (a flipped byte
-// per chunk sent). Returns the bytes sent, CANCELLED when the fetcher went
-// away.
+// per chunk sent). Each chunk's bytes are added to `counted` before it goes
+// (DistJob::bytes_sent). Returns the bytes sent, CANCELLED when the fetcher
+// went away.
 absl::StatusOr<uint64_t> SendRead(const ckpt::RangeView& view, uint64_t length, uint64_t xxh3,
                                   const peer::v1::FetchReadRequest& req, bool corrupt,
+                                  std::atomic<uint64_t>& counted,
                                   const std::function<bool(const peer::v1::Chunk&)>& send) {
   constexpr uint64_t kChunk = 1 << 20;
   if (req.spans_size() == 0) {
@@ -63,6 +66,7 @@ absl::StatusOr<uint64_t> SendRead(const ckpt::RangeView& view, uint64_t length, 
           (*c.mutable_data())[0] ^= 0x01;  // fault injection for tests only
         }
       }
+      counted += c.data().size();
       if (!send(c)) return absl::CancelledError("the fetching node went away");
     }
     return length;
@@ -79,6 +83,7 @@ absl::StatusOr<uint64_t> SendRead(const ckpt::RangeView& view, uint64_t length, 
       (*c.mutable_data())[0] ^= 0x01;  // fault injection for tests only
     }
     sent += d.size();
+    counted += d.size();
     const bool ok = send(c);
     c.set_offset(sent);
     c.clear_data();
@@ -236,10 +241,9 @@ absl::Status DistJobs::PeerFetchReads(const PeerCaller& caller,
       xxh3 = served.xxh3;
     }
     absl::StatusOr<uint64_t> sent =
-        SendRead(view, length, xxh3, r, config_.testing_corrupt_served, send);
+        SendRead(view, length, xxh3, r, config_.testing_corrupt_served, dj->bytes_sent, send);
     if (!sent.ok()) return sent.status();
     absl::MutexLock lock(&dj->mu);
-    dj->bytes_sent += *sent;
     DistJob::Served& served = dj->served[g];
     if (--served.remaining <= 0) served.view = ckpt::RangeView{};  // unpin
   }

@@ -83,13 +83,13 @@ class S3DaemonTest(unittest.TestCase):
         self.assertEqual(after["retries"], 0)
         self.assertEqual(after["credentials"], "environment")
 
-    def test_a_cold_job_lists_the_checkpoint_once_and_heads_each_object_thrice(self):
+    def test_a_cold_job_lists_the_checkpoint_once_and_heads_each_object_once(self):
         """The gateway's requests for one cold job (after an evict): one LIST (the
-        prefix's stamp, whose names the open reuses), a GET per planned read plus the
-        metadata object and each data object's 64 KiB head, and three HEADs per data
-        object: the open of the checkpoint, the load's open, the check once the load
-        is done (GETs are pinned to the ETag: no HEAD after each), plus the
-        directory's and the metadata object's."""
+        prefix's stamp, whose names, sizes and ETags the opens reuse: the checkpoint's
+        and the load's opens of its objects make no HEAD), a GET per planned read plus
+        the metadata object and each data object's 64 KiB head, and one HEAD per data
+        object, the check once the load is done (GETs are pinned to the ETag: no HEAD
+        after each), plus the directory's (is the path an object?)."""
         path = f"{self.root}/run-count"
         full = np.arange(64 * 32, dtype=np.float32).reshape(64, 32)
         self.save(path, full, "s3-save-count")
@@ -104,7 +104,7 @@ class S3DaemonTest(unittest.TestCase):
         planned = re.findall(r"load job=s3-load-count .* reads=(\d+)", self.daemon.read_log())
         self.assertTrue(planned, "the daemon logged the job's planned reads")
         self.assertEqual(used["lists"], 1, used)
-        self.assertEqual(used["heads"], 2 + 3 * len(objects), used)
+        self.assertEqual(used["heads"], 1 + len(objects), used)
         self.assertEqual(used["gets"], int(planned[-1]) + 1 + len(objects), used)
 
     def test_a_new_version_and_a_replaced_object_are_seen(self):

@@ -85,7 +85,9 @@ class S3FaultsTest(unittest.TestCase):
         finally:
             self.proxy.delay_s = 0.0
         self.assertEqual(len(info.files), 2)
-        self.assertEqual(self.proxy.max_inflight["HEAD"], 2, dict(self.proxy.max_inflight))
+        # (An object opened within 0.5 s of the prefix's listing takes its size
+        # and ETag from it, with no HEAD: those that need one go at once too.)
+        self.assertLessEqual(self.proxy.max_inflight.get("HEAD", 0), 2, dict(self.proxy.max_inflight))
         self.assertEqual(self.proxy.max_inflight["GET"], 2, dict(self.proxy.max_inflight))
         np.testing.assert_array_equal(self.cold_load(), self.full)
 

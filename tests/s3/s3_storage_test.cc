@@ -12,6 +12,8 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "absl/time/clock.h"
+#include "absl/time/time.h"
 #include "core/format/safetensors.h"
 #include "core/io/file.h"
 #include "core/io/s3/s3_client.h"
@@ -206,6 +208,42 @@ TEST(S3Storage, AnObjectReplacedAfterOpeningAbortsItsReads) {
   auto stamp_now = StatFile(dir + "/f");
   ASSERT_TRUE(stamp_then.ok() && stamp_now.ok());
   EXPECT_NE(*stamp_then, *stamp_now);
+}
+
+// An object opened right after its prefix's listing takes its size, ETag and
+// time from it (no HEAD), and its stamp is the one a HEAD gives (the check
+// once a load is done compares them: a listing's milliseconds against a
+// HEAD's whole seconds would read as a change); past the listing's reuse, or
+// for an object it does not hold, a HEAD.
+TEST(S3Storage, AnObjectOpenedRightAfterItsListingNeedsNoHeadAndKeepsItsStamp) {
+  ASSERT_NE(Registered(), nullptr);
+  s3::S3Storage* st = Registered();
+  const std::string dir = absl::StrCat("s3://", kBucket, "/", Fresh("listed"));
+  ASSERT_TRUE(WriteFileAtomic(dir + "/a", std::string(5000, 'a')).ok());
+  ASSERT_TRUE(WriteFileAtomic(dir + "/b", std::string(3000, 'b')).ok());
+  auto d = st->OpenDirectory(dir, /*confine=*/true, /*follow_last=*/true);
+  ASSERT_TRUE(d.ok()) << d.status();
+  ASSERT_TRUE((*d)->List().ok());
+  const uint64_t heads = st->client().stats().heads.load();
+  auto a = (*d)->OpenFile("a");
+  auto b = OpenFile(dir + "/b");
+  ASSERT_TRUE(a.ok() && b.ok());
+  EXPECT_EQ(st->client().stats().heads.load(), heads) << "a HEAD despite the listing";
+  EXPECT_EQ((*a)->size(), 5000u);
+  EXPECT_EQ((*b)->size(), 3000u);
+  std::string buf(4, '\0');
+  ASSERT_TRUE((*a)->Read(4996, 4, buf.data()).ok());
+  EXPECT_EQ(buf, "aaaa");
+  auto listed = (*a)->Stamp();
+  auto headed = (*d)->Stat("a");  // always a HEAD
+  ASSERT_TRUE(listed.ok() && headed.ok());
+  EXPECT_EQ(st->client().stats().heads.load(), heads + 1);
+  EXPECT_EQ(*listed, *headed) << "mtime " << listed->mtime_ns << " vs " << headed->mtime_ns;
+  EXPECT_FALSE(st->Listed(s3::S3Url{kBucket, "no/such/key"}).has_value());
+  absl::SleepFor(absl::Milliseconds(s3::S3Storage::kListingReuseMs + 100));
+  auto again = (*d)->OpenFile("a");
+  ASSERT_TRUE(again.ok());
+  EXPECT_EQ(st->client().stats().heads.load(), heads + 2) << "a stale listing trusted";
 }
 
 TEST(S3Storage, WritesAreAtomicPutsOrMultipartUploadsAndReadBackExactly) {

@@ -212,6 +212,9 @@ class S3Directory final : public Directory {
       const std::string& name) const override {
     CKPT_RETURN_IF_ERROR(CheckName(url_, name));
     S3Url f{url_.bucket, KeyIn(url_, name)};
+    if (std::optional<ObjectInfo> listed = storage_->Listed(f)) {
+      return std::unique_ptr<RandomAccessFile>(new S3File(client_, std::move(f), *listed));
+    }
     auto info = client_->Head(f.bucket, f.key);
     if (!info.ok()) return info.status();
     return std::unique_ptr<RandomAccessFile>(new S3File(client_, std::move(f), *info));
@@ -297,6 +300,9 @@ absl::StatusOr<std::unique_ptr<RandomAccessFile>> S3Storage::OpenFile(const std:
   auto url = ParseS3Url(path);
   if (!url.ok()) return url.status();
   S3Client& client = ClientFor(*url);
+  if (std::optional<ObjectInfo> listed = Listed(*url)) {
+    return std::unique_ptr<RandomAccessFile>(new S3File(&client, *std::move(url), *listed));
+  }
   auto info = client.Head(url->bucket, url->key);
   if (!info.ok()) return info.status();
   return std::unique_ptr<RandomAccessFile>(new S3File(&client, *std::move(url), *info));
@@ -440,6 +446,29 @@ absl::StatusOr<ListPage> S3Storage::Listing(const S3Url& dir) {
   if (listings_.size() >= 256) listings_.clear();  // a bound, not an LRU: entries live 0.5 s
   listings_[key] = CachedListing{now, *page};
   return page;
+}
+
+std::optional<ObjectInfo> S3Storage::Listed(const S3Url& object) {
+  const size_t slash = object.key.rfind('/');
+  const std::string prefix = slash == std::string::npos ? "" : object.key.substr(0, slash + 1);
+  const int64_t now = absl::GetCurrentTimeNanos();
+  absl::MutexLock lock(&mu_);
+  auto it = listings_.find(absl::StrCat(object.bucket, "/", prefix));
+  if (it == listings_.end() || now - it->second.at_ns >= kListingReuseMs * 1000000) {
+    return std::nullopt;
+  }
+  // Keys come sorted (ListObjectsV2: UTF-8 binary order); one not found so
+  // gets its HEAD.
+  const std::vector<ListedObject>& objects = it->second.page.objects;
+  auto at = std::lower_bound(objects.begin(), objects.end(), object.key,
+                             [](const ListedObject& o, const std::string& k) { return o.key < k; });
+  if (at == objects.end() || at->key != object.key || at->etag.empty()) return std::nullopt;
+  ObjectInfo info;
+  info.size = at->size;
+  info.etag = at->etag;
+  const int64_t ns = ParseTimeNs(at->last_modified);
+  info.mtime_ns = ns - ns % 1000000000;  // a HEAD's Last-Modified has whole seconds
+  return info;
 }
 
 void S3Storage::Changed(const std::string& bucket, const std::string& key) {

@@ -19,6 +19,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -79,6 +80,12 @@ class S3Storage final : public Storage {
   absl::StatusOr<ListPage> Listing(const S3Url& dir);
   // This process changed an object: listings of its prefix are stale.
   void Changed(const std::string& bucket, const std::string& key);
+  // The object's size, ETag and time as a listing of its prefix made in the
+  // last kListingReuse shows it (its time to the second, as a HEAD gives
+  // it): what opening it right after the listing needs, without a HEAD of
+  // its own (its reads are pinned to that ETag). nullopt when no such
+  // listing holds it; never lists.
+  std::optional<ObjectInfo> Listed(const S3Url& object) ABSL_LOCKS_EXCLUDED(mu_);
 
   static constexpr int64_t kListingReuseMs = 500;
 
