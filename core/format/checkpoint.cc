@@ -1,10 +1,8 @@
 #include "core/format/checkpoint.h"
 
 #include <algorithm>
-#include <atomic>
 #include <map>
 #include <set>
-#include <thread>
 
 #include <nlohmann/json.hpp>
 
@@ -19,6 +17,7 @@
 #include "core/format/paddle_format.h"
 #include "core/format/torch_dcp.h"
 #include "core/format/safetensors.h"
+#include "core/base/parallel.h"
 #include "core/base/status_macros.h"
 
 namespace ckpt {
@@ -66,28 +65,20 @@ struct HeaderRead {
 // add up over a checkpoint of many files. Results in the order of `files`.
 std::vector<HeaderRead> ReadHeaders(const Directory& dir, const std::vector<std::string>& files) {
   std::vector<HeaderRead> out(files.size());
-  std::atomic<size_t> next{0};
-  auto work = [&] {
-    for (size_t i; (i = next.fetch_add(1)) < files.size();) {
-      auto f = dir.OpenFile(files[i]);
-      if (!f.ok()) {
-        out[i].opened = f.status();
-        continue;
-      }
-      auto stamp = (*f)->Stamp();
-      if (!stamp.ok()) {
-        out[i].opened = stamp.status();
-        continue;
-      }
-      out[i].stamp = *stamp;
-      out[i].header = ReadSafetensorsHeader(**f);
+  ParallelFor(files.size(), 8, [&](size_t i) {
+    auto f = dir.OpenFile(files[i]);
+    if (!f.ok()) {
+      out[i].opened = f.status();
+      return;
     }
-  };
-  const size_t threads = std::min<size_t>(8, files.size());
-  std::vector<std::thread> pool;
-  for (size_t t = 1; t < threads; ++t) pool.emplace_back(work);
-  work();
-  for (std::thread& t : pool) t.join();
+    auto stamp = (*f)->Stamp();
+    if (!stamp.ok()) {
+      out[i].opened = stamp.status();
+      return;
+    }
+    out[i].stamp = *stamp;
+    out[i].header = ReadSafetensorsHeader(**f);
+  });
   return out;
 }
 

@@ -84,6 +84,8 @@ class FaultProxy:
         self.delay_s = 0.0  # added before forwarding every request (a far-away store)
         self.inflight = collections.Counter()      # method -> requests being answered now
         self.max_inflight = collections.Counter()  # method -> the most at once
+        # method -> (start, end) of each request answered, in the order they ended
+        self.spans = collections.defaultdict(list)
         threading.Thread(target=self._accept, daemon=True).start()
 
     def plan(self, method, faults):
@@ -139,6 +141,7 @@ class FaultProxy:
                     self.inflight[method] += 1
                     self.max_inflight[method] = max(self.max_inflight[method],
                                                     self.inflight[method])
+                started = time.monotonic()
                 try:
                     if self.delay_s:
                         time.sleep(self.delay_s)
@@ -147,6 +150,7 @@ class FaultProxy:
                 finally:
                     with self.lock:
                         self.inflight[method] -= 1
+                        self.spans[method].append((started, time.monotonic()))
                 if rhead is None:
                     return
                 status = int(rhead.split(b" ", 2)[1])

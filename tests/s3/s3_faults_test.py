@@ -76,7 +76,7 @@ class S3FaultsTest(unittest.TestCase):
         """Opening a checkpoint in a far-away store (every request 0.2 s late
         here) opens its data objects and reads their headers several at a
         time, not one after the other (whose round trips add up over many
-        objects)."""
+        objects); the checks once a load is done likewise."""
         ckptd.evict(self.path, socket=self.sock)
         self.proxy.max_inflight.clear()
         self.proxy.delay_s = 0.2
@@ -90,6 +90,18 @@ class S3FaultsTest(unittest.TestCase):
         self.assertLessEqual(self.proxy.max_inflight.get("HEAD", 0), 2, dict(self.proxy.max_inflight))
         self.assertEqual(self.proxy.max_inflight["GET"], 2, dict(self.proxy.max_inflight))
         np.testing.assert_array_equal(self.cold_load(), self.full)
+        # The checks once a load is done (a HEAD per object, the load's last
+        # two HEADs) go at once too.
+        self.proxy.spans.clear()
+        self.proxy.delay_s = 0.2
+        try:
+            np.testing.assert_array_equal(self.cold_load(), self.full)
+        finally:
+            self.proxy.delay_s = 0.0
+        heads = sorted(self.proxy.spans["HEAD"])
+        self.assertGreaterEqual(len(heads), 2, heads)
+        (s1, e1), (s2, e2) = heads[-2:]
+        self.assertLess(s2, e1, f"the last two HEADs one after the other: {heads}")
 
     def test_slowdown_bursts_resets_and_short_bodies_are_retried_away(self):
         for faults in (["slowdown"] * (MAX_ATTEMPTS - 1),
