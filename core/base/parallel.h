@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <atomic>
 #include <cstddef>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -13,7 +14,8 @@ namespace ckpt {
 
 // Runs fn(i) for every i in [0, n) on up to `max_threads` threads (the
 // calling one among them), each taking the next index; returns once all
-// are done. `fn` must not throw.
+// are done (with fewer threads where no more can be started). `fn` must
+// not throw.
 template <typename Fn>
 void ParallelFor(size_t n, size_t max_threads, Fn fn) {
   std::atomic<size_t> next{0};
@@ -22,7 +24,13 @@ void ParallelFor(size_t n, size_t max_threads, Fn fn) {
   };
   const size_t threads = std::min(std::max<size_t>(max_threads, 1), n);
   std::vector<std::thread> pool;
-  for (size_t t = 1; t < threads; ++t) pool.emplace_back(work);
+  for (size_t t = 1; t < threads; ++t) {
+    try {
+      pool.emplace_back(work);
+    } catch (const std::system_error&) {
+      break;  // no thread to be had: the ones there (this one at least) do the rest
+    }
+  }
   work();
   for (std::thread& t : pool) t.join();
 }

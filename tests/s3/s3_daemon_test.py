@@ -104,7 +104,10 @@ class S3DaemonTest(unittest.TestCase):
         planned = re.findall(r"load job=s3-load-count .* reads=(\d+)", self.daemon.read_log())
         self.assertTrue(planned, "the daemon logged the job's planned reads")
         self.assertEqual(used["lists"], 1, used)
-        self.assertEqual(used["heads"], 1 + len(objects), used)
+        # (An open later than 0.5 s after the listing, on a busy machine, makes
+        # its own HEAD.)
+        self.assertGreaterEqual(used["heads"], 1 + len(objects), used)
+        self.assertLessEqual(used["heads"], 1 + 2 * len(objects), used)
         self.assertEqual(used["gets"], int(planned[-1]) + 1 + len(objects), used)
 
     def test_a_new_version_and_a_replaced_object_are_seen(self):

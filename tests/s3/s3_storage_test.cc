@@ -213,8 +213,8 @@ TEST(S3Storage, AnObjectReplacedAfterOpeningAbortsItsReads) {
 // An object opened right after its prefix's listing takes its size, ETag and
 // time from it (no HEAD), and its stamp is the one a HEAD gives (the check
 // once a load is done compares them: a listing's milliseconds against a
-// HEAD's whole seconds would read as a change); past the listing's reuse, or
-// for an object it does not hold, a HEAD.
+// HEAD's whole seconds must not read as a change); past the listing's reuse,
+// or for an object it does not hold, a HEAD.
 TEST(S3Storage, AnObjectOpenedRightAfterItsListingNeedsNoHeadAndKeepsItsStamp) {
   ASSERT_NE(Registered(), nullptr);
   s3::S3Storage* st = Registered();

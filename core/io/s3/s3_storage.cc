@@ -27,11 +27,28 @@ FileStamp StampOf(const std::string& bucket, const ObjectInfo& info) {
   st.dev = XXH3_64bits(bucket.data(), bucket.size());
   st.ino = XXH3_64bits(info.etag.data(), info.etag.size());
   st.size = info.size;
-  st.mtime_ns = info.mtime_ns;
-  st.ctime_ns = info.mtime_ns;
+  // An object's version is its ETag (and size): every read is pinned to it.
+  // Its time is left out where there is one: a listing's and a HEAD's differ
+  // in precision and, on some stores, in rounding, and the stamps compared
+  // may come from either.
+  if (info.etag.empty()) {
+    st.mtime_ns = info.mtime_ns;
+    st.ctime_ns = info.mtime_ns;
+  }
   st.has_owner = false;
   return st;
 }
+
+namespace {
+
+// For the reuse of listings: a clock that never steps back.
+int64_t MonotonicNs() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(
+             std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
 
 namespace {
 
@@ -432,17 +449,24 @@ void S3Storage::ForEachClient(const std::function<void(S3Client&)>& fn) {
 
 absl::StatusOr<ListPage> S3Storage::Listing(const S3Url& dir) {
   const std::string key = absl::StrCat(dir.bucket, "/", dir.DirPrefix());
-  const int64_t now = absl::GetCurrentTimeNanos();
+  const int64_t now = MonotonicNs();
+  uint64_t generation = 0;
   {
     absl::MutexLock lock(&mu_);
     auto it = listings_.find(key);
     if (it != listings_.end() && now - it->second.at_ns < kListingReuseMs * 1000000) {
       return it->second.page;
     }
+    auto g = generations_.find(key);
+    if (g != generations_.end()) generation = g->second;
   }
   auto page = ClientFor(dir).ListAll(dir.bucket, dir.DirPrefix(), "/", options_.max_list_entries);
   if (!page.ok()) return page.status();
   absl::MutexLock lock(&mu_);
+  // Not kept when this process changed an object beneath the prefix while
+  // it was being listed: it may predate that change.
+  auto g = generations_.find(key);
+  if ((g == generations_.end() ? 0 : g->second) != generation) return page;
   if (listings_.size() >= 256) listings_.clear();  // a bound, not an LRU: entries live 0.5 s
   listings_[key] = CachedListing{now, *page};
   return page;
@@ -451,7 +475,7 @@ absl::StatusOr<ListPage> S3Storage::Listing(const S3Url& dir) {
 std::optional<ObjectInfo> S3Storage::Listed(const S3Url& object) {
   const size_t slash = object.key.rfind('/');
   const std::string prefix = slash == std::string::npos ? "" : object.key.substr(0, slash + 1);
-  const int64_t now = absl::GetCurrentTimeNanos();
+  const int64_t now = MonotonicNs();
   absl::MutexLock lock(&mu_);
   auto it = listings_.find(absl::StrCat(object.bucket, "/", prefix));
   if (it == listings_.end() || now - it->second.at_ns >= kListingReuseMs * 1000000) {
@@ -466,8 +490,7 @@ std::optional<ObjectInfo> S3Storage::Listed(const S3Url& object) {
   ObjectInfo info;
   info.size = at->size;
   info.etag = at->etag;
-  const int64_t ns = ParseTimeNs(at->last_modified);
-  info.mtime_ns = ns - ns % 1000000000;  // a HEAD's Last-Modified has whole seconds
+  info.mtime_ns = ParseTimeNs(at->last_modified);  // not in its stamp (StampOf)
   return info;
 }
 
@@ -475,7 +498,11 @@ void S3Storage::Changed(const std::string& bucket, const std::string& key) {
   const size_t slash = key.rfind('/');
   const std::string prefix = slash == std::string::npos ? "" : key.substr(0, slash + 1);
   absl::MutexLock lock(&mu_);
-  listings_.erase(absl::StrCat(bucket, "/", prefix));
+  const std::string k = absl::StrCat(bucket, "/", prefix);
+  listings_.erase(k);
+  if (generations_.size() >= 4096) generations_.clear();  // a bound; a listing begun before
+                                                          // this clear may be kept (0.5 s)
+  ++generations_[k];
 }
 
 void S3Storage::Unlock(const std::string& dir) {

@@ -81,9 +81,9 @@ class S3Storage final : public Storage {
   // This process changed an object: listings of its prefix are stale.
   void Changed(const std::string& bucket, const std::string& key);
   // The object's size, ETag and time as a listing of its prefix made in the
-  // last kListingReuse shows it (its time to the second, as a HEAD gives
-  // it): what opening it right after the listing needs, without a HEAD of
-  // its own (its reads are pinned to that ETag). nullopt when no such
+  // last kListingReuse shows it: what opening it right after the listing
+  // needs, without a HEAD of its own (its reads are pinned to that ETag; its
+  // stamp is the one a HEAD gives, see StampOf). nullopt when no such
   // listing holds it; never lists.
   std::optional<ObjectInfo> Listed(const S3Url& object) ABSL_LOCKS_EXCLUDED(mu_);
 
@@ -104,6 +104,8 @@ class S3Storage final : public Storage {
   absl::Mutex mu_;
   absl::flat_hash_set<std::string> locked_ ABSL_GUARDED_BY(mu_);
   absl::flat_hash_map<std::string, CachedListing> listings_ ABSL_GUARDED_BY(mu_);
+  // Per listing key: bumped by Changed (a listing made across it is not kept).
+  absl::flat_hash_map<std::string, uint64_t> generations_ ABSL_GUARDED_BY(mu_);
 };
 
 // Creates an S3Storage from `settings`, the environment and the AWS files,
