@@ -257,10 +257,7 @@ absl::Status PeerFetch::Place(const peer::v1::Chunk& c) {
   }
   if (!s.first) {
     // Only the wanted bytes are ever written or read: no need to clear it.
-    s.buf = buffers_ != nullptr
-                ? buffers_->Get(s.want.length)
-                : std::shared_ptr<uint8_t>(new uint8_t[std::max<uint64_t>(s.want.length, 1)],
-                                           std::default_delete<uint8_t[]>());
+    s.buf = buffers_->Get(s.want.length);
   }
   if (whole) {
     if (!s.first) s.xxh3 = c.xxh3();

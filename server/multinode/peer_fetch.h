@@ -16,7 +16,7 @@
 // xxh3 the peer took as it read them and then the plan's checksums; by
 // spans, each chunk against its own xxh3.
 //
-//   PeerFetch f(peer, me, job, wants, stub, peer_timeout, job_deadline);
+//   PeerFetch f(peer, me, job, wants, stub, peer_timeout, job_deadline, buffers);
 //   absl::StatusOr<ckpt::RangeView> v = f.Take(read, verify);  // any thread
 //
 // Thread-safe.
@@ -110,10 +110,10 @@ class PeerFetch {
   // `timeout`: the longest wait for a chunk (peer_timeout); `call_deadline`:
   // when the call ends at the latest (the job's own bound, so a fetching node
   // that stopped never holds the serving node's call open).
-  // `buffers` (may be null: each read its own) supplies the receive buffers.
+  // `buffers` supplies the receive buffers.
   PeerFetch(std::string peer, std::string me, std::string job_id, std::vector<Want> wants,
             std::shared_ptr<peer::v1::Peer::Stub> stub, absl::Duration timeout,
-            absl::Time call_deadline, std::shared_ptr<ReceiveBuffers> buffers = nullptr);
+            absl::Time call_deadline, std::shared_ptr<ReceiveBuffers> buffers);
   ~PeerFetch();  // cancels a stream still open
   PeerFetch(const PeerFetch&) = delete;
   PeerFetch& operator=(const PeerFetch&) = delete;

@@ -48,9 +48,12 @@ int64_t MonotonicNs() {
       .count();
 }
 
-}  // namespace
-
-namespace {
+// The key of the cached listing that holds object `key` of `bucket` (its
+// prefix one level up, as S3Storage::Listing keys a directory's).
+std::string ListingKeyOf(const std::string& bucket, const std::string& key) {
+  const size_t slash = key.rfind('/');
+  return absl::StrCat(bucket, "/", slash == std::string::npos ? "" : key.substr(0, slash + 1));
+}
 
 constexpr uint64_t kReadPieceBytes = 16ull << 20;
 // Reads that end within an object's first 64 KiB share one GET (headers).
@@ -473,11 +476,10 @@ absl::StatusOr<ListPage> S3Storage::Listing(const S3Url& dir) {
 }
 
 std::optional<ObjectInfo> S3Storage::Listed(const S3Url& object) {
-  const size_t slash = object.key.rfind('/');
-  const std::string prefix = slash == std::string::npos ? "" : object.key.substr(0, slash + 1);
+  const std::string key = ListingKeyOf(object.bucket, object.key);
   const int64_t now = MonotonicNs();
   absl::MutexLock lock(&mu_);
-  auto it = listings_.find(absl::StrCat(object.bucket, "/", prefix));
+  auto it = listings_.find(key);
   if (it == listings_.end() || now - it->second.at_ns >= kListingReuseMs * 1000000) {
     return std::nullopt;
   }
@@ -495,10 +497,8 @@ std::optional<ObjectInfo> S3Storage::Listed(const S3Url& object) {
 }
 
 void S3Storage::Changed(const std::string& bucket, const std::string& key) {
-  const size_t slash = key.rfind('/');
-  const std::string prefix = slash == std::string::npos ? "" : key.substr(0, slash + 1);
+  const std::string k = ListingKeyOf(bucket, key);
   absl::MutexLock lock(&mu_);
-  const std::string k = absl::StrCat(bucket, "/", prefix);
   listings_.erase(k);
   if (generations_.size() >= 4096) generations_.clear();  // a bound; a listing begun before
                                                           // this clear may be kept (0.5 s)
