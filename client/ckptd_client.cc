@@ -22,6 +22,7 @@
 
 #include <grpcpp/grpcpp.h>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/cord.h"
 #include "absl/strings/match.h"
 #include "absl/strings/numbers.h"
@@ -677,8 +678,9 @@ bool ProcessMemoryRefused(const absl::Status& s) {
   return absl::IsFailedPrecondition(s) && absl::StrContains(s.message(), "process_memory");
 }
 
-// Makes the copies of `views` (LoadEvent.views) into the spec's buffers,
-// each checked to lie inside its view and inside one tensor first.
+// Makes the copies of `views` (LoadEvent.views: one batch of the load's)
+// into the spec's buffers, each checked to lie inside its view and inside
+// one tensor first. The caller keeps the load's mappings once it is done.
 absl::Status CopyViews(const v1::CacheViews& views, const LoadSpec& spec,
                        const std::string& fd_socket, absl::Duration timeout,
                        ViewMappings& mappings) {
@@ -744,7 +746,6 @@ absl::Status CopyViews(const v1::CacheViews& views, const LoadSpec& spec,
     }
   }
   ::close(grant.lease);  // done: the daemon lets go of the views
-  mappings.Keep(views.view_keys());
   return status;
 }
 
@@ -830,6 +831,8 @@ absl::StatusOr<LoadReport> Client::LoadOnce(
     req.mutable_process_memory()->set_cookie(cookie.data(), cookie.size());
     req.mutable_process_memory()->set_cookie_address(reinterpret_cast<uintptr_t>(cookie.data()));
     req.mutable_process_memory()->set_views(spec.transport == Transport::kCacheView);
+    // In batches while the job runs: the copies overlap the daemon's reads.
+    req.mutable_process_memory()->set_view_batches(spec.transport == Transport::kCacheView);
   }
   AddTargets(spec.tensors, offsets, req.mutable_targets());
   if (process) {
@@ -848,6 +851,11 @@ absl::StatusOr<LoadReport> Client::LoadOnce(
   v1::LoadEvent ev;
   LoadReport report;
   bool have_result = false;
+  google::protobuf::RepeatedField<uint64_t> view_keys;  // of every batch
+  // The load's mappings are kept for the next load, the others dropped.
+  auto keep_views = absl::MakeCleanup([&] {
+    if (!view_keys.empty()) rep_->views.Keep(view_keys);
+  });
   while (reader->Read(&ev)) {
     if (ev.has_data()) {
       const v1::StreamChunk& c = ev.data();
@@ -868,6 +876,7 @@ absl::StatusOr<LoadReport> Client::LoadOnce(
       }
       absl::Status copied = CopyViews(ev.views(), spec, FdSocketPath(rep_->options.socket),
                                       rep_->options.connect_timeout, rep_->views);
+      view_keys.Add(ev.views().view_keys().begin(), ev.views().view_keys().end());
       if (!copied.ok()) {
         ctx.TryCancel();
         return copied;

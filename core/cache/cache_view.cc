@@ -97,54 +97,66 @@ bool ViewRecorder::Room(size_t runs) const {
 bool ViewRecorder::RecordFile(uint64_t file_key, int fd, uint64_t file_bytes,
                               const std::string& path, const FileStamp& stamp,
                               const std::vector<FileRun>& runs) {
-  absl::MutexLock lock(&mu_);
-  auto known = files_.find(file_key);
-  const bool fresh = known == files_.end();
-  if (released_ || (fresh && views_.size() >= max_views_) ||
-      runs.size() > kMaxCopies - copies_.size()) {
-    ::close(fd);
-    return false;
+  bool fire = false;
+  {
+    absl::MutexLock lock(&mu_);
+    auto known = files_.find(file_key);
+    const bool fresh = known == files_.end();
+    if (released_ || (fresh && views_.size() >= max_views_) ||
+        runs.size() > kMaxCopies - copies_.size()) {
+      ::close(fd);
+      return false;
+    }
+    uint32_t v = 0;
+    if (fresh) {
+      v = static_cast<uint32_t>(views_.size());
+      views_.push_back({0, fd, file_bytes, true});
+      // The descriptor lives as long as the view is held.
+      holds_.push_back(std::shared_ptr<const void>(nullptr, [fd](const void*) { ::close(fd); }));
+      base_.push_back(nullptr);
+      last_.push_back(std::numeric_limits<size_t>::max());
+      files_.emplace(file_key, v);
+      file_stamps_.push_back({path, stamp});
+      file_fds_.push_back(fd);
+    } else {
+      v = known->second;
+      ::close(fd);
+    }
+    uint64_t bytes = 0;
+    for (const FileRun& r : runs) {
+      if (r.length == 0) continue;
+      Append(v, r.offset, r.length, r.address);  // fits: checked above
+      bytes += r.length;
+    }
+    recorded_ -= bytes;  // counted apart from the cache's
+    file_bytes_ += bytes;
+    fire = Pending(bytes);
   }
-  uint32_t v;
-  if (fresh) {
-    v = static_cast<uint32_t>(views_.size());
-    views_.push_back({0, fd, file_bytes, true});
-    // The descriptor lives as long as the view is held.
-    holds_.push_back(std::shared_ptr<const void>(nullptr, [fd](const void*) { ::close(fd); }));
-    base_.push_back(nullptr);
-    last_.push_back(std::numeric_limits<size_t>::max());
-    files_.emplace(file_key, v);
-    file_stamps_.push_back({path, stamp});
-    file_fds_.push_back(fd);
-  } else {
-    v = known->second;
-    ::close(fd);
-  }
-  uint64_t bytes = 0;
-  for (const FileRun& r : runs) {
-    if (r.length == 0) continue;
-    Append(v, r.offset, r.length, r.address);  // fits: checked above
-    bytes += r.length;
-  }
-  recorded_ -= bytes;  // counted apart from the cache's
-  file_bytes_ += bytes;
+  if (fire) ready_();
   return true;
 }
 
-absl::Status ViewRecorder::Write(const struct iovec* local, const struct iovec* remote,
-                                 size_t n) {
+absl::Status ViewRecorder::Write(const struct iovec* local, const struct iovec* remote, size_t n) {
   std::vector<struct iovec> rest_local, rest_remote;
+  bool fire = false;
   {
     absl::MutexLock lock(&mu_);
+    uint64_t recorded = 0;
     for (size_t i = 0; i < n; ++i) {
       const auto* p = static_cast<const uint8_t*>(local[i].iov_base);
       const uint64_t address = reinterpret_cast<uintptr_t>(remote[i].iov_base);
-      if (local[i].iov_len == 0 || Record(p, local[i].iov_len, address)) continue;
+      if (local[i].iov_len == 0) continue;
+      if (Record(p, local[i].iov_len, address)) {
+        recorded += local[i].iov_len;
+        continue;
+      }
       rest_local.push_back(local[i]);
       rest_remote.push_back(remote[i]);
       written_ += local[i].iov_len;
     }
+    fire = Pending(recorded);
   }
+  if (fire) ready_();
   if (rest_local.empty()) return absl::OkStatus();
   if (!fallback_) {
     return absl::FailedPreconditionError(
@@ -152,6 +164,45 @@ absl::Status ViewRecorder::Write(const struct iovec* local, const struct iovec* 
                                         "process memory to write them into"));
   }
   return fallback_->Write(rest_local.data(), rest_remote.data(), rest_local.size());
+}
+
+bool ViewRecorder::Pending(uint64_t n) {
+  pending_ += n;
+  if (!ready_ || notified_ || pending_ == 0 || pending_ < min_pending_) return false;
+  notified_ = true;
+  return true;
+}
+
+void ViewRecorder::NotifyWhenPending(uint64_t min_bytes, std::function<void()> ready) {
+  absl::MutexLock lock(&mu_);
+  min_pending_ = min_bytes;
+  ready_ = std::move(ready);
+}
+
+ViewRecorder::Batch ViewRecorder::TakeBatch() {
+  constexpr uint32_t kNone = std::numeric_limits<uint32_t>::max();
+  absl::MutexLock lock(&mu_);
+  Batch b;
+  if (released_) return b;  // the views' descriptors may be gone
+  std::vector<uint32_t> local(views_.size(), kNone);
+  for (size_t i = batched_; i < copies_.size(); ++i) {
+    Copy c = copies_[i];
+    uint32_t& l = local[c.view];
+    if (l == kNone) {
+      l = static_cast<uint32_t>(b.views.size());
+      b.views.push_back(views_[c.view]);
+      b.files = b.files || views_[c.view].file;
+    }
+    c.view = l;
+    b.bytes += c.length * c.count;
+    b.copies.push_back(c);
+  }
+  batched_ = copies_.size();
+  // The copies handed out are final: what is recorded next starts new ones.
+  std::fill(last_.begin(), last_.end(), std::numeric_limits<size_t>::max());
+  pending_ = 0;
+  notified_ = false;
+  return b;
 }
 
 std::vector<ViewRecorder::View> ViewRecorder::views() const {

@@ -8,8 +8,14 @@
 //   auto rec = std::make_shared<ViewRecorder>(&cache, uid, process_memory);
 //   RemoteRank{rec, targets}                 // the rank's destination (process_memory.h)
 //   ExecutePlan(...);                        // cached bytes recorded, the rest written
-//   rec->views(), rec->copies()              // sent to the client, which copies
+//   rec->TakeBatch()                         // sent to the client, which copies
 //   rec->Release();                          // once the client is done
+//
+// A client may copy while the plan still runs: TakeBatch hands out the
+// copies recorded since the last batch (each names bytes already in their
+// block), NotifyWhenPending says when enough of them wait. Recorded bytes
+// may not be verified yet (a checksum range ends in a later piece): a read
+// that then fails fails the load, as for bytes written into process memory.
 //
 // Bytes that are not in an exportable cache block (a read not kept, a cast
 // converted on the way, bytes from a peer) are written through `fallback`
@@ -23,6 +29,7 @@
 #include <sys/uio.h>
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <utility>
 #include <memory>
@@ -96,6 +103,22 @@ class ViewRecorder final : public RemoteMemory {
   // since its stamp (a write in place while the client read it).
   absl::Status CheckFilesUnchanged() const;
 
+  // The copies recorded since the last batch (every one at first), with the
+  // views they read (Copy::view indexes `views`); later records never
+  // extend them. Empty when there is none.
+  struct Batch {
+    std::vector<View> views;
+    std::vector<Copy> copies;
+    uint64_t bytes = 0;  // the copies' bytes
+    bool files = false;  // some view is a file
+  };
+  Batch TakeBatch();
+  // `ready` runs (on the recording thread, no lock of this recorder held)
+  // once the bytes recorded since the last batch reach `min_bytes`, then not
+  // again before the next TakeBatch. Set before anything is recorded.
+  void NotifyWhenPending(uint64_t min_bytes, std::function<void()> ready);
+
+  // Everything recorded (tests).
   std::vector<View> views() const;
   std::vector<Copy> copies() const;
   uint64_t bytes_recorded() const;    // from cache blocks
@@ -111,6 +134,9 @@ class ViewRecorder final : public RemoteMemory {
   // latest copy where it continues it; false when a new copy is over the limit.
   bool Append(uint32_t v, uint64_t off, uint64_t n, uint64_t address)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
+  // Whether `ready_` is due (counts `n` more bytes pending).
+  bool Pending(uint64_t n) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   // Index of the target holding `address` (npos when none).
   size_t TargetOf(uint64_t address) const;
@@ -136,6 +162,11 @@ class ViewRecorder final : public RemoteMemory {
   uint64_t file_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t written_ ABSL_GUARDED_BY(mu_) = 0;
   bool released_ ABSL_GUARDED_BY(mu_) = false;
+  size_t batched_ ABSL_GUARDED_BY(mu_) = 0;  // copies_ handed out by TakeBatch
+  uint64_t pending_ ABSL_GUARDED_BY(mu_) = 0;  // bytes recorded since then
+  uint64_t min_pending_ ABSL_GUARDED_BY(mu_) = 0;
+  bool notified_ ABSL_GUARDED_BY(mu_) = false;
+  std::function<void()> ready_;  // set before any record
 };
 
 // Appends the runs rank copy `op` makes (into `target`, whose first byte is

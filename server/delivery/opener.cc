@@ -120,27 +120,36 @@ absl::StatusOr<std::unique_ptr<Destination>> DestinationOpener::OpenProcess(
 }
 
 absl::Status DestinationOpener::DeliverViews(const Caller& caller, ckpt::ViewRecorder& rec,
-                                  const std::string& who,
-                                  const std::function<bool(const v1::LoadEvent&)>& send,
-                                  const std::function<bool()>& cancelled) {
-  const std::vector<ckpt::ViewRecorder::Copy> copies = rec.copies();
-  if (copies.empty()) {
-    rec.Release();
-    return absl::OkStatus();
-  }
+                                             const std::string& who,
+                                             const std::function<bool(const v1::LoadEvent&)>& send,
+                                             const std::function<bool()>& cancelled, bool last) {
+  const ckpt::ViewRecorder::Batch batch = rec.TakeBatch();
+  absl::Status s = absl::OkStatus();
+  if (!batch.copies.empty()) s = DeliverBatch(caller, batch, who, send, cancelled);
+  if (!last) return s;
+  // Files the client read itself: unchanged while it read them (else its
+  // tensors may hold bytes of two versions).
+  if (s.ok() && rec.bytes_from_files() > 0) s = rec.CheckFilesUnchanged();
+  rec.Release();
+  return s;
+}
+
+absl::Status DestinationOpener::DeliverBatch(const Caller& caller,
+                                             const ckpt::ViewRecorder::Batch& batch,
+                                             const std::string& who,
+                                             const std::function<bool(const v1::LoadEvent&)>& send,
+                                             const std::function<bool()>& cancelled) {
   v1::LoadEvent ev;
   v1::CacheViews* cv = ev.mutable_views();
   std::vector<int> fds;
-  bool files = false;
-  for (const ckpt::ViewRecorder::View& v : rec.views()) {
+  for (const ckpt::ViewRecorder::View& v : batch.views) {
     cv->add_view_bytes(v.bytes);
     cv->add_view_keys(v.key);
     cv->add_view_is_file(v.file);
-    files = files || v.file;
     fds.push_back(v.fd);
   }
-  if (!files) cv->clear_view_is_file();  // as before file views: nothing to say
-  for (const ckpt::ViewRecorder::Copy& c : copies) {
+  if (!batch.files) cv->clear_view_is_file();  // as before file views: nothing to say
+  for (const ckpt::ViewRecorder::Copy& c : batch.copies) {
     v1::ViewCopy* m = cv->add_copies();
     m->set_view(c.view);
     m->set_offset(c.offset);
@@ -150,7 +159,7 @@ absl::Status DestinationOpener::DeliverViews(const Caller& caller, ckpt::ViewRec
     m->set_src_stride(c.src_stride);
     m->set_dst_stride(c.dst_stride);
   }
-  cv->set_bytes(rec.bytes_recorded() + rec.bytes_from_files());
+  cv->set_bytes(batch.bytes);
   const std::string token = parts_.view_leases->Offer(caller.uid, std::move(fds), who);
   cv->set_token(token);
   // The client copies while the views are held; they are let go once it is
@@ -159,12 +168,8 @@ absl::Status DestinationOpener::DeliverViews(const Caller& caller, ckpt::ViewRec
   absl::Status s = send(ev) ? parts_.view_leases->AwaitDone(token, absl::Now() + parts_.load_timeout,
                                                      cancelled)
                             : absl::CancelledError(absl::StrCat(who, ": client went away"));
-  // Files the client read itself: unchanged while it read them (else its
-  // tensors may hold bytes of two versions).
-  if (s.ok() && files) s = rec.CheckFilesUnchanged();
   parts_.view_leases->Withdraw(token);
   if (fd_receiver_) fd_receiver_->EndViews(token);
-  rec.Release();
   return s;
 }
 

@@ -88,14 +88,22 @@ class DestinationOpener {
   absl::Status StageDeviceSave(const std::string& who, v1::SaveRequest& request,
                                const ckpt::RankTargets& targets,
                                std::unique_ptr<Destination>* destination);
-  // process_memory with views: offers the rank's cache views to its client
-  // and waits until it copied them (view_leases.h).
+  // process_memory with views: offers the client the rank's cache views
+  // recorded since the last call (ViewRecorder::TakeBatch) and waits until
+  // it copied them (view_leases.h). `last`: the job is done; then the files
+  // the client read are checked unchanged and the views let go.
   absl::Status DeliverViews(const Caller& caller, ckpt::ViewRecorder& views,
+                            const std::string& who,
+                            const std::function<bool(const v1::LoadEvent&)>& send,
+                            const std::function<bool()>& cancelled, bool last = true);
+
+ private:
+  // One CacheViews event: sent, taken and copied by the client.
+  absl::Status DeliverBatch(const Caller& caller, const ckpt::ViewRecorder::Batch& batch,
                             const std::string& who,
                             const std::function<bool(const v1::LoadEvent&)>& send,
                             const std::function<bool()>& cancelled);
 
- private:
   const Parts parts_;
   FdReceiver* fd_receiver_ = nullptr;
 };

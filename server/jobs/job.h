@@ -67,6 +67,9 @@ struct RankSlot {
   absl::Status status ABSL_GUARDED_BY(mu);
   v1::LoadResult result ABSL_GUARDED_BY(mu);
   v1::SaveResponse save_result ABSL_GUARDED_BY(mu);
+  // Loads whose client copies cache views while the job runs: the job has
+  // views for the rank's thread to hand out (ViewRecorder::NotifyWhenPending).
+  bool views_pending ABSL_GUARDED_BY(mu) = false;
   // Loads whose client reads files itself (file views): held until the
   // rank's views are delivered; the cache fill of those reads waits for it.
   std::shared_ptr<const void> fill_after ABSL_GUARDED_BY(mu);

@@ -2,6 +2,7 @@
 
 #include <exception>
 #include <new>
+#include <utility>
 
 #include <spdlog/spdlog.h>
 
@@ -226,15 +227,26 @@ absl::Status JobRegistry::AwaitSlot(const std::shared_ptr<Job>& job,
                                const std::shared_ptr<RankSlot>& slot, int rank,
                                absl::Duration barrier,
                                const std::function<bool(const v1::LoadEvent&)>& send,
-                               const std::function<bool()>& cancelled) {
+                               const std::function<bool()>& cancelled,
+                               const std::function<void()>& views_pending) {
   const absl::Time deadline = slot->registered + barrier;
   std::string last_phase;
   uint64_t last_progress = 0;
+  auto done_or_views = [](RankSlot* s) ABSL_EXCLUSIVE_LOCKS_REQUIRED(s->mu) {
+    return s->done || s->views_pending;
+  };
   while (true) {
+    bool views = false;
     {
       absl::MutexLock lock(&slot->mu);
-      slot->mu.AwaitWithTimeout(absl::Condition(&slot->done), absl::Milliseconds(100));
+      slot->mu.AwaitWithTimeout(absl::Condition(+done_or_views, slot.get()),
+                                absl::Milliseconds(100));
       if (slot->done) return slot->status;
+      views = std::exchange(slot->views_pending, false);
+    }
+    if (views && views_pending) {
+      views_pending();
+      continue;
     }
     std::string phase;
     bool waiting = false;

@@ -67,11 +67,14 @@ class JobRegistry {
   // which may be null), the client leaves, or `barrier` after the slot's
   // registration passes while the job still waits for ranks (failing the
   // job for every waiting rank, naming the ranks that never came). The
-  // rank's status.
+  // rank's status. Meanwhile `views_pending` (may be null) runs each time
+  // the job marks the slot's views pending (RankSlot::views_pending).
   absl::Status AwaitSlot(const std::shared_ptr<Job>& job, const std::shared_ptr<RankSlot>& slot,
                          int rank, absl::Duration barrier,
                          const std::function<bool(const v1::LoadEvent&)>& send,
-                         const std::function<bool()>& cancelled) ABSL_LOCKS_EXCLUDED(mu_);
+                         const std::function<bool()>& cancelled,
+                         const std::function<void()>& views_pending = nullptr)
+      ABSL_LOCKS_EXCLUDED(mu_);
   // Runs `run` (the job's runner: a load or a save) failing the job for
   // every rank on any exception (a ckptd bug or out of memory), so no rank
   // waits for ever.

@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <system_error>
+#include <thread>
 
 #include <spdlog/spdlog.h>
 
@@ -18,6 +20,29 @@ absl::StatusOr<std::shared_ptr<RankSlot>> Loads::PrepareSlot(
   slot->request = req;
   CKPT_ASSIGN_OR_RETURN(slot->destination, p_.opener->Open(caller, req, slot->targets, who));
   return slot;
+}
+
+void Loads::WatchViews(const std::shared_ptr<RankSlot>& slot, ckpt::ViewRecorder& views) {
+  views.NotifyWhenPending(kViewBatchBytes, [weak = std::weak_ptr<RankSlot>(slot)] {
+    if (std::shared_ptr<RankSlot> s = weak.lock()) {
+      absl::MutexLock lock(&s->mu);
+      s->views_pending = true;
+    }
+  });
+}
+
+void Loads::Start(const std::shared_ptr<Job>& job, bool own_thread, JoinedThread* thread) {
+  auto run = [this, job] { p_.jobs->RunGuarded(*job, [&] { RunJob(job); }); };
+  if (own_thread) {
+    try {
+      thread->t = std::thread(run);
+      return;
+    } catch (const std::system_error& e) {  // no thread to be had: run it here
+      spdlog::warn("job '{}': no thread for the job ({}); its ranks get their views at the end",
+                   job->id, e.what());
+    }
+  }
+  run();
 }
 
 absl::Status Loads::Load(const Caller& caller, const v1::LoadRequest& request,
@@ -54,6 +79,10 @@ absl::Status Loads::Load(const Caller& caller, const v1::LoadRequest& request,
   slot->destination->StopWhen(cancelled);
   slot->registered = absl::Now();
   slot->start = std::chrono::steady_clock::now();
+  // A client that takes views in batches copies while the job runs.
+  ckpt::ViewRecorder* views = slot->destination->views();
+  const bool batches = views != nullptr && request.process_memory().view_batches();
+  if (batches) WatchViews(slot, *views);
 
   JobKey key{JobKind::kLoad, request.job_id(), *resolved, std::nullopt, caller.uid,
              request.world_size(), request.rank(),
@@ -71,10 +100,19 @@ absl::Status Loads::Load(const Caller& caller, const v1::LoadRequest& request,
                                  expected, " ranks of job '", request.job_id(), "')"));
     send(ev);
   }
-  if (runner) p_.jobs->RunGuarded(*job, [&] { RunJob(job); });
+  JoinedThread job_thread;  // the job's, when it runs beside this call
+  if (runner) Start(job, batches, &job_thread);
+  absl::Status copied;  // the client's copies of the batches handed out so far
+  auto hand_out = [&] {
+    if (copied.ok()) copied = p_.opener->DeliverViews(caller, *views, who, send, cancelled, false);
+  };
   absl::Status status = p_.jobs->AwaitSlot(
       job, slot, request.rank(),
-      BarrierTimeout(request.barrier_timeout_ms(), p_.config->barrier_timeout), send, cancelled);
+      BarrierTimeout(request.barrier_timeout_ms(), p_.config->barrier_timeout), send, cancelled,
+      batches ? std::function<void()>(hand_out) : nullptr);
+  // A batch the client did not copy fails the rank, once the job is done
+  // with it (the job may still use the call's cancellation check till then).
+  if (status.ok()) status = copied;
   // Let go (whatever happens next) when this call ends: the views delivered.
   std::shared_ptr<const void> fill_after;
   {
@@ -88,7 +126,7 @@ absl::Status Loads::Load(const Caller& caller, const v1::LoadRequest& request,
     result = slot->result;
   }
   if (cancelled()) return fail(absl::CancelledError("client went away"));
-  if (ckpt::ViewRecorder* views = slot->destination->views()) {
+  if (views != nullptr) {
     if (absl::Status v = p_.opener->DeliverViews(caller, *views, who, send, cancelled); !v.ok()) {
       return fail(v);
     }

@@ -35,6 +35,7 @@
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -42,6 +43,7 @@
 #include "absl/strings/string_view.h"
 #include "config/config.h"
 #include "core/cache/cache.h"
+#include "core/cache/cache_view.h"
 #include "core/exec/executor.h"
 #include "core/io/file.h"
 #include "core/plan/planner.h"
@@ -133,6 +135,22 @@ class Loads {
                      const std::function<void(v1::LoadResult&)>& extra);
 
  private:
+  // A thread joined when this goes (a job run beside its runner's call).
+  struct JoinedThread {
+    std::thread t;
+    ~JoinedThread() {
+      if (t.joinable()) t.join();
+    }
+  };
+  // Bytes of views a client copying while the job runs gets at least at a
+  // time (but the last batch): fewer round trips for small reads.
+  static constexpr uint64_t kViewBatchBytes = 16 << 20;
+
+  // The slot's views mark it pending (RankSlot::views_pending) as they fill.
+  static void WatchViews(const std::shared_ptr<RankSlot>& slot, ckpt::ViewRecorder& views);
+  // Runs the job (RunJob, guarded): on `thread` when `own_thread` (this
+  // rank's call hands out views meanwhile), else here, till it is done.
+  void Start(const std::shared_ptr<Job>& job, bool own_thread, JoinedThread* thread);
   // A Load's rank slot: its targets checked (NewRankSlot) and its
   // destination opened (DestinationOpener); `who` names the rank in errors.
   absl::StatusOr<std::shared_ptr<RankSlot>> PrepareSlot(const Caller& caller,

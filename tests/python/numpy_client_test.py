@@ -453,15 +453,15 @@ class NumpyClientTest(unittest.TestCase):
         # while mapped): after a load of another tensor, exactly its views.
         from ckptd import _views
         self.assertTrue(_views._maps)
-        seen, keep = [], _views._keep
-        _views._keep = lambda keys: (seen.append(set(keys)), keep(keys))
+        seen, keep = [], _views.keep
+        _views.keep = lambda keys: (seen.append(set(keys)), keep(keys))
         try:
             other_name = "model.layers.1.mlp.up_proj.weight"
             other = np.full(self.full(other_name).shape, np.nan, np.float32)
             rep = ckptd.load_state_dict({other_name: other}, self.tp2, socket=self.sock,
                                         transport="cache_view")
         finally:
-            _views._keep = keep
+            _views.keep = keep
         self.assertEqual(rep.bytes_from_views, other.nbytes)
         np.testing.assert_array_equal(other, self.full(other_name))
         self.assertEqual(len(seen), 1)

@@ -150,6 +150,67 @@ class S3FaultsTest(unittest.TestCase):
         self.proxy.clear()
         np.testing.assert_array_equal(self.cold_load(), self.full)
 
+    def test_ranks_copy_while_the_job_still_reads_and_a_bad_last_read_fails_them(self):
+        """A cold load's ranks get their cache views in batches while the
+        daemon still reads (one I/O thread, every request 0.2 s late: the
+        later GETs come after the first batches were copied), every byte
+        exact; when the last GET brings a flipped byte, ranks that already
+        copied earlier batches still fail, none is told it succeeded."""
+        path = f"{self.root}/batches"
+        full = np.random.default_rng(3).standard_normal((2048, 8192), dtype=np.float32)
+        d = Daemon(self.root, "--io-threads", "1")
+        try:
+            def save(r):
+                off, shp = split(full.shape, 0, 2, r)
+                part = full[off[0]:off[0] + shp[0]].copy()
+                return ckptd.save_state_dict({"w": ckptd.ShardedTensor(part, full.shape, off)},
+                                             path, rank=r, world_size=2, job_id="batches-save",
+                                             socket=d.socket)
+            run_ranks(2, save)
+
+            def load(job):
+                """Each rank's (tensor, report) or error, and the GETs made."""
+                ckptd.evict(path, socket=d.socket)
+                out = {}
+
+                def one(r):
+                    off, shp = split(full.shape, 1, 2, r)
+                    buf = np.full(shp, np.nan, np.float32)
+                    try:
+                        out[r] = (buf, ckptd.load_state_dict(
+                            {"w": ckptd.ShardedTensor(buf, full.shape, off)}, path, rank=r,
+                            world_size=2, job_id=job, socket=d.socket, transport="cache_view"))
+                    except ckptd.CkptdError as e:
+                        out[r] = e
+                gets = self.proxy.seen["GET"]
+                self.proxy.delay_s = 0.2
+                try:
+                    run_ranks(2, one)
+                finally:
+                    self.proxy.delay_s = 0.0
+                return out, self.proxy.seen["GET"] - gets
+
+            load("batches-1")  # the first cold load also reads metadata and headers
+            out, gets = load("batches-2")
+            for r in range(2):
+                self.assertIsInstance(out[r], tuple, f"rank {r}: {out[r]}")
+            np.testing.assert_array_equal(np.concatenate([out[0][0], out[1][0]], axis=1), full)
+            for r in range(2):
+                rep = out[r][1]
+                self.assertEqual(rep.bytes_from_views, full.nbytes // 2)
+                self.assertGreaterEqual(rep.timings["client_view_batches"], 2, rep.timings)
+            # The same load again, its last GET's body with a byte flipped.
+            flips = self.proxy.faults["flip"]
+            self.proxy.plan("GET", [None] * (gets - 1) + ["flip"])
+            out, _ = load("batches-3")
+            self.assertEqual(self.proxy.faults["flip"], flips + 1)
+            for r in range(2):
+                self.assertIsInstance(out[r], ckptd.CkptdError, f"rank {r} succeeded")
+                self.assertRegex(str(out[r]), r"\.safetensors: tensor 'w' .* fail their checksum")
+        finally:
+            rc = d.stop()
+            self.assertEqual(rc, 0, d.read_log()[-2000:])
+
 
 if __name__ == "__main__":
     main("s3_faults_test")

@@ -350,6 +350,54 @@ TEST(ViewRecorder, RecordsCachedRunsCoalescedAndWritesTheRest) {
   EXPECT_TRUE(c.HasRecycled(kBlock, 7));
 }
 
+// A client copying while the plan runs: each batch holds the copies recorded
+// since the last one, with its own numbering of the views they read, and a
+// run continuing a copy already handed out starts a new one.
+TEST(ViewRecorder, BatchesHandOutEachCopyOnceAndNotifyWhenEnoughWaits) {
+  HostCache c(8 * kBlock);
+  RangeView va = Put(c, "/a", 0, kBlock, 3, 7);
+  RangeView vb = Put(c, "/b", 0, kBlock, 4, 7);
+  std::vector<uint8_t> t(4096, 0);
+  const auto at = reinterpret_cast<uint64_t>(t.data());
+  ViewRecorder rec(&c, 7, nullptr, {{at, at + t.size()}});
+  int notified = 0;
+  rec.NotifyWhenPending(128, [&] { ++notified; });
+  auto write = [&](const uint8_t* p, uint64_t n, uint64_t to) {
+    iovec l{const_cast<uint8_t*>(p), n}, r{reinterpret_cast<void*>(to), n};
+    ASSERT_TRUE(rec.Write(&l, &r, 1).ok());
+  };
+  write(va.data, 64, at);  // 64 bytes waiting: under 128
+  EXPECT_EQ(notified, 0);
+  write(va.data + 64, 64, at + 64);  // 128: due
+  EXPECT_EQ(notified, 1);
+  write(vb.data, 64, at + 1024);  // still due, told once
+  EXPECT_EQ(notified, 1);
+  ViewRecorder::Batch b1 = rec.TakeBatch();
+  ASSERT_EQ(b1.views.size(), 2u);
+  ASSERT_EQ(b1.copies.size(), 2u);  // /a's two runs joined, /b's run
+  EXPECT_EQ(b1.bytes, 192u);
+  EXPECT_FALSE(b1.files);
+  EXPECT_EQ(b1.copies[0].length, 128u);
+  EXPECT_EQ(b1.views[b1.copies[1].view].key, rec.views()[1].key);
+  // /b's next run continues its copy of the first batch: a copy of its own,
+  // read from view 0 of this batch (the only view it holds).
+  write(vb.data + 64, 64, at + 1088);
+  write(vb.data + 128, 64, at + 1152);
+  EXPECT_EQ(notified, 2);
+  ViewRecorder::Batch b2 = rec.TakeBatch();
+  ASSERT_EQ(b2.views.size(), 1u);
+  EXPECT_EQ(b2.views[0].key, rec.views()[1].key);
+  ASSERT_EQ(b2.copies.size(), 1u);
+  EXPECT_EQ(b2.copies[0].view, 0u);
+  EXPECT_EQ(b2.copies[0].offset, 64u);
+  EXPECT_EQ(b2.copies[0].length, 128u);
+  EXPECT_EQ(rec.TakeBatch().copies.size(), 0u);  // nothing new
+  EXPECT_EQ(rec.copies().size(), 3u);            // every copy recorded, once
+  EXPECT_EQ(rec.bytes_recorded(), 320u);
+  rec.Release();
+  EXPECT_TRUE(rec.TakeBatch().views.empty());  // let go: nothing to hand out
+}
+
 TEST(ViewRecorder, WithoutAFallbackBytesOutsideTheCacheFailTheWrite) {
   HostCache c(kBlock);
   ViewRecorder rec(&c, 7, nullptr, {});

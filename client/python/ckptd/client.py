@@ -863,6 +863,8 @@ class Client:
                 req.process_memory.views = transport == "cache_view"
                 # ... and reads bytes its cache does not hold from the files.
                 req.process_memory.file_views = transport == "cache_view"
+                # ... in batches while the job runs (copies overlap its reads).
+                req.process_memory.view_batches = transport == "cache_view"
                 req.targets.extend(self._targets(entries, offsets))
                 report.zero_copy = True  # the daemon writes the tensors themselves
             elif transport == "cuda_ipc":
@@ -902,6 +904,7 @@ class Client:
 
             t1 = time.perf_counter()
             result = None
+            view_keys = set()  # of every batch of views (kept mapped for the next load)
             call = self._stub.Load(req, timeout=timeout)
             try:
                 for ev in call:
@@ -924,8 +927,11 @@ class Client:
                         t2 = time.perf_counter()
                         _views.copy_views(fd_socket_path(self.socket), ev.views,
                                           [(a, e.nbytes) for e, a in zip(entries, offsets)],
-                                          self.connect_timeout)
-                        timings["client_view_copy_s"] = time.perf_counter() - t2
+                                          self.connect_timeout, keep_only_these=False)
+                        view_keys.update(ev.views.view_keys)
+                        timings["client_view_copy_s"] = (timings.get("client_view_copy_s", 0.0)
+                                                         + time.perf_counter() - t2)
+                        timings["client_view_batches"] = timings.get("client_view_batches", 0) + 1
                         continue
                     if kind == "result":
                         result = ev.result
@@ -941,6 +947,9 @@ class Client:
             except BaseException:
                 call.cancel()
                 raise
+            finally:
+                if view_keys:
+                    _views.keep(view_keys)
             if result is None:
                 raise CkptdError("DATA_LOSS", "Load: the daemon ended the stream without a result")
             timings["client_rpc_s"] = time.perf_counter() - t1
