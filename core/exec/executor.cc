@@ -403,7 +403,12 @@ absl::Status RunWriter::ReadDirectPieces(const RandomAccessFile& file, bool veri
       ahead_.Submit(&file, at, len, buffer(k + 1, at));
       in_flight = true;
     }
-    if (keep != nullptr && !into_keep) std::memcpy(keep + (start - rr.offset), data, stop - start);
+    if (keep != nullptr && !into_keep) {
+      // Kept: delivered from the cache's copy, which a client may view
+      // (core/cache/cache_view.h) instead of having the bytes written.
+      std::memcpy(keep + (start - rr.offset), data, stop - start);
+      data = keep + (start - rr.offset);
+    }
     if (verify) status = Hash(data, start, stop - start);
     if (!status.ok()) break;
     const auto t1 = Clock::now();

@@ -428,6 +428,46 @@ class NumpyClientTest(unittest.TestCase):
         np.testing.assert_array_equal(got[0], full[:, cols // 2:])
         np.testing.assert_array_equal(got[1], got[0])
 
+    def test_a_cold_load_read_around_the_page_cache_is_copied_from_views_too(self):
+        """A cold load whose reads go around the page cache (O_DIRECT, as on a
+        node whose page cache does not hold the checkpoint) keeps them in the
+        data cache, and the client copies them from there (in batches), not
+        the daemon: before, the daemon wrote every such byte into the client
+        from its bounce buffer. (A checkpoint with checksums: the daemon
+        verifies its bytes, so they are not left to the client's file views.)"""
+        full = np.arange(512 * 1024, dtype=np.float32).reshape(512, 1024) * 0.25
+        path = os.path.join(self.root, "direct-ckpt")
+        d = testlib.Daemon(self.root, "--direct-io", "always")
+        try:
+            testlib.run_ranks(2, lambda r: ckptd.save_state_dict(
+                {"w": ckptd.ShardedTensor(full[256 * r:256 * (r + 1)].copy(), full.shape,
+                                          (256 * r, 0))},
+                path, rank=r, world_size=2, job_id="direct-save", socket=d.socket))
+            ckptd.evict(path, socket=d.socket)
+            for f in os.listdir(path):  # out of the page cache, as on a node that never read it
+                fd = os.open(os.path.join(path, f), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+            # Two ranks, a column half each: every read is needed whole, so
+            # its checksums are checked (by the daemon).
+            halves = [np.full((512, 512), np.nan, np.float32) for _ in range(2)]
+            reps = testlib.run_ranks(2, lambda r: ckptd.load_state_dict(
+                {"w": ckptd.ShardedTensor(halves[r], full.shape, (0, 512 * r))}, path, rank=r,
+                world_size=2, job_id="direct-load", socket=d.socket, transport="cache_view"))
+            np.testing.assert_array_equal(np.concatenate(halves, axis=1), full)
+            for r in range(2):
+                self.assertEqual(reps[r].bytes_read, full.nbytes)
+                self.assertGreater(reps[r].checksums_verified, 0)
+                self.assertEqual(reps[r].bytes_from_views, halves[r].nbytes)
+                self.assertEqual(reps[r].bytes_from_files, 0)
+                self.assertGreaterEqual(reps[r].timings["client_view_batches"], 1)
+            self.assertRegex(d.read_log(), r"load job=direct-load .* direct=%dB" % full.nbytes)
+        finally:
+            self.assertEqual(d.stop(), 0)
+
     def test_cache_view_copies_cached_bytes_in_the_client(self):
         """transport="cache_view": bytes the daemon's cache holds are copied by
         this process from read-only views of the cache (column halves of a
