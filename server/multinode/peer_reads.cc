@@ -64,6 +64,7 @@ class DistSource final : public ckpt::RangeSource {
       std::set<size_t> used;
       for (size_t k = 0; k < lanes.size(); ++k) {
         lane_[p.first[k]] = lanes[k];
+        lane_reads_[{peer, lanes[k]}].push_back(p.first[k]);
         used.insert(lanes[k]);
       }
       streams_ += used.size();
@@ -142,13 +143,10 @@ class DistSource final : public ckpt::RangeSource {
     std::unique_ptr<PeerFetch>& f = fetches_[key];
     if (f == nullptr) {
       std::vector<PeerFetch::Want> wants;
-      for (const auto& [id, w] : wants_) {
-        auto who = reader_.find(id);
-        if (who == reader_.end() || who->second != reader ||
-            (links_ != nullptr ? id != g : LaneOf(id) != lane)) {
-          continue;
-        }
-        wants.push_back(w);
+      if (links_ != nullptr) {
+        if (auto w = wants_.find(g); w != wants_.end()) wants.push_back(w->second);
+      } else if (auto ids = lane_reads_.find({reader, lane}); ids != lane_reads_.end()) {
+        for (uint32_t id : ids->second) wants.push_back(wants_.at(id));
       }
       f = std::make_unique<PeerFetch>(reader, me_, job_id_, std::move(wants), stub_(reader),
                                       timeout_, call_deadline_, buffers_);
@@ -164,6 +162,8 @@ class DistSource final : public ckpt::RangeSource {
   const std::map<uint32_t, std::string> reader_;
   const std::map<uint32_t, PeerFetch::Want> wants_;  // the reads peers make
   std::map<uint32_t, size_t> lane_;                  // each one's lane (constructor)
+  // (reader, lane) -> the reads that stream brings, in order (constructor).
+  std::map<std::pair<std::string, size_t>, std::vector<uint32_t>> lane_reads_;
   size_t peers_ = 0, streams_ = 0;
   const PublishFn publish_;
   const StubFn stub_;
