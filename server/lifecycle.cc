@@ -61,10 +61,14 @@ absl::Status ClaimSocket(const std::string& path) {
   return absl::OkStatus();
 }
 
-// Loads that ended so far, either way (for the drain's linger).
+// Load calls that ended so far, either way, and those still running.
 int64_t LoadsEnded(Daemon& daemon) {
   const auto st = daemon.Status(Caller{});
   return static_cast<int64_t>(st.loads_succeeded() + st.loads_failed());
+}
+int64_t LoadsRunning(Daemon& daemon) {
+  const auto st = daemon.Status(Caller{});
+  return static_cast<int64_t>(st.loads_started() - st.loads_succeeded() - st.loads_failed());
 }
 
 // What a running daemon answers on (RunDaemon owns them).
@@ -212,6 +216,24 @@ void Drain(const DaemonConfig& config, Daemon& daemon, Listeners& l) {
                    absl::FormatDuration(config.drain_timeout), cut.size(), absl::StrJoin(cut, ","));
     }
   });
+  // The running loads end before gRPC shuts down: gRPC closes every
+  // connection as soon as Shutdown has no call left, and a client that had
+  // not read its last answer by then (it answers a ping into the closed
+  // socket) loses it. So the loads end first, with the connections open
+  // (new loads are refused meanwhile: AbortWaiting), their clients get
+  // kLinger to read their results, and then gRPC shuts down.
+  const int64_t ended = LoadsEnded(daemon);
+  while (LoadsRunning(daemon) > 0 && std::chrono::system_clock::now() < drain + kDrainGrace) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  if (LoadsEnded(daemon) != ended) {
+    constexpr auto kLinger = std::chrono::milliseconds(500);
+    std::this_thread::sleep_for(
+        std::max<std::chrono::system_clock::duration>(
+            std::chrono::system_clock::duration::zero(),
+            std::min<std::chrono::system_clock::duration>(
+                kLinger, drain + kDrainGrace - std::chrono::system_clock::now())));
+  }
   l.grpc->Shutdown(drain + kDrainGrace);
   {
     absl::MutexLock lock(&drain_mu);
@@ -229,9 +251,9 @@ void Drain(const DaemonConfig& config, Daemon& daemon, Listeners& l) {
 }
 
 // The signal thread: SIGHUP reloads the peer TLS files; the first stop
-// signal drains. *loads_at_drain and *drain_until say when it began.
+// signal drains. *drain_until says when the drain ends.
 void HandleSignals(const sigset_t& sigs, const DaemonConfig& config, Daemon& daemon, Listeners& l,
-                   std::atomic<int64_t>* loads_at_drain, absl::Time* drain_until) {
+                   absl::Time* drain_until) {
   int sig = 0;
   while (sigwait(&sigs, &sig) == 0 && sig == SIGHUP) {
     if (!l.peer || config.peer_tls_cert.empty()) {
@@ -251,20 +273,13 @@ void HandleSignals(const sigset_t& sigs, const DaemonConfig& config, Daemon& dae
   }
   spdlog::info("signal {}: draining running loads (up to {})", sig,
                absl::FormatDuration(config.drain_timeout));
-  *loads_at_drain = LoadsEnded(daemon);
   *drain_until = absl::Now() + config.drain_timeout;
   Drain(config, daemon, l);
 }
 
 // After the drain: the last answers read, asynchronous saves given the rest
 // of drain_timeout, the daemon stopped, the socket and port files removed.
-void Finish(const DaemonConfig& config, Daemon& daemon, Listeners& l, bool loads_finished_late,
-            absl::Time drain_until) {
-  // Loads that finished during the drain: their clients may still be
-  // reading the final result and status. The connections stay open a
-  // moment (gRPC has told the clients to go away), so no client writes into
-  // a closed socket and loses what it had not read yet.
-  if (loads_finished_late) std::this_thread::sleep_for(std::chrono::milliseconds(500));
+void Finish(const DaemonConfig& config, Daemon& daemon, Listeners& l, absl::Time drain_until) {
   if (l.uds) l.uds->Stop();
   // Asynchronous saves still persisting get the rest of the drain; those
   // that do not finish are abandoned (their versions never appear).
@@ -398,14 +413,12 @@ int RunDaemon(DaemonConfig config, const std::vector<std::string>& budget_notes)
   sd_notifyf(0, "READY=1\nSTATUS=serving on %s\nMAINPID=%lu", config.socket.c_str(),
              static_cast<unsigned long>(::getpid()));
 
-  std::atomic<int64_t> loads_at_drain{-1};
   absl::Time drain_until = absl::Now();  // set by the signal thread, read after it ends
   std::thread signals(
-      [&] { HandleSignals(sigs, config, daemon, l, &loads_at_drain, &drain_until); });
+      [&] { HandleSignals(sigs, config, daemon, l, &drain_until); });
   l.grpc->Wait();
   signals.join();
-  const bool late = loads_at_drain >= 0 && LoadsEnded(daemon) != loads_at_drain;
-  Finish(config, daemon, l, late, drain_until);
+  Finish(config, daemon, l, drain_until);
   return 0;
 }
 
