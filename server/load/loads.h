@@ -41,6 +41,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "absl/strings/string_view.h"
+#include "absl/time/time.h"
 #include "config/config.h"
 #include "core/cache/cache.h"
 #include "core/cache/cache_view.h"
@@ -145,6 +146,8 @@ class Loads {
   // Bytes of views a client copying while the job runs gets at least at a
   // time (but the last batch): fewer round trips for small reads.
   static constexpr uint64_t kViewBatchBytes = 16 << 20;
+  // ... and only from a job still running this long after they are due.
+  static constexpr absl::Duration kEarlyViewsAfter = absl::Milliseconds(50);
 
   // The slot's views mark it pending (RankSlot::views_pending) as they fill.
   static void WatchViews(const std::shared_ptr<RankSlot>& slot, ckpt::ViewRecorder& views);
