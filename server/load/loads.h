@@ -151,6 +151,12 @@ class Loads {
 
   // The slot's views mark it pending (RankSlot::views_pending) as they fill.
   static void WatchViews(const std::shared_ptr<RankSlot>& slot, ckpt::ViewRecorder& views);
+  // A batch of the rank's views for its client while the job runs, if the
+  // job is still running kEarlyViewsAfter from now (*copied: the client's
+  // copies so far; nothing is handed out once one failed).
+  void HandOutEarly(const Caller& caller, RankSlot& slot, ckpt::ViewRecorder& views,
+                    const std::string& who, const std::function<bool(const v1::LoadEvent&)>& send,
+                    const std::function<bool()>& cancelled, absl::Status* copied);
   // Runs the job (RunJob, guarded): on `thread` when `own_thread` (this
   // rank's call hands out views meanwhile), else here, till it is done.
   void Start(const std::shared_ptr<Job>& job, bool own_thread, JoinedThread* thread);
