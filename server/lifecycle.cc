@@ -228,11 +228,8 @@ void Drain(const DaemonConfig& config, Daemon& daemon, Listeners& l) {
   }
   if (LoadsEnded(daemon) != ended) {
     constexpr auto kLinger = std::chrono::milliseconds(500);
-    std::this_thread::sleep_for(
-        std::max<std::chrono::system_clock::duration>(
-            std::chrono::system_clock::duration::zero(),
-            std::min<std::chrono::system_clock::duration>(
-                kLinger, drain + kDrainGrace - std::chrono::system_clock::now())));
+    std::this_thread::sleep_until(
+        std::min(std::chrono::system_clock::now() + kLinger, drain + kDrainGrace));
   }
   l.grpc->Shutdown(drain + kDrainGrace);
   {

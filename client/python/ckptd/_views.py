@@ -121,13 +121,12 @@ def _read_file(fd, runs):
         raise CkptdError("DATA_LOSS", f"reading a checkpoint file: {os.strerror(-got)}")
 
 
-def copy_views(fd_socket, views, targets, timeout=10.0, keep_only_these=True):
+def copy_views(fd_socket, views, targets, timeout=10.0):
     """Copies `views` (a CacheViews message: the load's, or one batch of them)
     into `targets`, the rank's tensors as (address, nbytes). Every copy is
     checked to lie inside its view and inside one target before anything is
-    copied. `keep_only_these`: afterwards drop the mappings of other views
-    (else the caller calls keep() with every batch's keys once the load is
-    done)."""
+    copied. The caller calls keep() with every batch's keys once the load is
+    done."""
     n = len(views.view_bytes)
     if not 0 < n <= MAX_VIEW_FDS or len(views.view_keys) != n:
         raise CkptdError("DATA_LOSS", f"the daemon sent {n} cache views "
@@ -178,5 +177,3 @@ def copy_views(fd_socket, views, targets, timeout=10.0, keep_only_these=True):
                 os.close(fd)
     finally:
         sock.close()  # done: the daemon lets go of the views
-        if keep_only_these:
-            keep(views.view_keys)

@@ -927,7 +927,7 @@ class Client:
                         t2 = time.perf_counter()
                         _views.copy_views(fd_socket_path(self.socket), ev.views,
                                           [(a, e.nbytes) for e, a in zip(entries, offsets)],
-                                          self.connect_timeout, keep_only_these=False)
+                                          self.connect_timeout)
                         view_keys.update(ev.views.view_keys)
                         timings["client_view_copy_s"] = (timings.get("client_view_copy_s", 0.0)
                                                          + time.perf_counter() - t2)
