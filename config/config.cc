@@ -35,7 +35,7 @@ const std::set<std::string>& KnownKeys() {
       "tcp_uid",       "admin_uids",      "access",          "limits",
       "peer_tls_cert", "peer_tls_key",    "peer_tls_ca",     "peer_insecure",
       "peer_unkeyed_jobs", "peer_reader_min_bytes", "nccl_connect_timeout", "nccl_device", "port_file", "memory_limit", "save_buffer", "s3",
-      "cache_huge_pages"};
+      "cache_huge_pages", "cache_laid_out_copies"};
   return *keys;
 }
 
@@ -408,11 +408,13 @@ absl::StatusOr<DaemonConfig> ParseConfig(const std::string& yaml, const std::str
         c.tcp_tls_key = s;
       } else if (key == "tcp_tls_ca") {
         c.tcp_tls_ca = s;
-      } else if (key == "insecure_tcp" || key == "peer_insecure" || key == "peer_unkeyed_jobs") {
+      } else if (key == "insecure_tcp" || key == "peer_insecure" || key == "peer_unkeyed_jobs" ||
+                 key == "cache_laid_out_copies") {
         if (s != "true" && s != "false") return Bad(source, key, "must be true or false");
-        (key == "insecure_tcp"    ? c.insecure_tcp
-         : key == "peer_insecure" ? c.peer_insecure
-                                  : c.peer_unkeyed_jobs) = s == "true";
+        (key == "insecure_tcp"      ? c.insecure_tcp
+         : key == "peer_insecure"   ? c.peer_insecure
+         : key == "peer_unkeyed_jobs" ? c.peer_unkeyed_jobs
+                                    : c.cache_laid_out_copies) = s == "true";
       } else if (key == "peer_tls_cert") {
         c.peer_tls_cert = s;
       } else if (key == "peer_tls_key") {
@@ -666,6 +668,8 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   out << YAML::Key << "roots" << YAML::Value << c.roots;
   out << YAML::Key << "cache_budget" << YAML::Value << c.cache_budget;
   out << YAML::Key << "cache_huge_pages" << YAML::Value << c.cache_huge_pages;
+  out << YAML::Key << "cache_laid_out_copies" << YAML::Value
+      << (c.cache_laid_out_copies ? "true" : "false");
   out << YAML::Key << "arena_pool" << YAML::Value << c.arena_pool;
   out << YAML::Key << "arena_limit" << YAML::Value << c.arena_limit;
   out << YAML::Key << "save_buffer" << YAML::Value << c.save_buffer;

@@ -96,6 +96,11 @@ struct DaemonConfig {
   // setting honours the request: shmem_enabled advise, always or
   // within_size; said at start-up either way), "off".
   std::string cache_huge_pages = "auto";
+  // Whether a rank that took its cached bytes in small pieces (a tensor
+  // split on another dimension than the checkpoint's) gets them gathered
+  // into one contiguous laid-out copy for its next load, in cache budget
+  // left free (core/cache/cache_view.h).
+  bool cache_laid_out_copies = true;
   // Destination arenas the daemon lends clients (server/arena_pool.h): free
   // ones kept mapped for the next client, and all leased ones together.
   uint64_t arena_pool = 4ull << 30;

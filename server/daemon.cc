@@ -202,6 +202,9 @@ v1::StatusResponse Daemon::Status(const Caller& caller) {
   resp.set_cache_hits(cs.hits);
   resp.set_cache_misses(cs.misses);
   resp.set_cache_evictions(cs.evictions);
+  resp.set_cache_laid_out_bytes(cs.laid_out_bytes);
+  resp.set_cache_laid_out_entries(cs.laid_out_entries);
+  resp.set_cache_laid_out_hits(cs.laid_out_hits);
   const CacheFiller::Stats fill = filler_->stats();
   resp.set_cache_fills(fill.fills);
   resp.set_cache_fill_bytes(fill.bytes);

@@ -42,6 +42,9 @@ ABSL_FLAG(int, io_threads, 0, "I/O threads (overrides the config)");
 ABSL_FLAG(std::string, direct_io, "", "never|auto|always: O_DIRECT reads (overrides the config)");
 ABSL_FLAG(std::string, cache_huge_pages, "",
           "auto|off: huge pages for the data cache's shared blocks (overrides the config)");
+ABSL_FLAG(std::string, cache_laid_out_copies, "",
+          "true|false: gather a rank's cached bytes taken in pieces into one laid-out copy for "
+          "its next load (overrides the config)");
 ABSL_FLAG(std::string, barrier_timeout, "", "e.g. 120s (overrides the config)");
 ABSL_FLAG(std::string, log_level, "", "trace|debug|info|warn|error (overrides the config)");
 ABSL_FLAG(std::string, log_format, "", "text|json (overrides the config)");
@@ -232,6 +235,13 @@ absl::StatusOr<StartupConfig> ConfigFromFlags() {
   if (!absl::GetFlag(FLAGS_direct_io).empty()) config.direct_io = absl::GetFlag(FLAGS_direct_io);
   if (!absl::GetFlag(FLAGS_cache_huge_pages).empty()) {
     config.cache_huge_pages = absl::GetFlag(FLAGS_cache_huge_pages);
+  }
+  if (const std::string v = absl::GetFlag(FLAGS_cache_laid_out_copies); !v.empty()) {
+    if (v != "true" && v != "false") {
+      return absl::InvalidArgumentError(
+          absl::StrCat("--cache_laid_out_copies: must be true or false, not '", v, "'"));
+    }
+    config.cache_laid_out_copies = v == "true";
   }
   if (!absl::GetFlag(FLAGS_barrier_timeout).empty()) {
     auto d = ParseDuration(absl::GetFlag(FLAGS_barrier_timeout));

@@ -8,7 +8,6 @@
 #include <unistd.h>
 
 #include <algorithm>
-#include <fstream>
 #include <cstring>
 #include <ctime>
 #include <map>
@@ -61,6 +60,7 @@ class HostCache::BlockPool final : public HostAllocator {
         uint8_t* p = it->second;
         free_.erase(it);
         free_bytes_ -= n;
+        b.serial = ++serials_;  // new contents from here on
         return p;
       }
     }
@@ -149,6 +149,7 @@ class HostCache::BlockPool final : public HostAllocator {
       b.key = reinterpret_cast<uintptr_t>(b.p) ^ static_cast<uint64_t>(::time(nullptr));
     }
     absl::MutexLock lock(&mu_);
+    b.serial = ++serials_;
     blocks_.emplace(Key(b.p), b);
     return b.p;
   }
@@ -190,6 +191,7 @@ class HostCache::BlockPool final : public HostAllocator {
     ++b.holds;
     ExportedRange r;
     r.key = b.key;
+    r.serial = b.serial;
     r.fd = b.ro_fd;
     r.block_bytes = b.n;
     r.offset = static_cast<uint64_t>(p - b.p);
@@ -241,6 +243,9 @@ class HostCache::BlockPool final : public HostAllocator {
  private:
   struct Block {
     uint64_t key = 0;  // random: names the block to clients
+    // Which contents: new for every allocation of the block (an entry's
+    // bytes never change once published, so (serial, offset) names bytes).
+    uint64_t serial = 0;
     uint8_t* p = nullptr;
     uint64_t n = 0;
     bool shared = false;  // a memfd's mapping (else anonymous memory)
@@ -302,35 +307,12 @@ class HostCache::BlockPool final : public HostAllocator {
   static constexpr uint64_t kMaxMemfdBlocks = 4096;
   mutable absl::Mutex mu_;
   uint64_t memfd_blocks_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t serials_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t held_free_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   std::map<uintptr_t, Block> blocks_ ABSL_GUARDED_BY(mu_);  // every live block, by address
   std::multimap<uint64_t, uint8_t*> free_ ABSL_GUARDED_BY(mu_);
   uint64_t free_bytes_ ABSL_GUARDED_BY(mu_) = 0;
 };
-
-namespace {
-// The selected value of a sysfs THP setting ("always [advise] never" ->
-// "advise"); empty when the file is missing or unreadable.
-std::string SelectedSetting(const std::string& path) {
-  std::ifstream in(path);
-  std::string line;
-  if (!in || !std::getline(in, line)) return "";
-  const size_t a = line.find('['), b = line.find(']');
-  return a != std::string::npos && b != std::string::npos && b > a ? line.substr(a + 1, b - a - 1)
-                                                                   : "";
-}
-}  // namespace
-
-ShmemHugePages ProbeShmemHugePages() {
-  const std::string base = "/sys/kernel/mm/transparent_hugepage/";
-  std::string setting = SelectedSetting(base + "hugepages-2048kB/shmem_enabled");
-  if (setting.empty() || setting == "inherit") setting = SelectedSetting(base + "shmem_enabled");
-  ShmemHugePages out;
-  out.setting = setting.empty() ? "unknown" : setting;
-  out.honoured = setting == "always" || setting == "within_size" || setting == "advise" ||
-                 setting == "force";
-  return out;
-}
 
 HostCache::HostCache(uint64_t budget_bytes, HostAllocator* allocator, bool huge_pages)
     : budget_(budget_bytes),
@@ -373,7 +355,19 @@ struct HostCache::Pending {
   }
 };
 
+namespace {
+// Where laid-out copies are filed: under their checkpoint's directory, in a
+// name no checkpoint file is looked up by (and with a stamp no file has).
+std::string LaidOutPath(const std::string& dir, uint64_t fingerprint) {
+  return absl::StrCat(dir, "/\x01laid-out/", absl::Hex(fingerprint, absl::kZeroPad16));
+}
+bool IsLaidOutPath(const std::string& path) {
+  return path.find("/\x01laid-out/") != std::string::npos;
+}
+}  // namespace
+
 struct HostCache::Entry {
+  bool laid_out = false;  // PublishLaidOut
   std::string path;
   FileStamp stamp;
   uint64_t offset = 0;
@@ -411,11 +405,19 @@ std::optional<RangeView> HostCache::Lookup(const std::string& path, const FileSt
 
 void HostCache::TouchLocked(const EntryPtr& e) { lru_.splice(lru_.begin(), lru_, e->lru); }
 
+void HostCache::UncountLocked(const Entry& e) {
+  used_ -= e.n;
+  --stats_.entries;
+  stats_.bytes -= e.n;
+  if (e.laid_out) {
+    --stats_.laid_out_entries;
+    stats_.laid_out_bytes -= e.n;
+  }
+}
+
 void HostCache::DropLocked(EntryPtr e) {
   lru_.erase(e->lru);
-  used_ -= e->n;
-  --stats_.entries;
-  stats_.bytes -= e->n;
+  UncountLocked(*e);
   // Still in the index (the caller erases it after), plus `e`: two
   // references; a third is a load's pin.
   if (e.use_count() > 2) {
@@ -433,9 +435,7 @@ bool HostCache::EvictOneLocked() {
     files.erase(e->offset);
     if (files.empty()) index_.erase(e->path);
     lru_.erase(e->lru);
-    used_ -= e->n;
-    --stats_.entries;
-    stats_.bytes -= e->n;
+    UncountLocked(*e);
     ++stats_.evictions;
     return true;
   }
@@ -461,6 +461,37 @@ std::shared_ptr<HostCache::Pending> HostCache::Reserve(uint64_t n, uint32_t tena
   return p;
 }
 
+std::shared_ptr<HostCache::Pending> HostCache::ReserveFree(uint64_t n, uint32_t tenant) {
+  absl::MutexLock lock(&mu_);
+  const uint64_t held = pool_ ? pool_->held_free_bytes() : 0;
+  const uint64_t in_use = used_ + detached_->load() + held;
+  if (n == 0 || in_use > budget_ || n > budget_ - in_use) return nullptr;
+  used_ += n;
+  if (pool_) pool_->Trim(budget_ - used_ - detached_->load() - held, n, tenant);
+  auto p = std::make_shared<Pending>();
+  p->cache = this;
+  p->n = n;
+  p->tenant = tenant;
+  return p;
+}
+
+void HostCache::PublishLaidOut(std::shared_ptr<Pending> p, const std::string& dir,
+                               uint64_t fingerprint) {
+  PublishEntry(std::move(p), LaidOutPath(dir, fingerprint), FileStamp{}, 0, true);
+}
+
+std::optional<RangeView> HostCache::FindLaidOut(const std::string& dir, uint64_t fingerprint,
+                                                uint64_t n) {
+  absl::MutexLock lock(&mu_);
+  auto fit = index_.find(LaidOutPath(dir, fingerprint));
+  if (fit == index_.end()) return std::nullopt;
+  auto it = fit->second.find(0);
+  if (it == fit->second.end() || !it->second->laid_out || it->second->n != n) return std::nullopt;
+  ++stats_.laid_out_hits;  // not a hit or miss of checkpoint bytes; stays last in the LRU order
+  EntryPtr pin = it->second;
+  return RangeView{pin->data->p, pin, false};
+}
+
 uint8_t* HostCache::PendingData(const std::shared_ptr<Pending>& p) {
   if (!p->data) {
     auto b = std::make_unique<Buffer>();
@@ -479,7 +510,13 @@ uint8_t* HostCache::PendingData(const std::shared_ptr<Pending>& p) {
 
 RangeView HostCache::Publish(std::shared_ptr<Pending> p, const std::string& path,
                              const FileStamp& stamp, uint64_t offset) {
+  return PublishEntry(std::move(p), path, stamp, offset, false);
+}
+
+RangeView HostCache::PublishEntry(std::shared_ptr<Pending> p, const std::string& path,
+                                  const FileStamp& stamp, uint64_t offset, bool laid_out) {
   auto e = std::make_shared<Entry>();
+  e->laid_out = laid_out;
   e->path = path;
   e->stamp = stamp;
   e->offset = offset;
@@ -493,11 +530,16 @@ RangeView HostCache::Publish(std::shared_ptr<Pending> p, const std::string& path
     DropLocked(old->second);
     files.erase(old);
   }
-  lru_.push_front(e);
-  e->lru = lru_.begin();
+  // A laid-out copy is evicted first: it only speeds up a load whose bytes
+  // the cache holds anyway.
+  e->lru = laid_out ? lru_.insert(lru_.end(), e) : lru_.insert(lru_.begin(), e);
   files.emplace(offset, e);
   ++stats_.entries;
   stats_.bytes += e->n;
+  if (laid_out) {
+    ++stats_.laid_out_entries;
+    stats_.laid_out_bytes += e->n;
+  }
   return RangeView{e->data->p, e, false};
 }
 
@@ -545,6 +587,7 @@ std::map<std::string, std::pair<uint64_t, uint64_t>> HostCache::Files() const {
   absl::MutexLock lock(&mu_);
   std::map<std::string, std::pair<uint64_t, uint64_t>> out;
   for (const auto& [path, entries] : index_) {
+    if (IsLaidOutPath(path)) continue;
     for (const auto& [off, e] : entries) {
       out[path].first += e->n;
       ++out[path].second;

@@ -48,6 +48,11 @@ struct CacheStats {
   uint64_t misses = 0;
   uint64_t evictions = 0;
   uint64_t recycled_bytes = 0;  // freed entry memory kept for the next entries
+  // Laid-out copies (HostCache::PublishLaidOut), counted in bytes and
+  // entries too.
+  uint64_t laid_out_bytes = 0;
+  uint64_t laid_out_entries = 0;
+  uint64_t laid_out_hits = 0;
 };
 
 // Who an entry's memory is allocated for (a uid, for the daemon): see
@@ -59,6 +64,10 @@ inline constexpr uint32_t kNoTenant = 0xffffffffu;
 // `fd` (read-only; valid while `hold` is held, not to be closed) maps.
 struct ExportedRange {
   uint64_t key = 0;          // random, unique in practice across daemons and restarts
+  // The block's contents: a new serial each time the block is allocated to
+  // an entry, so (serial, offset) names the same bytes for as long as the
+  // block lives (an entry's bytes do not change once it is published).
+  uint64_t serial = 0;
   int fd = -1;
   uint64_t block_bytes = 0;  // the block's size (what fd maps)
   uint64_t offset = 0;       // of the exported bytes in the block
@@ -129,6 +138,20 @@ class HostCache {
   RangeView Publish(std::shared_ptr<Pending> p, const std::string& path, const FileStamp& stamp,
                     uint64_t offset);
 
+  // Laid-out copies (ViewRecorder, core/cache/cache_view.h): bytes one rank
+  // gathered from pieces of several entries (a tensor split on another
+  // dimension than the checkpoint's), kept in one block so that the rank's
+  // next load copies them from one contiguous range. One is filed under
+  // checkpoint directory `dir` (EvictPrefix of it drops it) and named by the
+  // fingerprint of what it was copied from (block serials, offsets, runs),
+  // so it is found only by a load that would copy the very same bytes. It
+  // takes only room the budget has free (ReserveFree evicts nothing; nullptr
+  // when there is not enough) and is the first entry evicted.
+  std::shared_ptr<Pending> ReserveFree(uint64_t n, uint32_t tenant);
+  void PublishLaidOut(std::shared_ptr<Pending> p, const std::string& dir, uint64_t fingerprint);
+  // The laid-out copy of `n` bytes named `fingerprint` under `dir`, pinned.
+  std::optional<RangeView> FindLaidOut(const std::string& dir, uint64_t fingerprint, uint64_t n);
+
   // Drops every entry whose path starts with `prefix` from the index.
   // Unpinned ones are freed now; pinned ones (a load is using them) when
   // their last user lets go, and until then their bytes still count against
@@ -152,13 +175,17 @@ class HostCache {
   uint64_t blocks() const;
 
   CacheStats stats() const;
-  // Bytes and entries per cached file path.
+  // Bytes and entries per cached file path (laid-out copies not included).
   std::map<std::string, std::pair<uint64_t, uint64_t>> Files() const;
 
  private:
   struct Entry;
   using EntryPtr = std::shared_ptr<Entry>;
   bool EvictOneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  RangeView PublishEntry(std::shared_ptr<Pending> p, const std::string& path,
+                         const FileStamp& stamp, uint64_t offset, bool laid_out);
+  // Takes `e` off the counters of entries in the index (EvictOneLocked, DropLocked).
+  void UncountLocked(const Entry& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Takes `e` out of the index and LRU list. Its bytes leave used_ now, or,
   // when a load still pins it, move to detached_ until the entry is freed.
   // Call it while `e` is still in the index.

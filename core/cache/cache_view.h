@@ -58,6 +58,7 @@ class ViewRecorder final : public RemoteMemory {
     int fd = -1;         // read-only; valid until Release (not to be closed)
     uint64_t bytes = 0;  // the block's size (a file's: its size)
     bool file = false;   // a checkpoint file the client reads (RecordFile), not a block
+    uint64_t serial = 0;  // ExportedRange::serial (0: a file)
   };
   // `count` runs of `length` bytes: run i is bytes [offset + i * src_stride,
   // + length) of view `view`, for address + i * dst_stride in the client.
@@ -72,7 +73,8 @@ class ViewRecorder final : public RemoteMemory {
   };
 
   // `targets`: the client's destination ranges [begin, end) (addresses
-  // there); no recorded copy spans two of them.
+  // there), in the order of the request's targets; no recorded copy spans
+  // two of them.
   ViewRecorder(HostCache* cache, uint32_t tenant, std::shared_ptr<RemoteMemory> fallback,
                std::vector<std::pair<uint64_t, uint64_t>> targets, size_t max_views = kMaxViews);
 
@@ -112,7 +114,32 @@ class ViewRecorder final : public RemoteMemory {
     uint64_t bytes = 0;  // the copies' bytes
     bool files = false;  // some view is a file
   };
-  Batch TakeBatch();
+  // `last`: the job is done (nothing more is recorded); then a first batch
+  // may be served from a laid-out copy (EnableLaidOut).
+  Batch TakeBatch(bool last = false);
+
+  // Laid-out copies (HostCache::PublishLaidOut): the targets whose bytes
+  // come from the cache in pieces averaging under kLaidOutMaxPiece (a tensor
+  // split on another dimension than the checkpoint's: every row a piece) are
+  // gathered into one block after the load, once, and a later load of this
+  // rank that would copy the very same bytes (same blocks and serials, same
+  // runs) copies each of them from one contiguous range of that block
+  // instead: a new process then maps and faults in only its own bytes, not
+  // every page its pieces share with other ranks' pieces. `dir`: the
+  // checkpoint's path (what EvictPrefix drops). Call before anything is
+  // recorded.
+  static constexpr uint64_t kLaidOutMaxPiece = 1 << 20;
+  static constexpr uint64_t kLaidOutMinBytes = 1 << 20;
+  void EnableLaidOut(std::string dir);
+  // Bytes of this load copied from a laid-out copy.
+  uint64_t bytes_laid_out() const;
+  // After the last batch, for a load whose bytes all came from cache entries
+  // (nothing read from storage; the caller knows): the work that copies this
+  // rank's fragmented targets into a laid-out copy, where the budget has room
+  // (run it on a background thread; it holds the blocks it copies from), or
+  // an empty function when there is nothing to gather (no such target, or the
+  // load was served from a laid-out copy).
+  std::function<void()> TakeLaidOutWork();
   // `ready` runs (on the recording thread, no lock of this recorder held)
   // once the bytes recorded since the last batch reach `min_bytes`, then not
   // again before the next TakeBatch. Set before anything is recorded.
@@ -141,11 +168,30 @@ class ViewRecorder final : public RemoteMemory {
   // Index of the target holding `address` (npos when none).
   size_t TargetOf(uint64_t address) const;
 
+  // The targets a laid-out copy would hold, from copies_ (every one
+  // recorded): where each goes in the block, its copies and the
+  // fingerprint of them all.
+  struct LaidOut {
+    uint64_t fingerprint = 0;
+    uint64_t bytes = 0;
+    struct Part {
+      size_t target = 0;  // index into targets_
+      uint64_t at = 0;    // offset in the block
+      std::vector<size_t> copies;  // into copies_, by address
+    };
+    std::vector<Part> parts;
+  };
+  LaidOut LaidOutRecipe() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Replaces the copies of `r`'s targets with copies from a laid-out copy
+  // the cache holds, if it does.
+  void ServeLaidOut(const LaidOut& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   HostCache* const cache_;
   const uint32_t tenant_;
   const std::shared_ptr<RemoteMemory> fallback_;
   const size_t max_views_;
   const std::vector<std::pair<uint64_t, uint64_t>> targets_;  // sorted
+  std::vector<size_t> order_;  // per target (sorted): its index in the request
   mutable absl::Mutex mu_;
   std::vector<View> views_ ABSL_GUARDED_BY(mu_);
   std::vector<std::shared_ptr<const void>> holds_ ABSL_GUARDED_BY(mu_);
@@ -167,6 +213,12 @@ class ViewRecorder final : public RemoteMemory {
   uint64_t min_pending_ ABSL_GUARDED_BY(mu_) = 0;
   bool notified_ ABSL_GUARDED_BY(mu_) = false;
   std::function<void()> ready_;  // set before any record
+  std::string laid_out_dir_;     // set before any record; empty: no laid-out copies
+  std::vector<bool> replaced_ ABSL_GUARDED_BY(mu_);  // copies_ served from a laid-out copy
+  uint64_t laid_out_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  // Blocks a laid-out copy would be gathered from, kept past Release for
+  // TakeLaidOutWork.
+  std::vector<std::shared_ptr<const void>> kept_ ABSL_GUARDED_BY(mu_);
 };
 
 // Appends the runs rank copy `op` makes (into `target`, whose first byte is

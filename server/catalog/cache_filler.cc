@@ -67,20 +67,29 @@ void CacheFiller::Submit(std::string dir, std::map<std::string, ckpt::FileStamp>
       {std::move(dir), std::move(stamps), std::move(plan), tenant, std::move(after), max_wait});
 }
 
-bool CacheFiller::Busy(const std::string& prefix) const {
+void CacheFiller::SubmitWork(std::string dir, std::function<void()> work) {
+  absl::MutexLock lock(&mu_);
+  if (stopping_ || !work) return;
+  Task t;
+  t.dir = std::move(dir);
+  t.work = std::move(work);
+  queue_.push_back(std::move(t));
+}
+
+bool CacheFiller::Busy(const std::string& prefix, bool work) const {
   auto under = [&](const std::string& dir) {
     return !dir.empty() && (dir == prefix || absl::StartsWith(dir + "/", prefix));
   };
-  if (under(running_)) return true;
+  if (under(running_) && (work || !running_work_)) return true;
   for (const Task& t : queue_) {
-    if (under(t.dir)) return true;
+    if (under(t.dir) && (work || !t.work)) return true;
   }
   return false;
 }
 
-bool CacheFiller::Wait(const std::string& prefix, absl::Duration timeout) {
+bool CacheFiller::Wait(const std::string& prefix, absl::Duration timeout, bool work) {
   absl::MutexLock lock(&mu_);
-  auto idle = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || !Busy(prefix); };
+  auto idle = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || !Busy(prefix, work); };
   return mu_.AwaitWithTimeout(absl::Condition(&idle), timeout);
 }
 
@@ -112,12 +121,21 @@ void CacheFiller::Run() {
       task = std::move(queue_.front());
       queue_.pop_front();
       running_ = task.dir;
+      running_work_ = static_cast<bool>(task.work);
     }
     // Not while the load's clients still read these bytes themselves (the
     // hold goes when the last of them is done; bounded by max_wait).
     const absl::Time until = absl::Now() + task.max_wait;
     while (!task.after.expired() && !stop_.load() && absl::Now() < until) {
       absl::SleepFor(absl::Milliseconds(2));
+    }
+    if (task.work) {
+      task.work();
+      task.work = nullptr;  // lets go of what it held before the next waits end
+      absl::MutexLock lock(&mu_);
+      running_.clear();
+      running_work_ = false;
+      continue;
     }
     const auto t0 = std::chrono::steady_clock::now();
     ckpt::SourceOptions options;

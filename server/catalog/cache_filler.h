@@ -13,6 +13,7 @@
 
 #include <atomic>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -41,10 +42,15 @@ class CacheFiller {
   void Submit(std::string dir, std::map<std::string, ckpt::FileStamp> stamps, ckpt::LoadPlan plan,
               uint32_t tenant, std::weak_ptr<const void> after = {},
               absl::Duration max_wait = absl::ZeroDuration());
+  // Queues `work` (a laid-out copy to gather, ViewRecorder::TakeLaidOutWork)
+  // for checkpoint `dir`. Loads do not wait for it (a laid-out copy holds
+  // the same bytes as the pieces it is gathered from: a load finds the same
+  // bytes either way, only faster once it is there); evictions do.
+  void SubmitWork(std::string dir, std::function<void()> work);
   // Waits until no fill of a checkpoint whose directory is `prefix` or
-  // under it (prefix ending in '/') is queued or running, at most `timeout`.
-  // False on timeout.
-  bool Wait(const std::string& prefix, absl::Duration timeout);
+  // under it (prefix ending in '/') is queued or running, nor (`work`) any
+  // SubmitWork's, at most `timeout`. False on timeout.
+  bool Wait(const std::string& prefix, absl::Duration timeout, bool work = true);
   // Drops queued fills, stops the running one at its next read, joins.
   void Stop();
 
@@ -63,14 +69,16 @@ class CacheFiller {
     uint32_t tenant = 0;
     std::weak_ptr<const void> after;
     absl::Duration max_wait;
+    std::function<void()> work;  // instead of the plan (SubmitWork)
   };
   void Run();
-  bool Busy(const std::string& prefix) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  bool Busy(const std::string& prefix, bool work) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
 
   ckpt::HostCache* const cache_;
   mutable absl::Mutex mu_;
   std::deque<Task> queue_ ABSL_GUARDED_BY(mu_);
   std::string running_ ABSL_GUARDED_BY(mu_);  // dir of the fill running now; "" if none
+  bool running_work_ ABSL_GUARDED_BY(mu_) = false;  // and whether it is a SubmitWork's
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<bool> stop_{false};  // stopping_, read by the running fill
   Stats stats_ ABSL_GUARDED_BY(mu_);

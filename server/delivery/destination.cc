@@ -134,12 +134,11 @@ absl::StatusOr<std::unique_ptr<Destination>> ProcessDestination::Open(
   }
   CKPT_RETURN_IF_ERROR(
       CheckTargetRanges(who, {"process's memory", "memory", std::nullopt}, checked).status());
-  // The ranges the client's views may cover.
+  // The ranges the client's views may cover, in the request's order.
   std::vector<std::pair<uint64_t, uint64_t>> ranges;
   for (const TargetRange& t : checked) {
     if (t.bytes > 0) ranges.push_back({t.begin, t.begin + t.bytes});
   }
-  std::sort(ranges.begin(), ranges.end());
   auto memory = ckpt::ProcessMemory::Open({pid, absl::StrCat(who, " (pid ", pid, ")")});
   if (!memory.ok()) return ToProcessMemoryError(memory.status(), who);
   std::string seen(cookie.size(), '\0');

@@ -123,7 +123,7 @@ absl::Status DestinationOpener::DeliverViews(const Caller& caller, ckpt::ViewRec
                                              const std::string& who,
                                              const std::function<bool(const v1::LoadEvent&)>& send,
                                              const std::function<bool()>& cancelled, bool last) {
-  const ckpt::ViewRecorder::Batch batch = rec.TakeBatch();
+  const ckpt::ViewRecorder::Batch batch = rec.TakeBatch(last);
   absl::Status s = absl::OkStatus();
   if (!batch.copies.empty()) s = DeliverBatch(caller, batch, who, send, cancelled);
   if (!last) return s;

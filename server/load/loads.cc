@@ -61,6 +61,24 @@ void Loads::HandOutEarly(const Caller& caller, RankSlot& slot, ckpt::ViewRecorde
   *copied = p_.opener->DeliverViews(caller, views, who, send, cancelled, false);
 }
 
+absl::Status Loads::DeliverViews(const Caller& caller, ckpt::ViewRecorder& views,
+                                 const std::string& path, const std::string& who,
+                                 const std::function<bool(const v1::LoadEvent&)>& send,
+                                 const std::function<bool()>& cancelled, v1::LoadResult* result) {
+  CKPT_RETURN_IF_ERROR(p_.opener->DeliverViews(caller, views, who, send, cancelled));
+  result->set_bytes_from_views(views.bytes_recorded());
+  result->set_bytes_from_files(views.bytes_from_files());
+  result->set_bytes_from_laid_out(views.bytes_laid_out());
+  // Gathered only from a job that read nothing from storage: every byte it
+  // viewed came from a published (verified) cache entry.
+  if (result->bytes_read() == 0) {
+    if (std::function<void()> work = views.TakeLaidOutWork()) {
+      p_.filler->SubmitWork(path, std::move(work));
+    }
+  }
+  return absl::OkStatus();
+}
+
 absl::Status Loads::Load(const Caller& caller, const v1::LoadRequest& request,
                           const std::function<bool(const v1::LoadEvent&)>& send,
                           const std::function<bool()>& cancelled) {
@@ -97,6 +115,7 @@ absl::Status Loads::Load(const Caller& caller, const v1::LoadRequest& request,
   slot->start = std::chrono::steady_clock::now();
   // A client that takes views in batches copies while the job runs.
   ckpt::ViewRecorder* views = slot->destination->views();
+  if (views != nullptr && p_.config->cache_laid_out_copies) views->EnableLaidOut(*resolved);
   const bool batches = views != nullptr && request.process_memory().view_batches();
   if (batches) WatchViews(slot, *views);
 
@@ -141,11 +160,8 @@ absl::Status Loads::Load(const Caller& caller, const v1::LoadRequest& request,
   }
   if (cancelled()) return fail(absl::CancelledError("client went away"));
   if (views != nullptr) {
-    if (absl::Status v = p_.opener->DeliverViews(caller, *views, who, send, cancelled); !v.ok()) {
-      return fail(v);
-    }
-    result.set_bytes_from_views(views->bytes_recorded());
-    result.set_bytes_from_files(views->bytes_from_files());
+    absl::Status v = DeliverViews(caller, *views, *resolved, who, send, cancelled, &result);
+    if (!v.ok()) return fail(v);
   }
   result.mutable_timings()->set_total_s(Seconds(slot->start));
   if (request.has_stream()) {

@@ -122,7 +122,7 @@ void Loads::RunJob(const std::shared_ptr<Job>& job) {
   p_.async_saves->AwaitPersisting(&job->path, absl::Now() + wait);
   // The previous load's background fill of this checkpoint first: what the
   // cache serves does not depend on timing (server/catalog/cache_filler.h).
-  if (!p_.filler->Wait(job->path + "/", wait)) {
+  if (!p_.filler->Wait(job->path + "/", wait, /*work=*/false)) {
     spdlog::warn("job {}: the cache fill of {} did not finish in time; loading anyway", job->id,
                  job->path);
   }

@@ -392,6 +392,12 @@ class StatusCollector final : public prometheus::Collectable {
     out.push_back(One("ckptd_cache_evictions_total",
                       "Byte ranges evicted from the data cache (budget or invalidation)", C,
                       s.cache_evictions()));
+    out.push_back(One("ckptd_cache_laid_out_bytes",
+                      "Bytes of laid-out copies in the data cache (ranks' bytes gathered after "
+                      "a load that took them in pieces; part of the cache's bytes)", G,
+                      s.cache_laid_out_bytes()));
+    out.push_back(One("ckptd_cache_laid_out_hits_total",
+                      "Ranks' loads served from a laid-out copy", C, s.cache_laid_out_hits()));
     out.push_back(One("ckptd_metadata_cache_entries", "Checkpoints whose metadata is cached", G,
                       s.metadata_cache_entries()));
     {

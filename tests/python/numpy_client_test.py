@@ -468,6 +468,73 @@ class NumpyClientTest(unittest.TestCase):
         finally:
             self.assertEqual(d.stop(), 0)
 
+    def test_a_rank_that_took_pieces_gets_a_laid_out_copy_next_time(self):
+        """Column halves of a row-split checkpoint reach each rank as a piece
+        per row; after a warm load the daemon gathers each rank's pieces into
+        one laid-out copy, and the next load of the same tensors (new
+        memory) copies them from it, byte-exact. A rewritten checkpoint is
+        never served from the old copy; Evict drops it; cache_laid_out_copies
+        false turns it off."""
+        rows, cols = 1024, 1024
+        path = os.path.join(self.root, "laid-out-ckpt")
+
+        def save(d, scale):
+            full = np.arange(rows * cols, dtype=np.float32).reshape(rows, cols) * scale
+            testlib.run_ranks(2, lambda r: ckptd.save_state_dict(
+                {"w": ckptd.ShardedTensor(full[512 * r:512 * (r + 1)].copy(), full.shape,
+                                          (512 * r, 0)),
+                 "b": ckptd.ShardedTensor(full[512 * r:512 * (r + 1)].copy() + 1, full.shape,
+                                          (512 * r, 0))},
+                path, rank=r, world_size=2, job_id=f"lo-save-{scale}", socket=d.socket,
+                overwrite=True))
+            return full
+
+        def load(d, full, job):
+            halves = [{k: np.full((rows, cols // 2), np.nan, np.float32) for k in ("w", "b")}
+                      for _ in range(2)]
+            reps = testlib.run_ranks(2, lambda r: ckptd.load_state_dict(
+                {k: ckptd.ShardedTensor(v, full.shape, (0, 512 * r)) for k, v in halves[r].items()},
+                path, rank=r, world_size=2, job_id=job, socket=d.socket, transport="cache_view"))
+            for k, add in (("w", 0), ("b", 1)):
+                np.testing.assert_array_equal(
+                    np.concatenate([halves[0][k], halves[1][k]], axis=1), full + add)
+            return reps
+
+        def laid_out_after(d, full, job):
+            """Loads until the copies gathered after the last one are there."""
+            for i in range(50):
+                reps = load(d, full, f"{job}-{i}")
+                if reps[0].bytes_from_laid_out:
+                    return reps
+                time.sleep(0.05)
+            self.fail("no load was served from a laid-out copy")
+
+        with testlib.Daemon(self.root) as d:
+            full = save(d, 0.5)
+            load(d, full, "lo-first")  # cold: from the files, then filled
+            reps = laid_out_after(d, full, "lo-warm")
+            for r in range(2):
+                self.assertEqual(reps[r].bytes_from_laid_out, 2 * rows * cols // 2 * 4)
+                self.assertEqual(reps[r].bytes_from_views, reps[r].bytes_from_laid_out)
+                self.assertEqual(reps[r].bytes_read, 0)
+            st = ckptd.status(socket=d.socket)
+            self.assertEqual(int(st.get("cache_laid_out_entries", 0)), 2)  # one per rank
+            self.assertGreaterEqual(int(st.get("cache_laid_out_hits", 0)), 2)
+            self.assertNotIn("laid-out", str(st.get("files", "")))
+            # Rewritten in place (new files, other values): never the old copy.
+            full = save(d, 0.25)
+            reps = load(d, full, "lo-rewritten")
+            self.assertEqual([r.bytes_from_laid_out for r in reps], [0, 0])
+            laid_out_after(d, full, "lo-rewritten-warm")
+            ckptd.evict(path, socket=d.socket)
+            self.assertEqual(int(ckptd.status(socket=d.socket).get("cache_laid_out_bytes", 0)), 0)
+        with testlib.Daemon(self.root, "--cache_laid_out_copies", "false") as d:
+            full = save(d, 0.5)
+            for i in range(4):
+                reps = load(d, full, f"lo-off-{i}")
+                self.assertEqual([r.bytes_from_laid_out for r in reps], [0, 0])
+            self.assertEqual(int(ckptd.status(socket=d.socket).get("cache_laid_out_entries", 0)), 0)
+
     def test_cache_view_copies_cached_bytes_in_the_client(self):
         """transport="cache_view": bytes the daemon's cache holds are copied by
         this process from read-only views of the cache (column halves of a

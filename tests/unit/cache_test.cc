@@ -398,6 +398,118 @@ TEST(ViewRecorder, BatchesHandOutEachCopyOnceAndNotifyWhenEnoughWaits) {
   EXPECT_TRUE(rec.TakeBatch().views.empty());  // let go: nothing to hand out
 }
 
+// Two ranks' halves of every 4 KiB row of two 2 MiB entries (a tensor split
+// on dim 1 of a checkpoint split on dim 0): the first load takes them in
+// pieces and leaves work that gathers each rank's bytes into a laid-out
+// copy; a load recording the very same pieces gets one copy per target from
+// it, with the same bytes; a load of other bytes (an entry read again: new
+// serials) does not; and a laid-out copy takes only budget left free.
+TEST(ViewRecorder, GathersPiecesIntoALaidOutCopyServedToTheSameRecipeOnly) {
+  constexpr uint64_t kEntry = 2 * kBlock, kRow = 4096, kRows = kEntry / kRow;
+  HostCache c(16 * kBlock);
+  RangeView e0 = Put(c, "/ck/f0", 0, kEntry, 0, 7);
+  RangeView e1 = Put(c, "/ck/f1", 0, kEntry, 0, 7);
+  for (uint64_t i = 0; i < kEntry; ++i) {
+    const_cast<uint8_t*>(e0.data)[i] = static_cast<uint8_t>(i * 13 + 1);
+    const_cast<uint8_t*>(e1.data)[i] = static_cast<uint8_t>(i * 29 + 5);
+  }
+  // Rank 1's two targets: the second halves of e0's and e1's rows.
+  std::vector<uint8_t> ta(kEntry / 2), tb(kEntry / 2);
+  struct Load {
+    ViewRecorder::Batch batch;
+    uint64_t laid_out = 0;
+    std::function<void()> work;
+  };
+  auto load = [&](const RangeView& a, const RangeView& b, std::vector<uint8_t>& da,
+                  std::vector<uint8_t>& db) {
+    const auto aa = reinterpret_cast<uint64_t>(da.data());
+    const auto ab = reinterpret_cast<uint64_t>(db.data());
+    // In the request's order (a, b), whatever the addresses' order.
+    ViewRecorder rec(&c, 7, nullptr, {{aa, aa + da.size()}, {ab, ab + db.size()}});
+    rec.EnableLaidOut("/ck");
+    for (const auto& [src, to] : {std::pair{a.data, aa}, std::pair{b.data, ab}}) {
+      std::vector<iovec> l, r;
+      for (uint64_t row = 0; row < kRows; ++row) {
+        l.push_back({const_cast<uint8_t*>(src) + row * kRow + kRow / 2, kRow / 2});
+        r.push_back({reinterpret_cast<void*>(to + row * kRow / 2), kRow / 2});
+      }
+      EXPECT_TRUE(rec.Write(l.data(), r.data(), l.size()).ok());
+    }
+    Load out;
+    out.batch = rec.TakeBatch(/*last=*/true);
+    // Applied as a client would (its own mappings stand in for the views).
+    for (const ViewRecorder::Copy& cp : out.batch.copies) {
+      const ViewRecorder::View& v = out.batch.views[cp.view];
+      void* m = ::mmap(nullptr, v.bytes, PROT_READ, MAP_SHARED, v.fd, 0);
+      EXPECT_NE(m, MAP_FAILED);
+      for (uint64_t i = 0; i < cp.count; ++i) {
+        std::memcpy(reinterpret_cast<void*>(cp.address + i * cp.dst_stride),
+                    static_cast<const uint8_t*>(m) + cp.offset + i * cp.src_stride, cp.length);
+      }
+      ::munmap(m, v.bytes);
+    }
+    out.laid_out = rec.bytes_laid_out();
+    rec.Release();
+    out.work = rec.TakeLaidOutWork();
+    return out;
+  };
+  auto expect_halves = [&](const RangeView& a, const RangeView& b) {
+    for (uint64_t row = 0; row < kRows; ++row) {
+      ASSERT_EQ(std::memcmp(&ta[row * kRow / 2], a.data + row * kRow + kRow / 2, kRow / 2), 0);
+      ASSERT_EQ(std::memcmp(&tb[row * kRow / 2], b.data + row * kRow + kRow / 2, kRow / 2), 0);
+    }
+  };
+  Load first = load(e0, e1, ta, tb);
+  EXPECT_EQ(first.laid_out, 0u);
+  EXPECT_EQ(first.batch.copies.size(), 2u);  // one strided copy per target
+  expect_halves(e0, e1);
+  ASSERT_TRUE(first.work);
+  first.work();
+  EXPECT_EQ(c.stats().laid_out_entries, 1u);
+  EXPECT_EQ(c.stats().laid_out_bytes, kEntry);
+  EXPECT_EQ(c.Files().size(), 2u);  // the checkpoint's files only
+
+  // The same pieces into new memory (another address order): one contiguous
+  // copy per target out of the laid-out copy, the same bytes, no new work.
+  std::vector<uint8_t> tb2(kEntry / 2), ta2(kEntry / 2);
+  std::swap(ta, ta2);
+  std::swap(tb, tb2);
+  Load second = load(e0, e1, ta, tb);
+  EXPECT_EQ(second.laid_out, kEntry);
+  ASSERT_EQ(second.batch.copies.size(), 2u);
+  ASSERT_EQ(second.batch.views.size(), 1u);
+  for (const ViewRecorder::Copy& cp : second.batch.copies) {
+    EXPECT_EQ(cp.count, 1u);
+    EXPECT_EQ(cp.length, kEntry / 2);
+  }
+  EXPECT_EQ(second.batch.copies[0].address, reinterpret_cast<uint64_t>(ta.data()));
+  expect_halves(e0, e1);
+  EXPECT_FALSE(second.work);
+  EXPECT_EQ(c.stats().laid_out_hits, 1u);
+
+  // f1 read again (a new entry, new serial): the recipe differs, pieces again.
+  RangeView e1b = Put(c, "/ck/f1", 0, kEntry, 9, 7);
+  std::fill(ta.begin(), ta.end(), 0);
+  std::fill(tb.begin(), tb.end(), 0);
+  Load third = load(e0, e1b, ta, tb);
+  EXPECT_EQ(third.laid_out, 0u);
+  expect_halves(e0, e1b);
+  ASSERT_TRUE(third.work);
+
+  // No room to spare (a laid-out copy evicts nothing): no second copy.
+  third.work();
+  EXPECT_EQ(c.stats().laid_out_entries, 2u);
+  // Laid-out copies go first when room is needed (not the older f0), and
+  // with their checkpoint.
+  Put(c, "/other", 0, 7 * kBlock, 1);
+  EXPECT_EQ(c.stats().laid_out_entries, 1u);
+  EXPECT_TRUE(c.Lookup("/ck/f0", FileStamp{1, 2, 3, 4}, 0, kEntry).has_value());
+  EXPECT_EQ(c.ReserveFree(2 * kBlock, 7), nullptr);
+  c.EvictPrefix("/ck/");
+  EXPECT_EQ(c.stats().laid_out_entries, 0u);
+  EXPECT_EQ(c.stats().laid_out_bytes, 0u);
+}
+
 TEST(ViewRecorder, WithoutAFallbackBytesOutsideTheCacheFailTheWrite) {
   HostCache c(kBlock);
   ViewRecorder rec(&c, 7, nullptr, {});

@@ -262,6 +262,7 @@ class LoadReport:
     bytes_delivered: int = 0       # into this rank's tensors
     bytes_from_views: int = 0      # of them: copied here from the daemon's cache (cache_view)
     bytes_from_files: int = 0      # of them: read here from the checkpoint's files (cache_view)
+    bytes_from_laid_out: int = 0   # of bytes_from_views: from the rank's laid-out copy (cache_view)
     job_bytes_delivered: int = 0
     checksums_verified: int = 0
     unique_id: int = 0
@@ -982,7 +983,7 @@ class Client:
         report.renamed_keys = dict(result.renamed_keys)
         for f in ("bytes_read", "bytes_from_cache", "bytes_delivered", "job_bytes_delivered",
                   "checksums_verified", "unique_id", "format", "local_fast_path",
-                  "bytes_from_views", "bytes_from_files"):
+                  "bytes_from_views", "bytes_from_files", "bytes_from_laid_out"):
             setattr(report, f, getattr(result, f))
         tm = result.timings
         report.timings = {"list_s": tm.list_s, "plan_s": tm.plan_s, "read_s": tm.read_s,
