@@ -200,6 +200,16 @@ class HostCache::BlockPool final : public HostAllocator {
     r.hold = std::shared_ptr<const void>(base, [self](const void* q) { self->Unhold(q); });
     return r;
   }
+  // See HostCache::BlockSerial.
+  std::optional<std::pair<uint64_t, uint64_t>> Serial(const uint8_t* p, uint64_t n) const {
+    absl::MutexLock lock(&mu_);
+    auto it = blocks_.upper_bound(Key(p));
+    if (it == blocks_.begin()) return std::nullopt;
+    --it;
+    const Block& b = it->second;
+    if (b.ro_fd < 0 || p < b.p || p + n > b.p + b.n) return std::nullopt;
+    return std::make_pair(b.serial, static_cast<uint64_t>(p - b.p));
+  }
   // Unmaps free blocks until at most `keep` bytes are left, not counting
   // one block of `spare` bytes that `tenant` may reuse (about to be), if
   // there is one.
@@ -478,6 +488,26 @@ std::shared_ptr<HostCache::Pending> HostCache::ReserveFree(uint64_t n, uint32_t 
 void HostCache::PublishLaidOut(std::shared_ptr<Pending> p, const std::string& dir,
                                uint64_t fingerprint) {
   PublishEntry(std::move(p), LaidOutPath(dir, fingerprint), FileStamp{}, 0, true);
+}
+
+std::optional<RangeView> HostCache::Peek(const std::string& path, const FileStamp& stamp,
+                                         uint64_t offset, uint64_t n) {
+  absl::MutexLock lock(&mu_);
+  auto fit = index_.find(path);
+  if (fit == index_.end()) return std::nullopt;
+  auto it = fit->second.upper_bound(offset);
+  if (it == fit->second.begin()) return std::nullopt;
+  --it;
+  const EntryPtr& e = it->second;
+  if (e->stamp != stamp || e->offset > offset || offset + n > e->offset + e->n) return std::nullopt;
+  EntryPtr pin = e;
+  return RangeView{e->data->p + (offset - e->offset), std::move(pin), false};
+}
+
+std::optional<std::pair<uint64_t, uint64_t>> HostCache::BlockSerial(const uint8_t* p,
+                                                                    uint64_t n) const {
+  if (!pool_) return std::nullopt;
+  return pool_->Serial(p, n);
 }
 
 std::optional<RangeView> HostCache::FindLaidOut(const std::string& dir, uint64_t fingerprint,

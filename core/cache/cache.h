@@ -149,6 +149,14 @@ class HostCache {
   // when there is not enough) and is the first entry evicted.
   std::shared_ptr<Pending> ReserveFree(uint64_t n, uint32_t tenant);
   void PublishLaidOut(std::shared_ptr<Pending> p, const std::string& dir, uint64_t fingerprint);
+  // Bytes [offset, offset + n) of `path` at `stamp`, pinned, if an entry
+  // holds them: Lookup without counting a hit or miss or touching the LRU
+  // order (the laid-out copies' work looking for bytes a load read).
+  std::optional<RangeView> Peek(const std::string& path, const FileStamp& stamp, uint64_t offset,
+                                uint64_t n);
+  // The contents serial of the exportable block holding [p, p + n) and the
+  // offset of p in it (see ExportedRange::serial); nullopt elsewhere.
+  std::optional<std::pair<uint64_t, uint64_t>> BlockSerial(const uint8_t* p, uint64_t n) const;
   // The laid-out copy of `n` bytes named `fingerprint` under `dir`, pinned.
   std::optional<RangeView> FindLaidOut(const std::string& dir, uint64_t fingerprint, uint64_t n);
 

@@ -1,13 +1,11 @@
 #include "core/cache/cache_view.h"
 
 #include <algorithm>
-#include <cstring>
 #include <limits>
 
 #include <unistd.h>
 
 #include "absl/strings/str_cat.h"
-#include "core/base/xxh3.h"
 #include "core/exec/copy.h"
 #include "core/io/file_posix.h"
 
@@ -195,7 +193,7 @@ ViewRecorder::Batch ViewRecorder::TakeBatch(bool last) {
   absl::MutexLock lock(&mu_);
   Batch b;
   if (released_) return b;  // the views' descriptors may be gone
-  if (last && batched_ == 0 && !laid_out_dir_.empty()) ServeLaidOut(LaidOutRecipe());
+  if (last && batched_ == 0 && !laid_out_dir_.empty()) ServeLaidOut(LaidOutRecipe(/*files=*/false));
   std::vector<uint32_t> local(views_.size(), kNone);
   for (size_t i = batched_; i < copies_.size(); ++i) {
     if (i < replaced_.size() && replaced_[i]) continue;
@@ -271,137 +269,6 @@ void ViewRecorder::Release() {
     }
     holds.swap(holds_);
   }
-}
-
-void ViewRecorder::EnableLaidOut(std::string dir) { laid_out_dir_ = std::move(dir); }
-
-uint64_t ViewRecorder::bytes_laid_out() const {
-  absl::MutexLock lock(&mu_);
-  return laid_out_bytes_;
-}
-
-ViewRecorder::LaidOut ViewRecorder::LaidOutRecipe() const {
-  LaidOut r;
-  constexpr size_t kNone = std::numeric_limits<size_t>::max();
-  struct PerTarget {
-    uint64_t bytes = 0, pieces = 0;
-    bool out = false;  // a file's bytes, or not the recorder's to say
-    std::vector<size_t> copies;
-  };
-  std::vector<PerTarget> per(targets_.size());
-  for (size_t i = 0; i < copies_.size(); ++i) {
-    const Copy& c = copies_[i];
-    const size_t t = TargetOf(c.address);
-    if (t == kNone) continue;
-    PerTarget& p = per[t];
-    p.out = p.out || views_[c.view].file || (i < replaced_.size() && replaced_[i]);
-    p.bytes += c.length * c.count;
-    p.pieces += c.count;
-    p.copies.push_back(i);
-  }
-  // In the request's order of targets.
-  std::vector<size_t> chosen;
-  for (size_t t = 0; t < per.size(); ++t) {
-    const PerTarget& p = per[t];
-    const uint64_t size = targets_[t].second - targets_[t].first;
-    // Every byte from the cache (the copies add up to the target: no byte
-    // went through the fallback), and in pieces.
-    if (p.out || p.bytes != size || p.pieces < 2 || size / p.pieces >= kLaidOutMaxPiece) continue;
-    chosen.push_back(t);
-  }
-  std::sort(chosen.begin(), chosen.end(), [&](size_t a, size_t b) { return order_[a] < order_[b]; });
-  if (chosen.empty()) return r;
-  XXH3_state_t* h = XXH3_createState();
-  XXH3_64bits_reset(h);
-  auto put = [&](uint64_t v) { XXH3_64bits_update(h, &v, sizeof(v)); };
-  put(1);  // the recipe's version
-  for (size_t t : chosen) {
-    LaidOut::Part part;
-    part.target = t;
-    part.at = r.bytes;
-    part.copies = per[t].copies;
-    std::sort(part.copies.begin(), part.copies.end(),
-              [&](size_t a, size_t b) { return copies_[a].address < copies_[b].address; });
-    const uint64_t size = targets_[t].second - targets_[t].first;
-    put(order_[t]);
-    put(size);
-    put(part.copies.size());
-    for (size_t i : part.copies) {
-      const Copy& c = copies_[i];
-      for (uint64_t v : {views_[c.view].serial, c.offset, c.address - targets_[t].first, c.length,
-                         c.count, c.src_stride, c.dst_stride}) {
-        put(v);
-      }
-    }
-    r.bytes += (size + 4095) & ~uint64_t{4095};  // each target page-aligned in the block
-    r.parts.push_back(std::move(part));
-  }
-  r.fingerprint = XXH3_64bits_digest(h);
-  XXH3_freeState(h);
-  if (r.bytes < kLaidOutMinBytes) r.parts.clear();
-  return r;
-}
-
-void ViewRecorder::ServeLaidOut(const LaidOut& r) {
-  if (r.parts.empty() || views_.size() >= max_views_) return;
-  std::optional<RangeView> found = cache_->FindLaidOut(laid_out_dir_, r.fingerprint, r.bytes);
-  if (!found) return;
-  std::optional<ExportedRange> ex = cache_->Export(found->data, r.bytes, tenant_);
-  if (!ex) return;
-  const auto v = static_cast<uint32_t>(views_.size());
-  views_.push_back({ex->key, ex->fd, ex->block_bytes, false, ex->serial});
-  holds_.push_back(std::move(ex->hold));
-  holds_.push_back(std::move(found->pin));  // the entry, while the client copies
-  base_.push_back(ex->block_data);
-  last_.push_back(std::numeric_limits<size_t>::max());
-  replaced_.assign(copies_.size(), false);
-  for (const LaidOut::Part& part : r.parts) {
-    for (size_t i : part.copies) replaced_[i] = true;
-    const auto& [begin, end] = targets_[part.target];
-    copies_.push_back({v, ex->offset + part.at, begin, end - begin, 1, 0, 0});
-    laid_out_bytes_ += end - begin;
-  }
-}
-
-std::function<void()> ViewRecorder::TakeLaidOutWork() {
-  absl::MutexLock lock(&mu_);
-  if (laid_out_dir_.empty() || laid_out_bytes_ > 0 || kept_.empty()) return nullptr;
-  const LaidOut r = LaidOutRecipe();
-  if (r.parts.empty()) {
-    kept_.clear();
-    return nullptr;
-  }
-  struct Piece {
-    const uint8_t* src;
-    uint64_t dst, length, count, src_stride, dst_stride;
-  };
-  std::vector<Piece> pieces;
-  std::vector<std::pair<uint64_t, uint64_t>> gaps;
-  for (size_t k = 0; k < r.parts.size(); ++k) {
-    const LaidOut::Part& part = r.parts[k];
-    const uint64_t end = part.at + targets_[part.target].second - targets_[part.target].first;
-    const uint64_t next = k + 1 < r.parts.size() ? r.parts[k + 1].at : r.bytes;
-    if (next > end) gaps.push_back({end, next - end});
-    for (size_t i : part.copies) {
-      const Copy& c = copies_[i];
-      pieces.push_back({base_[c.view] + c.offset, part.at + (c.address - targets_[part.target].first),
-                        c.length, c.count, c.src_stride, c.dst_stride});
-    }
-  }
-  return [cache = cache_, tenant = tenant_, dir = laid_out_dir_, fingerprint = r.fingerprint,
-          bytes = r.bytes, pieces = std::move(pieces), gaps = std::move(gaps),
-          holds = std::move(kept_)]() {
-    std::shared_ptr<HostCache::Pending> p = cache->ReserveFree(bytes, tenant);
-    if (!p) return;  // no room to spare: the cache keeps checkpoint bytes first
-    uint8_t* out = cache->PendingData(p);
-    for (const auto& [at, n] : gaps) std::memset(out + at, 0, n);  // padding after targets
-    for (const Piece& q : pieces) {
-      for (uint64_t k = 0; k < q.count; ++k) {
-        std::memcpy(out + q.dst + k * q.dst_stride, q.src + k * q.src_stride, q.length);
-      }
-    }
-    cache->PublishLaidOut(std::move(p), dir, fingerprint);
-  };
 }
 
 bool AppendFileRuns(const CopyOp& op, const TargetTensor& target, uint64_t address,

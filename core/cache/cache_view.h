@@ -130,15 +130,19 @@ class ViewRecorder final : public RemoteMemory {
   // recorded.
   static constexpr uint64_t kLaidOutMaxPiece = 1 << 20;
   static constexpr uint64_t kLaidOutMinBytes = 1 << 20;
+  static constexpr uint64_t kLaidOutMaxPieces = 1 << 20;
   void EnableLaidOut(std::string dir);
   // Bytes of this load copied from a laid-out copy.
   uint64_t bytes_laid_out() const;
-  // After the last batch, for a load whose bytes all came from cache entries
-  // (nothing read from storage; the caller knows): the work that copies this
+  // After the last batch of a load that succeeded (every block it viewed
+  // then holds verified bytes that no longer change): the work that copies this
   // rank's fragmented targets into a laid-out copy, where the budget has room
   // (run it on a background thread; it holds the blocks it copies from), or
   // an empty function when there is nothing to gather (no such target, or the
-  // load was served from a laid-out copy).
+  // load was served from a laid-out copy). Bytes the client read from files
+  // are taken from the cache entries that hold them when the work runs
+  // (queue it after the load's cache fill); where one does not, it gathers
+  // nothing.
   std::function<void()> TakeLaidOutWork();
   // `ready` runs (on the recording thread, no lock of this recorder held)
   // once the bytes recorded since the last batch reach `min_bytes`, then not
@@ -168,20 +172,20 @@ class ViewRecorder final : public RemoteMemory {
   // Index of the target holding `address` (npos when none).
   size_t TargetOf(uint64_t address) const;
 
-  // The targets a laid-out copy would hold, from copies_ (every one
-  // recorded): where each goes in the block, its copies and the
-  // fingerprint of them all.
+  // The targets a laid-out copy would hold (core/cache/laid_out.cc), from
+  // copies_ (every one recorded): where each goes in the block and its
+  // copies. `files`: targets with bytes the client read from files too (a
+  // cold load's; the work finds them in the cache once it filled them).
   struct LaidOut {
-    uint64_t fingerprint = 0;
     uint64_t bytes = 0;
     struct Part {
       size_t target = 0;  // index into targets_
       uint64_t at = 0;    // offset in the block
-      std::vector<size_t> copies;  // into copies_, by address
+      std::vector<size_t> copies;  // into copies_
     };
     std::vector<Part> parts;
   };
-  LaidOut LaidOutRecipe() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  LaidOut LaidOutRecipe(bool files) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Replaces the copies of `r`'s targets with copies from a laid-out copy
   // the cache holds, if it does.
   void ServeLaidOut(const LaidOut& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);

@@ -69,12 +69,10 @@ absl::Status Loads::DeliverViews(const Caller& caller, ckpt::ViewRecorder& views
   result->set_bytes_from_views(views.bytes_recorded());
   result->set_bytes_from_files(views.bytes_from_files());
   result->set_bytes_from_laid_out(views.bytes_laid_out());
-  // Gathered only from a job that read nothing from storage: every byte it
-  // viewed came from a published (verified) cache entry.
-  if (result->bytes_read() == 0) {
-    if (std::function<void()> work = views.TakeLaidOutWork()) {
-      p_.filler->SubmitWork(path, std::move(work));
-    }
+  // Queued after the job's cache fill (bytes its client read from files are
+  // gathered from there).
+  if (std::function<void()> work = views.TakeLaidOutWork()) {
+    p_.filler->SubmitWork(path, std::move(work));
   }
   return absl::OkStatus();
 }

@@ -510,6 +510,90 @@ TEST(ViewRecorder, GathersPiecesIntoALaidOutCopyServedToTheSameRecipeOnly) {
   EXPECT_EQ(c.stats().laid_out_bytes, 0u);
 }
 
+// Writes `contents` to `name` in `tmp` and returns the file's stamp.
+FileStamp WriteStamped(const testing::TempDir& tmp, const std::string& name,
+                       const std::string& contents) {
+  {
+    std::ofstream f(tmp.Sub(name));
+    f << contents;
+  }
+  auto stamp = StatFile(tmp.Sub(name));
+  EXPECT_TRUE(stamp.ok()) << stamp.status();
+  return stamp.value_or(FileStamp{});
+}
+
+// A cold load's clients read their pieces from the files (file views); the
+// work it leaves, run after the fill that cached those files, gathers them
+// from the cache, and the next (warm) load of the same pieces is served
+// from that laid-out copy. Run before the fill, it gathers nothing.
+TEST(ViewRecorder, ACopyIsGatheredFromFileViewsOnceTheFillCachedThem) {
+  constexpr uint64_t kEntry = 2 * kBlock, kRow = 4096, kRows = kEntry / kRow;
+  const FileStamp st{1, 2, 3, 4};  // Put's
+  testing::TempDir tmp;
+  WriteStamped(tmp, "f", "x");
+  HostCache c(16 * kBlock);
+  std::vector<uint8_t> ta(kEntry / 2), tb(kEntry / 2);
+  const auto aa = reinterpret_cast<uint64_t>(ta.data());
+  const auto ab = reinterpret_cast<uint64_t>(tb.data());
+  auto cold = [&] {
+    ViewRecorder rec(&c, 7, nullptr, {{aa, aa + ta.size()}, {ab, ab + tb.size()}});
+    rec.EnableLaidOut("/ck");
+    uint64_t key = 0;
+    for (const auto& [path, to] : {std::pair{"/ck/f0", aa}, std::pair{"/ck/f1", ab}}) {
+      std::vector<ViewRecorder::FileRun> runs;
+      for (uint64_t row = 0; row < kRows; ++row) {
+        runs.push_back({row * kRow + kRow / 2, to + row * kRow / 2, kRow / 2});
+      }
+      const int fd = ::open(tmp.Sub("f").c_str(), O_RDONLY | O_CLOEXEC);
+      EXPECT_TRUE(rec.RecordFile(key++, fd, kEntry, path, st, runs));
+    }
+    EXPECT_EQ(rec.TakeBatch(/*last=*/true).copies.size(), 2u);
+    rec.Release();
+    return rec.TakeLaidOutWork();
+  };
+  std::function<void()> early = cold();
+  ASSERT_TRUE(early);
+  early();  // the files' bytes are not in the cache yet
+  EXPECT_EQ(c.stats().laid_out_entries, 0u);
+
+  std::function<void()> work = cold();
+  RangeView f0 = Put(c, "/ck/f0", 0, kEntry, 3, 7);  // the fill
+  RangeView f1 = Put(c, "/ck/f1", 0, kEntry, 0, 7);
+  for (uint64_t i = 0; i < kEntry; ++i) const_cast<uint8_t*>(f1.data)[i] = static_cast<uint8_t>(i);
+  ASSERT_TRUE(work);
+  work();
+  EXPECT_EQ(c.stats().laid_out_entries, 1u);
+
+  // The warm load: the same pieces out of the fill's blocks.
+  ViewRecorder rec(&c, 7, nullptr, {{aa, aa + ta.size()}, {ab, ab + tb.size()}});
+  rec.EnableLaidOut("/ck");
+  for (const auto& [src, to] : {std::pair{f0.data, aa}, std::pair{f1.data, ab}}) {
+    std::vector<iovec> l, r;
+    for (uint64_t row = 0; row < kRows; ++row) {
+      l.push_back({const_cast<uint8_t*>(src) + row * kRow + kRow / 2, kRow / 2});
+      r.push_back({reinterpret_cast<void*>(to + row * kRow / 2), kRow / 2});
+    }
+    ASSERT_TRUE(rec.Write(l.data(), r.data(), l.size()).ok());
+  }
+  ViewRecorder::Batch b = rec.TakeBatch(/*last=*/true);
+  EXPECT_EQ(rec.bytes_laid_out(), kEntry);
+  ASSERT_EQ(b.views.size(), 1u);
+  ASSERT_EQ(b.copies.size(), 2u);
+  void* m = ::mmap(nullptr, b.views[0].bytes, PROT_READ, MAP_SHARED, b.views[0].fd, 0);
+  ASSERT_NE(m, MAP_FAILED);
+  for (const ViewRecorder::Copy& cp : b.copies) {
+    EXPECT_EQ(cp.count, 1u);
+    std::memcpy(reinterpret_cast<void*>(cp.address), static_cast<const uint8_t*>(m) + cp.offset,
+                cp.length);
+  }
+  ::munmap(m, b.views[0].bytes);
+  for (uint64_t row = 0; row < kRows; ++row) {
+    ASSERT_EQ(std::memcmp(&ta[row * kRow / 2], f0.data + row * kRow + kRow / 2, kRow / 2), 0);
+    ASSERT_EQ(std::memcmp(&tb[row * kRow / 2], f1.data + row * kRow + kRow / 2, kRow / 2), 0);
+  }
+  rec.Release();
+}
+
 TEST(ViewRecorder, WithoutAFallbackBytesOutsideTheCacheFailTheWrite) {
   HostCache c(kBlock);
   ViewRecorder rec(&c, 7, nullptr, {});
@@ -539,17 +623,6 @@ TEST(ViewRecorder, PastItsViewLimitBytesGoThroughTheFallback) {
   EXPECT_EQ(dst[32], 2);  // the second block's bytes, written
 }
 
-// Writes `contents` to `name` in `tmp` and returns the file's stamp.
-FileStamp WriteStamped(const testing::TempDir& tmp, const std::string& name,
-                       const std::string& contents) {
-  {
-    std::ofstream f(tmp.Sub(name));
-    f << contents;
-  }
-  auto stamp = StatFile(tmp.Sub(name));
-  EXPECT_TRUE(stamp.ok()) << stamp.status();
-  return stamp.value_or(FileStamp{});
-}
 
 TEST(ViewRecorder, FileViewsCoalesceShareOneViewPerFileAndCheckTheFile) {
   testing::TempDir tmp;
