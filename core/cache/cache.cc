@@ -511,13 +511,14 @@ std::optional<std::pair<uint64_t, uint64_t>> HostCache::BlockSerial(const uint8_
 }
 
 std::optional<RangeView> HostCache::FindLaidOut(const std::string& dir, uint64_t fingerprint,
-                                                uint64_t n) {
+                                                uint64_t n, bool serve) {
   absl::MutexLock lock(&mu_);
   auto fit = index_.find(LaidOutPath(dir, fingerprint));
   if (fit == index_.end()) return std::nullopt;
   auto it = fit->second.find(0);
   if (it == fit->second.end() || !it->second->laid_out || it->second->n != n) return std::nullopt;
-  ++stats_.laid_out_hits;  // not a hit or miss of checkpoint bytes; stays last in the LRU order
+  // Not a hit or miss of checkpoint bytes; it stays last in the LRU order.
+  if (serve) ++stats_.laid_out_hits;
   EntryPtr pin = it->second;
   return RangeView{pin->data->p, pin, false};
 }

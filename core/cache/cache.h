@@ -157,8 +157,10 @@ class HostCache {
   // The contents serial of the exportable block holding [p, p + n) and the
   // offset of p in it (see ExportedRange::serial); nullopt elsewhere.
   std::optional<std::pair<uint64_t, uint64_t>> BlockSerial(const uint8_t* p, uint64_t n) const;
-  // The laid-out copy of `n` bytes named `fingerprint` under `dir`, pinned.
-  std::optional<RangeView> FindLaidOut(const std::string& dir, uint64_t fingerprint, uint64_t n);
+  // The laid-out copy of `n` bytes named `fingerprint` under `dir`, pinned
+  // (`serve`: for a load, counted in stats().laid_out_hits).
+  std::optional<RangeView> FindLaidOut(const std::string& dir, uint64_t fingerprint, uint64_t n,
+                                       bool serve = true);
 
   // Drops every entry whose path starts with `prefix` from the index.
   // Unpinned ones are freed now; pinned ones (a load is using them) when

@@ -221,12 +221,15 @@ std::function<void()> ViewRecorder::TakeLaidOutWork() {
       pieces.push_back(p);
     }
     Canonical(&pieces);
+    const uint64_t fingerprint = Fingerprint(targets, pieces);
+    // Made already (a load in between took the same pieces before this ran).
+    if (cache->FindLaidOut(dir, fingerprint, bytes, /*serve=*/false)) return;
     std::shared_ptr<HostCache::Pending> pending = cache->ReserveFree(bytes, tenant);
     if (!pending) return;  // no room to spare: the cache keeps checkpoint bytes first
     uint8_t* out = cache->PendingData(pending);
     for (const auto& [at, n] : gaps) std::memset(out + at, 0, n);  // padding after targets
     for (const Piece& p : pieces) std::memcpy(out + p.dst, p.src, p.length);
-    cache->PublishLaidOut(std::move(pending), dir, Fingerprint(targets, pieces));
+    cache->PublishLaidOut(std::move(pending), dir, fingerprint);
   };
 }
 

@@ -498,7 +498,9 @@ TEST(ViewRecorder, GathersPiecesIntoALaidOutCopyServedToTheSameRecipeOnly) {
 
   // No room to spare (a laid-out copy evicts nothing): no second copy.
   third.work();
+  third.work();  // made already: not again
   EXPECT_EQ(c.stats().laid_out_entries, 2u);
+  EXPECT_EQ(c.stats().laid_out_bytes, 2 * kEntry);
   // Laid-out copies go first when room is needed (not the older f0), and
   // with their checkpoint.
   Put(c, "/other", 0, 7 * kBlock, 1);
