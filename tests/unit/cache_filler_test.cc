@@ -13,6 +13,7 @@
 #include "core/exec/executor.h"
 #include "core/plan/planner.h"
 #include "core/format/safetensors.h"
+#include "absl/synchronization/notification.h"
 #include "gtest/gtest.h"
 #include "tests/testing/temp_dir.h"
 
@@ -92,6 +93,24 @@ TEST(CacheFiller, DeferredReadsAreFilledInTheBackgroundThenServedFromMemory) {
   filler.Stop();
   filler.Submit(tmp.path(), stamps, *plan, ckpt::kNoTenant);
   EXPECT_TRUE(filler.Wait(tmp.path(), absl::ZeroDuration()));
+}
+
+// Work (a laid-out copy to gather) runs on the filler's thread in order;
+// loads do not wait for it (Wait without work), evictions do.
+TEST(CacheFiller, WorkIsWaitedForByEvictionsNotByLoads) {
+  ckpt::HostCache cache(1 << 20);
+  CacheFiller filler(&cache);
+  absl::Notification release, ran;
+  filler.SubmitWork("/ck", [&] {
+    release.WaitForNotification();
+    ran.Notify();
+  });
+  EXPECT_TRUE(filler.Wait("/ck/", absl::Milliseconds(50), /*work=*/false));
+  EXPECT_FALSE(filler.Wait("/ck/", absl::Milliseconds(50)));
+  EXPECT_TRUE(filler.Wait("/other/", absl::Milliseconds(50)));
+  release.Notify();
+  EXPECT_TRUE(filler.Wait("/ck/", absl::Seconds(30)));
+  EXPECT_TRUE(ran.HasBeenNotified());
 }
 
 }  // namespace
