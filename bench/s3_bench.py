@@ -15,6 +15,10 @@ in the same ranged GETs (io_request_size) with the same concurrency
 daemon's counters (ckptctl status / ckptd_s3_requests_total) and are
 compared with the planned reads the daemon logged.
 
+Each repetition loads cold, warm, then runs curl, so the three share the
+gateway's moods; figures are medians of --reps repetitions (default 7,
+--quick 3).
+
     /usr/bin/python3 bench/s3_bench.py --ckptd bazel-bin/server/ckptd [--rows FILE] [--quick]
 """
 import argparse
@@ -85,9 +89,13 @@ def main():
     ap.add_argument("--ckptd", required=True)
     ap.add_argument("--rows")
     ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=None,
+                    help="loads of each kind (default 7; --quick 3): the gateway shares the "
+                         "cores, so single loads swing by 20%%")
     ap.add_argument("--transport", default="auto", help="the clients' transport (default auto)")
     a = ap.parse_args()
+    if a.reps is None:
+        a.reps = 3 if a.quick else 7
     os.environ["CKPTD_BIN"] = os.path.abspath(a.ckptd)
     import testlib
     testlib.CKPTD = os.path.abspath(a.ckptd)
