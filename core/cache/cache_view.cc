@@ -193,7 +193,9 @@ ViewRecorder::Batch ViewRecorder::TakeBatch(bool last) {
   absl::MutexLock lock(&mu_);
   Batch b;
   if (released_) return b;  // the views' descriptors may be gone
-  if (last && batched_ == 0 && !laid_out_dir_.empty()) ServeLaidOut(LaidOutRecipe(/*files=*/false));
+  if (last && batched_ == 0 && !laid_out_dir_.empty()) {
+    ServeLaidOut(LaidOutRecipe(/*files=*/false));
+  }
   std::vector<uint32_t> local(views_.size(), kNone);
   for (size_t i = batched_; i < copies_.size(); ++i) {
     if (i < replaced_.size() && replaced_[i]) continue;

@@ -106,7 +106,8 @@ ViewRecorder::LaidOut ViewRecorder::LaidOutRecipe(bool files) const {
   if (pieces > kLaidOutMaxPieces) return r;
   // In the request's order of targets (a new process may allocate them in
   // another address order), each page-aligned in the block.
-  std::sort(chosen.begin(), chosen.end(), [&](size_t a, size_t b) { return order_[a] < order_[b]; });
+  std::sort(chosen.begin(), chosen.end(),
+            [&](size_t a, size_t b) { return order_[a] < order_[b]; });
   for (size_t t : chosen) {
     r.parts.push_back({t, r.bytes, std::move(per[t].copies)});
     r.bytes += (targets_[t].second - targets_[t].first + 4095) & ~uint64_t{4095};
