@@ -528,7 +528,7 @@ class NumpyClientTest(unittest.TestCase):
             laid_out_after(d, full, "lo-rewritten-warm")
             ckptd.evict(path, socket=d.socket)
             self.assertEqual(int(ckptd.status(socket=d.socket).get("cache_laid_out_bytes", 0)), 0)
-        with testlib.Daemon(self.root, "--cache_laid_out_copies", "false") as d:
+        with testlib.Daemon(self.root, "--cache-laid-out-copies", "false") as d:
             full = save(d, 0.5)
             for i in range(4):
                 reps = load(d, full, f"lo-off-{i}")
