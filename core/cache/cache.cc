@@ -453,12 +453,21 @@ bool HostCache::EvictOneLocked() {
 }
 
 std::shared_ptr<HostCache::Pending> HostCache::Reserve(uint64_t n, uint32_t tenant) {
+  return ReserveRoom(n, tenant, /*evict=*/true);
+}
+
+std::shared_ptr<HostCache::Pending> HostCache::ReserveFree(uint64_t n, uint32_t tenant) {
+  return ReserveRoom(n, tenant, /*evict=*/false);
+}
+
+std::shared_ptr<HostCache::Pending> HostCache::ReserveRoom(uint64_t n, uint32_t tenant,
+                                                           bool evict) {
   absl::MutexLock lock(&mu_);
   if (n == 0 || n > budget_) return nullptr;
   // Memory of dropped entries still pinned by a load counts too.
   const uint64_t held = pool_ ? pool_->held_free_bytes() : 0;
   while (used_ + detached_->load() + held + n > budget_) {
-    if (!EvictOneLocked()) return nullptr;
+    if (!evict || !EvictOneLocked()) return nullptr;
   }
   used_ += n;
   // Recycled blocks count against the budget too.
@@ -468,20 +477,6 @@ std::shared_ptr<HostCache::Pending> HostCache::Reserve(uint64_t n, uint32_t tena
   p->n = n;
   p->tenant = tenant;
   // Allocation happens outside the lock below.
-  return p;
-}
-
-std::shared_ptr<HostCache::Pending> HostCache::ReserveFree(uint64_t n, uint32_t tenant) {
-  absl::MutexLock lock(&mu_);
-  const uint64_t held = pool_ ? pool_->held_free_bytes() : 0;
-  const uint64_t in_use = used_ + detached_->load() + held;
-  if (n == 0 || in_use > budget_ || n > budget_ - in_use) return nullptr;
-  used_ += n;
-  if (pool_) pool_->Trim(budget_ - used_ - detached_->load() - held, n, tenant);
-  auto p = std::make_shared<Pending>();
-  p->cache = this;
-  p->n = n;
-  p->tenant = tenant;
   return p;
 }
 

@@ -192,6 +192,8 @@ class HostCache {
   struct Entry;
   using EntryPtr = std::shared_ptr<Entry>;
   bool EvictOneLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Reserve (`evict`: unpinned entries make room) and ReserveFree.
+  std::shared_ptr<Pending> ReserveRoom(uint64_t n, uint32_t tenant, bool evict);
   RangeView PublishEntry(std::shared_ptr<Pending> p, const std::string& path,
                          const FileStamp& stamp, uint64_t offset, bool laid_out);
   // Takes `e` off the counters of entries in the index (EvictOneLocked, DropLocked).
