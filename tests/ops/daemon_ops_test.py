@@ -332,24 +332,27 @@ class OpsTest(unittest.TestCase):
         # them (those this daemon called most recently first) and says how
         # many there are (issue 34: a scrape of every daemon of a large peer
         # set must not cost N^2 pings). Nothing listens there.
-        # All 70 bound at once, so the kernel hands out 70 different ports
-        # (one at a time, a port freed could come back: 69 distinct peers).
+        # All 70 stay bound (not listening: a connection is refused) for the
+        # whole test, so they are 70 different ports that neither this
+        # daemon's own --peer-listen 127.0.0.1:0 nor a test running beside
+        # this one can be handed (a port closed early once came back as a
+        # listening daemon's: a reachable "peer").
         held = [socket.socket() for _ in range(70)]
         try:
             for s in held:
                 s.bind(("127.0.0.1", 0))
             ports = [s.getsockname()[1] for s in held]
+            peers = ",".join(f"127.0.0.1:{p}" for p in ports)
+            with testlib.Daemon(self.root, "--peer-listen", "127.0.0.1:0", "--peers", peers) as d:
+                st = json.loads(ckptctl("status", "--daemon", d.socket, "--json").stdout)
+                self.assertEqual(st["peers_known"], 70, st)
+                self.assertEqual(len(st["peers"]), 64, st)
+                self.assertTrue(all(not p["reachable"] for p in st["peers"]), st["peers"])
+                out = ckptctl("status", "--daemon", d.socket).stdout
+                self.assertIn("peers: 0 of 64 checked reachable (of 70;", out)
         finally:
             for s in held:
                 s.close()
-        peers = ",".join(f"127.0.0.1:{p}" for p in ports)
-        with testlib.Daemon(self.root, "--peer-listen", "127.0.0.1:0", "--peers", peers) as d:
-            st = json.loads(ckptctl("status", "--daemon", d.socket, "--json").stdout)
-            self.assertEqual(st["peers_known"], 70)
-            self.assertEqual(len(st["peers"]), 64)
-            self.assertTrue(all(not p["reachable"] for p in st["peers"]))
-            out = ckptctl("status", "--daemon", d.socket).stdout
-            self.assertIn("peers: 0 of 64 checked reachable (of 70;", out)
 
     def test_status_pings_silent_peers_in_parallel_and_caches_the_answer(self):
         # Eight peers that accept TCP connections but never answer: each ping
