@@ -55,7 +55,9 @@ Daemon::Daemon(DaemonConfig config)
       cache_(config_.cache_budget, gpu_->host_allocator(),
              gpu_->host_allocator() == nullptr && CacheHugePages(config_)),
       arenas_(std::make_unique<ArenaPool>(config_.arena_pool, config_.arena_limit)),
-      filler_(std::make_unique<CacheFiller>(&cache_)),
+      // Laid-out copies are gathered while no load runs.
+      filler_(std::make_unique<CacheFiller>(
+          &cache_, [this] { return load_counters_.running.load() > 0; })),
       opener_(DestinationOpener::Parts{arenas_.get(), &view_leases_, &cache_, gpu_.get(),
                                        config_.load_timeout}),
       policy_(config_),

@@ -142,13 +142,13 @@ class Daemon {
   std::unique_ptr<gpu::GpuRuntime> gpu_;
   ckpt::HostCache cache_;
   std::unique_ptr<ArenaPool> arenas_;  // before fd_receiver_, which lends from it
+  LoadCounters load_counters_;  // before the parts that count (filler_ too)
   // Fills cache_ with what loads delivered without keeping (after cache_).
   std::unique_ptr<CacheFiller> filler_;
   ViewLeases view_leases_;  // before fd_receiver_, which hands them out
   std::unique_ptr<FdReceiver> fd_receiver_;
   DestinationOpener opener_;  // after the parts it uses
 
-  LoadCounters load_counters_;  // before the parts that count
   Policy policy_;           // roots, access, limits, quotas
   MetadataCache metadata_;  // checkpoints opened
   Catalog catalog_;         // Inspect, Prefetch, Evict (after the parts it uses)

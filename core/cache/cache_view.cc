@@ -22,15 +22,16 @@ ViewRecorder::ViewRecorder(HostCache* cache, uint32_t tenant,
         std::vector<std::pair<uint64_t, uint64_t>> sorted = targets;
         std::sort(sorted.begin(), sorted.end());
         return sorted;
-      }()) {
-  // Each target's place in the request (laid-out copies name targets so:
-  // a new process may allocate them in another address order).
-  std::vector<size_t> by(targets.size());
-  for (size_t i = 0; i < by.size(); ++i) by[i] = i;
-  std::sort(by.begin(), by.end(), [&](size_t a, size_t b) { return targets[a] < targets[b]; });
-  order_.resize(by.size());
-  for (size_t i = 0; i < by.size(); ++i) order_[i] = by[i];
-}
+      }()),
+      // Each target's place in the request (laid-out copies name targets so:
+      // a new process may allocate them in another address order).
+      order_([&] {
+        std::vector<size_t> by(targets.size());
+        for (size_t i = 0; i < by.size(); ++i) by[i] = i;
+        std::sort(by.begin(), by.end(),
+                  [&](size_t a, size_t b) { return targets[a] < targets[b]; });
+        return by;
+      }()) {}
 
 size_t ViewRecorder::TargetOf(uint64_t address) const {
   auto it = std::upper_bound(targets_.begin(), targets_.end(),

@@ -189,13 +189,19 @@ class ViewRecorder final : public RemoteMemory {
   // Replaces the copies of `r`'s targets with copies from a laid-out copy
   // the cache holds, if it does.
   void ServeLaidOut(const LaidOut& r) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // Calls fn(view, offset in it, offset in the laid-out block, length) for
+  // every run of `r`'s targets' copies; returns the targets as a laid-out
+  // copy's fingerprint names them (place in the request, size), in block order.
+  template <typename Fn>
+  std::vector<std::pair<uint64_t, uint64_t>> ForEachRun(const LaidOut& r, Fn fn) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   HostCache* const cache_;
   const uint32_t tenant_;
   const std::shared_ptr<RemoteMemory> fallback_;
   const size_t max_views_;
   const std::vector<std::pair<uint64_t, uint64_t>> targets_;  // sorted
-  std::vector<size_t> order_;  // per target (sorted): its index in the request
+  const std::vector<size_t> order_;  // per target (sorted): its index in the request
   mutable absl::Mutex mu_;
   std::vector<View> views_ ABSL_GUARDED_BY(mu_);
   std::vector<std::shared_ptr<const void>> holds_ ABSL_GUARDED_BY(mu_);
@@ -217,7 +223,7 @@ class ViewRecorder final : public RemoteMemory {
   uint64_t min_pending_ ABSL_GUARDED_BY(mu_) = 0;
   bool notified_ ABSL_GUARDED_BY(mu_) = false;
   std::function<void()> ready_;  // set before any record
-  std::string laid_out_dir_;     // set before any record; empty: no laid-out copies
+  std::string laid_out_dir_ ABSL_GUARDED_BY(mu_);  // empty: no laid-out copies
   std::vector<bool> replaced_ ABSL_GUARDED_BY(mu_);  // copies_ served from a laid-out copy
   uint64_t laid_out_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   // Blocks a laid-out copy would be gathered from, kept past Release for

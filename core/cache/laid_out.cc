@@ -66,7 +66,10 @@ uint64_t Fingerprint(const std::vector<std::pair<uint64_t, uint64_t>>& targets,
 
 }  // namespace
 
-void ViewRecorder::EnableLaidOut(std::string dir) { laid_out_dir_ = std::move(dir); }
+void ViewRecorder::EnableLaidOut(std::string dir) {
+  absl::MutexLock lock(&mu_);
+  laid_out_dir_ = std::move(dir);
+}
 
 uint64_t ViewRecorder::bytes_laid_out() const {
   absl::MutexLock lock(&mu_);
@@ -116,21 +119,36 @@ ViewRecorder::LaidOut ViewRecorder::LaidOutRecipe(bool files) const {
   return r;
 }
 
-void ViewRecorder::ServeLaidOut(const LaidOut& r) {
-  if (r.parts.empty() || views_.size() >= max_views_) return;
-  std::vector<Piece> pieces;
+template <typename Fn>
+std::vector<std::pair<uint64_t, uint64_t>> ViewRecorder::ForEachRun(const LaidOut& r,
+                                                                    Fn fn) const {
   std::vector<std::pair<uint64_t, uint64_t>> targets;
   for (const LaidOut::Part& part : r.parts) {
-    const uint64_t begin = targets_[part.target].first;
-    targets.push_back({order_[part.target], targets_[part.target].second - begin});
+    const auto& [begin, end] = targets_[part.target];
+    targets.push_back({order_[part.target], end - begin});
     for (size_t i : part.copies) {
       const Copy& c = copies_[i];
       for (uint64_t k = 0; k < c.count; ++k) {
-        pieces.push_back({views_[c.view].serial, c.offset + k * c.src_stride,
-                          part.at + c.address + k * c.dst_stride - begin, c.length, nullptr});
+        fn(c.view, c.offset + k * c.src_stride, part.at + c.address + k * c.dst_stride - begin,
+           c.length);
       }
     }
   }
+  return targets;
+}
+
+void ViewRecorder::ServeLaidOut(const LaidOut& r) {
+  // Nothing to look for (the first warm loads): no expanding and sorting
+  // the pieces (tens of thousands for a column half of a large tensor).
+  if (r.parts.empty() || views_.size() >= max_views_ || cache_->stats().laid_out_entries == 0) {
+    return;
+  }
+  std::vector<Piece> pieces;
+  const std::vector<std::pair<uint64_t, uint64_t>> targets =
+      ForEachRun(r, [&](uint32_t v, uint64_t offset, uint64_t dst, uint64_t length)
+                           ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+        pieces.push_back({views_[v].serial, offset, dst, length, nullptr});
+      });
   Canonical(&pieces);
   std::optional<RangeView> found =
       cache_->FindLaidOut(laid_out_dir_, Fingerprint(targets, pieces), r.bytes);
@@ -167,29 +185,24 @@ std::function<void()> ViewRecorder::TakeLaidOutWork() {
     int file = -1;
   };
   std::vector<Run> runs;
-  std::vector<std::pair<uint64_t, uint64_t>> targets, gaps;
-  for (size_t k = 0; k < r.parts.size(); ++k) {
-    const LaidOut::Part& part = r.parts[k];
-    const auto& [begin, end] = targets_[part.target];
-    targets.push_back({order_[part.target], end - begin});
-    const uint64_t stop = part.at + (end - begin);
-    const uint64_t next = k + 1 < r.parts.size() ? r.parts[k + 1].at : r.bytes;
-    if (next > stop) gaps.push_back({stop, next - stop});
-    for (size_t i : part.copies) {
-      const Copy& c = copies_[i];
-      const View& view = views_[c.view];
-      for (uint64_t j = 0; j < c.count; ++j) {
+  std::vector<std::pair<uint64_t, uint64_t>> targets =
+      ForEachRun(r, [&](uint32_t v, uint64_t offset, uint64_t dst, uint64_t length)
+                           ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
         Run run;
-        run.piece = {view.serial, c.offset + j * c.src_stride,
-                     part.at + c.address + j * c.dst_stride - begin, c.length, nullptr};
-        if (view.file) {
-          run.file = static_cast<int>(c.view);
+        run.piece = {views_[v].serial, offset, dst, length, nullptr};
+        if (views_[v].file) {
+          run.file = static_cast<int>(v);
         } else {
-          run.piece.src = base_[c.view] + run.piece.offset;
+          run.piece.src = base_[v] + offset;
         }
         runs.push_back(run);
-      }
-    }
+      });
+  std::vector<std::pair<uint64_t, uint64_t>> gaps;  // padding after each target
+  for (size_t k = 0; k < r.parts.size(); ++k) {
+    const auto& [begin, end] = targets_[r.parts[k].target];
+    const uint64_t stop = r.parts[k].at + (end - begin);
+    const uint64_t next = k + 1 < r.parts.size() ? r.parts[k + 1].at : r.bytes;
+    if (next > stop) gaps.push_back({stop, next - stop});
   }
   // Per file view: the cache path and stamp its bytes are filed under.
   std::vector<std::pair<std::string, FileStamp>> files(views_.size());

@@ -7,6 +7,7 @@
 #include <atomic>
 #include <chrono>
 #include <utility>
+#include <vector>
 
 #include <spdlog/spdlog.h>
 
@@ -51,7 +52,8 @@ class StoppableSource final : public ckpt::RangeSource {
 
 }  // namespace
 
-CacheFiller::CacheFiller(ckpt::HostCache* cache) : cache_(cache) {
+CacheFiller::CacheFiller(ckpt::HostCache* cache, std::function<bool()> busy)
+    : cache_(cache), busy_(std::move(busy)) {
   thread_ = std::thread([this] { Run(); });
 }
 
@@ -73,18 +75,33 @@ void CacheFiller::SubmitWork(std::string dir, std::function<void()> work) {
   Task t;
   t.dir = std::move(dir);
   t.work = std::move(work);
+  t.queued = absl::Now();
   queue_.push_back(std::move(t));
 }
 
+bool CacheFiller::Under(const std::string& dir, const std::string& prefix) {
+  return !dir.empty() && (dir == prefix || absl::StartsWith(dir + "/", prefix));
+}
+
 bool CacheFiller::Busy(const std::string& prefix, bool work) const {
-  auto under = [&](const std::string& dir) {
-    return !dir.empty() && (dir == prefix || absl::StartsWith(dir + "/", prefix));
-  };
-  if (under(running_) && (work || !running_work_)) return true;
+  if (Under(running_, prefix) && (work || !running_work_)) return true;
   for (const Task& t : queue_) {
-    if (under(t.dir) && (work || !t.work)) return true;
+    if (Under(t.dir, prefix) && (work || !t.work)) return true;
   }
   return false;
+}
+
+void CacheFiller::DropWork(const std::string& prefix) {
+  std::vector<Task> dropped;  // what they hold goes after the lock
+  absl::MutexLock lock(&mu_);
+  for (auto it = queue_.begin(); it != queue_.end();) {
+    if (it->work && Under(it->dir, prefix)) {
+      dropped.push_back(std::move(*it));
+      it = queue_.erase(it);
+    } else {
+      ++it;
+    }
+  }
 }
 
 bool CacheFiller::Wait(const std::string& prefix, absl::Duration timeout, bool work) {
@@ -108,6 +125,20 @@ CacheFiller::Stats CacheFiller::stats() const {
   return stats_;
 }
 
+std::optional<CacheFiller::Task> CacheFiller::Next() {
+  const bool held = busy_ && busy_();
+  const absl::Time now = absl::Now();
+  for (auto it = queue_.begin(); it != queue_.end(); ++it) {
+    // Work never runs before a fill queued ahead of it (it may gather what
+    // that fill caches); fills may pass held work.
+    if (it->work && held && now - it->queued < kMaxWorkHold) continue;
+    Task t = std::move(*it);
+    queue_.erase(it);
+    return t;
+  }
+  return std::nullopt;
+}
+
 void CacheFiller::Run() {
   // Lowest CPU priority: loads win whenever both want a core.
   ::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 19);
@@ -116,10 +147,15 @@ void CacheFiller::Run() {
     {
       absl::MutexLock lock(&mu_);
       auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || !queue_.empty(); };
-      mu_.Await(absl::Condition(&ready));
-      if (stopping_) return;
-      task = std::move(queue_.front());
-      queue_.pop_front();
+      std::optional<Task> next;
+      while (!next) {
+        mu_.Await(absl::Condition(&ready));
+        if (stopping_) return;
+        next = Next();
+        // Only held work queued: look again shortly (busy_ has no signal).
+        if (!next) mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::Milliseconds(5));
+      }
+      task = std::move(*next);
       running_ = task.dir;
       running_work_ = static_cast<bool>(task.work);
     }

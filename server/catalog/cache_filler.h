@@ -16,6 +16,7 @@
 #include <functional>
 #include <map>
 #include <memory>
+#include <optional>
 #include <string>
 #include <thread>
 
@@ -26,9 +27,15 @@
 
 namespace ckptd {
 
+// A SubmitWork's work waits while busy() (loads are running: a laid-out
+// copy gathered beside a load takes memory bandwidth that load's copies
+// need) for at most this long; fills behind it go first meanwhile.
+inline constexpr absl::Duration kMaxWorkHold = absl::Seconds(30);
+
 class CacheFiller {
  public:
-  explicit CacheFiller(ckpt::HostCache* cache);
+  // `busy` (may be empty: never): whether work should wait (kMaxWorkHold).
+  explicit CacheFiller(ckpt::HostCache* cache, std::function<bool()> busy = {});
   ~CacheFiller();  // Stop()
   CacheFiller(const CacheFiller&) = delete;
   CacheFiller& operator=(const CacheFiller&) = delete;
@@ -43,14 +50,19 @@ class CacheFiller {
               uint32_t tenant, std::weak_ptr<const void> after = {},
               absl::Duration max_wait = absl::ZeroDuration());
   // Queues `work` (a laid-out copy to gather, ViewRecorder::TakeLaidOutWork)
-  // for checkpoint `dir`. Loads do not wait for it (a laid-out copy holds
-  // the same bytes as the pieces it is gathered from: a load finds the same
-  // bytes either way, only faster once it is there); evictions do.
+  // for checkpoint `dir`, to run once nothing is busy (see the constructor)
+  // and the fills queued before it are done. Loads do not wait for it (a
+  // laid-out copy holds the same bytes as the pieces it is gathered from: a
+  // load finds the same bytes either way, only faster once it is there);
+  // evictions do.
   void SubmitWork(std::string dir, std::function<void()> work);
   // Waits until no fill of a checkpoint whose directory is `prefix` or
   // under it (prefix ending in '/') is queued or running, nor (`work`) any
   // SubmitWork's, at most `timeout`. False on timeout.
   bool Wait(const std::string& prefix, absl::Duration timeout, bool work = true);
+  // Drops the work queued (not running) for checkpoints at or under
+  // `prefix` (as Wait): an eviction's, which then waits for the rest.
+  void DropWork(const std::string& prefix);
   // Drops queued fills, stops the running one at its next read, joins.
   void Stop();
 
@@ -70,11 +82,18 @@ class CacheFiller {
     std::weak_ptr<const void> after;
     absl::Duration max_wait;
     std::function<void()> work;  // instead of the plan (SubmitWork)
+    absl::Time queued;           // work: when SubmitWork queued it
   };
   void Run();
+  // The next task to run: the first fill, or the first work queued before
+  // it if nothing is busy (or it waited kMaxWorkHold); none while every
+  // queued task is work held back.
+  std::optional<Task> Next() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool Busy(const std::string& prefix, bool work) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  static bool Under(const std::string& dir, const std::string& prefix);
 
   ckpt::HostCache* const cache_;
+  const std::function<bool()> busy_;
   mutable absl::Mutex mu_;
   std::deque<Task> queue_ ABSL_GUARDED_BY(mu_);
   std::string running_ ABSL_GUARDED_BY(mu_);  // dir of the fill running now; "" if none

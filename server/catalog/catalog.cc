@@ -183,7 +183,8 @@ absl::StatusOr<v1::EvictResponse> Catalog::Evict(const Caller& caller,
   if (!p_.policy->IsAdmin(caller)) CKPT_RETURN_IF_ERROR(p_.policy->CheckAccess(caller, dir, Policy::Access::kSave));
   const std::string prefix = dir == "/" ? dir : dir + "/";
   // A background fill of these checkpoints ends first: nothing is put back
-  // behind the eviction.
+  // behind the eviction (laid-out copies not begun are not made at all).
+  p_.filler->DropWork(prefix);
   if (!p_.filler->Wait(prefix, absl::Minutes(1))) {
     return absl::DeadlineExceededError(absl::StrCat(
         "Evict ", dir, ": a background cache fill there did not finish within 1 minute"));

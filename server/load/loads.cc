@@ -7,6 +7,7 @@
 
 #include <spdlog/spdlog.h>
 
+#include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "core/base/status_macros.h"
 
@@ -81,6 +82,8 @@ absl::Status Loads::Load(const Caller& caller, const v1::LoadRequest& request,
                           const std::function<bool(const v1::LoadEvent&)>& send,
                           const std::function<bool()>& cancelled) {
   ++p_.counters->started;
+  ++p_.counters->running;
+  absl::Cleanup not_running = [this] { --p_.counters->running; };
   auto fail = [&](absl::Status s) {
     ++p_.counters->failed;
     spdlog::warn("load request failed: job={} rank={} path={} code={}: {}", request.job_id(), request.rank(),

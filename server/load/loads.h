@@ -65,6 +65,7 @@ namespace ckptd {
 // The daemon's load counters (Status, metrics).
 struct LoadCounters {
   std::atomic<uint64_t> started{0}, succeeded{0}, failed{0};
+  std::atomic<int64_t> running{0};  // Load calls in progress
   std::atomic<uint64_t> bytes_read{0}, bytes_delivered{0};
 };
 

@@ -541,6 +541,16 @@ class OpsTest(unittest.TestCase):
         r = subprocess.run([CKPTD, "--check-config", bad], capture_output=True, text=True)
         self.assertEqual(r.returncode, 1)
         self.assertIn("key 'log_format': must be text or json", r.stderr)
+        # A boolean key that is neither true nor false, in the file and as a flag.
+        with open(bad, "w") as f:
+            f.write(f"roots: [{self.root}]\ncache_laid_out_copies: maybe\n")
+        r = subprocess.run([CKPTD, "--check-config", bad], capture_output=True, text=True)
+        self.assertEqual(r.returncode, 1)
+        self.assertIn("key 'cache_laid_out_copies': must be true or false", r.stderr)
+        r = subprocess.run([CKPTD, "--root", self.root, "--cache-laid-out-copies", "maybe",
+                            "--print-config"], capture_output=True, text=True, timeout=30)
+        self.assertEqual(r.returncode, 1, r.stdout)
+        self.assertIn("cache_laid_out_copies", r.stderr)
 
     # --- memory budgets (docs/operations.md, "Memory") --------------------------------
 

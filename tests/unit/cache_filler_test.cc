@@ -23,12 +23,11 @@ namespace {
 
 using ckpt::DType;
 
-TEST(CacheFiller, DeferredReadsAreFilledInTheBackgroundThenServedFromMemory) {
-  ckpt::testing::TempDir tmp;
-  constexpr int64_t kN = 1 << 20;  // 4 MiB of float32
-  constexpr uint64_t kBytes = kN * 4;
-  std::vector<float> w(kN);
-  std::iota(w.begin(), w.end(), 0.f);
+// `w` (kN float32) written as one tensor "w" in `dir`, and a plan of
+// 4 reads of it into one rank.
+constexpr int64_t kN = 1 << 20;  // 4 MiB of float32
+void WriteAndPlan(const ckpt::testing::TempDir& tmp, const std::vector<float>& w,
+                  std::map<std::string, ckpt::FileStamp>* stamps, ckpt::LoadPlan* plan) {
   // Just written: in the page cache, so its reads may be deferred.
   ASSERT_TRUE(ckpt::WriteSafetensors(tmp.Sub("model.safetensors"),
                                      {{"w", DType::kF32, {kN}, w.data()}}, {})
@@ -37,14 +36,25 @@ TEST(CacheFiller, DeferredReadsAreFilledInTheBackgroundThenServedFromMemory) {
   ASSERT_TRUE(ck.ok()) << ck.status();
   auto stamp = ckpt::StatFile(tmp.Sub("model.safetensors"));
   ASSERT_TRUE(stamp.ok());
-  const std::map<std::string, ckpt::FileStamp> stamps{{"model.safetensors", *stamp}};
+  *stamps = {{"model.safetensors", *stamp}};
   ckpt::RankTargets rt{0, {ckpt::TargetTensor{"w", DType::kF32, {kN}, ckpt::Box{{0}, {kN}},
                                               std::nullopt}}};
   ckpt::PlanOptions po;
   po.max_read_bytes = 1 << 20;  // 4 reads
-  auto plan = ckpt::PlanLoad(ck->metadata, {rt}, po);
-  ASSERT_TRUE(plan.ok()) << plan.status();
-  ASSERT_EQ(plan->reads.size(), 4u);
+  auto planned = ckpt::PlanLoad(ck->metadata, {rt}, po);
+  ASSERT_TRUE(planned.ok()) << planned.status();
+  ASSERT_EQ(planned->reads.size(), 4u);
+  *plan = std::move(*planned);
+}
+
+TEST(CacheFiller, DeferredReadsAreFilledInTheBackgroundThenServedFromMemory) {
+  ckpt::testing::TempDir tmp;
+  constexpr uint64_t kBytes = kN * 4;
+  std::vector<float> w(kN);
+  std::iota(w.begin(), w.end(), 0.f);
+  std::map<std::string, ckpt::FileStamp> stamps;
+  ckpt::LoadPlan plan;
+  ASSERT_NO_FATAL_FAILURE(WriteAndPlan(tmp, w, &stamps, &plan));
 
   ckpt::HostCache cache(64 << 20);
   ckpt::SourceOptions defer;
@@ -52,7 +62,7 @@ TEST(CacheFiller, DeferredReadsAreFilledInTheBackgroundThenServedFromMemory) {
   auto load = [&](uint64_t* deferred) {
     std::vector<float> out(kN, -1.f);
     ckpt::CachingSource src(tmp.path(), &cache, stamps, defer);
-    auto st = ckpt::ExecutePlan(*plan, src, {{out.data()}}, ckpt::ExecuteOptions{});
+    auto st = ckpt::ExecutePlan(plan, src, {{out.data()}}, ckpt::ExecuteOptions{});
     EXPECT_TRUE(st.ok()) << st.status();
     EXPECT_EQ(out, w);
     *deferred = src.Deferred().size();
@@ -70,7 +80,7 @@ TEST(CacheFiller, DeferredReadsAreFilledInTheBackgroundThenServedFromMemory) {
   // once it is done (and at once for a checkpoint it does not fill).
   CacheFiller filler(&cache);
   EXPECT_TRUE(filler.Wait("/nowhere", absl::ZeroDuration()));
-  filler.Submit(tmp.path(), stamps, *plan, ckpt::kNoTenant);
+  filler.Submit(tmp.path(), stamps, plan, ckpt::kNoTenant);
   ASSERT_TRUE(filler.Wait(tmp.path(), absl::Seconds(30)));
   EXPECT_EQ(cache.stats().bytes, kBytes);
   EXPECT_EQ(filler.stats().fills, 1u);
@@ -92,7 +102,7 @@ TEST(CacheFiller, DeferredReadsAreFilledInTheBackgroundThenServedFromMemory) {
 
   // 5. Stop drops what is queued and returns; Submit after it does nothing.
   filler.Stop();
-  filler.Submit(tmp.path(), stamps, *plan, ckpt::kNoTenant);
+  filler.Submit(tmp.path(), stamps, plan, ckpt::kNoTenant);
   EXPECT_TRUE(filler.Wait(tmp.path(), absl::ZeroDuration()));
 }
 
@@ -116,6 +126,45 @@ TEST(CacheFiller, WorkIsWaitedForByEvictionsNotByLoads) {
   release.set_value();
   EXPECT_TRUE(filler.Wait("/ck/", absl::Seconds(30)));
   EXPECT_TRUE(ran.load());
+}
+
+// Work waits while the filler's busy() says loads run (a laid-out copy
+// gathered beside a load slows that load's copies); a fill queued behind
+// held work runs first (a load waits for its fill, and the load is what
+// holds the work); DropWork (an eviction) drops work not begun.
+TEST(CacheFiller, WorkWaitsWhileLoadsRunFillsPassItEvictionsDropIt) {
+  ckpt::testing::TempDir tmp;
+  std::vector<float> w(kN, 1.f);
+  std::map<std::string, ckpt::FileStamp> stamps;
+  ckpt::LoadPlan plan;
+  ASSERT_NO_FATAL_FAILURE(WriteAndPlan(tmp, w, &stamps, &plan));
+  ckpt::HostCache cache(64 << 20);
+  std::atomic<bool> busy{true};
+  CacheFiller filler(&cache, [&] { return busy.load(); });
+  std::atomic<int> ran{0};
+  filler.SubmitWork(tmp.path(), [&] { ++ran; });
+  filler.Submit(tmp.path(), stamps, plan, ckpt::kNoTenant);
+  // The fill behind the held work is done; the work is not.
+  ASSERT_TRUE(filler.Wait(tmp.path() + "/", absl::Seconds(30), /*work=*/false));
+  EXPECT_EQ(filler.stats().fills, 1u);
+  EXPECT_EQ(cache.stats().bytes, uint64_t{kN} * 4);
+  EXPECT_FALSE(filler.Wait(tmp.path() + "/", absl::Milliseconds(100)));
+  EXPECT_EQ(ran.load(), 0);
+  // No load runs: it runs.
+  busy = false;
+  ASSERT_TRUE(filler.Wait(tmp.path() + "/", absl::Seconds(30)));
+  EXPECT_EQ(ran.load(), 1);
+  // Held again, then dropped by an eviction of its checkpoint (not of another).
+  busy = true;
+  filler.SubmitWork(tmp.path(), [&] { ++ran; });
+  filler.DropWork("/elsewhere/");
+  EXPECT_FALSE(filler.Wait(tmp.path() + "/", absl::Milliseconds(50)));
+  filler.DropWork(tmp.path() + "/");
+  EXPECT_TRUE(filler.Wait(tmp.path() + "/", absl::ZeroDuration()));
+  busy = false;
+  filler.SubmitWork("/other", [] {});
+  EXPECT_TRUE(filler.Wait("/other/", absl::Seconds(30)));
+  EXPECT_EQ(ran.load(), 1);
 }
 
 }  // namespace
