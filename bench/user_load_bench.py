@@ -300,7 +300,8 @@ class Rank:
                 raise RuntimeError(f"{cmd['what']}: the load into the lent arena was not zero-copy")
             out = {"transport": getattr(rep, "transport", "shm"), "zero_copy": rep.zero_copy,
                    "bytes_read": rep.bytes_read, "bytes_from_cache": rep.bytes_from_cache,
-                   "timings": dict(rep.timings, connect_s=connect_s)}
+                   "timings": dict(rep.timings, connect_s=connect_s,
+                                   laid_out=rep.bytes_from_laid_out / max(self.nbytes, 1))}
         else:
             raise RuntimeError(f"unknown op {op!r}")
         t1 = time.monotonic()
@@ -664,8 +665,10 @@ def main():
               "total_s")
     print("\nwhere a new process's load goes (seconds, the slowest rank, medians): connect = "
           "Client() + version; rpc = the Load call (the daemon's share inside it: daemon); "
-          "view_copy = this process copying from the cache views; total = the client's clock")
-    print(f"{'load':<30} " + " ".join(f"{ph.replace('client_', '')[:-2]:>9}" for ph in phases))
+          "view_copy = this process copying from the cache views; total = the client's clock; "
+          "laid_out = the share of its bytes copied from a laid-out copy (docs/daemon.md)")
+    print(f"{'load':<30} " + " ".join(f"{ph.replace('client_', '')[:-2]:>9}" for ph in phases)
+          + f" {'laid_out':>9}")
     for key, label in (("restart ckptd touched warm", "touched warm"),
                        ("restart ckptd touched cold", "touched cold"),
                        ("restart ckptd fresh warm", "fresh warm"),
@@ -673,7 +676,8 @@ def main():
                        ("ckptd touched first", "touched 1st after start"),
                        ("ckptd fresh first", "fresh 1st after start"),
                        ("ckptd touched warm", "touched warm (persistent)")):
-        print(f"{label:<30} " + " ".join(f"{timing(key, ph):>9.4f}" for ph in phases))
+        print(f"{label:<30} " + " ".join(f"{timing(key, ph):>9.4f}" for ph in phases)
+              + f" {timing(key, 'laid_out'):>9.2f}")
 
     out = []
 

@@ -143,7 +143,11 @@ class ViewRecorder final : public RemoteMemory {
   // are taken from the cache entries that hold them when the work runs
   // (queue it after the load's cache fill); where one does not, it gathers
   // nothing.
-  std::function<void()> TakeLaidOutWork();
+  // `pause` (may be empty) is called between pieces of the copy (every
+  // kLaidOutPauseBytes): the caller returns from it when the work may go on.
+  static constexpr uint64_t kLaidOutPauseBytes = 8 << 20;
+  using Work = std::function<void(const std::function<void()>& pause)>;
+  Work TakeLaidOutWork();
   // `ready` runs (on the recording thread, no lock of this recorder held)
   // once the bytes recorded since the last batch reach `min_bytes`, then not
   // again before the next TakeBatch. Set before anything is recorded.

@@ -170,7 +170,7 @@ void ViewRecorder::ServeLaidOut(const LaidOut& r) {
   }
 }
 
-std::function<void()> ViewRecorder::TakeLaidOutWork() {
+ViewRecorder::Work ViewRecorder::TakeLaidOutWork() {
   absl::MutexLock lock(&mu_);
   if (laid_out_dir_.empty() || laid_out_bytes_ > 0 || kept_.empty()) return nullptr;
   const LaidOut r = LaidOutRecipe(/*files=*/true);
@@ -214,7 +214,8 @@ std::function<void()> ViewRecorder::TakeLaidOutWork() {
   }
   return [cache = cache_, tenant = tenant_, dir = laid_out_dir_, bytes = r.bytes,
           runs = std::move(runs), targets = std::move(targets), gaps = std::move(gaps),
-          files = std::move(files), holds = std::move(kept_)]() {
+          files = std::move(files),
+          holds = std::move(kept_)](const std::function<void()>& pause) {
     std::vector<Piece> pieces;
     pieces.reserve(runs.size());
     std::vector<std::shared_ptr<const void>> pins;
@@ -242,7 +243,15 @@ std::function<void()> ViewRecorder::TakeLaidOutWork() {
     if (!pending) return;  // no room to spare: the cache keeps checkpoint bytes first
     uint8_t* out = cache->PendingData(pending);
     for (const auto& [at, n] : gaps) std::memset(out + at, 0, n);  // padding after targets
-    for (const Piece& p : pieces) std::memcpy(out + p.dst, p.src, p.length);
+    uint64_t since = 0;  // bytes copied since the last pause
+    for (const Piece& p : pieces) {
+      std::memcpy(out + p.dst, p.src, p.length);
+      since += p.length;
+      if (pause && since >= kLaidOutPauseBytes) {
+        pause();
+        since = 0;
+      }
+    }
     cache->PublishLaidOut(std::move(pending), dir, fingerprint);
   };
 }

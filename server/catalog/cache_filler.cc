@@ -69,7 +69,7 @@ void CacheFiller::Submit(std::string dir, std::map<std::string, ckpt::FileStamp>
       {std::move(dir), std::move(stamps), std::move(plan), tenant, std::move(after), max_wait});
 }
 
-void CacheFiller::SubmitWork(std::string dir, std::function<void()> work) {
+void CacheFiller::SubmitWork(std::string dir, Work work) {
   absl::MutexLock lock(&mu_);
   if (stopping_ || !work) return;
   Task t;
@@ -126,8 +126,9 @@ CacheFiller::Stats CacheFiller::stats() const {
 }
 
 std::optional<CacheFiller::Task> CacheFiller::Next() {
-  const bool held = busy_ && busy_();
   const absl::Time now = absl::Now();
+  if (busy_ && busy_()) last_busy_ = now;
+  const bool held = now - last_busy_ < kWorkQuiet;
   for (auto it = queue_.begin(); it != queue_.end(); ++it) {
     // Work never runs before a fill queued ahead of it (it may gather what
     // that fill caches); fills may pass held work.
@@ -166,7 +167,13 @@ void CacheFiller::Run() {
       absl::SleepFor(absl::Milliseconds(2));
     }
     if (task.work) {
-      task.work();
+      // Loads that start meanwhile pause it (bounded like its start).
+      const absl::Time hold_until = absl::Now() + kMaxWorkHold;
+      task.work([&] {
+        while (busy_ && busy_() && !stop_.load() && absl::Now() < hold_until) {
+          absl::SleepFor(absl::Milliseconds(2));
+        }
+      });
       task.work = nullptr;  // lets go of what it held before the next waits end
       absl::MutexLock lock(&mu_);
       running_.clear();

@@ -27,14 +27,17 @@
 
 namespace ckptd {
 
-// A SubmitWork's work waits while busy() (loads are running: a laid-out
+// A SubmitWork's work starts once busy() (loads are running: a laid-out
 // copy gathered beside a load takes memory bandwidth that load's copies
-// need) for at most this long; fills behind it go first meanwhile.
+// need) has been false for kWorkQuiet (loads back to back leave gaps of a
+// few milliseconds between them), and pauses while busy() again; fills
+// behind held work go first. It waits at most kMaxWorkHold in all.
+inline constexpr absl::Duration kWorkQuiet = absl::Milliseconds(50);
 inline constexpr absl::Duration kMaxWorkHold = absl::Seconds(30);
 
 class CacheFiller {
  public:
-  // `busy` (may be empty: never): whether work should wait (kMaxWorkHold).
+  // `busy` (may be empty: never): whether work should wait (kWorkQuiet).
   explicit CacheFiller(ckpt::HostCache* cache, std::function<bool()> busy = {});
   ~CacheFiller();  // Stop()
   CacheFiller(const CacheFiller&) = delete;
@@ -55,7 +58,10 @@ class CacheFiller {
   // laid-out copy holds the same bytes as the pieces it is gathered from: a
   // load finds the same bytes either way, only faster once it is there);
   // evictions do.
-  void SubmitWork(std::string dir, std::function<void()> work);
+  // `work` calls its argument between pieces of its own (it returns once
+  // the work may go on: ViewRecorder::Work).
+  using Work = std::function<void(const std::function<void()>& pause)>;
+  void SubmitWork(std::string dir, Work work);
   // Waits until no fill of a checkpoint whose directory is `prefix` or
   // under it (prefix ending in '/') is queued or running, nor (`work`) any
   // SubmitWork's, at most `timeout`. False on timeout.
@@ -81,7 +87,7 @@ class CacheFiller {
     uint32_t tenant = 0;
     std::weak_ptr<const void> after;
     absl::Duration max_wait;
-    std::function<void()> work;  // instead of the plan (SubmitWork)
+    Work work;                   // instead of the plan (SubmitWork)
     absl::Time queued;           // work: when SubmitWork queued it
   };
   void Run();
@@ -98,6 +104,7 @@ class CacheFiller {
   std::deque<Task> queue_ ABSL_GUARDED_BY(mu_);
   std::string running_ ABSL_GUARDED_BY(mu_);  // dir of the fill running now; "" if none
   bool running_work_ ABSL_GUARDED_BY(mu_) = false;  // and whether it is a SubmitWork's
+  absl::Time last_busy_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();  // busy_() seen true
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<bool> stop_{false};  // stopping_, read by the running fill
   Stats stats_ ABSL_GUARDED_BY(mu_);

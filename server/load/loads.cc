@@ -72,7 +72,7 @@ absl::Status Loads::DeliverViews(const Caller& caller, ckpt::ViewRecorder& views
   result->set_bytes_from_laid_out(views.bytes_laid_out());
   // Queued after the job's cache fill (bytes its client read from files are
   // gathered from there).
-  if (std::function<void()> work = views.TakeLaidOutWork()) {
+  if (ckpt::ViewRecorder::Work work = views.TakeLaidOutWork()) {
     p_.filler->SubmitWork(path, std::move(work));
   }
   return absl::OkStatus();

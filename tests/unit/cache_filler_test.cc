@@ -8,6 +8,7 @@
 #include <chrono>
 #include <future>
 #include <numeric>
+#include <thread>
 #include <vector>
 
 #include "core/cache/cache.h"
@@ -116,7 +117,7 @@ TEST(CacheFiller, WorkIsWaitedForByEvictionsNotByLoads) {
   std::promise<void> release;
   std::shared_future<void> released = release.get_future().share();
   std::atomic<bool> ran{false};
-  filler.SubmitWork("/ck", [&] {
+  filler.SubmitWork("/ck", [&](const std::function<void()>&) {
     released.wait();
     ran = true;
   });
@@ -129,10 +130,11 @@ TEST(CacheFiller, WorkIsWaitedForByEvictionsNotByLoads) {
 }
 
 // Work waits while the filler's busy() says loads run (a laid-out copy
-// gathered beside a load slows that load's copies); a fill queued behind
-// held work runs first (a load waits for its fill, and the load is what
-// holds the work); DropWork (an eviction) drops work not begun.
-TEST(CacheFiller, WorkWaitsWhileLoadsRunFillsPassItEvictionsDropIt) {
+// gathered beside a load slows that load's copies) and pauses when one
+// starts; a fill queued behind held work runs first (a load waits for its
+// fill, and the load is what holds the work); DropWork (an eviction) drops
+// work not begun.
+TEST(CacheFiller, WorkWaitsAndPausesWhileLoadsRunFillsPassItEvictionsDropIt) {
   ckpt::testing::TempDir tmp;
   std::vector<float> w(kN, 1.f);
   std::map<std::string, ckpt::FileStamp> stamps;
@@ -142,7 +144,7 @@ TEST(CacheFiller, WorkWaitsWhileLoadsRunFillsPassItEvictionsDropIt) {
   std::atomic<bool> busy{true};
   CacheFiller filler(&cache, [&] { return busy.load(); });
   std::atomic<int> ran{0};
-  filler.SubmitWork(tmp.path(), [&] { ++ran; });
+  filler.SubmitWork(tmp.path(), [&](const std::function<void()>&) { ++ran; });
   filler.Submit(tmp.path(), stamps, plan, ckpt::kNoTenant);
   // The fill behind the held work is done; the work is not.
   ASSERT_TRUE(filler.Wait(tmp.path() + "/", absl::Seconds(30), /*work=*/false));
@@ -156,15 +158,32 @@ TEST(CacheFiller, WorkWaitsWhileLoadsRunFillsPassItEvictionsDropIt) {
   EXPECT_EQ(ran.load(), 1);
   // Held again, then dropped by an eviction of its checkpoint (not of another).
   busy = true;
-  filler.SubmitWork(tmp.path(), [&] { ++ran; });
+  filler.SubmitWork(tmp.path(), [&](const std::function<void()>&) { ++ran; });
   filler.DropWork("/elsewhere/");
   EXPECT_FALSE(filler.Wait(tmp.path() + "/", absl::Milliseconds(50)));
   filler.DropWork(tmp.path() + "/");
   EXPECT_TRUE(filler.Wait(tmp.path() + "/", absl::ZeroDuration()));
   busy = false;
-  filler.SubmitWork("/other", [] {});
+  filler.SubmitWork("/other", [](const std::function<void()>&) {});
   EXPECT_TRUE(filler.Wait("/other/", absl::Seconds(30)));
   EXPECT_EQ(ran.load(), 1);
+  // A load that starts while work runs pauses it at its next pause() until
+  // no load runs.
+  std::atomic<int> step{0};
+  filler.SubmitWork("/paused", [&](const std::function<void()>& pause) {
+    step = 1;
+    while (step.load() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    pause();
+    step = 3;
+  });
+  while (step.load() != 1) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  busy = true;
+  step = 2;
+  EXPECT_FALSE(filler.Wait("/paused/", absl::Milliseconds(100)));
+  EXPECT_EQ(step.load(), 2);
+  busy = false;
+  ASSERT_TRUE(filler.Wait("/paused/", absl::Seconds(30)));
+  EXPECT_EQ(step.load(), 3);
 }
 
 }  // namespace

@@ -418,7 +418,7 @@ TEST(ViewRecorder, GathersPiecesIntoALaidOutCopyServedToTheSameRecipeOnly) {
   struct Load {
     ViewRecorder::Batch batch;
     uint64_t laid_out = 0;
-    std::function<void()> work;
+    ViewRecorder::Work work;
   };
   auto load = [&](const RangeView& a, const RangeView& b, std::vector<uint8_t>& da,
                   std::vector<uint8_t>& db) {
@@ -464,7 +464,7 @@ TEST(ViewRecorder, GathersPiecesIntoALaidOutCopyServedToTheSameRecipeOnly) {
   EXPECT_EQ(first.batch.copies.size(), 2u);  // one strided copy per target
   expect_halves(e0, e1);
   ASSERT_TRUE(first.work);
-  first.work();
+  first.work({});
   EXPECT_EQ(c.stats().laid_out_entries, 1u);
   EXPECT_EQ(c.stats().laid_out_bytes, kEntry);
   EXPECT_EQ(c.Files().size(), 2u);  // the checkpoint's files only
@@ -497,8 +497,8 @@ TEST(ViewRecorder, GathersPiecesIntoALaidOutCopyServedToTheSameRecipeOnly) {
   ASSERT_TRUE(third.work);
 
   // No room to spare (a laid-out copy evicts nothing): no second copy.
-  third.work();
-  third.work();  // made already: not again
+  third.work({});
+  third.work({});  // made already: not again
   EXPECT_EQ(c.stats().laid_out_entries, 2u);
   EXPECT_EQ(c.stats().laid_out_bytes, 2 * kEntry);
   // Laid-out copies go first when room is needed (not the older f0), and
@@ -553,17 +553,17 @@ TEST(ViewRecorder, ACopyIsGatheredFromFileViewsOnceTheFillCachedThem) {
     rec.Release();
     return rec.TakeLaidOutWork();
   };
-  std::function<void()> early = cold();
+  ViewRecorder::Work early = cold();
   ASSERT_TRUE(early);
-  early();  // the files' bytes are not in the cache yet
+  early({});  // the files' bytes are not in the cache yet
   EXPECT_EQ(c.stats().laid_out_entries, 0u);
 
-  std::function<void()> work = cold();
+  ViewRecorder::Work work = cold();
   RangeView f0 = Put(c, "/ck/f0", 0, kEntry, 3, 7);  // the fill
   RangeView f1 = Put(c, "/ck/f1", 0, kEntry, 0, 7);
   for (uint64_t i = 0; i < kEntry; ++i) const_cast<uint8_t*>(f1.data)[i] = static_cast<uint8_t>(i);
   ASSERT_TRUE(work);
-  work();
+  work({});
   EXPECT_EQ(c.stats().laid_out_entries, 1u);
 
   // The warm load: the same pieces out of the fill's blocks.
