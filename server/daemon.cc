@@ -57,7 +57,7 @@ Daemon::Daemon(DaemonConfig config)
       arenas_(std::make_unique<ArenaPool>(config_.arena_pool, config_.arena_limit)),
       // Laid-out copies are gathered while no load runs.
       filler_(std::make_unique<CacheFiller>(
-          &cache_, [this] { return load_counters_.running.load() > 0; })),
+          &cache_, [this] { return load_counters_.Busy(std::chrono::milliseconds(50)); })),
       opener_(DestinationOpener::Parts{arenas_.get(), &view_leases_, &cache_, gpu_.get(),
                                        config_.load_timeout}),
       policy_(config_),

@@ -125,10 +125,16 @@ CacheFiller::Stats CacheFiller::stats() const {
   return stats_;
 }
 
+bool CacheFiller::FillQueued() const {
+  for (const Task& t : queue_) {
+    if (!t.work) return true;
+  }
+  return false;
+}
+
 std::optional<CacheFiller::Task> CacheFiller::Next() {
   const absl::Time now = absl::Now();
-  if (busy_ && busy_()) last_busy_ = now;
-  const bool held = now - last_busy_ < kWorkQuiet;
+  const bool held = busy_ && busy_();
   for (auto it = queue_.begin(); it != queue_.end(); ++it) {
     // Work never runs before a fill queued ahead of it (it may gather what
     // that fill caches); fills may pass held work.
@@ -153,8 +159,10 @@ void CacheFiller::Run() {
         mu_.Await(absl::Condition(&ready));
         if (stopping_) return;
         next = Next();
-        // Only held work queued: look again shortly (busy_ has no signal).
-        if (!next) mu_.AwaitWithTimeout(absl::Condition(&stopping_), absl::Milliseconds(5));
+        // Only held work queued: look again shortly (busy_ has no signal),
+        // or at once when a fill comes.
+        auto wake = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || FillQueued(); };
+        if (!next) mu_.AwaitWithTimeout(absl::Condition(&wake), absl::Milliseconds(5));
       }
       task = std::move(*next);
       running_ = task.dir;
@@ -167,12 +175,16 @@ void CacheFiller::Run() {
       absl::SleepFor(absl::Milliseconds(2));
     }
     if (task.work) {
-      // Loads that start meanwhile pause it (bounded like its start).
-      const absl::Time hold_until = absl::Now() + kMaxWorkHold;
+      // Loads that start meanwhile pause it, but never while a fill waits
+      // (a load may be waiting for that fill: it would wait for itself);
+      // held kMaxWorkHold in all since it was queued.
+      const absl::Time hold_until = task.queued + kMaxWorkHold;
       task.work([&] {
-        while (busy_ && busy_() && !stop_.load() && absl::Now() < hold_until) {
-          absl::SleepFor(absl::Milliseconds(2));
-        }
+        absl::MutexLock lock(&mu_);
+        auto go_on = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
+          return stopping_ || FillQueued() || !busy_ || !busy_() || absl::Now() >= hold_until;
+        };
+        while (!go_on()) mu_.AwaitWithTimeout(absl::Condition(&go_on), absl::Milliseconds(2));
       });
       task.work = nullptr;  // lets go of what it held before the next waits end
       absl::MutexLock lock(&mu_);

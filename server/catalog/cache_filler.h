@@ -27,17 +27,17 @@
 
 namespace ckptd {
 
-// A SubmitWork's work starts once busy() (loads are running: a laid-out
-// copy gathered beside a load takes memory bandwidth that load's copies
-// need) has been false for kWorkQuiet (loads back to back leave gaps of a
-// few milliseconds between them), and pauses while busy() again; fills
-// behind held work go first. It waits at most kMaxWorkHold in all.
-inline constexpr absl::Duration kWorkQuiet = absl::Milliseconds(50);
+// A SubmitWork's work starts only while busy() is false (the daemon's:
+// no load runs nor ended in the last 50 ms: a laid-out copy gathered
+// beside a load takes memory bandwidth that load's copies need) and pauses
+// while busy() again, unless a fill is queued (fills behind held work go
+// first: a load may be waiting for one). Held at most kMaxWorkHold in all.
 inline constexpr absl::Duration kMaxWorkHold = absl::Seconds(30);
 
 class CacheFiller {
  public:
-  // `busy` (may be empty: never): whether work should wait (kWorkQuiet).
+  // `busy` (may be empty: never): whether work should wait; called with
+  // this filler's lock held, so it must take no lock that could wait on it.
   explicit CacheFiller(ckpt::HostCache* cache, std::function<bool()> busy = {});
   ~CacheFiller();  // Stop()
   CacheFiller(const CacheFiller&) = delete;
@@ -95,6 +95,7 @@ class CacheFiller {
   // it if nothing is busy (or it waited kMaxWorkHold); none while every
   // queued task is work held back.
   std::optional<Task> Next() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  bool FillQueued() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   bool Busy(const std::string& prefix, bool work) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   static bool Under(const std::string& dir, const std::string& prefix);
 
@@ -104,7 +105,6 @@ class CacheFiller {
   std::deque<Task> queue_ ABSL_GUARDED_BY(mu_);
   std::string running_ ABSL_GUARDED_BY(mu_);  // dir of the fill running now; "" if none
   bool running_work_ ABSL_GUARDED_BY(mu_) = false;  // and whether it is a SubmitWork's
-  absl::Time last_busy_ ABSL_GUARDED_BY(mu_) = absl::InfinitePast();  // busy_() seen true
   bool stopping_ ABSL_GUARDED_BY(mu_) = false;
   std::atomic<bool> stop_{false};  // stopping_, read by the running fill
   Stats stats_ ABSL_GUARDED_BY(mu_);

@@ -83,7 +83,10 @@ absl::Status Loads::Load(const Caller& caller, const v1::LoadRequest& request,
                           const std::function<bool()>& cancelled) {
   ++p_.counters->started;
   ++p_.counters->running;
-  absl::Cleanup not_running = [this] { --p_.counters->running; };
+  absl::Cleanup not_running = [this] {
+    p_.counters->last_end_ns = LoadCounters::NowNs();
+    --p_.counters->running;
+  };
   auto fail = [&](absl::Status s) {
     ++p_.counters->failed;
     spdlog::warn("load request failed: job={} rank={} path={} code={}: {}", request.job_id(), request.rank(),

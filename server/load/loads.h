@@ -66,6 +66,17 @@ namespace ckptd {
 struct LoadCounters {
   std::atomic<uint64_t> started{0}, succeeded{0}, failed{0};
   std::atomic<int64_t> running{0};  // Load calls in progress
+  std::atomic<int64_t> last_end_ns{0};  // when the latest one ended (NowNs)
+  static int64_t NowNs() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::steady_clock::now().time_since_epoch())
+        .count();
+  }
+  // Whether a load runs or ended within `quiet` (loads back to back leave
+  // gaps of a few milliseconds between them).
+  bool Busy(std::chrono::nanoseconds quiet) const {
+    return running.load() > 0 || NowNs() - last_end_ns.load() < quiet.count();
+  }
   std::atomic<uint64_t> bytes_read{0}, bytes_delivered{0};
 };
 

@@ -142,8 +142,8 @@ TEST(CacheFiller, WorkWaitsAndPausesWhileLoadsRunFillsPassItEvictionsDropIt) {
   ASSERT_NO_FATAL_FAILURE(WriteAndPlan(tmp, w, &stamps, &plan));
   ckpt::HostCache cache(64 << 20);
   std::atomic<bool> busy{true};
+  std::atomic<int> ran{0}, step{0};  // before the filler: its work uses them
   CacheFiller filler(&cache, [&] { return busy.load(); });
-  std::atomic<int> ran{0};
   filler.SubmitWork(tmp.path(), [&](const std::function<void()>&) { ++ran; });
   filler.Submit(tmp.path(), stamps, plan, ckpt::kNoTenant);
   // The fill behind the held work is done; the work is not.
@@ -168,19 +168,31 @@ TEST(CacheFiller, WorkWaitsAndPausesWhileLoadsRunFillsPassItEvictionsDropIt) {
   EXPECT_TRUE(filler.Wait("/other/", absl::Seconds(30)));
   EXPECT_EQ(ran.load(), 1);
   // A load that starts while work runs pauses it at its next pause() until
-  // no load runs.
-  std::atomic<int> step{0};
-  filler.SubmitWork("/paused", [&](const std::function<void()>& pause) {
-    step = 1;
-    while (step.load() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-    pause();
-    step = 3;
-  });
-  while (step.load() != 1) std::this_thread::sleep_for(std::chrono::milliseconds(1));
-  busy = true;
-  step = 2;
-  EXPECT_FALSE(filler.Wait("/paused/", absl::Milliseconds(100)));
-  EXPECT_EQ(step.load(), 2);
+  // no load runs, or until a fill is queued (the load may wait for it).
+  // paused(): work that runs until a load starts (busy), then calls pause().
+  auto paused = [&] {
+    step = 0;
+    filler.SubmitWork("/paused", [&](const std::function<void()>& pause) {
+      step = 1;
+      while (step.load() == 1) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+      pause();
+      step = 3;
+    });
+    while (step.load() != 1) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+    busy = true;
+    step = 2;
+    EXPECT_FALSE(filler.Wait("/paused/", absl::Milliseconds(100)));
+    EXPECT_EQ(step.load(), 2);
+  };
+  paused();
+  cache.EvictPrefix(tmp.path() + "/");
+  filler.Submit(tmp.path(), stamps, plan, ckpt::kNoTenant);
+  ASSERT_TRUE(filler.Wait(tmp.path() + "/", absl::Seconds(30), /*work=*/false));
+  EXPECT_EQ(step.load(), 3);
+  EXPECT_EQ(filler.stats().fills, 2u);
+  // Paused again by a load, until it ends.
+  busy = false;
+  paused();
   busy = false;
   ASSERT_TRUE(filler.Wait("/paused/", absl::Seconds(30)));
   EXPECT_EQ(step.load(), 3);
