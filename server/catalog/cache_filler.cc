@@ -132,13 +132,15 @@ bool CacheFiller::FillQueued() const {
   return false;
 }
 
+bool CacheFiller::Held(const Task& work) const {
+  return busy_ && busy_() && absl::Now() < work.queued + kMaxWorkHold;
+}
+
 std::optional<CacheFiller::Task> CacheFiller::Next() {
-  const absl::Time now = absl::Now();
-  const bool held = busy_ && busy_();
   for (auto it = queue_.begin(); it != queue_.end(); ++it) {
     // Work never runs before a fill queued ahead of it (it may gather what
     // that fill caches); fills may pass held work.
-    if (it->work && held && now - it->queued < kMaxWorkHold) continue;
+    if (it->work && Held(*it)) continue;
     Task t = std::move(*it);
     queue_.erase(it);
     return t;
@@ -178,11 +180,10 @@ void CacheFiller::Run() {
       // Loads that start meanwhile pause it, but never while a fill waits
       // (a load may be waiting for that fill: it would wait for itself);
       // held kMaxWorkHold in all since it was queued.
-      const absl::Time hold_until = task.queued + kMaxWorkHold;
       task.work([&] {
         absl::MutexLock lock(&mu_);
         auto go_on = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) {
-          return stopping_ || FillQueued() || !busy_ || !busy_() || absl::Now() >= hold_until;
+          return stopping_ || FillQueued() || !Held(task);
         };
         while (!go_on()) mu_.AwaitWithTimeout(absl::Condition(&go_on), absl::Milliseconds(2));
       });

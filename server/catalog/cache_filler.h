@@ -96,6 +96,8 @@ class CacheFiller {
   // queued task is work held back.
   std::optional<Task> Next() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   bool FillQueued() const ABSL_SHARED_LOCKS_REQUIRED(mu_);
+  // Whether `work` waits now: busy_() and not yet kMaxWorkHold since queued.
+  bool Held(const Task& work) const;
   bool Busy(const std::string& prefix, bool work) const ABSL_SHARED_LOCKS_REQUIRED(mu_);
   static bool Under(const std::string& dir, const std::string& prefix);
 
