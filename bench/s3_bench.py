@@ -15,9 +15,11 @@ in the same ranged GETs (io_request_size) with the same concurrency
 daemon's counters (ckptctl status / ckptd_s3_requests_total) and are
 compared with the planned reads the daemon logged.
 
-Each repetition loads cold, warm, then runs curl, so the three share the
-gateway's moods; figures are medians of --reps repetitions (default 7,
---quick 3).
+Each repetition loads cold, waits until the daemon's work after that load
+(its laid-out copy, docs/daemon.md) is done, runs curl on a quiet machine,
+then loads warm, so the three share the gateway's moods; figures are medians
+of --reps repetitions (default 7, --quick 3), and the spread of the
+repetitions' own cold/curl ratios is printed beside them.
 
     /usr/bin/python3 bench/s3_bench.py --ckptd bazel-bin/server/ckptd [--rows FILE] [--quick]
 """
@@ -125,7 +127,10 @@ def main():
                 if f.endswith(".safetensors")]
         total = sum(n for _, n in data)
 
-        def load(job):
+        pids = {"ckptd": d.proc.pid, "client": os.getpid(), **gateway_pids()}
+        cpu_cold = {}
+
+        def load(job, cpu=None):
             # The model's tensors exist (touched) before a load, as in training:
             # fresh memory's first touch is not the store's or ckptd's cost.
             outs = {r: np.ones(split(shape, 1, 2, r)[1], np.float32) for r in range(2)}
@@ -135,9 +140,12 @@ def main():
                 ckptd.load_state_dict({"w": ckptd.ShardedTensor(outs[r], shape, off)}, path,
                                       rank=r, world_size=2, job_id=job, socket=d.socket,
                                       transport=a.transport)
+            cpu0 = {k: cpu_s(p) for k, p in pids.items()}
             t = time.perf_counter()
             run_ranks(2, one)
             s = time.perf_counter() - t
+            if cpu is not None:  # the load's own CPU seconds, not the check's below
+                cpu.update({k: round(cpu_s(p) - cpu0[k], 2) for k, p in pids.items()})
             got = np.concatenate([outs[0], outs[1]], axis=1)
             if not np.array_equal(got, full):
                 raise SystemExit("s3_bench: a load delivered wrong bytes")
@@ -146,25 +154,37 @@ def main():
         def counters():
             return ckptd.status(socket=d.socket)["object_storage"]
 
-        pids = {"ckptd": d.proc.pid, "client": os.getpid(), **gateway_pids()}
-        cpu_cold = {}
+        def settle():
+            """Until the daemon's work after a load (the laid-out copy it
+            gathers once no load runs) is done: curl must not share the cores
+            with it. Done when the copy covers the load, or stops growing."""
+            last, since, end = None, time.perf_counter(), time.perf_counter() + 10
+            while time.perf_counter() < end:
+                now = ckptd.status(socket=d.socket)["cache_laid_out_bytes"]
+                if now >= total:
+                    return
+                if now != last:
+                    last, since = now, time.perf_counter()
+                elif time.perf_counter() - since > 0.5:
+                    return
+                time.sleep(0.02)
+
         cold, warm, curl = [], [], []
         per_cold, per_warm, planned = None, None, None
         for i in range(a.reps):
             ckptd.evict(path, socket=d.socket)
             before = counters()
-            cpu0 = {k: cpu_s(p) for k, p in pids.items()}
-            cold.append(load(f"s3-bench-cold-{i}"))
-            cpu_cold = {k: round(cpu_s(p) - cpu0[k], 2) for k, p in pids.items()}
+            cold.append(load(f"s3-bench-cold-{i}", cpu_cold))
             after = counters()
             per_cold = {k: after[k] - before[k] for k in ("gets", "lists", "heads")}
             m = re.findall(r"job=s3-bench-cold-%d .* reads=(\d+)" % i, d.read_log())
             planned = int(m[-1]) if m else None
+            settle()
+            curl.append(curl_fetch(data, IO_THREADS))
             before = counters()
             warm.append(load(f"s3-bench-warm-{i}"))
             after = counters()
             per_warm = {k: after[k] - before[k] for k in ("gets", "lists", "heads")}
-            curl.append(curl_fetch(data, IO_THREADS))
         gb = 1e9
         cold_s, warm_s, curl_s = (statistics.median(x) for x in (cold, warm, curl))
         rows = []
@@ -191,7 +211,9 @@ def main():
         for r in rows:
             print("%-32s %10.4g %-6s limit %10.4g %-28s ratio %.3f %s %s" % r)
         print(f"(cold per job: {per_cold}; warm per job: {per_warm}; {total / 2**20:.0f} MiB "
-              f"in {len(data)} objects; medians of {a.reps}; CPU s of the last cold load: "
+              f"in {len(data)} objects; medians of {a.reps}; each repetition's cold/curl: "
+              f"{min(u / c for c, u in zip(cold, curl)):.2f}-"
+              f"{max(u / c for c, u in zip(cold, curl)):.2f}; CPU s of the last cold load: "
               f"{cpu_cold})")
         if a.rows:
             with open(a.rows, "a") as f:

@@ -449,7 +449,11 @@ void PrintStatus(const ckptd::v1::StatusResponse& s) {
                        absl::StrCat(o.gets(), " GETs, ", o.lists(), " LISTs, ", o.heads(),
                                     " HEADs, ", o.puts(), " PUTs, ", o.retries(), " retries"),
                        absl::StrCat("in ", HumanBytes(o.bytes_in()), ", out ",
-                                    HumanBytes(o.bytes_out()))});
+                                    HumanBytes(o.bytes_out()), "; at most ", o.requests_peak(),
+                                    " in flight (max_requests ",
+                                    o.max_requests() == 0 ? std::string("unbounded")
+                                                          : absl::StrCat(o.max_requests()),
+                                    ")")});
   }
   std::printf("\n");
   PrintTable(summary);
@@ -586,7 +590,10 @@ absl::Status Status() {
                                            {"heads", o.heads()}, {"gets", o.gets()},
                                            {"lists", o.lists()}, {"puts", o.puts()},
                                            {"deletes", o.deletes()}, {"retries", o.retries()},
-                                           {"bytes_in", o.bytes_in()}, {"bytes_out", o.bytes_out()}};
+                                           {"bytes_in", o.bytes_in()}, {"bytes_out", o.bytes_out()},
+                                           {"max_requests", o.max_requests()},
+                                           {"requests_peak", o.requests_peak()},
+                                           {"request_wait_seconds", o.request_wait_seconds()}};
                                  }()}}
                      .dump(1)
               << "\n";

@@ -172,7 +172,7 @@ absl::Status ParseS3(const YAML::Node& v, const std::string& source, S3Config* o
   static const std::set<std::string> kKeys = {
       "endpoint", "region",       "profile",         "addressing",   "ca_file",
       "part_size", "spool_dir", "max_attempts", "connect_timeout", "stall_timeout",
-      "max_bandwidth", "roots"};
+      "max_bandwidth", "max_requests", "roots"};
   for (const auto& kv : v) {
     const std::string key = kv.first.as<std::string>();
     const std::string full = within + "." + key;
@@ -207,6 +207,12 @@ absl::Status ParseS3(const YAML::Node& v, const std::string& source, S3Config* o
       auto b = s == "0" ? absl::StatusOr<uint64_t>(0) : ParseBytes(s);
       if (!b.ok()) return Bad(source, full, "must be bytes per second (500MiB) or 0 (no cap)");
       out->max_bandwidth = *b;
+    } else if (key == "max_requests") {
+      uint64_t n;
+      if (!absl::SimpleAtoi(s, &n) || n > 1024) {
+        return Bad(source, full, "must be a number from 1 to 1024, or 0 (no bound)");
+      }
+      out->max_requests = n;
     } else if (key == "max_attempts") {
       uint64_t n;
       if (!absl::SimpleAtoi(s, &n) || n < 1 || n > 100) {
@@ -736,6 +742,7 @@ std::string ConfigToYaml(const DaemonConfig& c) {
   out << YAML::Key << "connect_timeout" << YAML::Value << absl::FormatDuration(s3.connect_timeout);
   out << YAML::Key << "stall_timeout" << YAML::Value << absl::FormatDuration(s3.stall_timeout);
   out << YAML::Key << "max_bandwidth" << YAML::Value << s3.max_bandwidth;
+  out << YAML::Key << "max_requests" << YAML::Value << s3.max_requests;
   out << YAML::Key << "roots" << YAML::Value << YAML::BeginSeq;
   for (const S3RootConfig& r : s3.roots) {
     out << YAML::BeginMap << YAML::Key << "root" << YAML::Value << r.root;

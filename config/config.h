@@ -63,6 +63,7 @@ struct S3Config {
   absl::Duration connect_timeout = absl::Seconds(5);
   absl::Duration stall_timeout = absl::Seconds(15);  // no byte moved this long: retried
   uint64_t max_bandwidth = 0;  // body bytes per second to and from the store; 0: no cap
+  uint64_t max_requests = 0;   // requests in flight to the store at once; 0: no bound
   // Roots with their own endpoint, region, profile (credentials), addressing
   // or CA; what an entry leaves empty comes from the section above.
   std::vector<S3RootConfig> roots;

@@ -311,6 +311,9 @@ void ObjectStorageFamilies(const v1::ObjectStorageStatus& o, std::vector<MetricF
   Sample(bytes, o.bytes_in(), {{"direction", "in"}});
   Sample(bytes, o.bytes_out(), {{"direction", "out"}});
   out.push_back(std::move(bytes));
+  out.push_back(One("ckptd_s3_request_wait_seconds_total",
+                    "Seconds S3 requests waited for one of s3.max_requests slots",
+                    MetricType::Counter, o.request_wait_seconds()));
 }
 
 class StatusCollector final : public prometheus::Collectable {

@@ -2,6 +2,8 @@
 
 #include <spdlog/spdlog.h>
 
+#include <algorithm>
+
 #include "absl/strings/str_cat.h"
 #include "core/io/s3/s3_storage.h"
 #include "core/io/s3/s3_url.h"
@@ -23,6 +25,7 @@ ckpt::s3::S3Settings S3SettingsOf(const S3Config& c) {
   s.stall_timeout_ms = absl::ToInt64Milliseconds(c.stall_timeout);
   s.max_attempts = static_cast<int>(c.max_attempts);
   s.max_bytes_per_s = c.max_bandwidth;
+  s.max_requests = static_cast<int>(c.max_requests);
   return s;
 }
 
@@ -82,6 +85,7 @@ void DescribeObjectStorage(ckpt::s3::S3Storage* storage, v1::StatusResponse* res
   o->set_endpoint(c.endpoint().url);
   o->set_region(c.endpoint().region);
   o->set_credentials(c.CredentialsSource());
+  o->set_max_requests(static_cast<uint32_t>(std::max(0, c.slots().max())));
   // Requests of every client (the default one and the roots' own), summed.
   storage->ForEachClient([o](ckpt::s3::S3Client& each) {
     const ckpt::s3::ClientStats& st = each.stats();
@@ -93,6 +97,8 @@ void DescribeObjectStorage(ckpt::s3::S3Storage* storage, v1::StatusResponse* res
     o->set_retries(o->retries() + st.retries.load());
     o->set_bytes_in(o->bytes_in() + st.bytes_in.load());
     o->set_bytes_out(o->bytes_out() + st.bytes_out.load());
+    o->set_requests_peak(std::max<uint32_t>(o->requests_peak(), each.slots().peak()));
+    o->set_request_wait_seconds(o->request_wait_seconds() + each.slots().waited_s());
   });
 }
 

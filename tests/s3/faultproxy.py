@@ -84,6 +84,8 @@ class FaultProxy:
         self.delay_s = 0.0  # added before forwarding every request (a far-away store)
         self.inflight = collections.Counter()      # method -> requests being answered now
         self.max_inflight = collections.Counter()  # method -> the most at once
+        self.inflight_all = 0      # requests of any method being answered now
+        self.max_inflight_all = 0  # the most at once (from a request's arrival to its answer's head)
         # method -> (start, end) of each request answered, in the order they ended
         self.spans = collections.defaultdict(list)
         threading.Thread(target=self._accept, daemon=True).start()
@@ -141,6 +143,8 @@ class FaultProxy:
                     self.inflight[method] += 1
                     self.max_inflight[method] = max(self.max_inflight[method],
                                                     self.inflight[method])
+                    self.inflight_all += 1
+                    self.max_inflight_all = max(self.max_inflight_all, self.inflight_all)
                 started = time.monotonic()
                 try:
                     if self.delay_s:
@@ -150,6 +154,7 @@ class FaultProxy:
                 finally:
                     with self.lock:
                         self.inflight[method] -= 1
+                        self.inflight_all -= 1
                         self.spans[method].append((started, time.monotonic()))
                 if rhead is None:
                     return

@@ -283,6 +283,9 @@ class S3DaemonTest(unittest.TestCase):
             "s3: {part_size: 1MiB}": "s3.part_size",
             "s3: {endpoint: 'ftp://x'}": "s3.endpoint",
             "s3: {max_attempts: 0}": "s3.max_attempts",
+            "s3: {max_requests: -1}": "s3.max_requests",
+            "s3: {max_requests: 5000}": "s3.max_requests",
+            "s3: {roots: [{root: 's3://b/x', max_requests: 2}]}": "s3.roots.max_requests",
             "s3: {roots: [{root: 's3://nowhere/x', profile: p}]}": "names no configured root",
             "s3: {roots: [{root: '/data', profile: p}]}": "s3.roots.root",
             "s3: {roots: [{root: 's3://b/x', part_size: 8MiB}]}": "s3.roots.part_size",
@@ -299,7 +302,8 @@ class S3DaemonTest(unittest.TestCase):
         cfg = f"{base}/ok.yaml"
         with open(cfg, "w") as f:
             f.write("roots: ['s3://b/x', 's3://c/y']\n"
-                    "s3: {max_bandwidth: 100MiB, roots: [{root: 's3://c/y', profile: other}]}\n")
+                    "s3: {max_bandwidth: 100MiB, max_requests: 3,\n"
+                    "     roots: [{root: 's3://c/y', profile: other}]}\n")
         once = subprocess.run([CKPTD, "--config", cfg, "--print-config"], capture_output=True,
                               text=True)
         self.assertEqual(once.returncode, 0, once.stderr)
@@ -310,6 +314,7 @@ class S3DaemonTest(unittest.TestCase):
         self.assertEqual(twice.returncode, 0, twice.stderr)
         self.assertEqual(once.stdout, twice.stdout)
         self.assertIn("profile: other", once.stdout)
+        self.assertIn("max_requests: 3", once.stdout)
 
     def test_pytorch_dcp_saves_into_s3_and_loads_through_the_daemon_storage_classes(self):
         import torch
@@ -346,6 +351,7 @@ class S3DaemonTest(unittest.TestCase):
         for op in ("HEAD", "GET", "LIST", "PUT", "DELETE"):
             self.assertIn(f'ckptd_s3_requests_total{{op="{op}"}}', text)
         self.assertIn('ckptd_s3_bytes_total{direction="in"}', text)
+        self.assertIn("ckptd_s3_request_wait_seconds_total 0", text)  # max_requests unset: no wait
 
 
 if __name__ == "__main__":

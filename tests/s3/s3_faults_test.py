@@ -4,6 +4,7 @@ stalls them and flips a byte, and every load either succeeds exactly (the
 faults retried away) or fails with a clear error naming the object; never
 a success with wrong bytes."""
 import os
+import re
 import tempfile
 import time
 import unittest
@@ -149,6 +150,73 @@ class S3FaultsTest(unittest.TestCase):
         self.assertIn(f"s3://{BUCKET}/", str(e.exception))
         self.proxy.clear()
         np.testing.assert_array_equal(self.cold_load(), self.full)
+
+    def test_max_requests_bounds_the_requests_in_flight_and_waiters_outlast_a_stall(self):
+        """s3.max_requests: 1 with 4 I/O threads: the store never has two
+        requests at once (the opening's, the data GETs and the checks after
+        the load; each 0.05 s late here, so unbounded they would overlap, as
+        test_opening_a_checkpoint_asks_for_its_objects_at_once shows), the
+        load is exact and Status says the bound, the peak and the waiting. A
+        GET whose body stalls while others wait for its slot is cut after
+        stall_timeout and retried; the waiting requests do not give up."""
+        cfg = tempfile.NamedTemporaryFile("w", suffix=".yaml", delete=False)
+        cfg.write(f"s3: {{max_requests: 1, stall_timeout: 1s, max_attempts: {MAX_ATTEMPTS}}}\n")
+        cfg.close()
+        path = f"{self.root}/bounded"
+        full = np.random.default_rng(5).standard_normal((1024, 512), dtype=np.float32)
+        d = Daemon(self.root, "--io-threads", "4", "--config", cfg.name)
+        try:
+            def save(r):
+                off, shp = split(full.shape, 0, 4, r)
+                part = full[off[0]:off[0] + shp[0]].copy()
+                return ckptd.save_state_dict({"w": ckptd.ShardedTensor(part, full.shape, off)},
+                                             path, rank=r, world_size=4, job_id="bounded-save",
+                                             socket=d.socket)
+            run_ranks(4, save)
+
+            def load(job):
+                ckptd.evict(path, socket=d.socket)
+                outs = {}
+
+                def one(r):
+                    off, shp = split(full.shape, 1, 2, r)
+                    outs[r] = np.full(shp, np.nan, np.float32)
+                    ckptd.load_state_dict({"w": ckptd.ShardedTensor(outs[r], full.shape, off)},
+                                          path, rank=r, world_size=2, job_id=job,
+                                          socket=d.socket)
+                run_ranks(2, one)
+                return np.concatenate([outs[0], outs[1]], axis=1)
+
+            with self.proxy.lock:
+                self.proxy.max_inflight_all = 0
+            gets = self.proxy.seen["GET"]
+            self.proxy.delay_s = 0.05
+            try:
+                np.testing.assert_array_equal(load("bounded-1"), full)
+            finally:
+                self.proxy.delay_s = 0.0
+            gets = self.proxy.seen["GET"] - gets
+            self.assertEqual(self.proxy.max_inflight_all, 1)
+            st = ckptd.status(socket=d.socket)["object_storage"]
+            reads = int(re.findall(r"job=bounded-1 .* reads=(\d+)", d.read_log())[-1])
+            self.assertGreaterEqual(reads, 2)  # several data GETs, one thread each
+            self.assertEqual((st["max_requests"], st["requests_peak"]), (1, 1), st)
+            self.assertGreater(st["request_wait_seconds"], 0.0, st)
+            # The load's first data GET (the others wait for its slot)
+            # stalls mid-body.
+            stalls = self.proxy.faults["stall"]
+            self.proxy.plan("GET", [None] * (gets - reads) + ["stall"])
+            np.testing.assert_array_equal(load("bounded-2"), full)
+            self.assertEqual(self.proxy.faults["stall"], stalls + 1)
+            after = ckptd.status(socket=d.socket)["object_storage"]
+            self.assertEqual(after["retries"], st["retries"] + 1, after)
+            # Others waited out the stall (about 1 s) for the slot it held.
+            self.assertGreater(after["request_wait_seconds"] - st["request_wait_seconds"], 0.9,
+                               after)
+            self.assertEqual(after["requests_peak"], 1, after)
+        finally:
+            rc = d.stop()
+            self.assertEqual(rc, 0, d.read_log()[-2000:])
 
     def test_ranks_copy_while_the_job_still_reads_and_a_bad_last_read_fails_them(self):
         """A cold load's ranks get their cache views in batches while the

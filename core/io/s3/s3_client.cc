@@ -36,6 +36,7 @@ struct S3Client::Call {
   std::vector<std::string> headers;
   std::atomic<uint64_t>* counter = nullptr;
   RateLimiter* limiter = nullptr;  // paces the bodies both ways
+  RequestSlots* slots = nullptr;   // bounds the requests in flight
   // A body to send.
   const uint8_t* upload = nullptr;
   uint64_t upload_n = 0;
@@ -156,6 +157,7 @@ int OnProgress(void* user, curl_off_t, curl_off_t dlnow, curl_off_t, curl_off_t 
   const int64_t now = absl::GetCurrentTimeNanos();
   const uint64_t moved = static_cast<uint64_t>(dlnow) + static_cast<uint64_t>(ulnow);
   if (moved != call->moved || call->moved_at_ns == 0) {
+    if (moved != call->moved && call->slots != nullptr) call->slots->Moved();
     call->moved = moved;
     call->moved_at_ns = now;
     return 0;
@@ -210,7 +212,8 @@ S3Client::S3Client(S3Settings settings, Endpoint endpoint, Getenv env)
     : settings_(std::move(settings)),
       endpoint_(std::move(endpoint)),
       credentials_(settings_, std::move(env)),
-      limiter_(settings_.max_bytes_per_s) {}
+      limiter_(settings_.max_bytes_per_s),
+      slots_(settings_.max_requests, std::max<int64_t>(1, settings_.stall_timeout_ms) * 1000000) {}
 
 S3Client::~S3Client() {
   absl::MutexLock lock(&mu_);
@@ -348,8 +351,53 @@ void RateLimiter::Acquire(uint64_t n) {
   if (wait_ns > 0) std::this_thread::sleep_for(std::chrono::nanoseconds(wait_ns));
 }
 
+absl::Status RequestSlots::Acquire(const std::string& what) {
+  absl::MutexLock lock(&mu_);
+  if (max_ > 0 && in_flight_ >= max_) {
+    const int64_t since = absl::GetCurrentTimeNanos();
+    moved_ns_.store(std::max(moved_ns_.load(std::memory_order_relaxed), since),
+                    std::memory_order_relaxed);
+    auto free = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return in_flight_ < max_; };
+    // Woken by a Release; between them, every 100 ms to see whether the
+    // holders still move bytes.
+    while (!mu_.AwaitWithTimeout(absl::Condition(&free), absl::Milliseconds(100))) {
+      // A holder that stalls is cut after stall_timeout (noticed within a
+      // second) and frees its slot: waiting twice that, plus a second, since
+      // the last byte any holder moved means something is wedged.
+      const int64_t now = absl::GetCurrentTimeNanos();
+      const int64_t bound = 2 * stall_ns_ + 1'000'000'000;
+      if (now - moved_ns_.load(std::memory_order_relaxed) > bound) {
+        waited_ns_ += now - since;
+        return absl::UnavailableError(absl::StrCat(
+            what, ": no request slot came free (max_requests ", max_, "): the ", in_flight_,
+            " requests in flight moved no byte for ", bound / 1000000, " ms"));
+      }
+    }
+    waited_ns_ += absl::GetCurrentTimeNanos() - since;
+  }
+  peak_ = std::max(peak_, ++in_flight_);
+  return absl::OkStatus();
+}
+
+void RequestSlots::Release() {
+  Moved();  // a request that ends is progress too
+  absl::MutexLock lock(&mu_);
+  --in_flight_;
+}
+
+int RequestSlots::peak() const {
+  absl::MutexLock lock(&mu_);
+  return peak_;
+}
+
+double RequestSlots::waited_s() const {
+  absl::MutexLock lock(&mu_);
+  return static_cast<double>(waited_ns_) / 1e9;
+}
+
 absl::Status S3Client::Perform(Call& call) {
   call.limiter = &limiter_;
+  call.slots = &slots_;
   call.stall_ns = std::max<int64_t>(1, settings_.stall_timeout_ms) * 1000000;
   void* h = TakeHandle();
   if (h == nullptr) return absl::ResourceExhaustedError("cannot create a libcurl handle");
@@ -359,7 +407,13 @@ absl::Status S3Client::Perform(Call& call) {
   int made = 0;  // attempts made
   for (int attempt = 1; attempt <= attempts; ++attempt) {
     made = attempt;
+    // A slot per attempt: a request waiting out its backoff holds none.
+    if (absl::Status slot = slots_.Acquire(call.What()); !slot.ok()) {
+      ReturnHandle(h);
+      return slot;
+    }
     absl::Status s = PerformOnce(call, h);
+    slots_.Release();
     bool retry = false;
     if (!s.ok()) {
       retry = absl::IsUnavailable(s);

@@ -19,6 +19,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "absl/time/clock.h"
 #include "absl/time/time.h"
 #include "core/io/s3/s3_config.h"
 #include "core/io/s3/s3_xml.h"
@@ -52,6 +53,35 @@ class RateLimiter {
   int64_t next_ns_ ABSL_GUARDED_BY(mu_) = 0;  // when the booked bytes are through
 };
 
+// Bounds the requests in flight, all callers together (max 0: no bound), so
+// that a node asks a store for at most so many at once however many loads
+// and I/O threads it runs. A caller waits for a slot while the holders move
+// bytes; it gives up (UNAVAILABLE, naming what it waited for) once none has
+// finished or moved a byte for twice `stall_ns` plus a second (a stalled
+// holder is cut after `stall_ns` and frees its slot, so only a wedged one
+// gets there). Thread-safe.
+class RequestSlots {
+ public:
+  RequestSlots(int max, int64_t stall_ns) : max_(max), stall_ns_(stall_ns) {}
+  absl::Status Acquire(const std::string& what);
+  void Release();
+  // A holder moved bytes (OnProgress): waiters keep waiting.
+  void Moved() { moved_ns_.store(absl::GetCurrentTimeNanos(), std::memory_order_relaxed); }
+  int max() const { return max_; }
+  // Most requests in flight at once so far, and the seconds callers waited.
+  int peak() const;
+  double waited_s() const;
+
+ private:
+  const int max_;
+  const int64_t stall_ns_;
+  std::atomic<int64_t> moved_ns_{0};
+  mutable absl::Mutex mu_;
+  int in_flight_ ABSL_GUARDED_BY(mu_) = 0;
+  int peak_ ABSL_GUARDED_BY(mu_) = 0;
+  int64_t waited_ns_ ABSL_GUARDED_BY(mu_) = 0;
+};
+
 class S3Client {
  public:
   static absl::StatusOr<std::unique_ptr<S3Client>> Create(const S3Settings& settings,
@@ -63,6 +93,7 @@ class S3Client {
   const Endpoint& endpoint() const { return endpoint_; }
   const ClientStats& stats() const { return stats_; }
   RateLimiter& limiter() { return limiter_; }
+  const RequestSlots& slots() const { return slots_; }
   // Where the credentials come from (never what they are).
   std::string CredentialsSource();
 
@@ -107,6 +138,7 @@ class S3Client {
   CredentialSource credentials_;
   ClientStats stats_;
   RateLimiter limiter_;
+  RequestSlots slots_;
   absl::Mutex mu_;
   std::vector<void*> idle_ ABSL_GUARDED_BY(mu_);  // CURL* kept alive for reuse
 };

@@ -56,6 +56,10 @@ struct S3Settings {
   // requests together (a node's share of the store's or the network's
   // bandwidth); 0: no cap.
   uint64_t max_bytes_per_s = 0;
+  // Requests in flight to the endpoint from this client, all callers
+  // together (a node's share of the store's request rate); 0: no bound
+  // (each caller's own requests: a load's I/O threads).
+  int max_requests = 0;
 };
 
 using Getenv = std::function<const char*(const char*)>;
