@@ -20,6 +20,11 @@
 namespace ckptd {
 
 namespace {
+
+// Laid-out copies are gathered once no load has run for this long
+// (docs/daemon.md, "Laid-out copies"): a job loading again at once in the
+// same processes does not share memory bandwidth with the gathering.
+constexpr std::chrono::milliseconds kQuietBeforeLaidOut{50};
 gpu::GpuOptions GpuOptionsOf(const DaemonConfig& c) {
   gpu::GpuOptions o;
   const char* pin = std::getenv("CKPTD_PIN_CACHE");  // "0": keep the data cache pageable
@@ -57,7 +62,7 @@ Daemon::Daemon(DaemonConfig config)
       arenas_(std::make_unique<ArenaPool>(config_.arena_pool, config_.arena_limit)),
       // Laid-out copies are gathered while no load runs.
       filler_(std::make_unique<CacheFiller>(
-          &cache_, [this] { return load_counters_.Busy(std::chrono::milliseconds(50)); })),
+          &cache_, [this] { return load_counters_.Busy(kQuietBeforeLaidOut); })),
       opener_(DestinationOpener::Parts{arenas_.get(), &view_leases_, &cache_, gpu_.get(),
                                        config_.load_timeout}),
       policy_(config_),
