@@ -17,7 +17,9 @@ compared with the planned reads the daemon logged.
 
 Each repetition loads cold, waits until the daemon's work after that load
 (its laid-out copy, docs/daemon.md) is done, runs curl on a quiet machine,
-then loads warm, so the three share the gateway's moods; figures are medians
+then loads warm (served from the data cache, and from the laid-out copy for
+the rank whose copy fits in the cache budget), so the three share the
+gateway's moods; figures are medians
 of --reps repetitions (default 7, --quick 3), and the spread of the
 repetitions' own cold/curl ratios is printed beside them.
 
@@ -155,19 +157,18 @@ def main():
             return ckptd.status(socket=d.socket)["object_storage"]
 
         def settle():
-            """Until the daemon's work after a load (the laid-out copy it
-            gathers once no load runs) is done: curl must not share the cores
-            with it. Done when the copy covers the load, or stops growing."""
-            last, since, end = None, time.perf_counter(), time.perf_counter() + 10
+            """Until the daemon's work after a load is done (the laid-out copy
+            it gathers once no load has run for 50 ms): curl must not share
+            the cores with it. Done when the daemon's CPU time stops growing
+            (at most one clock tick in 200 ms); at most 10 s."""
+            time.sleep(0.1)
+            last, end = cpu_s(d.proc.pid), time.perf_counter() + 10
             while time.perf_counter() < end:
-                now = ckptd.status(socket=d.socket)["cache_laid_out_bytes"]
-                if now >= total:
+                time.sleep(0.2)
+                now = cpu_s(d.proc.pid)
+                if now - last <= 1.5 / os.sysconf("SC_CLK_TCK"):
                     return
-                if now != last:
-                    last, since = now, time.perf_counter()
-                elif time.perf_counter() - since > 0.5:
-                    return
-                time.sleep(0.02)
+                last = now
 
         cold, warm, curl = [], [], []
         per_cold, per_warm, planned = None, None, None

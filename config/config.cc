@@ -181,7 +181,9 @@ absl::Status ParseS3(const YAML::Node& v, const std::string& source, S3Config* o
                                                      "addressing", "ca_file"};
     if (!kKeys.count(key) || (within != "s3" && !kRootKeys.count(key))) {
       return absl::InvalidArgumentError(absl::StrCat(
-          source, ": unknown key '", full, "' (known: ", absl::StrJoin(kKeys, ", "), ")"));
+          source, ": unknown key '", full, "' (known: ",
+          absl::StrJoin(within == "s3" ? kKeys : kRootKeys, ", "),
+          within == "s3" ? "" : ", and root", ")"));
     }
     if (key == "roots") {
       if (!kv.second.IsSequence()) {
@@ -221,7 +223,9 @@ absl::Status ParseS3(const YAML::Node& v, const std::string& source, S3Config* o
       out->max_attempts = n;
     } else if (key == "connect_timeout" || key == "stall_timeout") {
       auto d = ParseDuration(s);
-      if (!d.ok() || *d < absl::Seconds(1)) return Bad(source, full, "must be a duration of 1s or more");
+      if (!d.ok() || *d < absl::Seconds(1) || *d > absl::Hours(1)) {
+        return Bad(source, full, "must be a duration from 1s to 1h");
+      }
       (key == "connect_timeout" ? out->connect_timeout : out->stall_timeout) = *d;
     } else if (key == "addressing") {
       if (s != "auto" && s != "path" && s != "virtual") {

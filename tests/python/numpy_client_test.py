@@ -501,13 +501,15 @@ class NumpyClientTest(unittest.TestCase):
             return reps
 
         def laid_out_after(d, full, job):
-            """Loads until the copies gathered after the last one are there."""
+            """Loads until every rank's copy gathered after an earlier load is
+            there. The daemon gathers them once no load has run for 50 ms
+            (one rank's, then the next's): 0.2 s between loads leaves room."""
             for i in range(50):
                 reps = load(d, full, f"{job}-{i}")
-                if reps[0].bytes_from_laid_out:
+                if all(r.bytes_from_laid_out for r in reps):
                     return reps
-                time.sleep(0.05)
-            self.fail("no load was served from a laid-out copy")
+                time.sleep(0.2)
+            self.fail("no load was served from a laid-out copy to every rank")
 
         with testlib.Daemon(self.root) as d:
             full = save(d, 0.5)

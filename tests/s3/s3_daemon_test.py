@@ -283,6 +283,7 @@ class S3DaemonTest(unittest.TestCase):
             "s3: {part_size: 1MiB}": "s3.part_size",
             "s3: {endpoint: 'ftp://x'}": "s3.endpoint",
             "s3: {max_attempts: 0}": "s3.max_attempts",
+            "s3: {stall_timeout: 2h}": "s3.stall_timeout",
             "s3: {max_requests: -1}": "s3.max_requests",
             "s3: {max_requests: 5000}": "s3.max_requests",
             "s3: {roots: [{root: 's3://b/x', max_requests: 2}]}": "s3.roots.max_requests",

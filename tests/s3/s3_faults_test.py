@@ -22,6 +22,31 @@ BUCKET = rgwlib.start()
 MAX_ATTEMPTS = 4
 
 
+def save_split_rows(full, path, ranks, job, socket):
+    """`full` saved into `path` by `ranks` ranks, each its block of rows."""
+    def save(r):
+        off, shp = split(full.shape, 0, ranks, r)
+        part = full[off[0]:off[0] + shp[0]].copy()
+        return ckptd.save_state_dict({"w": ckptd.ShardedTensor(part, full.shape, off)}, path,
+                                     rank=r, world_size=ranks, job_id=job, socket=socket)
+    run_ranks(ranks, save)
+
+
+def load_split_cols(full, path, job, socket):
+    """`path` evicted from the daemon, then loaded by 2 ranks, each its half of
+    the columns of `full`'s shape (NaN-filled first); the halves side by side."""
+    ckptd.evict(path, socket=socket)
+    outs = {}
+
+    def one(r):
+        off, shp = split(full.shape, 1, 2, r)
+        outs[r] = np.full(shp, np.nan, np.float32)
+        ckptd.load_state_dict({"w": ckptd.ShardedTensor(outs[r], full.shape, off)}, path,
+                              rank=r, world_size=2, job_id=job, socket=socket)
+    run_ranks(2, one)
+    return np.concatenate([outs[0], outs[1]], axis=1)
+
+
 class S3FaultsTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -36,14 +61,7 @@ class S3FaultsTest(unittest.TestCase):
         cls.sock = cls.daemon.socket
         cls.path = f"{cls.root}/ckpt"
         cls.full = (np.arange(512 * 256, dtype=np.float32).reshape(512, 256) * 0.5 - 7)
-
-        def save(r):
-            off, shp = split(cls.full.shape, 0, 2, r)
-            part = cls.full[off[0]:off[0] + shp[0]].copy()
-            return ckptd.save_state_dict({"w": ckptd.ShardedTensor(part, cls.full.shape, off)},
-                                         cls.path, rank=r, world_size=2, job_id="faults-save",
-                                         socket=cls.sock)
-        run_ranks(2, save)
+        save_split_rows(cls.full, cls.path, 2, "faults-save", cls.sock)
         cls.jobs = 0
 
     @classmethod
@@ -56,19 +74,8 @@ class S3FaultsTest(unittest.TestCase):
 
     def cold_load(self):
         """Evicts the checkpoint, then loads it split on dim 1 by 2 ranks."""
-        ckptd.evict(self.path, socket=self.sock)
         type(self).jobs += 1
-        job = f"faults-load-{self.jobs}"
-        outs = {}
-
-        def one(r):
-            off, shp = split(self.full.shape, 1, 2, r)
-            buf = np.full(shp, np.nan, np.float32)
-            ckptd.load_state_dict({"w": ckptd.ShardedTensor(buf, self.full.shape, off)},
-                                  self.path, rank=r, world_size=2, job_id=job, socket=self.sock)
-            outs[r] = buf
-        run_ranks(2, one)
-        return np.concatenate([outs[0], outs[1]], axis=1)
+        return load_split_cols(self.full, self.path, f"faults-load-{self.jobs}", self.sock)
 
     def retries(self):
         return ckptd.status(socket=self.sock)["object_storage"]["retries"]
@@ -166,26 +173,10 @@ class S3FaultsTest(unittest.TestCase):
         full = np.random.default_rng(5).standard_normal((1024, 512), dtype=np.float32)
         d = Daemon(self.root, "--io-threads", "4", "--config", cfg.name)
         try:
-            def save(r):
-                off, shp = split(full.shape, 0, 4, r)
-                part = full[off[0]:off[0] + shp[0]].copy()
-                return ckptd.save_state_dict({"w": ckptd.ShardedTensor(part, full.shape, off)},
-                                             path, rank=r, world_size=4, job_id="bounded-save",
-                                             socket=d.socket)
-            run_ranks(4, save)
+            save_split_rows(full, path, 4, "bounded-save", d.socket)
 
             def load(job):
-                ckptd.evict(path, socket=d.socket)
-                outs = {}
-
-                def one(r):
-                    off, shp = split(full.shape, 1, 2, r)
-                    outs[r] = np.full(shp, np.nan, np.float32)
-                    ckptd.load_state_dict({"w": ckptd.ShardedTensor(outs[r], full.shape, off)},
-                                          path, rank=r, world_size=2, job_id=job,
-                                          socket=d.socket)
-                run_ranks(2, one)
-                return np.concatenate([outs[0], outs[1]], axis=1)
+                return load_split_cols(full, path, job, d.socket)
 
             with self.proxy.lock:
                 self.proxy.max_inflight_all = 0
@@ -228,13 +219,7 @@ class S3FaultsTest(unittest.TestCase):
         full = np.random.default_rng(3).standard_normal((2048, 8192), dtype=np.float32)
         d = Daemon(self.root, "--io-threads", "1")
         try:
-            def save(r):
-                off, shp = split(full.shape, 0, 2, r)
-                part = full[off[0]:off[0] + shp[0]].copy()
-                return ckptd.save_state_dict({"w": ckptd.ShardedTensor(part, full.shape, off)},
-                                             path, rank=r, world_size=2, job_id="batches-save",
-                                             socket=d.socket)
-            run_ranks(2, save)
+            save_split_rows(full, path, 2, "batches-save", d.socket)
 
             def load(job):
                 """Each rank's (tensor, report) or error, and the GETs made."""

@@ -3,6 +3,7 @@
 // own shard-and-load through "s3://" paths.
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <cstdlib>
 #include <map>
@@ -32,6 +33,7 @@ namespace ckpt {
 namespace {
 
 using ::testing::HasSubstr;
+using s3::RequestSlots;
 using s3::S3Client;
 using s3::S3Settings;
 
@@ -137,6 +139,53 @@ TEST(S3Client, TheBandwidthCapPacesEveryRequestTogether) {
   const double s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   EXPECT_GE(s, 1.4) << "12 MiB moved in " << s << " s through an 8 MiB/s cap";
   EXPECT_EQ(a + b, data);
+}
+
+// s3.max_requests: a waiter is woken by a Release, waits on while the
+// holders move bytes, and gives up (UNAVAILABLE, naming what waited and the
+// bound) only once none moved for 2 x stall + 1 s.
+TEST(S3Client, RequestSlotsWaitWhileHoldersMoveAndGiveUpWhenTheyDoNot) {
+  RequestSlots slots(/*max=*/1, /*stall_ns=*/100'000'000);  // bound: 1.2 s
+  ASSERT_TRUE(slots.Acquire("a").ok());
+  // Woken by the holder's Release.
+  absl::Status got = absl::UnknownError("not yet");
+  std::thread b([&] { got = slots.Acquire("b"); });
+  absl::SleepFor(absl::Milliseconds(200));
+  slots.Release();
+  b.join();
+  EXPECT_TRUE(got.ok()) << got;
+  EXPECT_GE(slots.waited_s(), 0.15);
+  // b holds the slot now. c waits 1.8 s (past the bound) while b moves bytes.
+  std::atomic<bool> done{false};
+  std::thread c([&] {
+    got = slots.Acquire("s3://bucket/c");
+    done = true;
+  });
+  bool early = false;
+  for (int i = 0; i < 18 && !early; ++i) {
+    absl::SleepFor(absl::Milliseconds(100));
+    slots.Moved();
+    early = done;
+  }
+  // b stops moving: c gives up after about 1.2 s.
+  const absl::Time stopped = absl::Now();
+  c.join();
+  const absl::Duration took = absl::Now() - stopped;
+  ASSERT_FALSE(early) << "gave up while the holder moved bytes: " << got;
+  EXPECT_TRUE(absl::IsUnavailable(got)) << got;
+  EXPECT_THAT(std::string(got.message()),
+              HasSubstr("s3://bucket/c: no request slot came free (max_requests 1)"));
+  EXPECT_GE(took, absl::Milliseconds(1000));
+  EXPECT_LE(took, absl::Milliseconds(2500));
+  slots.Release();
+  EXPECT_TRUE(slots.Acquire("d").ok());  // free again at once
+  slots.Release();
+  EXPECT_EQ(slots.peak(), 1);
+  // Unbounded: never waits, counts the peak.
+  RequestSlots open(/*max=*/0, 100'000'000);
+  for (int i = 0; i < 5; ++i) ASSERT_TRUE(open.Acquire("e").ok());
+  EXPECT_EQ(open.peak(), 5);
+  EXPECT_EQ(open.waited_s(), 0.0);
 }
 
 TEST(S3Client, AWrongSecretIsPermissionDeniedNamingTheObject) {

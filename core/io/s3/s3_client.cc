@@ -355,8 +355,6 @@ absl::Status RequestSlots::Acquire(const std::string& what) {
   absl::MutexLock lock(&mu_);
   if (max_ > 0 && in_flight_ >= max_) {
     const int64_t since = absl::GetCurrentTimeNanos();
-    moved_ns_.store(std::max(moved_ns_.load(std::memory_order_relaxed), since),
-                    std::memory_order_relaxed);
     auto free = [this]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) { return in_flight_ < max_; };
     // Woken by a Release; between them, every 100 ms to see whether the
     // holders still move bytes.
@@ -364,9 +362,10 @@ absl::Status RequestSlots::Acquire(const std::string& what) {
       // A holder that stalls is cut after stall_timeout (noticed within a
       // second) and frees its slot: waiting twice that, plus a second, since
       // the last byte any holder moved means something is wedged.
+      // (Counted from this wait's start when nothing moved since.)
       const int64_t now = absl::GetCurrentTimeNanos();
       const int64_t bound = 2 * stall_ns_ + 1'000'000'000;
-      if (now - moved_ns_.load(std::memory_order_relaxed) > bound) {
+      if (now - std::max(moved_ns_.load(std::memory_order_relaxed), since) > bound) {
         waited_ns_ += now - since;
         return absl::UnavailableError(absl::StrCat(
             what, ": no request slot came free (max_requests ", max_, "): the ", in_flight_,
