@@ -85,7 +85,10 @@ void DescribeObjectStorage(ckpt::s3::S3Storage* storage, v1::StatusResponse* res
   o->set_endpoint(c.endpoint().url);
   o->set_region(c.endpoint().region);
   o->set_credentials(c.CredentialsSource());
+  // One request bound for the daemon (every root's client shares it).
   o->set_max_requests(static_cast<uint32_t>(std::max(0, c.slots().max())));
+  o->set_requests_peak(static_cast<uint32_t>(c.slots().peak()));
+  o->set_request_wait_seconds(c.slots().waited_s());
   // Requests of every client (the default one and the roots' own), summed.
   storage->ForEachClient([o](ckpt::s3::S3Client& each) {
     const ckpt::s3::ClientStats& st = each.stats();
@@ -97,8 +100,6 @@ void DescribeObjectStorage(ckpt::s3::S3Storage* storage, v1::StatusResponse* res
     o->set_retries(o->retries() + st.retries.load());
     o->set_bytes_in(o->bytes_in() + st.bytes_in.load());
     o->set_bytes_out(o->bytes_out() + st.bytes_out.load());
-    o->set_requests_peak(std::max<uint32_t>(o->requests_peak(), each.slots().peak()));
-    o->set_request_wait_seconds(o->request_wait_seconds() + each.slots().waited_s());
   });
 }
 

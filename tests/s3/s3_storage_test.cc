@@ -141,6 +141,34 @@ TEST(S3Client, TheBandwidthCapPacesEveryRequestTogether) {
   EXPECT_EQ(a + b, data);
 }
 
+// A client made with another's bounds (a daemon's root with settings of its
+// own) shares its cap and its request slots: one bound for the daemon.
+TEST(S3Client, AClientSharingBoundsWaitsForTheOthersRequestSlot) {
+  S3Settings one;
+  one.max_requests = 1;
+  auto first = Client(one);
+  ASSERT_NE(first, nullptr);
+  S3Settings own;  // would be unbounded on its own
+  auto c = S3Client::Create(own, ProcessEnv(), first->bounds());
+  ASSERT_TRUE(c.ok()) << c.status();
+  std::unique_ptr<S3Client> second = *std::move(c);
+  EXPECT_EQ(&second->slots(), &first->slots());
+  const std::string key = Fresh("shared-bounds");
+  ASSERT_TRUE(first->Put(kBucket, key, "x", 1).ok());
+  ASSERT_TRUE(first->bounds().slots->Acquire("the test").ok());  // the daemon's one slot
+  std::atomic<bool> done{false};
+  std::thread head([&] {
+    EXPECT_TRUE(second->Head(kBucket, key).ok());
+    done = true;
+  });
+  absl::SleepFor(absl::Milliseconds(300));
+  const bool early = done;
+  first->bounds().slots->Release();
+  head.join();
+  EXPECT_FALSE(early) << "the second client's HEAD went ahead of the shared bound";
+  EXPECT_GE(first->slots().waited_s(), 0.25);
+}
+
 // s3.max_requests: a waiter is woken by a Release, waits on while the
 // holders move bytes, and gives up (UNAVAILABLE, naming what waited and the
 // bound) only once none moved for 2 x stall + 1 s.

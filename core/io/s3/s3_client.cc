@@ -197,23 +197,30 @@ std::string HostOf(const std::string& url) {
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<S3Client>> S3Client::Create(const S3Settings& settings,
-                                                           const Getenv& env) {
+                                                           const Getenv& env, Bounds shared) {
   std::call_once(g_curl_init, [] { curl_global_init(CURL_GLOBAL_DEFAULT); });
   auto endpoint = ResolveEndpoint(settings, env);
   if (!endpoint.ok()) return endpoint.status();
-  auto client = std::unique_ptr<S3Client>(new S3Client(settings, *std::move(endpoint), env));
+  if (shared.limiter == nullptr) {
+    shared.limiter = std::make_shared<RateLimiter>(settings.max_bytes_per_s);
+  }
+  if (shared.slots == nullptr) {
+    shared.slots = std::make_shared<RequestSlots>(
+        settings.max_requests, std::max<int64_t>(1, settings.stall_timeout_ms) * 1000000);
+  }
+  auto client = std::unique_ptr<S3Client>(
+      new S3Client(settings, *std::move(endpoint), env, std::move(shared)));
   // Credentials that cannot be read are an error now, not at the first load.
   auto creds = client->credentials_.Get();
   if (!creds.ok()) return creds.status();
   return client;
 }
 
-S3Client::S3Client(S3Settings settings, Endpoint endpoint, Getenv env)
+S3Client::S3Client(S3Settings settings, Endpoint endpoint, Getenv env, Bounds bounds)
     : settings_(std::move(settings)),
       endpoint_(std::move(endpoint)),
       credentials_(settings_, std::move(env)),
-      limiter_(settings_.max_bytes_per_s),
-      slots_(settings_.max_requests, std::max<int64_t>(1, settings_.stall_timeout_ms) * 1000000) {}
+      bounds_(std::move(bounds)) {}
 
 S3Client::~S3Client() {
   absl::MutexLock lock(&mu_);
@@ -395,8 +402,8 @@ double RequestSlots::waited_s() const {
 }
 
 absl::Status S3Client::Perform(Call& call) {
-  call.limiter = &limiter_;
-  call.slots = &slots_;
+  call.limiter = bounds_.limiter.get();
+  call.slots = bounds_.slots.get();
   call.stall_ns = std::max<int64_t>(1, settings_.stall_timeout_ms) * 1000000;
   void* h = TakeHandle();
   if (h == nullptr) return absl::ResourceExhaustedError("cannot create a libcurl handle");
@@ -407,12 +414,12 @@ absl::Status S3Client::Perform(Call& call) {
   for (int attempt = 1; attempt <= attempts; ++attempt) {
     made = attempt;
     // A slot per attempt: a request waiting out its backoff holds none.
-    if (absl::Status slot = slots_.Acquire(call.What()); !slot.ok()) {
+    if (absl::Status slot = bounds_.slots->Acquire(call.What()); !slot.ok()) {
       ReturnHandle(h);
       return slot;
     }
     absl::Status s = PerformOnce(call, h);
-    slots_.Release();
+    bounds_.slots->Release();
     bool retry = false;
     if (!s.ok()) {
       retry = absl::IsUnavailable(s);

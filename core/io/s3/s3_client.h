@@ -84,16 +84,26 @@ class RequestSlots {
 
 class S3Client {
  public:
+  // The bounds a client paces its requests by: its own (made from its
+  // settings' max_bytes_per_s and max_requests), or ones it shares with
+  // other clients (a daemon's roots with settings of their own: one bound
+  // for the whole daemon).
+  struct Bounds {
+    std::shared_ptr<RateLimiter> limiter;
+    std::shared_ptr<RequestSlots> slots;
+  };
+  // `shared`: bounds to use instead of making its own (either may be null).
   static absl::StatusOr<std::unique_ptr<S3Client>> Create(const S3Settings& settings,
-                                                          const Getenv& env);
+                                                          const Getenv& env,
+                                                          Bounds shared = {});
   ~S3Client();
   S3Client(const S3Client&) = delete;
   S3Client& operator=(const S3Client&) = delete;
 
   const Endpoint& endpoint() const { return endpoint_; }
   const ClientStats& stats() const { return stats_; }
-  RateLimiter& limiter() { return limiter_; }
-  const RequestSlots& slots() const { return slots_; }
+  const Bounds& bounds() const { return bounds_; }
+  const RequestSlots& slots() const { return *bounds_.slots; }
   // Where the credentials come from (never what they are).
   std::string CredentialsSource();
 
@@ -127,7 +137,7 @@ class S3Client {
   struct Call;
 
  private:
-  S3Client(S3Settings settings, Endpoint endpoint, Getenv env);
+  S3Client(S3Settings settings, Endpoint endpoint, Getenv env, Bounds bounds);
   absl::Status Perform(Call& call);
   absl::Status PerformOnce(Call& call, void* handle);
   void* TakeHandle();
@@ -137,8 +147,7 @@ class S3Client {
   const Endpoint endpoint_;
   CredentialSource credentials_;
   ClientStats stats_;
-  RateLimiter limiter_;
-  RequestSlots slots_;
+  const Bounds bounds_;  // both set
   absl::Mutex mu_;
   std::vector<void*> idle_ ABSL_GUARDED_BY(mu_);  // CURL* kept alive for reuse
 };

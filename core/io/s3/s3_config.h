@@ -52,13 +52,14 @@ struct S3Settings {
   // Attempts per request (retries on 500, 502, 503, 504, SlowDown, resets,
   // timeouts), with exponential backoff and jitter from 50 ms up to 2 s.
   int max_attempts = 6;
-  // Body bytes per second moved to and from the endpoint by this client, all
-  // requests together (a node's share of the store's or the network's
-  // bandwidth); 0: no cap.
+  // Body bytes per second moved to and from the endpoint by this client (and
+  // the clients sharing its bounds, S3Client::Create), all requests
+  // together (a node's share of the store's or the network's bandwidth);
+  // 0: no cap.
   uint64_t max_bytes_per_s = 0;
-  // Requests in flight to the endpoint from this client, all callers
-  // together (a node's share of the store's request rate); 0: no bound
-  // (each caller's own requests: a load's I/O threads).
+  // Requests in flight from this client (and the clients sharing its
+  // bounds), all callers together (a node's share of the store's request
+  // rate); 0: no bound (each caller's own requests: a load's I/O threads).
   int max_requests = 0;
 };
 

@@ -419,7 +419,9 @@ absl::StatusOr<S3Storage*> RegisterS3Storage(
   for (const auto& [root, root_settings] : roots) {
     auto url = ParseS3Url(root);
     if (!url.ok()) return url.status();
-    auto c = S3Client::Create(root_settings, env);
+    // The daemon's bandwidth cap and request bound are the section's, for
+    // every root: a root's own client shares them.
+    auto c = S3Client::Create(root_settings, env, storage->client().bounds());
     if (!c.ok()) {
       return absl::Status(c.status().code(), absl::StrCat(root, ": ", c.status().message()));
     }
