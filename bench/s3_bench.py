@@ -19,9 +19,9 @@ Each repetition loads cold, waits until the daemon's work after that load
 (its laid-out copy, docs/daemon.md) is done, runs curl on a quiet machine,
 then loads warm (served from the data cache, and from the laid-out copy for
 the rank whose copy fits in the cache budget), so the three share the
-gateway's moods; figures are medians
-of --reps repetitions (default 7, --quick 3), and the spread of the
-repetitions' own cold/curl ratios is printed beside them.
+gateway's moods; figures are medians of --reps repetitions (default 7,
+--quick 3), and the spread of the repetitions' own cold/curl ratios is
+printed beside them.
 
     /usr/bin/python3 bench/s3_bench.py --ckptd bazel-bin/server/ckptd [--rows FILE] [--quick]
 """

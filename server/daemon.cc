@@ -25,6 +25,7 @@ namespace {
 // (docs/daemon.md, "Laid-out copies"): a job loading again at once in the
 // same processes does not share memory bandwidth with the gathering.
 constexpr std::chrono::milliseconds kQuietBeforeLaidOut{50};
+
 gpu::GpuOptions GpuOptionsOf(const DaemonConfig& c) {
   gpu::GpuOptions o;
   const char* pin = std::getenv("CKPTD_PIN_CACHE");  // "0": keep the data cache pageable

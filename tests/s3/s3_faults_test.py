@@ -174,18 +174,15 @@ class S3FaultsTest(unittest.TestCase):
         d = Daemon(self.root, "--io-threads", "4", "--config", cfg.name)
         try:
             save_split_rows(full, path, 4, "bounded-save", d.socket)
-
-            def load(job):
-                return load_split_cols(full, path, job, d.socket)
-
             with self.proxy.lock:
                 self.proxy.max_inflight_all = 0
             gets = self.proxy.seen["GET"]
             self.proxy.delay_s = 0.05
             try:
-                np.testing.assert_array_equal(load("bounded-1"), full)
+                got = load_split_cols(full, path, "bounded-1", d.socket)
             finally:
                 self.proxy.delay_s = 0.0
+            np.testing.assert_array_equal(got, full)
             gets = self.proxy.seen["GET"] - gets
             self.assertEqual(self.proxy.max_inflight_all, 1)
             st = ckptd.status(socket=d.socket)["object_storage"]
@@ -197,7 +194,7 @@ class S3FaultsTest(unittest.TestCase):
             # stalls mid-body.
             stalls = self.proxy.faults["stall"]
             self.proxy.plan("GET", [None] * (gets - reads) + ["stall"])
-            np.testing.assert_array_equal(load("bounded-2"), full)
+            np.testing.assert_array_equal(load_split_cols(full, path, "bounded-2", d.socket), full)
             self.assertEqual(self.proxy.faults["stall"], stalls + 1)
             after = ckptd.status(socket=d.socket)["object_storage"]
             self.assertEqual(after["retries"], st["retries"] + 1, after)

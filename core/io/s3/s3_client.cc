@@ -194,6 +194,10 @@ std::string HostOf(const std::string& url) {
   return std::string(rest.substr(scheme + 3));
 }
 
+// A transfer that moves no byte this long is cut (and waiters for a
+// request slot count in it).
+int64_t StallNs(const S3Settings& s) { return std::max<int64_t>(1, s.stall_timeout_ms) * 1000000; }
+
 }  // namespace
 
 absl::StatusOr<std::unique_ptr<S3Client>> S3Client::Create(const S3Settings& settings,
@@ -205,8 +209,7 @@ absl::StatusOr<std::unique_ptr<S3Client>> S3Client::Create(const S3Settings& set
     shared.limiter = std::make_shared<RateLimiter>(settings.max_bytes_per_s);
   }
   if (shared.slots == nullptr) {
-    shared.slots = std::make_shared<RequestSlots>(
-        settings.max_requests, std::max<int64_t>(1, settings.stall_timeout_ms) * 1000000);
+    shared.slots = std::make_shared<RequestSlots>(settings.max_requests, StallNs(settings));
   }
   auto client = std::unique_ptr<S3Client>(
       new S3Client(settings, *std::move(endpoint), env, std::move(shared)));
@@ -404,7 +407,7 @@ double RequestSlots::waited_s() const {
 absl::Status S3Client::Perform(Call& call) {
   call.limiter = bounds_.limiter.get();
   call.slots = bounds_.slots.get();
-  call.stall_ns = std::max<int64_t>(1, settings_.stall_timeout_ms) * 1000000;
+  call.stall_ns = StallNs(settings_);
   void* h = TakeHandle();
   if (h == nullptr) return absl::ResourceExhaustedError("cannot create a libcurl handle");
   std::mt19937_64 rng(std::random_device{}());
