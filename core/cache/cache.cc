@@ -392,22 +392,27 @@ struct HostCache::Entry {
   }
 };
 
+const HostCache::EntryPtr* HostCache::FindLocked(const std::string& path, const FileStamp& stamp,
+                                                 uint64_t offset, uint64_t n) const {
+  auto fit = index_.find(path);
+  if (fit == index_.end()) return nullptr;
+  auto it = fit->second.upper_bound(offset);
+  if (it == fit->second.begin()) return nullptr;
+  --it;
+  const EntryPtr& e = it->second;
+  if (e->stamp == stamp && e->offset <= offset && offset + n <= e->offset + e->n) return &e;
+  return nullptr;
+}
+
 std::optional<RangeView> HostCache::Lookup(const std::string& path, const FileStamp& stamp,
                                            uint64_t offset, uint64_t n) {
   absl::MutexLock lock(&mu_);
-  auto fit = index_.find(path);
-  if (fit != index_.end()) {
-    auto it = fit->second.upper_bound(offset);
-    if (it != fit->second.begin()) {
-      --it;
-      const EntryPtr& e = it->second;
-      if (e->stamp == stamp && e->offset <= offset && offset + n <= e->offset + e->n) {
-        TouchLocked(e);
-        ++stats_.hits;
-        EntryPtr pin = e;
-        return RangeView{e->data->p + (offset - e->offset), std::move(pin), false};
-      }
-    }
+  if (const EntryPtr* found = FindLocked(path, stamp, offset, n)) {
+    const EntryPtr& e = *found;
+    TouchLocked(e);
+    ++stats_.hits;
+    EntryPtr pin = e;
+    return RangeView{e->data->p + (offset - e->offset), std::move(pin), false};
   }
   ++stats_.misses;
   return std::nullopt;
@@ -488,15 +493,10 @@ void HostCache::PublishLaidOut(std::shared_ptr<Pending> p, const std::string& di
 std::optional<RangeView> HostCache::Peek(const std::string& path, const FileStamp& stamp,
                                          uint64_t offset, uint64_t n) {
   absl::MutexLock lock(&mu_);
-  auto fit = index_.find(path);
-  if (fit == index_.end()) return std::nullopt;
-  auto it = fit->second.upper_bound(offset);
-  if (it == fit->second.begin()) return std::nullopt;
-  --it;
-  const EntryPtr& e = it->second;
-  if (e->stamp != stamp || e->offset > offset || offset + n > e->offset + e->n) return std::nullopt;
-  EntryPtr pin = e;
-  return RangeView{e->data->p + (offset - e->offset), std::move(pin), false};
+  const EntryPtr* found = FindLocked(path, stamp, offset, n);
+  if (found == nullptr) return std::nullopt;
+  EntryPtr pin = *found;
+  return RangeView{pin->data->p + (offset - pin->offset), std::move(pin), false};
 }
 
 std::optional<std::pair<uint64_t, uint64_t>> HostCache::BlockSerial(const uint8_t* p,

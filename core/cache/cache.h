@@ -203,6 +203,9 @@ class HostCache {
   // Call it while `e` is still in the index.
   void DropLocked(EntryPtr e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   void TouchLocked(const EntryPtr& e) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+  // The published entry holding [offset, offset + n) of `path` at `stamp`.
+  const EntryPtr* FindLocked(const std::string& path, const FileStamp& stamp, uint64_t offset,
+                             uint64_t n) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
   struct Buffer;  // entry bytes from allocator_ (or new[])
   class BlockPool;
@@ -275,6 +278,9 @@ class CachingSource final : public RangeSource {
   };
   absl::StatusOr<std::optional<SharedFile>> ShareUncached(const std::string& file,
                                                           uint64_t offset, uint64_t n);
+  // Whether an entry holds bytes [offset, offset + n) of `file` now (a hint:
+  // it may be evicted before it is read; BeginFill and Fetch decide).
+  bool Holds(const std::string& file, uint64_t offset, uint64_t n) const;
 
  private:
   class CacheFill;

@@ -195,6 +195,12 @@ absl::StatusOr<std::optional<CachingSource::SharedFile>> CachingSource::ShareUnc
   return SharedFile{*fd, p.file->size(), p.path, *p.stamp};
 }
 
+bool CachingSource::Holds(const std::string& file, uint64_t offset, uint64_t n) const {
+  auto stamp = stamps_.find(file);
+  return stamp != stamps_.end() &&
+         cache_->Peek(JoinPath(dir_, file), stamp->second, offset, n).has_value();
+}
+
 std::vector<std::pair<std::string, uint64_t>> CachingSource::Deferred() const {
   absl::MutexLock lock(&mu_);
   return deferred_;

@@ -63,19 +63,24 @@ void Loads::HandOutEarly(const Caller& caller, RankSlot& slot, ckpt::ViewRecorde
 }
 
 absl::Status Loads::DeliverViews(const Caller& caller, ckpt::ViewRecorder& views,
-                                 const std::string& path, const std::string& who,
+                                 const std::string& who,
                                  const std::function<bool(const v1::LoadEvent&)>& send,
                                  const std::function<bool()>& cancelled, v1::LoadResult* result) {
   CKPT_RETURN_IF_ERROR(p_.opener->DeliverViews(caller, views, who, send, cancelled));
   result->set_bytes_from_views(views.bytes_recorded());
   result->set_bytes_from_files(views.bytes_from_files());
   result->set_bytes_from_laid_out(views.bytes_laid_out());
-  // Queued after the job's cache fill (bytes its client read from files are
-  // gathered from there).
-  if (ckpt::ViewRecorder::Work work = views.TakeLaidOutWork()) {
-    p_.filler->SubmitWork(path, std::move(work));
-  }
   return absl::OkStatus();
+}
+
+void Loads::QueueLaidOut(std::shared_ptr<RankSlot> slot, const std::string& path) {
+  // Queued after the job's cache fill (bytes its client read from files are
+  // gathered from there); the recipe is taken there too, off this call.
+  p_.filler->SubmitWork(path, [slot = std::move(slot)](const std::function<void()>& pause) {
+    ckpt::ViewRecorder* views = slot->destination->views();
+    if (views == nullptr) return;
+    if (ckpt::ViewRecorder::Work work = views->TakeLaidOutWork()) work(pause);
+  });
 }
 
 absl::Status Loads::Load(const Caller& caller, const v1::LoadRequest& request,
@@ -164,7 +169,7 @@ absl::Status Loads::Load(const Caller& caller, const v1::LoadRequest& request,
   }
   if (cancelled()) return fail(absl::CancelledError("client went away"));
   if (views != nullptr) {
-    absl::Status v = DeliverViews(caller, *views, *resolved, who, send, cancelled, &result);
+    absl::Status v = DeliverViews(caller, *views, who, send, cancelled, &result);
     if (!v.ok()) return fail(v);
   }
   result.mutable_timings()->set_total_s(Seconds(slot->start));
@@ -189,6 +194,7 @@ absl::Status Loads::Load(const Caller& caller, const v1::LoadRequest& request,
   v1::LoadEvent done;
   *done.mutable_result() = result;
   send(done);
+  if (views != nullptr && views->WantsLaidOut()) QueueLaidOut(std::move(slot), *resolved);
   ++p_.counters->succeeded;
   p_.counters->bytes_delivered += result.bytes_delivered();
   return absl::OkStatus();

@@ -169,13 +169,18 @@ class Loads {
   void HandOutEarly(const Caller& caller, RankSlot& slot, ckpt::ViewRecorder& views,
                     const std::string& who, const std::function<bool(const v1::LoadEvent&)>& send,
                     const std::function<bool()>& cancelled, absl::Status* copied);
-  // The rank's last views (the client copies them), what they delivered
-  // into *result, and the laid-out copy to gather from them for its next
-  // load (ViewRecorder::TakeLaidOutWork) queued on the cache filler.
+  // The rank's last views (the client copies them) and what they
+  // delivered into *result.
   absl::Status DeliverViews(const Caller& caller, ckpt::ViewRecorder& views,
-                            const std::string& path, const std::string& who,
+                            const std::string& who,
                             const std::function<bool(const v1::LoadEvent&)>& send,
                             const std::function<bool()>& cancelled, v1::LoadResult* result);
+  // The laid-out copy to gather from the rank's views for its next load
+  // (ViewRecorder::TakeLaidOutWork), queued on the cache filler, which takes
+  // the recipe too (`slot` kept till then): the rank's call ends with its
+  // result (the recipe of a cold load's pieces took 6-12 ms that the
+  // client waited for before its call ended).
+  void QueueLaidOut(std::shared_ptr<RankSlot> slot, const std::string& path);
   // Runs the job (RunJob, guarded): on `thread` when `own_thread` (this
   // rank's call hands out views meanwhile), else here, till it is done.
   void Start(const std::shared_ptr<Job>& job, bool own_thread, JoinedThread* thread);

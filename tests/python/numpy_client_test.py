@@ -680,6 +680,45 @@ class NumpyClientTest(unittest.TestCase):
         self.assertGreater(rep.bytes_read, 0)
         np.testing.assert_array_equal(as64, full.astype(np.float64))
 
+    def test_file_views_leave_bytes_two_ranks_need_to_the_daemon(self):
+        """Two ranks whose column slices of one tensor interleave row by row
+        read their own runs from the files; where their slices overlap (bytes
+        both need) the daemon reads them once instead; a warm load reads no
+        file."""
+        name = "model.layers.1.mlp.down_proj.weight"
+        full = self.full(name)
+        rows, cols = full.shape
+        self.addCleanup(ckptd.evict, self.tp2, socket=self.sock)
+
+        def load(job, slices):
+            parts = [np.full((rows, b - a), np.nan, np.float32) for a, b in slices]
+            reps = testlib.run_ranks(2, lambda r: ckptd.load_state_dict(
+                {name: ckptd.ShardedTensor(parts[r], full.shape, (0, slices[r][0]))}, self.tp2,
+                rank=r, world_size=2, job_id=job, socket=self.sock, transport="cache_view",
+                verify=False))
+            for r, (a, b) in enumerate(slices):
+                np.testing.assert_array_equal(parts[r], full[:, a:b])
+            return reps
+
+        overlapping = [(0, 3 * cols // 4), (cols // 4, cols)]
+        ckptd.evict(self.tp2, socket=self.sock)
+        reps = load("fv-overlap-cold", overlapping)
+        for r in range(2):
+            self.assertEqual(reps[r].bytes_from_files, 0)
+            self.assertEqual(reps[r].bytes_read, full.nbytes)  # the job's: read once
+        halves = [(0, cols // 2), (cols // 2, cols)]
+        ckptd.evict(self.tp2, socket=self.sock)
+        reps = load("fv-halves-cold", halves)
+        for r in range(2):
+            self.assertEqual(reps[r].bytes_from_files, rows * cols // 2 * 4)
+            self.assertEqual(reps[r].bytes_read, 0)
+        # Filled into the cache after that load (unverified bytes the daemon
+        # read itself are not kept; bytes the clients read are, by the filler).
+        reps = load("fv-halves-warm", halves)
+        for r in range(2):
+            self.assertEqual((reps[r].bytes_from_files, reps[r].bytes_read), (0, 0))
+            self.assertGreater(reps[r].bytes_from_cache, 0)
+
     def test_stream_transport(self):
         sd = {"model.layers.0.mlp.down_proj.weight": np.zeros((64, 128), np.float32),
               "lm_head.weight": np.zeros((256, 64), np.float32)}

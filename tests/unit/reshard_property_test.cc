@@ -338,6 +338,55 @@ TEST_P(ReshardProperty, ShardThenLoadIsExact) {
   EXPECT_EQ(cases, 250);
 }
 
+// One read that many ranks need a column each of: its copies' runs
+// interleave row by row, more copies than the executor merges one by one
+// (it sorts them all instead).
+TEST(ReshardManyCopies, ColumnsOfOneReadForSixteenRanksLandExactly) {
+  testing::TempDir tmp;
+  // Runs of 512 bytes: the read goes by runs (not copy by copy).
+  const int64_t rows = 48, cols = 2048, world = 16;
+  std::vector<float> full(rows * cols);
+  for (size_t i = 0; i < full.size(); ++i) full[i] = static_cast<float>(i) * 0.5f;
+  const std::string src = tmp.Sub("src"), dst = tmp.Sub("dst");
+  ASSERT_TRUE(MakeDirs(src).ok());
+  ASSERT_TRUE(WriteSafetensors(src + "/model.safetensors",
+                               {{"w", DType::kF32, {rows, cols},
+                                 reinterpret_cast<const uint8_t*>(full.data())}},
+                               {})
+                  .ok());
+  Layout save;
+  save.world_size = 1;
+  save.ranks.push_back(RankTargets{0, {{"w", DType::kF32, {rows, cols}, Box{{0, 0}, {rows, cols}},
+                                        std::nullopt}}});
+  ASSERT_TRUE(ShardCheckpoint(src, save, dst, ShardOptions{}).ok());
+  Layout load;
+  load.world_size = world;
+  const int64_t width = cols / world;
+  for (int r = 0; r < world; ++r) {
+    load.ranks.push_back(RankTargets{
+        r, {{"w", DType::kF32, {rows, cols}, Box{{0, r * width}, {rows, width}}, std::nullopt}}});
+  }
+  for (bool remote : {false, true}) {
+    OfflineLoadOptions lo;
+    lo.threads = 1;
+    lo.piece_bytes = 4000;  // the read in pieces: segments taken up in offset order
+    lo.fill_byte = 0xff;
+    lo.via_process_memory = remote;
+    auto res = LoadOffline(dst, load, lo);
+    ASSERT_TRUE(res.ok()) << res.status();
+    EXPECT_EQ(res->plan.reads.size(), 1u);
+    for (int r = 0; r < world; ++r) {
+      std::vector<float> want;
+      for (int64_t i = 0; i < rows; ++i) {
+        for (int64_t j = r * width; j < (r + 1) * width; ++j) want.push_back(full[i * cols + j]);
+      }
+      const std::vector<uint8_t>& got = res->buffers[r].tensors[0];
+      ASSERT_EQ(got.size(), want.size() * sizeof(float));
+      EXPECT_EQ(std::memcmp(got.data(), want.data(), got.size()), 0) << "rank " << r;
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(Blocks, ReshardProperty, ::testing::Range(0, 12));
 
 }  // namespace
