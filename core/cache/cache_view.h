@@ -148,9 +148,10 @@ class ViewRecorder final : public RemoteMemory {
   static constexpr uint64_t kLaidOutPauseBytes = 8 << 20;
   using Work = std::function<void(const std::function<void()>& pause)>;
   Work TakeLaidOutWork();
-  // Whether TakeLaidOutWork may find something to gather (cheap: a load
-  // served from a laid-out copy, or with none enabled, has nothing).
-  bool WantsLaidOut() const;
+  // Whether TakeLaidOutWork will find a target to gather (the recipe's
+  // choice of targets, without expanding their pieces); when none, the
+  // blocks kept for it are let go here.
+  bool WantsLaidOut();
   // `ready` runs (on the recording thread, no lock of this recorder held)
   // once the bytes recorded since the last batch reach `min_bytes`, then not
   // again before the next TakeBatch. Set before anything is recorded.

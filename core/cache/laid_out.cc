@@ -178,9 +178,12 @@ void ViewRecorder::ServeLaidOut(const LaidOut& r) {
   }
 }
 
-bool ViewRecorder::WantsLaidOut() const {
+bool ViewRecorder::WantsLaidOut() {
   absl::MutexLock lock(&mu_);
-  return !laid_out_dir_.empty() && laid_out_bytes_ == 0 && !kept_.empty();
+  if (laid_out_dir_.empty() || laid_out_bytes_ > 0 || kept_.empty()) return false;
+  if (!LaidOutRecipe(/*files=*/true).parts.empty()) return true;
+  kept_.clear();
+  return false;
 }
 
 ViewRecorder::Work ViewRecorder::TakeLaidOutWork() {

@@ -239,7 +239,8 @@ bool RunWriter::Prepare(const LoadPlan& plan, size_t i,
     // A copy's runs come in offset order as a rule (a box walked row by
     // row): merged into the others' (a column half of a 64 MiB read is
     // thousands of runs per rank), sorted only where they are not.
-    // Many copies (small tensors, many ranks) are sorted once at the end.
+    // Past kMaxMerges copies out of order (small tensors, many ranks): one
+    // sort at the end.
     if (merged == kUnmerged) continue;
     const auto mid = segs_.begin() + static_cast<std::ptrdiff_t>(merged);
     if (!std::is_sorted(mid, segs_.end(), ByOffset)) std::sort(mid, segs_.end(), ByOffset);

@@ -88,6 +88,9 @@ class Destination {
   // process_memory with views: what the client copies itself (after the job,
   // by the rank's thread); null else.
   virtual ckpt::ViewRecorder* views() { return nullptr; }
+  // The same recorder, shared: the laid-out work that outlives the rank's
+  // call holds it (the recorder locks itself), not the destination.
+  virtual std::shared_ptr<ckpt::ViewRecorder> shared_views() { return nullptr; }
   // With views: whether the client also reads bytes the cache does not hold
   // from the checkpoint's files itself (ProcessMemoryDestination.file_views).
   virtual bool reads_files() const { return false; }
@@ -167,6 +170,7 @@ class ProcessDestination final : public Destination {
   RankDelivery Prepare(const ckpt::RankPlan& plan) override;
   void StopWhen(std::function<bool()> stop) override { memory_->StopWhen(std::move(stop)); }
   ckpt::ViewRecorder* views() override { return views_.get(); }
+  std::shared_ptr<ckpt::ViewRecorder> shared_views() override { return views_; }
   bool reads_files() const override { return views_ != nullptr && file_views_; }
 
  private:

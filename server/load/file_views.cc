@@ -61,7 +61,7 @@ bool RanksOverlap(const std::vector<std::vector<ckpt::ViewRecorder::FileRun>>& r
     for (const auto& r : rank) spans->push_back({r.offset, r.offset + r.length});
     const auto mid = spans->begin() + static_cast<std::ptrdiff_t>(begin);
     if (!std::is_sorted(mid, spans->end())) std::sort(mid, spans->end());
-    if (begin > 0) {
+    if (begin > 0 && mid != spans->end()) {
       merged->resize(spans->size());
       std::merge(spans->begin(), mid, mid, spans->end(), merged->begin());
       spans->swap(*merged);

@@ -73,12 +73,11 @@ absl::Status Loads::DeliverViews(const Caller& caller, ckpt::ViewRecorder& views
   return absl::OkStatus();
 }
 
-void Loads::QueueLaidOut(std::shared_ptr<RankSlot> slot, const std::string& path) {
+void Loads::QueueLaidOut(std::shared_ptr<ckpt::ViewRecorder> views, const std::string& path) {
+  if (views == nullptr || !views->WantsLaidOut()) return;
   // Queued after the job's cache fill (bytes its client read from files are
-  // gathered from there); the recipe is taken there too, off this call.
-  p_.filler->SubmitWork(path, [slot = std::move(slot)](const std::function<void()>& pause) {
-    ckpt::ViewRecorder* views = slot->destination->views();
-    if (views == nullptr) return;
+  // gathered from there); the pieces are expanded there too, off this call.
+  p_.filler->SubmitWork(path, [views = std::move(views)](const std::function<void()>& pause) {
     if (ckpt::ViewRecorder::Work work = views->TakeLaidOutWork()) work(pause);
   });
 }
@@ -193,8 +192,9 @@ absl::Status Loads::Load(const Caller& caller, const v1::LoadRequest& request,
   }
   v1::LoadEvent done;
   *done.mutable_result() = result;
+  // Before the result: an Evict the client sends once it has it drops the work.
+  QueueLaidOut(slot->destination->shared_views(), *resolved);
   send(done);
-  if (views != nullptr && views->WantsLaidOut()) QueueLaidOut(std::move(slot), *resolved);
   ++p_.counters->succeeded;
   p_.counters->bytes_delivered += result.bytes_delivered();
   return absl::OkStatus();

@@ -176,11 +176,11 @@ class Loads {
                             const std::function<bool(const v1::LoadEvent&)>& send,
                             const std::function<bool()>& cancelled, v1::LoadResult* result);
   // The laid-out copy to gather from the rank's views for its next load
-  // (ViewRecorder::TakeLaidOutWork), queued on the cache filler, which takes
-  // the recipe too (`slot` kept till then): the rank's call ends with its
-  // result (the recipe of a cold load's pieces took 6-12 ms that the
-  // client waited for before its call ended).
-  void QueueLaidOut(std::shared_ptr<RankSlot> slot, const std::string& path);
+  // (ViewRecorder::TakeLaidOutWork), if a target qualifies, queued on the
+  // cache filler, which expands its pieces too (`views` held till then):
+  // the rank's call does not wait for that (6-12 ms for the pieces of a
+  // cold load's column halves, 512 MiB).
+  void QueueLaidOut(std::shared_ptr<ckpt::ViewRecorder> views, const std::string& path);
   // Runs the job (RunJob, guarded): on `thread` when `own_thread` (this
   // rank's call hands out views meanwhile), else here, till it is done.
   void Start(const std::shared_ptr<Job>& job, bool own_thread, JoinedThread* thread);

@@ -418,6 +418,7 @@ TEST(ViewRecorder, GathersPiecesIntoALaidOutCopyServedToTheSameRecipeOnly) {
   struct Load {
     ViewRecorder::Batch batch;
     uint64_t laid_out = 0;
+    bool wants = false;
     ViewRecorder::Work work;
   };
   auto load = [&](const RangeView& a, const RangeView& b, std::vector<uint8_t>& da,
@@ -450,6 +451,7 @@ TEST(ViewRecorder, GathersPiecesIntoALaidOutCopyServedToTheSameRecipeOnly) {
     }
     out.laid_out = rec.bytes_laid_out();
     rec.Release();
+    out.wants = rec.WantsLaidOut();
     out.work = rec.TakeLaidOutWork();
     return out;
   };
@@ -463,6 +465,7 @@ TEST(ViewRecorder, GathersPiecesIntoALaidOutCopyServedToTheSameRecipeOnly) {
   EXPECT_EQ(first.laid_out, 0u);
   EXPECT_EQ(first.batch.copies.size(), 2u);  // one strided copy per target
   expect_halves(e0, e1);
+  EXPECT_TRUE(first.wants);
   ASSERT_TRUE(first.work);
   first.work({});
   EXPECT_EQ(c.stats().laid_out_entries, 1u);
@@ -484,6 +487,7 @@ TEST(ViewRecorder, GathersPiecesIntoALaidOutCopyServedToTheSameRecipeOnly) {
   }
   EXPECT_EQ(second.batch.copies[0].address, reinterpret_cast<uint64_t>(ta.data()));
   expect_halves(e0, e1);
+  EXPECT_FALSE(second.wants);
   EXPECT_FALSE(second.work);
   EXPECT_EQ(c.stats().laid_out_hits, 1u);
 
@@ -494,6 +498,7 @@ TEST(ViewRecorder, GathersPiecesIntoALaidOutCopyServedToTheSameRecipeOnly) {
   Load third = load(e0, e1b, ta, tb);
   EXPECT_EQ(third.laid_out, 0u);
   expect_halves(e0, e1b);
+  EXPECT_TRUE(third.wants);
   ASSERT_TRUE(third.work);
 
   // No room to spare (a laid-out copy evicts nothing): no second copy.
@@ -510,6 +515,25 @@ TEST(ViewRecorder, GathersPiecesIntoALaidOutCopyServedToTheSameRecipeOnly) {
   c.EvictPrefix("/ck/");
   EXPECT_EQ(c.stats().laid_out_entries, 0u);
   EXPECT_EQ(c.stats().laid_out_bytes, 0u);
+}
+
+// A target copied in one piece has nothing to gather: WantsLaidOut says so
+// (the daemon queues no work for it, and the blocks kept for one go).
+TEST(ViewRecorder, WantsNoLaidOutCopyOfATargetTakenWhole) {
+  constexpr uint64_t kEntry = 2 * kBlock;
+  HostCache c(4 * kBlock);
+  RangeView e = Put(c, "/ck/f0", 0, kEntry, 0, 7);
+  std::vector<uint8_t> t(kEntry);
+  const auto at = reinterpret_cast<uint64_t>(t.data());
+  ViewRecorder rec(&c, 7, nullptr, {{at, at + t.size()}});
+  rec.EnableLaidOut("/ck");
+  iovec l{const_cast<uint8_t*>(e.data), kEntry}, r{t.data(), kEntry};
+  ASSERT_TRUE(rec.Write(&l, &r, 1).ok());
+  ViewRecorder::Batch batch = rec.TakeBatch(/*last=*/true);
+  ASSERT_EQ(batch.copies.size(), 1u);
+  rec.Release();
+  EXPECT_FALSE(rec.WantsLaidOut());
+  EXPECT_FALSE(rec.TakeLaidOutWork());
 }
 
 // Writes `contents` to `name` in `tmp` and returns the file's stamp.
