@@ -514,6 +514,25 @@ uint64_t SpanBytes(const std::vector<ReadSpan>& spans) {
   return n;
 }
 
+std::vector<SpanRun> PackSpans(const std::vector<ReadSpan>& spans) {
+  std::vector<SpanRun> out;
+  for (const ReadSpan& s : spans) {
+    const uint64_t len = s.end - s.begin;
+    if (!out.empty()) {
+      SpanRun& r = out.back();
+      const uint64_t last = r.begin + (r.count - 1) * r.stride;
+      if (r.length == len && s.begin > last &&
+          (r.count == 1 ? s.begin - last >= len : s.begin - last == r.stride)) {
+        if (r.count == 1) r.stride = s.begin - last;
+        ++r.count;
+        continue;
+      }
+    }
+    out.push_back({s.begin, len, 0, 1});
+  }
+  return out;
+}
+
 std::vector<std::vector<ReadSpan>> NeededSpans(const LoadPlan& plan, size_t max_spans) {
   std::vector<std::vector<ReadSpan>> out(plan.reads.size());
   // Runs of one copy beyond this are read as its whole span (bounds the

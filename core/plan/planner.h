@@ -137,6 +137,25 @@ std::vector<std::vector<ReadSpan>> NeededSpans(const LoadPlan& plan, size_t max_
 // Bytes in `spans`.
 uint64_t SpanBytes(const std::vector<ReadSpan>& spans);
 
+// `count` spans of `length` bytes each, the first at `begin`, each next
+// `stride` bytes after the one before (stride >= length; 0 when count is 1):
+// a column slice of a row-major tensor is one run per read instead of one
+// span per row.
+struct SpanRun {
+  uint64_t begin = 0;
+  uint64_t length = 0;
+  uint64_t stride = 0;
+  uint64_t count = 0;
+  bool operator==(const SpanRun& o) const {
+    return begin == o.begin && length == o.length && stride == o.stride && count == o.count;
+  }
+};
+
+// `spans` (sorted, disjoint, non-empty) as runs, in order: each span joins
+// the run before it when it has that run's length and lies its stride after
+// the run's last span (the second span of a run sets the stride).
+std::vector<SpanRun> PackSpans(const std::vector<ReadSpan>& spans);
+
 // The master-weight alternative name of `key`, or "" if it has none.
 std::string MasterWeightAlias(const std::string& key);
 

@@ -123,9 +123,11 @@ class DistJobs {
   friend class PeerReads;  // peer_reads.cc
   // A fetch of `request`'s reads by a node of the job (serve_reads.cc):
   // each needed from here by that node, fetched once, with valid spans; a
-  // violation (failing the job) otherwise.
+  // violation (failing the job) otherwise. Each read's spans as runs into
+  // *runs (in the request's order; empty: the whole read).
   absl::Status AdmitFetchLocked(DistJob& dj, const PeerCaller& caller,
-                                const peer::v1::FetchReadsRequest& request)
+                                const peer::v1::FetchReadsRequest& request,
+                                std::vector<std::vector<ckpt::SpanRun>>* runs)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(dj.mu);
   // The multi-node job `id` registered here, or null.
   std::shared_ptr<DistJob> Find(const std::string& id) ABSL_LOCKS_EXCLUDED(mu_);

@@ -188,10 +188,12 @@ absl::Status PeerFetch::Start() {
   for (Slot& s : slots_) {
     peer::v1::FetchReadRequest* r = req.add_reads();
     r->set_read(s.want.read);
-    for (const ckpt::ReadSpan& sp : s.want.spans) {
-      peer::v1::Range* range = r->add_spans();
-      range->set_begin(static_cast<int64_t>(sp.begin));
-      range->set_end(static_cast<int64_t>(sp.end));
+    // Packed: a column slice is one run per read, not a message per row.
+    for (const ckpt::SpanRun& run : ckpt::PackSpans(s.want.spans)) {
+      r->add_span_runs(run.begin);
+      r->add_span_runs(run.length);
+      r->add_span_runs(run.stride);
+      r->add_span_runs(run.count);
     }
   }
   started_ = true;

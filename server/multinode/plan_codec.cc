@@ -651,4 +651,55 @@ absl::StatusOr<std::pair<std::string, ckpt::ShardMeta>> FromMsg(const peer::v1::
   return std::make_pair(m.tensor(), std::move(s));
 }
 
+absl::StatusOr<std::vector<ckpt::SpanRun>> FetchSpansOf(const peer::v1::FetchReadRequest& req,
+                                                        uint64_t length) {
+  std::vector<ckpt::SpanRun> out;
+  if (req.spans_size() > 0 && req.span_runs_size() > 0) {
+    return absl::InvalidArgumentError("both spans and span_runs (at most one of them)");
+  }
+  if (static_cast<size_t>(req.spans_size()) > kMaxFetchSpans) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(req.spans_size(), " spans (at most ", kMaxFetchSpans, ")"));
+  }
+  int64_t prev_end = 0;
+  for (int i = 0; i < req.spans_size(); ++i) {
+    const peer::v1::Range& r = req.spans(i);
+    if (r.begin() < prev_end || r.end() <= r.begin() ||
+        static_cast<uint64_t>(r.end()) > length) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "spans[", i, "] [", r.begin(), ", ", r.end(), ") (spans are non-empty, ascending, "
+          "disjoint and inside the read of ", length, " bytes)"));
+    }
+    out.push_back({static_cast<uint64_t>(r.begin()),
+                   static_cast<uint64_t>(r.end() - r.begin()), 0, 1});
+    prev_end = r.end();
+  }
+  const int q = req.span_runs_size();
+  if (q % 4 != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat(q, " span_runs values (quadruples: begin, length, stride, count)"));
+  }
+  uint64_t spans = 0, end = 0;
+  for (int i = 0; i < q; i += 4) {
+    const ckpt::SpanRun r{req.span_runs(i), req.span_runs(i + 1), req.span_runs(i + 2),
+                          req.span_runs(i + 3)};
+    // Every bound checked without an overflow: begin <= length, then the
+    // first span inside, then the last (count - 1 strides further).
+    const bool ok = r.count >= 1 && r.count <= kMaxFetchSpans - spans && r.length >= 1 &&
+                    r.begin >= end && r.begin <= length && r.length <= length - r.begin &&
+                    (r.count == 1 || (r.stride >= r.length &&
+                                      r.count - 1 <= (length - r.begin - r.length) / r.stride));
+    if (!ok) {
+      return absl::InvalidArgumentError(absl::StrCat(
+          "span_runs[", i / 4, "] (begin ", r.begin, ", length ", r.length, ", stride ",
+          r.stride, ", count ", r.count, ") (spans are non-empty, ascending, disjoint, inside the "
+          "read of ", length, " bytes, at most ", kMaxFetchSpans, " in all)"));
+    }
+    spans += r.count;
+    end = r.begin + (r.count - 1) * r.stride + r.length;
+    out.push_back(r);
+  }
+  return out;
+}
+
 }  // namespace ckptd

@@ -126,9 +126,17 @@ struct LocalPart {
   std::map<uint32_t, std::vector<ckpt::ReadSpan>> fetch_spans;
 };
 
-// Spans one fetch may ask for (FetchReadRequest.spans): more are merged
+// Spans one fetch may ask for (FetchReadRequest.spans or .span_runs,
+// counted one by one): more are merged
 // across their smallest gaps (ckpt::NeededSpans).
 inline constexpr size_t kMaxFetchSpans = 1 << 16;
+// The spans of a fetch (FetchReadRequest.spans, or .span_runs) against its
+// read of `length` bytes, as runs: at most kMaxFetchSpans spans in all, each
+// non-empty, inside the read, ascending and disjoint; INVALID_ARGUMENT
+// naming the first that is not (or both forms at once). Empty: the whole
+// read.
+absl::StatusOr<std::vector<ckpt::SpanRun>> FetchSpansOf(const peer::v1::FetchReadRequest& req,
+                                                        uint64_t length);
 // Reads one FetchReads call may ask for.
 inline constexpr size_t kMaxFetchReads = 1 << 16;
 // A node fetches a read whole when its ranks need at least this share of it

@@ -20,41 +20,20 @@
 namespace ckptd {
 namespace {
 
-// The spans of a fetch (FetchReadRequest.spans) against its read of
-// `length` bytes: at most kMaxFetchSpans, each non-empty, inside the read,
-// ascending and disjoint. Says what is wrong with the first that is not.
-absl::Status CheckFetchSpans(const peer::v1::FetchReadRequest& req, uint64_t length) {
-  if (static_cast<size_t>(req.spans_size()) > kMaxFetchSpans) {
-    return absl::InvalidArgumentError(
-        absl::StrCat(req.spans_size(), " spans (at most ", kMaxFetchSpans, ")"));
-  }
-  int64_t prev_end = 0;
-  for (int i = 0; i < req.spans_size(); ++i) {
-    const peer::v1::Range& r = req.spans(i);
-    if (r.begin() < prev_end || r.end() <= r.begin() ||
-        static_cast<uint64_t>(r.end()) > length) {
-      return absl::InvalidArgumentError(absl::StrCat(
-          "spans[", i, "] [", r.begin(), ", ", r.end(), ") (spans are non-empty, ascending, "
-          "disjoint and inside the read of ", length, " bytes)"));
-    }
-    prev_end = r.end();
-  }
-  return absl::OkStatus();
-}
-
 // Streams read bytes `view` (`length` bytes, xxh3 `xxh3` as read) to a
 // fetcher: whole (the first chunk with the read's xxh3), or only the spans
-// `req` asks for, one after another, each chunk with its own xxh3. Every
-// chunk names the read. `corrupt`: fault injection for tests (a flipped byte
+// of `runs` (`req`'s, checked), one after another, each chunk with its own
+// xxh3. Every chunk names the read. `corrupt`: fault injection for tests (a flipped byte
 // per chunk sent). Each chunk's bytes are added to `counted` before it goes
 // (DistJob::bytes_sent). Returns the bytes sent, CANCELLED when the fetcher
 // went away.
 absl::StatusOr<uint64_t> SendRead(const ckpt::RangeView& view, uint64_t length, uint64_t xxh3,
-                                  const peer::v1::FetchReadRequest& req, bool corrupt,
+                                  const peer::v1::FetchReadRequest& req,
+                                  const std::vector<ckpt::SpanRun>& runs, bool corrupt,
                                   std::atomic<uint64_t>& counted,
                                   const std::function<bool(const peer::v1::Chunk&)>& send) {
   constexpr uint64_t kChunk = 1 << 20;
-  if (req.spans_size() == 0) {
+  if (runs.empty()) {
     for (uint64_t off = 0; off == 0 || off < length; off += kChunk) {
       peer::v1::Chunk c;
       c.set_read(req.read());
@@ -89,14 +68,16 @@ absl::StatusOr<uint64_t> SendRead(const ckpt::RangeView& view, uint64_t length, 
     c.clear_data();
     return ok;
   };
-  for (const peer::v1::Range& r : req.spans()) {
-    for (uint64_t at = static_cast<uint64_t>(r.begin()); at < static_cast<uint64_t>(r.end());) {
-      const uint64_t k = std::min<uint64_t>(static_cast<uint64_t>(r.end()) - at,
-                                            kChunk - c.data().size());
-      c.mutable_data()->append(reinterpret_cast<const char*>(view.data + at), k);
-      at += k;
-      if (c.data().size() == kChunk && !flush()) {
-        return absl::CancelledError("the fetching node went away");
+  for (const ckpt::SpanRun& r : runs) {
+    for (uint64_t i = 0; i < r.count; ++i) {
+      const uint64_t b = r.begin + i * r.stride, e = b + r.length;
+      for (uint64_t at = b; at < e;) {
+        const uint64_t k = std::min<uint64_t>(e - at, kChunk - c.data().size());
+        c.mutable_data()->append(reinterpret_cast<const char*>(view.data + at), k);
+        at += k;
+        if (c.data().size() == kChunk && !flush()) {
+          return absl::CancelledError("the fetching node went away");
+        }
       }
     }
   }
@@ -123,11 +104,13 @@ absl::Status DistJobs::PeerFetchRead(const PeerCaller& caller,
   peer::v1::FetchReadRequest* one = batch.add_reads();
   one->set_read(req.read());
   *one->mutable_spans() = req.spans();
+  *one->mutable_span_runs() = req.span_runs();
   return PeerFetchReads(caller, batch, send, cancelled);
 }
 
 absl::Status DistJobs::AdmitFetchLocked(DistJob& dj, const PeerCaller& caller,
-                                        const peer::v1::FetchReadsRequest& req) {
+                                        const peer::v1::FetchReadsRequest& req,
+                                        std::vector<std::vector<ckpt::SpanRun>>* runs) {
   if (req.reads_size() == 0 || static_cast<size_t>(req.reads_size()) > kMaxFetchReads) {
     return dj.ViolationLocked(caller, absl::StrCat("fetched ", req.reads_size(), " reads as '",
                                                    req.node(), "' in one call (1 to ",
@@ -142,10 +125,12 @@ absl::Status DistJobs::AdmitFetchLocked(DistJob& dj, const PeerCaller& caller,
                                                      config_.peer_listen));
     }
     DistJob::Served& served = sv->second;
-    if (absl::Status spans = CheckFetchSpans(r, served.length); !spans.ok()) {
+    absl::StatusOr<std::vector<ckpt::SpanRun>> spans = FetchSpansOf(r, served.length);
+    if (!spans.ok()) {
       return dj.ViolationLocked(caller, absl::StrCat("fetched read ", g, " as '", req.node(),
-                                                     "' with ", spans.message()));
+                                                     "' with ", spans.status().message()));
     }
+    runs->push_back(*std::move(spans));
     if (!served.fetched.insert(req.node()).second) {
       return dj.ViolationLocked(caller,
                                 absl::StrCat("fetched read ", g, " as '", req.node(),
@@ -170,6 +155,7 @@ absl::Status DistJobs::PeerFetchReads(const PeerCaller& caller,
         "' is not running here (finished, failed, or never started on this node): a late or "
         "unplanned fetch of ", what));
   }
+  std::vector<std::vector<ckpt::SpanRun>> runs;  // each read's spans, once admitted
   auto over = [&]() ABSL_EXCLUSIVE_LOCKS_REQUIRED(dj->mu) {
     return !dj->exec_status.ok() || !dj->violation.ok();
   };
@@ -214,10 +200,11 @@ absl::Status DistJobs::PeerFetchReads(const PeerCaller& caller,
                               absl::StrCat("fetched ", what, " as '", req.node(),
                                            "', which is not a node of the job"));
     }
-    CKPT_RETURN_IF_ERROR(AdmitFetchLocked(*dj, caller, req));
+    CKPT_RETURN_IF_ERROR(AdmitFetchLocked(*dj, caller, req, &runs));
   }
   // Each read in the order asked, as soon as this node has it.
-  for (const peer::v1::FetchReadRequest& r : req.reads()) {
+  for (int k = 0; k < req.reads_size(); ++k) {
+    const peer::v1::FetchReadRequest& r = req.reads(k);
     const uint32_t g = r.read();
     ckpt::RangeView view;
     uint64_t length = 0, xxh3 = 0;
@@ -241,7 +228,8 @@ absl::Status DistJobs::PeerFetchReads(const PeerCaller& caller,
       xxh3 = served.xxh3;
     }
     absl::StatusOr<uint64_t> sent =
-        SendRead(view, length, xxh3, r, config_.testing_corrupt_served, dj->bytes_sent, send);
+        SendRead(view, length, xxh3, r, runs[static_cast<size_t>(k)],
+                 config_.testing_corrupt_served, dj->bytes_sent, send);
     if (!sent.ok()) return sent.status();
     absl::MutexLock lock(&dj->mu);
     DistJob::Served& served = dj->served[g];

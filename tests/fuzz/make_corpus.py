@@ -498,6 +498,31 @@ def job_mac_seeds(tmp):
     put("job_mac", "empty", b"")
 
 
+# fetch_spans: 8 bytes of read length (little-endian), then a serialized
+# ckptd.peer.v1.FetchReadRequest.
+
+def fetch_spans_seeds(tmp):
+    sys.path.insert(0, tmp)  # peer_pb2, made by plan_seeds
+    import struct  # noqa: E402
+    import peer_pb2 as pb  # noqa: E402
+
+    def put_req(name, length, spans=(), runs=()):
+        r = pb.FetchReadRequest(job_id="j", read=3, node="10.0.0.2:7071")
+        for b, e in spans:
+            r.spans.add(begin=b, end=e)
+        r.span_runs.extend(runs)
+        put("fetch_spans", name, struct.pack("<Q", length) + r.SerializeToString())
+
+    put_req("whole", 1 << 21)
+    put_req("column-slice-runs", 1 << 21, runs=(256, 64, 4096, 512))
+    put_req("two-runs-touching", 4096, runs=(0, 8, 8, 4, 32, 1, 0, 1))
+    put_req("old-spans", 4096, spans=((0, 8), (16, 40), (4092, 4096)))
+    put_req("overlapping-runs", 4096, runs=(0, 8, 4, 2))
+    put_req("past-the-read", 100, runs=(0, 4, 8, 14))
+    put_req("both-forms", 100, spans=((0, 1),), runs=(4, 1, 0, 1))
+    put_req("wrapping-stride", 100, runs=(0, 1, 1 << 62, 5))
+
+
 # ---------------------------------------------------------------------------
 
 def main():
@@ -534,6 +559,7 @@ def main():
         fd_socket_seeds()
         plan_seeds(os.path.join(tmp, "py"))
         job_mac_seeds(os.path.join(tmp, "py"))
+        fetch_spans_seeds(os.path.join(tmp, "py"))
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     total = 0

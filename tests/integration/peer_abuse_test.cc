@@ -245,12 +245,14 @@ class PeerAbuse : public ::testing::Test {
     return s;
   }
   // `spans`: (begin, end) within the read (FetchReadRequest.spans); each
-  // chunk's xxh3 (or none) into `chunk_xxh3` when given.
+  // chunk's xxh3 (or none) into `chunk_xxh3` when given; `span_runs`: the
+  // packed form's quadruples.
   grpc::Status Fetch(const std::string& job, uint32_t read, const std::string& node,
                      const CertFiles* as, std::string* bytes, std::optional<uint64_t>* xxh3,
                      const std::vector<std::pair<int64_t, int64_t>>& spans = {},
                      std::vector<std::optional<uint64_t>>* chunk_xxh3 = nullptr,
-                     std::vector<std::string>* chunks = nullptr) {
+                     std::vector<std::string>* chunks = nullptr,
+                     const std::vector<uint64_t>& span_runs = {}) {
     auto stub = Stub(ports_[0], as);
     grpc::ClientContext ctx;
     Deadline(&ctx, 10);
@@ -263,6 +265,7 @@ class PeerAbuse : public ::testing::Test {
       r->set_begin(b);
       r->set_end(e);
     }
+    for (uint64_t v : span_runs) req.add_span_runs(v);
     auto stream = stub->FetchRead(&ctx, req);
     pv1::Chunk c;
     while (stream->Read(&c)) {
@@ -446,6 +449,46 @@ TEST_F(PeerAbuse, MemberFetchingSpansGetsThoseBytesOnlyAndMalformedSpansFailTheJ
   EXPECT_THAT(bad.error_message(), HasSubstr("spans[1] [8, 12)"));
   EXPECT_NE(WaitExit(rank0, std::chrono::seconds(20)), 0);
   EXPECT_THAT(Slurp(tmp_.Sub("spans.log")), HasSubstr("spans[1] [8, 12)"));
+  EXPECT_TRUE(nodes_[0]->Alive()) << Slurp(nodes_[0]->log());
+}
+
+// The packed form (FetchReadRequest.span_runs: begin, length, stride,
+// count), what a node of this release sends: the member gets exactly those
+// spans' bytes, each chunk with its own xxh3. Runs whose spans overlap are a
+// violation: PERMISSION_DENIED naming the run, the job fails, the daemon
+// serves on.
+TEST_F(PeerAbuse, MemberFetchingSpanRunsGetsThoseBytesOnlyAndOverlappingRunsFailTheJob) {
+  pv1::PlanPart part;
+  const pid_t rank0 = JoinedAsX("runs", &part);
+  ASSERT_FALSE(HasFailure());
+  const std::vector<int> mine = ReadsOfAForX(part, 64);
+  ASSERT_GE(mine.size(), 2u) << "X needs fewer than two reads of A";
+  const auto& r = part.reads(mine[0]);
+  const std::string file = Slurp(tmp_.Sub("node0/ckpt/" + part.files(r.file())));
+  ASSERT_GE(file.size(), r.offset() + r.length());
+  const std::string read = file.substr(r.offset(), r.length());
+  const uint64_t n = r.length();
+  std::string bytes;
+  std::vector<std::optional<uint64_t>> hashes;
+  std::vector<std::string> chunks;
+  // [0, 4), [16, 20), [32, 36), then the last 8 bytes.
+  grpc::Status got = Fetch("runs", mine[0], X(), &node_, &bytes, nullptr, {}, &hashes, &chunks,
+                           {0, 4, 16, 3, n - 8, 8, 0, 1});
+  ASSERT_TRUE(got.ok()) << got.error_message();
+  EXPECT_EQ(bytes, read.substr(0, 4) + read.substr(16, 4) + read.substr(32, 4) +
+                       read.substr(n - 8, 8));
+  ASSERT_EQ(hashes.size(), chunks.size());
+  for (size_t i = 0; i < chunks.size(); ++i) {
+    ASSERT_TRUE(hashes[i].has_value()) << "chunk " << i << " has no xxh3";
+    EXPECT_EQ(*hashes[i], XXH3_64bits(chunks[i].data(), chunks[i].size())) << "chunk " << i;
+  }
+  // 8-byte spans 4 bytes apart overlap.
+  grpc::Status bad =
+      Fetch("runs", mine[1], X(), &node_, &bytes, nullptr, {}, nullptr, nullptr, {0, 8, 4, 2});
+  EXPECT_EQ(bad.error_code(), grpc::StatusCode::PERMISSION_DENIED) << bad.error_message();
+  EXPECT_THAT(bad.error_message(), HasSubstr("span_runs[0] (begin 0, length 8, stride 4"));
+  EXPECT_NE(WaitExit(rank0, std::chrono::seconds(20)), 0);
+  EXPECT_THAT(Slurp(tmp_.Sub("runs.log")), HasSubstr("span_runs[0]"));
   EXPECT_TRUE(nodes_[0]->Alive()) << Slurp(nodes_[0]->log());
 }
 

@@ -3,6 +3,7 @@
 // Plans are made by PlanLoad on hand-built metadata; expected spans are
 // worked out from the layouts by hand.
 #include <cstdint>
+#include <random>
 #include <vector>
 
 #include "core/plan/planner.h"
@@ -119,6 +120,51 @@ TEST(NeededSpans, AReadNoRankCopiesFromHasNoSpans) {
   const auto spans = NeededSpans(plan, 16);
   ASSERT_EQ(spans.size(), 1u);
   EXPECT_TRUE(spans[0].empty());
+}
+
+// PackSpans: what a fetcher sends (FetchReadRequest.span_runs).
+TEST(PackSpans, AColumnSliceIsOneRun) {
+  auto plan = PlanLoad(OneShard(4, 8), {RankTargets{0, {Target(Box{{0, 2}, {4, 4}}, {4, 8})}}});
+  ASSERT_TRUE(plan.ok()) << plan.status();
+  const auto spans = NeededSpans(*plan, 1024);
+  EXPECT_THAT(PackSpans(spans[0]), ElementsAre(SpanRun{0, 16, 32, 4}));
+}
+
+TEST(PackSpans, ALengthOrStrideThatChangesStartsANewRun) {
+  EXPECT_THAT(PackSpans({}), ElementsAre());
+  EXPECT_THAT(PackSpans({{5, 9}}), ElementsAre(SpanRun{5, 4, 0, 1}));
+  // 4-byte spans 10 apart, then one 8 bytes long, then 4-byte spans 20 apart.
+  EXPECT_THAT(PackSpans({{0, 4}, {10, 14}, {20, 24}, {30, 38}, {50, 54}, {70, 74}, {90, 94}}),
+              ElementsAre(SpanRun{0, 4, 10, 3}, SpanRun{30, 8, 0, 1}, SpanRun{50, 4, 20, 3}));
+  // Touching spans of one length: a stride equal to the length.
+  EXPECT_THAT(PackSpans({{0, 4}, {4, 8}, {8, 12}}), ElementsAre(SpanRun{0, 4, 4, 3}));
+}
+
+TEST(PackSpans, RunsExpandToExactlyTheSpansPacked) {
+  std::mt19937_64 rng(34);
+  for (int trial = 0; trial < 500; ++trial) {
+    std::vector<ReadSpan> spans;
+    uint64_t at = rng() % 8;
+    const int n = static_cast<int>(rng() % 64);
+    const uint64_t len = 1 + rng() % 16, gap = rng() % 16;
+    for (int i = 0; i < n; ++i) {
+      // Mostly regular (one length, one gap), sometimes not.
+      const uint64_t l = rng() % 5 == 0 ? 1 + rng() % 16 : len;
+      spans.push_back({at, at + l});
+      at += l + (rng() % 7 == 0 ? rng() % 32 : gap);
+    }
+    const std::vector<SpanRun> runs = PackSpans(spans);
+    std::vector<ReadSpan> back;
+    for (const SpanRun& r : runs) {
+      ASSERT_GE(r.count, 1u);
+      if (r.count > 1) ASSERT_GE(r.stride, r.length);
+      for (uint64_t i = 0; i < r.count; ++i) {
+        back.push_back({r.begin + i * r.stride, r.begin + i * r.stride + r.length});
+      }
+    }
+    ASSERT_EQ(back, spans) << "trial " << trial;
+    ASSERT_LE(runs.size(), spans.size());
+  }
 }
 
 }  // namespace

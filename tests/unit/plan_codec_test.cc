@@ -539,5 +539,68 @@ TEST(ShardMsg, RoundTripAndBadBoxRefused) {
   EXPECT_THAT(FromMsg(m, "node B").status().message(), HasSubstr("node B"));
 }
 
+// FetchSpansOf: the spans a peer's fetch asks for, in either form.
+pv1::FetchReadRequest Runs(const std::vector<uint64_t>& q) {
+  pv1::FetchReadRequest r;
+  for (uint64_t v : q) r.add_span_runs(v);
+  return r;
+}
+
+std::string Refusal(const pv1::FetchReadRequest& r, uint64_t length) {
+  absl::StatusOr<std::vector<ckpt::SpanRun>> got = FetchSpansOf(r, length);
+  if (got.ok()) return "accepted";
+  EXPECT_EQ(got.status().code(), absl::StatusCode::kInvalidArgument) << got.status();
+  return std::string(got.status().message());
+}
+
+TEST(FetchSpansOf, BothFormsBecomeRuns) {
+  pv1::FetchReadRequest old;
+  for (auto [b, e] : {std::pair<int64_t, int64_t>{0, 4}, {4, 8}, {100, 101}}) {
+    pv1::Range* r = old.add_spans();
+    r->set_begin(b);
+    r->set_end(e);
+  }
+  EXPECT_THAT(*FetchSpansOf(old, 101),
+              ElementsAre(ckpt::SpanRun{0, 4, 0, 1}, ckpt::SpanRun{4, 4, 0, 1},
+                          ckpt::SpanRun{100, 1, 0, 1}));
+  // 16 rows of 64 bytes, 4096 apart, ending at the read's last byte; then
+  // touching spans (stride == length).
+  EXPECT_THAT(*FetchSpansOf(Runs({4032, 64, 4096, 16}), 16 * 4096),
+              ElementsAre(ckpt::SpanRun{4032, 64, 4096, 16}));
+  EXPECT_THAT(*FetchSpansOf(Runs({0, 8, 8, 4, 32, 1, 0, 1}), 33),
+              ElementsAre(ckpt::SpanRun{0, 8, 8, 4}, ckpt::SpanRun{32, 1, 0, 1}));
+  EXPECT_TRUE(FetchSpansOf(Runs({}), 10)->empty());  // the whole read
+}
+
+TEST(FetchSpansOf, RefusesRunsThatOverlapLeaveTheReadOrOverflow) {
+  EXPECT_THAT(Refusal(Runs({0, 4, 8}), 100), HasSubstr("3 span_runs values (quadruples"));
+  EXPECT_THAT(Refusal(Runs({0, 8, 4, 2}), 100), HasSubstr("span_runs[0] (begin 0, length 8, stride 4, count 2)"));
+  EXPECT_THAT(Refusal(Runs({0, 4, 8, 0}), 100), HasSubstr("span_runs[0]"));   // no span
+  EXPECT_THAT(Refusal(Runs({0, 0, 8, 2}), 100), HasSubstr("span_runs[0]"));   // empty spans
+  EXPECT_EQ(Refusal(Runs({0, 4, 8, 13}), 100), "accepted");  // the last: [96, 100)
+  EXPECT_THAT(Refusal(Runs({0, 4, 8, 14}), 100), HasSubstr("span_runs[0]"));  // [104, 108)
+  // After [88, 92): from 92 on.
+  EXPECT_EQ(Refusal(Runs({0, 4, 8, 12, 92, 4, 0, 1}), 100), "accepted");
+  EXPECT_THAT(Refusal(Runs({0, 4, 8, 12, 91, 4, 0, 1}), 100), HasSubstr("span_runs[1]"));
+  EXPECT_THAT(Refusal(Runs({101, 1, 0, 1}), 100), HasSubstr("span_runs[0]"));
+  // Values that wrap 64 bits: a begin, a length or a stride times a count.
+  const uint64_t big = ~uint64_t{0};
+  EXPECT_THAT(Refusal(Runs({big, 2, 0, 1}), 100), HasSubstr("span_runs[0]"));
+  EXPECT_THAT(Refusal(Runs({4, big, 0, 1}), 100), HasSubstr("span_runs[0]"));
+  EXPECT_THAT(Refusal(Runs({0, 1, uint64_t{1} << 62, 5}), 100), HasSubstr("span_runs[0]"));
+  EXPECT_THAT(Refusal(Runs({0, 1, 1, big}), 100), HasSubstr("span_runs[0]"));
+  // More than kMaxFetchSpans spans in all, however few runs.
+  const uint64_t half = kMaxFetchSpans / 2;
+  EXPECT_EQ(Refusal(Runs({0, 1, 1, half, half, 1, 1, half}), 1 << 20), "accepted");
+  EXPECT_THAT(Refusal(Runs({0, 1, 1, half, half, 1, 1, half + 1}), 1 << 20),
+              HasSubstr("span_runs[1]"));
+  // Not both forms.
+  pv1::FetchReadRequest both = Runs({0, 1, 0, 1});
+  pv1::Range* r = both.add_spans();
+  r->set_begin(4);
+  r->set_end(5);
+  EXPECT_THAT(Refusal(both, 100), HasSubstr("both spans and span_runs"));
+}
+
 }  // namespace
 }  // namespace ckptd
