@@ -23,11 +23,11 @@ set -uo pipefail
 cd "$(dirname "$0")/../.."
 
 ALL=(safetensors_header metadata_json pickle distcp_zip aoa layout_json config_yaml plan_codec fd_socket job_mac
-     s3_answers)
+     s3_answers fetch_spans)
 declare -A MAX_LEN=(
   [safetensors_header]=16384 [metadata_json]=16384 [pickle]=16384 [distcp_zip]=8192
   [aoa]=4096 [layout_json]=16384 [config_yaml]=8192 [plan_codec]=8192 [fd_socket]=1024
-  [job_mac]=2048 [s3_answers]=8192
+  [job_mac]=2048 [s3_answers]=8192 [fetch_spans]=4096
 )
 
 runs=20000
