@@ -14,14 +14,15 @@
 namespace ckptd {
 
 // With `mu` held: waits until `cond` holds, `deadline` passes or
-// `cancelled()` (polled every 100 ms) says the caller went away. Returns
-// whether `cond` holds.
+// `cancelled()` (asked after each 100 ms of waiting, not before: a gRPC
+// cancellation check polls the call's queue, and most waits end sooner)
+// says the caller went away. Returns whether `cond` holds.
 inline bool AwaitOrCancel(absl::Mutex* mu, const absl::Condition& cond, absl::Time deadline,
                           const std::function<bool()>& cancelled)
     ABSL_EXCLUSIVE_LOCKS_REQUIRED(*mu) {
-  while (!cond.Eval()) {
+  for (bool waited = false; !cond.Eval(); waited = true) {
     const absl::Time now = absl::Now();
-    if (now >= deadline || (cancelled && cancelled())) return false;
+    if (now >= deadline || (waited && cancelled && cancelled())) return false;
     mu->AwaitWithDeadline(cond, std::min(deadline, now + absl::Milliseconds(100)));
   }
   return true;

@@ -122,12 +122,24 @@ absl::Status ProcessMemory::Write(const iovec* local, const iovec* remote, size_
   // Remote runs that follow each other go as one iovec: the kernel pins the
   // other process's pages once per remote iovec (a column slice's rows land
   // back to back in the rank's tensor: one pin per page, not per row).
+  // Local runs shorter than kGatherRun (a column slice's rows, strided in
+  // what was read) are gathered into one buffer first, up to kGatherBytes a
+  // call: the kernel's cost per iovec is many times a short copy's (4 MiB in
+  // rows of 64 bytes: 14-20 ms as iovecs, 3-4 ms gathered; even at 2 KiB).
+  constexpr size_t kGatherRun = 2048;
+  constexpr size_t kGatherBytes = 256 << 10;
+  thread_local std::vector<uint8_t> gathered;
   std::vector<iovec> to;
   for (size_t at = 0; at < n;) {
-    const size_t k = std::min(kMaxIov, n - at);
-    size_t want = 0;
+    const bool gather = local[at].iov_len < kGatherRun;
+    size_t k = 0, want = 0;
     to.clear();
-    for (size_t i = at; i < at + k; ++i) {
+    for (; at + k < n && k < kMaxIov; ++k) {
+      const size_t i = at + k;
+      if ((local[i].iov_len < kGatherRun) != gather ||
+          (gather && k > 0 && want + local[i].iov_len > kGatherBytes)) {
+        break;
+      }
       want += local[i].iov_len;
       if (!to.empty() &&
           static_cast<const uint8_t*>(to.back().iov_base) + to.back().iov_len == remote[i].iov_base) {
@@ -136,13 +148,27 @@ absl::Status ProcessMemory::Write(const iovec* local, const iovec* remote, size_
         to.push_back(remote[i]);
       }
     }
+    const iovec* from = local + at;
+    size_t nfrom = k;
+    iovec one;
+    if (gather && k > 1) {
+      if (gathered.size() < want) gathered.resize(kGatherBytes);
+      uint8_t* p = gathered.data();
+      for (size_t i = at; i < at + k; ++i) {
+        std::memcpy(p, local[i].iov_base, local[i].iov_len);
+        p += local[i].iov_len;
+      }
+      one = {gathered.data(), want};
+      from = &one;
+      nfrom = 1;
+    }
     // A process that exited gets nothing more (its pid may name another
     // process soon); like a client that left, it does not fail the others'
     // load: its bytes have nowhere to go (see header).
     if (Stopped()) return absl::OkStatus();
     ssize_t put;
     do {
-      put = ::process_vm_writev(options_.pid, local + at, k, to.data(), to.size(), 0);
+      put = ::process_vm_writev(options_.pid, from, nfrom, to.data(), to.size(), 0);
     } while (put < 0 && errno == EINTR);
     const int err = put < 0 ? errno : 0;  // before Stopped() calls anything
     if (put < 0 && err == ESRCH) return absl::OkStatus();

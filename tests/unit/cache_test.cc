@@ -283,6 +283,53 @@ TEST(ProcessMemory, StridedRunsIntoContiguousAndScatteredDestinationsExactly) {
   EXPECT_EQ(dst, want);
 }
 
+// Short local runs are gathered before the call (up to 256 KiB a call) and
+// long ones go as they are, mixed in one write: rows of 64, 1500 and 2048
+// bytes, then 64 again, more than one gathered call's worth; every byte lands
+// where its pair says. A destination that is not mapped fails, naming the
+// process.
+TEST(ProcessMemory, ShortRunsGatheredLongRunsAsTheyAreMixedExactly) {
+  auto self = ProcessMemory::Open({::getpid(), "this test"});
+  ASSERT_TRUE(self.ok()) << self.status();
+  std::vector<size_t> lens;
+  for (int r = 0; r < 5000; ++r) lens.push_back(64);  // 320,000 bytes: two calls
+  for (int r = 0; r < 300; ++r) lens.push_back(1500);
+  for (int r = 0; r < 40; ++r) lens.push_back(2048);  // not gathered
+  for (int r = 0; r < 100; ++r) lens.push_back(64);
+  size_t total = 0;
+  for (size_t n : lens) total += n;
+  std::vector<uint8_t> src(lens.size() * 4096);
+  for (size_t i = 0; i < src.size(); ++i) src[i] = static_cast<uint8_t>(i * 31 + 7);
+  std::vector<uint8_t> dst(total + lens.size(), 0), want(dst.size(), 0);
+  std::vector<iovec> local, remote;
+  size_t to = 0;
+  for (size_t r = 0; r < lens.size(); ++r) {
+    local.push_back({src.data() + 4096 * r, lens[r]});
+    remote.push_back({dst.data() + to, lens[r]});
+    std::memcpy(want.data() + to, src.data() + 4096 * r, lens[r]);
+    to += lens[r] + (r % 7 == 0 ? 1 : 0);  // now and then a gap
+  }
+  ASSERT_TRUE((*self)->Write(local.data(), remote.data(), local.size()).ok());
+  EXPECT_EQ(dst, want);
+
+  // 64-byte rows whose destination runs into an unmapped page.
+  const long page = ::sysconf(_SC_PAGESIZE);
+  void* m = ::mmap(nullptr, 2 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  ASSERT_NE(m, MAP_FAILED);
+  ASSERT_EQ(::munmap(static_cast<uint8_t*>(m) + page, page), 0);
+  auto* base = static_cast<uint8_t*>(m);
+  local.clear();
+  remote.clear();
+  for (long r = 0; r < page / 64 + 4; ++r) {
+    local.push_back({src.data() + 4096 * r, 64});
+    remote.push_back({base + 64 * r, 64});
+  }
+  absl::Status bad = (*self)->Write(local.data(), remote.data(), local.size());
+  EXPECT_FALSE(bad.ok());
+  EXPECT_THAT(std::string(bad.message()), ::testing::HasSubstr("this test: process_vm_writev"));
+  ::munmap(m, page);
+}
+
 // ViewRecorder over a real cache and this process's own memory as the
 // fallback (process_vm_writev into itself).
 TEST(ViewRecorder, RecordsCachedRunsCoalescedAndWritesTheRest) {
