@@ -11,6 +11,7 @@
 #include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "core/base/checksum.h"
+#include "core/base/sorted_append.h"
 #include "core/base/status_macros.h"
 #include "core/base/xxh3.h"
 
@@ -194,10 +195,10 @@ bool RunWriter::Prepare(const LoadPlan& plan, size_t i,
   // CopyRegion's walk: such reads go copy by copy.
   size_t budget = std::max<uint64_t>(64, read_->length / 256);
   delivered_.assign(plan.ranks.size(), 0);
-  constexpr size_t kUnmerged = std::numeric_limits<size_t>::max();
-  constexpr int kMaxMerges = 8;
-  size_t merged = 0;  // segs_[0, merged) in offset order (kUnmerged: sort at the end)
-  int merges = 0;
+  // A copy's runs come in offset order as a rule (a box walked row by row):
+  // merged into the others' (a column half of a 64 MiB read is thousands of
+  // runs per rank), sorted only where they are not.
+  SortedAppend<Segment, decltype(&ByOffset)> sorted(&segs_, &ByOffset);
   for (const auto& [r, c] : copies) {
     if (skip[r] == 2) continue;  // the worker's memo: 2 = skip
     const RankPlan& rp = plan.ranks[r];
@@ -236,24 +237,9 @@ bool RunWriter::Prepare(const LoadPlan& plan, size_t i,
       return true;
     }
     delivered_[r] += static_cast<uint64_t>(elements) * dsz;
-    // A copy's runs come in offset order as a rule (a box walked row by
-    // row): merged into the others' (a column half of a 64 MiB read is
-    // thousands of runs per rank), sorted only where they are not.
-    // Past kMaxMerges copies out of order (small tensors, many ranks): one
-    // sort at the end.
-    if (merged == kUnmerged) continue;
-    const auto mid = segs_.begin() + static_cast<std::ptrdiff_t>(merged);
-    if (!std::is_sorted(mid, segs_.end(), ByOffset)) std::sort(mid, segs_.end(), ByOffset);
-    if (mid != segs_.begin() && mid != segs_.end() && ByOffset(*mid, *(mid - 1))) {
-      if (++merges > kMaxMerges) {
-        merged = kUnmerged;
-        continue;
-      }
-      std::inplace_merge(segs_.begin(), mid, segs_.end(), ByOffset);
-    }
-    merged = segs_.size();
+    sorted.Appended();
   }
-  if (merged == kUnmerged) std::sort(segs_.begin(), segs_.end(), ByOffset);
+  sorted.Finish();
   return true;
 }
 

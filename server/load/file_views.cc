@@ -6,9 +6,11 @@
 #include <algorithm>
 #include <cerrno>
 #include <cstring>
+#include <functional>
 #include <utility>
 
 #include "absl/strings/str_cat.h"
+#include "core/base/sorted_append.h"
 #include "core/base/status_macros.h"
 #include "core/cache/cache_view.h"
 
@@ -51,22 +53,17 @@ ckpt::LoadPlan WithoutReads(const ckpt::LoadPlan& plan, const std::vector<bool>&
 
 // Whether two runs (of one read, any ranks) share a byte. Each rank's runs
 // come in file order as a rule (a box walked row by row): those are merged,
-// not sorted (a column half of a 64 MiB read is thousands of runs per rank).
+// not sorted (a column half of a 64 MiB read is thousands of runs per rank;
+// ckpt::SortedAppend, which sorts once instead past 8 ranks out of order).
 bool RanksOverlap(const std::vector<std::vector<ckpt::ViewRecorder::FileRun>>& runs,
-                  std::vector<std::pair<uint64_t, uint64_t>>* spans,
-                  std::vector<std::pair<uint64_t, uint64_t>>* merged) {
+                  std::vector<std::pair<uint64_t, uint64_t>>* spans) {
   spans->clear();
+  ckpt::SortedAppend sorted(spans, std::less<std::pair<uint64_t, uint64_t>>());
   for (const auto& rank : runs) {
-    const size_t begin = spans->size();
     for (const auto& r : rank) spans->push_back({r.offset, r.offset + r.length});
-    const auto mid = spans->begin() + static_cast<std::ptrdiff_t>(begin);
-    if (!std::is_sorted(mid, spans->end())) std::sort(mid, spans->end());
-    if (begin > 0 && mid != spans->end()) {
-      merged->resize(spans->size());
-      std::merge(spans->begin(), mid, mid, spans->end(), merged->begin());
-      spans->swap(*merged);
-    }
+    sorted.Appended();
   }
+  sorted.Finish();
   for (size_t i = 1; i < spans->size(); ++i) {
     if ((*spans)[i].first < (*spans)[i - 1].second) return true;
   }
@@ -108,7 +105,7 @@ absl::StatusOr<std::optional<ClientFileReads>> LeaveReadsToClients(
   out.rank_bytes.assign(n, 0);
   std::vector<bool> left(plan.reads.size(), false);
   std::vector<std::vector<ckpt::ViewRecorder::FileRun>> runs(n);
-  std::vector<std::pair<uint64_t, uint64_t>> spans, merged;
+  std::vector<std::pair<uint64_t, uint64_t>> spans;
   for (size_t i = 0; i < plan.reads.size(); ++i) {
     const ckpt::ReadRange& rr = plan.reads[i];
     if (by_read[i].empty() || (verify && !rr.checks.empty())) continue;
@@ -132,7 +129,7 @@ absl::StatusOr<std::optional<ClientFileReads>> LeaveReadsToClients(
     }
     // Bytes two ranks need (a replicated tensor) stay the daemon's: read once
     // for all of them, not once per client.
-    if (!ok || RanksOverlap(runs, &spans, &merged)) continue;
+    if (!ok || RanksOverlap(runs, &spans)) continue;
     CKPT_ASSIGN_OR_RETURN(std::optional<ckpt::CachingSource::SharedFile> shared,
                           storage.ShareUncached(plan.files[rr.file], rr.offset, rr.length));
     if (!shared) continue;  // cached: its block's views serve it

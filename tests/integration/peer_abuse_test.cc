@@ -291,6 +291,22 @@ class PeerAbuse : public ::testing::Test {
     EXPECT_TRUE(joined.ok()) << joined.error_message() << Slurp(nodes_[0]->log());
     return rank0;
   }
+  // The bytes of part.reads(i) as A's file holds them ("" if it does not).
+  std::string ReadOfA(const pv1::PlanPart& part, int i) {
+    const auto& r = part.reads(i);
+    const std::string file = Slurp(tmp_.Sub("node0/ckpt/" + part.files(r.file())));
+    EXPECT_GE(file.size(), r.offset() + r.length());
+    return file.size() < r.offset() + r.length() ? "" : file.substr(r.offset(), r.length());
+  }
+  // A fetch of spans: every chunk with the xxh3 of its own bytes.
+  static void ExpectEachChunkHashed(const std::vector<std::optional<uint64_t>>& hashes,
+                                    const std::vector<std::string>& chunks) {
+    ASSERT_EQ(hashes.size(), chunks.size());
+    for (size_t i = 0; i < chunks.size(); ++i) {
+      ASSERT_TRUE(hashes[i].has_value()) << "chunk " << i << " has no xxh3";
+      EXPECT_EQ(*hashes[i], XXH3_64bits(chunks[i].data(), chunks[i].size())) << "chunk " << i;
+    }
+  }
   // Positions in `part` of the reads A makes that X needs, of at least
   // `min_length` bytes.
   std::vector<int> ReadsOfAForX(const pv1::PlanPart& part, uint64_t min_length) {
@@ -427,23 +443,17 @@ TEST_F(PeerAbuse, MemberFetchingSpansGetsThoseBytesOnlyAndMalformedSpansFailTheJ
   ASSERT_FALSE(HasFailure());
   const std::vector<int> mine = ReadsOfAForX(part, 64);
   ASSERT_GE(mine.size(), 2u) << "X needs fewer than two reads of A";
-  const auto& r = part.reads(mine[0]);
-  const std::string file = Slurp(tmp_.Sub("node0/ckpt/" + part.files(r.file())));
-  ASSERT_GE(file.size(), r.offset() + r.length());
-  const std::string read = file.substr(r.offset(), r.length());
+  const std::string read = ReadOfA(part, mine[0]);
+  ASSERT_FALSE(read.empty());
   std::string bytes;
   std::vector<std::optional<uint64_t>> hashes;
   std::vector<std::string> chunks;
-  const int64_t n = static_cast<int64_t>(r.length());
+  const int64_t n = static_cast<int64_t>(read.size());
   grpc::Status got = Fetch("spans", mine[0], X(), &node_, &bytes, nullptr,
                            {{0, 8}, {16, 40}, {n - 4, n}}, &hashes, &chunks);
   ASSERT_TRUE(got.ok()) << got.error_message();
   EXPECT_EQ(bytes, read.substr(0, 8) + read.substr(16, 24) + read.substr(n - 4, 4));
-  ASSERT_EQ(hashes.size(), chunks.size());
-  for (size_t i = 0; i < chunks.size(); ++i) {
-    ASSERT_TRUE(hashes[i].has_value()) << "chunk " << i << " has no xxh3";
-    EXPECT_EQ(*hashes[i], XXH3_64bits(chunks[i].data(), chunks[i].size())) << "chunk " << i;
-  }
+  ExpectEachChunkHashed(hashes, chunks);
   grpc::Status bad = Fetch("spans", mine[1], X(), &node_, &bytes, nullptr, {{16, 24}, {8, 12}});
   EXPECT_EQ(bad.error_code(), grpc::StatusCode::PERMISSION_DENIED) << bad.error_message();
   EXPECT_THAT(bad.error_message(), HasSubstr("spans[1] [8, 12)"));
@@ -463,11 +473,9 @@ TEST_F(PeerAbuse, MemberFetchingSpanRunsGetsThoseBytesOnlyAndOverlappingRunsFail
   ASSERT_FALSE(HasFailure());
   const std::vector<int> mine = ReadsOfAForX(part, 64);
   ASSERT_GE(mine.size(), 2u) << "X needs fewer than two reads of A";
-  const auto& r = part.reads(mine[0]);
-  const std::string file = Slurp(tmp_.Sub("node0/ckpt/" + part.files(r.file())));
-  ASSERT_GE(file.size(), r.offset() + r.length());
-  const std::string read = file.substr(r.offset(), r.length());
-  const uint64_t n = r.length();
+  const std::string read = ReadOfA(part, mine[0]);
+  ASSERT_FALSE(read.empty());
+  const uint64_t n = read.size();
   std::string bytes;
   std::vector<std::optional<uint64_t>> hashes;
   std::vector<std::string> chunks;
@@ -477,11 +485,7 @@ TEST_F(PeerAbuse, MemberFetchingSpanRunsGetsThoseBytesOnlyAndOverlappingRunsFail
   ASSERT_TRUE(got.ok()) << got.error_message();
   EXPECT_EQ(bytes, read.substr(0, 4) + read.substr(16, 4) + read.substr(32, 4) +
                        read.substr(n - 8, 8));
-  ASSERT_EQ(hashes.size(), chunks.size());
-  for (size_t i = 0; i < chunks.size(); ++i) {
-    ASSERT_TRUE(hashes[i].has_value()) << "chunk " << i << " has no xxh3";
-    EXPECT_EQ(*hashes[i], XXH3_64bits(chunks[i].data(), chunks[i].size())) << "chunk " << i;
-  }
+  ExpectEachChunkHashed(hashes, chunks);
   // 8-byte spans 4 bytes apart overlap.
   grpc::Status bad =
       Fetch("runs", mine[1], X(), &node_, &bytes, nullptr, {}, nullptr, nullptr, {0, 8, 4, 2});
