@@ -134,6 +134,9 @@ absl::Status StartGrpc(DaemonConfig* config, CkptdService* service, Listeners* l
     auto creds = TcpCredentials(*config);
     if (!creds.ok()) return creds.status();
     builder.AddListeningPort(config->tcp_address, *creds, &l->tcp_port);
+    // gRPC would share a port another process of this uid listens on
+    // (SO_REUSEPORT), each taking part of the connections: refuse it.
+    builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
   }
   const Limits& limits = config->limits;
   const int max_msg = static_cast<int>(std::min<uint64_t>(limits.max_message_bytes, INT32_MAX));

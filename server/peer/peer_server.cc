@@ -1,7 +1,10 @@
 #include "server/peer/peer_plane.h"
 #include "server/peer/peer_server.h"
 
+#include <netdb.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
@@ -50,9 +53,59 @@ absl::StatusOr<std::unique_ptr<grpc::Server>> PeerServer::Build(
   return s;
 }
 
+namespace {
+
+// Whether a TCP `address` ("host:port", "[v6]:port") is free to listen on:
+// a plain bind (no SO_REUSEPORT) fails on a port any socket listens on.
+// The peer server sets SO_REUSEPORT (its rotation binds a second server on
+// its own port), with which a second daemon of the same uid configured for
+// the same port would share it, each taking part of the peers' connections:
+// this is checked before the first server starts. Port 0 and addresses that
+// do not resolve pass (gRPC reports those).
+absl::Status PortFree(const std::string& address) {
+  const size_t colon = address.rfind(':');
+  if (colon == std::string::npos) return absl::OkStatus();
+  std::string host = address.substr(0, colon);
+  const std::string port = address.substr(colon + 1);
+  if (port.empty() || port == "0") return absl::OkStatus();
+  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
+    host = host.substr(1, host.size() - 2);
+  }
+  addrinfo hints{};
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &res) != 0) {
+    return absl::OkStatus();
+  }
+  int err = 0;
+  for (addrinfo* a = res; a != nullptr && err == 0; a = a->ai_next) {
+    const int fd = ::socket(a->ai_family, a->ai_socktype | SOCK_CLOEXEC, a->ai_protocol);
+    if (fd < 0) continue;
+    const int one = 1;
+    ::setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);  // TIME_WAIT is no user
+    if (::bind(fd, a->ai_addr, a->ai_addrlen) != 0 && errno == EADDRINUSE) err = errno;
+    ::close(fd);
+  }
+  ::freeaddrinfo(res);
+  if (err != 0) {
+    return absl::UnavailableError(absl::StrCat(
+        "cannot listen for peers on ", address, ": ", std::strerror(err),
+        " (another process listens on that port; is another ckptd running with this "
+        "peer_listen?)"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<std::unique_ptr<PeerServer>> PeerServer::Start(const DaemonConfig& config,
                                                               PeerPlane* plane,
                                                               PeerService* service) {
+  if (!IsUnixAddress(config.peer_listen)) {
+    if (absl::Status free = PortFree(config.peer_listen); !free.ok()) return free;
+  }
   std::unique_ptr<PeerServer> p(new PeerServer(config, plane, service));
   auto s = p->Build(plane->tls(), &p->bound_);
   if (!s.ok()) return s.status();

@@ -618,6 +618,27 @@ class OpsTest(unittest.TestCase):
             port_file = d.port_file
         self.assertFalse(os.path.exists(port_file), "removed at exit")
 
+    def test_a_second_daemon_on_the_same_ports_is_refused_not_sharing_them(self):
+        # gRPC listens with SO_REUSEPORT, with which a second process of the
+        # same uid could bind the same port and take part of the connections:
+        # a second daemon given the first's peer or client TCP port must fail
+        # to start, naming the port, and the first keep serving.
+        with testlib.Daemon(self.root, "--tcp", "127.0.0.1:0", "--insecure-tcp", "--peer-listen",
+                            "127.0.0.1:0") as d:
+            ports = d.ports()
+            sock = os.path.join(tempfile.mkdtemp(prefix="ckptd-second-"), "s.sock")
+            for args, want in (
+                    (("--peer-listen", f"127.0.0.1:{ports['peer']}"),
+                     f"cannot listen for peers on 127.0.0.1:{ports['peer']}: Address already in use"),
+                    (("--tcp", f"127.0.0.1:{ports['tcp']}", "--insecure-tcp"),
+                     f"cannot start the gRPC server on 127.0.0.1:{ports['tcp']}")):
+                r = subprocess.run([CKPTD, "--root", self.root, "--socket", sock, *args],
+                                   capture_output=True, text=True, timeout=30)
+                self.assertEqual(r.returncode, 1, r.stderr[-2000:])
+                self.assertIn(want, r.stderr)
+            self.assertEqual(grpc_health(f"127.0.0.1:{ports['peer']}"), "SERVING")
+            ckptctl("status", "--daemon", d.socket)
+
     def test_peer_plane_needs_mutual_tls_off_loopback(self):
         def run(*args):
             return subprocess.run([CKPTD, "--root", self.root, *args, "--print-config"],
