@@ -23,10 +23,10 @@ namespace {
 // Streams read bytes `view` (`length` bytes, xxh3 `xxh3` as read) to a
 // fetcher: whole (the first chunk with the read's xxh3), or only the spans
 // of `runs` (`req`'s, checked), one after another, each chunk with its own
-// xxh3. Every chunk names the read. `corrupt`: fault injection for tests (a flipped byte
-// per chunk sent). Each chunk's bytes are added to `counted` before it goes
-// (DistJob::bytes_sent). Returns the bytes sent, CANCELLED when the fetcher
-// went away.
+// xxh3. Every chunk names the read. `corrupt`: fault injection for tests (a
+// flipped byte per chunk sent). Each chunk's bytes are added to `counted`
+// before it goes (DistJob::bytes_sent). Returns the bytes sent, CANCELLED
+// when the fetcher went away.
 absl::StatusOr<uint64_t> SendRead(const ckpt::RangeView& view, uint64_t length, uint64_t xxh3,
                                   const peer::v1::FetchReadRequest& req,
                                   const std::vector<ckpt::SpanRun>& runs, bool corrupt,

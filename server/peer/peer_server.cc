@@ -60,23 +60,19 @@ namespace {
 // The peer server sets SO_REUSEPORT (its rotation binds a second server on
 // its own port), with which a second daemon of the same uid configured for
 // the same port would share it, each taking part of the peers' connections:
-// this is checked before the first server starts. Port 0 and addresses that
-// do not resolve pass (gRPC reports those).
+// this is checked before the first server starts. Port 0, Unix sockets and
+// addresses that do not parse or resolve pass (gRPC reports those).
 absl::Status PortFree(const std::string& address) {
-  const size_t colon = address.rfind(':');
-  if (colon == std::string::npos) return absl::OkStatus();
-  std::string host = address.substr(0, colon);
-  const std::string port = address.substr(colon + 1);
-  if (port.empty() || port == "0") return absl::OkStatus();
-  if (host.size() >= 2 && host.front() == '[' && host.back() == ']') {
-    host = host.substr(1, host.size() - 2);
-  }
+  const int port = PortOf(address);
+  if (port <= 0) return absl::OkStatus();
+  const std::string host = HostOf(address);
+  const std::string service = std::to_string(port);
   addrinfo hints{};
   hints.ai_family = AF_UNSPEC;
   hints.ai_socktype = SOCK_STREAM;
   hints.ai_flags = AI_PASSIVE | AI_NUMERICSERV;
   addrinfo* res = nullptr;
-  if (::getaddrinfo(host.empty() ? nullptr : host.c_str(), port.c_str(), &hints, &res) != 0) {
+  if (::getaddrinfo(host.empty() ? nullptr : host.c_str(), service.c_str(), &hints, &res) != 0) {
     return absl::OkStatus();
   }
   int err = 0;
@@ -103,9 +99,7 @@ absl::Status PortFree(const std::string& address) {
 absl::StatusOr<std::unique_ptr<PeerServer>> PeerServer::Start(const DaemonConfig& config,
                                                               PeerPlane* plane,
                                                               PeerService* service) {
-  if (!IsUnixAddress(config.peer_listen)) {
-    if (absl::Status free = PortFree(config.peer_listen); !free.ok()) return free;
-  }
+  if (absl::Status free = PortFree(config.peer_listen); !free.ok()) return free;
   std::unique_ptr<PeerServer> p(new PeerServer(config, plane, service));
   auto s = p->Build(plane->tls(), &p->bound_);
   if (!s.ok()) return s.status();
