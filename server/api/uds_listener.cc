@@ -38,6 +38,30 @@ absl::StatusOr<std::unique_ptr<UdsListener>> UdsListener::Listen(const std::stri
   const int s = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
   if (s < 0) return absl::InternalError(absl::StrCat("socket: ", std::strerror(errno)));
   if (bound != path) ::unlink(bound.c_str());
+  // Room to rotate connection fds through: raise the soft fd limit to the
+  // hard one (at most 1M) and use its upper part.
+  int fd_base = 0, fd_limit = 0;
+  rlimit rl{};
+  if (::getrlimit(RLIMIT_NOFILE, &rl) == 0) {
+    rlim_t want = rl.rlim_max == RLIM_INFINITY ? (1 << 20) : std::min<rlim_t>(rl.rlim_max, 1 << 20);
+    if (want > rl.rlim_cur) {
+      rl.rlim_cur = want;
+      ::setrlimit(RLIMIT_NOFILE, &rl);
+    }
+    ::getrlimit(RLIMIT_NOFILE, &rl);
+    const int limit = static_cast<int>(std::min<rlim_t>(rl.rlim_cur, 1 << 20));
+    fd_base = limit / 2;
+    fd_limit = limit - 16;
+    // The kernel grows a process's fd table the first time a number past it
+    // is used, and in a process with threads that waits out an RCU grace
+    // period (10-25 ms measured here): grown now to the top of the range,
+    // before the socket appears, not in the first client's connection (a
+    // restarted job's first load).
+    if (fd_limit > fd_base) {
+      const int probe = ::fcntl(s, F_DUPFD_CLOEXEC, fd_limit - 1);
+      if (probe >= 0) ::close(probe);
+    }
+  }
   // Created with no access for anyone, then opened up to `mode`: no window
   // in which the umask decides who may connect.
   const mode_t old = ::umask(0777);
@@ -50,21 +74,9 @@ absl::StatusOr<std::unique_ptr<UdsListener>> UdsListener::Listen(const std::stri
     return absl::UnavailableError(absl::StrCat("cannot listen on ", path, ": ", std::strerror(err)));
   }
   std::unique_ptr<UdsListener> l(new UdsListener(path, s, max_connections));
-  // Room to rotate connection fds through: raise the soft fd limit to the
-  // hard one (at most 1M) and use its upper part.
-  rlimit rl{};
-  if (::getrlimit(RLIMIT_NOFILE, &rl) == 0) {
-    rlim_t want = rl.rlim_max == RLIM_INFINITY ? (1 << 20) : std::min<rlim_t>(rl.rlim_max, 1 << 20);
-    if (want > rl.rlim_cur) {
-      rl.rlim_cur = want;
-      ::setrlimit(RLIMIT_NOFILE, &rl);
-    }
-    ::getrlimit(RLIMIT_NOFILE, &rl);
-    const int limit = static_cast<int>(std::min<rlim_t>(rl.rlim_cur, 1 << 20));
-    l->fd_base_ = limit / 2;
-    l->fd_limit_ = limit - 16;
-    l->next_fd_ = l->fd_base_;
-  }
+  l->fd_base_ = fd_base;
+  l->fd_limit_ = fd_limit;
+  l->next_fd_ = fd_base;
   return l;
 }
 

@@ -255,6 +255,22 @@ class OpsTest(unittest.TestCase):
         self.assertRegex(log, r"warn ckptd: root " + re.escape(missing) +
                          r": No such file or directory .*NOT_FOUND until it exists")
 
+    def test_the_fd_table_is_grown_at_start_not_in_the_first_connection(self):
+        # Client connections are moved to fd numbers in the upper half of the
+        # fd limit (uds_listener.h); the kernel grows the fd table when such a
+        # number is first used, and with threads that waits for an RCU grace
+        # period (10-25 ms): the daemon grows it before it serves, so the
+        # first client after a start does not pay it. /proc's FDSize is the
+        # table's size.
+        with testlib.Daemon(self.root) as d:
+            with open(f"/proc/{d.proc.pid}/status") as f:
+                status = f.read()
+            fd_size = int(re.search(r"^FDSize:\s+(\d+)$", status, re.M).group(1))
+            with open(f"/proc/{d.proc.pid}/limits") as f:
+                limit = int(re.search(r"^Max open files\s+(\d+)", f.read(), re.M).group(1))
+            self.assertGreaterEqual(fd_size, min(limit, 1 << 20) - 16,
+                                    f"FDSize {fd_size}, open files limit {limit}")
+
     def test_metrics_are_off_by_default_and_address_errors_are_reported(self):
         with testlib.Daemon(self.root) as d:
             self.assertNotIn("metrics on", d.read_log())
