@@ -58,6 +58,7 @@ more is a fresh mapping (glibc's default threshold grows up to 32 MiB; the full-
 """
 import argparse
 import math
+import mmap
 import os
 import signal
 import socket as _socket
@@ -274,6 +275,20 @@ class Rank:
                 np.copyto(t.numpy(), e.numpy())
         elif op == "pread":  # this rank's bytes read contiguously from the (cached) files
             self.pread_into(dests)
+        elif op == "mapcopy":
+            # What any new process pays to copy its load size out of memory another
+            # process filled (a tmpfs file, as the daemon's memfds: shared memory of the
+            # kernel's page size unless it gives shmem huge pages): map it, copy it out
+            # (numpy, as the memcpy limit), the page-table entries made on the way.
+            with open(f"{self.cfg['shm_src']}.{self.rank}", "rb") as f:
+                m = mmap.mmap(f.fileno(), self.nbytes, prot=mmap.PROT_READ)
+            src, at = np.frombuffer(m, np.uint8), 0
+            for t in dests:
+                flat = t.numpy().reshape(-1).view(np.uint8)
+                np.copyto(flat, src[at:at + flat.size])
+                at += flat.size
+            del src
+            m.close()
         elif op == "dcp":
             if sd is None:
                 sd = self.sharded(dests)
@@ -508,6 +523,7 @@ def main():
     daemon = Daemon(os.path.abspath(a.ckptd), work, budget)
     daemon.start()
     ranks = None
+    shm_src = f"/dev/shm/ckptd-user-bench-{os.getpid()}"
     try:
         ranks = Ranks(cfg, daemon)
         res = {}
@@ -560,10 +576,19 @@ def main():
             finally:
                 rs.close()
 
+        # The shared memory the new-process copy limit copies from, one file per rank.
+        cfg["shm_src"] = shm_src
+        per_rank = total // a.ranks
+        for r in range(a.ranks):
+            with open(f"{shm_src}.{r}", "wb") as f:
+                block = b"\x01" * min(per_rank, 64 << 20)
+                for at in range(0, per_rank, len(block)):
+                    f.write(block[:per_rank - at])
         for rep in range(reps):
             # The fresh-memory limit as a new process meets it (memory not recycled from
             # its own earlier tensors: on this VM often several times slower).
             add("restart touch", restarted("touch", "restart-first-touch", fresh=True))
+            add("restart mapcopy", restarted("mapcopy", "restart-mapcopy"))
             add("restart dcp touched", restarted("dcp", "restart-dcp-touched"))
             add("restart dcp fresh", restarted("dcp", "restart-dcp-fresh", fresh=True))
             for kind in ("touched", "fresh"):
@@ -575,6 +600,8 @@ def main():
             print(f"  restart rep {rep}: " + ", ".join(
                 f"{k} {wall(v[-1]):.3f} s" for k, v in res.items() if k.startswith("restart")),
                 flush=True)
+        for r in range(a.ranks):
+            os.unlink(f"{shm_src}.{r}")  # (and in the finally below, after a failure)
         for rep in range(reps):
             for kind in ("fresh", "touched"):
                 daemon.stop()
@@ -604,6 +631,9 @@ def main():
         if ranks is not None:
             ranks.kill()
         daemon.stop()
+        for r in range(a.ranks):
+            if os.path.exists(f"{shm_src}.{r}"):
+                os.unlink(f"{shm_src}.{r}")
 
     def med_s(key):
         return statistics.median(wall(r) for r in res[key])
@@ -704,6 +734,14 @@ def main():
             f">={target:.2f}", lambda r, tg=target: r >= tg)
         row(f"7 restart ckptd-touched-{temp}-vs-dcp[{t(key)}]", med_gbps(key), "GB/s", dcp_rt,
             "DCP touched, new procs", ">=%.1fx" % (8.0 if temp == "warm" else 4.0))
+    # Against what a new process can do at all: copy its load size out of a fresh
+    # mapping of shared memory (the page-table entries of 4 KiB pages included).
+    mapcopy = med_gbps("restart mapcopy")
+    row("7 new-process copy out of fresh shared memory", mapcopy, "GB/s", memcpy,
+        f"memcpy {n}proc")
+    key = "restart ckptd touched warm"
+    row(f"7 restart ckptd-touched-warm-vs-mapping[{t(key)}]", med_gbps(key), "GB/s", mapcopy,
+        f"new-proc mapping copy {n}proc")
     for temp in ("warm", "cold"):
         key = f"restart ckptd fresh {temp}"
         row(f"7 restart ckptd-fresh-{temp}[{t(key)}]", med_gbps(key), "GB/s", rtouch,
