@@ -10,8 +10,15 @@
 #include "absl/cleanup/cleanup.h"
 #include "absl/strings/str_cat.h"
 #include "core/base/status_macros.h"
+#include "server/await.h"
 
 namespace ckptd {
+namespace {
+
+// How often a load asks gRPC whether its client cancelled (ThrottledCancel).
+constexpr absl::Duration kCancelCheckEvery = absl::Milliseconds(50);
+
+}  // namespace
 
 absl::StatusOr<std::shared_ptr<RankSlot>> Loads::PrepareSlot(
     const Caller& caller, const v1::LoadRequest& req, const std::string& who) {
@@ -84,7 +91,10 @@ void Loads::QueueLaidOut(std::shared_ptr<ckpt::ViewRecorder> views, const std::s
 
 absl::Status Loads::Load(const Caller& caller, const v1::LoadRequest& request,
                           const std::function<bool(const v1::LoadEvent&)>& send,
-                          const std::function<bool()>& cancelled) {
+                          const std::function<bool()>& cancelled_every_time) {
+  // Asked by the executor's workers before each read and each batch of
+  // writes into the client's memory: at most once per kCancelCheckEvery.
+  const std::function<bool()> cancelled = ThrottledCancel(cancelled_every_time, kCancelCheckEvery);
   ++p_.counters->started;
   ++p_.counters->running;
   absl::Cleanup not_running = [this] {
