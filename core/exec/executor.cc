@@ -124,6 +124,9 @@ class RunWriter {
                           LoadStats& stats, uint8_t* keep = nullptr);
   // Writes the runs of the prepared read from `data`, its bytes in memory.
   absl::Status WriteAll(const uint8_t* data, bool stream);
+  // The same from only `spans` of the read, back to back at `data`
+  // (RangeView::spans): DATA_LOSS when they miss bytes a run takes.
+  absl::Status WriteSpans(const uint8_t* data, const std::vector<ReadSpan>& spans, bool stream);
   // Adds the prepared read's delivered bytes to `stats`.
   void Account(LoadStats& stats) const;
 
@@ -146,6 +149,10 @@ class RunWriter {
   // Writes every run's part inside file bytes [start, stop), held at `data`.
   // Calls cover the read in increasing order.
   absl::Status Write(const uint8_t* data, uint64_t start, uint64_t stop, bool stream);
+  // Write without sending the writes queued for other processes (the
+  // caller flushes); adds the bytes of runs written to *taken.
+  absl::Status WriteRange(const uint8_t* data, uint64_t start, uint64_t stop, bool stream,
+                          uint64_t* taken);
   // Queues `n` bytes at `from` for address `to` of `memory`; `from` must
   // stay valid until FlushRemote.
   void QueueRemote(RemoteMemory* memory, const uint8_t* from, uint8_t* to, size_t n);
@@ -245,6 +252,14 @@ bool RunWriter::Prepare(const LoadPlan& plan, size_t i,
 
 absl::Status RunWriter::Write(const uint8_t* data, uint64_t start, uint64_t stop,
                               bool stream) {
+  uint64_t taken = 0;
+  absl::Status status = WriteRange(data, start, stop, stream, &taken);
+  absl::Status flushed = FlushRemote();
+  return status.ok() ? flushed : status;
+}
+
+absl::Status RunWriter::WriteRange(const uint8_t* data, uint64_t start, uint64_t stop,
+                                   bool stream, uint64_t* taken) {
   while (next_ < segs_.size() && segs_[next_].off < stop) active_.push_back(next_++);
   size_t keep = 0;
   absl::Status status;
@@ -252,6 +267,7 @@ absl::Status RunWriter::Write(const uint8_t* data, uint64_t start, uint64_t stop
     const Segment& sg = segs_[k];
     const uint64_t lo = std::max(sg.off, start), hi = std::min(sg.end, stop);
     if (hi > lo && status.ok()) {
+      *taken += hi - lo;
       const uint8_t* src = data + (lo - start);
       if (sg.sdt == sg.ddt) {
         if (sg.remote != nullptr) {
@@ -281,8 +297,7 @@ absl::Status RunWriter::Write(const uint8_t* data, uint64_t start, uint64_t stop
     if (sg.end > stop) active_[keep++] = k;
   }
   active_.resize(keep);
-  absl::Status flushed = FlushRemote();
-  return status.ok() ? flushed : status;
+  return status;
 }
 
 void RunWriter::QueueRemote(RemoteMemory* memory, const uint8_t* from, uint8_t* to, size_t n) {
@@ -295,6 +310,19 @@ void RunWriter::QueueRemote(RemoteMemory* memory, const uint8_t* from, uint8_t* 
   }
   if (batch == nullptr) batch = &batches_.emplace_back();
   batch->memory = memory;
+  // A run that continues the one before on both sides extends it (rows of
+  // a column slice received back to back, for rows back to back in the
+  // rank's tensor: one iovec, not one per row).
+  if (!batch->local.empty()) {
+    iovec& l = batch->local.back();
+    iovec& r = batch->remote.back();
+    if (static_cast<const uint8_t*>(l.iov_base) + l.iov_len == from &&
+        static_cast<uint8_t*>(r.iov_base) + r.iov_len == to) {
+      l.iov_len += n;
+      r.iov_len += n;
+      return;
+    }
+  }
   batch->local.push_back({const_cast<uint8_t*>(from), n});
   batch->remote.push_back({to, n});
 }
@@ -326,6 +354,29 @@ absl::Status RunWriter::FlushRemote() {
 absl::Status RunWriter::WriteAll(const uint8_t* data, bool stream) {
   absl::Status s = Write(data, read_->offset, read_->offset + read_->length, stream);
   if (stream) StreamingFence();
+  return s;
+}
+
+absl::Status RunWriter::WriteSpans(const uint8_t* data, const std::vector<ReadSpan>& spans,
+                                   bool stream) {
+  uint64_t want = 0, taken = 0, at = 0;
+  for (const Segment& sg : segs_) want += sg.end - sg.off;
+  absl::Status s;
+  for (const ReadSpan& sp : spans) {
+    if (sp.end > read_->length || sp.begin >= sp.end) break;  // checked below: bytes missed
+    s = WriteRange(data + at, read_->offset + sp.begin, read_->offset + sp.end, stream, &taken);
+    if (!s.ok()) break;
+    at += sp.end - sp.begin;
+  }
+  absl::Status flushed = FlushRemote();
+  if (s.ok()) s = flushed;
+  if (stream) StreamingFence();
+  if (s.ok() && taken != want) {
+    return absl::DataLossError(absl::StrCat(
+        "read of ", plan_->files[read_->file], " bytes [", read_->offset, ", ",
+        read_->offset + read_->length, "): the ", spans.size(), " spans received hold ", taken,
+        " of the ", want, " bytes its copies take"));
+  }
   return s;
 }
 
@@ -715,8 +766,23 @@ absl::Status PlanRun::FetchAndCopy(size_t i, bool by_runs, std::optional<RangeVi
     w.local.checksums_verified += verified;
     (view->from_storage ? w.local.bytes_read : w.local.bytes_from_cache) += rr.length;
     if (by_runs) {
-      s = w.writer.WriteAll(view->data, stream_);
+      s = view->spans ? w.writer.WriteSpans(view->data, *view->spans, stream_)
+                      : w.writer.WriteAll(view->data, stream_);
       if (s.ok()) w.writer.Account(w.local);
+    } else if (view->spans) {
+      // Copy by copy needs the read laid out: its spans put in place first.
+      w.scratch.resize(rr.length);
+      uint64_t at = 0;
+      for (const ReadSpan& sp : *view->spans) {
+        if (sp.end > rr.length || sp.begin >= sp.end) {
+          return absl::DataLossError(absl::StrCat("read of ", file, " bytes [", rr.offset, ", ",
+                                                  rr.offset + rr.length, "): a span [", sp.begin,
+                                                  ", ", sp.end, ") outside it"));
+        }
+        std::memcpy(w.scratch.data() + sp.begin, view->data + at, sp.end - sp.begin);
+        at += sp.end - sp.begin;
+      }
+      s = CopyEach(i, RangeView{w.scratch.data(), nullptr, view->from_storage}, w);
     } else {
       s = CopyEach(i, *view, w);
     }

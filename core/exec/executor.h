@@ -54,6 +54,12 @@ struct RangeView {
   const uint8_t* data = nullptr;
   std::shared_ptr<const void> pin;  // keeps cached bytes alive; may be null
   bool from_storage = true;         // false when served from a cache
+  // Set where the source holds only some of the read's bytes (a node's
+  // share of a read a peer sent it): these spans of the read (offsets in the
+  // read, ascending, disjoint), back to back at `data`. They must cover
+  // every byte the read's copies take (the executor checks). Null: `data`
+  // holds the whole read.
+  std::shared_ptr<const std::vector<ReadSpan>> spans;
 };
 
 // Where planned bytes come from. Implementations must be thread-safe.

@@ -101,6 +101,10 @@ PeerFetch::PeerFetch(std::string peer, std::string me, std::string job_id,
     Slot& s = slots_[i];
     s.want = std::move(wants[i]);
     s.expect = s.want.spans.empty() ? s.want.length : ckpt::SpanBytes(s.want.spans);
+    if (!s.want.spans.empty()) {
+      s.spans = std::make_shared<const std::vector<ckpt::ReadSpan>>(std::move(s.want.spans));
+      s.want.spans.clear();
+    }
     index_[s.want.read] = i;
   }
 }
@@ -124,7 +128,7 @@ PeerFetch::~PeerFetch() {
 std::string PeerFetch::What(const Slot& s) const {
   return absl::StrCat("read ", s.want.read, " (", s.want.file, " bytes [", s.want.offset, ", ",
                       s.want.offset + s.want.length, ")",
-                      s.want.spans.empty() ? "" : absl::StrCat(", ", s.want.spans.size(), " spans"),
+                      s.spans == nullptr ? "" : absl::StrCat(", ", s.spans->size(), " spans"),
                       ") from peer ", peer_);
 }
 
@@ -158,10 +162,10 @@ absl::StatusOr<ckpt::RangeView> PeerFetch::Take(
     s.taken = true;
   }
   std::shared_ptr<uint8_t> buf = std::move(s.buf);  // freed once the executor is done with it
-  if (s.want.spans.empty()) {
+  if (s.spans == nullptr) {
     CKPT_RETURN_IF_ERROR(CheckReceivedRead(buf.get(), s.want.length, s.xxh3, What(s), verify));
   }
-  return ckpt::RangeView{buf.get(), buf, false};
+  return ckpt::RangeView{buf.get(), buf, false, s.spans};
 }
 
 void PeerFetch::DriveLocked() {
@@ -189,7 +193,8 @@ absl::Status PeerFetch::Start() {
     peer::v1::FetchReadRequest* r = req.add_reads();
     r->set_read(s.want.read);
     // Packed: a column slice is one run per read, not a message per row.
-    for (const ckpt::SpanRun& run : ckpt::PackSpans(s.want.spans)) {
+    if (s.spans == nullptr) continue;
+    for (const ckpt::SpanRun& run : ckpt::PackSpans(*s.spans)) {
       r->add_span_runs(run.begin);
       r->add_span_runs(run.length);
       r->add_span_runs(run.stride);
@@ -247,7 +252,7 @@ absl::Status PeerFetch::Place(const peer::v1::Chunk& c) {
                                             slots_.size(), " reads asked for"));
   }
   Slot& s = slots_[cur_];
-  const bool whole = s.want.spans.empty();
+  const bool whole = s.spans == nullptr;
   const std::string& d = c.data();
   // (Only an empty read comes in an empty chunk: a stream of empty chunks
   // would never end.)
@@ -258,8 +263,8 @@ absl::Status PeerFetch::Place(const peer::v1::Chunk& c) {
         What(s), ": a chunk of another read, out of order, empty, too long or without its xxh3"));
   }
   if (!s.first) {
-    // Only the wanted bytes are ever written or read: no need to clear it.
-    s.buf = buffers_->Get(s.want.length);
+    // Written in full before it is read: no need to clear it.
+    s.buf = buffers_->Get(s.expect);
   }
   if (whole) {
     if (!s.first) s.xxh3 = c.xxh3();
@@ -274,20 +279,8 @@ absl::Status PeerFetch::Place(const peer::v1::Chunk& c) {
           absl::Hex(c.xxh3(), absl::kZeroPad16),
           " (altered in transit or by the peer); none of it was delivered"));
     }
-    const char* p = d.data();
-    uint64_t left = d.size();
-    while (left > 0) {  // s.got + left <= s.expect: spans remain
-      const ckpt::ReadSpan& sp = s.want.spans[s.span];
-      const uint64_t k = std::min(left, sp.end - sp.begin - s.in_span);
-      std::memcpy(s.buf.get() + sp.begin + s.in_span, p, k);
-      p += k;
-      left -= k;
-      s.in_span += k;
-      if (s.in_span == sp.end - sp.begin) {
-        ++s.span;
-        s.in_span = 0;
-      }
-    }
+    // The spans back to back, as sent (s.got + d.size() <= s.expect).
+    std::memcpy(s.buf.get() + s.got, d.data(), d.size());
   }
   s.got += d.size();
   s.first = true;

@@ -73,9 +73,8 @@ absl::Status CheckReceivedRead(const uint8_t* data, uint64_t n, uint64_t want,
                                const std::function<absl::Status(const uint8_t*)>& verify);
 
 // Receive buffers kept for the next reads of one node's fetch streams in a
-// job: a node's share of a read is often spans all over it (a column slice:
-// some bytes of every row), and a fresh buffer faults in every page those
-// touch. A buffer goes back when the executor lets its read go; the latest
+// job (a fresh buffer faults in every page it is given). A buffer goes back
+// when the executor lets its read go; the latest
 // `max_kept` are kept (what the I/O threads cycle through); the others, and
 // all once the last holder lets go, are freed. Thread-safe.
 class ReceiveBuffers : public std::enable_shared_from_this<ReceiveBuffers> {
@@ -118,8 +117,10 @@ class PeerFetch {
   PeerFetch(const PeerFetch&) = delete;
   PeerFetch& operator=(const PeerFetch&) = delete;
 
-  // Read `read`'s bytes (one of the wants, once): `length` bytes whose
-  // wanted spans are set (the rest is not). `verify` (may be empty) checks a
+  // Read `read`'s bytes (one of the wants, once): the whole read, or its
+  // wanted spans back to back as they came (RangeView::spans: the executor
+  // copies from them as they are, with no buffer of the read's length whose
+  // every page a column slice would touch). `verify` (may be empty) checks a
   // whole read's bytes against the plan's checksums.
   absl::StatusOr<ckpt::RangeView> Take(uint32_t read,
                                        const std::function<absl::Status(const uint8_t*)>& verify)
@@ -129,12 +130,11 @@ class PeerFetch {
 
  private:
   struct Slot {
-    Want want;
+    Want want;  // its spans moved to `spans`
+    std::shared_ptr<const std::vector<ckpt::ReadSpan>> spans;  // null: the whole read
     uint64_t expect = 0;  // bytes the stream carries for it
     std::shared_ptr<uint8_t> buf;
     uint64_t got = 0;
-    size_t span = 0;       // spans: the one being filled
-    uint64_t in_span = 0;  // its bytes placed so far
     bool first = false;    // a chunk arrived
     uint64_t xxh3 = 0;     // whole: the read's, from its first chunk
     bool done = false;     // ABSL_GUARDED_BY(mu_) once the stream started
