@@ -268,7 +268,6 @@ absl::Status PeerFetch::Place(const peer::v1::Chunk& c) {
   }
   if (whole) {
     if (!s.first) s.xxh3 = c.xxh3();
-    std::memcpy(s.buf.get() + s.got, d.data(), d.size());
   } else {
     const uint64_t have = XXH3_64bits(d.data(), d.size());
     if (have != c.xxh3()) {
@@ -279,9 +278,9 @@ absl::Status PeerFetch::Place(const peer::v1::Chunk& c) {
           absl::Hex(c.xxh3(), absl::kZeroPad16),
           " (altered in transit or by the peer); none of it was delivered"));
     }
-    // The spans back to back, as sent (s.got + d.size() <= s.expect).
-    std::memcpy(s.buf.get() + s.got, d.data(), d.size());
   }
+  // The read, or its spans back to back, as sent (s.got + d.size() <= s.expect).
+  std::memcpy(s.buf.get() + s.got, d.data(), d.size());
   s.got += d.size();
   s.first = true;
   received_ += d.size();
