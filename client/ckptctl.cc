@@ -433,7 +433,11 @@ void PrintStatus(const ckptd::v1::StatusResponse& s) {
       {"fill", absl::StrCat(s.cache_fills(), " background fills, ", HumanBytes(s.cache_fill_bytes())),
        absl::StrCat(s.cache_fills_failed(), " failed"),
        absl::StrCat(s.cache_laid_out_entries(), " laid-out copies, ",
-                    HumanBytes(s.cache_laid_out_bytes()), ", ", s.cache_laid_out_hits(), " served")},
+                    HumanBytes(s.cache_laid_out_bytes()), ", ", s.cache_laid_out_hits(), " served"),
+       absl::StrCat("huge pages: ", s.cache_huge_pages().empty() ? "?" : s.cache_huge_pages(),
+                    s.cache_huge_pages() == "collapse"
+                        ? absl::StrCat(", ", HumanBytes(s.cache_huge_page_bytes()), " collapsed")
+                        : std::string())},
       {"loads", absl::StrCat(s.loads_started(), " started, ", s.loads_succeeded(), " ok, ",
                              s.loads_failed(), " failed"),
        absl::StrCat("read ", HumanBytes(s.bytes_read_total()), " from storage"),
@@ -558,6 +562,8 @@ absl::Status Status() {
                                            {"laid_out_bytes", s.cache_laid_out_bytes()},
                                            {"laid_out_entries", s.cache_laid_out_entries()},
                                            {"laid_out_hits", s.cache_laid_out_hits()},
+                                           {"huge_pages", s.cache_huge_pages()},
+                                           {"huge_page_bytes", s.cache_huge_page_bytes()},
                                            {"files", files}}},
                                 {"loads", {{"started", s.loads_started()},
                                            {"succeeded", s.loads_succeeded()},

@@ -30,6 +30,7 @@
 #include "absl/synchronization/mutex.h"
 #include "ckptd_version.h"
 #include "client/cuda/device_export.h"
+#include "core/base/aligned_map.h"
 #include "core/base/status_macros.h"
 #include "proto/ckpt.grpc.pb.h"
 #include "proto/fd_socket.h"
@@ -236,7 +237,7 @@ namespace {
 // Read-only mappings of the daemon's cache blocks (Transport::kCacheView),
 // kept from one load to the next: a block the next load uses again is not
 // mapped again (a new mapping costs a page-table entry per 4 KiB on first
-// touch). Keyed by the block's key (CacheViews.view_keys: random, never
+// touch, per 2 MiB where the block is on huge pages). Keyed by the block's key (CacheViews.view_keys: random, never
 // reused). Only the latest load's are kept (Keep): a block the daemon has
 // freed cannot have its pages reclaimed while any process maps it (its
 // memfd is sealed against writes, hole punching included), so a mapping of
@@ -267,7 +268,9 @@ class ViewMappings {
       auto it = maps_.find(key);
       if (it != maps_.end() && it->second->size >= size) return it->second;
     }
-    void* p = ::mmap(nullptr, size, PROT_READ, MAP_SHARED, fd, 0);
+    // On a 2 MiB boundary: a block the daemon collapsed into huge pages
+    // maps one page-table entry per 2 MiB (cache_huge_pages).
+    void* p = ckpt::MapSharedAligned(fd, size, PROT_READ);
     if (p == MAP_FAILED) {
       return absl::ResourceExhaustedError(
           absl::StrCat("mapping a cache view of ", size, " bytes: ", std::strerror(errno)));

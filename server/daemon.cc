@@ -33,23 +33,31 @@ gpu::GpuOptions GpuOptionsOf(const DaemonConfig& c) {
   o.pinned_limit = c.cache_budget + 2 * o.pinned_chunk;  // room for fragmentation
   return o;
 }
-// cache_huge_pages: whether the data cache asks for huge pages for its
-// shared blocks, said once at start-up with the reason.
-bool CacheHugePages(const DaemonConfig& c) {
+// cache_huge_pages: how the data cache's shared blocks get huge pages,
+// said once at start-up with the reason.
+ckpt::CacheHugePages CacheHugePages(const DaemonConfig& c) {
   if (c.cache_huge_pages == "off") {
     spdlog::info("cache: 4 KiB pages for shared blocks (cache_huge_pages: off)");
-    return false;
+    return ckpt::CacheHugePages::kOff;
   }
   const ckpt::ShmemHugePages probe = ckpt::ProbeShmemHugePages();
   if (probe.honoured) {
     spdlog::info("cache: huge pages for shared blocks (shmem THP: {})", probe.setting);
-  } else {
-    spdlog::info("cache: 4 KiB pages for shared blocks: this kernel gives shared memory no huge "
-                 "pages (shmem THP: {}; 'advise' in "
-                 "/sys/kernel/mm/transparent_hugepage/shmem_enabled allows them)",
-                 probe.setting);
+    return ckpt::CacheHugePages::kAdvise;
   }
-  return probe.honoured;
+  const std::string why_not = ckpt::ProbeShmemCollapse();
+  if (why_not.empty()) {
+    spdlog::info("cache: shared blocks collapsed into huge pages after they fill, while no load "
+                 "runs (MADV_COLLAPSE; shmem THP: {}, so not at allocation)",
+                 probe.setting);
+    return ckpt::CacheHugePages::kCollapse;
+  }
+  spdlog::info("cache: 4 KiB pages for shared blocks: this kernel gives shared memory no huge "
+               "pages (shmem THP: {}; 'advise' in "
+               "/sys/kernel/mm/transparent_hugepage/shmem_enabled allows them) and does not "
+               "collapse them on request ({})",
+               probe.setting, why_not);
+  return ckpt::CacheHugePages::kOff;
 }
 }  // namespace
 
@@ -59,7 +67,8 @@ Daemon::Daemon(DaemonConfig config)
       started_(absl::Now()),
       gpu_(gpu::CreateGpuRuntime(GpuOptionsOf(config_))),
       cache_(config_.cache_budget, gpu_->host_allocator(),
-             gpu_->host_allocator() == nullptr && CacheHugePages(config_)),
+             gpu_->host_allocator() == nullptr ? CacheHugePages(config_)
+                                               : ckpt::CacheHugePages::kOff),
       arenas_(std::make_unique<ArenaPool>(config_.arena_pool, config_.arena_limit)),
       // Laid-out copies are gathered while no load runs.
       filler_(std::make_unique<CacheFiller>(
@@ -217,6 +226,12 @@ v1::StatusResponse Daemon::Status(const Caller& caller) {
   resp.set_cache_fills(fill.fills);
   resp.set_cache_fill_bytes(fill.bytes);
   resp.set_cache_fills_failed(fill.failed);
+  switch (cache_.huge_pages()) {
+    case ckpt::CacheHugePages::kOff: resp.set_cache_huge_pages("off"); break;
+    case ckpt::CacheHugePages::kAdvise: resp.set_cache_huge_pages("advise"); break;
+    case ckpt::CacheHugePages::kCollapse: resp.set_cache_huge_pages("collapse"); break;
+  }
+  resp.set_cache_huge_page_bytes(fill.huge_page_bytes);
   async_saves_.Describe(caller, admin, &resp);
   DescribeObjectStorage(object_storage_, &resp);
   std::map<std::string, bool> readable;  // checkpoint directory -> caller may read it

@@ -8,6 +8,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <ctime>
 #include <map>
@@ -28,6 +29,9 @@ constexpr int kSealFutureWrite = 0x0010;  // Linux 5.1
 #endif
 }  // namespace
 
+// madvise(MADV_COLLAPSE) of [p, p + n) (huge_pages.cc).
+int CollapseRange(void* p, uint64_t n);
+
 // The default entry memory: blocks recycled across entries. A freed block is
 // kept for the next entry of the same size, already faulted in: a cold load
 // then writes memory at copy speed instead of taking a page fault per 4 KiB
@@ -47,7 +51,7 @@ constexpr int kSealFutureWrite = 0x0010;  // Linux 5.1
 // them from every mapping) and it is closed.
 class HostCache::BlockPool final : public HostAllocator {
  public:
-  explicit BlockPool(bool huge_pages) : huge_pages_(huge_pages) {}
+  explicit BlockPool(CacheHugePages huge_pages) : huge_pages_(huge_pages) {}
   ~BlockPool() override { Trim(0); }
   uint8_t* Allocate(uint64_t n) override { return Allocate(n, kNoTenant); }
   uint8_t* Allocate(uint64_t n, uint32_t tenant) {
@@ -98,7 +102,9 @@ class HostCache::BlockPool final : public HostAllocator {
     // MAP_POPULATE does that for anonymous memory; a shared mapping it only
     // maps for reading, so a memfd's pages are faulted in for writing with
     // MADV_POPULATE_WRITE (Linux 5.14; older kernels fault them in the fill).
-    void* p = fd >= 0 ? ::mmap(nullptr, n, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0)
+    // A memfd's mapping starts on a 2 MiB boundary, where its huge pages
+    // (if it gets any) map whole.
+    void* p = fd >= 0 ? MapSharedAligned(fd, n, PROT_READ | PROT_WRITE)
                       : ::mmap(nullptr, n, PROT_READ | PROT_WRITE,
                                MAP_PRIVATE | MAP_ANONYMOUS | MAP_POPULATE, -1, 0);
     if (p == MAP_FAILED) {
@@ -114,7 +120,9 @@ class HostCache::BlockPool final : public HostAllocator {
       // dev VM). Their first touch here may wait for compaction, once per
       // block: blocks are recycled, and since file views a load does not
       // wait for new cache memory.
-      if (huge_pages_ && n >= kHugePage) (void)::madvise(p, n, MADV_HUGEPAGE);
+      if (huge_pages_ == CacheHugePages::kAdvise && n >= kHugePage) {
+        (void)::madvise(p, n, MADV_HUGEPAGE);
+      }
       constexpr int kPopulateWrite = 23;  // MADV_POPULATE_WRITE
       (void)::madvise(p, n, kPopulateWrite);
       // Read-only for everyone else from here on: no write() and no new
@@ -141,6 +149,8 @@ class HostCache::BlockPool final : public HostAllocator {
       b.ro_fd = ::open(absl::StrCat("/proc/self/fd/", fd).c_str(), O_RDONLY | O_CLOEXEC);
       b.shared = true;
       ::close(fd);
+      // Collapsed into huge pages later (CollapseHugePages), from its start.
+      if (huge_pages_ == CacheHugePages::kCollapse && n >= kHugePage) b.collapse_at = 0;
     }
     if (memfd && b.ro_fd < 0) ForgetMemfd();  // counts descriptors held
     // A random key names the block to clients (their kept mappings):
@@ -150,6 +160,7 @@ class HostCache::BlockPool final : public HostAllocator {
     }
     absl::MutexLock lock(&mu_);
     b.serial = ++serials_;
+    if (b.collapse_at != kCollapsed && !collapse_off_) ++collapse_pending_;
     blocks_.emplace(Key(b.p), b);
     return b.p;
   }
@@ -227,7 +238,9 @@ class HostCache::BlockPool final : public HostAllocator {
         --it;  // largest first
         if (it == spared) continue;
         auto b = blocks_.find(Key(it->second));
+        if (b->second.holds > 0) continue;  // CollapseHugePages is at it: kept
         drop.push_back(b->second);
+        ForgetLocked(b->second);
         blocks_.erase(b);
         free_bytes_ -= it->first;
         it = free_.erase(it);
@@ -249,6 +262,64 @@ class HostCache::BlockPool final : public HostAllocator {
     absl::MutexLock lock(&mu_);
     return blocks_.size();
   }
+  bool HugePagesPending() const {
+    absl::MutexLock lock(&mu_);
+    return collapse_pending_ > 0;
+  }
+  // See HostCache::CollapseHugePages.
+  CollapseStats Collapse(const std::function<bool()>& go_on) {
+    CollapseStats s;
+    while (go_on()) {
+      uint8_t* p = nullptr;
+      uint64_t at = 0, end = 0;
+      {
+        absl::MutexLock lock(&mu_);
+        if (collapse_pending_ == 0) break;
+        for (auto& [key, b] : blocks_) {
+          if (b.collapse_at == kCollapsed || b.freed) continue;
+          p = b.p;
+          at = b.collapse_at;
+          end = b.n / kHugePage * kHugePage;
+          ++b.holds;  // not unmapped while collapsed (Unhold frees it if freed meanwhile)
+          break;
+        }
+        if (p == nullptr) break;  // pending ones are all held freed: they leave soon
+      }
+      bool stopped = false;
+      for (; at < end; at += kHugePage) {
+        if (s.bytes + s.failed > 0 && !go_on()) {
+          stopped = true;
+          break;
+        }
+        if (CollapseRange(p + at, kHugePage) == 0) {
+          s.bytes += kHugePage;
+        } else if (errno == EAGAIN || errno == ENOMEM) {
+          ++s.failed;  // no huge page to be had now: this range stays on 4 KiB pages
+        } else {
+          s.unsupported = absl::StrCat("MADV_COLLAPSE: ", std::strerror(errno));
+          break;
+        }
+      }
+      {
+        absl::MutexLock lock(&mu_);
+        Block& b = blocks_.at(Key(p));
+        if (!s.unsupported.empty()) {
+          collapse_off_ = true;  // none will be: every block counts as done
+          collapse_pending_ = 0;
+          for (auto& [key, other] : blocks_) other.collapse_at = kCollapsed;
+        } else if (stopped) {
+          b.collapse_at = at;  // resumed there
+        } else if (b.collapse_at != kCollapsed) {
+          b.collapse_at = kCollapsed;
+          --collapse_pending_;
+          ++s.blocks;
+        }
+      }
+      Unhold(p);
+      if (stopped || !s.unsupported.empty()) break;
+    }
+    return s;
+  }
 
  private:
   struct Block {
@@ -263,7 +334,15 @@ class HostCache::BlockPool final : public HostAllocator {
     std::vector<uint32_t> exported;  // tenants it was exported to
     int holds = 0;                   // exports not yet let go
     bool freed = false;              // freed by the cache while held
+    // Where CollapseHugePages goes on in this block, or kCollapsed (done, or
+    // not to be: anonymous, under 2 MiB, not kCollapse).
+    uint64_t collapse_at = kCollapsed;
   };
+  static constexpr uint64_t kCollapsed = ~uint64_t{0};
+  // A block leaving blocks_: no longer pending a collapse.
+  void ForgetLocked(const Block& b) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (b.collapse_at != kCollapsed && collapse_pending_ > 0) --collapse_pending_;
+  }
   static uintptr_t Key(const void* p) { return reinterpret_cast<uintptr_t>(p); }
   static bool Reusable(const Block& b, uint32_t tenant) {
     return b.exported.empty() || (b.exported.size() == 1 && b.exported[0] == tenant);
@@ -274,6 +353,7 @@ class HostCache::BlockPool final : public HostAllocator {
   bool FreeLocked(Block& b, Block* dead) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
     if (b.exported.size() >= 2) {
       *dead = b;
+      ForgetLocked(b);
       blocks_.erase(Key(b.p));
       return true;
     }
@@ -313,7 +393,7 @@ class HostCache::BlockPool final : public HostAllocator {
   // client's mapping; each memfd block holds one descriptor.
   static constexpr uint64_t kMinMemfdBlock = 64 << 10;
   static constexpr uint64_t kHugePage = 2 << 20;
-  const bool huge_pages_;
+  const CacheHugePages huge_pages_;
   static constexpr uint64_t kMaxMemfdBlocks = 4096;
   mutable absl::Mutex mu_;
   uint64_t memfd_blocks_ ABSL_GUARDED_BY(mu_) = 0;
@@ -322,10 +402,13 @@ class HostCache::BlockPool final : public HostAllocator {
   std::map<uintptr_t, Block> blocks_ ABSL_GUARDED_BY(mu_);  // every live block, by address
   std::multimap<uint64_t, uint8_t*> free_ ABSL_GUARDED_BY(mu_);
   uint64_t free_bytes_ ABSL_GUARDED_BY(mu_) = 0;
+  uint64_t collapse_pending_ ABSL_GUARDED_BY(mu_) = 0;  // blocks with collapse_at set
+  bool collapse_off_ ABSL_GUARDED_BY(mu_) = false;  // the kernel refused MADV_COLLAPSE
 };
 
-HostCache::HostCache(uint64_t budget_bytes, HostAllocator* allocator, bool huge_pages)
+HostCache::HostCache(uint64_t budget_bytes, HostAllocator* allocator, CacheHugePages huge_pages)
     : budget_(budget_bytes),
+      huge_pages_(huge_pages),
       pool_(allocator == nullptr ? std::make_shared<BlockPool>(huge_pages) : nullptr),
       allocator_(allocator != nullptr ? allocator : pool_.get()) {}
 
@@ -608,6 +691,12 @@ std::optional<ExportedRange> HostCache::Export(const uint8_t* p, uint64_t n, uin
 }
 
 uint64_t HostCache::blocks() const { return pool_ ? pool_->blocks() : 0; }
+
+bool HostCache::HugePagesPending() const { return pool_ && pool_->HugePagesPending(); }
+
+HostCache::CollapseStats HostCache::CollapseHugePages(const std::function<bool()>& go_on) {
+  return pool_ ? pool_->Collapse(go_on) : CollapseStats{};
+}
 
 std::map<std::string, std::pair<uint64_t, uint64_t>> HostCache::Files() const {
   absl::MutexLock lock(&mu_);

@@ -25,6 +25,7 @@
 
 #include <atomic>
 #include <cstdint>
+#include <functional>
 #include <list>
 #include <map>
 #include <memory>
@@ -36,6 +37,7 @@
 #include "absl/container/flat_hash_map.h"
 #include "absl/status/statusor.h"
 #include "absl/synchronization/mutex.h"
+#include "core/base/aligned_map.h"
 #include "core/exec/executor.h"
 
 namespace ckpt {
@@ -104,16 +106,32 @@ struct ShmemHugePages {
 };
 ShmemHugePages ProbeShmemHugePages();
 
+// Whether this kernel collapses a memfd's pages into huge pages when asked
+// (madvise MADV_COLLAPSE, Linux 6.1), which it does whatever the shmem THP
+// setting says: tried once on a 2 MiB memfd (a few ms). "" when it does,
+// else why not (e.g. "MADV_COLLAPSE: Invalid argument").
+std::string ProbeShmemCollapse();
+
+// How the data cache's shared blocks (what clients map as cache views) get
+// huge pages, so that a client's first copy out of a view takes one page
+// fault per 2 MiB instead of one per 4 KiB:
+enum class CacheHugePages {
+  kOff,     // never: 4 KiB pages
+  kAdvise,  // asked for at allocation (MADV_HUGEPAGE), where shmem THP honours it
+  // 4 KiB pages at allocation, collapsed into huge pages afterwards
+  // (HostCache::CollapseHugePages, MADV_COLLAPSE), where shmem THP does not
+  // honour MADV_HUGEPAGE but the kernel collapses on request.
+  kCollapse,
+};
+
 class HostCache {
  public:
   // `allocator` (optional, not owned) must outlive the cache; without one
   // the cache recycles its own blocks of memory (cache.cc, BlockPool), and
-  // with `huge_pages` asks for huge pages for its shared blocks of 2 MiB and
-  // more (ProbeShmemHugePages says whether the kernel gives them): a
-  // client's first copy out of a view then takes one fault per 2 MiB
-  // instead of one per 4 KiB.
+  // with `huge_pages` gets huge pages for its shared blocks of 2 MiB and
+  // more as that says (see CacheHugePages).
   explicit HostCache(uint64_t budget_bytes, HostAllocator* allocator = nullptr,
-                     bool huge_pages = false);
+                     CacheHugePages huge_pages = CacheHugePages::kOff);
   ~HostCache();
   HostCache(const HostCache&) = delete;
   HostCache& operator=(const HostCache&) = delete;
@@ -184,6 +202,26 @@ class HostCache {
   // free blocks, held blocks); 0 with a custom allocator.
   uint64_t blocks() const;
 
+  // CacheHugePages::kCollapse: whether a shared block of 2 MiB or more has
+  // pages not yet collapsed into huge pages (a new block; recycled blocks
+  // keep theirs).
+  bool HugePagesPending() const;
+  struct CollapseStats {
+    uint64_t blocks = 0;  // blocks done
+    uint64_t bytes = 0;   // bytes now on huge pages
+    uint64_t failed = 0;  // 2 MiB ranges the kernel did not collapse (no huge page free)
+    std::string unsupported;  // set when the kernel refused MADV_COLLAPSE itself: no more tries
+  };
+  // Collapses pending blocks into huge pages, 2 MiB at a time (a copy of
+  // those bytes in the kernel, 1-3 ms each on the development VM), while
+  // `go_on()` says so: it is asked before every 2 MiB, so a load that
+  // starts meanwhile waits for one step at most. A block the cache frees
+  // meanwhile is held until its step ends. Thread-safe; the bytes never
+  // change (clients mapping the block fault onto the huge pages).
+  CollapseStats CollapseHugePages(const std::function<bool()>& go_on);
+
+  CacheHugePages huge_pages() const { return pool_ ? huge_pages_ : CacheHugePages::kOff; }
+
   CacheStats stats() const;
   // Bytes and entries per cached file path (laid-out copies not included).
   std::map<std::string, std::pair<uint64_t, uint64_t>> Files() const;
@@ -211,6 +249,7 @@ class HostCache {
   class BlockPool;
 
   const uint64_t budget_;
+  const CacheHugePages huge_pages_;
   const std::shared_ptr<BlockPool> pool_;  // null when an allocator is given
   HostAllocator* const allocator_;
   mutable absl::Mutex mu_;

@@ -148,17 +148,55 @@ std::optional<CacheFiller::Task> CacheFiller::Next() {
   return std::nullopt;
 }
 
+void CacheFiller::CollapseHugePages() {
+  // Until a task is queued, a load runs, or none is left (a step is 2 MiB).
+  auto go_on = [&] {
+    absl::MutexLock lock(&mu_);
+    return !stopping_ && queue_.empty() && !(busy_ && busy_());
+  };
+  const auto t0 = std::chrono::steady_clock::now();
+  const ckpt::HostCache::CollapseStats s = cache_->CollapseHugePages(go_on);
+  const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  {
+    absl::MutexLock lock(&mu_);
+    stats_.huge_page_bytes += s.bytes;
+    stats_.huge_page_failed += s.failed;
+  }
+  if (!s.unsupported.empty()) {
+    spdlog::warn("cache: shared blocks stay on 4 KiB pages: the kernel refused to collapse them "
+                 "({})",
+                 s.unsupported);
+  } else if (s.blocks > 0 || s.failed > 0) {
+    spdlog::info("cache: {} MiB of shared blocks collapsed into huge pages ({} blocks done, {} "
+                 "ranges of 2 MiB left on 4 KiB pages: no huge page free) in {:.3f}s",
+                 s.bytes >> 20, s.blocks, s.failed, secs);
+  }
+}
+
 void CacheFiller::Run() {
   // Lowest CPU priority: loads win whenever both want a core.
   ::setpriority(PRIO_PROCESS, static_cast<id_t>(::syscall(SYS_gettid)), 19);
   while (true) {
     Task task;
+    bool collapse = false;
     {
       absl::MutexLock lock(&mu_);
       auto ready = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || !queue_.empty(); };
       std::optional<Task> next;
       while (!next) {
-        mu_.Await(absl::Condition(&ready));
+        // Nothing queued: new shared blocks of the cache are collapsed into
+        // huge pages meanwhile, while nothing is busy. Loads make new
+        // blocks without queueing anything here: looked at once a second.
+        if (!ready()) {
+          const bool pending = cache_->HugePagesPending();
+          if (pending && !(busy_ && busy_())) {
+            collapse = true;
+            break;
+          }
+          mu_.AwaitWithTimeout(absl::Condition(&ready),
+                               pending ? absl::Milliseconds(20) : absl::Seconds(1));
+          continue;
+        }
         if (stopping_) return;
         next = Next();
         // Only held work queued: look again shortly (busy_ has no signal),
@@ -166,9 +204,15 @@ void CacheFiller::Run() {
         auto wake = [&]() ABSL_SHARED_LOCKS_REQUIRED(mu_) { return stopping_ || FillQueued(); };
         if (!next) mu_.AwaitWithTimeout(absl::Condition(&wake), absl::Milliseconds(5));
       }
-      task = std::move(*next);
-      running_ = task.dir;
-      running_work_ = static_cast<bool>(task.work);
+      if (!collapse) {
+        task = std::move(*next);
+        running_ = task.dir;
+        running_work_ = static_cast<bool>(task.work);
+      }
+    }
+    if (collapse) {
+      CollapseHugePages();
+      continue;
     }
     // Not while the load's clients still read these bytes themselves (the
     // hold goes when the last of them is done; bounded by max_wait).

@@ -8,6 +8,10 @@
 // fills (Wait), so what a load finds in the cache does not depend on timing:
 // a second load right after the first is served from memory, and an evicted
 // checkpoint is not refilled behind the eviction's back.
+//
+// With nothing queued and nothing busy, the same thread collapses the
+// cache's new shared blocks into huge pages (CacheHugePages::kCollapse), so
+// that a client's copy out of a cache view takes one page fault per 2 MiB.
 #ifndef CKPTD_SERVER_CATALOG_CACHE_FILLER_H_
 #define CKPTD_SERVER_CATALOG_CACHE_FILLER_H_
 
@@ -76,6 +80,11 @@ class CacheFiller {
     uint64_t fills = 0;
     uint64_t bytes = 0;
     uint64_t failed = 0;
+    // Bytes of shared cache blocks collapsed into huge pages while idle
+    // (HostCache::CollapseHugePages), and 2 MiB ranges the kernel left on
+    // 4 KiB pages.
+    uint64_t huge_page_bytes = 0;
+    uint64_t huge_page_failed = 0;
   };
   Stats stats() const;
 
@@ -91,6 +100,9 @@ class CacheFiller {
     absl::Time queued;           // work: when SubmitWork queued it
   };
   void Run();
+  // While nothing is queued or busy: the cache's new shared blocks onto
+  // huge pages (HostCache::CollapseHugePages, CacheHugePages::kCollapse).
+  void CollapseHugePages();
   // The next task to run: the first fill, or the first work queued before
   // it if nothing is busy (or it waited kMaxWorkHold); none while every
   // queued task is work held back.

@@ -367,6 +367,10 @@ class StatusCollector final : public prometheus::Collectable {
     out.push_back(One("ckptd_cache_fills_failed_total",
                       "Background cache fills that failed (a file changed, a read error)", C,
                       s.cache_fills_failed()));
+    out.push_back(One("ckptd_cache_huge_page_bytes_total",
+                      "Bytes of the cache's shared blocks collapsed into huge pages while idle "
+                      "(cache_huge_pages where the kernel collapses on request)",
+                      C, s.cache_huge_page_bytes()));
     out.push_back(One("ckptd_save_staged_bytes",
                       "Bytes of asynchronous saves held until they are durable (save_buffer)", G,
                       s.save_staged_bytes()));

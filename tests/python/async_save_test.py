@@ -131,7 +131,9 @@ class AsyncSaveTest(unittest.TestCase):
             self.assertEqual(rep.unique_id, 0)
             self.assertEqual(rep.bytes_read, 0, "the just-saved version was read from storage")
             self.assertGreater(rep.bytes_from_cache, 0)
-            self.assertTrue(futs[0].done())
+            # Durable before the load returned; the future learns it on its own
+            # thread's AwaitSave, answered at the same moment: a bounded wait.
+            self.assertTrue(futs[0].result(timeout=10).persisted)
             st = save_status(d.socket, "a2")
             self.assertEqual((st["state"], int(st["bytes_persisted"])),
                              ("durable", 2 * full["w"].nbytes + 8))

@@ -6,6 +6,7 @@
 
 #include <atomic>
 #include <chrono>
+#include <cstring>
 #include <future>
 #include <numeric>
 #include <thread>
@@ -196,6 +197,36 @@ TEST(CacheFiller, WorkWaitsAndPausesWhileLoadsRunFillsPassItEvictionsDropIt) {
   busy = false;
   ASSERT_TRUE(filler.Wait("/paused/", absl::Seconds(30)));
   EXPECT_EQ(step.load(), 3);
+}
+
+// With nothing queued, the filler collapses the cache's new shared blocks
+// into huge pages (CacheHugePages::kCollapse), but not while busy.
+TEST(CacheFiller, CollapsesNewSharedBlocksOnlyWhileNothingIsBusy) {
+  const std::string why_not = ckpt::ProbeShmemCollapse();
+  if (!why_not.empty()) GTEST_SKIP() << "this kernel does not collapse shared memory: " << why_not;
+  constexpr uint64_t kBlock = 8 << 20;
+  ckpt::HostCache cache(64 << 20, nullptr, ckpt::CacheHugePages::kCollapse);
+  std::atomic<bool> busy{true};
+  CacheFiller filler(&cache, [&] { return busy.load(); });
+  auto p = cache.Reserve(kBlock, 7);
+  ASSERT_NE(p, nullptr);
+  std::memset(cache.PendingData(p), 3, kBlock);
+  cache.Publish(p, "x", ckpt::FileStamp{}, 0);
+  std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // the filler looked at least once
+  EXPECT_TRUE(cache.HugePagesPending());
+  EXPECT_EQ(filler.stats().huge_page_bytes, 0u);
+  busy = false;
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+  auto done = [&] {  // the stats follow the collapse's last step
+    const CacheFiller::Stats s = filler.stats();
+    return s.huge_page_bytes + s.huge_page_failed * (2 << 20) >= kBlock;
+  };
+  while (!done() && std::chrono::steady_clock::now() < deadline) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_FALSE(cache.HugePagesPending());
+  const CacheFiller::Stats s = filler.stats();
+  EXPECT_EQ(s.huge_page_bytes + s.huge_page_failed * (2 << 20), kBlock);
 }
 
 }  // namespace
