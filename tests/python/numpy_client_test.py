@@ -401,6 +401,62 @@ class NumpyClientTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             _native.copy_runs(np.zeros((1, 5), np.uint64))
 
+    def test_native_file_mapping_copy(self):
+        """ckptd/_native.c's copy out of a file mapping (file views whose page
+        cache maps whole 2 MiB pages): the same bytes as pread where it maps (it
+        may decline: 1, where the page cache holds the file in small pages);
+        a file that ends under the mapping (SIGBUS) fails that call with
+        -ENODATA, not the process, and the SIGBUS handler before it is back."""
+        import errno
+        import signal
+        from ckptd import _native
+        self.assertIsNotNone(_native.available())
+        path = os.path.join(self.root, "mapped.bin")
+        rng = np.random.default_rng(11)
+        data = rng.integers(0, 256, 24 << 20, dtype=np.uint8)
+        with open(path, "wb") as f:
+            f.write(data.tobytes())  # large writes: large page-cache folios where the fs has them
+        fd = os.open(path, os.O_RDONLY)
+        self.addCleanup(os.close, fd)
+        rows, half, row = 700, 16384, 32768
+        for off, rel in ((12345, 0), (1 << 20, 4096 + 64)):
+            got, want = (np.zeros(rows * half + 8192, np.uint8) for _ in range(2))
+            runs = np.array([[got.ctypes.data + rel, off, half, rows, half, row]], np.uint64)
+            rc = _native.map_runs(fd, runs)
+            self.assertIn(rc, (0, 1))
+            if rc == 1:
+                self.assertFalse(got.any(), "declined, yet it copied")
+                self.assertEqual(_native.pread_runs(fd, runs), 0)
+            for i in range(rows):
+                want[rel + i * half:rel + (i + 1) * half] = data[off + i * row:off + i * row + half]
+            np.testing.assert_array_equal(got, want)
+        # Short spans are left to pread.
+        small = np.zeros(1 << 20, np.uint8)
+        self.assertEqual(_native.map_runs(fd, np.array([[small.ctypes.data, 0, 1 << 20, 1, 0, 0]],
+                                                       np.uint64)), 1)
+        # A file shorter than the runs: the probe of its first 2 MiB faults.
+        short = os.path.join(self.root, "short.bin")
+        with open(short, "wb") as f:
+            f.write(data[:1 << 20].tobytes())
+        sfd = os.open(short, os.O_RDONLY)
+        self.addCleanup(os.close, sfd)
+        caught = []
+        before = signal.signal(signal.SIGBUS, lambda *a: caught.append(a))
+        try:
+            dst = np.zeros(8 << 20, np.uint8)
+            rc = _native.map_runs(sfd, np.array([[dst.ctypes.data, 0, 8 << 20, 1, 0, 0]], np.uint64))
+            self.assertEqual(rc, -errno.ENODATA)
+            self.assertEqual(caught, [], "the copy's SIGBUS went to the handler before it")
+            signal.raise_signal(signal.SIGBUS)  # the handler before it is back in place
+            self.assertEqual(len(caught), 1)
+        finally:
+            signal.signal(signal.SIGBUS, before)
+        os.environ["CKPTD_MAP_FILES"] = "0"
+        try:
+            self.assertIsNone(_native.map_runs(fd, runs))
+        finally:
+            del os.environ["CKPTD_MAP_FILES"]
+
     def test_cache_view_copy_without_the_native_library(self):
         """Where the native library is missing the client copies with numpy:
         the same bytes."""

@@ -50,6 +50,9 @@ def _load():
                     lib.ckptd_pread_runs.argtypes = [ctypes.c_int, ctypes.c_void_p,
                                                      ctypes.c_uint64]
                     lib.ckptd_pread_runs.restype = ctypes.c_int64
+                    lib.ckptd_map_runs.argtypes = [ctypes.c_int, ctypes.c_void_p,
+                                                   ctypes.c_uint64]
+                    lib.ckptd_map_runs.restype = ctypes.c_int64
                     _lib, _where = lib, path
                     break
         return _lib
@@ -82,6 +85,19 @@ def pread_runs(fd, runs):
         return None
     runs = _checked(runs)
     return int(lib.ckptd_pread_runs(fd, runs.ctypes.data, len(runs))) if len(runs) else 0
+
+
+def map_runs(fd, runs):
+    """Copies `runs` (as pread_runs) out of a mapping of file `fd` where its
+    page cache maps whole 2 MiB pages (ckptd_map_runs in _native.c), GIL
+    released. None when the native library is not available or
+    CKPTD_MAP_FILES=0; 1 when the mapping would not beat pread (nothing
+    copied); else 0, or -errno (-ENODATA: the file ended under the mapping)."""
+    lib = _load()
+    if not lib or os.environ.get("CKPTD_MAP_FILES", "1") == "0":
+        return None
+    runs = _checked(runs)
+    return int(lib.ckptd_map_runs(fd, runs.ctypes.data, len(runs))) if len(runs) else 0
 
 
 def copy_runs(runs):

@@ -8,9 +8,11 @@ the fd socket ("VIEWS <token>"), maps them, copies every run into its
 tensors (_native.c's loop, else numpy), and closes that connection, which
 tells the daemon it is done. Views marked as files (CacheViews.view_is_file:
 bytes the cache did not hold, file_views) are checkpoint files opened
-read-only: their runs are read with pread, never mapped (a file truncated
-under a mapping would kill this process with SIGBUS; a short read fails the
-load instead).
+read-only: their runs are read with pread, or, where the page cache holds the
+file in 2 MiB pages (probed on the first 2 MiB: one page fault), copied out
+of a mapping made for that copy only (_native.c; a file truncated under it
+raises SIGBUS, which the copy catches: the load fails, not the process);
+a short read fails the load too.
 
 Mappings are kept from one load to the next (keyed by the view's key,
 CacheViews.view_keys: random and never reused, so a block the next load uses
@@ -151,8 +153,13 @@ def _check_file(fd, size):
 
 def _read_file(fd, runs):
     """Reads `runs` (dst, file offset, length, count, dst_stride, src_stride)
-    of a file view with pread (the native loop, else os.preadv)."""
-    got = _native.pread_runs(fd, np.array(runs, dtype=np.uint64).reshape(-1, _native.RUN_FIELDS))
+    of a file view: copied out of a mapping of the file where its page cache
+    maps whole 2 MiB pages (the native loop decides), else with pread (the
+    native loop, else os.preadv)."""
+    table = np.array(runs, dtype=np.uint64).reshape(-1, _native.RUN_FIELDS)
+    got = _native.map_runs(fd, table)
+    if got is None or got == 1:
+        got = _native.pread_runs(fd, table)
     if got is None:
         got = 0
         for dst, off, length, count, dstride, sstride in runs:
