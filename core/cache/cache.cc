@@ -160,7 +160,8 @@ class HostCache::BlockPool final : public HostAllocator {
     }
     absl::MutexLock lock(&mu_);
     b.serial = ++serials_;
-    if (b.collapse_at != kCollapsed && !collapse_off_) ++collapse_pending_;
+    if (collapse_off_) b.collapse_at = kCollapsed;
+    if (b.collapse_at != kCollapsed) ++collapse_pending_;
     blocks_.emplace(Key(b.p), b);
     return b.p;
   }

@@ -131,7 +131,8 @@ uint64_t ckptd_copy_runs(const struct ckptd_run* runs, uint64_t n) {
 static pthread_mutex_t bus_mu = PTHREAD_MUTEX_INITIALIZER;
 static int bus_users;
 static struct sigaction bus_before;
-static __thread sigjmp_buf* bus_jump;
+/* initial-exec: read in the signal handler without __tls_get_addr. */
+static __thread __attribute__((tls_model("initial-exec"))) sigjmp_buf* bus_jump;
 
 static void on_sigbus(int sig, siginfo_t* info, void* uc) {
   sigjmp_buf* jump = bus_jump;

@@ -85,7 +85,7 @@ class _Mapping:
         self.addr = at
 
     def __del__(self):
-        if self.addr:
+        if self.addr and _libc is not None:  # None: the interpreter is exiting
             _libc.munmap(self.addr, self.length)
             self.addr = 0
 
