@@ -32,6 +32,20 @@ def split(global_shape, dim, world, r):
 run_ranks = testlib.run_ranks
 
 
+def _shmem_pmd_kb(addr):
+    """kB of huge pages (ShmemPmdMapped) of this process's mapping holding addr."""
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(" ", 1)[0]
+            if "-" in head and ":" not in head:
+                lo, hi = (int(x, 16) for x in head.split("-"))
+                inside = lo <= addr < hi
+            elif inside and line.startswith("ShmemPmdMapped:"):
+                return int(line.split()[1])
+    return -1
+
+
 class NumpyClientTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -456,6 +470,44 @@ class NumpyClientTest(unittest.TestCase):
             self.assertIsNone(_native.map_runs(fd, runs))
         finally:
             del os.environ["CKPTD_MAP_FILES"]
+
+    def test_cache_views_map_huge_pages_whole(self):
+        """This process maps a cache block of 2 MiB and more on a 2 MiB boundary;
+        where the daemon's blocks get huge pages (Status.cache_huge_pages:
+        "collapse", collapsed once no load runs, or "advise"), its copy out of
+        the view maps them whole (ShmemPmdMapped in this process's smaps)."""
+        from ckptd import _views
+        path = os.path.join(self.root, "huge-pages")
+        w = np.arange(3 << 20, dtype=np.float32).reshape(1536, 2048)  # 12 MiB
+        ckptd.save_state_dict({"w": w}, path, rank=0, world_size=1, job_id="huge-pages-save",
+                              socket=self.sock)
+        self.addCleanup(ckptd.evict, path, socket=self.sock)
+        ckptd.evict(path, socket=self.sock)
+        ckptd.prefetch(path, socket=self.sock)
+        st = ckptd.status(socket=self.sock)
+        mode = st["cache_huge_pages"]
+        self.assertIn(mode, ("off", "advise", "collapse"))
+        got = np.full_like(w, np.nan)
+
+        def load_and_look():
+            got[:] = np.nan
+            rep = ckptd.load_state_dict({"w": got}, path, socket=self.sock, transport="cache_view")
+            np.testing.assert_array_equal(got, w)
+            self.assertEqual(rep.bytes_from_views, w.nbytes)
+            addrs = [a.ctypes.data for a in _views._maps.values() if len(a) >= 2 << 20]
+            self.assertTrue(addrs, "no view of 2 MiB or more")
+            for a in addrs:
+                self.assertEqual(a % (2 << 20), 0, "a view mapped off a 2 MiB boundary")
+            return max(_shmem_pmd_kb(a) for a in addrs)
+
+        if mode == "off":
+            self.assertEqual(load_and_look(), 0)
+            return
+        # Collapsed while no load runs: a view already mapped faults onto the huge
+        # pages once they are made.
+        testlib.wait_for("the view's huge pages", lambda: load_and_look() > 0, 30, 0.2)
+        if mode == "collapse":
+            self.assertGreater(ckptd.status(socket=self.sock)["cache_huge_page_bytes"], 0)
 
     def test_cache_view_copy_without_the_native_library(self):
         """Where the native library is missing the client copies with numpy:
