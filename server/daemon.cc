@@ -231,7 +231,7 @@ v1::StatusResponse Daemon::Status(const Caller& caller) {
     case ckpt::CacheHugePages::kAdvise: resp.set_cache_huge_pages("advise"); break;
     case ckpt::CacheHugePages::kCollapse: resp.set_cache_huge_pages("collapse"); break;
   }
-  resp.set_cache_huge_page_bytes(fill.huge_page_bytes);
+  resp.set_cache_huge_page_bytes(cs.huge_page_bytes);
   async_saves_.Describe(caller, admin, &resp);
   DescribeObjectStorage(object_storage_, &resp);
   std::map<std::string, bool> readable;  // checkpoint directory -> caller may read it

@@ -12,6 +12,7 @@
 #include <cstring>
 #include <ctime>
 #include <map>
+#include <tuple>
 #include <vector>
 
 #include "absl/strings/match.h"
@@ -267,6 +268,10 @@ class HostCache::BlockPool final : public HostAllocator {
     absl::MutexLock lock(&mu_);
     return collapse_pending_ > 0;
   }
+  std::pair<uint64_t, uint64_t> Collapsed() const {
+    absl::MutexLock lock(&mu_);
+    return {collapsed_bytes_, collapse_failed_};
+  }
   // See HostCache::CollapseHugePages.
   CollapseStats Collapse(const std::function<bool()>& go_on) {
     CollapseStats s;
@@ -294,8 +299,12 @@ class HostCache::BlockPool final : public HostAllocator {
         }
         if (CollapseRange(p + at, kHugePage) == 0) {
           s.bytes += kHugePage;
+          absl::MutexLock lock(&mu_);
+          collapsed_bytes_ += kHugePage;
         } else if (errno == EAGAIN || errno == ENOMEM) {
           ++s.failed;  // no huge page to be had now: this range stays on 4 KiB pages
+          absl::MutexLock lock(&mu_);
+          ++collapse_failed_;
         } else {
           s.unsupported = absl::StrCat("MADV_COLLAPSE: ", std::strerror(errno));
           break;
@@ -405,6 +414,8 @@ class HostCache::BlockPool final : public HostAllocator {
   uint64_t free_bytes_ ABSL_GUARDED_BY(mu_) = 0;
   uint64_t collapse_pending_ ABSL_GUARDED_BY(mu_) = 0;  // blocks with collapse_at set
   bool collapse_off_ ABSL_GUARDED_BY(mu_) = false;  // the kernel refused MADV_COLLAPSE
+  uint64_t collapsed_bytes_ ABSL_GUARDED_BY(mu_) = 0;  // CacheStats::huge_page_bytes
+  uint64_t collapse_failed_ ABSL_GUARDED_BY(mu_) = 0;  // CacheStats::huge_page_failed
 };
 
 HostCache::HostCache(uint64_t budget_bytes, HostAllocator* allocator, CacheHugePages huge_pages)
@@ -679,6 +690,7 @@ CacheStats HostCache::stats() const {
   if (pool_) s.bytes += pool_->held_free_bytes();  // evicted while a client copies from it
   s.budget_bytes = budget_;
   if (pool_) s.recycled_bytes = pool_->free_bytes();
+  if (pool_) std::tie(s.huge_page_bytes, s.huge_page_failed) = pool_->Collapsed();
   return s;
 }
 

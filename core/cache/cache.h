@@ -55,6 +55,11 @@ struct CacheStats {
   uint64_t laid_out_bytes = 0;
   uint64_t laid_out_entries = 0;
   uint64_t laid_out_hits = 0;
+  // Shared blocks collapsed into huge pages (CacheHugePages::kCollapse),
+  // counted as each 2 MiB is: bytes now on huge pages, and 2 MiB ranges the
+  // kernel left on 4 KiB pages (no huge page free).
+  uint64_t huge_page_bytes = 0;
+  uint64_t huge_page_failed = 0;
 };
 
 // Who an entry's memory is allocated for (a uid, for the daemon): see

@@ -157,11 +157,6 @@ void CacheFiller::CollapseHugePages() {
   const auto t0 = std::chrono::steady_clock::now();
   const ckpt::HostCache::CollapseStats s = cache_->CollapseHugePages(go_on);
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-  {
-    absl::MutexLock lock(&mu_);
-    stats_.huge_page_bytes += s.bytes;
-    stats_.huge_page_failed += s.failed;
-  }
   if (!s.unsupported.empty()) {
     spdlog::warn("cache: shared blocks stay on 4 KiB pages: the kernel refused to collapse them "
                  "({})",

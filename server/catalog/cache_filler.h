@@ -80,11 +80,6 @@ class CacheFiller {
     uint64_t fills = 0;
     uint64_t bytes = 0;
     uint64_t failed = 0;
-    // Bytes of shared cache blocks collapsed into huge pages while idle
-    // (HostCache::CollapseHugePages), and 2 MiB ranges the kernel left on
-    // 4 KiB pages.
-    uint64_t huge_page_bytes = 0;
-    uint64_t huge_page_failed = 0;
   };
   Stats stats() const;
 

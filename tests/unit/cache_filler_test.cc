@@ -214,18 +214,18 @@ TEST(CacheFiller, CollapsesNewSharedBlocksOnlyWhileNothingIsBusy) {
   cache.Publish(p, "x", ckpt::FileStamp{}, 0);
   std::this_thread::sleep_for(std::chrono::milliseconds(1500));  // the filler looked at least once
   EXPECT_TRUE(cache.HugePagesPending());
-  EXPECT_EQ(filler.stats().huge_page_bytes, 0u);
+  EXPECT_EQ(cache.stats().huge_page_bytes, 0u);
   busy = false;
   const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
-  auto done = [&] {  // the stats follow the collapse's last step
-    const CacheFiller::Stats s = filler.stats();
+  auto done = [&] {  // counted as each step ends
+    const ckpt::CacheStats s = cache.stats();
     return s.huge_page_bytes + s.huge_page_failed * (2 << 20) >= kBlock;
   };
   while (!done() && std::chrono::steady_clock::now() < deadline) {
     std::this_thread::sleep_for(std::chrono::milliseconds(10));
   }
   EXPECT_FALSE(cache.HugePagesPending());
-  const CacheFiller::Stats s = filler.stats();
+  const ckpt::CacheStats s = cache.stats();
   EXPECT_EQ(s.huge_page_bytes + s.huge_page_failed * (2 << 20), kBlock);
 }
 

@@ -116,6 +116,8 @@ TEST(HostCacheHugePages, BlocksCollapsedAfterTheyFillStepByStep) {
   EXPECT_EQ(b.bytes + b.failed * kHuge, 2 * kHuge);
   EXPECT_EQ(b.blocks, 1u);
   EXPECT_FALSE(c.HugePagesPending());
+  EXPECT_EQ(c.stats().huge_page_bytes, a.bytes + b.bytes);
+  EXPECT_EQ(c.stats().huge_page_failed, a.failed + b.failed);
   bool same = true;
   for (uint64_t i = 0; i < kN && same; ++i) same = data[i] == static_cast<uint8_t>(i * 7 + i / 4096);
   EXPECT_TRUE(same) << "a collapse keeps the bytes";
