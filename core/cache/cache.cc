@@ -264,6 +264,7 @@ class HostCache::BlockPool final : public HostAllocator {
     absl::MutexLock lock(&mu_);
     return blocks_.size();
   }
+  CacheHugePages huge_pages() const { return huge_pages_; }
   bool HugePagesPending() const {
     absl::MutexLock lock(&mu_);
     return collapse_pending_ > 0;
@@ -420,7 +421,6 @@ class HostCache::BlockPool final : public HostAllocator {
 
 HostCache::HostCache(uint64_t budget_bytes, HostAllocator* allocator, CacheHugePages huge_pages)
     : budget_(budget_bytes),
-      huge_pages_(huge_pages),
       pool_(allocator == nullptr ? std::make_shared<BlockPool>(huge_pages) : nullptr),
       allocator_(allocator != nullptr ? allocator : pool_.get()) {}
 
@@ -706,6 +706,10 @@ std::optional<ExportedRange> HostCache::Export(const uint8_t* p, uint64_t n, uin
 uint64_t HostCache::blocks() const { return pool_ ? pool_->blocks() : 0; }
 
 bool HostCache::HugePagesPending() const { return pool_ && pool_->HugePagesPending(); }
+
+CacheHugePages HostCache::huge_pages() const {
+  return pool_ ? pool_->huge_pages() : CacheHugePages::kOff;
+}
 
 HostCache::CollapseStats HostCache::CollapseHugePages(const std::function<bool()>& go_on) {
   return pool_ ? pool_->Collapse(go_on) : CollapseStats{};

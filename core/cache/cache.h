@@ -225,7 +225,8 @@ class HostCache {
   // change (clients mapping the block fault onto the huge pages).
   CollapseStats CollapseHugePages(const std::function<bool()>& go_on);
 
-  CacheHugePages huge_pages() const { return pool_ ? huge_pages_ : CacheHugePages::kOff; }
+  // The pool's mode (kOff with a custom allocator).
+  CacheHugePages huge_pages() const;
 
   CacheStats stats() const;
   // Bytes and entries per cached file path (laid-out copies not included).
@@ -254,7 +255,6 @@ class HostCache {
   class BlockPool;
 
   const uint64_t budget_;
-  const CacheHugePages huge_pages_;
   const std::shared_ptr<BlockPool> pool_;  // null when an allocator is given
   HostAllocator* const allocator_;
   mutable absl::Mutex mu_;
