@@ -634,7 +634,7 @@ import numpy as np
 import ckptd
 from ckptd import _shm, _views
 sock, path, ready = sys.argv[1:4]
-def stuck(fd_socket, views, targets, timeout=10.0, fill=None):
+def stuck(fd_socket, views, targets, timeout=10.0):
     s, fds = _shm.take_views(fd_socket, views.token, len(views.view_bytes))
     maps = [_views._mapping(k, fd, n) for k, fd, n in zip(views.view_keys, fds, views.view_bytes)]
     open(ready, "w").close()

@@ -415,138 +415,6 @@ class NumpyClientTest(unittest.TestCase):
         with self.assertRaises(ValueError):
             _native.copy_runs(np.zeros((1, 5), np.uint64))
 
-    def test_native_copies_populate_fresh_pages_a_step_ahead(self):
-        """_native.Fill: the copies fault a fresh destination's pages in just
-        ahead of their stores (256 KiB steps, MADV_POPULATE_WRITE), never a
-        page outside the spans, never further than a step past the last byte
-        written, and in a span skipped ahead into, the pages before too; the
-        bytes are the source's. Pages outside every span are left to the
-        copy's own faults."""
-        import ctypes
-        from ckptd import _native
-        self.assertIsNotNone(_native.available())
-        page, mib, step = mmap.PAGESIZE, 1 << 20, 256 << 10
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        m = mmap.mmap(-1, 8 * mib)
-        self.addCleanup(m.close)
-        dst = np.frombuffer(m, np.uint8)
-        base = dst.ctypes.data
-        libc.madvise(base, 8 * mib, 15)  # MADV_NOHUGEPAGE: 4 KiB faults, counted exactly
-
-        def present():
-            vec = np.zeros(8 * mib // page, np.uint8)
-            self.assertEqual(libc.mincore(base, 8 * mib, vec.ctypes.data), 0)
-            return vec & 1
-
-        def pages(lo, hi):
-            return slice(lo // page, -(-hi // page))
-
-        def check(want):
-            got = present()
-            diff = np.flatnonzero(got != want)
-            self.assertEqual(diff.size, 0, f"pages {diff[:3]}..{diff[-3:]} ({diff.size}) "
-                             f"{'present' if diff.size and got[diff[0]] else 'absent'} "
-                             f"against the expected; spans {fill.spans - base}")
-
-        def ahead(end):  # a step past `end`: steps are 256 KiB of the address space
-            return -(-(base + end) // step) * step - base
-
-        rng = np.random.default_rng(5)
-        src = rng.integers(0, 256, 8 * mib, dtype=np.uint8)
-        # Spans [0, 3 MiB) (its first byte 100 in: aligned outward) and [5, 8) MiB.
-        fill = _native.Fill([(base + 100, base + 3 * mib), (base + 5 * mib, base + 8 * mib)], page)
-        self.assertEqual(fill.left(), 6 * mib)
-        self.assertFalse(present().any())
-        # One piece of 1 MiB at byte 100: populated a step at a time, to the step past it.
-        self.assertTrue(_native.copy_runs(np.array(
-            [[base + 100, src.ctypes.data, mib, 1, 0, 0]], np.uint64), fill))
-        want = np.zeros(8 * mib // page, np.uint8)
-        want[pages(0, ahead(100 + mib))] = 1
-        check(want)
-        # Four 16 KiB pieces at 512 KiB strides from 5 MiB + 1 MiB (skipped ahead into
-        # its span): from the span's start to the step past the last piece.
-        at = 6 * mib
-        self.assertTrue(_native.copy_runs(np.array(
-            [[base + at, src.ctypes.data + at, 16384, 4, 512 << 10, 512 << 10]], np.uint64), fill))
-        last = at + 3 * (512 << 10) + 16384
-        want[pages(5 * mib, ahead(last))] = 1
-        check(want)
-        # A piece in the gap between the spans: none populated ahead (its own pages fault).
-        self.assertTrue(_native.copy_runs(np.array(
-            [[base + 3 * mib + 8192, src.ctypes.data, 4096, 1, 0, 0]], np.uint64), fill))
-        want[pages(3 * mib + 8192, 3 * mib + 12288)] = 1
-        check(want)
-        # pread into the rest of the first span, from a file.
-        path = os.path.join(self.root, "fill.bin")
-        with open(path, "wb") as f:
-            f.write(src.tobytes())
-        fd = os.open(path, os.O_RDONLY)
-        self.addCleanup(os.close, fd)
-        lo = ahead(100 + mib) + 4096
-        self.assertEqual(_native.pread_runs(fd, np.array(
-            [[base + lo, 12345, 3 * mib - lo, 1, 0, 0]], np.uint64), fill), 0)
-        want[pages(0, 3 * mib)] = 1
-        check(want)
-        self.assertEqual(fill.left(), 8 * mib - ahead(last))
-        # The bytes: each piece the source's, the rest zero.
-        expect = np.zeros(8 * mib, np.uint8)
-        expect[100:100 + mib] = src[:mib]
-        for i in range(4):
-            a = at + i * (512 << 10)
-            expect[a:a + 16384] = src[a:a + 16384]
-        expect[3 * mib + 8192:3 * mib + 12288] = src[:4096]
-        expect[lo:3 * mib] = src[12345:12345 + 3 * mib - lo]
-        np.testing.assert_array_equal(dst, expect)
-
-    def test_fresh_tensors_populated_by_the_copies(self):
-        """A cache_view load into fresh memory (an anonymous mapping never
-        touched), warm (cache views) and cold (file views): the copies
-        populate its pages (timings' client_populated_ahead_bytes: all of
-        them), the bytes are the checkpoint's and every page is in memory
-        afterwards; CKPTD_POPULATE_AHEAD=0 populates them before the request
-        (no such timing), with the same bytes."""
-        import ctypes
-        path = os.path.join(self.root, "fresh-populate")
-        w = np.arange(3 << 20, dtype=np.float32).reshape(1536, 2048)  # 12 MiB
-        ckptd.save_state_dict({"w": w}, path, rank=0, world_size=1, job_id="fresh-populate-save",
-                              socket=self.sock)
-        self.addCleanup(ckptd.evict, path, socket=self.sock)
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-        for ahead in ("1", "0"):
-            for temp in ("cold", "warm"):
-                with self.subTest(ahead=ahead, temp=temp):
-                    if temp == "cold":
-                        ckptd.evict(path, socket=self.sock)
-                    else:
-                        ckptd.prefetch(path, socket=self.sock)
-                    m = mmap.mmap(-1, w.nbytes)
-                    got = np.frombuffer(m, np.float32).reshape(w.shape)
-                    vec = np.zeros(w.nbytes // mmap.PAGESIZE, np.uint8)
-                    libc.mincore(got.ctypes.data, w.nbytes, vec.ctypes.data)
-                    self.assertFalse((vec & 1).any(), "the mapping is not fresh")
-                    os.environ["CKPTD_POPULATE_AHEAD"] = ahead
-                    try:
-                        # verify=False: bytes with a stored checksum are read by
-                        # the daemon (it verifies them), not by this client.
-                        rep = ckptd.load_state_dict({"w": got}, path, socket=self.sock,
-                                                    transport="cache_view", verify=False)
-                    finally:
-                        del os.environ["CKPTD_POPULATE_AHEAD"]
-                    np.testing.assert_array_equal(got, w)
-                    if temp == "cold":
-                        self.assertEqual(rep.bytes_from_files, w.nbytes)
-                    else:
-                        self.assertEqual(rep.bytes_from_views, w.nbytes)
-                    if ahead == "1":
-                        self.assertEqual(rep.timings["client_populated_ahead_bytes"], w.nbytes)
-                    else:
-                        self.assertNotIn("client_populated_ahead_bytes", rep.timings)
-                    libc.mincore(got.ctypes.data, w.nbytes, vec.ctypes.data)
-                    self.assertTrue((vec & 1).all())
-
     def test_native_file_mapping_copy(self):
         """ckptd/_native.c's copy out of a file mapping (file views whose page
         cache maps whole 2 MiB pages): the same bytes as pread where it maps (it
@@ -863,7 +731,7 @@ class NumpyClientTest(unittest.TestCase):
                 data = sorted(f for f in os.listdir(ckpt) if not f.endswith(".metadata"))
                 read = _views._read_file
 
-                def meddle(fd, runs, fill=None):
+                def meddle(fd, runs):
                     for f in data:
                         p = os.path.join(ckpt, f)
                         if how == "truncate":
@@ -873,7 +741,7 @@ class NumpyClientTest(unittest.TestCase):
                                 b = fh.read(1)
                                 fh.seek(0)
                                 fh.write(b)  # same bytes: only the file's times change
-                    return read(fd, runs, fill)
+                    return read(fd, runs)
 
                 _views._read_file = meddle
                 try:

@@ -15,15 +15,6 @@
  * bytes the cache does not hold), and ckptd_map_runs copies them out of a
  * mapping of the file where its page cache maps whole 2 MiB pages.
  *
- * Fresh tensors (pages never touched) are populated as they are copied: each
- * function takes the tensors' absent pages (struct ckptd_fill, NULL for
- * none) and faults them in (MADV_POPULATE_WRITE) 256 KiB ahead of the copy,
- * whose stores then land in lines the kernel's zeroing just brought into the
- * cache, instead of populating every tensor before the load and copying into
- * memory long evicted. Measured on the dev VM, two processes each filling
- * 512 MiB of fresh memory at once from a source in memory: 0.21-0.23 s
- * against 0.25 s (medians of 6).
- *
  * The caller has checked every run against its source mapping or file and
  * its destination tensor (_views.copy_views); this file trusts them.
  */
@@ -47,53 +38,7 @@ struct ckptd_run {
   uint64_t dst, src, length, count, dst_stride, src_stride;
 };
 
-enum { kStreamMin = 4096, kFillStep = 256 << 10 };
-
-/* The runs [lo, hi) of a load's tensors' pages not in memory when it began
- * (page-aligned, sorted, disjoint), each populated from lo up to done. */
-struct ckptd_span {
-  uint64_t lo, hi, done;
-};
-
-struct ckptd_fill {
-  struct ckptd_span* spans;
-  uint64_t count;
-  uint64_t at;  /* the span the last piece fell in: the next one usually does */
-  uint64_t off; /* nonzero once MADV_POPULATE_WRITE failed: the copy faults them */
-};
-
-enum { kPopulateWrite = 23 }; /* MADV_POPULATE_WRITE, Linux 5.14 */
-
-/* Populates the absent pages up to [d, d + len)'s end, a step ahead, in
- * every span that range reaches. Best effort: a kernel without
- * MADV_POPULATE_WRITE leaves the faults to the copy. */
-static void fill_for(struct ckptd_fill* f, uint64_t d, uint64_t len) {
-  if (f == NULL || f->off || f->count == 0) return;
-  const uint64_t end = d + len;
-  uint64_t i = f->at < f->count ? f->at : 0;
-  const struct ckptd_span* hint = &f->spans[i];
-  if (d >= hint->lo && end <= hint->hi && end <= hint->done) return; /* done already */
-  if (!(d >= hint->lo && d < hint->hi)) {
-    uint64_t a = 0, b = f->count; /* the first span with hi > d */
-    while (a < b) {
-      const uint64_t m = a + (b - a) / 2;
-      if (f->spans[m].hi <= d) a = m + 1; else b = m;
-    }
-    i = a;
-  }
-  for (; i < f->count && f->spans[i].lo < end; ++i) {
-    struct ckptd_span* s = &f->spans[i];
-    f->at = i;
-    if (s->done >= s->hi || s->done >= end) continue;
-    uint64_t to = (end + kFillStep - 1) / kFillStep * kFillStep;
-    if (to > s->hi) to = s->hi;
-    if (madvise((void*)(uintptr_t)s->done, (size_t)(to - s->done), kPopulateWrite) != 0) {
-      f->off = 1;
-      return;
-    }
-    s->done = to;
-  }
-}
+enum { kStreamMin = 4096 };
 
 #if defined(__x86_64__)
 /* n a multiple of 64, d 64-byte aligned. SSE2 is part of x86-64. */
@@ -136,11 +81,9 @@ static void stream_piece(stream_fn stream_body, uint8_t* d, const uint8_t* s, si
 #endif
 
 /* Copies every run, each piece's source at run->src + base (the runs'
- * src are addresses when base is 0, file offsets into a mapping at base),
- * populating the absent destination pages `fill` names as it goes; returns
- * the bytes copied. */
-static uint64_t copy_runs_at(const struct ckptd_run* runs, uint64_t n, uintptr_t base,
-                             struct ckptd_fill* fill) {
+ * src are addresses when base is 0, file offsets into a mapping at base);
+ * returns the bytes copied. */
+static uint64_t copy_runs_at(const struct ckptd_run* runs, uint64_t n, uintptr_t base) {
   uint64_t total = 0;
   int streamed = 0;
 #if defined(__x86_64__)
@@ -152,22 +95,16 @@ static uint64_t copy_runs_at(const struct ckptd_run* runs, uint64_t n, uintptr_t
     uint8_t* d = (uint8_t*)(uintptr_t)run->dst;
     const uint8_t* s = (const uint8_t*)(uintptr_t)(run->src + base);
     for (uint64_t i = 0; i < run->count; ++i) {
-      /* With pages to populate, a long piece goes a step at a time. */
-      const uint64_t step = fill != NULL && !fill->off ? kFillStep : run->length;
-      for (uint64_t o = 0; o < run->length; o += step) {
-        const uint64_t k = run->length - o < step ? run->length - o : step;
-        fill_for(fill, (uintptr_t)(d + o), k);
 #if defined(__x86_64__)
-        if (k >= kStreamMin) {
-          stream_piece(body, d + o, s + o, k);
-          streamed = 1;
-        } else {
-          memcpy(d + o, s + o, k);
-        }
-#else
-        memcpy(d + o, s + o, k);
-#endif
+      if (run->length >= kStreamMin) {
+        stream_piece(body, d, s, run->length);
+        streamed = 1;
+      } else {
+        memcpy(d, s, run->length);
       }
+#else
+      memcpy(d, s, run->length);
+#endif
       d += run->dst_stride;
       s += run->src_stride;
     }
@@ -181,10 +118,9 @@ static uint64_t copy_runs_at(const struct ckptd_run* runs, uint64_t n, uintptr_t
   return total;
 }
 
-/* Copies every run (populating `fill`'s pages, NULL for none); returns the
- * bytes copied. */
-uint64_t ckptd_copy_runs(const struct ckptd_run* runs, uint64_t n, struct ckptd_fill* fill) {
-  return copy_runs_at(runs, n, 0, fill);
+/* Copies every run; returns the bytes copied. */
+uint64_t ckptd_copy_runs(const struct ckptd_run* runs, uint64_t n) {
+  return copy_runs_at(runs, n, 0);
 }
 
 /* SIGBUS while copying out of a file mapping (the file was truncated under
@@ -255,8 +191,7 @@ static uint64_t minor_faults(uint64_t* major) {
  * declines. Returns 0 when copied, 1 when it declined (nothing copied: read
  * them with ckptd_pread_runs), -errno on an error, -ENODATA when the file
  * ended under the mapping (SIGBUS: it changed since the load began). */
-int64_t ckptd_map_runs(int fd, const struct ckptd_run* runs, uint64_t n,
-                       struct ckptd_fill* fill) {
+int64_t ckptd_map_runs(int fd, const struct ckptd_run* runs, uint64_t n) {
   uint64_t lo = UINT64_MAX, hi = 0;
   for (uint64_t r = 0; r < n; ++r) {
     const struct ckptd_run* run = &runs[r];
@@ -299,7 +234,7 @@ int64_t ckptd_map_runs(int fd, const struct ckptd_run* runs, uint64_t n,
     (void)sum;
     const uint64_t minor1 = minor_faults(&major1);
     if (major1 == major0 && minor1 - minor0 <= 2) {
-      copy_runs_at(runs, n, at - start, fill);
+      copy_runs_at(runs, n, at - start);
       result = 0;
     }
   } else {
@@ -313,11 +248,9 @@ int64_t ckptd_map_runs(int fd, const struct ckptd_run* runs, uint64_t n,
 
 /* Reads every run from file `fd` (src: the file offset of piece 0) with
  * pread: the bytes of a load the daemon's cache does not hold, read by the
- * client itself (file views), populating `fill`'s pages (NULL for none) a
- * step ahead. Returns 0, -errno on an error, or -ENODATA when the file ends
- * before a piece does (it changed since the load began). */
-int64_t ckptd_pread_runs(int fd, const struct ckptd_run* runs, uint64_t n,
-                         struct ckptd_fill* fill) {
+ * client itself (file views). Returns 0, -errno on an error, or -ENODATA
+ * when the file ends before a piece does (it changed since the load began). */
+int64_t ckptd_pread_runs(int fd, const struct ckptd_run* runs, uint64_t n) {
   for (uint64_t r = 0; r < n; ++r) {
     const struct ckptd_run* run = &runs[r];
     for (uint64_t i = 0; i < run->count; ++i) {
@@ -325,9 +258,7 @@ int64_t ckptd_pread_runs(int fd, const struct ckptd_run* runs, uint64_t n,
       uint64_t at = run->src + i * run->src_stride;
       uint64_t left = run->length;
       while (left > 0) {
-        const uint64_t want = fill != NULL && !fill->off && left > kFillStep ? kFillStep : left;
-        fill_for(fill, (uintptr_t)d, want);
-        ssize_t got = pread(fd, d, want, (off_t)at);
+        ssize_t got = pread(fd, d, left, (off_t)at);
         if (got < 0) {
           if (errno == EINTR) continue;
           return -(int64_t)errno;

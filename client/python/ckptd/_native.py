@@ -45,14 +45,13 @@ def _load():
                         lib = ctypes.CDLL(path)
                     except OSError:
                         continue
-                    lib.ckptd_copy_runs.argtypes = [ctypes.c_void_p, ctypes.c_uint64,
-                                                    ctypes.c_void_p]
+                    lib.ckptd_copy_runs.argtypes = [ctypes.c_void_p, ctypes.c_uint64]
                     lib.ckptd_copy_runs.restype = ctypes.c_uint64
                     lib.ckptd_pread_runs.argtypes = [ctypes.c_int, ctypes.c_void_p,
-                                                     ctypes.c_uint64, ctypes.c_void_p]
+                                                     ctypes.c_uint64]
                     lib.ckptd_pread_runs.restype = ctypes.c_int64
                     lib.ckptd_map_runs.argtypes = [ctypes.c_int, ctypes.c_void_p,
-                                                   ctypes.c_uint64, ctypes.c_void_p]
+                                                   ctypes.c_uint64]
                     lib.ckptd_map_runs.restype = ctypes.c_int64
                     _lib, _where = lib, path
                     break
@@ -69,39 +68,6 @@ def available():
 RUN_FIELDS = 6
 
 
-class Fill:
-    """A load's tensors' pages that were not in memory when it began (struct
-    ckptd_fill in _native.c): the copies below populate them a step ahead of
-    their stores (MADV_POPULATE_WRITE). `spans` are [lo, hi) address ranges;
-    they are page-aligned outward, sorted and merged here."""
-
-    def __init__(self, spans, page):
-        merged = []
-        for lo, hi in sorted((lo - lo % page, -(-hi // page) * page) for lo, hi in spans
-                             if hi > lo):
-            if merged and lo <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], hi)
-            else:
-                merged.append([lo, hi])
-        self.spans = np.array([(lo, hi, lo) for lo, hi in merged], dtype=np.uint64).reshape(-1, 3)
-        self.total = sum(hi - lo for lo, hi in merged)
-        self._head = (ctypes.c_uint64 * 4)(self.spans.ctypes.data, len(self.spans), 0, 0)
-
-    def __bool__(self):
-        return len(self.spans) > 0
-
-    def left(self):
-        """Bytes not populated yet (for tests)."""
-        return int((self.spans[:, 1] - self.spans[:, 2]).sum()) if len(self.spans) else 0
-
-    def arg(self):
-        return ctypes.addressof(self._head) if len(self.spans) else None
-
-
-def _fill_arg(fill):
-    return fill.arg() if fill is not None else None
-
-
 def _checked(runs):
     runs = np.ascontiguousarray(runs, dtype=np.uint64)
     if runs.ndim != 2 or runs.shape[1] != RUN_FIELDS:
@@ -109,7 +75,7 @@ def _checked(runs):
     return runs
 
 
-def pread_runs(fd, runs, fill=None):
+def pread_runs(fd, runs):
     """Reads `runs` (as copy_runs, src = the file offset of piece 0) from file
     `fd` with pread, GIL released. None when the native library is not
     available (the caller reads with os.preadv); else 0, or -errno (-ENODATA:
@@ -118,11 +84,10 @@ def pread_runs(fd, runs, fill=None):
     if not lib:
         return None
     runs = _checked(runs)
-    return (int(lib.ckptd_pread_runs(fd, runs.ctypes.data, len(runs), _fill_arg(fill)))
-            if len(runs) else 0)
+    return int(lib.ckptd_pread_runs(fd, runs.ctypes.data, len(runs))) if len(runs) else 0
 
 
-def map_runs(fd, runs, fill=None):
+def map_runs(fd, runs):
     """Copies `runs` (as pread_runs) out of a mapping of file `fd` where its
     page cache maps whole 2 MiB pages (ckptd_map_runs in _native.c), GIL
     released. None when the native library is not available or
@@ -132,19 +97,18 @@ def map_runs(fd, runs, fill=None):
     if not lib or os.environ.get("CKPTD_MAP_FILES", "1") == "0":
         return None
     runs = _checked(runs)
-    return (int(lib.ckptd_map_runs(fd, runs.ctypes.data, len(runs), _fill_arg(fill)))
-            if len(runs) else 0)
+    return int(lib.ckptd_map_runs(fd, runs.ctypes.data, len(runs))) if len(runs) else 0
 
 
-def copy_runs(runs, fill=None):
+def copy_runs(runs):
     """Copies `runs`, a uint64 array of shape (n, 6), checked by the caller
-    (every piece inside its source mapping and its destination), populating
-    `fill`'s pages (a Fill) a step ahead. The GIL is released meanwhile. False
-    when the native library is not available (the caller copies with numpy)."""
+    (every piece inside its source mapping and its destination). The GIL is
+    released meanwhile. False when the native library is not available (the
+    caller copies with numpy)."""
     lib = _load()
     if not lib:
         return False
     runs = _checked(runs)
     if len(runs):
-        lib.ckptd_copy_runs(runs.ctypes.data, len(runs), _fill_arg(fill))
+        lib.ckptd_copy_runs(runs.ctypes.data, len(runs))
     return True

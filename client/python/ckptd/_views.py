@@ -151,15 +151,15 @@ def _check_file(fd, size):
                          "as when the load began: it changed during the load")
 
 
-def _read_file(fd, runs, fill=None):
+def _read_file(fd, runs):
     """Reads `runs` (dst, file offset, length, count, dst_stride, src_stride)
     of a file view: copied out of a mapping of the file where its page cache
     maps whole 2 MiB pages (the native loop decides), else with pread (the
-    native loop, else os.preadv); `fill` as copy_views'."""
+    native loop, else os.preadv)."""
     table = np.array(runs, dtype=np.uint64).reshape(-1, _native.RUN_FIELDS)
-    got = _native.map_runs(fd, table, fill)
+    got = _native.map_runs(fd, table)
     if got is None or got == 1:
-        got = _native.pread_runs(fd, table, fill)
+        got = _native.pread_runs(fd, table)
     if got is None:
         got = 0
         for dst, off, length, count, dstride, sstride in runs:
@@ -179,13 +179,12 @@ def _read_file(fd, runs, fill=None):
         raise CkptdError("DATA_LOSS", f"reading a checkpoint file: {os.strerror(-got)}")
 
 
-def copy_views(fd_socket, views, targets, timeout=10.0, fill=None):
+def copy_views(fd_socket, views, targets, timeout=10.0):
     """Copies `views` (a CacheViews message: the load's, or one batch of them)
     into `targets`, the rank's tensors as (address, nbytes). Every copy is
     checked to lie inside its view and inside one target before anything is
-    copied. `fill` (a _native.Fill: the tensors' pages not in memory yet) is
-    populated a step ahead of the native copies. The caller calls keep() with
-    every batch's keys once the load is done."""
+    copied. The caller calls keep() with every batch's keys once the load is
+    done."""
     n = len(views.view_bytes)
     if not 0 < n <= MAX_VIEW_FDS or len(views.view_keys) != n:
         raise CkptdError("DATA_LOSS", f"the daemon sent {n} cache views "
@@ -227,10 +226,10 @@ def copy_views(fd_socket, views, targets, timeout=10.0, fill=None):
                 else:
                     cached.append(i)
             if not _native.copy_runs(np.array([runs[i] for i in cached], dtype=np.uint64)
-                                     .reshape(-1, _native.RUN_FIELDS), fill):
+                                     .reshape(-1, _native.RUN_FIELDS)):
                 _copy_numpy([plan[i] for i in cached], order, srcs)
             for v, file_runs in by_file.items():
-                _read_file(fds[v], file_runs, fill)
+                _read_file(fds[v], file_runs)
         finally:
             for fd in fds:
                 os.close(fd)

@@ -18,7 +18,7 @@ import time
 import numpy as np
 
 from . import _cuda, _proto, _version
-from . import _native, _tensors, _views
+from . import _tensors, _views
 from ._shm import Segment, align, find_arena, fd_socket_path, send_fd
 from ._tensors import flatten
 from .errors import CkptdError, daemon_gone, from_rpc_error
@@ -820,7 +820,7 @@ class Client:
             req.barrier_timeout_ms = max(1, int(barrier_timeout * 1000))
         report = LoadReport(job_id=job_id, skipped_keys=skipped)
         alias_of = {}  # cuda_ipc: tied key -> the key it is loaded through
-        seg = staging = fill = None
+        seg = staging = None
         timings = {}
         copy_out = None  # (entry, offset) filled here from the segment after the load
         try:
@@ -851,11 +851,7 @@ class Client:
                                          " needs contiguous CPU tensors or arrays")
                     offsets.append(addr)
                 t1 = time.perf_counter()
-                # cache_view: the pages this process copies into are
-                # populated as it copies (_native.Fill), the daemon's own
-                # writes fault theirs; else all of them now.
-                fill = _populate(entries, offsets,
-                                 lazy=transport == "cache_view" and _native.available() is not None)
+                _populate(entries, offsets)
                 timings["client_populate_s"] = time.perf_counter() - t1
                 # The daemon reads this cookie from our memory before it
                 # writes anything: proof that the connection's pid is us.
@@ -932,7 +928,7 @@ class Client:
                         t2 = time.perf_counter()
                         _views.copy_views(fd_socket_path(self.socket), ev.views,
                                           [(a, e.nbytes) for e, a in zip(entries, offsets)],
-                                          self.connect_timeout, fill)
+                                          self.connect_timeout)
                         view_keys.update(ev.views.view_keys)
                         timings["client_view_copy_s"] = (timings.get("client_view_copy_s", 0.0)
                                                          + time.perf_counter() - t2)
@@ -958,8 +954,6 @@ class Client:
             if result is None:
                 raise CkptdError("DATA_LOSS", "Load: the daemon ended the stream without a result")
             timings["client_rpc_s"] = time.perf_counter() - t1
-            if fill is not None:  # the pages its copies populated ahead
-                timings["client_populated_ahead_bytes"] = fill.total - fill.left()
 
             missing = set(result.missing_keys)
             t1 = time.perf_counter()
@@ -1263,13 +1257,13 @@ _MAX_HUGE_RANGES = 4096
 _libc = None
 
 
-def _populate(entries, addresses, lazy=False):
+def _populate(entries, addresses):
     """Faults the tensors' pages in (writable) before the daemon writes them.
 
     process_vm_writev into pages never touched faults them in one at a time
     under this process's mmap lock, with the daemon's I/O threads queueing
-    on it (0.2-0.5 GB/s measured on the dev VM's earlier kernels); one
-    madvise(MADV_POPULATE_WRITE) maps them at first-touch speed. Only the runs of pages mincore says are not in
+    on it (0.2-0.5 GB/s measured); one madvise(MADV_POPULATE_WRITE) maps them
+    at first-touch speed. Only the runs of pages mincore says are not in
     memory are populated: a model's tensors usually are, and populating them
     again costs a page-table walk through every page (11 ms per 512 MiB
     against 0.5 ms for mincore on the dev VM). Contents are unchanged. Best
@@ -1285,16 +1279,7 @@ def _populate(entries, addresses, lazy=False):
     node's free memory in blocks of 2 MiB or more (/proc/buddyinfo): a huge
     page beyond that would be made by compaction, which with THP defrag
     "madvise" stalls the fault (0.07-1.3 s per 512 MiB measured on a
-    fragmented node). CKPTD_HUGE_PAGES=0 leaves the advice out.
-
-    lazy (cache_view, with the native copy loop): nothing is populated here;
-    the absent runs come back as a _native.Fill, which the client's copies
-    populate a step ahead of their stores (_native.c), so the bytes land in
-    lines the kernel's zeroing just cached and the populate overlaps the
-    daemon's planning. Pages the daemon writes itself fault in its
-    process_vm_writev (on this kernel as fast as populating first: 0.22 s
-    per 512 MiB in 1 MiB writes either way, measured on the dev VM). None
-    when every page is in memory. CKPTD_POPULATE_AHEAD=0 populates all now."""
+    fragmented node). CKPTD_HUGE_PAGES=0 leaves the advice out."""
     global _libc
     if _libc is None:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -1304,8 +1289,6 @@ def _populate(entries, addresses, lazy=False):
     huge_left, huge_bytes = 0, 0
     if os.environ.get("CKPTD_HUGE_PAGES", "1") != "0":
         huge_left, huge_bytes = _MAX_HUGE_RANGES, _huge_blocks_free() // 2
-    lazy = lazy and os.environ.get("CKPTD_POPULATE_AHEAD", "1") != "0"
-    later = [] if lazy else None
     for e, addr in zip(entries, addresses):
         if e.nbytes < _PAGE:
             continue
@@ -1318,11 +1301,8 @@ def _populate(entries, addresses, lazy=False):
                 huge_left -= 1
                 huge_bytes -= hb - ha
                 _libc.madvise(ha, hb - ha, _MADV_HUGEPAGE)  # a hint: EINVAL (no THP) is fine
-            if later is not None:
-                later.append((a, b))
-            elif _libc.madvise(a, b - a, _MADV_POPULATE_WRITE) != 0:
-                return None  # EINVAL (old kernel, special mapping): stop trying
-    return _native.Fill(later, _PAGE) if later else None
+            if _libc.madvise(a, b - a, _MADV_POPULATE_WRITE) != 0:
+                return  # EINVAL (old kernel, special mapping): stop trying
 
 
 def _huge_blocks_free():
