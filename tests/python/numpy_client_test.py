@@ -847,6 +847,44 @@ class NumpyClientTest(unittest.TestCase):
         np.testing.assert_array_equal(view, self.full("model.layers.0.mlp.down_proj.weight"))
         self.assertTrue(np.all(big[:, 1::2] == 0))
 
+    def test_the_callers_arrays_are_freed_when_it_drops_them(self):
+        """Nothing a call leaves behind holds the caller's arrays, not even in a
+        reference cycle: a process that loads into fresh tensors again and
+        again (an evaluation loop, a weight sync) frees the old ones as it
+        drops them, not when the garbage collector next runs (which kept
+        512 MiB per load in case 7's persistent ranks)."""
+        import gc
+        import weakref
+        names = ("model.layers.0.mlp.down_proj.weight", "lm_head.weight")
+        out = os.path.join(self.root, "saved-freed")
+        gc.collect()
+        gc.disable()
+        try:
+            for transport in ("auto", "cache_view", "process_memory", "shm", "stream", "save"):
+                for attempt in range(2):  # the second load is warm: cache views
+                    arrays = {n: np.zeros(self.ref[n][1].shape, np.float32) for n in names}
+                    refs = [weakref.ref(a) for a in arrays.values()]
+                    sd = {"model": {"nested": dict(arrays)}} if transport == "save" else \
+                        {"outer": {"inner": dict(arrays)}}
+                    if transport == "save":
+                        rep = ckptd.save_state_dict(sd, out, unique_id=attempt,
+                                                    socket=self.sock)
+                    else:
+                        rep = ckptd.load_state_dict(
+                            sd, self.hf, socket=self.sock, transport=transport,
+                            aoa=[f"{n} -> outer.inner.{n}" for n in names])
+                        self.assertEqual(rep.missing_keys, [], transport)
+                        for n in names:
+                            np.testing.assert_array_equal(arrays[n], self.full(n),
+                                                          err_msg=transport)
+                    del sd, arrays, rep
+                    alive = [r() is not None for r in refs]
+                    self.assertEqual(alive, [False] * len(names),
+                                     f"{transport} (call {attempt}): arrays the caller dropped "
+                                     "are still referenced")
+        finally:
+            gc.enable()
+
     # --- save ---
 
     def test_save_then_load_numpy(self):

@@ -321,6 +321,55 @@ class TorchClientTest(unittest.TestCase):
         ckptd.load_state_dict({"t": dst}, path, socket=self.sock)
         self.assertTrue(torch.equal(dst, full))
 
+    def test_the_callers_tensors_are_freed_when_it_drops_them(self):
+        """As numpy_client_test's twin, through torch's paths: a load (bf16, a
+        non-contiguous destination), DCP's load_state_dict with the daemon's
+        reader and an asynchronous save leave no reference, cycle or not, to
+        the tensors the caller dropped."""
+        import gc
+        import weakref
+        import ckptd.dcp
+        import torch.distributed._shard.checkpoint as dcp
+        path = os.path.join(self.root, "freed")
+        g = torch.Generator().manual_seed(11)
+        w, b = torch.randn(128, 96, generator=g).to(torch.bfloat16), torch.randn(96, generator=g)
+        ckptd.save_state_dict({"net": {"w": w, "b": b}}, path, rank=0, world_size=1,
+                              socket=self.sock)
+
+        def load(ts):
+            ckptd.load_state_dict({"net": {"w": ts["w"], "b": ts["nc"]}}, path, socket=self.sock)
+
+        def dcp_load(ts):
+            dcp.load_state_dict({"net.w": ts["w"], "net.b": ts["nc"]},
+                                ckptd.dcp.DaemonStorageReader(path, socket=self.sock),
+                                no_dist=True)
+
+        def async_save(ts):
+            ts["w"].copy_(w)
+            ts["nc"].copy_(b)
+            ckptd.save_state_dict({"net": {"w": ts["w"], "b": ts["nc"]}},
+                                  os.path.join(self.root, "freed-saved"), rank=0, world_size=1,
+                                  socket=self.sock, async_save=True, overwrite=True,
+                                  unique_id=0).result()
+
+        gc.collect()
+        gc.disable()
+        try:
+            for what, fn in (("load", load), ("dcp load", dcp_load), ("async save", async_save)):
+                for attempt in range(2):
+                    ts = {"w": torch.empty(128, 96, dtype=torch.bfloat16),
+                          "nc": torch.zeros(96, 2)[:, 1]}  # strided: filled through a copy
+                    refs = {k: weakref.ref(t) for k, t in ts.items()}
+                    fn(ts)
+                    self.assertTrue(torch.equal(ts["w"].view(torch.int16), w.view(torch.int16)))
+                    self.assertTrue(torch.equal(ts["nc"], b), what)
+                    del ts
+                    alive = sorted(k for k, r in refs.items() if r() is not None)
+                    self.assertEqual(alive, [], f"{what} (call {attempt}): tensors the caller "
+                                     "dropped are still referenced")
+        finally:
+            gc.enable()
+
 
 if __name__ == "__main__":
     testlib.main("torch_client_test")

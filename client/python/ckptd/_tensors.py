@@ -265,26 +265,31 @@ def flatten(state_dict, sep="."):
     Leaves that are neither numpy arrays, torch tensors nor ShardedTensors
     (ints, lists, param_groups, ...) are skipped and reported.
     """
-    entries, skipped, seen = [], [], set()
-
-    def walk(d, path):
-        for k, v in d.items():
-            p = path + (str(k),)
-            key = sep.join(p)
-            if isinstance(v, dict):
-                walk(v, p)
-                continue
-            e = _leaf_entry(key, p, v)
-            if e is None:
-                skipped.append(key)
-                continue
-            if key in seen:
-                raise CkptdError("INVALID_ARGUMENT", f"key '{key}' appears twice after flattening")
-            seen.add(key)
-            entries.append(e)
-
     if not isinstance(state_dict, dict):
         raise CkptdError("INVALID_ARGUMENT",
                          f"state_dict must be a dict, not {type(state_dict).__name__}")
-    walk(state_dict, ())
+    entries, skipped = [], []
+    _flatten_into(state_dict, (), sep, entries, skipped, set())
     return entries, skipped
+
+
+def _flatten_into(d, path, sep, entries, skipped, seen):
+    """flatten's walk. A module function, not a closure calling itself: such a
+    closure is a reference cycle (function -> its cell -> function) holding
+    `entries`, so the caller's tensors would outlive the load until the
+    garbage collector ran (512 MiB per load kept in a process that loads
+    into fresh tensors again and again)."""
+    for k, v in d.items():
+        p = path + (str(k),)
+        key = sep.join(p)
+        if isinstance(v, dict):
+            _flatten_into(v, p, sep, entries, skipped, seen)
+            continue
+        e = _leaf_entry(key, p, v)
+        if e is None:
+            skipped.append(key)
+            continue
+        if key in seen:
+            raise CkptdError("INVALID_ARGUMENT", f"key '{key}' appears twice after flattening")
+        seen.add(key)
+        entries.append(e)
