@@ -683,7 +683,9 @@ def main():
                        ("ckptd touched idle cold", "touched cold after idle"),
                        ("ckptd touched first", "touched 1st after start"),
                        ("ckptd fresh first", "fresh 1st after start"),
-                       ("ckptd touched warm", "touched warm (persistent)")):
+                       ("ckptd touched warm", "touched warm (persistent)"),
+                       ("ckptd fresh warm", "fresh warm (persistent)"),
+                       ("ckptd fresh cold", "fresh cold (persistent)")):
         print(f"{label:<30} " + " ".join(f"{timing(key, ph):>9.4f}" for ph in phases)
               + f" {timing(key, 'laid_out'):>9.2f}")
 
