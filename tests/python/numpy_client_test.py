@@ -1117,6 +1117,25 @@ class NumpyClientTest(unittest.TestCase):
         with self.assertRaises(ckptd.CkptdError):
             ckptd.load_state_dict({"w": np.zeros(2)}, self.hf, rank=3, world_size=2,
                                   socket=self.sock)
+        # A dict that contains itself, and one nested too deep: named, not a
+        # RecursionError. The same dict twice side by side is fine (two keys).
+        loop = {"w": np.zeros(2, np.float32)}
+        loop["inner"] = {"again": loop}
+        with self.assertRaises(ckptd.CkptdError) as cm:
+            ckptd.load_state_dict(loop, self.hf, socket=self.sock)
+        self.assertEqual(cm.exception.code, "INVALID_ARGUMENT")
+        self.assertIn("'inner.again' is a dict that contains it", cm.exception.message)
+        deep = leaf = {}
+        for _ in range(100):
+            leaf["d"] = {}
+            leaf = leaf["d"]
+        with self.assertRaises(ckptd.CkptdError) as cm:
+            ckptd.load_state_dict(deep, self.hf, socket=self.sock)
+        self.assertIn("nests dicts more than", cm.exception.message)
+        shared = {"weight": np.zeros(64, np.float32)}
+        from ckptd._tensors import flatten
+        entries, _ = flatten({"a": shared, "b": shared})
+        self.assertEqual([e.key for e in entries], ["a.weight", "b.weight"])
 
 
 class EnvironmentTest(unittest.TestCase):

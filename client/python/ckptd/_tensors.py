@@ -269,21 +269,35 @@ def flatten(state_dict, sep="."):
         raise CkptdError("INVALID_ARGUMENT",
                          f"state_dict must be a dict, not {type(state_dict).__name__}")
     entries, skipped = [], []
-    _flatten_into(state_dict, (), sep, entries, skipped, set())
+    _flatten_into(state_dict, (), sep, entries, skipped, set(), {id(state_dict)})
     return entries, skipped
 
 
-def _flatten_into(d, path, sep, entries, skipped, seen):
+# Dicts nested deeper than this are refused (a clear error, not Python's
+# RecursionError); model and optimizer state dicts nest a handful deep.
+_MAX_NESTING = 64
+
+
+def _flatten_into(d, path, sep, entries, skipped, seen, walking):
     """flatten's walk. A module function, not a closure calling itself: such a
     closure is a reference cycle (function -> its cell -> function) holding
     `entries`, so the caller's tensors would outlive the load until the
     garbage collector ran (512 MiB per load kept in a process that loads
-    into fresh tensors again and again)."""
+    into fresh tensors again and again). `walking`: ids of the dicts on the
+    path, so that a dict containing itself is an error, not endless."""
     for k, v in d.items():
         p = path + (str(k),)
         key = sep.join(p)
         if isinstance(v, dict):
-            _flatten_into(v, p, sep, entries, skipped, seen)
+            if id(v) in walking:
+                raise CkptdError("INVALID_ARGUMENT", f"'{key}' is a dict that contains it: "
+                                 "the state dict refers back to itself")
+            if len(p) >= _MAX_NESTING:
+                raise CkptdError("INVALID_ARGUMENT", f"'{key}': the state dict nests dicts more "
+                                 f"than {_MAX_NESTING} deep")
+            walking.add(id(v))
+            _flatten_into(v, p, sep, entries, skipped, seen, walking)
+            walking.discard(id(v))
             continue
         e = _leaf_entry(key, p, v)
         if e is None:
