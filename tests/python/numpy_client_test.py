@@ -864,8 +864,7 @@ class NumpyClientTest(unittest.TestCase):
                 for attempt in range(2):  # the second load is warm: cache views
                     arrays = {n: np.zeros(self.ref[n][1].shape, np.float32) for n in names}
                     refs = [weakref.ref(a) for a in arrays.values()]
-                    sd = {"model": {"nested": dict(arrays)}} if transport == "save" else \
-                        {"outer": {"inner": dict(arrays)}}
+                    sd = {"outer": {"inner": dict(arrays)}}
                     if transport == "save":
                         rep = ckptd.save_state_dict(sd, out, unique_id=attempt,
                                                     socket=self.sock)
