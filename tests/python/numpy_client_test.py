@@ -471,6 +471,56 @@ class NumpyClientTest(unittest.TestCase):
         finally:
             del os.environ["CKPTD_MAP_FILES"]
 
+    def test_native_file_mapping_copy_mixed_folios(self):
+        """A file whose page cache holds part of it in small folios (written 4 KiB
+        at a time) and the rest in large ones (one large write): the native copy
+        maps the 2 MiB blocks in large folios and reads the others with pread,
+        block by block, where the file system gives large folios at all (a file
+        written at once maps); pieces that cross from one kind of block to the
+        other, or span several, come out byte for byte."""
+        from ckptd import _native
+        self.assertIsNotNone(_native.available())
+        rng = np.random.default_rng(12)
+        data = rng.integers(0, 256, 24 << 20, dtype=np.uint8)
+        large = os.path.join(self.root, "large.bin")
+        with open(large, "wb") as f:
+            f.write(data.tobytes())
+        mixed = os.path.join(self.root, "mixed.bin")
+        small_part = (6 << 20) + 12288  # ends inside a block: it mixes small and large folios
+        with open(mixed, "wb") as f:
+            for at in range(0, small_part, 4096):
+                f.write(data[at:at + 4096].tobytes())
+            f.write(data[small_part:].tobytes())
+        fds = {}
+        for name in (large, mixed):
+            fds[name] = os.open(name, os.O_RDONLY)
+            self.addCleanup(os.close, fds[name])
+        # Half rows (a tensor split on dim 1), whole rows across blocks, one 7 MiB piece.
+        layouts = [(12345, 16384, 700, 16384, 32768),
+                   ((4 << 20) + 777, 100000, 120, 100000, 100000),
+                   ((3 << 20) + 5, 7 << 20, 1, 0, 0)]
+        whole_maps = None
+        for name in (large, mixed):
+            for off, length, count, dstride, sstride in layouts:
+                got = np.zeros(length * count + 64, np.uint8)
+                want = np.zeros_like(got)
+                runs = np.array([[got.ctypes.data + 64, off, length, count, dstride, sstride]],
+                                np.uint64)
+                rc = _native.map_runs(fds[name], runs)
+                self.assertIn(rc, (0, 1), name)
+                if name == large and whole_maps is None:
+                    whole_maps = rc == 0
+                if rc == 1:
+                    self.assertFalse(got.any(), "declined, yet it copied")
+                    self.assertEqual(_native.pread_runs(fds[name], runs), 0)
+                for i in range(count):
+                    want[64 + i * dstride:64 + i * dstride + length] = \
+                        data[off + i * sstride:off + i * sstride + length]
+                np.testing.assert_array_equal(got, want, f"{name} {off}")
+                if name == mixed and whole_maps and off + length * count > (8 << 20):
+                    # Its first block is in small folios; the large ones map all the same.
+                    self.assertEqual(rc, 0, f"{name} {off}: the large-folio blocks did not map")
+
     def test_cache_views_map_huge_pages_whole(self):
         """This process maps a cache block of 2 MiB and more on a 2 MiB boundary;
         where the daemon's blocks get huge pages (Status.cache_huge_pages:

@@ -27,7 +27,9 @@
 #include <stdint.h>
 #include <string.h>
 #include <sys/mman.h>
+#include <stdlib.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #if defined(__x86_64__)
@@ -167,30 +169,70 @@ static int bus_guard(int on) {
   return rc;
 }
 
-enum { kHuge = 2 << 20, kMapMin = 4 << 20 };
+enum { kHuge = 2 << 20, kMapMin = 4 << 20, kAround = 64 << 10 };
 
 static uint64_t minor_faults(uint64_t* major) {
   struct rusage ru;
   if (getrusage(RUSAGE_THREAD, &ru) != 0) {
-    *major = 1; /* unknown: declines the mapping */
+    *major = UINT64_MAX; /* unknown: the block is read with pread */
     return 0;
   }
   *major = (uint64_t)ru.ru_majflt;
   return (uint64_t)ru.ru_minflt;
 }
 
+/* pread of `n` bytes at file offset `at` into `d`: 0, -errno, or -ENODATA
+ * when the file ends first. */
+static int64_t pread_all(int fd, uint8_t* d, uint64_t n, uint64_t at) {
+  while (n > 0) {
+    ssize_t got = pread(fd, d, n, (off_t)at);
+    if (got < 0) {
+      if (errno == EINTR) continue;
+      return -(int64_t)errno;
+    }
+    if (got == 0) return -(int64_t)ENODATA;
+    d += got;
+    at += (uint64_t)got;
+    n -= (uint64_t)got;
+  }
+  return 0;
+}
+
+/* A 2 MiB block of the file the runs read from: the first and one past the
+ * last byte they need in it (offsets in the block; first > last: none), and
+ * whether the copy maps it. */
+struct block {
+  uint32_t first, last;
+  uint8_t mapped;
+};
+
+/* Marks the bytes [at, at + n) of the file (offsets from `start`) needed. */
+static void need(struct block* blocks, uint64_t at, uint64_t n) {
+  while (n > 0) {
+    const uint64_t b = at / kHuge, in = at % kHuge;
+    const uint64_t take = (kHuge - in < n) ? kHuge - in : n;
+    if (in < blocks[b].first) blocks[b].first = (uint32_t)in;
+    if (in + take > blocks[b].last) blocks[b].last = (uint32_t)(in + take);
+    at += take;
+    n -= take;
+  }
+}
+
 /* Copies every run (src: the file offset of piece 0) out of a read-only
  * shared mapping of file `fd` made on a 2 MiB boundary (file offset and
- * address alike), where that beats pread: when the page cache holds the
- * file in 2 MiB folios (large folios of ext4 and XFS on recent kernels),
- * touching 2 MiB of the mapping takes one page fault and the copy then runs
- * at memcpy speed, against one pread per piece (a tensor split on another
- * dimension: one per row). Probed on the first whole 2 MiB the runs span:
- * more than two minor faults there (4 KiB or small folios, fault-around
- * mapping 64 KiB per fault) or any major one (not in the page cache) and it
- * declines. Returns 0 when copied, 1 when it declined (nothing copied: read
- * them with ckptd_pread_runs), -errno on an error, -ENODATA when the file
- * ended under the mapping (SIGBUS: it changed since the load began). */
+ * address alike) where the page cache holds the bytes in 2 MiB folios
+ * (large folios of ext4 and XFS on recent kernels), and with pread where it
+ * does not. In a 2 MiB folio, touching the mapping takes one page fault for
+ * the 2 MiB and the copy then runs at memcpy speed, against one pread per
+ * piece (a tensor split on another dimension: one per row); in 4 KiB or
+ * small folios the mapping faults every 64 KiB (fault-around) and pread is
+ * faster. A file holds both where parts of it were written or read back in
+ * different sizes, so each 2 MiB block the runs need is probed on its own:
+ * two bytes the runs need, 64 KiB or more apart, one page fault for both
+ * and none major maps it. Returns 0 when copied, 1 when no block maps
+ * (nothing copied: read them with ckptd_pread_runs), -errno on an error,
+ * -ENODATA when the file ended under the mapping (SIGBUS) or before a piece
+ * (it changed since the load began). */
 int64_t ckptd_map_runs(int fd, const struct ckptd_run* runs, uint64_t n) {
   uint64_t lo = UINT64_MAX, hi = 0;
   for (uint64_t r = 0; r < n; ++r) {
@@ -202,40 +244,109 @@ int64_t ckptd_map_runs(int fd, const struct ckptd_run* runs, uint64_t n) {
   }
   if (hi <= lo || hi - lo < kMapMin) return 1;
   const uint64_t start = lo & ~(uint64_t)(kHuge - 1);
-  const uint64_t probe = (lo + kHuge - 1) & ~(uint64_t)(kHuge - 1);
-  if (probe + kHuge > hi) return 1;
+  const uint64_t nblocks = (hi - start + kHuge - 1) / kHuge;
+  struct block* blocks = calloc(nblocks, sizeof *blocks);
+  if (blocks == NULL) return 1;
+  for (uint64_t b = 0; b < nblocks; ++b) blocks[b].first = kHuge;
+  for (uint64_t r = 0; r < n; ++r) {
+    const struct ckptd_run* run = &runs[r];
+    for (uint64_t i = 0; i < run->count && run->length > 0; ++i)
+      need(blocks, run->src + i * run->src_stride - start, run->length);
+  }
+  /* Mapped whole 2 MiB blocks only: not past the file's end (a folio there
+   * is smaller), so the last block may be read with pread. */
+  struct stat st;
+  uint64_t file_end = hi;
+  if (fstat(fd, &st) == 0 && (uint64_t)st.st_size > file_end) file_end = (uint64_t)st.st_size;
+  uint64_t whole = (file_end - start) / kHuge;
+  if (whole > nblocks) whole = nblocks;
   const size_t page = (size_t)sysconf(_SC_PAGESIZE);
-  const size_t len = (size_t)((hi - start + page - 1) / page * page);
+  size_t len = (size_t)((hi - start + page - 1) / page * page);
+  if (whole * kHuge > len) len = (size_t)(whole * kHuge);
   const size_t span = len + kHuge;
   void* r = mmap(NULL, span, PROT_NONE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE, -1, 0);
-  if (r == MAP_FAILED) return 1;
+  if (r == MAP_FAILED) {
+    free(blocks);
+    return 1;
+  }
   const uintptr_t base = (uintptr_t)r;
   const uintptr_t at = (base + kHuge - 1) & ~(uintptr_t)(kHuge - 1);
   if (mmap((void*)at, len, PROT_READ, MAP_SHARED | MAP_FIXED, fd, (off_t)start) == MAP_FAILED) {
     munmap(r, span);
+    free(blocks);
     return 1;
   }
   if (at > base) munmap(r, at - base);
   if (base + span > at + len) munmap((void*)(at + len), base + span - (at + len));
-  int64_t rc = bus_guard(1);
-  if (rc != 0) {
+  if (bus_guard(1) != 0) {
     munmap((void*)at, len);
+    free(blocks);
     return 1;
   }
   sigjmp_buf jump;
   volatile int64_t result = 1;
   if (sigsetjmp(jump, 1) == 0) {
     bus_jump = &jump;
-    uint64_t major0, major1;
-    const uint64_t minor0 = minor_faults(&major0);
-    const volatile uint8_t* w = (const volatile uint8_t*)(at + (probe - start));
-    unsigned sum = 0;
-    for (size_t k = 0; k < kHuge; k += 64 << 10) sum += w[k];
-    (void)sum;
-    const uint64_t minor1 = minor_faults(&major1);
-    if (major1 == major0 && minor1 - minor0 <= 2) {
-      copy_runs_at(runs, n, at - start);
-      result = 0;
+    uint64_t mapped = 0, major_before;
+    (void)minor_faults(&major_before);
+    for (uint64_t b = 0; b < whole; ++b) {
+      struct block* k = &blocks[b];
+      if (k->first >= k->last || k->first / kAround == (k->last - 1) / kAround) continue;
+      const volatile uint8_t* w = (const volatile uint8_t*)(at + b * kHuge);
+      uint64_t major0, major1;
+      (void)w[k->first];
+      const uint64_t minor0 = minor_faults(&major0);
+      (void)w[k->last - 1];
+      const uint64_t minor1 = minor_faults(&major1);
+      k->mapped = major_before == major1 && major1 != UINT64_MAX && minor1 == minor0;
+      major_before = major1;
+      mapped += k->mapped;
+    }
+    if (mapped > 0) {
+      int64_t rc = 0;
+      int streamed = 0;
+#if defined(__x86_64__)
+      __builtin_cpu_init();
+      const stream_fn body = __builtin_cpu_supports("avx2") ? stream_avx2 : stream_sse2;
+#endif
+      for (uint64_t q = 0; q < n && rc == 0; ++q) {
+        const struct ckptd_run* run = &runs[q];
+        for (uint64_t i = 0; i < run->count && run->length > 0 && rc == 0; ++i) {
+          uint8_t* d = (uint8_t*)(uintptr_t)(run->dst + i * run->dst_stride);
+          uint64_t off = run->src + i * run->src_stride - start, left = run->length;
+          while (left > 0 && rc == 0) {
+            /* The bytes from `off` in blocks read the same way. */
+            const uint8_t how = blocks[off / kHuge].mapped;
+            uint64_t take = kHuge - off % kHuge;
+            while (take < left && blocks[(off + take) / kHuge].mapped == how) take += kHuge;
+            if (take > left) take = left;
+            if (!how) {
+              rc = pread_all(fd, d, take, start + off);
+            } else {
+              const uint8_t* s = (const uint8_t*)(at + off);
+#if defined(__x86_64__)
+              if (take >= kStreamMin) {
+                stream_piece(body, d, s, take);
+                streamed = 1;
+              } else {
+                memcpy(d, s, take);
+              }
+#else
+              memcpy(d, s, take);
+#endif
+            }
+            d += take;
+            off += take;
+            left -= take;
+          }
+        }
+      }
+#if defined(__x86_64__)
+      if (streamed) _mm_sfence(); /* the stores visible before we return */
+#else
+      (void)streamed;
+#endif
+      result = rc;
     }
   } else {
     result = -(int64_t)ENODATA;
@@ -243,6 +354,7 @@ int64_t ckptd_map_runs(int fd, const struct ckptd_run* runs, uint64_t n) {
   bus_jump = NULL;
   bus_guard(0);
   munmap((void*)at, len);
+  free(blocks);
   return result;
 }
 
@@ -254,20 +366,9 @@ int64_t ckptd_pread_runs(int fd, const struct ckptd_run* runs, uint64_t n) {
   for (uint64_t r = 0; r < n; ++r) {
     const struct ckptd_run* run = &runs[r];
     for (uint64_t i = 0; i < run->count; ++i) {
-      uint8_t* d = (uint8_t*)(uintptr_t)(run->dst + i * run->dst_stride);
-      uint64_t at = run->src + i * run->src_stride;
-      uint64_t left = run->length;
-      while (left > 0) {
-        ssize_t got = pread(fd, d, left, (off_t)at);
-        if (got < 0) {
-          if (errno == EINTR) continue;
-          return -(int64_t)errno;
-        }
-        if (got == 0) return -(int64_t)ENODATA;
-        d += got;
-        at += (uint64_t)got;
-        left -= (uint64_t)got;
-      }
+      const int64_t rc = pread_all(fd, (uint8_t*)(uintptr_t)(run->dst + i * run->dst_stride),
+                                   run->length, run->src + i * run->src_stride);
+      if (rc != 0) return rc;
     }
   }
   return 0;
