@@ -8,9 +8,9 @@ the fd socket ("VIEWS <token>"), maps them, copies every run into its
 tensors (_native.c's loop, else numpy), and closes that connection, which
 tells the daemon it is done. Views marked as files (CacheViews.view_is_file:
 bytes the cache did not hold, file_views) are checkpoint files opened
-read-only: their runs are read with pread, or, where the page cache holds the
-file in 2 MiB pages (probed on the first 2 MiB: one page fault), copied out
-of a mapping made for that copy only (_native.c; a file truncated under it
+read-only: their runs are read with pread, or, from each 2 MiB block the page
+cache holds in one 2 MiB folio (probed block by block: one page fault), copied
+out of a mapping made for that copy only (_native.c; a file truncated under it
 raises SIGBUS, which the copy catches: the load fails, not the process);
 a short read fails the load too.
 
