@@ -1,7 +1,7 @@
 #include "core/exec/copy.h"
 
-#if defined(__x86_64__) || defined(__SSE2__)
-#include <emmintrin.h>
+#if defined(__x86_64__)
+#include <immintrin.h>
 #endif
 
 #include <algorithm>
@@ -405,52 +405,72 @@ int64_t CopyRegionPermuted(const StoredLayout& src, const void* src_data, const 
 
 }  // namespace
 
+#if defined(__x86_64__)
+namespace {
+
+// n a multiple of 64, d 16-byte aligned (32 for the AVX2 body: see below).
+void StreamSse2(uint8_t* d, const uint8_t* s, size_t n) {
+  for (size_t i = 0; i < n; i += 64) {
+    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
+    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 16));
+    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 32));
+    const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + i + 48), e);
+  }
+}
+
+__attribute__((target("avx2"))) void StreamAvx2(uint8_t* d, const uint8_t* s, size_t n) {
+  for (size_t i = 0; i < n; i += 64) {
+    const __m256i a = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i));
+    const __m256i b = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(s + i + 32));
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i), a);
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(d + i + 32), b);
+  }
+}
+
+bool HasAvx2() {
+  static const bool has = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") != 0;
+  }();
+  return has;
+}
+
+}  // namespace
+#endif
+
 void StreamingCopy(void* dst, const void* src, size_t n) {
   uint8_t* d = static_cast<uint8_t*>(dst);
   const uint8_t* s = static_cast<const uint8_t*>(src);
-#if defined(__x86_64__) || defined(__SSE2__)
-  const size_t head = std::min(n, (16 - (reinterpret_cast<uintptr_t>(d) & 15)) & 15);
+#if defined(__x86_64__)
+  // One stream, front to back, a whole 64-byte line at a time. An earlier
+  // version interleaved four 4 KiB pages 64 bytes each (several DRAM streams
+  // in flight: 10.3 against 8.5 GB/s on one dev VM); on a later one it ran
+  // at 2.5-3.3 GB/s against 11-14 for one stream (docs/benchmarks.md), and
+  // one stream was never far behind it.
+  const size_t head = std::min(n, static_cast<size_t>(-reinterpret_cast<uintptr_t>(d) & 63));
   std::memcpy(d, s, head);
   d += head;
   s += head;
   n -= head;
-  // Long stretches: four 4 KiB pages at a time, interleaved 64 bytes each
-  // (what glibc's memcpy does above its non-temporal threshold): several
-  // DRAM streams in flight instead of one. 32 KiB runs into 256 MiB: 10.3
-  // vs 8.5 GB/s on the dev VM.
-  constexpr size_t kPage = 4096;
-  for (; n >= 4 * kPage; n -= 4 * kPage, d += 4 * kPage, s += 4 * kPage) {
-    for (size_t i = 0; i < kPage; i += 64) {
-      for (size_t k = 0; k < 4; ++k) {
-        const uint8_t* sp = s + k * kPage + i;
-        __m128i* dp = reinterpret_cast<__m128i*>(d + k * kPage + i);
-        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sp));
-        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 16));
-        const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 32));
-        const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(sp + 48));
-        _mm_stream_si128(dp, a);
-        _mm_stream_si128(dp + 1, b);
-        _mm_stream_si128(dp + 2, c);
-        _mm_stream_si128(dp + 3, e);
-      }
-    }
+  const size_t body = n & ~static_cast<size_t>(63);
+  if (HasAvx2()) {
+    StreamAvx2(d, s, body);
+  } else {
+    StreamSse2(d, s, body);
   }
-  for (; n >= 64; n -= 64, d += 64, s += 64) {
-    const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s));
-    const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 16));
-    const __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 32));
-    const __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + 48));
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d), a);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + 16), b);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + 32), c);
-    _mm_stream_si128(reinterpret_cast<__m128i*>(d + 48), e);
-  }
+  d += body;
+  s += body;
+  n -= body;
 #endif
   std::memcpy(d, s, n);
 }
 
 void StreamingFence() {
-#if defined(__x86_64__) || defined(__SSE2__)
+#if defined(__x86_64__)
   _mm_sfence();
 #endif
 }
