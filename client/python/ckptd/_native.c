@@ -82,41 +82,62 @@ static void stream_piece(stream_fn stream_body, uint8_t* d, const uint8_t* s, si
 }
 #endif
 
+/* Copies pieces: those of kStreamMin bytes and more with streaming stores
+ * (AVX2 where the CPU has it), shorter ones with memcpy; copier_done makes
+ * the streamed stores visible. */
+struct copier {
+#if defined(__x86_64__)
+  stream_fn body;
+#endif
+  int streamed;
+};
+
+static void copier_init(struct copier* c) {
+#if defined(__x86_64__)
+  __builtin_cpu_init();
+  c->body = __builtin_cpu_supports("avx2") ? stream_avx2 : stream_sse2;
+#endif
+  c->streamed = 0;
+}
+
+static void copier_copy(struct copier* c, uint8_t* d, const uint8_t* s, size_t n) {
+#if defined(__x86_64__)
+  if (n >= kStreamMin) {
+    stream_piece(c->body, d, s, n);
+    c->streamed = 1;
+    return;
+  }
+#endif
+  memcpy(d, s, n);
+}
+
+static void copier_done(const struct copier* c) {
+#if defined(__x86_64__)
+  if (c->streamed) _mm_sfence();
+#else
+  (void)c;
+#endif
+}
+
 /* Copies every run, each piece's source at run->src + base (the runs'
  * src are addresses when base is 0, file offsets into a mapping at base);
  * returns the bytes copied. */
 static uint64_t copy_runs_at(const struct ckptd_run* runs, uint64_t n, uintptr_t base) {
   uint64_t total = 0;
-  int streamed = 0;
-#if defined(__x86_64__)
-  __builtin_cpu_init();
-  const stream_fn body = __builtin_cpu_supports("avx2") ? stream_avx2 : stream_sse2;
-#endif
+  struct copier c;
+  copier_init(&c);
   for (uint64_t r = 0; r < n; ++r) {
     const struct ckptd_run* run = &runs[r];
     uint8_t* d = (uint8_t*)(uintptr_t)run->dst;
     const uint8_t* s = (const uint8_t*)(uintptr_t)(run->src + base);
     for (uint64_t i = 0; i < run->count; ++i) {
-#if defined(__x86_64__)
-      if (run->length >= kStreamMin) {
-        stream_piece(body, d, s, run->length);
-        streamed = 1;
-      } else {
-        memcpy(d, s, run->length);
-      }
-#else
-      memcpy(d, s, run->length);
-#endif
+      copier_copy(&c, d, s, run->length);
       d += run->dst_stride;
       s += run->src_stride;
     }
     total += run->length * run->count;
   }
-#if defined(__x86_64__)
-  if (streamed) _mm_sfence(); /* the stores visible before we return */
-#else
-  (void)streamed;
-#endif
+  copier_done(&c); /* the stores visible before we return */
   return total;
 }
 
@@ -304,11 +325,8 @@ int64_t ckptd_map_runs(int fd, const struct ckptd_run* runs, uint64_t n) {
     }
     if (mapped > 0) {
       int64_t rc = 0;
-      int streamed = 0;
-#if defined(__x86_64__)
-      __builtin_cpu_init();
-      const stream_fn body = __builtin_cpu_supports("avx2") ? stream_avx2 : stream_sse2;
-#endif
+      struct copier c;
+      copier_init(&c);
       for (uint64_t q = 0; q < n && rc == 0; ++q) {
         const struct ckptd_run* run = &runs[q];
         for (uint64_t i = 0; i < run->count && run->length > 0 && rc == 0; ++i) {
@@ -320,20 +338,10 @@ int64_t ckptd_map_runs(int fd, const struct ckptd_run* runs, uint64_t n) {
             uint64_t take = kHuge - off % kHuge;
             while (take < left && blocks[(off + take) / kHuge].mapped == how) take += kHuge;
             if (take > left) take = left;
-            if (!how) {
-              rc = pread_all(fd, d, take, start + off);
+            if (how) {
+              copier_copy(&c, d, (const uint8_t*)(at + off), take);
             } else {
-              const uint8_t* s = (const uint8_t*)(at + off);
-#if defined(__x86_64__)
-              if (take >= kStreamMin) {
-                stream_piece(body, d, s, take);
-                streamed = 1;
-              } else {
-                memcpy(d, s, take);
-              }
-#else
-              memcpy(d, s, take);
-#endif
+              rc = pread_all(fd, d, take, start + off);
             }
             d += take;
             off += take;
@@ -341,11 +349,7 @@ int64_t ckptd_map_runs(int fd, const struct ckptd_run* runs, uint64_t n) {
           }
         }
       }
-#if defined(__x86_64__)
-      if (streamed) _mm_sfence(); /* the stores visible before we return */
-#else
-      (void)streamed;
-#endif
+      copier_done(&c);
       result = rc;
     }
   } else {
