@@ -408,7 +408,7 @@ int64_t CopyRegionPermuted(const StoredLayout& src, const void* src_data, const 
 #if defined(__x86_64__)
 namespace {
 
-// n a multiple of 64, d 16-byte aligned (32 for the AVX2 body: see below).
+// n a multiple of 64, d 64-byte aligned (StreamingCopy aligns it first).
 void StreamSse2(uint8_t* d, const uint8_t* s, size_t n) {
   for (size_t i = 0; i < n; i += 64) {
     const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + i));
